@@ -1,0 +1,124 @@
+//! The one error type of tessera.
+//!
+//! Every error names the op (where there is one), the shapes/dtypes involved
+//! and, where known, the user's source line (captured with `#[track_caller]`).
+
+use std::fmt;
+use std::panic::Location;
+use std::sync::Arc;
+
+/// A position in the user's source: the call site of an op, or a line and
+/// column of a graph file.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct SourceLoc {
+    pub file: Arc<str>,
+    pub line: u32,
+    pub column: u32,
+}
+
+impl SourceLoc {
+    pub fn from_location(loc: &Location<'_>) -> SourceLoc {
+        SourceLoc {
+            file: Arc::from(loc.file()),
+            line: loc.line(),
+            column: loc.column(),
+        }
+    }
+
+    /// The call site of the innermost caller not marked `#[track_caller]`.
+    #[track_caller]
+    pub fn caller() -> SourceLoc {
+        SourceLoc::from_location(Location::caller())
+    }
+}
+
+impl fmt::Display for SourceLoc {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}:{}:{}", self.file, self.line, self.column)
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ErrorKind {
+    /// Shapes that do not fit the op (broadcast, matmul, reshape, cat …).
+    Shape,
+    /// A dtype the op does not accept, or mismatched dtypes.
+    DType,
+    /// A bad argument: dim out of range, bad split, bad permutation …
+    Argument,
+    /// A malformed graph file or hint (the location is the line and column).
+    Parse,
+    /// A graph that breaks an IR invariant.
+    Verify,
+    /// File-system or format errors.
+    Io,
+    /// Something valid that is not supported (yet) — said plainly.
+    Unsupported,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct Error {
+    pub kind: ErrorKind,
+    /// The op the error is about (`matmul`, `cat` …), if any.
+    pub op: Option<String>,
+    pub message: String,
+    pub location: Option<SourceLoc>,
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+impl Error {
+    pub fn new(kind: ErrorKind, message: impl Into<String>) -> Error {
+        Error {
+            kind,
+            op: None,
+            message: message.into(),
+            location: None,
+        }
+    }
+
+    /// An error about `op`.
+    pub fn op(kind: ErrorKind, op: impl Into<String>, message: impl Into<String>) -> Error {
+        Error {
+            kind,
+            op: Some(op.into()),
+            message: message.into(),
+            location: None,
+        }
+    }
+
+    /// Attaches a location unless one is already set (the innermost wins).
+    pub fn at(mut self, loc: SourceLoc) -> Error {
+        if self.location.is_none() {
+            self.location = Some(loc);
+        }
+        self
+    }
+
+    pub fn io(message: impl Into<String>) -> Error {
+        Error::new(ErrorKind::Io, message)
+    }
+}
+
+impl fmt::Display for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if let Some(op) = &self.op {
+            write!(f, "{op}: ")?;
+        }
+        f.write_str(&self.message)?;
+        if let Some(loc) = &self.location {
+            write!(f, " (at {loc})")?;
+        }
+        Ok(())
+    }
+}
+
+impl std::error::Error for Error {}
+
+/// Shorthand for returning an op error: `bail!(Shape, "matmul", "…")`.
+macro_rules! op_err {
+    ($kind:ident, $op:expr, $($fmt:tt)*) => {
+        $crate::error::Error::op($crate::error::ErrorKind::$kind, $op, format!($($fmt)*))
+    };
+}
+pub(crate) use op_err;

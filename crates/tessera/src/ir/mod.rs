@@ -1,0 +1,18 @@
+//! The intermediate representation: dtypes, shapes, ops, graphs, their text
+//! form and the verifier.
+
+pub mod dtype;
+pub mod graph;
+pub mod infer;
+pub mod op;
+pub mod shape;
+pub mod text;
+mod verify;
+
+pub use dtype::DType;
+pub use graph::{Graph, Node, NodeId, NodeMeta, Output};
+pub use infer::{broadcast_shapes, TensorType};
+pub use op::{
+    ArgReduceOp, BinaryOp, CompareOp, Literal, LiteralData, Op, ReduceOp, Scalar, UnaryOp,
+};
+pub use shape::{Dim, Shape};

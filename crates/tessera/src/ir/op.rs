@@ -1,0 +1,406 @@
+//! The op set of the IR.
+//!
+//! Ops are primitives with attributes; dims in attributes are already
+//! normalised (non-negative). Composite conveniences of the `Tensor` API
+//! lower to these: `transpose` → `permute`; `squeeze`, `unsqueeze`, `flatten`
+//! and `view` → `reshape`; `stack` → `reshape` + `cat`; `tensor_split`,
+//! `chunk` and `split` → one `slice` each; `embedding` → `index_select` +
+//! `reshape`. Softmax and log_softmax stay single nodes so that later passes
+//! can decompose or fuse them as they see fit.
+
+use super::dtype::DType;
+use super::shape::Shape;
+
+/// A scalar value in an op attribute.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Scalar {
+    Float(f64),
+    Int(i64),
+    Bool(bool),
+}
+
+impl Scalar {
+    pub fn as_f64(self) -> f64 {
+        match self {
+            Scalar::Float(v) => v,
+            Scalar::Int(v) => v as f64,
+            Scalar::Bool(v) => v as u8 as f64,
+        }
+    }
+
+    pub fn as_i64(self) -> i64 {
+        match self {
+            Scalar::Float(v) => v as i64,
+            Scalar::Int(v) => v,
+            Scalar::Bool(v) => v as i64,
+        }
+    }
+}
+
+/// The data of a constant tensor, kept exactly (f64 holds every f32, f16 and
+/// bf16 value; i64 every i32).
+#[derive(Clone, Debug, PartialEq)]
+pub enum LiteralData {
+    Float(Vec<f64>),
+    Int(Vec<i64>),
+    Bool(Vec<bool>),
+}
+
+impl LiteralData {
+    pub fn len(&self) -> usize {
+        match self {
+            LiteralData::Float(v) => v.len(),
+            LiteralData::Int(v) => v.len(),
+            LiteralData::Bool(v) => v.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// A constant tensor (a scalar has shape `[]`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Literal {
+    pub dtype: DType,
+    pub shape: Vec<usize>,
+    pub data: LiteralData,
+}
+
+impl Literal {
+    pub fn scalar(value: Scalar, dtype: DType) -> Literal {
+        let data = if dtype.is_float() {
+            LiteralData::Float(vec![value.as_f64()])
+        } else if dtype.is_int() {
+            LiteralData::Int(vec![value.as_i64()])
+        } else {
+            LiteralData::Bool(vec![value.as_f64() != 0.0])
+        };
+        Literal {
+            dtype,
+            shape: Vec::new(),
+            data,
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum UnaryOp {
+    Neg,
+    Abs,
+    Exp,
+    Log,
+    Sqrt,
+    Rsqrt,
+    Reciprocal,
+    Sin,
+    Cos,
+    Tanh,
+    Sigmoid,
+    Relu,
+    /// gelu with the exact erf form: x·Φ(x).
+    Gelu,
+    /// gelu with the tanh approximation.
+    GeluTanh,
+    Silu,
+}
+
+impl UnaryOp {
+    pub const ALL: [UnaryOp; 15] = [
+        UnaryOp::Neg,
+        UnaryOp::Abs,
+        UnaryOp::Exp,
+        UnaryOp::Log,
+        UnaryOp::Sqrt,
+        UnaryOp::Rsqrt,
+        UnaryOp::Reciprocal,
+        UnaryOp::Sin,
+        UnaryOp::Cos,
+        UnaryOp::Tanh,
+        UnaryOp::Sigmoid,
+        UnaryOp::Relu,
+        UnaryOp::Gelu,
+        UnaryOp::GeluTanh,
+        UnaryOp::Silu,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            UnaryOp::Neg => "neg",
+            UnaryOp::Abs => "abs",
+            UnaryOp::Exp => "exp",
+            UnaryOp::Log => "log",
+            UnaryOp::Sqrt => "sqrt",
+            UnaryOp::Rsqrt => "rsqrt",
+            UnaryOp::Reciprocal => "reciprocal",
+            UnaryOp::Sin => "sin",
+            UnaryOp::Cos => "cos",
+            UnaryOp::Tanh => "tanh",
+            UnaryOp::Sigmoid => "sigmoid",
+            UnaryOp::Relu => "relu",
+            UnaryOp::Gelu => "gelu",
+            UnaryOp::GeluTanh => "gelu_tanh",
+            UnaryOp::Silu => "silu",
+        }
+    }
+
+    /// Ops that are defined on integers too (the rest need a float dtype).
+    pub fn accepts_int(self) -> bool {
+        matches!(self, UnaryOp::Neg | UnaryOp::Abs | UnaryOp::Relu)
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum BinaryOp {
+    Add,
+    Sub,
+    Mul,
+    /// True division on floats; on integers, division truncating toward zero.
+    Div,
+    Pow,
+    Maximum,
+    Minimum,
+}
+
+impl BinaryOp {
+    pub const ALL: [BinaryOp; 7] = [
+        BinaryOp::Add,
+        BinaryOp::Sub,
+        BinaryOp::Mul,
+        BinaryOp::Div,
+        BinaryOp::Pow,
+        BinaryOp::Maximum,
+        BinaryOp::Minimum,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            BinaryOp::Add => "add",
+            BinaryOp::Sub => "sub",
+            BinaryOp::Mul => "mul",
+            BinaryOp::Div => "div",
+            BinaryOp::Pow => "pow",
+            BinaryOp::Maximum => "maximum",
+            BinaryOp::Minimum => "minimum",
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum CompareOp {
+    Eq,
+    Ne,
+    Lt,
+    Le,
+    Gt,
+    Ge,
+}
+
+impl CompareOp {
+    pub const ALL: [CompareOp; 6] = [
+        CompareOp::Eq,
+        CompareOp::Ne,
+        CompareOp::Lt,
+        CompareOp::Le,
+        CompareOp::Gt,
+        CompareOp::Ge,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            CompareOp::Eq => "eq",
+            CompareOp::Ne => "ne",
+            CompareOp::Lt => "lt",
+            CompareOp::Le => "le",
+            CompareOp::Gt => "gt",
+            CompareOp::Ge => "ge",
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ReduceOp {
+    Sum,
+    Mean,
+    Max,
+    Min,
+    Prod,
+}
+
+impl ReduceOp {
+    pub const ALL: [ReduceOp; 5] = [
+        ReduceOp::Sum,
+        ReduceOp::Mean,
+        ReduceOp::Max,
+        ReduceOp::Min,
+        ReduceOp::Prod,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            ReduceOp::Sum => "sum",
+            ReduceOp::Mean => "mean",
+            ReduceOp::Max => "max",
+            ReduceOp::Min => "min",
+            ReduceOp::Prod => "prod",
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ArgReduceOp {
+    ArgMax,
+    ArgMin,
+}
+
+impl ArgReduceOp {
+    pub fn name(self) -> &'static str {
+        match self {
+            ArgReduceOp::ArgMax => "argmax",
+            ArgReduceOp::ArgMin => "argmin",
+        }
+    }
+}
+
+/// One node's operation. Inputs are positional; see each variant.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Op {
+    /// A graph input; its type is the node's type.
+    Input,
+    /// A constant tensor (scalar or small tensor) embedded in the graph.
+    Constant(Literal),
+    /// A tensor filled with one value.
+    Full {
+        value: Scalar,
+        shape: Shape,
+        dtype: DType,
+    },
+    /// `start, start+step, …` below `end` (above it for a negative step).
+    Arange {
+        start: f64,
+        end: f64,
+        step: f64,
+        dtype: DType,
+    },
+    /// Uniform in [0, 1), from a counter-based generator seeded by `seed`.
+    Rand {
+        seed: u64,
+        shape: Shape,
+        dtype: DType,
+    },
+    /// Standard normal, from a generator seeded by `seed`.
+    Randn {
+        seed: u64,
+        shape: Shape,
+        dtype: DType,
+    },
+    /// (x)
+    Unary(UnaryOp),
+    /// (x) → the same values in another dtype (floats to ints truncate).
+    Cast(DType),
+    /// (a, b), NumPy broadcasting, same dtype.
+    Binary(BinaryOp),
+    /// (a, b) → bool, NumPy broadcasting, same dtype.
+    Compare(CompareOp),
+    /// (cond: bool, a, b), broadcasting over all three.
+    Where,
+    /// (x) reduced over `dims` (sorted, unique; empty means none).
+    Reduce {
+        op: ReduceOp,
+        dims: Vec<usize>,
+        keepdim: bool,
+    },
+    /// (x) → i64 index of the max/min along `dim` (first on ties).
+    ArgReduce {
+        op: ArgReduceOp,
+        dim: usize,
+        keepdim: bool,
+    },
+    /// (x) softmax along `dim`, max-subtracted.
+    Softmax { dim: usize },
+    /// (x) log_softmax along `dim`, max-subtracted.
+    LogSoftmax { dim: usize },
+    /// (a, b) like `torch.matmul`: 1-D operands are promoted and the added
+    /// dim removed; leading (batch) dims broadcast.
+    MatMul,
+    /// (x) to `shape` (same number of elements); a view when x is contiguous.
+    Reshape(Shape),
+    /// (x) dims reordered: output dim i is input dim `perm[i]`. A view.
+    Permute(Vec<usize>),
+    /// (x) broadcast to `shape` (size-1 dims stretched, new leading dims). A view.
+    Expand(Shape),
+    /// (x) elements `start, start+step, …` below `end` along `dim`. A view.
+    Slice {
+        dim: usize,
+        start: usize,
+        end: usize,
+        step: usize,
+    },
+    /// (x0, x1, …) joined along `dim`.
+    Cat { dim: usize },
+    /// (x) a contiguous (row-major) copy, or x itself if already contiguous.
+    Contiguous,
+    /// (x) zero above diagonal `diagonal` of the last two dims.
+    Tril { diagonal: i64 },
+    /// (x) zero below diagonal `diagonal` of the last two dims.
+    Triu { diagonal: i64 },
+    /// (x, index: i64/i32 1-D) rows of x along `dim`.
+    IndexSelect { dim: usize },
+    /// (x, index: i64/i32, same rank) `out[i][j] = x[index[i][j]][j]` for dim 0.
+    Gather { dim: usize },
+}
+
+impl Op {
+    /// The op's name in the text form and in error messages.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Op::Input => "input",
+            Op::Constant(_) => "constant",
+            Op::Full { .. } => "full",
+            Op::Arange { .. } => "arange",
+            Op::Rand { .. } => "rand",
+            Op::Randn { .. } => "randn",
+            Op::Unary(u) => u.name(),
+            Op::Cast(_) => "cast",
+            Op::Binary(b) => b.name(),
+            Op::Compare(c) => c.name(),
+            Op::Where => "where",
+            Op::Reduce { op, .. } => op.name(),
+            Op::ArgReduce { op, .. } => op.name(),
+            Op::Softmax { .. } => "softmax",
+            Op::LogSoftmax { .. } => "log_softmax",
+            Op::MatMul => "matmul",
+            Op::Reshape(_) => "reshape",
+            Op::Permute(_) => "permute",
+            Op::Expand(_) => "expand",
+            Op::Slice { .. } => "slice",
+            Op::Cat { .. } => "cat",
+            Op::Contiguous => "contiguous",
+            Op::Tril { .. } => "tril",
+            Op::Triu { .. } => "triu",
+            Op::IndexSelect { .. } => "index_select",
+            Op::Gather { .. } => "gather",
+        }
+    }
+
+    /// How many inputs the op takes; `None` for variadic (`cat`).
+    pub fn arity(&self) -> Option<usize> {
+        match self {
+            Op::Input
+            | Op::Constant(_)
+            | Op::Full { .. }
+            | Op::Arange { .. }
+            | Op::Rand { .. }
+            | Op::Randn { .. } => Some(0),
+            Op::Binary(_)
+            | Op::Compare(_)
+            | Op::MatMul
+            | Op::IndexSelect { .. }
+            | Op::Gather { .. } => Some(2),
+            Op::Where => Some(3),
+            Op::Cat { .. } => None,
+            _ => Some(1),
+        }
+    }
+}

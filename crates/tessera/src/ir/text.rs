@@ -1,0 +1,1 @@
+//! The text form of the IR (printer and parser).

@@ -1,0 +1,16 @@
+//! tessera: a deep-learning graph compiler.
+//!
+//! - [`ir`]: the graph IR (dtypes, shapes, ops, graphs, text form, verifier);
+//! - [`tensor`]: the eager `Tensor` API;
+//! - [`runtime`]: the CPU backend's kernels and the graph interpreter;
+//! - [`io`]: `.npy` and safetensors files.
+
+pub mod error;
+pub mod io;
+pub mod ir;
+pub mod runtime;
+pub mod tensor;
+
+pub use error::{Error, ErrorKind, Result, SourceLoc};
+pub use ir::{DType, Graph};
+pub use tensor::Tensor;

@@ -1,0 +1,70 @@
+//! Materialising strided views: `contiguous` and copying `reshape`.
+
+use rayon::prelude::*;
+
+use super::Storage;
+use crate::tensor::{Layout, Tensor};
+use crate::with_dtype;
+
+/// Work below this many elements runs on the calling thread: a rayon fork
+/// costs more than it saves.
+pub const PAR_THRESHOLD: usize = 1 << 15;
+
+/// A row-major dense copy of `x`, or `x` itself when it already is one.
+pub fn contiguous(x: &Tensor) -> Tensor {
+    let l = x.layout();
+    if l.is_contiguous() && l.offset == 0 && x.numel() == x.storage().numel() {
+        return x.clone();
+    }
+    with_dtype!(x.dtype(), T => {
+        let mut out = Storage::new(x.dtype(), x.numel());
+        copy_strided(x.storage().as_slice::<T>(), l, out.as_mut_slice::<T>());
+        Tensor::from_storage(out, x.shape())
+    })
+}
+
+/// `reshape` as a view when the layout allows one, else a copy.
+pub fn reshape(x: &Tensor, shape: &[usize]) -> Tensor {
+    match x.layout().reshaped(shape) {
+        Some(layout) => Tensor::from_parts(x.storage().clone(), layout),
+        None => {
+            let c = contiguous(x);
+            Tensor::from_parts(c.storage().clone(), Layout::contiguous(shape))
+        }
+    }
+}
+
+/// Copies the elements `layout` selects from `src` into `dst` in row-major order.
+pub fn copy_strided<T: Copy + Send + Sync>(src: &[T], layout: &Layout, dst: &mut [T]) {
+    let numel = layout.numel();
+    debug_assert_eq!(dst.len(), numel);
+    if numel == 0 {
+        return;
+    }
+    if let Some(range) = layout.contiguous_range() {
+        dst.copy_from_slice(&src[range]);
+        return;
+    }
+    let row = layout.shape.last().copied().unwrap_or(1);
+    let stride = layout.strides.last().copied().unwrap_or(1);
+    let copy_rows = |first_row: usize, out: &mut [T]| {
+        for (r, out_row) in out.chunks_mut(row).enumerate() {
+            let base = layout.offset_of((first_row + r) * row);
+            if stride == 1 {
+                out_row.copy_from_slice(&src[base..base + row]);
+            } else {
+                for (j, o) in out_row.iter_mut().enumerate() {
+                    *o = src[base + j * stride];
+                }
+            }
+        }
+    };
+    if numel < PAR_THRESHOLD {
+        copy_rows(0, dst);
+    } else {
+        let rows_per_task = (PAR_THRESHOLD / row).max(1);
+        dst.par_chunks_mut(rows_per_task * row)
+            .enumerate()
+            .for_each(|(i, chunk)| copy_rows(i * rows_per_task, chunk));
+    }
+}

@@ -1,0 +1,81 @@
+//! The CPU backend: storage, kernels, and the op dispatcher eager mode and
+//! the graph interpreter share.
+
+pub mod alloc;
+pub mod copy;
+mod creation;
+mod element;
+mod elementwise;
+mod index;
+mod matmul;
+mod reduce;
+mod storage;
+
+pub use alloc::{empty_cache, memory_stats, reset_peak, MemoryStats};
+pub use element::{Element, Float};
+pub use storage::Storage;
+
+use crate::error::Result;
+use crate::ir::{DType, Op};
+use crate::tensor::Tensor;
+
+/// Computes `op(inputs)` whose output has `dtype` and `shape` (already
+/// inferred and checked by `Op::infer`). Movement ops return views.
+pub fn eval(op: &Op, inputs: &[&Tensor], dtype: DType, shape: &[usize]) -> Result<Tensor> {
+    match op {
+        Op::Input => unreachable!("inputs are bound by the caller, never evaluated"),
+        Op::Constant(lit) => creation::constant(lit),
+        Op::Full { value, dtype, .. } => Ok(creation::full(*value, *dtype, shape)),
+        Op::Arange {
+            start, step, dtype, ..
+        } => Ok(creation::arange(*start, *step, *dtype, shape[0])),
+        Op::Rand { seed, dtype, .. } => Ok(creation::rand(*seed, *dtype, shape)),
+        Op::Randn { seed, dtype, .. } => Ok(creation::randn(*seed, *dtype, shape)),
+        Op::Unary(u) => elementwise::unary(*u, inputs[0]),
+        Op::Cast(d) => Ok(elementwise::cast(inputs[0], *d)),
+        Op::Binary(b) => elementwise::binary(*b, inputs[0], inputs[1], shape),
+        Op::Compare(c) => Ok(elementwise::compare(*c, inputs[0], inputs[1], shape)),
+        Op::Where => Ok(elementwise::where_(inputs[0], inputs[1], inputs[2], shape)),
+        Op::Reduce { op, dims, keepdim } => Ok(reduce::reduce(*op, inputs[0], dims, *keepdim)),
+        Op::ArgReduce { op, dim, keepdim } => {
+            Ok(reduce::arg_reduce(*op, inputs[0], *dim, *keepdim))
+        }
+        Op::Softmax { dim } => Ok(reduce::softmax(inputs[0], *dim, false)),
+        Op::LogSoftmax { dim } => Ok(reduce::softmax(inputs[0], *dim, true)),
+        Op::MatMul => matmul::matmul(inputs[0], inputs[1], shape),
+        Op::Reshape(_) => Ok(copy::reshape(inputs[0], shape)),
+        Op::Permute(perm) => Ok(view(inputs[0], inputs[0].layout().permuted(perm))),
+        Op::Expand(_) => Ok(view(inputs[0], inputs[0].layout().expanded(shape))),
+        Op::Slice {
+            dim, start, step, ..
+        } => Ok(view(
+            inputs[0],
+            inputs[0].layout().sliced(*dim, *start, shape[*dim], *step),
+        )),
+        Op::Cat { dim } => Ok(index::cat(inputs, *dim, shape)),
+        Op::Contiguous => Ok(copy::contiguous(inputs[0])),
+        Op::Tril { diagonal } => Ok(elementwise::triangle(inputs[0], *diagonal, false)),
+        Op::Triu { diagonal } => Ok(elementwise::triangle(inputs[0], *diagonal, true)),
+        Op::IndexSelect { dim } => index::index_select(inputs[0], inputs[1], *dim),
+        Op::Gather { dim } => index::gather(inputs[0], inputs[1], *dim),
+    }
+    .map(|t| {
+        debug_assert_eq!(
+            t.dtype(),
+            dtype,
+            "kernel for {} produced the wrong dtype",
+            op.name()
+        );
+        debug_assert_eq!(
+            t.shape(),
+            shape,
+            "kernel for {} produced the wrong shape",
+            op.name()
+        );
+        t
+    })
+}
+
+fn view(x: &Tensor, layout: crate::tensor::Layout) -> Tensor {
+    Tensor::from_parts(x.storage().clone(), layout)
+}

@@ -1,0 +1,76 @@
+//! A typed view over one host buffer.
+
+use super::alloc::RawBuffer;
+use super::element::Element;
+use crate::ir::DType;
+
+/// The bytes behind one or more tensors (views share a storage).
+pub struct Storage {
+    buf: RawBuffer,
+    dtype: DType,
+    numel: usize,
+}
+
+impl Storage {
+    /// Storage for `numel` elements of `dtype` (contents: zeros or reused bytes;
+    /// kernels overwrite every element they hand out).
+    pub fn new(dtype: DType, numel: usize) -> Storage {
+        Storage {
+            buf: RawBuffer::new(numel * dtype.size_bytes()),
+            dtype,
+            numel,
+        }
+    }
+
+    /// Storage holding a copy of `data`.
+    pub fn from_slice<T: Element>(data: &[T]) -> Storage {
+        let mut s = Storage::new(T::DTYPE, data.len());
+        s.as_mut_slice::<T>().copy_from_slice(data);
+        s
+    }
+
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    pub fn numel(&self) -> usize {
+        self.numel
+    }
+
+    pub fn size_bytes(&self) -> usize {
+        self.buf.len()
+    }
+
+    fn check<T: Element>(&self) {
+        assert_eq!(
+            T::DTYPE,
+            self.dtype,
+            "internal error: storage of {} read as {}",
+            self.dtype,
+            T::DTYPE
+        );
+    }
+
+    pub fn as_slice<T: Element>(&self) -> &[T] {
+        self.check::<T>();
+        // SAFETY: the buffer is 64-byte aligned, holds numel*size_of::<T>()
+        // initialised bytes, and every bit pattern is a valid T (Pod).
+        unsafe { std::slice::from_raw_parts(self.buf.as_ptr() as *const T, self.numel) }
+    }
+
+    pub fn as_mut_slice<T: Element>(&mut self) -> &mut [T] {
+        self.check::<T>();
+        // SAFETY: as in `as_slice`, and `&mut self` guarantees uniqueness.
+        unsafe { std::slice::from_raw_parts_mut(self.buf.as_ptr() as *mut T, self.numel) }
+    }
+
+    pub fn as_bytes(&self) -> &[u8] {
+        // SAFETY: initialised bytes of the buffer.
+        unsafe { std::slice::from_raw_parts(self.buf.as_ptr(), self.buf.len()) }
+    }
+
+    pub fn as_bytes_mut(&mut self) -> &mut [u8] {
+        // SAFETY: initialised bytes, unique access.
+        unsafe { std::slice::from_raw_parts_mut(self.buf.as_ptr(), self.buf.len()) }
+    }
+}

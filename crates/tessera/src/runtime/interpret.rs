@@ -1,0 +1,1 @@
+//! Runs a graph node by node on the CPU. (stub: being written)

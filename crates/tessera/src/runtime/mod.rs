@@ -1,0 +1,4 @@
+//! Backends that run ops and graphs.
+
+pub mod cpu;
+pub mod interpret;

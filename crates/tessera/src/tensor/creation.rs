@@ -1,0 +1,1 @@
+//! Creating tensors. (being written)

@@ -1,0 +1,164 @@
+//! The `Tensor` handle and eager execution.
+//!
+//! A `Tensor` is a cheap, clonable handle to a strided view over a shared
+//! storage. Every op goes through one path, [`Tensor::apply`]: type inference
+//! with the IR's rule (so eager and graph mode agree on every shape), then
+//! the CPU kernel.
+//!
+//! # Errors: panic or `Result`
+//!
+//! Op methods (`a.matmul(&b)`, `&a + &b`, `x.reshape(..)`) panic on bad input
+//! with the same message the error carries — the op, the shapes/dtypes and
+//! the user's line — as PyTorch raises. Ops whose validity depends on runtime
+//! shapes also come as `try_*` methods returning [`Result`] (`try_matmul`,
+//! `try_reshape`, `try_cat` …). File I/O and parsing always return `Result`.
+
+mod creation;
+pub mod layout;
+mod ops;
+
+use std::fmt;
+use std::panic::Location;
+use std::sync::Arc;
+
+pub use layout::Layout;
+
+use crate::error::{Error, ErrorKind, Result, SourceLoc};
+use crate::ir::{DType, Op, Shape, TensorType};
+use crate::runtime::cpu::{self, Element, Storage};
+
+/// An n-dimensional array on the CPU.
+#[derive(Clone)]
+pub struct Tensor(Arc<TensorImpl>);
+
+struct TensorImpl {
+    dtype: DType,
+    layout: Layout,
+    storage: Arc<Storage>,
+}
+
+impl Tensor {
+    /// A tensor over `storage` with `layout` (a view when the storage is shared).
+    pub fn from_parts(storage: Arc<Storage>, layout: Layout) -> Tensor {
+        Tensor(Arc::new(TensorImpl {
+            dtype: storage.dtype(),
+            layout,
+            storage,
+        }))
+    }
+
+    /// A contiguous tensor owning `storage`.
+    pub fn from_storage(storage: Storage, shape: &[usize]) -> Tensor {
+        debug_assert_eq!(storage.numel(), shape.iter().product::<usize>());
+        Tensor::from_parts(Arc::new(storage), Layout::contiguous(shape))
+    }
+
+    pub fn dtype(&self) -> DType {
+        self.0.dtype
+    }
+
+    pub fn shape(&self) -> &[usize] {
+        &self.0.layout.shape
+    }
+
+    pub fn strides(&self) -> &[usize] {
+        &self.0.layout.strides
+    }
+
+    pub fn layout(&self) -> &Layout {
+        &self.0.layout
+    }
+
+    pub fn storage(&self) -> &Arc<Storage> {
+        &self.0.storage
+    }
+
+    pub fn rank(&self) -> usize {
+        self.0.layout.rank()
+    }
+
+    pub fn numel(&self) -> usize {
+        self.0.layout.numel()
+    }
+
+    pub fn is_contiguous(&self) -> bool {
+        self.0.layout.is_contiguous()
+    }
+
+    /// The IR type of this tensor.
+    pub fn ty(&self) -> TensorType {
+        TensorType {
+            dtype: self.dtype(),
+            shape: Shape::from_concrete(self.shape()),
+        }
+    }
+
+    /// Whether two tensors share storage (one is a view of the other).
+    pub fn shares_storage(&self, other: &Tensor) -> bool {
+        Arc::ptr_eq(&self.0.storage, &other.0.storage)
+    }
+
+    /// The whole storage as `&[T]` (index it through [`Tensor::layout`]).
+    /// Errors when `T` is not this tensor's element type.
+    pub fn storage_slice<T: Element>(&self) -> Result<&[T]> {
+        self.expect_dtype::<T>()?;
+        Ok(self.0.storage.as_slice::<T>())
+    }
+
+    /// The elements as `&[T]` in row-major order, if contiguous.
+    pub fn contiguous_slice<T: Element>(&self) -> Option<&[T]> {
+        let range = self.0.layout.contiguous_range()?;
+        (T::DTYPE == self.dtype()).then(|| &self.0.storage.as_slice::<T>()[range])
+    }
+
+    fn expect_dtype<T: Element>(&self) -> Result<()> {
+        if T::DTYPE != self.dtype() {
+            return Err(Error::new(
+                ErrorKind::DType,
+                format!("tensor is {} but was read as {}", self.ty(), T::DTYPE),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Runs `op` on `inputs` eagerly: the IR's type rule, then the CPU kernel.
+    /// Errors carry `caller` as the user's line.
+    pub fn apply(
+        op: &Op,
+        inputs: &[&Tensor],
+        caller: &'static Location<'static>,
+    ) -> Result<Tensor> {
+        let at = |e: Error| e.at(SourceLoc::from_location(caller));
+        let types: Vec<TensorType> = inputs.iter().map(|t| t.ty()).collect();
+        let ty = op.infer(&types).map_err(at)?;
+        let shape = ty.shape.as_concrete().ok_or_else(|| {
+            at(Error::op(
+                ErrorKind::Unsupported,
+                op.name(),
+                format!("eager execution needs concrete shapes, got {}", ty.shape),
+            ))
+        })?;
+        cpu::eval(op, inputs, ty.dtype, &shape).map_err(at)
+    }
+}
+
+/// Panics with the error's message; used by the panicking op methods so the
+/// panic points at the user's line.
+#[track_caller]
+pub(crate) fn unwrap_or_panic(r: Result<Tensor>) -> Tensor {
+    match r {
+        Ok(t) => t,
+        Err(e) => panic!("{e}"),
+    }
+}
+
+impl fmt::Debug for Tensor {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Tensor({}", self.ty())?;
+        if self.numel() <= 16 {
+            let values = self.to_f64_vec();
+            write!(f, ", {values:?}")?;
+        }
+        write!(f, ")")
+    }
+}
