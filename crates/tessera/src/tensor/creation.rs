@@ -1,1 +1,173 @@
-//! Creating tensors. (being written)
+//! Creating tensors and reading their values back.
+
+use std::panic::Location;
+
+use rand::RngCore;
+use rand::SeedableRng;
+
+use super::{unwrap_or_panic, Tensor};
+use crate::error::{Error, ErrorKind, Result};
+use crate::ir::{DType, Literal, Op, Scalar, Shape};
+use crate::runtime::cpu::{copy, Element, Storage};
+use crate::with_dtype;
+
+/// An explicit, seeded source of randomness. Each random op draws a fresh
+/// seed from it, so a program that creates its generator with the same seed
+/// gets the same tensors, eagerly or from a graph (the seed is recorded in
+/// the op).
+pub struct Generator {
+    rng: rand_chacha::ChaCha8Rng,
+}
+
+impl Generator {
+    pub fn new(seed: u64) -> Generator {
+        Generator {
+            rng: rand_chacha::ChaCha8Rng::seed_from_u64(seed),
+        }
+    }
+
+    /// The seed for the next random op.
+    pub fn next_seed(&mut self) -> u64 {
+        self.rng.next_u64()
+    }
+}
+
+impl Tensor {
+    /// A contiguous tensor holding `data` with `shape`.
+    #[track_caller]
+    pub fn from_vec<T: Element>(data: Vec<T>, shape: &[usize]) -> Tensor {
+        unwrap_or_panic(Tensor::try_from_slice(&data, shape, Location::caller()))
+    }
+
+    /// A contiguous tensor holding a copy of `data` with `shape`.
+    #[track_caller]
+    pub fn from_slice<T: Element>(data: &[T], shape: &[usize]) -> Tensor {
+        unwrap_or_panic(Tensor::try_from_slice(data, shape, Location::caller()))
+    }
+
+    fn try_from_slice<T: Element>(
+        data: &[T],
+        shape: &[usize],
+        caller: &'static Location<'static>,
+    ) -> Result<Tensor> {
+        let numel: usize = shape.iter().product();
+        if numel != data.len() {
+            return Err(Error::op(
+                ErrorKind::Shape,
+                "from_vec",
+                format!(
+                    "{} values do not fill shape {:?} ({numel} elements)",
+                    data.len(),
+                    shape
+                ),
+            )
+            .at(crate::error::SourceLoc::from_location(caller)));
+        }
+        Ok(Tensor::from_storage(Storage::from_slice(data), shape))
+    }
+
+    /// A 0-dim tensor holding `value` as `dtype`.
+    #[track_caller]
+    pub fn scalar(value: f64, dtype: DType) -> Tensor {
+        Tensor::full(&[], value, dtype)
+    }
+
+    /// A tensor of `shape` filled with `value` (converted to `dtype`).
+    #[track_caller]
+    pub fn full(shape: &[usize], value: f64, dtype: DType) -> Tensor {
+        let value = if dtype.is_float() {
+            Scalar::Float(value)
+        } else if dtype.is_int() {
+            Scalar::Int(value as i64)
+        } else {
+            Scalar::Bool(value != 0.0)
+        };
+        let op = Op::Full {
+            value,
+            shape: Shape::from_concrete(shape),
+            dtype,
+        };
+        unwrap_or_panic(Tensor::apply(&op, &[], Location::caller()))
+    }
+
+    #[track_caller]
+    pub fn zeros(shape: &[usize], dtype: DType) -> Tensor {
+        Tensor::full(shape, 0.0, dtype)
+    }
+
+    #[track_caller]
+    pub fn ones(shape: &[usize], dtype: DType) -> Tensor {
+        Tensor::full(shape, 1.0, dtype)
+    }
+
+    /// `start, start+step, …` below `end`, like `torch.arange`.
+    #[track_caller]
+    pub fn arange(start: f64, end: f64, step: f64, dtype: DType) -> Tensor {
+        let op = Op::Arange {
+            start,
+            end,
+            step,
+            dtype,
+        };
+        unwrap_or_panic(Tensor::apply(&op, &[], Location::caller()))
+    }
+
+    /// Uniform samples in [0, 1).
+    #[track_caller]
+    pub fn rand(shape: &[usize], dtype: DType, generator: &mut Generator) -> Tensor {
+        let op = Op::Rand {
+            seed: generator.next_seed(),
+            shape: Shape::from_concrete(shape),
+            dtype,
+        };
+        unwrap_or_panic(Tensor::apply(&op, &[], Location::caller()))
+    }
+
+    /// Standard normal samples.
+    #[track_caller]
+    pub fn randn(shape: &[usize], dtype: DType, generator: &mut Generator) -> Tensor {
+        let op = Op::Randn {
+            seed: generator.next_seed(),
+            shape: Shape::from_concrete(shape),
+            dtype,
+        };
+        unwrap_or_panic(Tensor::apply(&op, &[], Location::caller()))
+    }
+
+    /// A constant tensor from a literal (the IR's `constant` op).
+    #[track_caller]
+    pub fn from_literal(lit: Literal) -> Tensor {
+        unwrap_or_panic(Tensor::apply(&Op::Constant(lit), &[], Location::caller()))
+    }
+
+    /// The elements in row-major order. Errors when `T` is not the dtype.
+    pub fn to_vec<T: Element>(&self) -> Result<Vec<T>> {
+        self.expect_dtype::<T>()?;
+        let c = copy::contiguous(self);
+        Ok(c.contiguous_slice::<T>().expect("contiguous").to_vec())
+    }
+
+    /// The elements converted to f64, in row-major order (bools as 0/1).
+    pub fn to_f64_vec(&self) -> Vec<f64> {
+        with_dtype!(self.dtype(), T => {
+            self.to_vec::<T>().expect("dtype matches").into_iter().map(|v| v.to_f64()).collect()
+        })
+    }
+
+    /// The single value of a one-element tensor, as f64.
+    #[track_caller]
+    pub fn item(&self) -> f64 {
+        if self.numel() != 1 {
+            panic!(
+                "{}",
+                Error::op(
+                    ErrorKind::Shape,
+                    "item",
+                    format!("needs exactly one element, got {}", self.ty())
+                )
+                .at(crate::error::SourceLoc::caller())
+            );
+        }
+        self.to_f64_vec()[0]
+    }
+}
