@@ -13,7 +13,7 @@
 //! shapes also come as `try_*` methods returning [`Result`] (`try_matmul`,
 //! `try_reshape`, `try_cat` …). File I/O and parsing always return `Result`.
 
-mod creation;
+pub mod creation;
 pub mod layout;
 mod ops;
 
@@ -21,7 +21,9 @@ use std::fmt;
 use std::panic::Location;
 use std::sync::Arc;
 
+pub use creation::Generator;
 pub use layout::Layout;
+pub use ops::Operand;
 
 use crate::error::{Error, ErrorKind, Result, SourceLoc};
 use crate::ir::{DType, Op, Shape, TensorType};
