@@ -21,6 +21,7 @@ use std::fmt;
 use std::panic::Location;
 use std::sync::Arc;
 
+pub use creation::Generator;
 pub use layout::Layout;
 
 use crate::error::{Error, ErrorKind, Result, SourceLoc};
