@@ -1,1 +1,243 @@
-fn main() {}
+//! The `tessera` command: runs or inspects a graph file (the IR's text form).
+//!
+//! Every failure on bad input is one line on stderr (`error: …`) and a
+//! non-zero exit code; parse errors read `GRAPH.tir:LINE:COL: message`.
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::Instant;
+
+use anyhow::{anyhow, bail, Context, Result};
+use clap::{Args, Parser, Subcommand};
+use tessera::ir::text;
+use tessera::runtime::interpret;
+use tessera::tensor::Generator;
+use tessera::{DType, Error, ErrorKind, Graph, Tensor};
+
+#[derive(Parser)]
+#[command(
+    name = "tessera",
+    version,
+    about = "Run and inspect tessera graph files"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run a graph on .npy inputs and write each output as DIR/<name>.npy.
+    Run(RunArgs),
+    /// Print a graph and a summary: node count by op, inputs, outputs.
+    Inspect {
+        /// The graph file (text form).
+        graph: PathBuf,
+    },
+}
+
+#[derive(Args)]
+struct RunArgs {
+    /// The graph file (text form).
+    graph: PathBuf,
+    /// A graph input read from a .npy file; repeat for each input.
+    #[arg(long = "input", value_name = "NAME=FILE", value_parser = parse_input)]
+    inputs: Vec<(String, PathBuf)>,
+    /// The folder for the outputs (created if missing).
+    #[arg(long, value_name = "DIR")]
+    output_dir: PathBuf,
+    /// Generate every input not given with --input, from this seed: float
+    /// inputs are standard normal samples, integer and bool inputs zeros.
+    #[arg(long, value_name = "SEED")]
+    random_inputs: Option<u64>,
+}
+
+fn parse_input(arg: &str) -> Result<(String, PathBuf), String> {
+    match arg.split_once('=') {
+        Some((name, file)) if !name.is_empty() && !file.is_empty() => {
+            Ok((name.to_string(), PathBuf::from(file)))
+        }
+        _ => Err(format!("expected NAME=FILE, got `{arg}`")),
+    }
+}
+
+fn main() -> ExitCode {
+    report_panics_on_one_line();
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Run(args) => run(&args),
+        Command::Inspect { graph } => inspect(&graph),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// A panic is a bug in tessera, not bad input; still, the user gets one
+/// line that says so instead of a backtrace note.
+fn report_panics_on_one_line() {
+    std::panic::set_hook(Box::new(|info| {
+        let payload = info.payload();
+        let msg = payload
+            .downcast_ref::<&str>()
+            .copied()
+            .or_else(|| payload.downcast_ref::<String>().map(String::as_str))
+            .unwrap_or("panic");
+        let at = info
+            .location()
+            .map(|l| format!(" (at {l})"))
+            .unwrap_or_default();
+        eprintln!("error: internal error, a bug in tessera: {msg}{at}");
+    }));
+}
+
+fn run(args: &RunArgs) -> Result<()> {
+    let graph = load_graph(&args.graph)?;
+    let mut named = load_inputs(&args.inputs)?;
+    if let Some(seed) = args.random_inputs {
+        add_random_inputs(&graph, &mut named, seed)?;
+    }
+    let inputs = interpret::inputs_by_name(&graph, named)?;
+    let start = Instant::now();
+    let outputs = interpret::run_graph(&graph, &inputs)?;
+    let elapsed = start.elapsed();
+    write_outputs(&args.output_dir, &outputs)?;
+    println!(
+        "ran graph `{}` in {:.3} ms",
+        graph.name,
+        elapsed.as_secs_f64() * 1e3
+    );
+    Ok(())
+}
+
+fn inspect(path: &Path) -> Result<()> {
+    let graph = load_graph(path)?;
+    println!("{}", graph.to_string().trim_end());
+    println!();
+    println!("{} nodes", graph.len());
+    for (op, count) in op_counts(&graph) {
+        println!("  {op:<14} {count}");
+    }
+    println!("inputs:");
+    for &id in &graph.inputs {
+        println!("  {}: {}", graph.display_name(id), graph.node(id).ty);
+    }
+    println!("outputs:");
+    for out in &graph.outputs {
+        println!("  {}: {}", out.name, graph.node(out.node).ty);
+    }
+    Ok(())
+}
+
+/// Node count per op name, most frequent first.
+fn op_counts(graph: &Graph) -> Vec<(&'static str, usize)> {
+    let mut counts: Vec<(&'static str, usize)> = Vec::new();
+    for node in &graph.nodes {
+        match counts.iter_mut().find(|(op, _)| *op == node.op.name()) {
+            Some((_, n)) => *n += 1,
+            None => counts.push((node.op.name(), 1)),
+        }
+    }
+    counts.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(b.0)));
+    counts
+}
+
+/// Reads, parses and verifies a graph file.
+fn load_graph(path: &Path) -> Result<Graph> {
+    let src = std::fs::read_to_string(path).map_err(|e| anyhow!("{}: {e}", path.display()))?;
+    let graph = text::parse(&src).map_err(|e| anyhow!(in_file(path, &e)))?;
+    graph
+        .verify()
+        .map_err(|e| anyhow!("{}: invalid graph: {e}", path.display()))?;
+    Ok(graph)
+}
+
+/// A parse error as `FILE:LINE:COL: message` (its location is a line and
+/// column of the file); any other error as `FILE: error`.
+fn in_file(path: &Path, e: &Error) -> String {
+    match (&e.location, e.kind) {
+        (Some(loc), ErrorKind::Parse) => {
+            let what = match &e.op {
+                Some(op) => format!("{op}: {}", e.message),
+                None => e.message.clone(),
+            };
+            format!("{}:{}:{}: {what}", path.display(), loc.line, loc.column)
+        }
+        _ => format!("{}: {e}", path.display()),
+    }
+}
+
+fn load_inputs(given: &[(String, PathBuf)]) -> Result<Vec<(String, Tensor)>> {
+    given
+        .iter()
+        .map(|(name, path)| {
+            let t = tessera::io::read_npy(path).with_context(|| format!("input `{name}`"))?;
+            Ok((name.clone(), t))
+        })
+        .collect()
+}
+
+/// Appends a generated tensor for every graph input `named` lacks. Symbolic
+/// dims take the sizes the given inputs bind.
+fn add_random_inputs(graph: &Graph, named: &mut Vec<(String, Tensor)>, seed: u64) -> Result<()> {
+    let given: Vec<Option<&Tensor>> = graph
+        .inputs
+        .iter()
+        .map(|&id| {
+            let name = graph.display_name(id);
+            named.iter().find(|(n, _)| *n == name).map(|(_, t)| t)
+        })
+        .collect();
+    let symbols = interpret::bind_symbols(graph, &given)?;
+    let missing: Vec<_> = graph
+        .inputs
+        .iter()
+        .zip(&given)
+        .filter(|(_, t)| t.is_none())
+        .map(|(&id, _)| id)
+        .collect();
+    let mut generator = Generator::new(seed);
+    for id in missing {
+        let (name, ty) = (graph.display_name(id), &graph.node(id).ty);
+        let shape = ty.shape.eval(&symbols).ok_or_else(|| {
+            anyhow!(
+                "input `{name}` has type {ty}: its symbolic dims are not fixed by any \
+                 --input, so --random-inputs cannot choose a size; pass --input {name}=FILE.npy"
+            )
+        })?;
+        let t = if ty.dtype.is_float() {
+            Tensor::randn(&shape, ty.dtype, &mut generator)
+        } else {
+            Tensor::zeros(&shape, ty.dtype)
+        };
+        named.push((name, t));
+    }
+    Ok(())
+}
+
+fn write_outputs(dir: &Path, outputs: &[(String, Tensor)]) -> Result<()> {
+    std::fs::create_dir_all(dir).map_err(|e| anyhow!("{}: {e}", dir.display()))?;
+    for (name, t) in outputs {
+        if name.is_empty() || name == "." || name == ".." || name.contains(['/', '\\']) {
+            bail!("output `{name}` cannot be used as a file name");
+        }
+        let path = dir.join(format!("{name}.npy"));
+        // numpy has no bf16; f32 holds every bf16 value exactly.
+        let (file_tensor, note) = match t.dtype() {
+            DType::BF16 => (bf16_as_f32(t), " (bf16 written as f32)"),
+            _ => (t.clone(), ""),
+        };
+        tessera::io::write_npy(&path, &file_tensor)?;
+        println!("{name}  {}  {}{note}", t.ty(), path.display());
+    }
+    Ok(())
+}
+
+fn bf16_as_f32(t: &Tensor) -> Tensor {
+    let values: Vec<f32> = t.to_f64_vec().into_iter().map(|v| v as f32).collect();
+    Tensor::from_vec(values, t.shape())
+}

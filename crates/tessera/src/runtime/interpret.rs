@@ -1,1 +1,579 @@
-//! Runs a graph node by node on the CPU. (stub: being written)
+//! Runs a graph node by node on the CPU.
+//!
+//! Each node goes through [`Tensor::apply`], the path eager mode takes, so
+//! the interpreter computes exactly what eager execution would: it is the
+//! reference that compiled executables are checked against.
+//!
+//! Symbolic dims (`s0`) get their values from the concrete input shapes;
+//! ops whose attributes hold a symbolic shape (`reshape`, `expand`, `full`,
+//! `rand`, `randn`) run with that shape evaluated. Each intermediate is
+//! dropped right after its last reader, so memory holds only live values.
+
+use std::borrow::Cow;
+use std::collections::{HashMap, HashSet};
+use std::panic::Location;
+use std::sync::Arc;
+
+use crate::error::{Error, ErrorKind, Result};
+use crate::ir::{Dim, Graph, NodeId, Op, Shape};
+use crate::tensor::Tensor;
+
+/// The value of each symbol, bound from the inputs' shapes.
+pub type Symbols = HashMap<Arc<str>, usize>;
+
+/// Runs `graph` on `inputs` (one per `graph.inputs`, in that order) and
+/// returns its named outputs. The graph is verified first; each input is
+/// checked against its declared type (see [`bind_symbols`]).
+pub fn run_graph(graph: &Graph, inputs: &[Tensor]) -> Result<Vec<(String, Tensor)>> {
+    graph.verify()?;
+    let given: Vec<Option<&Tensor>> = inputs.iter().map(Some).collect();
+    let symbols = bind_symbols(graph, &given)?;
+    let last_use = last_uses(graph);
+    let mut values: Vec<Option<Tensor>> = vec![None; graph.len()];
+    for (&id, t) in graph.inputs.iter().zip(inputs) {
+        values[id.index()] = Some(t.clone());
+    }
+    for (i, node) in graph.nodes.iter().enumerate() {
+        let id = NodeId(i as u32);
+        if !matches!(node.op, Op::Input) {
+            values[i] = Some(eval_node(graph, id, &values, &symbols)?);
+        }
+        for x in node.inputs.iter().copied().chain([id]) {
+            if last_use[x.index()] == i {
+                values[x.index()] = None;
+            }
+        }
+    }
+    Ok(graph
+        .outputs
+        .iter()
+        .map(|out| {
+            let t = values[out.node.index()].clone();
+            (out.name.clone(), t.expect("outputs are never freed"))
+        })
+        .collect())
+}
+
+/// Orders `named` inputs as `graph.inputs` for [`run_graph`]. Errors on an
+/// unknown, missing or repeated name, listing the graph's inputs.
+pub fn inputs_by_name(graph: &Graph, named: Vec<(String, Tensor)>) -> Result<Vec<Tensor>> {
+    let arg_err = |msg: String| {
+        Error::new(
+            ErrorKind::Argument,
+            format!("{msg}; the graph's inputs are {}", describe_inputs(graph)),
+        )
+    };
+    let mut by_name: HashMap<String, Tensor> = HashMap::new();
+    for (name, t) in named {
+        if !graph
+            .inputs
+            .iter()
+            .any(|&id| graph.display_name(id) == name)
+        {
+            return Err(arg_err(format!("unknown input `{name}`")));
+        }
+        if by_name.insert(name.clone(), t).is_some() {
+            return Err(arg_err(format!("input `{name}` is given twice")));
+        }
+    }
+    graph
+        .inputs
+        .iter()
+        .map(|&id| {
+            let name = graph.display_name(id);
+            by_name
+                .remove(&name)
+                .ok_or_else(|| arg_err(format!("missing input `{name}`")))
+        })
+        .collect()
+}
+
+/// Checks the given inputs (`None`: not given, e.g. to be generated later)
+/// against their declared types and returns the symbols their shapes bind.
+///
+/// A dim declared as a plain symbol binds it; every other dim must then
+/// equal its declared value. Errors name the input and dim:
+/// "input `x`, dim 0: expected 8, got 16".
+pub fn bind_symbols(graph: &Graph, inputs: &[Option<&Tensor>]) -> Result<Symbols> {
+    if inputs.len() != graph.inputs.len() {
+        return Err(Error::new(
+            ErrorKind::Argument,
+            format!(
+                "graph `{}` takes {} inputs ({}), got {}",
+                graph.name,
+                graph.inputs.len(),
+                describe_inputs(graph),
+                inputs.len()
+            ),
+        ));
+    }
+    let given: Vec<(NodeId, &Tensor)> = graph
+        .inputs
+        .iter()
+        .zip(inputs)
+        .filter_map(|(&id, t)| Some((id, (*t)?)))
+        .collect();
+    let mut symbols = Symbols::new();
+    // Where each symbol got its value, for messages about a conflict.
+    let mut origin: HashMap<Arc<str>, String> = HashMap::new();
+    for &(id, t) in &given {
+        check_dtype_and_rank(graph, id, t)?;
+        let dims = graph.node(id).ty.shape.dims();
+        for (d, (dim, &size)) in dims.iter().zip(t.shape()).enumerate() {
+            if let Some(sym) = plain_symbol(dim) {
+                if !symbols.contains_key(&sym) {
+                    symbols.insert(sym.clone(), size);
+                    origin.insert(sym, format!("input `{}`, dim {d}", graph.display_name(id)));
+                }
+            }
+        }
+    }
+    for &(id, t) in &given {
+        let dims = graph.node(id).ty.shape.dims();
+        for (d, (dim, &size)) in dims.iter().zip(t.shape()).enumerate() {
+            check_dim(graph, id, d, dim, size, &symbols, &origin)?;
+        }
+    }
+    Ok(symbols)
+}
+
+fn check_dtype_and_rank(graph: &Graph, id: NodeId, t: &Tensor) -> Result<()> {
+    let ty = &graph.node(id).ty;
+    let name = graph.display_name(id);
+    if t.dtype() != ty.dtype {
+        return Err(Error::new(
+            ErrorKind::DType,
+            format!("input `{name}`: expected {}, got {}", ty.dtype, t.dtype()),
+        ));
+    }
+    if t.rank() != ty.rank() {
+        return Err(Error::new(
+            ErrorKind::Shape,
+            format!(
+                "input `{name}`: expected rank {} ({ty}), got shape {:?}",
+                ty.rank(),
+                t.shape()
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Checks one dim of an input against its declared value.
+fn check_dim(
+    graph: &Graph,
+    id: NodeId,
+    d: usize,
+    dim: &Dim,
+    size: usize,
+    symbols: &Symbols,
+    origin: &HashMap<Arc<str>, String>,
+) -> Result<()> {
+    let at = format!("input `{}`, dim {d}", graph.display_name(id));
+    let expected = match dim.eval(symbols) {
+        Some(v) if v == size => return Ok(()),
+        Some(v) => v,
+        None => {
+            return Err(Error::new(
+                ErrorKind::Unsupported,
+                format!(
+                    "{at}: cannot bind the symbols of `{dim}` from a size; \
+                     declare a plain symbol (like `s0`) on some input"
+                ),
+            ))
+        }
+    };
+    let msg = match (dim, plain_symbol(dim)) {
+        (Dim::Const(_), _) => format!("{at}: expected {expected}, got {size}"),
+        (_, Some(sym)) => format!(
+            "{at}: expected {dim} = {expected} (from {}), got {size}",
+            origin[&sym]
+        ),
+        (_, None) => format!("{at}: expected {dim} = {expected}, got {size}"),
+    };
+    Err(Error::new(ErrorKind::Shape, msg))
+}
+
+/// The symbol a dim is, when it is exactly one symbol (`s0`, not `2*s0`).
+fn plain_symbol(dim: &Dim) -> Option<Arc<str>> {
+    match dim.symbols().as_slice() {
+        [s] if *dim == Dim::sym(s) => Some(s.clone()),
+        _ => None,
+    }
+}
+
+/// `x: f32[s0,3], y: i64[4]`.
+fn describe_inputs(graph: &Graph) -> String {
+    if graph.inputs.is_empty() {
+        return "(none)".to_string();
+    }
+    graph
+        .inputs
+        .iter()
+        .map(|&id| format!("{}: {}", graph.display_name(id), graph.node(id).ty))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// For each node, the index of the last node that reads it: itself when no
+/// node does (dropped at once), `usize::MAX` for outputs (kept to the end).
+fn last_uses(graph: &Graph) -> Vec<usize> {
+    let mut last: Vec<usize> = (0..graph.len()).collect();
+    // Nodes are in SSA order, so the last reader seen is the last one.
+    for (i, node) in graph.nodes.iter().enumerate() {
+        for &x in &node.inputs {
+            last[x.index()] = i;
+        }
+    }
+    for out in &graph.outputs {
+        last[out.node.index()] = usize::MAX;
+    }
+    last
+}
+
+fn eval_node(
+    graph: &Graph,
+    id: NodeId,
+    values: &[Option<Tensor>],
+    symbols: &Symbols,
+) -> Result<Tensor> {
+    let node = graph.node(id);
+    let op = concrete_op(&node.op, symbols).map_err(|e| node_error(graph, id, e))?;
+    let args: Vec<&Tensor> = node
+        .inputs
+        .iter()
+        .map(|x| values[x.index()].as_ref().expect("live until its last use"))
+        .collect();
+    let out =
+        Tensor::apply(&op, &args, Location::caller()).map_err(|e| node_error(graph, id, e))?;
+    let declared = eval_shape(&node.ty.shape, symbols).map_err(|e| node_error(graph, id, e))?;
+    if out.shape() != declared.as_slice() || out.dtype() != node.ty.dtype {
+        return Err(node_error(
+            graph,
+            id,
+            Error::new(
+                ErrorKind::Verify,
+                format!(
+                    "computed {} but the graph declares {} = {declared:?}",
+                    out.ty(),
+                    node.ty
+                ),
+            ),
+        ));
+    }
+    Ok(out)
+}
+
+/// `op` with its symbolic shape attribute (if any) evaluated.
+fn concrete_op<'a>(op: &'a Op, symbols: &Symbols) -> Result<Cow<'a, Op>> {
+    let fix = |s: &Shape| eval_shape(s, symbols).map(|d| Shape::from_concrete(&d));
+    let symbolic = |s: &Shape| s.as_concrete().is_none();
+    Ok(match op {
+        Op::Full {
+            value,
+            shape,
+            dtype,
+        } if symbolic(shape) => Cow::Owned(Op::Full {
+            value: *value,
+            shape: fix(shape)?,
+            dtype: *dtype,
+        }),
+        Op::Rand { seed, shape, dtype } if symbolic(shape) => Cow::Owned(Op::Rand {
+            seed: *seed,
+            shape: fix(shape)?,
+            dtype: *dtype,
+        }),
+        Op::Randn { seed, shape, dtype } if symbolic(shape) => Cow::Owned(Op::Randn {
+            seed: *seed,
+            shape: fix(shape)?,
+            dtype: *dtype,
+        }),
+        Op::Reshape(shape) if symbolic(shape) => Cow::Owned(Op::Reshape(fix(shape)?)),
+        Op::Expand(shape) if symbolic(shape) => Cow::Owned(Op::Expand(fix(shape)?)),
+        _ => Cow::Borrowed(op),
+    })
+}
+
+/// The concrete sizes of `shape`, or why there are none.
+fn eval_shape(shape: &Shape, symbols: &Symbols) -> Result<Vec<usize>> {
+    if let Some(sizes) = shape.eval(symbols) {
+        return Ok(sizes);
+    }
+    let unbound: HashSet<Arc<str>> = shape
+        .dims()
+        .iter()
+        .flat_map(Dim::symbols)
+        .filter(|s| !symbols.contains_key(s))
+        .collect();
+    let msg = if unbound.is_empty() {
+        format!("shape {shape} has a negative size for {symbols:?}")
+    } else {
+        let mut names: Vec<&str> = unbound.iter().map(|s| &**s).collect();
+        names.sort();
+        format!(
+            "shape {shape} uses {}, which no input binds",
+            names.join(", ")
+        )
+    };
+    Err(Error::new(ErrorKind::Shape, msg))
+}
+
+/// Names the node in `e` and points it at the node's source line.
+fn node_error(graph: &Graph, id: NodeId, mut e: Error) -> Error {
+    let node = graph.node(id);
+    e.message = format!("node `{}`: {}", graph.display_name(id), e.message);
+    e.op.get_or_insert_with(|| node.op.name().to_string());
+    // `apply` stamps the interpreter's own line; the user's line is the node's.
+    e.location = node.meta.location.clone();
+    e
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::SourceLoc;
+    use crate::ir::{DType, NodeMeta, Scalar, TensorType};
+
+    fn sym_shape(dims: &[&str]) -> Shape {
+        Shape::new(dims.iter().map(|d| Dim::parse(d).unwrap()).collect())
+    }
+
+    fn named(name: &str) -> NodeMeta {
+        NodeMeta {
+            name: Some(name.to_string()),
+            ..NodeMeta::default()
+        }
+    }
+
+    /// x: f32[s0,6] -> reshape [s0,2,3] -> permute [0,2,1] -> slice dim 1
+    /// 1..3 -> contiguous; and b: f32[1,2] expanded to [s0,3,2].
+    fn movement_graph() -> Graph {
+        let mut g = Graph::new("moves");
+        let ty = |dims: &[&str]| TensorType {
+            dtype: DType::F32,
+            shape: sym_shape(dims),
+        };
+        let x = g.add_input("x", ty(&["s0", "6"]));
+        let b = g.add_input("b", ty(&["1", "2"]));
+        let r = g
+            .add(Op::Reshape(sym_shape(&["s0", "2", "3"])), &[x], named("r"))
+            .unwrap();
+        let p = g.add(Op::Permute(vec![0, 2, 1]), &[r], named("p")).unwrap();
+        let slice = Op::Slice {
+            dim: 1,
+            start: 1,
+            end: 3,
+            step: 1,
+        };
+        let s = g.add(slice, &[p], named("s")).unwrap();
+        let c = g.add(Op::Contiguous, &[s], named("c")).unwrap();
+        let e = g
+            .add(Op::Expand(sym_shape(&["s0", "3", "2"])), &[b], named("e"))
+            .unwrap();
+        g.add_output("c", c);
+        g.add_output("p", p);
+        g.add_output("e", e);
+        g
+    }
+
+    fn run(g: &Graph, inputs: &[Tensor]) -> Vec<(String, Vec<f32>, Vec<usize>)> {
+        run_graph(g, inputs)
+            .unwrap()
+            .into_iter()
+            .map(|(n, t)| (n, t.to_vec::<f32>().unwrap(), t.shape().to_vec()))
+            .collect()
+    }
+
+    #[test]
+    fn movement_ops_with_a_bound_symbol() {
+        let g = movement_graph();
+        let x = Tensor::from_vec((0..12).map(|v| v as f32).collect(), &[2, 6]);
+        let b = Tensor::from_vec(vec![10.0f32, 20.0], &[1, 2]);
+        let out = run(&g, &[x, b]);
+        // p[k][i][j] = x[k][3*j + i]; c is p's rows 1 and 2.
+        assert_eq!(out[0].0, "c");
+        assert_eq!(out[0].2, vec![2, 2, 2]);
+        assert_eq!(out[0].1, vec![1., 4., 2., 5., 7., 10., 8., 11.]);
+        assert_eq!(out[1].2, vec![2, 3, 2]);
+        assert_eq!(
+            out[1].1,
+            vec![0., 3., 1., 4., 2., 5., 6., 9., 7., 10., 8., 11.]
+        );
+        assert_eq!(out[2].2, vec![2, 3, 2]);
+        assert_eq!(out[2].1, [10., 20.].repeat(6));
+    }
+
+    #[test]
+    fn the_same_graph_serves_another_size() {
+        let g = movement_graph();
+        let x = Tensor::from_vec((0..6).map(|v| v as f32).collect(), &[1, 6]);
+        let b = Tensor::from_vec(vec![1.0f32, 2.0], &[1, 2]);
+        let out = run(&g, &[x, b]);
+        assert_eq!(out[0].2, vec![1, 2, 2]);
+        assert_eq!(out[0].1, vec![1., 4., 2., 5.]);
+        assert_eq!(out[2].2, vec![1, 3, 2]);
+    }
+
+    #[test]
+    fn a_view_of_an_input_is_returned_without_copy() {
+        let g = movement_graph();
+        let x = Tensor::from_vec(vec![0.0f32; 18], &[3, 6]);
+        let b = Tensor::from_vec(vec![1.0f32, 2.0], &[1, 2]);
+        let out = run_graph(&g, &[x.clone(), b]).unwrap();
+        assert!(out[1].1.shares_storage(&x), "permute is a view");
+        assert!(
+            !out[0].1.shares_storage(&x),
+            "contiguous copies a strided view"
+        );
+    }
+
+    fn two_input_graph() -> Graph {
+        let mut g = Graph::new("two");
+        let x = g.add_input(
+            "x",
+            TensorType {
+                dtype: DType::F32,
+                shape: sym_shape(&["s0", "3"]),
+            },
+        );
+        let y = g.add_input(
+            "y",
+            TensorType {
+                dtype: DType::F32,
+                shape: sym_shape(&["s0"]),
+            },
+        );
+        g.add_output("x", x);
+        g.add_output("y", y);
+        g
+    }
+
+    fn err_of(g: &Graph, inputs: &[Tensor]) -> String {
+        run_graph(g, inputs).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn a_symbol_bound_twice_to_different_sizes_is_an_error() {
+        let g = two_input_graph();
+        let x = Tensor::from_vec(vec![0.0f32; 6], &[2, 3]);
+        let y = Tensor::from_vec(vec![0.0f32; 5], &[5]);
+        assert_eq!(
+            err_of(&g, &[x, y]),
+            "input `y`, dim 0: expected s0 = 2 (from input `x`, dim 0), got 5"
+        );
+    }
+
+    #[test]
+    fn input_mismatches_name_the_input_and_dim() {
+        let g = two_input_graph();
+        let y = Tensor::from_vec(vec![0.0f32; 2], &[2]);
+        let wide = Tensor::from_vec(vec![0.0f32; 8], &[2, 4]);
+        assert_eq!(
+            err_of(&g, &[wide, y.clone()]),
+            "input `x`, dim 1: expected 3, got 4"
+        );
+        let ints = Tensor::from_vec(vec![0i64; 6], &[2, 3]);
+        assert_eq!(
+            err_of(&g, &[ints, y.clone()]),
+            "input `x`: expected f32, got i64"
+        );
+        let flat = Tensor::from_vec(vec![0.0f32; 6], &[6]);
+        assert_eq!(
+            err_of(&g, &[flat, y.clone()]),
+            "input `x`: expected rank 2 (f32[s0,3]), got shape [6]"
+        );
+        assert_eq!(
+            err_of(&g, &[y]),
+            "graph `two` takes 2 inputs (x: f32[s0,3], y: f32[s0]), got 1"
+        );
+    }
+
+    #[test]
+    fn a_compound_dim_is_checked_against_its_value() {
+        let mut g = Graph::new("g");
+        let ty = |dims: &[&str]| TensorType {
+            dtype: DType::F32,
+            shape: sym_shape(dims),
+        };
+        let x = g.add_input("x", ty(&["s0"]));
+        let y = g.add_input("y", ty(&["2*s0"]));
+        g.add_output("x", x);
+        g.add_output("y", y);
+        let x = Tensor::from_vec(vec![0.0f32; 3], &[3]);
+        let y = Tensor::from_vec(vec![0.0f32; 6], &[6]);
+        run_graph(&g, &[x.clone(), y]).unwrap();
+        let y = Tensor::from_vec(vec![0.0f32; 5], &[5]);
+        assert_eq!(
+            err_of(&g, &[x, y]),
+            "input `y`, dim 0: expected 2*s0 = 6, got 5"
+        );
+    }
+
+    #[test]
+    fn node_errors_name_the_node_op_and_location() {
+        let mut g = Graph::new("g");
+        let meta = NodeMeta {
+            name: Some("noise".into()),
+            location: Some(SourceLoc {
+                file: Arc::from("model.rs"),
+                line: 7,
+                column: 3,
+            }),
+            hints: None,
+        };
+        let full = Op::Full {
+            value: Scalar::Float(1.0),
+            shape: sym_shape(&["s9", "2"]),
+            dtype: DType::F32,
+        };
+        let f = g.add(full, &[], meta).unwrap();
+        g.add_output("noise", f);
+        let e = run_graph(&g, &[]).unwrap_err();
+        assert_eq!(e.op.as_deref(), Some("full"));
+        assert_eq!(
+            e.to_string(),
+            "full: node `noise`: shape [s9,2] uses s9, which no input binds (at model.rs:7:3)"
+        );
+    }
+
+    #[test]
+    fn inputs_bind_by_name() {
+        let g = two_input_graph();
+        let x = Tensor::from_vec(vec![0.0f32; 6], &[2, 3]);
+        let y = Tensor::from_vec(vec![1.0f32; 2], &[2]);
+        let ordered =
+            inputs_by_name(&g, vec![("y".into(), y.clone()), ("x".into(), x.clone())]).unwrap();
+        assert!(ordered[0].shares_storage(&x) && ordered[1].shares_storage(&y));
+        let err = |named: Vec<(String, Tensor)>| inputs_by_name(&g, named).unwrap_err().to_string();
+        let inputs = "the graph's inputs are x: f32[s0,3], y: f32[s0]";
+        assert_eq!(
+            err(vec![("z".into(), y.clone())]),
+            format!("unknown input `z`; {inputs}")
+        );
+        assert_eq!(
+            err(vec![("x".into(), x.clone())]),
+            format!("missing input `y`; {inputs}")
+        );
+        assert_eq!(
+            err(vec![("x".into(), x.clone()), ("x".into(), x)]),
+            format!("input `x` is given twice; {inputs}")
+        );
+    }
+
+    #[test]
+    fn intermediates_die_after_their_last_reader() {
+        let g = movement_graph();
+        // Nodes x b r p s c e: x dies at r, b at e, r at p, s at c; p, c
+        // and e are outputs.
+        assert_eq!(
+            last_uses(&g),
+            vec![2, 6, 3, usize::MAX, 5, usize::MAX, usize::MAX]
+        );
+        let mut unused = Graph::new("u");
+        let x = unused.add_input("x", TensorType::new(DType::F32, vec![2]));
+        unused
+            .add(Op::Permute(vec![0]), &[x], NodeMeta::default())
+            .unwrap();
+        assert_eq!(last_uses(&unused), vec![1, 1]);
+    }
+}

@@ -1,0 +1,184 @@
+//! Runs the built `tessera` binary on graph files written by the printer.
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+use tessera::ir::{Dim, NodeMeta, Op, Shape, TensorType};
+use tessera::{DType, Graph, Tensor};
+
+fn tessera(args: &[&str], cwd: &Path) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_tessera"))
+        .args(args)
+        .current_dir(cwd)
+        .output()
+        .expect("the tessera binary runs")
+}
+
+fn stdout(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+fn stderr(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+/// A failure reported as one `error: …` line with a non-zero exit code.
+fn assert_one_line_error(out: &Output) -> String {
+    let err = stderr(out);
+    assert!(!out.status.success(), "expected a failure, stderr: {err}");
+    assert!(err.starts_with("error: "), "{err}");
+    assert_eq!(err.trim_end().lines().count(), 1, "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    err
+}
+
+fn shape(dims: &[&str]) -> Shape {
+    Shape::new(dims.iter().map(|d| Dim::parse(d).unwrap()).collect())
+}
+
+fn named(name: &str) -> NodeMeta {
+    NodeMeta {
+        name: Some(name.to_string()),
+        ..NodeMeta::default()
+    }
+}
+
+/// `y = x.reshape(s0, 2, 3).permute(0, 2, 1)` with `x: f32[s0,6]`.
+fn movement_graph() -> Graph {
+    let mut g = Graph::new("moves");
+    let ty = TensorType {
+        dtype: DType::F32,
+        shape: shape(&["s0", "6"]),
+    };
+    let x = g.add_input("x", ty);
+    let r = g
+        .add(Op::Reshape(shape(&["s0", "2", "3"])), &[x], named("r"))
+        .unwrap();
+    let y = g.add(Op::Permute(vec![0, 2, 1]), &[r], named("y")).unwrap();
+    g.add_output("y", y);
+    g
+}
+
+fn write_graph(dir: &Path, g: &Graph) {
+    std::fs::write(dir.join("g.tir"), g.to_string()).unwrap();
+}
+
+#[test]
+fn run_writes_each_output_as_npy() {
+    let dir = tempfile::tempdir().unwrap();
+    write_graph(dir.path(), &movement_graph());
+    let x = Tensor::from_vec((0..12).map(|v| v as f32).collect(), &[2, 6]);
+    tessera::io::write_npy(dir.path().join("x.npy"), &x).unwrap();
+    let out = tessera(
+        &["run", "g.tir", "--input", "x=x.npy", "--output-dir", "out"],
+        dir.path(),
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = stdout(&out);
+    assert!(text.contains("y  f32[2,3,2]"), "{text}");
+    assert!(text.contains("ran graph `moves` in "), "{text}");
+    let y = tessera::io::read_npy(dir.path().join("out/y.npy")).unwrap();
+    assert_eq!(y.shape(), &[2, 3, 2]);
+    assert_eq!(
+        y.to_vec::<f32>().unwrap(),
+        vec![0., 3., 1., 4., 2., 5., 6., 9., 7., 10., 8., 11.]
+    );
+}
+
+#[test]
+fn random_inputs_are_seeded_and_need_sizes() {
+    let dir = tempfile::tempdir().unwrap();
+    write_graph(dir.path(), &movement_graph());
+    let symbolic = tessera(
+        &["run", "g.tir", "--random-inputs", "7", "--output-dir", "o"],
+        dir.path(),
+    );
+    let err = assert_one_line_error(&symbolic);
+    assert!(err.contains("input `x` has type f32[s0,6]"), "{err}");
+
+    let mut g = Graph::new("concrete");
+    let x = g.add_input("x", TensorType::new(DType::F32, vec![4, 6]));
+    let y = g.add(Op::Permute(vec![1, 0]), &[x], named("y")).unwrap();
+    g.add_output("y", y);
+    write_graph(dir.path(), &g);
+    let read = |out_dir: &str| {
+        let out = tessera(
+            &[
+                "run",
+                "g.tir",
+                "--random-inputs",
+                "7",
+                "--output-dir",
+                out_dir,
+            ],
+            dir.path(),
+        );
+        assert!(out.status.success(), "{}", stderr(&out));
+        let y = tessera::io::read_npy(dir.path().join(out_dir).join("y.npy")).unwrap();
+        assert_eq!(y.shape(), &[6, 4]);
+        y.to_vec::<f32>().unwrap()
+    };
+    let (a, b) = (read("a"), read("b"));
+    assert_eq!(a, b, "the same seed gives the same inputs");
+    assert!(a.iter().any(|&v| v != a[0]), "samples vary: {a:?}");
+}
+
+#[test]
+fn missing_inputs_are_listed_with_their_types() {
+    let dir = tempfile::tempdir().unwrap();
+    write_graph(dir.path(), &movement_graph());
+    let out = tessera(&["run", "g.tir", "--output-dir", "out"], dir.path());
+    let err = assert_one_line_error(&out);
+    assert!(err.contains("missing input `x`"), "{err}");
+    assert!(err.contains("x: f32[s0,6]"), "{err}");
+}
+
+#[test]
+fn inspect_prints_the_graph_and_a_summary() {
+    let dir = tempfile::tempdir().unwrap();
+    let g = movement_graph();
+    write_graph(dir.path(), &g);
+    let out = tessera(&["inspect", "g.tir"], dir.path());
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = stdout(&out);
+    assert!(text.starts_with(g.to_string().trim_end()), "{text}");
+    for line in [
+        "3 nodes",
+        "  input          1",
+        "  permute        1",
+        "  reshape        1",
+        "  x: f32[s0,6]",
+        "  y: f32[s0,3,2]",
+    ] {
+        assert!(text.contains(line), "missing `{line}` in:\n{text}");
+    }
+}
+
+#[test]
+fn a_missing_graph_file_is_a_one_line_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = tessera(&["inspect", "nowhere.tir"], dir.path());
+    let err = assert_one_line_error(&out);
+    assert!(err.starts_with("error: nowhere.tir: "), "{err}");
+}
+
+#[test]
+fn garbage_is_reported_with_its_line() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("bad.tir"), "this is not a graph\n").unwrap();
+    let out = tessera(&["run", "bad.tir", "--output-dir", "out"], dir.path());
+    let err = assert_one_line_error(&out);
+    assert!(err.starts_with("error: bad.tir:1:"), "{err}");
+}
+
+#[test]
+fn an_input_without_a_name_is_rejected() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = tessera(
+        &["run", "g.tir", "--input", "x.npy", "--output-dir", "out"],
+        dir.path(),
+    );
+    assert!(!out.status.success());
+    let err = stderr(&out);
+    assert!(err.contains("expected NAME=FILE, got `x.npy`"), "{err}");
+}
