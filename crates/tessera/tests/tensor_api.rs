@@ -49,7 +49,7 @@ fn errors_name_op_shapes_and_line() {
             .contains("add: shapes f32[2,3], f32[4,5] cannot be broadcast"),
         "{err}"
     );
-    let err = a.try_add(&a.cast(DType::F64)).unwrap_err();
+    let err = a.try_add(a.cast(DType::F64)).unwrap_err();
     assert_eq!(err.kind, ErrorKind::DType);
     let err = a.try_transpose(0, 2).unwrap_err();
     assert!(

@@ -379,7 +379,7 @@ fn infer_reshape(op: &str, x: &Tensor, shape: &[isize]) -> Result<Vec<usize>> {
         .product();
     let holes = shape.iter().filter(|&&s| s == -1).count();
     let bad = shape.iter().any(|&s| s < -1) || holes > 1;
-    let fill = if holes == 1 && known > 0 && numel % known == 0 {
+    let fill = if holes == 1 && known > 0 && numel.is_multiple_of(known) {
         numel / known
     } else {
         0

@@ -59,7 +59,7 @@ pub fn eval(op: &Op, inputs: &[&Tensor], dtype: DType, shape: &[usize]) -> Resul
         Op::IndexSelect { dim } => index::index_select(inputs[0], inputs[1], *dim),
         Op::Gather { dim } => index::gather(inputs[0], inputs[1], *dim),
     }
-    .map(|t| {
+    .inspect(|t| {
         debug_assert_eq!(
             t.dtype(),
             dtype,
@@ -72,7 +72,6 @@ pub fn eval(op: &Op, inputs: &[&Tensor], dtype: DType, shape: &[usize]) -> Resul
             "kernel for {} produced the wrong shape",
             op.name()
         );
-        t
     })
 }
 
