@@ -5,6 +5,7 @@
 //! - [`runtime`]: the CPU backend's kernels and the graph interpreter;
 //! - [`io`]: `.npy` and safetensors files.
 
+pub mod autograd;
 pub mod error;
 pub mod io;
 pub mod ir;

@@ -143,6 +143,7 @@ impl Tensor {
     /// The elements in row-major order. Errors when `T` is not the dtype.
     pub fn to_vec<T: Element>(&self) -> Result<Vec<T>> {
         self.expect_dtype::<T>()?;
+        self.expect_host("to_vec")?;
         let c = copy::contiguous(self);
         Ok(c.contiguous_slice::<T>().expect("contiguous").to_vec())
     }

@@ -16,6 +16,7 @@
 pub mod creation;
 pub mod layout;
 mod ops;
+pub mod trace;
 
 use std::fmt;
 use std::panic::Location;
@@ -25,18 +26,31 @@ pub use creation::Generator;
 pub use layout::Layout;
 pub use ops::Operand;
 
+use crate::autograd::{self, AutogradMeta};
 use crate::error::{Error, ErrorKind, Result, SourceLoc};
 use crate::ir::{DType, Op, Shape, TensorType};
 use crate::runtime::cpu::{self, Element, Storage};
 
-/// An n-dimensional array on the CPU.
+/// An n-dimensional array: values on the CPU, or a node of a graph being
+/// traced (see [`trace`]).
 #[derive(Clone)]
 pub struct Tensor(Arc<TensorImpl>);
 
 struct TensorImpl {
     dtype: DType,
     layout: Layout,
-    storage: Arc<Storage>,
+    data: Data,
+    /// Present when the tensor takes part in autograd (a leaf that requires
+    /// grad, or the result of a differentiable op on one).
+    autograd: Option<Arc<AutogradMeta>>,
+}
+
+/// Where a tensor's values are.
+#[derive(Clone)]
+pub(crate) enum Data {
+    Host(Arc<Storage>),
+    /// A node of the graph traced on this thread; it has no values.
+    Traced(trace::TracedValue),
 }
 
 impl Tensor {
@@ -45,8 +59,46 @@ impl Tensor {
         Tensor(Arc::new(TensorImpl {
             dtype: storage.dtype(),
             layout,
-            storage,
+            data: Data::Host(storage),
+            autograd: None,
         }))
+    }
+
+    pub(crate) fn from_data(dtype: DType, layout: Layout, data: Data) -> Tensor {
+        Tensor(Arc::new(TensorImpl {
+            dtype,
+            layout,
+            data,
+            autograd: None,
+        }))
+    }
+
+    pub(crate) fn data(&self) -> &Data {
+        &self.0.data
+    }
+
+    pub(crate) fn autograd_meta(&self) -> Option<&Arc<AutogradMeta>> {
+        self.0.autograd.as_ref()
+    }
+
+    /// The same values under a new handle carrying `meta` (none: detached).
+    pub(crate) fn with_autograd(&self, meta: Option<Arc<AutogradMeta>>) -> Tensor {
+        Tensor(Arc::new(TensorImpl {
+            dtype: self.0.dtype,
+            layout: self.0.layout.clone(),
+            data: self.0.data.clone(),
+            autograd: meta,
+        }))
+    }
+
+    /// A stable identity for this handle (clones share it).
+    pub(crate) fn id(&self) -> usize {
+        Arc::as_ptr(&self.0) as usize
+    }
+
+    /// Whether this tensor is a node of a graph being traced.
+    pub fn is_traced(&self) -> bool {
+        matches!(self.0.data, Data::Traced(_))
     }
 
     /// A contiguous tensor owning `storage`.
@@ -71,8 +123,16 @@ impl Tensor {
         &self.0.layout
     }
 
+    /// The storage behind a host tensor. Kernels only ever see host
+    /// tensors; calling this on a traced tensor is a bug in tessera.
     pub fn storage(&self) -> &Arc<Storage> {
-        &self.0.storage
+        match &self.0.data {
+            Data::Host(s) => s,
+            Data::Traced(_) => panic!(
+                "internal error: a traced tensor ({}) has no storage",
+                self.ty()
+            ),
+        }
     }
 
     pub fn rank(&self) -> usize {
@@ -97,20 +157,40 @@ impl Tensor {
 
     /// Whether two tensors share storage (one is a view of the other).
     pub fn shares_storage(&self, other: &Tensor) -> bool {
-        Arc::ptr_eq(&self.0.storage, &other.0.storage)
+        match (&self.0.data, &other.0.data) {
+            (Data::Host(a), Data::Host(b)) => Arc::ptr_eq(a, b),
+            _ => false,
+        }
     }
 
     /// The whole storage as `&[T]` (index it through [`Tensor::layout`]).
     /// Errors when `T` is not this tensor's element type.
     pub fn storage_slice<T: Element>(&self) -> Result<&[T]> {
         self.expect_dtype::<T>()?;
-        Ok(self.0.storage.as_slice::<T>())
+        self.expect_host("storage_slice")?;
+        Ok(self.storage().as_slice::<T>())
     }
 
     /// The elements as `&[T]` in row-major order, if contiguous.
     pub fn contiguous_slice<T: Element>(&self) -> Option<&[T]> {
         let range = self.0.layout.contiguous_range()?;
-        (T::DTYPE == self.dtype()).then(|| &self.0.storage.as_slice::<T>()[range])
+        (T::DTYPE == self.dtype() && !self.is_traced())
+            .then(|| &self.storage().as_slice::<T>()[range])
+    }
+
+    /// Reading values needs a host tensor: a traced one has none yet.
+    pub(crate) fn expect_host(&self, what: &str) -> Result<()> {
+        if self.is_traced() {
+            return Err(Error::op(
+                ErrorKind::Unsupported,
+                what,
+                format!(
+                    "cannot read the values of {} while tracing: it is a graph node, not data",
+                    self.ty()
+                ),
+            ));
+        }
+        Ok(())
     }
 
     fn expect_dtype<T: Element>(&self) -> Result<()> {
@@ -140,7 +220,19 @@ impl Tensor {
                 format!("eager execution needs concrete shapes, got {}", ty.shape),
             ))
         })?;
-        cpu::eval(op, inputs, ty.dtype, &shape).map_err(at)
+        let out = if trace::is_active() {
+            trace::record(op, inputs, ty, &shape, caller).map_err(at)?
+        } else {
+            if let Some(t) = inputs.iter().find(|t| t.is_traced()) {
+                return Err(at(Error::op(
+                    ErrorKind::Argument,
+                    op.name(),
+                    format!("input {} is a traced tensor used outside its trace", t.ty()),
+                )));
+            }
+            cpu::eval(op, inputs, ty.dtype, &shape).map_err(at)?
+        };
+        Ok(autograd::record(op, inputs, out, caller))
     }
 }
 

@@ -1,0 +1,293 @@
+//! One vector-Jacobian product rule per op, written with `Tensor` ops so
+//! that the same rule runs eagerly and, on traced tensors, builds the
+//! backward graph.
+
+use crate::error::{Error, ErrorKind, Result};
+use crate::ir::{BinaryOp, Op, ReduceOp, UnaryOp};
+use crate::tensor::Tensor;
+
+/// The gradients of `op`'s inputs given the gradient `g` of its `output`;
+/// `None` for inputs that carry no gradient (indices, conditions, ints).
+pub fn vjp(op: &Op, inputs: &[Tensor], output: &Tensor, g: &Tensor) -> Result<Vec<Option<Tensor>>> {
+    let x = &inputs[0];
+    Ok(match op {
+        Op::Unary(u) => vec![Some(unary(*u, x, output, g)?)],
+        Op::Cast(_) => vec![x.dtype().is_float().then(|| g.cast(x.dtype()))],
+        Op::Binary(b) => {
+            let (ga, gb) = binary(*b, x, &inputs[1], output, g)?;
+            vec![Some(sum_to_shape(&ga, x.shape())?), Some(sum_to_shape(&gb, inputs[1].shape())?)]
+        }
+        Op::Where => {
+            let (c, a, b) = (x, &inputs[1], &inputs[2]);
+            let zero = Tensor::zeros(&[], g.dtype());
+            vec![
+                None,
+                Some(sum_to_shape(&Tensor::try_where(c, g, &zero)?, a.shape())?),
+                Some(sum_to_shape(&Tensor::try_where(c, &zero, g)?, b.shape())?),
+            ]
+        }
+        Op::Reduce { op, dims, keepdim } => vec![Some(reduce(*op, x, output, g, dims, *keepdim)?)],
+        Op::Softmax { dim } => {
+            let d = *dim as isize;
+            vec![Some(output * &(g - &(g * output).try_sum(&[d], true)?))]
+        }
+        Op::LogSoftmax { dim } => {
+            let d = *dim as isize;
+            vec![Some(g - &(output.exp() * g.try_sum(&[d], true)?))]
+        }
+        Op::MatMul => {
+            let (ga, gb) = matmul(x, &inputs[1], g)?;
+            vec![Some(ga), Some(gb)]
+        }
+        Op::Reshape(_) => vec![Some(g.try_reshape(&signed(x.shape()))?)],
+        Op::Permute(perm) => {
+            let mut inverse = vec![0isize; perm.len()];
+            for (i, &p) in perm.iter().enumerate() {
+                inverse[p] = i as isize;
+            }
+            vec![Some(g.try_permute(&inverse)?)]
+        }
+        Op::Expand(_) => vec![Some(sum_to_shape(g, x.shape())?)],
+        Op::Slice { dim, start, step, .. } => vec![Some(slice_backward(g, x.shape(), *dim, *start, *step)?)],
+        Op::Cat { dim } => {
+            let sizes: Vec<usize> = inputs.iter().map(|t| t.shape()[*dim]).collect();
+            g.try_split_sizes(&sizes, *dim as isize)?.into_iter().map(Some).collect()
+        }
+        Op::Contiguous => vec![Some(g.clone())],
+        Op::Tril { diagonal } => vec![Some(g.try_tril(*diagonal)?)],
+        Op::Triu { diagonal } => vec![Some(g.try_triu(*diagonal)?)],
+        Op::IndexSelect { .. } | Op::Gather { .. } => {
+            return Err(Error::op(
+                ErrorKind::Unsupported,
+                op.name(),
+                "Trying to backward through this op, but its gradient (a scatter-add) is not implemented yet",
+            ))
+        }
+        Op::Input
+        | Op::Constant(_)
+        | Op::Full { .. }
+        | Op::Arange { .. }
+        | Op::Rand { .. }
+        | Op::Randn { .. }
+        | Op::Compare(_)
+        | Op::ArgReduce { .. } => vec![None; inputs.len()],
+    })
+}
+
+fn signed(shape: &[usize]) -> Vec<isize> {
+    shape.iter().map(|&d| d as isize).collect()
+}
+
+/// Sums a broadcast gradient back down to `shape` (the inverse of NumPy
+/// broadcasting: leading dims and stretched size-1 dims are summed).
+pub fn sum_to_shape(g: &Tensor, shape: &[usize]) -> Result<Tensor> {
+    if g.shape() == shape {
+        return Ok(g.clone());
+    }
+    let lead = g.rank() - shape.len();
+    let dims: Vec<isize> = (0..g.rank())
+        .filter(|&i| i < lead || (shape[i - lead] == 1 && g.shape()[i] != 1))
+        .map(|i| i as isize)
+        .collect();
+    let summed = if dims.is_empty() {
+        g.clone()
+    } else {
+        g.try_sum(&dims, true)?
+    };
+    summed.try_reshape(&signed(shape))
+}
+
+/// 1 where `x > 0`, -1 where `x < 0`, 0 elsewhere.
+fn sign(x: &Tensor) -> Result<Tensor> {
+    x.try_gt(0.0)?
+        .try_cast(x.dtype())?
+        .try_sub(x.try_lt(0.0)?.try_cast(x.dtype())?)
+}
+
+fn unary(op: UnaryOp, x: &Tensor, y: &Tensor, g: &Tensor) -> Result<Tensor> {
+    Ok(match op {
+        UnaryOp::Neg => g.neg(),
+        UnaryOp::Abs => g * &sign(x)?,
+        UnaryOp::Exp => g * y,
+        UnaryOp::Log => g / x,
+        UnaryOp::Sqrt => g * &(y.reciprocal() * 0.5),
+        UnaryOp::Rsqrt => g * &(y / x * -0.5),
+        UnaryOp::Reciprocal => -(g * &(y * y)),
+        UnaryOp::Sin => g * &x.cos(),
+        UnaryOp::Cos => -(g * &x.sin()),
+        UnaryOp::Tanh => g * &(1.0 - &(y * y)),
+        UnaryOp::Sigmoid => g * &(y * &(1.0 - y)),
+        UnaryOp::Relu => g * &x.try_gt(0.0)?.try_cast(x.dtype())?,
+        UnaryOp::Gelu => g * &gelu_erf_derivative(x, y)?,
+        UnaryOp::GeluTanh => g * &gelu_tanh_derivative(x)?,
+        UnaryOp::Silu => {
+            let s = x.sigmoid();
+            g * &(&s * &(1.0 + &(x * &(1.0 - &s))))
+        }
+    })
+}
+
+/// d/dx x·Φ(x) = Φ(x) + x·φ(x). Φ(x) is recovered as gelu(x)/x (0.5 at 0),
+/// so no separate erf op is needed.
+fn gelu_erf_derivative(x: &Tensor, y: &Tensor) -> Result<Tensor> {
+    let is_zero = x.try_eq(0.0)?;
+    let safe_x = Tensor::try_where(&is_zero, &Tensor::ones(&[], x.dtype()), x)?;
+    let cdf = Tensor::try_where(&is_zero, &Tensor::full(&[], 0.5, x.dtype()), &(y / &safe_x))?;
+    let pdf = (x * x * -0.5).exp() * (1.0 / (2.0 * std::f64::consts::PI).sqrt());
+    Ok(cdf + x * &pdf)
+}
+
+fn gelu_tanh_derivative(x: &Tensor) -> Result<Tensor> {
+    let k = (2.0 / std::f64::consts::PI).sqrt();
+    let x2 = x * x;
+    let t = ((x + &(&x2 * x * 0.044715)) * k).tanh();
+    let dt = (1.0 - &(&t * &t)) * &((&x2 * (3.0 * 0.044715) + 1.0) * k);
+    Ok((&t + 1.0) * 0.5 + x * &dt * 0.5)
+}
+
+/// Gradients of a binary op before summing away broadcast dims.
+fn binary(
+    op: BinaryOp,
+    a: &Tensor,
+    b: &Tensor,
+    y: &Tensor,
+    g: &Tensor,
+) -> Result<(Tensor, Tensor)> {
+    let float = |mask: Tensor| mask.try_cast(a.dtype());
+    Ok(match op {
+        BinaryOp::Add => (g.clone(), g.clone()),
+        BinaryOp::Sub => (g.clone(), g.neg()),
+        BinaryOp::Mul => (g * b, g * a),
+        BinaryOp::Div => (g / b, -(g * &(y / b))),
+        BinaryOp::Pow => {
+            let da = g * &(b * &a.try_pow(b - 1.0)?);
+            // d/db a^b = a^b·ln a, taken as 0 where a == 0 (as torch does).
+            let log_a =
+                Tensor::try_where(&a.try_eq(0.0)?, &Tensor::zeros(&[], a.dtype()), &a.log())?;
+            (da, g * &(y * &log_a))
+        }
+        BinaryOp::Maximum | BinaryOp::Minimum => {
+            // Ties split the gradient evenly, as torch does.
+            let a_wins = if op == BinaryOp::Maximum {
+                a.try_gt(b)?
+            } else {
+                a.try_lt(b)?
+            };
+            let tie = float(a.try_eq(b)?)? * 0.5;
+            let wa = float(a_wins)? + &tie;
+            let wb = 1.0 - &wa;
+            (g * &wa, g * &wb)
+        }
+    })
+}
+
+fn reduce(
+    op: ReduceOp,
+    x: &Tensor,
+    y: &Tensor,
+    g: &Tensor,
+    dims: &[usize],
+    keepdim: bool,
+) -> Result<Tensor> {
+    // Put the reduced dims back as size 1 so g and y broadcast against x.
+    let kept = |t: &Tensor| -> Result<Tensor> {
+        if keepdim {
+            return Ok(t.clone());
+        }
+        let mut shape = signed(x.shape());
+        for &d in dims {
+            shape[d] = 1;
+        }
+        t.try_reshape(&shape)
+    };
+    let (g, y) = (kept(g)?, kept(y)?);
+    let count: usize = dims.iter().map(|&d| x.shape()[d]).product();
+    let sdims: Vec<isize> = dims.iter().map(|&d| d as isize).collect();
+    Ok(match op {
+        ReduceOp::Sum => g.try_expand(&signed(x.shape()))?.contiguous(),
+        ReduceOp::Mean => (g / count as f64)
+            .try_expand(&signed(x.shape()))?
+            .contiguous(),
+        ReduceOp::Max | ReduceOp::Min => {
+            // The gradient goes to the extremal elements, split among ties.
+            let hits = x.try_eq(&y)?.try_cast(x.dtype())?;
+            let ties = hits.try_sum(&sdims, true)?;
+            &hits * &(g / &ties)
+        }
+        ReduceOp::Prod => {
+            // prod of the others = y/x, except at zeros: with exactly one zero
+            // in the slice, its gradient is the product of the rest.
+            let zero = x.try_eq(0.0)?;
+            let ones = Tensor::ones(&[], x.dtype());
+            let nonzero_x = Tensor::try_where(&zero, &ones, x)?;
+            let prod_rest = nonzero_x.try_prod(&sdims, true)?;
+            let zeros_in_slice = zero.try_cast(x.dtype())?.try_sum(&sdims, true)?;
+            let at_zero = Tensor::try_where(
+                &zeros_in_slice.try_eq(1.0)?,
+                &prod_rest,
+                &Tensor::zeros(&[], x.dtype()),
+            )?;
+            let others = Tensor::try_where(&zero, &at_zero, &(&y / &nonzero_x))?;
+            g * &others
+        }
+    })
+}
+
+/// `torch.matmul` gradients, with 1-D operands promoted as the forward does
+/// and broadcast batch dims summed away.
+fn matmul(a: &Tensor, b: &Tensor, g: &Tensor) -> Result<(Tensor, Tensor)> {
+    let a2 = if a.rank() == 1 {
+        a.try_unsqueeze(0)?
+    } else {
+        a.clone()
+    };
+    let b2 = if b.rank() == 1 {
+        b.try_unsqueeze(-1)?
+    } else {
+        b.clone()
+    };
+    let mut g2 = g.clone();
+    if a.rank() == 1 {
+        g2 = g2.try_unsqueeze(if b.rank() == 1 { 0 } else { -2 })?;
+    }
+    if b.rank() == 1 {
+        g2 = g2.try_unsqueeze(-1)?;
+    }
+    let ga = g2.try_matmul(&b2.try_t()?)?;
+    let gb = a2.try_t()?.try_matmul(&g2)?;
+    let ga = sum_to_shape(&ga, a2.shape())?.try_reshape(&signed(a.shape()))?;
+    let gb = sum_to_shape(&gb, b2.shape())?.try_reshape(&signed(b.shape()))?;
+    Ok((ga, gb))
+}
+
+/// The gradient of a slice: `g` placed at `start, start+step, …` of a zero
+/// tensor of the input's shape, built from cat/reshape (no scatter needed).
+fn slice_backward(
+    g: &Tensor,
+    shape: &[usize],
+    dim: usize,
+    start: usize,
+    step: usize,
+) -> Result<Tensor> {
+    let zeros = |len: usize| {
+        let mut s = shape.to_vec();
+        s[dim] = len;
+        Tensor::zeros(&s, g.dtype())
+    };
+    let n = g.shape()[dim];
+    let d = dim as isize;
+    // Interleave step-1 zero rows after each gradient row, then trim.
+    let spread = if step > 1 && n > 0 {
+        let mut gap_shape = g.shape().to_vec();
+        gap_shape.insert(dim + 1, step - 1);
+        let gap = Tensor::zeros(&gap_shape, g.dtype());
+        let woven = Tensor::try_cat(&[&g.try_unsqueeze(d + 1)?, &gap], d + 1)?;
+        let flat = woven.try_flatten(d, d + 1)?;
+        flat.try_narrow(d, 0, (n - 1) * step + 1)?
+    } else {
+        g.clone()
+    };
+    let used = spread.shape()[dim];
+    let after = shape[dim] - start - used;
+    Tensor::try_cat(&[&zeros(start), &spread, &zeros(after)], d)
+}
