@@ -9,6 +9,7 @@ pub mod autograd;
 pub mod error;
 pub mod io;
 pub mod ir;
+pub mod logging;
 pub mod runtime;
 pub mod tensor;
 

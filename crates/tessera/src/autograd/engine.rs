@@ -8,8 +8,8 @@ use std::sync::{Arc, Mutex};
 
 use super::rules;
 use crate::error::{Error, ErrorKind, Result, SourceLoc};
-use crate::ir::Op;
-use crate::tensor::Tensor;
+use crate::ir::{NodeMeta, Op};
+use crate::tensor::{trace, Tensor};
 
 /// Autograd state of a tensor that requires grad.
 pub(crate) struct AutogradMeta {
@@ -25,7 +25,8 @@ struct GradFn {
     inputs: Vec<Tensor>,
     /// The op's result, detached (no autograd meta: no reference cycle).
     output: Tensor,
-    location: &'static Location<'static>,
+    /// The forward op's call site and hints, which its backward ops inherit.
+    origin: NodeMeta,
 }
 
 thread_local! {
@@ -84,7 +85,7 @@ pub(crate) fn record(
             op: op.clone(),
             inputs: inputs.iter().map(|&t| t.clone()).collect(),
             output: out.clone(),
-            location: caller,
+            origin: trace::node_meta(caller),
         }),
     };
     out.with_autograd(Some(Arc::new(meta)))
@@ -165,7 +166,8 @@ impl Tensor {
     pub fn try_backward(&self, grad: Option<&Tensor>) -> Result<()> {
         let at = SourceLoc::caller();
         let seed = seed_gradient(self, grad).map_err(|e| e.at(at.clone()))?;
-        no_grad(|| propagate(self, seed)).map_err(|e| e.at(at))
+        no_grad(|| propagate(std::slice::from_ref(self), vec![seed], &mut Sink::Leaves))
+            .map_err(|e| e.at(at))
     }
 }
 
@@ -199,13 +201,13 @@ fn seed_gradient(out: &Tensor, grad: Option<&Tensor>) -> Result<Tensor> {
     }
 }
 
-/// The tensors with a `GradFn` reachable from `root`, each after every
-/// tensor computed from it (reverse topological order).
-fn reverse_topological(root: &Tensor) -> Vec<Tensor> {
+/// The tensors with a `GradFn` reachable from `roots`, each before every
+/// tensor it was computed from (reverse topological order).
+fn reverse_topological(roots: &[Tensor]) -> Vec<Tensor> {
     let mut order = Vec::new();
     let mut seen = HashSet::new();
-    // Iterative post-order DFS: (tensor, children pushed yet?).
-    let mut stack = vec![(root.clone(), false)];
+    // Iterative post-order DFS: (tensor, inputs pushed yet?).
+    let mut stack: Vec<(Tensor, bool)> = roots.iter().rev().map(|r| (r.clone(), false)).collect();
     while let Some((t, expanded)) = stack.pop() {
         if expanded {
             order.push(t);
@@ -214,14 +216,12 @@ fn reverse_topological(root: &Tensor) -> Vec<Tensor> {
         if !seen.insert(t.id()) {
             continue;
         }
-        let Some(f) = t.autograd_meta().and_then(|m| m.grad_fn.as_ref()) else {
+        let Some(f) = grad_fn(&t) else {
             continue;
         };
         stack.push((t.clone(), true));
         for input in &f.inputs {
-            if input.autograd_meta().is_some_and(|m| m.grad_fn.is_some())
-                && !seen.contains(&input.id())
-            {
+            if grad_fn(input).is_some() && !seen.contains(&input.id()) {
                 stack.push((input.clone(), false));
             }
         }
@@ -230,29 +230,74 @@ fn reverse_topological(root: &Tensor) -> Vec<Tensor> {
     order
 }
 
-fn propagate(root: &Tensor, seed: Tensor) -> Result<()> {
-    if root.is_leaf() {
-        accumulate_leaf(root, seed);
-        return Ok(());
+fn grad_fn(t: &Tensor) -> Option<&GradFn> {
+    t.autograd_meta().and_then(|m| m.grad_fn.as_ref())
+}
+
+/// Where gradients end up: accumulated into leaves (`backward`), or
+/// returned for chosen tensors (`grad`).
+enum Sink {
+    Leaves,
+    /// Tensor id → position in the result.
+    Capture(HashMap<usize, usize>, Vec<Option<Tensor>>),
+}
+
+impl Sink {
+    fn leaf(&mut self, leaf: &Tensor, g: Tensor) -> Result<()> {
+        match self {
+            Sink::Leaves => {
+                accumulate_leaf(leaf, g);
+                Ok(())
+            }
+            Sink::Capture(..) => self.capture(leaf, &g),
+        }
     }
-    let mut pending: HashMap<usize, Tensor> = HashMap::from([(root.id(), seed)]);
-    for t in reverse_topological(root) {
+
+    fn capture(&mut self, t: &Tensor, g: &Tensor) -> Result<()> {
+        if let Sink::Capture(targets, results) = self {
+            if let Some(&i) = targets.get(&t.id()) {
+                results[i] = Some(match results[i].take() {
+                    Some(prev) => prev.try_add(g)?,
+                    None => g.clone(),
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+fn propagate(roots: &[Tensor], seeds: Vec<Tensor>, sink: &mut Sink) -> Result<()> {
+    let mut pending: HashMap<usize, Tensor> = HashMap::new();
+    for (root, seed) in roots.iter().zip(seeds) {
+        if root.is_leaf() {
+            sink.leaf(root, seed)?;
+        } else {
+            let total = match pending.remove(&root.id()) {
+                Some(prev) => prev.try_add(&seed)?,
+                None => seed,
+            };
+            pending.insert(root.id(), total);
+        }
+    }
+    for t in reverse_topological(roots) {
         let Some(grad) = pending.remove(&t.id()) else {
             continue;
         };
-        let f = t
-            .autograd_meta()
-            .and_then(|m| m.grad_fn.as_ref())
-            .expect("non-leaf");
-        let grads = rules::vjp(&f.op, &f.inputs, &f.output, &grad)
-            .map_err(|e| e.at(SourceLoc::from_location(f.location)))?;
+        sink.capture(&t, &grad)?;
+        let f = grad_fn(&t).expect("non-leaf");
+        let grads =
+            trace::with_origin(&f.origin, || rules::vjp(&f.op, &f.inputs, &f.output, &grad))
+                .map_err(|e| match &f.origin.location {
+                    Some(loc) => e.at(loc.clone()),
+                    None => e,
+                })?;
         for (input, g) in f.inputs.iter().zip(grads) {
             let Some(g) = g.filter(|_| input.requires_grad()) else {
                 continue;
             };
             check_gradient(&f.op, input, &g)?;
             if input.is_leaf() {
-                accumulate_leaf(input, g);
+                sink.leaf(input, g)?;
             } else {
                 let total = match pending.remove(&input.id()) {
                     Some(prev) => prev.try_add(&g)?,
@@ -263,6 +308,45 @@ fn propagate(root: &Tensor, seed: Tensor) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// The gradients of `outputs` (weighted by `grad_outputs`, one per output)
+/// with respect to `inputs`, returned instead of accumulated (like
+/// `torch.autograd.grad`). `None` where an input does not influence the outputs.
+#[track_caller]
+pub fn grad(
+    outputs: &[Tensor],
+    grad_outputs: &[Tensor],
+    inputs: &[Tensor],
+) -> Result<Vec<Option<Tensor>>> {
+    let at = SourceLoc::caller();
+    if outputs.len() != grad_outputs.len() {
+        return Err(Error::op(
+            ErrorKind::Argument,
+            "grad",
+            format!(
+                "{} outputs but {} output gradients",
+                outputs.len(),
+                grad_outputs.len()
+            ),
+        )
+        .at(at));
+    }
+    let mut seeds = Vec::with_capacity(outputs.len());
+    for (o, g) in outputs.iter().zip(grad_outputs) {
+        seeds.push(seed_gradient(o, Some(g)).map_err(|e| e.at(at.clone()))?);
+    }
+    let targets = inputs
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.id(), i))
+        .collect();
+    let mut sink = Sink::Capture(targets, vec![None; inputs.len()]);
+    no_grad(|| propagate(outputs, seeds, &mut sink)).map_err(|e| e.at(at))?;
+    match sink {
+        Sink::Capture(_, results) => Ok(results),
+        Sink::Leaves => unreachable!(),
+    }
 }
 
 /// A rule that returns a gradient of the wrong type is a bug; say which.

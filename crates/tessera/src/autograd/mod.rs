@@ -1,9 +1,12 @@
 //! Autograd: one VJP rule per op ([`rules`]), used by eager `backward()`
-//! and — by running backward on traced tensors — by the ahead-of-time
-//! forward/backward graphs.
+//! and — by running the same engine on traced tensors — by the ahead-of-time
+//! forward/backward graphs ([`aot`]).
 
+pub mod aot;
 mod engine;
+mod mincut;
 pub mod rules;
 
-pub use engine::{is_grad_enabled, no_grad};
+pub use aot::{aot_autograd, AotGraphs, Partition};
+pub use engine::{grad, is_grad_enabled, no_grad};
 pub(crate) use engine::{record, AutogradMeta};

@@ -16,7 +16,7 @@ use std::sync::Arc;
 
 use crate::error::{Error, ErrorKind, Result};
 use crate::ir::{Dim, Graph, NodeId, Op, Shape};
-use crate::tensor::Tensor;
+use crate::tensor::{trace, Tensor};
 
 /// The value of each symbol, bound from the inputs' shapes.
 pub type Symbols = HashMap<Arc<str>, usize>;
@@ -244,8 +244,8 @@ fn eval_node(
         .iter()
         .map(|x| values[x.index()].as_ref().expect("live until its last use"))
         .collect();
-    let out =
-        Tensor::apply(&op, &args, Location::caller()).map_err(|e| node_error(graph, id, e))?;
+    let out = trace::with_origin(&node.meta, || Tensor::apply(&op, &args, Location::caller()))
+        .map_err(|e| node_error(graph, id, e))?;
     let declared = eval_shape(&node.ty.shape, symbols).map_err(|e| node_error(graph, id, e))?;
     if out.shape() != declared.as_slice() || out.dtype() != node.ty.dtype {
         return Err(node_error(

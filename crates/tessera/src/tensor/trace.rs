@@ -35,6 +35,36 @@ struct TraceState {
 
 thread_local! {
     static CURRENT: RefCell<Option<TraceState>> = const { RefCell::new(None) };
+    static ORIGIN: RefCell<Option<NodeMeta>> = const { RefCell::new(None) };
+}
+
+/// Runs `f` with the ops it creates attributed to `origin` (its call site and
+/// hints; not its name): a replayed graph node keeps the user's line, and the
+/// backward ops of a forward op point at that op's line and inherit its hints.
+pub fn with_origin<R>(origin: &NodeMeta, f: impl FnOnce() -> R) -> R {
+    struct Restore(Option<NodeMeta>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            ORIGIN.with(|o| *o.borrow_mut() = self.0.take());
+        }
+    }
+    let meta = NodeMeta {
+        name: None,
+        location: origin.location.clone(),
+        hints: origin.hints.clone(),
+    };
+    let _restore = Restore(ORIGIN.with(|o| o.borrow_mut().replace(meta)));
+    f()
+}
+
+/// The metadata a new node gets: the origin in force, else the caller.
+pub(crate) fn node_meta(caller: &'static Location<'static>) -> NodeMeta {
+    ORIGIN
+        .with(|o| o.borrow().clone())
+        .unwrap_or_else(|| NodeMeta {
+            location: Some(SourceLoc::from_location(caller)),
+            ..NodeMeta::default()
+        })
 }
 
 static NEXT_TRACE: AtomicU64 = AtomicU64::new(1);
@@ -169,11 +199,7 @@ pub(crate) fn record(
     CURRENT.with(|c| {
         let mut guard = c.borrow_mut();
         let state = guard.as_mut().expect("a trace is active");
-        let meta = NodeMeta {
-            location: Some(SourceLoc::from_location(caller)),
-            ..NodeMeta::default()
-        };
-        let node = state.graph.add(op.clone(), &ids, meta)?;
+        let node = state.graph.add(op.clone(), &ids, node_meta(caller))?;
         debug_assert_eq!(state.graph.node(node).ty, ty);
         traced_tensor(state.id, node, &ty)
     })

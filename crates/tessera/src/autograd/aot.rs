@@ -1,0 +1,331 @@
+//! Ahead-of-time autograd: a forward graph that also returns what the
+//! backward needs, and a backward graph that turns those saved values and
+//! the output gradients (tangents) into input gradients.
+//!
+//! The joint graph is obtained by tracing: the forward graph is replayed on
+//! traced inputs that require grad, and the eager engine's `grad` runs the
+//! same VJP rules on traced tensors. The partitioner then decides, per value
+//! the backward needs, whether the forward saves it or the backward
+//! recomputes it (see [`Partition`]).
+
+use std::collections::{HashMap, HashSet};
+
+use super::mincut;
+use crate::error::{Error, ErrorKind, Result};
+use crate::ir::{Graph, Node, NodeId, NodeMeta, Op, TensorType};
+use crate::runtime::interpret;
+use crate::tensor::{trace, Tensor};
+
+/// How the forward/backward split chooses what to save.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Partition {
+    /// Save every forward value the backward uses (no recomputation).
+    SaveAll,
+    /// A min-cut over the forward values: cheap ops are recomputed in the
+    /// backward instead of saved. `activation_memory_budget` in 0.0–1.0:
+    /// 1.0 saves as much as `SaveAll`, 0.0 saves as little as recomputation
+    /// of every cheap op allows; in between, the most expensive cheap ops are
+    /// saved first while the saved bytes stay within the budget.
+    MinCut { activation_memory_budget: f64 },
+}
+
+/// The result of [`aot_autograd`].
+pub struct AotGraphs {
+    /// The joint forward+backward graph the two were cut from.
+    pub joint: Graph,
+    /// Inputs: the original inputs (then lifted host tensors); outputs: the
+    /// original outputs, then the saved values (`saved0`, `saved1` …).
+    pub forward: Graph,
+    /// Inputs: the saved values, then one tangent per differentiable output
+    /// (`tangent_<output>`); outputs: `grad_<input>` per input in `wrt`.
+    pub backward: Graph,
+    /// Host tensors the traced code closed over, fed after the inputs.
+    pub lifted: Vec<Tensor>,
+    /// Bytes of saved values that are not forward inputs (activations).
+    pub saved_bytes: usize,
+    /// How many of the forward's outputs are the original outputs.
+    pub num_outputs: usize,
+}
+
+/// Splits `graph` into forward and backward graphs for the gradients of its
+/// float outputs with respect to the inputs at positions `wrt`.
+pub fn aot_autograd(graph: &Graph, wrt: &[usize], partition: Partition) -> Result<AotGraphs> {
+    graph.verify()?;
+    if let Some(&bad) = wrt.iter().find(|&&i| i >= graph.inputs.len()) {
+        return Err(Error::new(
+            ErrorKind::Argument,
+            format!(
+                "aot_autograd: input {bad} does not exist (the graph has {})",
+                graph.inputs.len()
+            ),
+        ));
+    }
+    if let Some(&i) = wrt
+        .iter()
+        .find(|&&i| !graph.node(graph.inputs[i]).ty.dtype.is_float())
+    {
+        return Err(Error::new(
+            ErrorKind::DType,
+            format!(
+                "aot_autograd: input {i} ({}) is not a float tensor",
+                graph.node(graph.inputs[i]).ty
+            ),
+        ));
+    }
+    let joint = trace_joint(graph, wrt)?;
+    let n_primals = graph.inputs.len();
+    let n_tangents = differentiable_outputs(graph).len();
+    let tangents: HashSet<NodeId> = joint.graph.inputs[n_primals..n_primals + n_tangents]
+        .iter()
+        .copied()
+        .collect();
+    let primals: Vec<NodeId> = joint
+        .graph
+        .inputs
+        .iter()
+        .copied()
+        .filter(|id| !tangents.contains(id))
+        .collect();
+    let n_out = graph.outputs.len();
+    let split = JointSplit::new(&joint.graph, &tangents, n_out);
+    let saved = match partition {
+        Partition::SaveAll => split.needed_by_backward.clone(),
+        Partition::MinCut {
+            activation_memory_budget,
+        } => {
+            if !(0.0..=1.0).contains(&activation_memory_budget) {
+                return Err(Error::new(
+                    ErrorKind::Argument,
+                    format!("activation_memory_budget must be in 0.0–1.0, got {activation_memory_budget}"),
+                ));
+            }
+            mincut::choose_saved(
+                &joint.graph,
+                &split.forward,
+                &split.needed_by_backward,
+                activation_memory_budget,
+            )
+        }
+    };
+    let saved_bytes = saved
+        .iter()
+        .filter(|id| !matches!(joint.graph.node(**id).op, Op::Input))
+        .map(|&id| bytes_of(&joint.graph.node(id).ty))
+        .sum();
+    let saved_named: Vec<(String, NodeId)> = saved
+        .iter()
+        .enumerate()
+        .map(|(i, &id)| (format!("saved{i}"), id))
+        .collect();
+    let mut fwd_outputs: Vec<(String, NodeId)> = joint.graph.outputs[..n_out]
+        .iter()
+        .map(|o| (o.name.clone(), o.node))
+        .collect();
+    fwd_outputs.extend(saved_named.iter().cloned());
+    let forward = extract(
+        &joint.graph,
+        &format!("{}_forward", graph.name),
+        &named_inputs(&joint.graph, &primals),
+        &fwd_outputs,
+    )?;
+    let mut bwd_inputs = saved_named.clone();
+    bwd_inputs.extend(named_inputs(
+        &joint.graph,
+        &joint.graph.inputs[n_primals..n_primals + n_tangents],
+    ));
+    let bwd_outputs: Vec<(String, NodeId)> = joint.graph.outputs[n_out..]
+        .iter()
+        .map(|o| (o.name.clone(), o.node))
+        .collect();
+    let backward = extract(
+        &joint.graph,
+        &format!("{}_backward", graph.name),
+        &bwd_inputs,
+        &bwd_outputs,
+    )?;
+    crate::logging::log("aot_graphs", || {
+        format!(
+            "forward graph ({} saved, {saved_bytes} activation bytes):\n{forward}\nbackward graph:\n{backward}",
+            saved.len()
+        )
+    });
+    Ok(AotGraphs {
+        joint: joint.graph,
+        forward,
+        backward,
+        lifted: joint.lifted,
+        saved_bytes,
+        num_outputs: n_out,
+    })
+}
+
+/// The outputs a gradient flows back from (float ones).
+fn differentiable_outputs(graph: &Graph) -> Vec<usize> {
+    (0..graph.outputs.len())
+        .filter(|&i| graph.node(graph.outputs[i].node).ty.dtype.is_float())
+        .collect()
+}
+
+fn named_inputs(graph: &Graph, ids: &[NodeId]) -> Vec<(String, NodeId)> {
+    ids.iter().map(|&id| (graph.display_name(id), id)).collect()
+}
+
+pub(crate) fn bytes_of(ty: &TensorType) -> usize {
+    ty.shape
+        .as_concrete()
+        .map_or(0, |s| s.iter().product::<usize>())
+        * ty.dtype.size_bytes()
+}
+
+/// Traces forward + backward: inputs are the primals, then the tangents;
+/// outputs are the forward outputs, then `grad_<input>` for each of `wrt`.
+fn trace_joint(graph: &Graph, wrt: &[usize]) -> Result<trace::Traced> {
+    let mut inputs: Vec<(String, TensorType)> = graph
+        .inputs
+        .iter()
+        .map(|&id| (graph.display_name(id), graph.node(id).ty.clone()))
+        .collect();
+    let diff = differentiable_outputs(graph);
+    for &i in &diff {
+        let out = &graph.outputs[i];
+        inputs.push((
+            format!("tangent_{}", out.name),
+            graph.node(out.node).ty.clone(),
+        ));
+    }
+    let n = graph.inputs.len();
+    trace::trace(&format!("{}_joint", graph.name), &inputs, |args| {
+        let primals: Vec<Tensor> = args[..n]
+            .iter()
+            .enumerate()
+            .map(|(i, t)| {
+                if wrt.contains(&i) {
+                    t.set_requires_grad(true)
+                } else {
+                    t.clone()
+                }
+            })
+            .collect();
+        let outputs = interpret::run_graph(graph, &primals)?;
+        let (roots, seeds): (Vec<Tensor>, Vec<Tensor>) = diff
+            .iter()
+            .zip(&args[n..])
+            .filter(|(&i, _)| outputs[i].1.requires_grad())
+            .map(|(&i, t)| (outputs[i].1.clone(), t.clone()))
+            .unzip();
+        let targets: Vec<Tensor> = wrt.iter().map(|&i| primals[i].clone()).collect();
+        let grads = super::grad(&roots, &seeds, &targets)?;
+        let mut named: Vec<(String, Tensor)> = outputs
+            .into_iter()
+            .map(|(name, t)| (name, t.detach()))
+            .collect();
+        for (&i, g) in wrt.iter().zip(grads) {
+            let input = &primals[i];
+            // An input the outputs do not depend on gets a zero gradient.
+            let g = g.unwrap_or_else(|| Tensor::zeros(input.shape(), input.dtype()));
+            named.push((format!("grad_{}", graph.display_name(graph.inputs[i])), g));
+        }
+        Ok(named)
+    })
+}
+
+/// Which joint nodes are forward (independent of the tangents) and which
+/// forward values the backward reads.
+struct JointSplit {
+    forward: HashSet<NodeId>,
+    /// Forward values read by backward nodes or returned as gradients, in
+    /// node order.
+    needed_by_backward: Vec<NodeId>,
+}
+
+impl JointSplit {
+    fn new(joint: &Graph, tangents: &HashSet<NodeId>, n_out: usize) -> JointSplit {
+        let mut backward: HashSet<NodeId> = tangents.clone();
+        for (i, node) in joint.nodes.iter().enumerate() {
+            if node.inputs.iter().any(|x| backward.contains(x)) {
+                backward.insert(NodeId(i as u32));
+            }
+        }
+        let forward: HashSet<NodeId> = (0..joint.len() as u32)
+            .map(NodeId)
+            .filter(|id| !backward.contains(id))
+            .collect();
+        let mut needed = HashSet::new();
+        for (i, node) in joint.nodes.iter().enumerate() {
+            if backward.contains(&NodeId(i as u32)) {
+                needed.extend(node.inputs.iter().copied().filter(|x| forward.contains(x)));
+            }
+        }
+        needed.extend(
+            joint.outputs[n_out..]
+                .iter()
+                .map(|o| o.node)
+                .filter(|x| forward.contains(x)),
+        );
+        let mut needed_by_backward: Vec<NodeId> = needed.into_iter().collect();
+        needed_by_backward.sort();
+        JointSplit {
+            forward,
+            needed_by_backward,
+        }
+    }
+}
+
+/// The subgraph of `joint` computing `outputs` from `inputs` (which become
+/// input nodes of the same types), in joint order. Errors if an output
+/// needs a joint input that is not among `inputs` (a partitioner bug).
+pub(crate) fn extract(
+    joint: &Graph,
+    name: &str,
+    inputs: &[(String, NodeId)],
+    outputs: &[(String, NodeId)],
+) -> Result<Graph> {
+    let boundary: HashMap<NodeId, &str> = inputs.iter().map(|(n, id)| (*id, n.as_str())).collect();
+    // Nodes needed, walking back from the outputs and stopping at inputs.
+    let mut needed = HashSet::new();
+    let mut stack: Vec<NodeId> = outputs.iter().map(|(_, id)| *id).collect();
+    while let Some(id) = stack.pop() {
+        if !needed.insert(id) || boundary.contains_key(&id) {
+            continue;
+        }
+        let node = joint.node(id);
+        if matches!(node.op, Op::Input) {
+            return Err(Error::new(
+                ErrorKind::Verify,
+                format!(
+                    "internal error: {name} needs joint input {} that it does not take",
+                    joint.display_name(id)
+                ),
+            ));
+        }
+        stack.extend(node.inputs.iter().copied());
+    }
+    let mut g = Graph::new(name);
+    let mut map: HashMap<NodeId, NodeId> = HashMap::new();
+    for (input_name, id) in inputs {
+        map.insert(
+            *id,
+            g.add_input(input_name.clone(), joint.node(*id).ty.clone()),
+        );
+    }
+    for (i, node) in joint.nodes.iter().enumerate() {
+        let id = NodeId(i as u32);
+        if !needed.contains(&id) || boundary.contains_key(&id) {
+            continue;
+        }
+        let new = g.push(Node {
+            op: node.op.clone(),
+            inputs: node.inputs.iter().map(|x| map[x]).collect(),
+            ty: node.ty.clone(),
+            meta: NodeMeta {
+                ..node.meta.clone()
+            },
+        });
+        map.insert(id, new);
+    }
+    for (out_name, id) in outputs {
+        g.add_output(out_name.clone(), map[id]);
+    }
+    g.verify()?;
+    Ok(g)
+}
