@@ -18,7 +18,12 @@ const INF: u64 = u64::MAX / 4;
 /// How costly an op is to recompute; `None`: never recomputed.
 fn recompute_cost(op: &Op) -> Option<u8> {
     Some(match op {
-        Op::MatMul | Op::IndexSelect { .. } | Op::Gather { .. } | Op::Input => return None,
+        Op::MatMul
+        | Op::IndexSelect { .. }
+        | Op::Gather { .. }
+        | Op::IndexAdd { .. }
+        | Op::ScatterAdd { .. }
+        | Op::Input => return None,
         Op::Reduce { .. } | Op::ArgReduce { .. } | Op::Softmax { .. } | Op::LogSoftmax { .. } => 3,
         Op::Unary(u) if !matches!(u, UnaryOp::Neg | UnaryOp::Abs | UnaryOp::Relu) => 2,
         Op::Binary(crate::ir::BinaryOp::Pow) => 2,

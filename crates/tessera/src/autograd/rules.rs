@@ -2,7 +2,7 @@
 //! that the same rule runs eagerly and, on traced tensors, builds the
 //! backward graph.
 
-use crate::error::{Error, ErrorKind, Result};
+use crate::error::Result;
 use crate::ir::{BinaryOp, Op, ReduceOp, UnaryOp};
 use crate::tensor::Tensor;
 
@@ -15,7 +15,10 @@ pub fn vjp(op: &Op, inputs: &[Tensor], output: &Tensor, g: &Tensor) -> Result<Ve
         Op::Cast(_) => vec![x.dtype().is_float().then(|| g.cast(x.dtype()))],
         Op::Binary(b) => {
             let (ga, gb) = binary(*b, x, &inputs[1], output, g)?;
-            vec![Some(sum_to_shape(&ga, x.shape())?), Some(sum_to_shape(&gb, inputs[1].shape())?)]
+            vec![
+                Some(sum_to_shape(&ga, x.shape())?),
+                Some(sum_to_shape(&gb, inputs[1].shape())?),
+            ]
         }
         Op::Where => {
             let (c, a, b) = (x, &inputs[1], &inputs[2]);
@@ -48,21 +51,46 @@ pub fn vjp(op: &Op, inputs: &[Tensor], output: &Tensor, g: &Tensor) -> Result<Ve
             vec![Some(g.try_permute(&inverse)?)]
         }
         Op::Expand(_) => vec![Some(sum_to_shape(g, x.shape())?)],
-        Op::Slice { dim, start, step, .. } => vec![Some(slice_backward(g, x.shape(), *dim, *start, *step)?)],
+        Op::Slice {
+            dim, start, step, ..
+        } => vec![Some(slice_backward(g, x.shape(), *dim, *start, *step)?)],
         Op::Cat { dim } => {
             let sizes: Vec<usize> = inputs.iter().map(|t| t.shape()[*dim]).collect();
-            g.try_split_sizes(&sizes, *dim as isize)?.into_iter().map(Some).collect()
+            g.try_split_sizes(&sizes, *dim as isize)?
+                .into_iter()
+                .map(Some)
+                .collect()
         }
         Op::Contiguous => vec![Some(g.clone())],
         Op::Tril { diagonal } => vec![Some(g.try_tril(*diagonal)?)],
         Op::Triu { diagonal } => vec![Some(g.try_triu(*diagonal)?)],
-        Op::IndexSelect { .. } | Op::Gather { .. } => {
-            return Err(Error::op(
-                ErrorKind::Unsupported,
-                op.name(),
-                "Trying to backward through this op, but its gradient (a scatter-add) is not implemented yet",
-            ))
+        Op::IndexSelect { dim } => {
+            let zeros = Tensor::zeros(x.shape(), x.dtype());
+            vec![
+                Some(zeros.try_index_add(*dim as isize, &inputs[1], g)?),
+                None,
+            ]
         }
+        Op::Gather { dim } => {
+            let zeros = Tensor::zeros(x.shape(), x.dtype());
+            vec![
+                Some(zeros.try_scatter_add(*dim as isize, &inputs[1], g)?),
+                None,
+            ]
+        }
+        Op::IndexAdd { dim } => {
+            // d/dbase = g; d/dsrc = the rows of g at the index.
+            vec![
+                Some(g.clone()),
+                None,
+                Some(g.try_index_select(*dim as isize, &inputs[1])?),
+            ]
+        }
+        Op::ScatterAdd { dim } => vec![
+            Some(g.clone()),
+            None,
+            Some(g.try_gather(*dim as isize, &inputs[1])?),
+        ],
         Op::Input
         | Op::Constant(_)
         | Op::Full { .. }

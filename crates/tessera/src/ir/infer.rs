@@ -470,6 +470,49 @@ impl Op {
                     shape: idx.shape.clone(),
                 })
             }
+            Op::IndexAdd { dim } => {
+                let (base, idx, src) = (&inputs[0], &inputs[1], &inputs[2]);
+                check_dim(self, *dim, base)?;
+                require_index(self, idx)?;
+                same_dtype(self, &[base.clone(), src.clone()])?;
+                let mut want = base.shape.clone();
+                if idx.rank() == 1 {
+                    want.0[*dim] = idx.shape.0[0].clone();
+                }
+                if idx.rank() != 1 || src.shape != want {
+                    return Err(op_err!(
+                        Shape,
+                        "index_add",
+                        "needs a 1-D index and a source of shape {want}, got {}",
+                        describe(inputs)
+                    ));
+                }
+                Ok(base.clone())
+            }
+            Op::ScatterAdd { dim } => {
+                let (base, idx, src) = (&inputs[0], &inputs[1], &inputs[2]);
+                check_dim(self, *dim, base)?;
+                require_index(self, idx)?;
+                same_dtype(self, &[base.clone(), src.clone()])?;
+                let fits = idx.shape == src.shape
+                    && idx.rank() == base.rank()
+                    && (0..base.rank()).all(|i| {
+                        i == *dim
+                            || match (&idx.shape.0[i], &base.shape.0[i]) {
+                                (Dim::Const(a), Dim::Const(b)) => a <= b,
+                                (a, b) => a == b,
+                            }
+                    });
+                if !fits {
+                    return Err(op_err!(
+                        Shape,
+                        "scatter_add",
+                        "index and source must share a shape no larger than the base outside dim {dim}: {}",
+                        describe(inputs)
+                    ));
+                }
+                Ok(base.clone())
+            }
         }
     }
 }

@@ -349,6 +349,12 @@ pub enum Op {
     IndexSelect { dim: usize },
     /// (x, index: i64/i32, same rank) `out[i][j] = x[index[i][j]][j]` for dim 0.
     Gather { dim: usize },
+    /// (base, index: i64/i32 1-D, src) `base` with `src`'s slices added at
+    /// `index` along `dim` (`torch.index_add`): the gradient of index_select.
+    IndexAdd { dim: usize },
+    /// (base, index: i64/i32, src of index's shape) `out[index[i][j]][j] +=
+    /// src[i][j]` for dim 0 (`torch.scatter_add`): the gradient of gather.
+    ScatterAdd { dim: usize },
 }
 
 impl Op {
@@ -381,6 +387,8 @@ impl Op {
             Op::Triu { .. } => "triu",
             Op::IndexSelect { .. } => "index_select",
             Op::Gather { .. } => "gather",
+            Op::IndexAdd { .. } => "index_add",
+            Op::ScatterAdd { .. } => "scatter_add",
         }
     }
 
@@ -398,7 +406,7 @@ impl Op {
             | Op::MatMul
             | Op::IndexSelect { .. }
             | Op::Gather { .. } => Some(2),
-            Op::Where => Some(3),
+            Op::Where | Op::IndexAdd { .. } | Op::ScatterAdd { .. } => Some(3),
             Op::Cat { .. } => None,
             _ => Some(1),
         }

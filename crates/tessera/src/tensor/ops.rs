@@ -354,6 +354,18 @@ tensor_ops! {
         run(Op::Gather { dim }, &[self, index])
     }
 
+    /// `torch.index_add`: `src`'s slices along `dim` added at `index`.
+    fn index_add / try_index_add(&self, dim: isize, index: &Tensor, src: &Tensor) {
+        let dim = norm_dim("index_add", dim, self.rank())?;
+        run(Op::IndexAdd { dim }, &[self, index, src])
+    }
+
+    /// `torch.scatter_add`: `out[index[i][j]][j] += src[i][j]` for dim 0.
+    fn scatter_add / try_scatter_add(&self, dim: isize, index: &Tensor, src: &Tensor) {
+        let dim = norm_dim("scatter_add", dim, self.rank())?;
+        run(Op::ScatterAdd { dim }, &[self, index, src])
+    }
+
     /// Rows of this `[vocab, d]` table for each id of `ids` (any shape, i64/i32):
     /// the result has shape `ids.shape + [d]`.
     fn embedding / try_embedding(&self, ids: &Tensor) {

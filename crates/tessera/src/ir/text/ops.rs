@@ -111,7 +111,8 @@ pub(super) fn signature(op_name: &str) -> Option<&'static [(&'static str, AttrKi
         ],
         "rand" | "randn" => &[("seed", U64), ("shape", Shape), ("dtype", DType)],
         "cast" => &[("dtype", DType)],
-        "softmax" | "log_softmax" | "cat" | "index_select" | "gather" => &[("dim", Usize)],
+        "softmax" | "log_softmax" | "cat" | "index_select" | "gather" | "index_add"
+        | "scatter_add" => &[("dim", Usize)],
         "reshape" | "expand" => &[("shape", Shape)],
         "permute" => &[("perm", Dims)],
         "slice" => &[
@@ -166,7 +167,9 @@ pub(super) fn attrs_of(op: &Op) -> Vec<Attr> {
         | Op::LogSoftmax { dim }
         | Op::Cat { dim }
         | Op::IndexSelect { dim }
-        | Op::Gather { dim } => vec![A::Usize(*dim)],
+        | Op::Gather { dim }
+        | Op::IndexAdd { dim }
+        | Op::ScatterAdd { dim } => vec![A::Usize(*dim)],
         Op::Reshape(shape) | Op::Expand(shape) => vec![A::Shape(shape.clone())],
         Op::Permute(perm) => vec![A::Dims(perm.clone())],
         Op::Slice {
@@ -224,6 +227,8 @@ pub(super) fn build(op_name: &str, attrs: &[Attr], ty: &TensorType) -> Result<Op
         ("cat", [A::Usize(dim)]) => Op::Cat { dim: *dim },
         ("index_select", [A::Usize(dim)]) => Op::IndexSelect { dim: *dim },
         ("gather", [A::Usize(dim)]) => Op::Gather { dim: *dim },
+        ("index_add", [A::Usize(dim)]) => Op::IndexAdd { dim: *dim },
+        ("scatter_add", [A::Usize(dim)]) => Op::ScatterAdd { dim: *dim },
         ("reshape", [A::Shape(shape)]) => Op::Reshape(shape.clone()),
         ("expand", [A::Shape(shape)]) => Op::Expand(shape.clone()),
         ("permute", [A::Dims(perm)]) => Op::Permute(perm.clone()),
@@ -465,6 +470,8 @@ mod tests {
             Op::Triu { diagonal: 2 },
             Op::IndexSelect { dim: 0 },
             Op::Gather { dim: 1 },
+            Op::IndexAdd { dim: 0 },
+            Op::ScatterAdd { dim: 1 },
         ];
         ops.extend(UnaryOp::ALL.map(Op::Unary));
         ops.extend(BinaryOp::ALL.map(Op::Binary));

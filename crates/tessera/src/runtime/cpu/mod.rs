@@ -9,6 +9,7 @@ mod elementwise;
 mod index;
 mod matmul;
 mod reduce;
+mod scatter;
 mod storage;
 
 pub use alloc::{empty_cache, memory_stats, reset_peak, MemoryStats};
@@ -58,6 +59,8 @@ pub fn eval(op: &Op, inputs: &[&Tensor], dtype: DType, shape: &[usize]) -> Resul
         Op::Triu { diagonal } => Ok(elementwise::triangle(inputs[0], *diagonal, true)),
         Op::IndexSelect { dim } => index::index_select(inputs[0], inputs[1], *dim),
         Op::Gather { dim } => index::gather(inputs[0], inputs[1], *dim),
+        Op::IndexAdd { dim } => scatter::index_add(inputs[0], inputs[1], inputs[2], *dim),
+        Op::ScatterAdd { dim } => scatter::scatter_add(inputs[0], inputs[1], inputs[2], *dim),
     }
     .inspect(|t| {
         debug_assert_eq!(

@@ -1,0 +1,154 @@
+//! Scatter-add kernels: `index_add` and `scatter_add`, the gradients of
+//! `index_select` and `gather`.
+
+use half::{bf16, f16};
+
+use super::{copy, Element, Storage};
+use crate::error::{op_err, Result};
+use crate::tensor::Tensor;
+use crate::with_dtype;
+
+/// Addition in the element type (f32 arithmetic for the half types; bool: or).
+trait Accumulate: Element {
+    fn add(self, other: Self) -> Self;
+}
+
+macro_rules! native_add {
+    ($($t:ty),*) => {$(
+        impl Accumulate for $t {
+            #[inline]
+            fn add(self, other: Self) -> Self {
+                self + other
+            }
+        }
+    )*};
+}
+native_add!(f32, f64, i64, i32);
+
+impl Accumulate for f16 {
+    fn add(self, other: Self) -> Self {
+        f16::from_f32(self.to_f32() + other.to_f32())
+    }
+}
+
+impl Accumulate for bf16 {
+    fn add(self, other: Self) -> Self {
+        bf16::from_f32(self.to_f32() + other.to_f32())
+    }
+}
+
+impl Accumulate for u8 {
+    fn add(self, other: Self) -> Self {
+        self | other
+    }
+}
+
+/// The index values as i64, checked against `bound`.
+fn indices(op: &str, index: &Tensor, bound: usize) -> Result<Vec<i64>> {
+    let values: Vec<i64> = match index.dtype() {
+        crate::ir::DType::I32 => index.to_vec::<i32>()?.into_iter().map(i64::from).collect(),
+        _ => index.to_vec::<i64>()?,
+    };
+    if let Some(bad) = values.iter().find(|&&v| v < 0 || v as usize >= bound) {
+        return Err(op_err!(
+            Argument,
+            op,
+            "index {bad} is out of range for a dim of size {bound}"
+        ));
+    }
+    Ok(values)
+}
+
+/// A contiguous copy of `base` to accumulate into.
+fn fresh_copy<T: Element>(base: &Tensor) -> Storage {
+    let mut out = Storage::new(base.dtype(), base.numel());
+    copy::copy_strided(
+        base.storage().as_slice::<T>(),
+        base.layout(),
+        out.as_mut_slice::<T>(),
+    );
+    out
+}
+
+/// `torch.index_add(base, dim, index, src)`.
+pub fn index_add(base: &Tensor, index: &Tensor, src: &Tensor, dim: usize) -> Result<Tensor> {
+    let size = base.shape()[dim];
+    let idx = indices("index_add", index, size)?;
+    let outer: usize = base.shape()[..dim].iter().product();
+    let inner: usize = base.shape()[dim + 1..].iter().product();
+    with_dtype!(base.dtype(), T => {
+        let mut out = fresh_copy::<T>(base);
+        let src = src.to_vec::<T>()?;
+        let dst = out.as_mut_slice::<T>();
+        for o in 0..outer {
+            for (i, &j) in idx.iter().enumerate() {
+                let from = &src[(o * idx.len() + i) * inner..][..inner];
+                let to = &mut dst[(o * size + j as usize) * inner..][..inner];
+                for (d, s) in to.iter_mut().zip(from) {
+                    *d = d.add(*s);
+                }
+            }
+        }
+        Ok(Tensor::from_storage(out, base.shape()))
+    })
+}
+
+/// `torch.scatter_add(base, dim, index, src)`.
+pub fn scatter_add(base: &Tensor, index: &Tensor, src: &Tensor, dim: usize) -> Result<Tensor> {
+    let idx = indices("scatter_add", index, base.shape()[dim])?;
+    let strides = crate::tensor::layout::contiguous_strides(base.shape());
+    let shape = index.shape();
+    with_dtype!(base.dtype(), T => {
+        let mut out = fresh_copy::<T>(base);
+        let src = src.to_vec::<T>()?;
+        let dst = out.as_mut_slice::<T>();
+        let mut pos = vec![0usize; shape.len()];
+        for (k, &j) in idx.iter().enumerate() {
+            let target: usize = pos
+                .iter()
+                .enumerate()
+                .map(|(d, &p)| if d == dim { j as usize } else { p } * strides[d])
+                .sum();
+            dst[target] = dst[target].add(src[k]);
+            // Advance the row-major position over the index's shape.
+            for d in (0..shape.len()).rev() {
+                pos[d] += 1;
+                if pos[d] < shape[d] {
+                    break;
+                }
+                pos[d] = 0;
+            }
+        }
+        Ok(Tensor::from_storage(out, base.shape()))
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::Tensor;
+
+    #[test]
+    fn index_add_accumulates_repeated_indices() {
+        let base = Tensor::from_vec(vec![0f32; 6], &[3, 2]);
+        let idx = Tensor::from_vec(vec![2i64, 0, 2], &[3]);
+        let src = Tensor::from_vec(vec![1f32, 2., 3., 4., 5., 6.], &[3, 2]);
+        let out = base.index_add(0, &idx, &src);
+        assert_eq!(out.to_vec::<f32>().unwrap(), vec![3., 4., 0., 0., 6., 8.]);
+        let bad = Tensor::from_vec(vec![3i64, 0, 0], &[3]);
+        let err = base.try_index_add(0, &bad, &src).unwrap_err().to_string();
+        assert!(
+            err.contains("index_add: index 3 is out of range for a dim of size 3"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn scatter_add_along_dim_1() {
+        let base = Tensor::from_vec(vec![10i64, 20, 30, 40], &[2, 2]);
+        let idx = Tensor::from_vec(vec![1i64, 1, 0, 1], &[2, 2]);
+        let src = Tensor::from_vec(vec![1i64, 2, 3, 4], &[2, 2]);
+        // row 0: [10, 20+1+2]; row 1: [30+3, 40+4]
+        let out = base.scatter_add(1, &idx, &src);
+        assert_eq!(out.to_vec::<i64>().unwrap(), vec![10, 23, 33, 44]);
+    }
+}
