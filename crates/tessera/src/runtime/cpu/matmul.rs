@@ -1,7 +1,691 @@
-//! Matmul through the gemm crate. (stub: being written)
-use crate::error::Result;
-use crate::tensor::Tensor;
+//! Matmul with `torch.matmul` semantics.
+//!
+//! Floats go through the `gemm` crate, which takes arbitrary element strides
+//! for both operands: transposed and sliced views are multiplied in place,
+//! and a broadcast batch dim is just a repeated base offset. Nothing is
+//! copied on the f32/f64/f16 path except the output being written.
 
-pub fn matmul(_a: &Tensor, _b: &Tensor, _shape: &[usize]) -> Result<Tensor> {
-    unimplemented!()
+use rayon::prelude::*;
+
+use super::element::Element;
+use super::Storage;
+use crate::error::{op_err, Result};
+use crate::ir::DType;
+use crate::tensor::{Layout, Tensor};
+
+/// Per-matmul work (m·n·k) from which one gemm call is split over threads;
+/// gemm's own default threading threshold, so we never ask for threads it
+/// would not use.
+const GEMM_PAR_WORK: usize = 48 * 48 * 256;
+
+/// Work (m·n·k summed over a task's matmuls) below which a rayon task is not
+/// worth its fork.
+const TASK_WORK: usize = 1 << 16;
+
+/// `a @ b` into a new contiguous tensor of `out_shape`.
+pub fn matmul(a: &Tensor, b: &Tensor, out_shape: &[usize]) -> Result<Tensor> {
+    let plan = Plan::new(a.layout(), b.layout(), out_shape);
+    let out = match a.dtype() {
+        DType::F32 => gemm_storage::<f32>(&plan, a.storage(), b.storage()),
+        DType::F64 => gemm_storage::<f64>(&plan, a.storage(), b.storage()),
+        DType::F16 => gemm_storage::<half::f16>(&plan, a.storage(), b.storage()),
+        DType::BF16 => return Ok(matmul_bf16(a, b, out_shape)),
+        DType::I64 => int_storage::<i64>(&plan, a.storage(), b.storage()),
+        DType::I32 => int_storage::<i32>(&plan, a.storage(), b.storage()),
+        DType::Bool => return Err(op_err!(DType, "matmul", "is not defined for bool")),
+    };
+    Ok(Tensor::from_storage(out, out_shape))
+}
+
+/// One batched matmul in strided form: `batch` products of an m×k and a k×n
+/// matrix, written row-major and back to back into the output.
+#[derive(Debug)]
+struct Plan {
+    m: usize,
+    n: usize,
+    k: usize,
+    /// Row and column strides of the left and right matrices.
+    a_rs: usize,
+    a_cs: usize,
+    b_rs: usize,
+    b_cs: usize,
+    /// Where each batch's matrices start: `offset_of(batch index)`.
+    a_batch: Layout,
+    b_batch: Layout,
+}
+
+impl Plan {
+    fn new(a: &Layout, b: &Layout, out_shape: &[usize]) -> Plan {
+        let a = promote(a, 0);
+        let b = promote(b, 1);
+        let (ra, rb) = (a.rank(), b.rank());
+        let batch_shape = &out_shape[..ra.max(rb) - 2];
+        let plan = Plan {
+            m: a.shape[ra - 2],
+            n: b.shape[rb - 1],
+            k: a.shape[ra - 1],
+            a_rs: a.strides[ra - 2],
+            a_cs: a.strides[ra - 1],
+            b_rs: b.strides[rb - 2],
+            b_cs: b.strides[rb - 1],
+            a_batch: batch_layout(&a, batch_shape),
+            b_batch: batch_layout(&b, batch_shape),
+        };
+        plan.fold_batch_into_rows()
+    }
+
+    fn batch(&self) -> usize {
+        self.a_batch.numel()
+    }
+
+    /// When every batch shares the right matrix and the left matrices' rows
+    /// follow one another at a uniform stride (e.g. `[B, T, C] @ [C, D]`),
+    /// the batch is one tall matmul: a single, better-parallelised gemm call.
+    /// The output rows are contiguous, so they always line up.
+    fn fold_batch_into_rows(mut self) -> Plan {
+        let b = &self.b_batch;
+        let b_shared = b
+            .shape
+            .iter()
+            .zip(&b.strides)
+            .all(|(&n, &s)| n == 1 || s == 0);
+        if self.batch() <= 1 || !b_shared {
+            return self;
+        }
+        let dims = self.a_batch.shape.iter().zip(&self.a_batch.strides);
+        let rows: Vec<(usize, usize)> = dims
+            .map(|(&s, &st)| (s, st))
+            .chain([(self.m, self.a_rs)])
+            .filter(|&(s, _)| s != 1)
+            .collect();
+        let uniform = rows.windows(2).all(|w| w[0].1 == w[1].0 * w[1].1);
+        if !uniform {
+            return self;
+        }
+        self.m *= self.batch();
+        self.a_rs = rows.last().map_or(self.a_rs, |&(_, st)| st);
+        self.a_batch = Layout {
+            shape: vec![],
+            strides: vec![],
+            offset: self.a_batch.offset,
+        };
+        self.b_batch.shape.clear();
+        self.b_batch.strides.clear();
+        self
+    }
+
+    /// The storage offsets of batch `i`'s left and right matrices.
+    fn offsets(&self, i: usize) -> (usize, usize) {
+        (self.a_batch.offset_of(i), self.b_batch.offset_of(i))
+    }
+
+    /// Batches per rayon task, or `None` when the batch loop should stay on
+    /// this thread (few matmuls, or ones large enough to split internally).
+    fn batches_per_task(&self) -> Option<usize> {
+        let work = self.m * self.n * self.k;
+        let parallel = self.batch() > 1 && work < GEMM_PAR_WORK && work * self.batch() > TASK_WORK;
+        parallel.then(|| (TASK_WORK / work.max(1)).max(1))
+    }
+}
+
+/// `x`'s layout with a 1-D operand promoted to a matrix: `[k]` becomes
+/// `[1, k]` on the left (`at = 0`) and `[k, 1]` on the right (`at = 1`).
+fn promote(x: &Layout, at: usize) -> Layout {
+    let mut l = x.clone();
+    if l.rank() == 1 {
+        l.shape.insert(at, 1);
+        l.strides.insert(at, 0);
+    }
+    l
+}
+
+/// The batch dims of the (promoted) operand `x`, broadcast to `batch_shape`.
+fn batch_layout(x: &Layout, batch_shape: &[usize]) -> Layout {
+    let r = x.rank() - 2;
+    Layout {
+        shape: x.shape[..r].to_vec(),
+        strides: x.strides[..r].to_vec(),
+        offset: x.offset,
+    }
+    .expanded(batch_shape)
+}
+
+/// The element types the gemm crate multiplies natively (gemm panics on
+/// any other `T`; this bound makes that a compile error instead).
+trait GemmElement: Element {}
+impl GemmElement for f32 {}
+impl GemmElement for f64 {}
+impl GemmElement for half::f16 {}
+
+/// The output storage of `plan` for a float type gemm supports.
+fn gemm_storage<T: GemmElement>(plan: &Plan, a: &Storage, b: &Storage) -> Storage {
+    let mut out = Storage::new(T::DTYPE, plan.batch() * plan.m * plan.n);
+    let dst = out.as_mut_slice::<T>();
+    if dst.is_empty() {
+        return out;
+    }
+    if plan.k == 0 {
+        dst.fill(T::from_f64(0.0));
+        return out;
+    }
+    run_batches(plan, dst, |i, dst, par| {
+        gemm_one(plan, i, a.as_slice::<T>(), b.as_slice::<T>(), dst, par)
+    });
+    out
+}
+
+/// Calls `f(batch index, output matrix, gemm parallelism)` for every batch,
+/// spreading the batches over rayon when there are many small ones.
+fn run_batches<T: Send>(
+    plan: &Plan,
+    dst: &mut [T],
+    f: impl Fn(usize, &mut [T], gemm::Parallelism) + Sync,
+) {
+    let mat = plan.m * plan.n;
+    match plan.batches_per_task() {
+        Some(per_task) => dst
+            .par_chunks_mut(mat)
+            .enumerate()
+            .with_min_len(per_task)
+            .for_each(|(i, d)| f(i, d, gemm::Parallelism::None)),
+        None => {
+            let par = if plan.m * plan.n * plan.k >= GEMM_PAR_WORK {
+                gemm::Parallelism::Rayon(rayon::current_num_threads())
+            } else {
+                gemm::Parallelism::None
+            };
+            for (i, d) in dst.chunks_mut(mat).enumerate() {
+                f(i, d, par);
+            }
+        }
+    }
+}
+
+/// One gemm call: `dst = a_i @ b_i`, `dst` row-major m×n.
+fn gemm_one<T: GemmElement>(
+    plan: &Plan,
+    i: usize,
+    a: &[T],
+    b: &[T],
+    dst: &mut [T],
+    par: gemm::Parallelism,
+) {
+    let (a_off, b_off) = plan.offsets(i);
+    assert!(
+        dst.len() == plan.m * plan.n && a_off < a.len() && b_off < b.len(),
+        "internal error: matmul plan does not fit its buffers"
+    );
+    // SAFETY: `T` is f32, f64 or half::f16 (== gemm::f16, the same `half`
+    // crate version). The operand layouts come from live tensors over `a` and `b`,
+    // so every (row, col) they address lies inside those storages; `dst`
+    // holds exactly m×n elements at row stride n. m, n, k > 0 here.
+    // `read_dst = false` with alpha = 0, beta = 1: dst = a·b, never read.
+    unsafe {
+        gemm::gemm(
+            plan.m,
+            plan.n,
+            plan.k,
+            dst.as_mut_ptr(),
+            1,
+            plan.n as isize,
+            false,
+            a.as_ptr().add(a_off),
+            plan.a_cs as isize,
+            plan.a_rs as isize,
+            b.as_ptr().add(b_off),
+            plan.b_cs as isize,
+            plan.b_rs as isize,
+            T::from_f64(0.0),
+            T::from_f64(1.0),
+            false,
+            false,
+            false,
+            par,
+        )
+    }
+}
+
+/// bf16 has no gemm kernel: multiply in f32 and round once at the end.
+fn matmul_bf16(a: &Tensor, b: &Tensor, out_shape: &[usize]) -> Tensor {
+    let (a32, b32) = (to_f32(a), to_f32(b));
+    let plan = Plan::new(a32.layout(), b32.layout(), out_shape);
+    let wide = gemm_storage::<f32>(&plan, a32.storage(), b32.storage());
+    let mut out = Storage::new(DType::BF16, wide.numel());
+    let dst = out.as_mut_slice::<half::bf16>();
+    for (o, &v) in dst.iter_mut().zip(wide.as_slice::<f32>()) {
+        *o = half::bf16::from_f32(v);
+    }
+    Tensor::from_storage(out, out_shape)
+}
+
+/// A bf16 tensor converted to f32 with the same shape. Broadcast (stride-0)
+/// dims stay broadcast, so an expanded operand is not materialised.
+fn to_f32(x: &Tensor) -> Tensor {
+    let l = x.layout();
+    let compact: Vec<usize> = (0..l.rank())
+        .map(|d| if l.strides[d] == 0 { 1 } else { l.shape[d] })
+        .collect();
+    let src = Layout {
+        shape: compact.clone(),
+        ..l.clone()
+    };
+    let data = x.storage().as_slice::<half::bf16>();
+    let mut values = Vec::with_capacity(src.numel());
+    src.for_each_run(|start, stride, len| {
+        values.extend((0..len).map(|j| data[start + j * stride].to_f32()));
+    });
+    let storage = std::sync::Arc::new(Storage::from_slice(&values));
+    Tensor::from_parts(storage, Layout::contiguous(&compact).expanded(&l.shape))
+}
+
+/// Integer matmul: not performance critical, a plain loop in i-k-j order
+/// (unit stride over the output row). Wraps on overflow like torch.
+trait WrappingInt: Element + Default {
+    fn mul_add(self, a: Self, b: Self) -> Self;
+}
+
+impl WrappingInt for i64 {
+    fn mul_add(self, a: i64, b: i64) -> i64 {
+        self.wrapping_add(a.wrapping_mul(b))
+    }
+}
+
+impl WrappingInt for i32 {
+    fn mul_add(self, a: i32, b: i32) -> i32 {
+        self.wrapping_add(a.wrapping_mul(b))
+    }
+}
+
+fn int_storage<T: WrappingInt>(plan: &Plan, a: &Storage, b: &Storage) -> Storage {
+    let mut out = Storage::new(T::DTYPE, plan.batch() * plan.m * plan.n);
+    let dst = out.as_mut_slice::<T>();
+    if dst.is_empty() {
+        return out;
+    }
+    let (a, b) = (a.as_slice::<T>(), b.as_slice::<T>());
+    run_batches(plan, dst, |i, dst, _| int_one(plan, i, a, b, dst));
+    out
+}
+
+fn int_one<T: WrappingInt>(plan: &Plan, i: usize, a: &[T], b: &[T], dst: &mut [T]) {
+    let (a_off, b_off) = plan.offsets(i);
+    for (r, row) in dst.chunks_mut(plan.n).enumerate() {
+        row.fill(T::default());
+        for p in 0..plan.k {
+            let av = a[a_off + r * plan.a_rs + p * plan.a_cs];
+            let b_row = b_off + p * plan.b_rs;
+            for (c, o) in row.iter_mut().enumerate() {
+                *o = o.mul_add(av, b[b_row + c * plan.b_cs]);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Deterministic values in [-1, 1), exactly representable in bf16 and
+    /// f16 (multiples of 1/64), so the same inputs feed every dtype.
+    fn values(n: usize, seed: u64) -> Vec<f64> {
+        let mut s = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        (0..n)
+            .map(|_| {
+                s = s
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                ((s >> 33) % 128) as f64 / 64.0 - 1.0
+            })
+            .collect()
+    }
+
+    /// Row-major m×k times k×n in f64, the textbook triple loop.
+    fn naive(a: &[f64], b: &[f64], m: usize, k: usize, n: usize) -> Vec<f64> {
+        let mut out = vec![0.0; m * n];
+        for i in 0..m {
+            for j in 0..n {
+                for p in 0..k {
+                    out[i * n + j] += a[i * k + p] * b[p * n + j];
+                }
+            }
+        }
+        out
+    }
+
+    fn f32_tensor(v: &[f64], shape: &[usize]) -> Tensor {
+        Tensor::from_vec(v.iter().map(|&x| x as f32).collect(), shape)
+    }
+
+    /// A view of `data` (given in the view's row-major order) whose storage
+    /// holds it transposed in the last two dims.
+    fn transposed_view(v: &[f64], shape: &[usize]) -> Tensor {
+        let r = shape.len();
+        let (rows, cols) = (shape[r - 2], shape[r - 1]);
+        let mut phys = Vec::with_capacity(v.len());
+        for mat in v.chunks(rows * cols) {
+            for c in 0..cols {
+                phys.extend((0..rows).map(|r| mat[r * cols + c] as f32));
+            }
+        }
+        let mut pshape = shape.to_vec();
+        pshape.swap(r - 2, r - 1);
+        let t = Tensor::from_vec(phys, &pshape);
+        let mut perm: Vec<usize> = (0..r).collect();
+        perm.swap(r - 2, r - 1);
+        let view = Tensor::from_parts(t.storage().clone(), t.layout().permuted(&perm));
+        assert!(!view.is_contiguous());
+        view
+    }
+
+    fn assert_close(got: &[f64], want: &[f64], tol: f64) {
+        assert_eq!(got.len(), want.len());
+        for (i, (g, w)) in got.iter().zip(want).enumerate() {
+            assert!((g - w).abs() <= tol * (1.0 + w.abs()), "at {i}: {g} vs {w}");
+        }
+    }
+
+    fn run(a: &Tensor, b: &Tensor, shape: &[usize]) -> Tensor {
+        let out = matmul(a, b, shape).unwrap();
+        assert_eq!(out.shape(), shape);
+        out
+    }
+
+    #[test]
+    fn hand_2x2() {
+        let a = Tensor::from_vec(vec![1.0f32, 2.0, 3.0, 4.0], &[2, 2]);
+        let b = Tensor::from_vec(vec![5.0f32, 6.0, 7.0, 8.0], &[2, 2]);
+        let out = run(&a, &b, &[2, 2]);
+        assert_eq!(out.to_vec::<f32>().unwrap(), vec![19.0, 22.0, 43.0, 50.0]);
+    }
+
+    #[test]
+    fn odd_sizes_f32_and_f64() {
+        for &(m, k, n) in &[
+            (1, 7, 33),
+            (7, 1, 1),
+            (33, 129, 7),
+            (129, 33, 129),
+            (129, 129, 129),
+        ] {
+            let (a, b) = (values(m * k, 1), values(k * n, 2));
+            let want = naive(&a, &b, m, k, n);
+            let got = run(&f32_tensor(&a, &[m, k]), &f32_tensor(&b, &[k, n]), &[m, n]);
+            assert_close(&got.to_f64_vec(), &want, 1e-5);
+            let a64 = Tensor::from_vec(a.clone(), &[m, k]);
+            let b64 = Tensor::from_vec(b.clone(), &[k, n]);
+            assert_close(&run(&a64, &b64, &[m, n]).to_f64_vec(), &want, 1e-12);
+        }
+    }
+
+    #[test]
+    fn one_dim_operands() {
+        let v = Tensor::from_vec(vec![1.0f32, 2.0, 3.0], &[3]);
+        let dot = run(&v, &v, &[]);
+        assert_eq!(dot.to_vec::<f32>().unwrap(), vec![14.0]);
+        let m = Tensor::from_vec((1..=6).map(|x| x as f32).collect(), &[2, 3]);
+        // [[1,2,3],[4,5,6]] @ [1,2,3] = [14, 32]
+        assert_eq!(run(&m, &v, &[2]).to_vec::<f32>().unwrap(), vec![14.0, 32.0]);
+        // [1,2] @ [[1,2,3],[4,5,6]] = [9, 12, 15]
+        let u = Tensor::from_vec(vec![1.0f32, 2.0], &[2]);
+        assert_eq!(
+            run(&u, &m, &[3]).to_vec::<f32>().unwrap(),
+            vec![9.0, 12.0, 15.0]
+        );
+        // [3] @ [2, 3, 2]: batched, the vector's dim dropped.
+        let bm = values(12, 3);
+        let got = run(&v, &f32_tensor(&bm, &[2, 3, 2]), &[2, 2]);
+        let mut want = naive(&[1.0, 2.0, 3.0], &bm[..6], 1, 3, 2);
+        want.extend(naive(&[1.0, 2.0, 3.0], &bm[6..], 1, 3, 2));
+        assert_close(&got.to_f64_vec(), &want, 1e-6);
+    }
+
+    #[test]
+    fn broadcast_batch() {
+        // [2,1,3,4] @ [5,4,6] -> [2,5,3,6]: out[i,j] = a[i,0] @ b[j].
+        let (a, b) = (values(2 * 12, 4), values(5 * 24, 5));
+        let got = run(
+            &f32_tensor(&a, &[2, 1, 3, 4]),
+            &f32_tensor(&b, &[5, 4, 6]),
+            &[2, 5, 3, 6],
+        );
+        let mut want = Vec::new();
+        for i in 0..2 {
+            for j in 0..5 {
+                want.extend(naive(&a[i * 12..][..12], &b[j * 24..][..24], 3, 4, 6));
+            }
+        }
+        assert_close(&got.to_f64_vec(), &want, 1e-6);
+    }
+
+    #[test]
+    fn shared_rhs_folds_batch_and_expanded_lhs() {
+        // [4,33,7] @ [7,5]: one tall gemm.
+        let (a, b) = (values(4 * 33 * 7, 6), values(35, 7));
+        let got = run(
+            &f32_tensor(&a, &[4, 33, 7]),
+            &f32_tensor(&b, &[7, 5]),
+            &[4, 33, 5],
+        );
+        assert_close(&got.to_f64_vec(), &naive(&a, &b, 132, 7, 5), 1e-6);
+        // The same with the batch dims transposed (not foldable): [3,4,5,6]
+        // viewed as [4,3,5,6].
+        let a = values(3 * 4 * 30, 8);
+        let base = f32_tensor(&a, &[3, 4, 5, 6]);
+        let view = Tensor::from_parts(
+            base.storage().clone(),
+            base.layout().permuted(&[1, 0, 2, 3]),
+        );
+        let b = values(6 * 2, 9);
+        let got = run(&view, &f32_tensor(&b, &[6, 2]), &[4, 3, 5, 2]);
+        let mut want = Vec::new();
+        for i in 0..4 {
+            for j in 0..3 {
+                want.extend(naive(&a[(j * 4 + i) * 30..][..30], &b, 5, 6, 2));
+            }
+        }
+        assert_close(&got.to_f64_vec(), &want, 1e-6);
+        // A stride-0 (expanded) left batch against a real right batch.
+        let (a, b) = (values(12, 10), values(5 * 24, 11));
+        let x = f32_tensor(&a, &[3, 4]);
+        let ex = Tensor::from_parts(x.storage().clone(), x.layout().expanded(&[5, 3, 4]));
+        let got = run(&ex, &f32_tensor(&b, &[5, 4, 6]), &[5, 3, 6]);
+        let want: Vec<f64> = (0..5)
+            .flat_map(|j| naive(&a, &b[j * 24..][..24], 3, 4, 6))
+            .collect();
+        assert_close(&got.to_f64_vec(), &want, 1e-6);
+    }
+
+    #[test]
+    fn many_small_batches_in_parallel() {
+        let (bt, m, k, n) = (256, 8, 9, 10);
+        let (a, b) = (values(bt * m * k, 12), values(bt * k * n, 13));
+        let got = run(
+            &f32_tensor(&a, &[bt, m, k]),
+            &f32_tensor(&b, &[bt, k, n]),
+            &[bt, m, n],
+        );
+        let want: Vec<f64> = (0..bt)
+            .flat_map(|i| naive(&a[i * m * k..][..m * k], &b[i * k * n..][..k * n], m, k, n))
+            .collect();
+        assert_close(&got.to_f64_vec(), &want, 1e-6);
+    }
+
+    #[test]
+    fn transposed_and_sliced_operands() {
+        // q @ k^T with k stored [n, d]: the view is passed to gemm as is.
+        let (m, d, n) = (33, 7, 129);
+        let (q, kt) = (values(2 * m * d, 14), values(2 * d * n, 15));
+        let got = run(
+            &f32_tensor(&q, &[2, m, d]),
+            &transposed_view(&kt, &[2, d, n]),
+            &[2, m, n],
+        );
+        let want: Vec<f64> = (0..2)
+            .flat_map(|i| naive(&q[i * m * d..][..m * d], &kt[i * d * n..][..d * n], m, d, n))
+            .collect();
+        assert_close(&got.to_f64_vec(), &want, 1e-5);
+        // Both operands transposed.
+        let (a, b) = (values(7 * 33, 16), values(33 * 5, 17));
+        let got = run(
+            &transposed_view(&a, &[7, 33]),
+            &transposed_view(&b, &[33, 5]),
+            &[7, 5],
+        );
+        assert_close(&got.to_f64_vec(), &naive(&a, &b, 7, 33, 5), 1e-5);
+        // Every other column of a [5, 14] tensor: a [5, 7] view, stride 2.
+        let wide = values(5 * 14, 18);
+        let t = f32_tensor(&wide, &[5, 14]);
+        let sliced = Tensor::from_parts(t.storage().clone(), t.layout().sliced(1, 1, 7, 2));
+        let a: Vec<f64> = (0..5)
+            .flat_map(|r| (0..7).map(move |c| (r, c)))
+            .map(|(r, c)| wide[r * 14 + 1 + 2 * c])
+            .collect();
+        let b = values(7 * 3, 19);
+        let got = run(&sliced, &f32_tensor(&b, &[7, 3]), &[5, 3]);
+        assert_close(&got.to_f64_vec(), &naive(&a, &b, 5, 7, 3), 1e-6);
+    }
+
+    /// |got − want| within `rel` of the magnitude of the products summed.
+    fn assert_low_precision(
+        got: &[f64],
+        a: &[f64],
+        b: &[f64],
+        (m, k, n): (usize, usize, usize),
+        rel: f64,
+    ) {
+        let want = naive(a, b, m, k, n);
+        let abs_a: Vec<f64> = a.iter().map(|x| x.abs()).collect();
+        let abs_b: Vec<f64> = b.iter().map(|x| x.abs()).collect();
+        let scale = naive(&abs_a, &abs_b, m, k, n);
+        for i in 0..want.len() {
+            assert!(
+                (got[i] - want[i]).abs() <= rel * scale[i] + 1e-6,
+                "at {i}: {} vs {}",
+                got[i],
+                want[i]
+            );
+        }
+    }
+
+    #[test]
+    fn f16_and_bf16() {
+        let (m, k, n) = (33, 129, 7);
+        let (a, b) = (values(m * k, 20), values(k * n, 21));
+        let a16: Vec<half::f16> = a.iter().map(|&x| half::f16::from_f64(x)).collect();
+        let b16: Vec<half::f16> = b.iter().map(|&x| half::f16::from_f64(x)).collect();
+        let got = run(
+            &Tensor::from_vec(a16, &[m, k]),
+            &Tensor::from_vec(b16, &[k, n]),
+            &[m, n],
+        );
+        // Inputs are exact in f16; one rounding of the result (2^-11) plus
+        // gemm's f16 accumulation.
+        assert_low_precision(&got.to_f64_vec(), &a, &b, (m, k, n), 2e-3);
+        let abf: Vec<half::bf16> = a.iter().map(|&x| half::bf16::from_f64(x)).collect();
+        let bbf: Vec<half::bf16> = b.iter().map(|&x| half::bf16::from_f64(x)).collect();
+        let ta = Tensor::from_vec(abf, &[m, k]);
+        let got = run(&ta, &Tensor::from_vec(bbf, &[k, n]), &[m, n]);
+        assert_eq!(got.dtype(), DType::BF16);
+        // f32 accumulation, one bf16 rounding (2^-9 relative).
+        assert_low_precision(&got.to_f64_vec(), &a, &b, (m, k, n), 2.0f64.powi(-8));
+        // bf16 with an expanded (stride-0) left operand.
+        let ex = Tensor::from_parts(ta.storage().clone(), ta.layout().expanded(&[2, m, k]));
+        let bb: Vec<half::bf16> = values(2 * k * n, 22)
+            .iter()
+            .map(|&x| half::bf16::from_f64(x))
+            .collect();
+        let got = run(&ex, &Tensor::from_vec(bb.clone(), &[2, k, n]), &[2, m, n]).to_f64_vec();
+        let bb: Vec<f64> = bb.iter().map(|x| x.to_f64()).collect();
+        for i in 0..2 {
+            assert_low_precision(
+                &got[i * m * n..][..m * n],
+                &a,
+                &bb[i * k * n..][..k * n],
+                (m, k, n),
+                2.0f64.powi(-8),
+            );
+        }
+    }
+
+    #[test]
+    fn integers() {
+        let a = Tensor::from_vec(vec![1i64, -2, 3, 4, 5, -6], &[2, 3]);
+        let b = Tensor::from_vec(vec![7i64, 8, 9, 10, -11, 12], &[3, 2]);
+        // [[1,-2,3],[4,5,-6]] @ [[7,8],[9,10],[-11,12]]
+        assert_eq!(
+            run(&a, &b, &[2, 2]).to_vec::<i64>().unwrap(),
+            vec![-44, 24, 139, 10]
+        );
+        let bt = Tensor::from_parts(
+            b.storage().clone(),
+            Layout::contiguous(&[2, 3]).permuted(&[1, 0]),
+        );
+        // b's storage read as [2,3] then transposed: [[7,10],[8,-11],[9,12]].
+        assert_eq!(
+            run(&a, &bt, &[2, 2]).to_vec::<i64>().unwrap(),
+            vec![18, 68, 14, -87]
+        );
+        let a32 = Tensor::from_vec(vec![2i32, 3], &[1, 2]);
+        let b32 = Tensor::from_vec(vec![i32::MAX, 1], &[2, 1]);
+        // 2·MAX + 3 wraps like i32 arithmetic: 2·(2^31 − 1) + 3 − 2^32 = 1.
+        assert_eq!(run(&a32, &b32, &[1, 1]).to_vec::<i32>().unwrap(), vec![1]);
+    }
+
+    #[test]
+    fn empty_and_zero_k() {
+        // Dirty a pooled buffer of the output's size so stale bytes would show.
+        drop(Tensor::from_vec(vec![7.0f32; 12], &[12]));
+        let a = Tensor::from_vec(Vec::<f32>::new(), &[3, 0]);
+        let b = Tensor::from_vec(Vec::<f32>::new(), &[0, 4]);
+        assert_eq!(run(&a, &b, &[3, 4]).to_vec::<f32>().unwrap(), vec![0.0; 12]);
+        let ai = Tensor::from_vec(Vec::<i64>::new(), &[2, 0]);
+        let bi = Tensor::from_vec(Vec::<i64>::new(), &[0, 2]);
+        assert_eq!(run(&ai, &bi, &[2, 2]).to_vec::<i64>().unwrap(), vec![0; 4]);
+        let a = Tensor::from_vec(Vec::<f32>::new(), &[0, 3]);
+        let b = f32_tensor(&values(12, 23), &[3, 4]);
+        assert_eq!(run(&a, &b, &[0, 4]).numel(), 0);
+        let b0 = Tensor::from_vec(Vec::<f32>::new(), &[3, 0]);
+        assert_eq!(
+            run(&f32_tensor(&values(6, 24), &[2, 3]), &b0, &[2, 0]).numel(),
+            0
+        );
+        let bat = Tensor::from_vec(Vec::<f32>::new(), &[0, 2, 3]);
+        assert_eq!(run(&bat, &b, &[0, 2, 4]).numel(), 0);
+    }
+
+    #[test]
+    fn via_dispatcher() {
+        let a = f32_tensor(&values(6, 25), &[2, 3]);
+        let b = f32_tensor(&values(3, 26), &[3]);
+        let out =
+            crate::runtime::cpu::eval(&crate::ir::Op::MatMul, &[&a, &b], DType::F32, &[2]).unwrap();
+        assert_close(
+            &out.to_f64_vec(),
+            &naive(&a.to_f64_vec(), &b.to_f64_vec(), 2, 3, 1),
+            1e-6,
+        );
+    }
+
+    #[test]
+    fn plans_fold_and_split_as_intended() {
+        let c = Layout::contiguous;
+        let folded = Plan::new(&c(&[4, 33, 7]), &c(&[7, 5]), &[4, 33, 5]);
+        assert_eq!((folded.batch(), folded.m, folded.a_rs), (1, 132, 7));
+        let kept = Plan::new(
+            &c(&[3, 4, 5, 6]).permuted(&[1, 0, 2, 3]),
+            &c(&[6, 2]),
+            &[4, 3, 5, 2],
+        );
+        assert_eq!((kept.batch(), kept.m), (12, 5));
+        let unit_b = Plan::new(&c(&[2, 1, 33, 7]), &c(&[1, 1, 7, 5]), &[2, 1, 33, 5]);
+        assert_eq!((unit_b.batch(), unit_b.m), (1, 66));
+        let batched = Plan::new(&c(&[2, 5, 3]), &c(&[2, 3, 4]), &[2, 5, 4]);
+        assert_eq!((batched.batch(), batched.m), (2, 5));
+        let small = Plan::new(&c(&[256, 8, 9]), &c(&[256, 9, 10]), &[256, 8, 10]);
+        assert!(small.batches_per_task().is_some());
+        let large = Plan::new(&c(&[2, 128, 128]), &c(&[2, 128, 128]), &[2, 128, 128]);
+        assert!(large.batches_per_task().is_none());
+    }
 }

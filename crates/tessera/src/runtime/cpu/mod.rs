@@ -37,12 +37,10 @@ pub fn eval(op: &Op, inputs: &[&Tensor], dtype: DType, shape: &[usize]) -> Resul
         Op::Binary(b) => elementwise::binary(*b, inputs[0], inputs[1], shape),
         Op::Compare(c) => Ok(elementwise::compare(*c, inputs[0], inputs[1], shape)),
         Op::Where => Ok(elementwise::where_(inputs[0], inputs[1], inputs[2], shape)),
-        Op::Reduce { op, dims, keepdim } => Ok(reduce::reduce(*op, inputs[0], dims, *keepdim)),
-        Op::ArgReduce { op, dim, keepdim } => {
-            Ok(reduce::arg_reduce(*op, inputs[0], *dim, *keepdim))
-        }
-        Op::Softmax { dim } => Ok(reduce::softmax(inputs[0], *dim, false)),
-        Op::LogSoftmax { dim } => Ok(reduce::softmax(inputs[0], *dim, true)),
+        Op::Reduce { op, dims, keepdim } => reduce::reduce(*op, inputs[0], dims, *keepdim),
+        Op::ArgReduce { op, dim, keepdim } => reduce::arg_reduce(*op, inputs[0], *dim, *keepdim),
+        Op::Softmax { dim } => reduce::softmax(inputs[0], *dim, false),
+        Op::LogSoftmax { dim } => reduce::softmax(inputs[0], *dim, true),
         Op::MatMul => matmul::matmul(inputs[0], inputs[1], shape),
         Op::Reshape(_) => Ok(copy::reshape(inputs[0], shape)),
         Op::Permute(perm) => Ok(view(inputs[0], inputs[0].layout().permuted(perm))),
