@@ -7,7 +7,7 @@
 
 use rayon::prelude::*;
 
-use super::element::Element;
+use super::element::{Element, Float};
 use super::Storage;
 use crate::error::{op_err, Result};
 use crate::ir::DType;
@@ -28,8 +28,8 @@ pub fn matmul(a: &Tensor, b: &Tensor, out_shape: &[usize]) -> Result<Tensor> {
     let out = match a.dtype() {
         DType::F32 => gemm_storage::<f32>(&plan, a.storage(), b.storage()),
         DType::F64 => gemm_storage::<f64>(&plan, a.storage(), b.storage()),
-        DType::F16 => gemm_storage::<half::f16>(&plan, a.storage(), b.storage()),
-        DType::BF16 => return Ok(matmul_bf16(a, b, out_shape)),
+        DType::F16 => return Ok(matmul_via_f32::<half::f16>(a, b, out_shape)),
+        DType::BF16 => return Ok(matmul_via_f32::<half::bf16>(a, b, out_shape)),
         DType::I64 => int_storage::<i64>(&plan, a.storage(), b.storage()),
         DType::I32 => int_storage::<i32>(&plan, a.storage(), b.storage()),
         DType::Bool => return Err(op_err!(DType, "matmul", "is not defined for bool")),
@@ -245,22 +245,24 @@ fn gemm_one<T: GemmElement>(
     }
 }
 
-/// bf16 has no gemm kernel: multiply in f32 and round once at the end.
-fn matmul_bf16(a: &Tensor, b: &Tensor, out_shape: &[usize]) -> Tensor {
-    let (a32, b32) = (to_f32(a), to_f32(b));
+/// f16 and bf16: multiply in f32 and round once at the end. (bf16 has no
+/// gemm kernel; gemm's f16 kernel accumulates in f16, which loses ~1% at
+/// k = 129 — we promise f32 accumulation for the half types.)
+fn matmul_via_f32<T: Float<Acc = f32>>(a: &Tensor, b: &Tensor, out_shape: &[usize]) -> Tensor {
+    let (a32, b32) = (to_f32::<T>(a), to_f32::<T>(b));
     let plan = Plan::new(a32.layout(), b32.layout(), out_shape);
     let wide = gemm_storage::<f32>(&plan, a32.storage(), b32.storage());
-    let mut out = Storage::new(DType::BF16, wide.numel());
-    let dst = out.as_mut_slice::<half::bf16>();
+    let mut out = Storage::new(T::DTYPE, wide.numel());
+    let dst = out.as_mut_slice::<T>();
     for (o, &v) in dst.iter_mut().zip(wide.as_slice::<f32>()) {
-        *o = half::bf16::from_f32(v);
+        *o = T::from_acc(v);
     }
     Tensor::from_storage(out, out_shape)
 }
 
-/// A bf16 tensor converted to f32 with the same shape. Broadcast (stride-0)
+/// A half-precision tensor converted to f32 with the same shape. Broadcast (stride-0)
 /// dims stay broadcast, so an expanded operand is not materialised.
-fn to_f32(x: &Tensor) -> Tensor {
+fn to_f32<T: Float<Acc = f32>>(x: &Tensor) -> Tensor {
     let l = x.layout();
     let compact: Vec<usize> = (0..l.rank())
         .map(|d| if l.strides[d] == 0 { 1 } else { l.shape[d] })
@@ -269,10 +271,10 @@ fn to_f32(x: &Tensor) -> Tensor {
         shape: compact.clone(),
         ..l.clone()
     };
-    let data = x.storage().as_slice::<half::bf16>();
+    let data = x.storage().as_slice::<T>();
     let mut values = Vec::with_capacity(src.numel());
     src.for_each_run(|start, stride, len| {
-        values.extend((0..len).map(|j| data[start + j * stride].to_f32()));
+        values.extend((0..len).map(|j| data[start + j * stride].to_acc()));
     });
     let storage = std::sync::Arc::new(Storage::from_slice(&values));
     Tensor::from_parts(storage, Layout::contiguous(&compact).expanded(&l.shape))
