@@ -6,6 +6,7 @@ pub mod copy;
 mod creation;
 mod element;
 mod elementwise;
+mod fastmath;
 mod index;
 mod matmul;
 mod reduce;
