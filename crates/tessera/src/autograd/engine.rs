@@ -272,11 +272,7 @@ fn propagate(roots: &[Tensor], seeds: Vec<Tensor>, sink: &mut Sink) -> Result<()
         if root.is_leaf() {
             sink.leaf(root, seed)?;
         } else {
-            let total = match pending.remove(&root.id()) {
-                Some(prev) => prev.try_add(&seed)?,
-                None => seed,
-            };
-            pending.insert(root.id(), total);
+            add_pending(&mut pending, root, seed)?;
         }
     }
     for t in reverse_topological(roots) {
@@ -299,14 +295,20 @@ fn propagate(roots: &[Tensor], seeds: Vec<Tensor>, sink: &mut Sink) -> Result<()
             if input.is_leaf() {
                 sink.leaf(input, g)?;
             } else {
-                let total = match pending.remove(&input.id()) {
-                    Some(prev) => prev.try_add(&g)?,
-                    None => g,
-                };
-                pending.insert(input.id(), total);
+                add_pending(&mut pending, input, g)?;
             }
         }
     }
+    Ok(())
+}
+
+/// Adds `g` to the gradient waiting for `t`.
+fn add_pending(pending: &mut HashMap<usize, Tensor>, t: &Tensor, g: Tensor) -> Result<()> {
+    let total = match pending.remove(&t.id()) {
+        Some(prev) => prev.try_add(&g)?,
+        None => g,
+    };
+    pending.insert(t.id(), total);
     Ok(())
 }
 

@@ -327,21 +327,7 @@ fn int_one<T: WrappingInt>(plan: &Plan, i: usize, a: &[T], b: &[T], dst: &mut [T
 mod tests {
     use super::*;
 
-    /// Deterministic values in [-1, 1), exactly representable in bf16 and
-    /// f16 (multiples of 1/64), so the same inputs feed every dtype.
-    fn values(n: usize, seed: u64) -> Vec<f64> {
-        let mut s = seed
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        (0..n)
-            .map(|_| {
-                s = s
-                    .wrapping_mul(6364136223846793005)
-                    .wrapping_add(1442695040888963407);
-                ((s >> 33) % 128) as f64 / 64.0 - 1.0
-            })
-            .collect()
-    }
+    use crate::runtime::cpu::test_values as values;
 
     /// Row-major m×k times k×n in f64, the textbook triple loop.
     fn naive(a: &[f64], b: &[f64], m: usize, k: usize, n: usize) -> Vec<f64> {

@@ -80,3 +80,20 @@ pub fn eval(op: &Op, inputs: &[&Tensor], dtype: DType, shape: &[usize]) -> Resul
 fn view(x: &Tensor, layout: crate::tensor::Layout) -> Tensor {
     Tensor::from_parts(x.storage().clone(), layout)
 }
+
+/// Deterministic test values in [-1, 1), multiples of 1/64 so that f16 and
+/// bf16 hold them exactly and the same inputs feed every dtype.
+#[cfg(test)]
+pub(crate) fn test_values(n: usize, seed: u64) -> Vec<f64> {
+    let mut s = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
+    (0..n)
+        .map(|_| {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((s >> 33) % 128) as f64 / 64.0 - 1.0
+        })
+        .collect()
+}

@@ -695,18 +695,7 @@ mod tests {
 
     use super::*;
 
-    /// Deterministic multiples of 1/64 in [-1, 1).
-    fn values(n: usize, seed: u64) -> Vec<f64> {
-        let mut s = seed.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        (0..n)
-            .map(|_| {
-                s = s
-                    .wrapping_mul(6364136223846793005)
-                    .wrapping_add(1442695040888963407);
-                ((s >> 33) % 128) as f64 / 64.0 - 1.0
-            })
-            .collect()
-    }
+    use crate::runtime::cpu::test_values as values;
 
     /// The reference: group the logical values by their kept coordinates.
     fn naive(v: &[f64], shape: &[usize], dims: &[usize], op: ReduceOp) -> Vec<f64> {
