@@ -1,5 +1,9 @@
-//! The eager autograd engine: a tape of `GradFn`s hung on result tensors,
-//! walked backwards by `Tensor::backward`.
+//! The eager autograd engine: a graph of `GradNode`s hung on result tensors,
+//! walked backwards by `Tensor::backward` and [`grad`].
+//!
+//! A node is one recorded op (its VJP rule is in [`rules`]) or a custom
+//! function with several outputs and its own backward (a compiled graph, a
+//! custom op). Each output tensor points at its node and its output index.
 
 use std::cell::Cell;
 use std::collections::{HashMap, HashSet};
@@ -8,25 +12,80 @@ use std::sync::{Arc, Mutex};
 
 use super::rules;
 use crate::error::{Error, ErrorKind, Result, SourceLoc};
-use crate::ir::{NodeMeta, Op};
+use crate::ir::{DType, NodeMeta, Op};
 use crate::tensor::{trace, Tensor};
 
 /// Autograd state of a tensor that requires grad.
 pub(crate) struct AutogradMeta {
     /// The accumulated gradient of a leaf.
     grad: Mutex<Option<Tensor>>,
-    /// How this tensor was computed; `None` for a leaf.
-    grad_fn: Option<GradFn>,
+    /// The node that computed this tensor and which of its outputs it is;
+    /// `None` for a leaf.
+    grad_fn: Option<(Arc<GradNode>, usize)>,
 }
 
-/// One recorded op: enough to apply its VJP rule.
-struct GradFn {
-    op: Op,
+/// A backward function for [`custom_function`]: output gradients (zeros
+/// where an output got none) → one optional gradient per input.
+pub type BackwardFn = dyn Fn(&[Tensor]) -> Result<Vec<Option<Tensor>>> + Send + Sync;
+
+enum Backward {
+    /// One IR op; its output is kept detached (no reference cycle).
+    Op { op: Op, output: Tensor },
+    Custom {
+        name: String,
+        backward: Arc<BackwardFn>,
+    },
+}
+
+struct GradNode {
+    backward: Backward,
     inputs: Vec<Tensor>,
-    /// The op's result, detached (no autograd meta: no reference cycle).
-    output: Tensor,
+    /// Shapes and dtypes of the outputs, to make zero gradients.
+    outputs: Vec<(Vec<usize>, DType)>,
     /// The forward op's call site and hints, which its backward ops inherit.
     origin: NodeMeta,
+}
+
+impl GradNode {
+    fn id(self: &Arc<Self>) -> usize {
+        Arc::as_ptr(self) as usize
+    }
+
+    fn name(&self) -> &str {
+        match &self.backward {
+            Backward::Op { op, .. } => op.name(),
+            Backward::Custom { name, .. } => name,
+        }
+    }
+
+    /// Input gradients from output gradients.
+    fn apply(&self, grads: Vec<Option<Tensor>>) -> Result<Vec<Option<Tensor>>> {
+        let filled: Vec<Tensor> = grads
+            .into_iter()
+            .zip(&self.outputs)
+            .map(|(g, (shape, dtype))| g.unwrap_or_else(|| Tensor::zeros(shape, *dtype)))
+            .collect();
+        let result = trace::with_origin(&self.origin, || match &self.backward {
+            Backward::Op { op, output } => rules::vjp(op, &self.inputs, output, &filled[0]),
+            Backward::Custom { backward, .. } => backward(&filled),
+        });
+        let result = result.map_err(|e| match &self.origin.location {
+            Some(loc) => e.at(loc.clone()),
+            None => e,
+        })?;
+        if result.len() != self.inputs.len() {
+            return Err(Error::op(
+                ErrorKind::Verify,
+                self.name(),
+                format!(
+                    "backward returned {} gradients for {} inputs",
+                    result.len(),
+                    self.inputs.len()
+                ),
+            ));
+        }
+        Ok(result)
+    }
 }
 
 thread_local! {
@@ -50,45 +109,77 @@ pub fn no_grad<R>(f: impl FnOnce() -> R) -> R {
     f()
 }
 
-/// Ops whose output carries a gradient back to (some of) their inputs.
-fn is_differentiable(op: &Op) -> bool {
-    !matches!(
-        op,
-        Op::Input
-            | Op::Constant(_)
-            | Op::Full { .. }
-            | Op::Arange { .. }
-            | Op::Rand { .. }
-            | Op::Randn { .. }
-            | Op::Compare(_)
-            | Op::ArgReduce { .. }
-    )
+/// Whether a node recording `inputs` → outputs of `dtypes` is worth keeping.
+fn tracks(inputs: &[&Tensor], any_float_output: bool) -> bool {
+    is_grad_enabled() && any_float_output && inputs.iter().any(|t| t.requires_grad())
 }
 
-/// Hangs a `GradFn` on `out` when an input requires grad.
+/// Hangs the op's node on `out` when an input requires grad.
 pub(crate) fn record(
     op: &Op,
     inputs: &[&Tensor],
     out: Tensor,
     caller: &'static Location<'static>,
 ) -> Tensor {
-    let tracked = is_grad_enabled()
-        && out.dtype().is_float()
-        && is_differentiable(op)
-        && inputs.iter().any(|t| t.requires_grad());
-    if !tracked {
+    if !rules::has_gradient(op) || !tracks(inputs, out.dtype().is_float()) {
         return out;
     }
-    let meta = AutogradMeta {
-        grad: Mutex::new(None),
-        grad_fn: Some(GradFn {
+    let node = Arc::new(GradNode {
+        backward: Backward::Op {
             op: op.clone(),
-            inputs: inputs.iter().map(|&t| t.clone()).collect(),
             output: out.clone(),
-            origin: trace::node_meta(caller),
-        }),
-    };
-    out.with_autograd(Some(Arc::new(meta)))
+        },
+        inputs: inputs.iter().map(|&t| t.clone()).collect(),
+        outputs: vec![(out.shape().to_vec(), out.dtype())],
+        origin: trace::node_meta(caller),
+    });
+    attach(&out, &node, 0)
+}
+
+fn attach(out: &Tensor, node: &Arc<GradNode>, index: usize) -> Tensor {
+    out.with_autograd(Some(Arc::new(AutogradMeta {
+        grad: Mutex::new(None),
+        grad_fn: Some((node.clone(), index)),
+    })))
+}
+
+/// Connects `outputs` (computed from `inputs` without recording, e.g. by a
+/// compiled graph or a custom kernel) to the autograd graph with one node
+/// whose gradient is `backward`. Returns the outputs as tensors that carry
+/// it (unchanged when no input requires grad or grad mode is off).
+#[track_caller]
+pub fn custom_function(
+    name: &str,
+    inputs: &[&Tensor],
+    outputs: Vec<Tensor>,
+    backward: Arc<BackwardFn>,
+) -> Vec<Tensor> {
+    if !tracks(inputs, outputs.iter().any(|t| t.dtype().is_float())) {
+        return outputs;
+    }
+    let node = Arc::new(GradNode {
+        backward: Backward::Custom {
+            name: name.to_string(),
+            backward,
+        },
+        inputs: inputs.iter().map(|&t| t.clone()).collect(),
+        outputs: outputs
+            .iter()
+            .map(|t| (t.shape().to_vec(), t.dtype()))
+            .collect(),
+        origin: trace::node_meta(Location::caller()),
+    });
+    outputs
+        .iter()
+        .enumerate()
+        .map(|(i, t)| {
+            if t.dtype().is_float() {
+                attach(&t.detach(), &node, i)
+            } else {
+                t.clone()
+            }
+        })
+        .collect()
 }
 
 impl Tensor {
@@ -127,7 +218,7 @@ impl Tensor {
         self.with_autograd(None)
     }
 
-    /// A leaf: requires grad and was not computed by a recorded op.
+    /// A leaf: not computed by a recorded op.
     pub fn is_leaf(&self) -> bool {
         self.autograd_meta().is_none_or(|m| m.grad_fn.is_none())
     }
@@ -201,28 +292,36 @@ fn seed_gradient(out: &Tensor, grad: Option<&Tensor>) -> Result<Tensor> {
     }
 }
 
-/// The tensors with a `GradFn` reachable from `roots`, each before every
-/// tensor it was computed from (reverse topological order).
-fn reverse_topological(roots: &[Tensor]) -> Vec<Tensor> {
+fn grad_fn(t: &Tensor) -> Option<&(Arc<GradNode>, usize)> {
+    t.autograd_meta().and_then(|m| m.grad_fn.as_ref())
+}
+
+/// The nodes reachable from `roots`, each before every node that computed
+/// one of its inputs (reverse topological order).
+fn reverse_topological(roots: &[Tensor]) -> Vec<Arc<GradNode>> {
     let mut order = Vec::new();
     let mut seen = HashSet::new();
-    // Iterative post-order DFS: (tensor, inputs pushed yet?).
-    let mut stack: Vec<(Tensor, bool)> = roots.iter().rev().map(|r| (r.clone(), false)).collect();
-    while let Some((t, expanded)) = stack.pop() {
+    // Iterative post-order DFS: (node, inputs pushed yet?).
+    let mut stack: Vec<(Arc<GradNode>, bool)> = roots
+        .iter()
+        .rev()
+        .filter_map(grad_fn)
+        .map(|(n, _)| (n.clone(), false))
+        .collect();
+    while let Some((node, expanded)) = stack.pop() {
         if expanded {
-            order.push(t);
+            order.push(node);
             continue;
         }
-        if !seen.insert(t.id()) {
+        if !seen.insert(node.id()) {
             continue;
         }
-        let Some(f) = grad_fn(&t) else {
-            continue;
-        };
-        stack.push((t.clone(), true));
-        for input in &f.inputs {
-            if grad_fn(input).is_some() && !seen.contains(&input.id()) {
-                stack.push((input.clone(), false));
+        stack.push((node.clone(), true));
+        for input in &node.inputs {
+            if let Some((n, _)) = grad_fn(input) {
+                if !seen.contains(&n.id()) {
+                    stack.push((n.clone(), false));
+                }
             }
         }
     }
@@ -230,16 +329,27 @@ fn reverse_topological(roots: &[Tensor]) -> Vec<Tensor> {
     order
 }
 
-fn grad_fn(t: &Tensor) -> Option<&GradFn> {
-    t.autograd_meta().and_then(|m| m.grad_fn.as_ref())
+/// Identity of a gradient's destination: a leaf (its autograd state) or an
+/// output of a node.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+enum Slot {
+    Leaf(usize),
+    Output(usize, usize),
+}
+
+fn slot_of(t: &Tensor) -> Option<Slot> {
+    let meta = t.autograd_meta()?;
+    Some(match &meta.grad_fn {
+        Some((node, i)) => Slot::Output(node.id(), *i),
+        None => Slot::Leaf(Arc::as_ptr(meta) as usize),
+    })
 }
 
 /// Where gradients end up: accumulated into leaves (`backward`), or
 /// returned for chosen tensors (`grad`).
 enum Sink {
     Leaves,
-    /// Tensor id → position in the result.
-    Capture(HashMap<usize, usize>, Vec<Option<Tensor>>),
+    Capture(HashMap<Slot, usize>, Vec<Option<Tensor>>),
 }
 
 impl Sink {
@@ -249,13 +359,13 @@ impl Sink {
                 accumulate_leaf(leaf, g);
                 Ok(())
             }
-            Sink::Capture(..) => self.capture(leaf, &g),
+            Sink::Capture(..) => self.capture(slot_of(leaf), &g),
         }
     }
 
-    fn capture(&mut self, t: &Tensor, g: &Tensor) -> Result<()> {
-        if let Sink::Capture(targets, results) = self {
-            if let Some(&i) = targets.get(&t.id()) {
+    fn capture(&mut self, slot: Option<Slot>, g: &Tensor) -> Result<()> {
+        if let (Sink::Capture(targets, results), Some(slot)) = (self, slot) {
+            if let Some(&i) = targets.get(&slot) {
                 results[i] = Some(match results[i].take() {
                     Some(prev) => prev.try_add(g)?,
                     None => g.clone(),
@@ -266,49 +376,55 @@ impl Sink {
     }
 }
 
-fn propagate(roots: &[Tensor], seeds: Vec<Tensor>, sink: &mut Sink) -> Result<()> {
-    let mut pending: HashMap<usize, Tensor> = HashMap::new();
-    for (root, seed) in roots.iter().zip(seeds) {
-        if root.is_leaf() {
-            sink.leaf(root, seed)?;
-        } else {
-            add_pending(&mut pending, root, seed)?;
-        }
+/// Output gradients waiting for their node, summed as they arrive.
+#[derive(Default)]
+struct Pending(HashMap<usize, Vec<Option<Tensor>>>);
+
+impl Pending {
+    fn add(&mut self, node: &Arc<GradNode>, index: usize, g: Tensor) -> Result<()> {
+        let slots = self
+            .0
+            .entry(node.id())
+            .or_insert_with(|| vec![None; node.outputs.len()]);
+        slots[index] = Some(match slots[index].take() {
+            Some(prev) => prev.try_add(&g)?,
+            None => g,
+        });
+        Ok(())
     }
-    for t in reverse_topological(roots) {
-        let Some(grad) = pending.remove(&t.id()) else {
+}
+
+/// Sends `g` to where `t`'s gradient goes.
+fn route(t: &Tensor, g: Tensor, pending: &mut Pending, sink: &mut Sink) -> Result<()> {
+    match grad_fn(t) {
+        None => sink.leaf(t, g),
+        Some((node, i)) => pending.add(node, *i, g),
+    }
+}
+
+fn propagate(roots: &[Tensor], seeds: Vec<Tensor>, sink: &mut Sink) -> Result<()> {
+    let mut pending = Pending::default();
+    for (root, seed) in roots.iter().zip(seeds) {
+        route(root, seed, &mut pending, sink)?;
+    }
+    for node in reverse_topological(roots) {
+        let Some(grads) = pending.0.remove(&node.id()) else {
             continue;
         };
-        sink.capture(&t, &grad)?;
-        let f = grad_fn(&t).expect("non-leaf");
-        let grads =
-            trace::with_origin(&f.origin, || rules::vjp(&f.op, &f.inputs, &f.output, &grad))
-                .map_err(|e| match &f.origin.location {
-                    Some(loc) => e.at(loc.clone()),
-                    None => e,
-                })?;
-        for (input, g) in f.inputs.iter().zip(grads) {
+        for (i, g) in grads.iter().enumerate() {
+            if let Some(g) = g {
+                sink.capture(Some(Slot::Output(node.id(), i)), g)?;
+            }
+        }
+        let input_grads = node.apply(grads)?;
+        for (input, g) in node.inputs.iter().zip(input_grads) {
             let Some(g) = g.filter(|_| input.requires_grad()) else {
                 continue;
             };
-            check_gradient(&f.op, input, &g)?;
-            if input.is_leaf() {
-                sink.leaf(input, g)?;
-            } else {
-                add_pending(&mut pending, input, g)?;
-            }
+            check_gradient(node.name(), input, &g)?;
+            route(input, g, &mut pending, sink)?;
         }
     }
-    Ok(())
-}
-
-/// Adds `g` to the gradient waiting for `t`.
-fn add_pending(pending: &mut HashMap<usize, Tensor>, t: &Tensor, g: Tensor) -> Result<()> {
-    let total = match pending.remove(&t.id()) {
-        Some(prev) => prev.try_add(&g)?,
-        None => g,
-    };
-    pending.insert(t.id(), total);
     Ok(())
 }
 
@@ -341,24 +457,24 @@ pub fn grad(
     let targets = inputs
         .iter()
         .enumerate()
-        .map(|(i, t)| (t.id(), i))
+        .filter_map(|(i, t)| Some((slot_of(t)?, i)))
         .collect();
     let mut sink = Sink::Capture(targets, vec![None; inputs.len()]);
     no_grad(|| propagate(outputs, seeds, &mut sink)).map_err(|e| e.at(at))?;
     match sink {
         Sink::Capture(_, results) => Ok(results),
-        Sink::Leaves => unreachable!(),
+        Sink::Leaves => unreachable!("grad always captures"),
     }
 }
 
-/// A rule that returns a gradient of the wrong type is a bug; say which.
-fn check_gradient(op: &Op, input: &Tensor, g: &Tensor) -> Result<()> {
+/// A backward that returns a gradient of the wrong type is a bug; say which.
+fn check_gradient(name: &str, input: &Tensor, g: &Tensor) -> Result<()> {
     if g.shape() != input.shape() || g.dtype() != input.dtype() {
         return Err(Error::op(
             ErrorKind::Verify,
-            op.name(),
+            name,
             format!(
-                "internal error: its VJP rule gave a gradient {} for an input {}",
+                "its backward gave a gradient {} for an input {}",
                 g.ty(),
                 input.ty()
             ),
