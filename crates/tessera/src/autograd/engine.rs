@@ -26,7 +26,8 @@ pub(crate) struct AutogradMeta {
 
 /// A backward function for [`custom_function`]: output gradients (zeros
 /// where an output got none) → one optional gradient per input.
-pub type BackwardFn = dyn Fn(&[Tensor]) -> Result<Vec<Option<Tensor>>> + Send + Sync;
+pub type BackwardFn =
+    dyn Fn(&[Tensor]) -> Result<Vec<Option<Tensor>>> + Send + Sync + std::panic::RefUnwindSafe;
 
 enum Backward {
     /// One IR op; its output is kept detached (no reference cycle).
