@@ -6,6 +6,7 @@
 //! - [`io`]: `.npy` and safetensors files.
 
 pub mod autograd;
+pub mod compile;
 pub mod error;
 pub mod io;
 pub mod ir;
@@ -13,6 +14,7 @@ pub mod logging;
 pub mod runtime;
 pub mod tensor;
 
+pub use compile::compile;
 pub use error::{Error, ErrorKind, Result, SourceLoc};
 pub use ir::{DType, Graph};
 pub use tensor::Tensor;

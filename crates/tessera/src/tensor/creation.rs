@@ -141,17 +141,27 @@ impl Tensor {
     }
 
     /// The elements in row-major order. Errors when `T` is not the dtype.
+    /// While tracing with known inputs (compiled code) this is a graph
+    /// break: the graph so far runs to produce the values.
+    #[track_caller]
     pub fn to_vec<T: Element>(&self) -> Result<Vec<T>> {
         self.expect_dtype::<T>()?;
-        self.expect_host("to_vec")?;
+        if self.is_traced() {
+            return super::trace::materialize(self, "to_vec", crate::error::SourceLoc::caller())?
+                .to_vec();
+        }
         let c = copy::contiguous(self);
         Ok(c.contiguous_slice::<T>().expect("contiguous").to_vec())
     }
 
     /// The elements converted to f64, in row-major order (bools as 0/1).
+    #[track_caller]
     pub fn to_f64_vec(&self) -> Vec<f64> {
         with_dtype!(self.dtype(), T => {
-            self.to_vec::<T>().expect("dtype matches").into_iter().map(|v| v.to_f64()).collect()
+            match self.to_vec::<T>() {
+                Ok(v) => v.into_iter().map(|v| v.to_f64()).collect(),
+                Err(e) => panic!("{e}"),
+            }
         })
     }
 

@@ -31,6 +31,12 @@ struct TraceState {
     /// kept alive so that identities stay unique for the whole trace.
     lifted: Vec<(NodeId, Tensor)>,
     lifted_by_id: HashMap<usize, NodeId>,
+    /// Values of nodes known during the trace (inputs given with values,
+    /// lifted tensors, values read at graph breaks); `None`: a pure trace,
+    /// where reading a value is an error.
+    known: Option<HashMap<NodeId, Tensor>>,
+    /// Where the traced code read a value (a graph break), in order.
+    breaks: Vec<SourceLoc>,
 }
 
 thread_local! {
@@ -75,6 +81,11 @@ pub struct Traced {
     pub graph: Graph,
     /// One per lifted input, in `graph.inputs` order after the user inputs.
     pub lifted: Vec<Tensor>,
+    /// Nodes whose values the traced code read (graph breaks), with the
+    /// values computed then; empty for a pure trace.
+    pub materialized: Vec<(NodeId, Tensor)>,
+    /// The call sites of those reads.
+    pub breaks: Vec<SourceLoc>,
 }
 
 pub(crate) fn is_active() -> bool {
@@ -91,10 +102,34 @@ impl Drop for ActiveTrace {
 }
 
 /// Traces `f` on fresh traced inputs of the given names and types; `f`
-/// returns the named outputs. Traces do not nest.
+/// returns the named outputs. Reading a traced value is an error. Traces do
+/// not nest.
 pub fn trace(
     name: &str,
     inputs: &[(String, TensorType)],
+    f: impl FnOnce(&[Tensor]) -> Result<Vec<(String, Tensor)>>,
+) -> Result<Traced> {
+    trace_core(name, inputs, None, f)
+}
+
+/// Like [`trace`], with the inputs' values known: where the traced code
+/// reads a value (`item()`, `to_vec()`), the graph so far is run to produce
+/// it and tracing goes on — a graph break, recorded in [`Traced::breaks`].
+pub fn trace_with_values(
+    name: &str,
+    inputs: &[(String, Tensor)],
+    f: impl FnOnce(&[Tensor]) -> Result<Vec<(String, Tensor)>>,
+) -> Result<Traced> {
+    let types: Vec<(String, TensorType)> =
+        inputs.iter().map(|(n, t)| (n.clone(), t.ty())).collect();
+    let values: Vec<Tensor> = inputs.iter().map(|(_, t)| t.detach()).collect();
+    trace_core(name, &types, Some(values), f)
+}
+
+fn trace_core(
+    name: &str,
+    inputs: &[(String, TensorType)],
+    values: Option<Vec<Tensor>>,
     f: impl FnOnce(&[Tensor]) -> Result<Vec<(String, Tensor)>>,
 ) -> Result<Traced> {
     if is_active() {
@@ -110,12 +145,15 @@ pub fn trace(
         let node = graph.add_input(input_name.clone(), ty.clone());
         args.push(traced_tensor(id, node, ty)?);
     }
+    let known = values.map(|v| graph.inputs.iter().copied().zip(v).collect());
     CURRENT.with(|c| {
         *c.borrow_mut() = Some(TraceState {
             id,
             graph,
             lifted: Vec::new(),
             lifted_by_id: HashMap::new(),
+            known,
+            breaks: Vec::new(),
         })
     });
     let guard = ActiveTrace;
@@ -131,10 +169,72 @@ pub fn trace(
     for (out_name, node) in outs {
         state.graph.add_output(out_name, node);
     }
+    let lifted_ids: std::collections::HashSet<NodeId> =
+        state.lifted.iter().map(|(n, _)| *n).collect();
+    let mut materialized: Vec<(NodeId, Tensor)> = state
+        .known
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|(n, _)| !matches!(state.graph.node(*n).op, Op::Input) && !lifted_ids.contains(n))
+        .collect();
+    materialized.sort_by_key(|(n, _)| *n);
     Ok(Traced {
         graph: state.graph,
         lifted: state.lifted.into_iter().map(|(_, t)| t).collect(),
+        materialized,
+        breaks: state.breaks,
     })
+}
+
+/// The value of traced tensor `t`, for a data read at `caller` (a graph
+/// break): the nodes it depends on are run with the values known so far.
+pub(crate) fn materialize(t: &Tensor, what: &str, caller: SourceLoc) -> Result<Tensor> {
+    let node = node_of(t)?;
+    // Suspend the trace: the partial graph runs eagerly, recording nothing.
+    let mut state = CURRENT
+        .with(|c| c.borrow_mut().take())
+        .expect("a trace is active");
+    let result = crate::autograd::no_grad(|| read_node(&mut state, node, t, what, caller));
+    CURRENT.with(|c| *c.borrow_mut() = Some(state));
+    result
+}
+
+fn read_node(
+    state: &mut TraceState,
+    node: NodeId,
+    t: &Tensor,
+    what: &str,
+    caller: SourceLoc,
+) -> Result<Tensor> {
+    let Some(known) = state.known.as_mut() else {
+        return Err(Error::op(
+            ErrorKind::Unsupported,
+            what,
+            format!(
+                "cannot read the values of {} while tracing: it is a graph node, not data",
+                t.ty()
+            ),
+        )
+        .at(caller));
+    };
+    if let Some(v) = known.get(&node) {
+        return Ok(v.clone());
+    }
+    let boundary: Vec<(String, NodeId)> = known.keys().map(|n| (format!("v{}", n.0), *n)).collect();
+    let part = crate::autograd::aot::extract(
+        &state.graph,
+        "graph_break",
+        &boundary,
+        &[("value".into(), node)],
+    )?;
+    // `extract` takes every boundary value as an input, in boundary order.
+    let feed: Vec<Tensor> = boundary.iter().map(|(_, n)| known[n].clone()).collect();
+    let value = crate::runtime::interpret::run_graph(&part, &feed)?
+        .remove(0)
+        .1;
+    known.insert(node, value.clone());
+    state.breaks.push(caller);
+    Ok(value)
 }
 
 fn traced_tensor(trace: u64, node: NodeId, ty: &TensorType) -> Result<Tensor> {
@@ -181,6 +281,9 @@ fn lift(state: &mut TraceState, t: &Tensor) -> NodeId {
     let node = state.graph.add_input(name, t.ty());
     state.lifted_by_id.insert(t.id(), node);
     state.lifted.push((node, t.clone()));
+    if let Some(known) = state.known.as_mut() {
+        known.insert(node, t.detach());
+    }
     node
 }
 

@@ -1,0 +1,387 @@
+//! `tessera::compile(f)`: capture `f` by tracing, guard and cache what was
+//! compiled, and run it — with autograd through the compiled graphs.
+//!
+//! Every call re-traces `f` (cheap: the ops are recorded, not computed),
+//! hashes the graph's structure together with the inputs' guards, and looks
+//! the executable up in the cache: the key *is* the guard set, so a closure
+//! whose traced graph changes (captured state, data-dependent control flow)
+//! is never served a stale executable. A miss on a known function is a
+//! recompile, logged with its reason. Past `recompile_limit` the function
+//! runs eagerly from then on, with one warning.
+
+mod executable;
+mod guards;
+
+use std::collections::hash_map::DefaultHasher;
+use std::hash::{Hash, Hasher};
+use std::sync::{Arc, Mutex};
+
+pub use executable::Executable;
+pub use guards::{miss_reason, InputGuard};
+
+use crate::autograd::Partition;
+use crate::error::{Error, ErrorKind, Result, SourceLoc};
+use crate::ir::Graph;
+use crate::logging::log;
+use crate::tensor::trace::{self, Traced};
+use crate::tensor::Tensor;
+
+/// What runs the captured graph.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Backend {
+    /// The captured ops one by one (autograd by the eager tape).
+    Eager,
+    /// Ahead-of-time forward/backward graphs, no optimisation.
+    AotEager,
+    /// The full pipeline: graph passes, then the AOT graphs.
+    Default,
+}
+
+/// How much host work each call may do (as torch.compile's modes).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mode {
+    Default,
+    /// Skip re-tracing when the guards match a cached executable. Assumes
+    /// the function's graph depends only on its inputs' guards (no
+    /// captured state that changes the ops), like CUDA-graph replay.
+    ReduceOverhead,
+    /// Search kernel parameters; with no tunable kernels on this backend
+    /// yet it behaves as `Default` (logged once per compile).
+    MaxAutotune,
+}
+
+/// The options of a compiled function.
+#[derive(Clone, Debug)]
+pub struct CompileOptions {
+    pub backend: Backend,
+    pub mode: Mode,
+    /// A graph break (a data read while tracing) is an error, not a split.
+    pub fullgraph: bool,
+    /// How many recompiles before falling back to eager.
+    pub recompile_limit: usize,
+    /// How the AOT partition chooses saved values.
+    pub partition: Partition,
+}
+
+impl Default for CompileOptions {
+    fn default() -> CompileOptions {
+        CompileOptions {
+            backend: Backend::Default,
+            mode: Mode::Default,
+            fullgraph: false,
+            recompile_limit: 8,
+            partition: Partition::SaveAll,
+        }
+    }
+}
+
+/// Counters of what the cache did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CompileStats {
+    /// Executables built (the first compile and every recompile).
+    pub compiles: usize,
+    pub recompiles: usize,
+    pub cache_hits: usize,
+    pub graph_breaks: usize,
+    /// Calls run eagerly (after the recompile limit, or a graph break with
+    /// inputs that require grad).
+    pub eager_calls: usize,
+}
+
+struct Entry {
+    key: u64,
+    guards: Vec<InputGuard>,
+    /// Whether the trace had graph breaks (then it is always re-traced).
+    had_breaks: bool,
+    exe: Arc<Executable>,
+}
+
+#[derive(Default)]
+struct CacheState {
+    entries: Vec<Entry>,
+    stats: CompileStats,
+    fell_back: bool,
+    /// Why each recompile happened, in order.
+    recompile_reasons: Vec<String>,
+}
+
+/// A function compiled with [`compile`]; call it with [`Compiled::call`].
+pub struct Compiled<F> {
+    f: F,
+    name: String,
+    options: CompileOptions,
+    state: Mutex<CacheState>,
+}
+
+/// Compiles `f`, a function of tensors to tensors, on first call.
+#[track_caller]
+pub fn compile<F: Fn(&[Tensor]) -> Vec<Tensor>>(f: F) -> Compiled<F> {
+    let loc = SourceLoc::caller();
+    let file = loc
+        .file
+        .rsplit('/')
+        .next()
+        .unwrap_or("f")
+        .trim_end_matches(".rs")
+        .to_string();
+    Compiled {
+        f,
+        name: format!("{file}_{}", loc.line),
+        options: CompileOptions::default(),
+        state: Mutex::new(CacheState::default()),
+    }
+}
+
+impl<F: Fn(&[Tensor]) -> Vec<Tensor>> Compiled<F> {
+    pub fn backend(mut self, backend: Backend) -> Self {
+        self.options.backend = backend;
+        self
+    }
+
+    pub fn mode(mut self, mode: Mode) -> Self {
+        self.options.mode = mode;
+        self
+    }
+
+    pub fn fullgraph(mut self, on: bool) -> Self {
+        self.options.fullgraph = on;
+        self
+    }
+
+    pub fn recompile_limit(mut self, limit: usize) -> Self {
+        self.options.recompile_limit = limit;
+        self
+    }
+
+    /// The min-cut partition with this budget (0.0–1.0) instead of saving
+    /// everything the backward needs.
+    pub fn activation_memory_budget(mut self, budget: f64) -> Self {
+        self.options.partition = Partition::MinCut {
+            activation_memory_budget: budget,
+        };
+        self
+    }
+
+    /// A readable name for logs and dumps (default: file and line).
+    pub fn name(mut self, name: &str) -> Self {
+        self.name = name.to_string();
+        self
+    }
+
+    pub fn stats(&self) -> CompileStats {
+        self.state.lock().expect("compile cache").stats
+    }
+
+    /// Why each recompile happened (`input 0, dim 0: expected 8, got 16`).
+    pub fn recompile_reasons(&self) -> Vec<String> {
+        self.state
+            .lock()
+            .expect("compile cache")
+            .recompile_reasons
+            .clone()
+    }
+
+    /// Runs the compiled function; panics with the error like an eager op.
+    #[track_caller]
+    pub fn call(&self, inputs: &[Tensor]) -> Vec<Tensor> {
+        match self.try_call(inputs) {
+            Ok(out) => out,
+            Err(e) => panic!("{e}"),
+        }
+    }
+
+    #[track_caller]
+    pub fn try_call(&self, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
+        let guards: Vec<InputGuard> = inputs.iter().map(InputGuard::of).collect();
+        if self.state.lock().expect("compile cache").fell_back {
+            return self.run_eagerly(inputs);
+        }
+        if self.options.mode == Mode::ReduceOverhead {
+            if let Some(exe) = self.lookup_by_guards(&guards) {
+                return exe.run(inputs, &[]);
+            }
+        }
+        let traced = self.capture(inputs)?;
+        if !traced.breaks.is_empty() {
+            if let Some(out) = self.handle_breaks(&traced, inputs)? {
+                return Ok(out);
+            }
+        }
+        let key = structure_key(&traced.graph, &guards, &traced.lifted);
+        let exe = match self.lookup(key) {
+            Some(exe) => exe,
+            None => match self.compile_entry(key, &guards, &traced)? {
+                Some(exe) => exe,
+                None => return self.run_eagerly(inputs),
+            },
+        };
+        let mut extra: Vec<Tensor> = traced.lifted.clone();
+        extra.extend(traced.materialized.iter().map(|(_, t)| t.clone()));
+        exe.run(inputs, &extra)
+    }
+
+    fn capture(&self, inputs: &[Tensor]) -> Result<Traced> {
+        let named: Vec<(String, Tensor)> = inputs
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (format!("arg{i}"), t.clone()))
+            .collect();
+        // The trace records ops; autograd is the executable's business.
+        crate::autograd::no_grad(|| {
+            trace::trace_with_values(&self.name, &named, |args| {
+                Ok((self.f)(args)
+                    .into_iter()
+                    .enumerate()
+                    .map(|(i, t)| (format!("out{i}"), t))
+                    .collect())
+            })
+        })
+    }
+
+    /// Graph breaks: an error under `fullgraph`; an eager run when inputs
+    /// require grad (the values read before the break were computed without
+    /// a tape); otherwise `None`: the executable takes the values read at
+    /// the breaks as inputs, so the part before them is not computed twice.
+    fn handle_breaks(&self, traced: &Traced, inputs: &[Tensor]) -> Result<Option<Vec<Tensor>>> {
+        let at = traced.breaks[0].clone();
+        if self.options.fullgraph {
+            return Err(Error::new(
+                ErrorKind::Unsupported,
+                "graph break under fullgraph: the traced code reads a tensor's values (item/to_vec)",
+            )
+            .at(at));
+        }
+        let mut state = self.state.lock().expect("compile cache");
+        state.stats.graph_breaks += traced.breaks.len();
+        log("graph_breaks", || {
+            format!(
+                "{}: graph break at {at} (a value read while tracing)",
+                self.name
+            )
+        });
+        let needs_grad = inputs
+            .iter()
+            .chain(&traced.lifted)
+            .any(Tensor::requires_grad);
+        drop(state);
+        if needs_grad {
+            log("graph_breaks", || {
+                format!("{}: inputs require grad: this call runs eagerly", self.name)
+            });
+            return self.run_eagerly(inputs).map(Some);
+        }
+        Ok(None)
+    }
+
+    fn lookup(&self, key: u64) -> Option<Arc<Executable>> {
+        let mut state = self.state.lock().expect("compile cache");
+        let exe = state
+            .entries
+            .iter()
+            .find(|e| e.key == key)
+            .map(|e| e.exe.clone())?;
+        state.stats.cache_hits += 1;
+        Some(exe)
+    }
+
+    fn lookup_by_guards(&self, guards: &[InputGuard]) -> Option<Arc<Executable>> {
+        let mut state = self.state.lock().expect("compile cache");
+        let exe = state
+            .entries
+            .iter()
+            .find(|e| !e.had_breaks && !e.exe.has_lifted() && e.guards == guards)
+            .map(|e| e.exe.clone())?;
+        state.stats.cache_hits += 1;
+        Some(exe)
+    }
+
+    /// Builds and caches an executable, or `None` past the recompile limit.
+    fn compile_entry(
+        &self,
+        key: u64,
+        guards: &[InputGuard],
+        traced: &Traced,
+    ) -> Result<Option<Arc<Executable>>> {
+        let mut state = self.state.lock().expect("compile cache");
+        if let Some(last) = state.entries.last() {
+            let reason = miss_reason(&last.guards, guards).unwrap_or_else(|| {
+                "the traced graph changed (captured state or data-dependent control flow)".into()
+            });
+            if state.entries.len() > self.options.recompile_limit {
+                state.fell_back = true;
+                eprintln!(
+                    "tessera: warning: {} recompiled more than {} times (last: {reason}); running it eagerly from now on",
+                    self.name, self.options.recompile_limit
+                );
+                return Ok(None);
+            }
+            state.stats.recompiles += 1;
+            log("recompiles", || {
+                format!("{}: recompiling: {reason}", self.name)
+            });
+            state.recompile_reasons.push(reason);
+        }
+        log("guards", || format!("{}: guards {guards:?}", self.name));
+        log("graph", || {
+            format!("{}: captured graph:\n{}", self.name, traced.graph)
+        });
+        // Gradients flow to the user inputs and lifted tensors that require grad.
+        let wrt: Vec<usize> = guards
+            .iter()
+            .map(|g| g.requires_grad)
+            .chain(traced.lifted.iter().map(Tensor::requires_grad))
+            .enumerate()
+            .filter_map(|(i, r)| r.then_some(i))
+            .collect();
+        if self.options.mode == Mode::MaxAutotune {
+            log("output_code", || {
+                format!(
+                    "{}: max-autotune: no tunable kernels on the CPU backend yet",
+                    self.name
+                )
+            });
+        }
+        let exe =
+            Arc::new(Executable::build(traced, &self.options)?.with_backward(wrt, &self.options)?);
+        state.stats.compiles += 1;
+        state.entries.push(Entry {
+            key,
+            guards: guards.to_vec(),
+            had_breaks: !traced.breaks.is_empty(),
+            exe: exe.clone(),
+        });
+        Ok(Some(exe))
+    }
+
+    fn run_eagerly(&self, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
+        self.state.lock().expect("compile cache").stats.eager_calls += 1;
+        Ok((self.f)(inputs))
+    }
+}
+
+/// A hash of the graph's structure (ops, attributes, wiring, types, hints —
+/// not names or call sites), the inputs' guards and which lifted tensors
+/// require grad.
+fn structure_key(graph: &Graph, guards: &[InputGuard], lifted: &[Tensor]) -> u64 {
+    let mut h = DefaultHasher::new();
+    for node in &graph.nodes {
+        format!("{:?}", node.op).hash(&mut h);
+        node.inputs.hash(&mut h);
+        node.ty.hash(&mut h);
+        node.meta
+            .hints
+            .as_ref()
+            .map(|m| serde_json::Value::Object(m.clone()).to_string())
+            .hash(&mut h);
+    }
+    for out in &graph.outputs {
+        out.node.hash(&mut h);
+    }
+    guards.hash(&mut h);
+    lifted
+        .iter()
+        .map(|t| (t.requires_grad(), t.is_contiguous()))
+        .collect::<Vec<_>>()
+        .hash(&mut h);
+    h.finish()
+}
