@@ -46,50 +46,71 @@ pub fn unary(op: UnaryOp, x: &Tensor) -> Result<Tensor> {
     })
 }
 
+/// Runs `$body` with `$f` bound to the scalar function of unary `$op` on
+/// `$A`: the one place that says what each unary op computes, shared by the
+/// per-op kernels and the fused block evaluator.
+macro_rules! with_unary_fn {
+    ($op:expr, $A:ty, $f:ident => $body:expr) => {{
+        match $op {
+            UnaryOp::Neg => { let $f = |v: $A| -v; $body }
+            UnaryOp::Abs => { let $f = |v: $A| v.abs(); $body }
+            UnaryOp::Exp => { let $f = |v: $A| v.exp_(); $body }
+            UnaryOp::Log => { let $f = |v: $A| v.ln(); $body }
+            UnaryOp::Sqrt => { let $f = |v: $A| v.sqrt(); $body }
+            UnaryOp::Rsqrt => { let $f = |v: $A| <$A>::ONE / v.sqrt(); $body }
+            UnaryOp::Reciprocal => { let $f = |v: $A| <$A>::ONE / v; $body }
+            UnaryOp::Sin => { let $f = |v: $A| v.sin(); $body }
+            UnaryOp::Cos => { let $f = |v: $A| v.cos(); $body }
+            UnaryOp::Tanh => { let $f = |v: $A| v.tanh_(); $body }
+            UnaryOp::Sigmoid => { let $f = sigmoid::<$A>; $body }
+            UnaryOp::Relu => { let $f = relu::<$A>; $body }
+            UnaryOp::Gelu => { let $f = gelu::<$A>; $body }
+            UnaryOp::GeluTanh => { let $f = gelu_tanh::<$A>; $body }
+            UnaryOp::Silu => { let $f = silu::<$A>; $body }
+        }
+    }};
+}
+
 fn float_unary<T: Float>(op: UnaryOp, x: &Tensor) -> Tensor
 where
     T::Acc: Transcendental,
 {
-    let one = T::Acc::ONE;
-    let half = T::Acc::from_f64(0.5);
-    match op {
-        UnaryOp::Neg => lift1::<T>(x, |v| -v),
-        UnaryOp::Abs => lift1::<T>(x, |v| v.abs()),
-        UnaryOp::Exp => lift1::<T>(x, |v| v.exp_()),
-        UnaryOp::Log => lift1::<T>(x, |v| v.ln()),
-        UnaryOp::Sqrt => lift1::<T>(x, |v| v.sqrt()),
-        UnaryOp::Rsqrt => lift1::<T>(x, |v| one / v.sqrt()),
-        UnaryOp::Reciprocal => lift1::<T>(x, |v| one / v),
-        UnaryOp::Sin => lift1::<T>(x, |v| v.sin()),
-        UnaryOp::Cos => lift1::<T>(x, |v| v.cos()),
-        UnaryOp::Tanh => lift1::<T>(x, |v| v.tanh_()),
-        UnaryOp::Sigmoid => lift1::<T>(x, sigmoid),
-        // `v < 0` rather than `max`, so NaN stays NaN as in torch.relu.
-        UnaryOp::Relu => lift1::<T>(x, |v| if v < T::Acc::ZERO { T::Acc::ZERO } else { v }),
-        UnaryOp::Gelu => {
-            // 1 + erf(v/√2) = erfc(-v/√2), without erf's cancellation for v < 0.
-            let inv_sqrt2 = T::Acc::from_f64(std::f64::consts::FRAC_1_SQRT_2);
-            lift1::<T>(
-                x,
-                #[inline(always)]
-                move |v| v * half * (-(v * inv_sqrt2)).erfc_(),
-            )
-        }
-        UnaryOp::GeluTanh => {
-            let k = T::Acc::from_f64((2.0 / std::f64::consts::PI).sqrt());
-            let c = T::Acc::from_f64(0.044715);
-            lift1::<T>(
-                x,
-                #[inline(always)]
-                move |v| half * v * (one + (k * (v + c * v * v * v)).tanh_()),
-            )
-        }
-        UnaryOp::Silu => lift1::<T>(
-            x,
-            #[inline(always)]
-            |v| v * sigmoid(v),
-        ),
+    with_unary_fn!(op, T::Acc, f => lift1::<T>(x, f))
+}
+
+
+/// `v < 0` rather than `max`, so NaN stays NaN as in torch.relu.
+#[inline(always)]
+fn relu<A: AccFloat>(v: A) -> A {
+    if v < A::ZERO {
+        A::ZERO
+    } else {
+        v
     }
+}
+
+/// x·Φ(x) with 1 + erf(v/√2) = erfc(-v/√2), without erf's cancellation for v < 0.
+#[inline(always)]
+fn gelu<A: Transcendental>(v: A) -> A {
+    let inv_sqrt2 = A::from_f64(std::f64::consts::FRAC_1_SQRT_2);
+    v * A::from_f64(0.5) * (-(v * inv_sqrt2)).erfc_()
+}
+
+#[inline(always)]
+fn gelu_tanh<A: Transcendental>(v: A) -> A {
+    let k = A::from_f64((2.0 / std::f64::consts::PI).sqrt());
+    let c = A::from_f64(0.044715);
+    A::from_f64(0.5) * v * (A::ONE + (k * (v + c * v * v * v)).tanh_())
+}
+
+#[inline(always)]
+fn silu<A: Transcendental>(v: A) -> A {
+    v * sigmoid(v)
+}
+
+/// Applies unary `op` in place over a block (the fused evaluator's step).
+pub(crate) fn unary_block<A: Transcendental>(op: UnaryOp, xs: &mut [A]) {
+    with_unary_fn!(op, A, f => xs.iter_mut().for_each(|v| *v = f(*v)))
 }
 
 /// `1 / (1 + e^-v)` without overflow: with `e = e^-|v|` (never above 1) it
@@ -111,7 +132,7 @@ fn sigmoid<A: Transcendental>(v: A) -> A {
 /// the compiler vectorises, since a libm call per element runs 10-50x below
 /// memory bandwidth; f64 keeps std/libm. (The trailing underscores keep the
 /// names apart from `AccFloat`'s libm-backed `exp` and `tanh`.)
-trait Transcendental: AccFloat {
+pub(crate) trait Transcendental: AccFloat {
     fn exp_(self) -> Self;
     fn tanh_(self) -> Self;
     /// The complementary error function 1 - erf(x).
@@ -345,21 +366,37 @@ pub fn binary(op: BinaryOp, a: &Tensor, b: &Tensor, shape: &[usize]) -> Result<T
     })
 }
 
+/// Runs `$body` with `$f` bound to the scalar function of float binary
+/// `$op` on `$A` (shared like [`with_unary_fn!`]).
+macro_rules! with_binary_fn {
+    ($op:expr, $A:ty, $f:ident => $body:expr) => {{
+        match $op {
+            BinaryOp::Add => { let $f = |x: $A, y: $A| x + y; $body }
+            BinaryOp::Sub => { let $f = |x: $A, y: $A| x - y; $body }
+            BinaryOp::Mul => { let $f = |x: $A, y: $A| x * y; $body }
+            BinaryOp::Div => { let $f = |x: $A, y: $A| x / y; $body }
+            BinaryOp::Pow => { let $f = |x: $A, y: $A| x.powf(y); $body }
+            // NaN-propagating like torch.maximum: a NaN in either operand wins.
+            BinaryOp::Maximum => {
+                let $f = |x: $A, y: $A| if x > y || x.is_nan() { x } else { y };
+                $body
+            }
+            BinaryOp::Minimum => {
+                let $f = |x: $A, y: $A| if x < y || x.is_nan() { x } else { y };
+                $body
+            }
+        }
+    }};
+}
+
 fn float_binary<T: Float>(op: BinaryOp, a: &Tensor, b: &Tensor, shape: &[usize]) -> Tensor {
-    match op {
-        BinaryOp::Add => lift2::<T>(a, b, shape, |x, y| x + y),
-        BinaryOp::Sub => lift2::<T>(a, b, shape, |x, y| x - y),
-        BinaryOp::Mul => lift2::<T>(a, b, shape, |x, y| x * y),
-        BinaryOp::Div => lift2::<T>(a, b, shape, |x, y| x / y),
-        BinaryOp::Pow => lift2::<T>(a, b, shape, |x, y| x.powf(y)),
-        // NaN-propagating like torch.maximum: a NaN in either operand wins.
-        BinaryOp::Maximum => {
-            lift2::<T>(a, b, shape, |x, y| if x > y || x.is_nan() { x } else { y })
-        }
-        BinaryOp::Minimum => {
-            lift2::<T>(a, b, shape, |x, y| if x < y || x.is_nan() { x } else { y })
-        }
-    }
+    with_binary_fn!(op, T::Acc, f => lift2::<T>(a, b, shape, f))
+}
+
+
+/// Applies binary `op` over blocks: `xs[i] = op(xs[i], ys[i])`.
+pub(crate) fn binary_block<A: AccFloat>(op: BinaryOp, xs: &mut [A], ys: &[A]) {
+    with_binary_fn!(op, A, f => xs.iter_mut().zip(ys).for_each(|(x, y)| *x = f(*x, *y)))
 }
 
 /// Maps `g` over `a` and `b` in `T::Acc` precision.

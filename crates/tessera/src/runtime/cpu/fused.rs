@@ -1,0 +1,228 @@
+//! The fused pointwise kernel: a list of elementwise steps evaluated block
+//! by block over the output, so intermediates live in a few cache-resident
+//! blocks and never in memory. Only the kernel's inputs are read and its
+//! outputs written.
+
+use rayon::prelude::*;
+
+use super::element::num_like::AccFloat;
+use super::elementwise::{binary_block, unary_block, Transcendental};
+use super::{Element, Storage};
+use crate::error::{op_err, Result};
+use crate::ir::{BinaryOp, CompareOp, DType, UnaryOp};
+use crate::tensor::{Layout, Tensor};
+use crate::with_dtype;
+
+/// Elements per block: 16 KiB of f32 per register, so a dozen registers
+/// stay in L2.
+const BLOCK: usize = 4096;
+
+/// One step; operands are indices of earlier steps.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Step {
+    /// Kernel input `i`, broadcast to the kernel's shape.
+    Load(usize),
+    Const(f64),
+    Unary(UnaryOp, usize),
+    Binary(BinaryOp, usize, usize),
+    /// 1.0 where the comparison holds, else 0.0.
+    Compare(CompareOp, usize, usize),
+    /// `a` where `cond != 0`, else `b`.
+    Where(usize, usize, usize),
+    /// A rounding to a narrower float dtype (the value stays in the block's type).
+    Round(DType, usize),
+}
+
+/// A fused elementwise kernel over one output shape.
+#[derive(Clone, Debug, PartialEq)]
+pub struct FusedKernel {
+    pub shape: Vec<usize>,
+    pub steps: Vec<Step>,
+    /// The steps written to memory, with their dtypes.
+    pub outputs: Vec<(usize, DType)>,
+    /// Compute in f64 (any f64 value involved), else f32.
+    pub wide: bool,
+}
+
+impl FusedKernel {
+    /// Runs the kernel; `inputs` as numbered by `Step::Load`.
+    pub fn run(&self, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
+        for (i, t) in inputs.iter().enumerate() {
+            let fits = t.rank() <= self.shape.len()
+                && t.shape().iter().rev().zip(self.shape.iter().rev()).all(|(&a, &b)| a == b || a == 1);
+            if !fits {
+                return Err(op_err!(Shape, "fused", "input {i} {} does not broadcast to {:?}", t.ty(), self.shape));
+            }
+        }
+        if self.wide {
+            Ok(self.run_as::<f64>(inputs))
+        } else {
+            Ok(self.run_as::<f32>(inputs))
+        }
+    }
+
+    fn run_as<A: Transcendental>(&self, inputs: &[&Tensor]) -> Vec<Tensor> {
+        let numel: usize = self.shape.iter().product();
+        let mut outs: Vec<Storage> = self.outputs.iter().map(|&(_, d)| Storage::new(d, numel)).collect();
+        let sinks: Vec<Sink> = outs
+            .iter_mut()
+            .map(|s| Sink {
+                ptr: s.as_bytes_mut().as_mut_ptr(),
+                dtype: s.dtype(),
+            })
+            .collect();
+        let loads: Vec<Layout> = inputs.iter().map(|t| t.layout().expanded(&self.shape)).collect();
+        let blocks = numel.div_ceil(BLOCK);
+        let run_blocks = |range: std::ops::Range<usize>| {
+            let mut regs = vec![A::ZERO; self.steps.len() * BLOCK];
+            for b in range {
+                let start = b * BLOCK;
+                let len = BLOCK.min(numel - start);
+                self.eval_block(inputs, &loads, &mut regs, start, len);
+                for (&(step, _), sink) in self.outputs.iter().zip(&sinks) {
+                    // SAFETY: each block writes its own disjoint range of every output.
+                    unsafe { sink.store(start, &regs[step * BLOCK..step * BLOCK + len]) };
+                }
+            }
+        };
+        let tasks = rayon::current_num_threads().max(1) * 4;
+        if numel < super::copy::PAR_THRESHOLD || blocks < 2 {
+            run_blocks(0..blocks);
+        } else {
+            let per = blocks.div_ceil(tasks);
+            (0..tasks).into_par_iter().for_each(|t| run_blocks(t * per..((t + 1) * per).min(blocks)));
+        }
+        outs.into_iter().map(|s| Tensor::from_storage(s, &self.shape)).collect()
+    }
+
+    fn eval_block<A: Transcendental>(&self, inputs: &[&Tensor], loads: &[Layout], regs: &mut [A], start: usize, len: usize) {
+        for (i, step) in self.steps.iter().enumerate() {
+            let (before, after) = regs.split_at_mut(i * BLOCK);
+            let dst = &mut after[..len];
+            let reg = |j: usize| &before[j * BLOCK..j * BLOCK + len];
+            match *step {
+                Step::Load(k) => load(inputs[k], &loads[k], start, dst),
+                Step::Const(c) => dst.fill(A::from_f64(c)),
+                Step::Unary(op, a) => {
+                    dst.copy_from_slice(reg(a));
+                    unary_block(op, dst);
+                }
+                Step::Binary(op, a, b) => {
+                    dst.copy_from_slice(reg(a));
+                    binary_block(op, dst, reg(b));
+                }
+                Step::Compare(op, a, b) => compare_block(op, reg(a), reg(b), dst),
+                Step::Where(c, a, b) => {
+                    for (((d, &c), &x), &y) in dst.iter_mut().zip(reg(c)).zip(reg(a)).zip(reg(b)) {
+                        *d = if c != A::ZERO { x } else { y };
+                    }
+                }
+                Step::Round(dtype, a) => {
+                    dst.copy_from_slice(reg(a));
+                    round_block(dtype, dst);
+                }
+            }
+        }
+    }
+}
+
+fn compare_block<A: AccFloat>(op: CompareOp, a: &[A], b: &[A], dst: &mut [A]) {
+    let test = |x: A, y: A| match op {
+        CompareOp::Eq => x == y,
+        CompareOp::Ne => x != y,
+        CompareOp::Lt => x < y,
+        CompareOp::Le => x <= y,
+        CompareOp::Gt => x > y,
+        CompareOp::Ge => x >= y,
+    };
+    for ((d, &x), &y) in dst.iter_mut().zip(a).zip(b) {
+        *d = if test(x, y) { A::ONE } else { A::ZERO };
+    }
+}
+
+/// Rounds values to `dtype`'s precision (a cast inside the kernel).
+fn round_block<A: AccFloat>(dtype: DType, xs: &mut [A]) {
+    with_dtype!(dtype, T => {
+        for x in xs.iter_mut() {
+            *x = A::from_f64(Element::to_f64(<T as Element>::from_f64(x.to_f64())));
+        }
+    })
+}
+
+/// Reads elements `start..start+dst.len()` (row-major over the kernel's
+/// shape) of `t` through its broadcast layout.
+fn load<A: AccFloat>(t: &Tensor, layout: &Layout, start: usize, dst: &mut [A]) {
+    with_dtype!(t.dtype(), T => {
+        let src = t.storage().as_slice::<T>();
+        if let Some(range) = layout.contiguous_range() {
+            let base = range.start + start;
+            let n = dst.len();
+            for (d, s) in dst.iter_mut().zip(&src[base..base + n]) {
+                *d = A::from_f64(Element::to_f64(*s));
+            }
+        } else if layout.strides.iter().all(|&s| s == 0) {
+            dst.fill(A::from_f64(Element::to_f64(src[layout.offset])));
+        } else {
+            for (k, d) in dst.iter_mut().enumerate() {
+                *d = A::from_f64(Element::to_f64(src[layout.offset_of(start + k)]));
+            }
+        }
+    })
+}
+
+/// Where one output goes: its storage's bytes and dtype.
+struct Sink {
+    ptr: *mut u8,
+    dtype: DType,
+}
+
+// SAFETY: sinks are written at disjoint element ranges by different tasks.
+unsafe impl Send for Sink {}
+unsafe impl Sync for Sink {}
+
+impl Sink {
+    /// # Safety
+    /// `start..start+vals.len()` is in bounds and written by no other task.
+    unsafe fn store<A: AccFloat>(&self, start: usize, vals: &[A]) {
+        with_dtype!(self.dtype, T => {
+            let dst = std::slice::from_raw_parts_mut((self.ptr as *mut T).add(start), vals.len());
+            for (d, v) in dst.iter_mut().zip(vals) {
+                *d = <T as Element>::from_f64(v.to_f64());
+            }
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_chain_with_broadcast_and_two_outputs() {
+        // y = exp(x * w) + 1 (w broadcast over rows); z = y > 2
+        let x = Tensor::from_vec(vec![0.0f32, 1.0, 2.0, -1.0, 0.5, 3.0], &[2, 3]);
+        let w = Tensor::from_vec(vec![1.0f32, 0.5, -1.0], &[3]);
+        let k = FusedKernel {
+            shape: vec![2, 3],
+            steps: vec![
+                Step::Load(0),
+                Step::Load(1),
+                Step::Binary(BinaryOp::Mul, 0, 1),
+                Step::Unary(UnaryOp::Exp, 2),
+                Step::Const(1.0),
+                Step::Binary(BinaryOp::Add, 3, 4),
+                Step::Const(2.0),
+                Step::Compare(CompareOp::Gt, 5, 6),
+            ],
+            outputs: vec![(5, DType::F32), (7, DType::Bool)],
+            wide: false,
+        };
+        let out = k.run(&[&x, &w]).unwrap();
+        let want: Vec<f64> = [0.0f64, 0.5, -2.0, -1.0, 0.25, -3.0].iter().map(|v| v.exp() + 1.0).collect();
+        for (g, w) in out[0].to_f64_vec().iter().zip(&want) {
+            assert!((g - w).abs() < 1e-6, "{g} vs {w}");
+        }
+        let flags: Vec<f64> = want.iter().map(|&v| (v > 2.0) as u8 as f64).collect();
+        assert_eq!(out[1].to_f64_vec(), flags);
+    }
+}
