@@ -269,15 +269,10 @@ impl Sink {
 fn propagate(roots: &[Tensor], seeds: Vec<Tensor>, sink: &mut Sink) -> Result<()> {
     let mut pending: HashMap<usize, Tensor> = HashMap::new();
     for (root, seed) in roots.iter().zip(seeds) {
-        if root.is_leaf() {
-            sink.leaf(root, seed)?;
-        } else {
-            let total = match pending.remove(&root.id()) {
-                Some(prev) => prev.try_add(&seed)?,
-                None => seed,
-            };
-            pending.insert(root.id(), total);
-        }
+        // Summing the seeds of a root given twice is part of differentiating
+        // the op that computed it.
+        let origin = grad_fn(root).map(|f| &f.origin);
+        in_origin(origin, || deliver(root, seed, &mut pending, sink))?;
     }
     for t in reverse_topological(roots) {
         let Some(grad) = pending.remove(&t.id()) else {
@@ -285,28 +280,54 @@ fn propagate(roots: &[Tensor], seeds: Vec<Tensor>, sink: &mut Sink) -> Result<()
         };
         sink.capture(&t, &grad)?;
         let f = grad_fn(&t).expect("non-leaf");
-        let grads =
-            trace::with_origin(&f.origin, || rules::vjp(&f.op, &f.inputs, &f.output, &grad))
-                .map_err(|e| match &f.origin.location {
-                    Some(loc) => e.at(loc.clone()),
-                    None => e,
-                })?;
-        for (input, g) in f.inputs.iter().zip(grads) {
-            let Some(g) = g.filter(|_| input.requires_grad()) else {
-                continue;
-            };
-            check_gradient(&f.op, input, &g)?;
-            if input.is_leaf() {
-                sink.leaf(input, g)?;
-            } else {
-                let total = match pending.remove(&input.id()) {
-                    Some(prev) => prev.try_add(&g)?,
-                    None => g,
+        // Everything built here, the rule's ops and the sums of partial
+        // gradients alike, belongs to the backward of `f`'s op: it carries
+        // that op's line and hints. (The sums used to be built outside, so
+        // an AOT backward graph pointed them at this file instead of at the
+        // user's code.)
+        trace::with_origin(&f.origin, || -> Result<()> {
+            let grads = rules::vjp(&f.op, &f.inputs, &f.output, &grad)?;
+            for (input, g) in f.inputs.iter().zip(grads) {
+                let Some(g) = g.filter(|_| input.requires_grad()) else {
+                    continue;
                 };
-                pending.insert(input.id(), total);
+                check_gradient(&f.op, input, &g)?;
+                deliver(input, g, &mut pending, sink)?;
             }
-        }
+            Ok(())
+        })
+        .map_err(|e| match &f.origin.location {
+            Some(loc) => e.at(loc.clone()),
+            None => e,
+        })?;
     }
+    Ok(())
+}
+
+/// Runs `f` under `origin` when there is one.
+fn in_origin<R>(origin: Option<&NodeMeta>, f: impl FnOnce() -> R) -> R {
+    match origin {
+        Some(o) => trace::with_origin(o, f),
+        None => f(),
+    }
+}
+
+/// Hands the gradient `g` of `t` to the sink (a leaf) or adds it to `t`'s
+/// pending gradient.
+fn deliver(
+    t: &Tensor,
+    g: Tensor,
+    pending: &mut HashMap<usize, Tensor>,
+    sink: &mut Sink,
+) -> Result<()> {
+    if t.is_leaf() {
+        return sink.leaf(t, g);
+    }
+    let total = match pending.remove(&t.id()) {
+        Some(prev) => prev.try_add(&g)?,
+        None => g,
+    };
+    pending.insert(t.id(), total);
     Ok(())
 }
 
