@@ -19,7 +19,8 @@ use crate::tensor::{trace, Tensor};
 /// How the forward/backward split chooses what to save.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Partition {
-    /// Save every forward value the backward uses (no recomputation).
+    /// Save every forward value the backward uses (no recomputation);
+    /// constants, which depend on no input, are created where used instead.
     SaveAll,
     /// A min-cut over the forward values: cheap ops are recomputed in the
     /// backward instead of saved. `activation_memory_budget` in 0.0–1.0:
@@ -221,8 +222,14 @@ fn trace_joint(graph: &Graph, wrt: &[usize]) -> Result<trace::Traced> {
             .collect();
         for (&i, g) in wrt.iter().zip(grads) {
             let input = &primals[i];
-            // An input the outputs do not depend on gets a zero gradient.
-            let g = g.unwrap_or_else(|| Tensor::zeros(input.shape(), input.dtype()));
+            // An input the outputs do not depend on gets a zero gradient. No
+            // user code made it: it gets no call site (rather than this
+            // file's, which would read as if the user had written it here).
+            let g = g.unwrap_or_else(|| {
+                trace::with_origin(&NodeMeta::default(), || {
+                    Tensor::zeros(input.shape(), input.dtype())
+                })
+            });
             named.push((format!("grad_{}", graph.display_name(graph.inputs[i])), g));
         }
         Ok(named)
@@ -232,6 +239,10 @@ fn trace_joint(graph: &Graph, wrt: &[usize]) -> Result<trace::Traced> {
 /// Which joint nodes are forward (independent of the tangents) and which
 /// forward values the backward reads.
 struct JointSplit {
+    /// Forward nodes that depend on a primal input. Nodes that depend on no
+    /// input at all (the zeros, counts and masks that ops and VJP rules
+    /// create) are left out: they are constants, which `extract` copies into
+    /// whichever graph reads them.
     forward: HashSet<NodeId>,
     /// Forward values read by backward nodes or returned as gradients, in
     /// node order.
@@ -241,18 +252,46 @@ struct JointSplit {
 impl JointSplit {
     fn new(joint: &Graph, tangents: &HashSet<NodeId>, n_out: usize) -> JointSplit {
         let mut backward: HashSet<NodeId> = tangents.clone();
+        // Nodes computed from at least one primal (non-tangent) input.
+        let mut from_primal: HashSet<NodeId> = HashSet::new();
         for (i, node) in joint.nodes.iter().enumerate() {
+            let id = NodeId(i as u32);
             if node.inputs.iter().any(|x| backward.contains(x)) {
-                backward.insert(NodeId(i as u32));
+                backward.insert(id);
+            }
+            if (matches!(node.op, Op::Input) && !tangents.contains(&id))
+                || node.inputs.iter().any(|x| from_primal.contains(x))
+            {
+                from_primal.insert(id);
             }
         }
+        // Saving a constant would count it as an activation and keep it
+        // alive from the forward to the backward (a `zeros` the size of the
+        // input, for the gradient of a slice or gather), where recreating it
+        // in the backward is free; so constants are never saved.
         let forward: HashSet<NodeId> = (0..joint.len() as u32)
             .map(NodeId)
-            .filter(|id| !backward.contains(id))
+            .filter(|id| !backward.contains(id) && from_primal.contains(id))
             .collect();
+        // Only live backward nodes count: a rule also computes the
+        // gradients of inputs that need none (`g * a` for the mask in
+        // `x * mask`); the engine drops them, but the trace keeps the dead
+        // ops, and saving their operands wasted memory and left backward
+        // inputs that nothing read.
+        let mut live = vec![false; joint.len()];
+        for out in &joint.outputs[n_out..] {
+            live[out.node.index()] = true;
+        }
+        for (i, node) in joint.nodes.iter().enumerate().rev() {
+            if live[i] {
+                for x in &node.inputs {
+                    live[x.index()] = true;
+                }
+            }
+        }
         let mut needed = HashSet::new();
         for (i, node) in joint.nodes.iter().enumerate() {
-            if backward.contains(&NodeId(i as u32)) {
+            if live[i] && backward.contains(&NodeId(i as u32)) {
                 needed.extend(node.inputs.iter().copied().filter(|x| forward.contains(x)));
             }
         }

@@ -406,7 +406,12 @@ fn route(t: &Tensor, g: Tensor, pending: &mut Pending, sink: &mut Sink) -> Resul
 fn propagate(roots: &[Tensor], seeds: Vec<Tensor>, sink: &mut Sink) -> Result<()> {
     let mut pending = Pending::default();
     for (root, seed) in roots.iter().zip(seeds) {
-        route(root, seed, &mut pending, sink)?;
+        // Summing the seeds of a root given twice belongs to the backward of
+        // the op that computed it (its line and hints).
+        match grad_fn(root) {
+            Some((node, _)) => trace::with_origin(&node.origin, || route(root, seed, &mut pending, sink))?,
+            None => route(root, seed, &mut pending, sink)?,
+        }
     }
     for node in reverse_topological(roots) {
         let Some(grads) = pending.0.remove(&node.id()) else {
@@ -418,13 +423,18 @@ fn propagate(roots: &[Tensor], seeds: Vec<Tensor>, sink: &mut Sink) -> Result<()
             }
         }
         let input_grads = node.apply(grads)?;
-        for (input, g) in node.inputs.iter().zip(input_grads) {
-            let Some(g) = g.filter(|_| input.requires_grad()) else {
-                continue;
-            };
-            check_gradient(node.name(), input, &g)?;
-            route(input, g, &mut pending, sink)?;
-        }
+        // The sums of partial gradients are part of this node's backward too:
+        // in an AOT backward graph they carry the forward op's line and hints.
+        trace::with_origin(&node.origin, || -> Result<()> {
+            for (input, g) in node.inputs.iter().zip(input_grads) {
+                let Some(g) = g.filter(|_| input.requires_grad()) else {
+                    continue;
+                };
+                check_gradient(node.name(), input, &g)?;
+                route(input, g, &mut pending, sink)?;
+            }
+            Ok(())
+        })?;
     }
     Ok(())
 }

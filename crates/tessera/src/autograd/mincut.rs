@@ -106,11 +106,32 @@ fn min_cut(
     }
     let flow = net.max_flow(source, sink);
     let reach = net.reachable(source);
-    let mut saved: Vec<NodeId> = forward
+    let cut: HashSet<NodeId> = forward
         .iter()
         .copied()
         .filter(|id| reach[2 * id.index()] && !reach[2 * id.index() + 1])
         .collect();
+    // An input's edge has capacity 0, so every input lies on the cut, read
+    // by the backward or not. Keep the cut values the backward reads: walk
+    // back from the needed values through what it recomputes, stopping at
+    // cut values. (Without this, every input, every weight, became a
+    // backward input.)
+    let mut read = HashSet::new();
+    let mut stack: Vec<NodeId> = needed.to_vec();
+    while let Some(id) = stack.pop() {
+        if !read.insert(id) || cut.contains(&id) {
+            continue;
+        }
+        stack.extend(
+            joint
+                .node(id)
+                .inputs
+                .iter()
+                .copied()
+                .filter(|x| forward.contains(x)),
+        );
+    }
+    let mut saved: Vec<NodeId> = cut.intersection(&read).copied().collect();
     saved.sort();
     (saved, flow)
 }
