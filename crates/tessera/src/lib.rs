@@ -8,6 +8,7 @@
 pub mod autograd;
 pub mod compile;
 pub mod error;
+pub mod fusion;
 pub mod io;
 pub mod ir;
 pub mod logging;

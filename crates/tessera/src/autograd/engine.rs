@@ -409,7 +409,9 @@ fn propagate(roots: &[Tensor], seeds: Vec<Tensor>, sink: &mut Sink) -> Result<()
         // Summing the seeds of a root given twice belongs to the backward of
         // the op that computed it (its line and hints).
         match grad_fn(root) {
-            Some((node, _)) => trace::with_origin(&node.origin, || route(root, seed, &mut pending, sink))?,
+            Some((node, _)) => {
+                trace::with_origin(&node.origin, || route(root, seed, &mut pending, sink))?
+            }
             None => route(root, seed, &mut pending, sink)?,
         }
     }

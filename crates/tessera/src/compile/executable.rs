@@ -6,14 +6,41 @@ use std::sync::Arc;
 use super::{Backend, CompileOptions};
 use crate::autograd::{self, aot_autograd};
 use crate::error::Result;
+use crate::fusion::{self, Plan};
 use crate::ir::{Graph, NodeId};
+use crate::runtime::execute::run_plan;
 use crate::runtime::interpret::run_graph;
 use crate::tensor::trace::Traced;
 use crate::tensor::Tensor;
 
+/// A graph and, for the default backend, its fused kernels.
+#[derive(Clone)]
+struct Program {
+    graph: Arc<Graph>,
+    plan: Option<Arc<Plan>>,
+}
+
+impl Program {
+    fn new(graph: Graph, fused: bool) -> Program {
+        let plan = fused.then(|| Arc::new(fusion::fuse(&graph)));
+        Program {
+            graph: Arc::new(graph),
+            plan,
+        }
+    }
+
+    fn run(&self, args: &[Tensor]) -> Result<Vec<Tensor>> {
+        let outs = match &self.plan {
+            Some(plan) => run_plan(&self.graph, plan, args)?,
+            None => run_graph(&self.graph, args)?,
+        };
+        Ok(outs.into_iter().map(|(_, t)| t).collect())
+    }
+}
+
 /// The backward half of an AOT-compiled function.
 struct BackwardGraph {
-    graph: Arc<Graph>,
+    program: Program,
     /// Which forward-graph inputs get gradients.
     wrt: Vec<usize>,
     /// Which outputs feed a tangent to the backward (the float ones).
@@ -25,8 +52,10 @@ struct BackwardGraph {
 /// backward graph.
 pub struct Executable {
     name: String,
-    forward: Arc<Graph>,
+    forward: Program,
     backward: Option<BackwardGraph>,
+    /// Fuse elementwise chains (the default backend).
+    fused: bool,
     /// Run the captured ops with the eager tape (backend `eager`).
     eager_autograd: bool,
     num_outputs: usize,
@@ -39,10 +68,12 @@ impl Executable {
         let graph = cut_at_breaks(traced)?;
         let num_outputs = graph.outputs.len();
         let name = graph.name.clone();
+        let fused = options.backend == Backend::Default;
         Ok(Executable {
             name,
-            forward: Arc::new(graph),
+            forward: Program::new(graph, fused),
             backward: None,
+            fused,
             eager_autograd: options.backend == Backend::Eager,
             num_outputs,
             num_lifted: traced.lifted.len(),
@@ -59,19 +90,14 @@ impl Executable {
         if wrt.is_empty() || self.eager_autograd {
             return Ok(self);
         }
-        let aot = aot_autograd(&self.forward, &wrt, options.partition)?;
+        let graph = &self.forward.graph;
+        let aot = aot_autograd(graph, &wrt, options.partition)?;
         let tangent_outputs = (0..self.num_outputs)
-            .filter(|&i| {
-                self.forward
-                    .node(self.forward.outputs[i].node)
-                    .ty
-                    .dtype
-                    .is_float()
-            })
+            .filter(|&i| graph.node(graph.outputs[i].node).ty.dtype.is_float())
             .collect();
-        self.forward = Arc::new(aot.forward);
+        self.forward = Program::new(aot.forward, self.fused);
         self.backward = Some(BackwardGraph {
-            graph: Arc::new(aot.backward),
+            program: Program::new(aot.backward, self.fused),
             wrt,
             tangent_outputs,
         });
@@ -88,28 +114,21 @@ impl Executable {
         let args: Vec<Tensor> = inputs.iter().chain(extra).cloned().collect();
         if self.eager_autograd {
             // The interpreter's ops record on the tape like eager code.
-            return Ok(run_graph(&self.forward, &args)?
-                .into_iter()
-                .map(|(_, t)| t)
-                .collect());
+            return self.forward.run(&args);
         }
         let detached: Vec<Tensor> = args.iter().map(Tensor::detach).collect();
-        let outs = autograd::no_grad(|| run_graph(&self.forward, &detached))?;
-        let mut outs: Vec<Tensor> = outs.into_iter().map(|(_, t)| t).collect();
+        let mut outs = autograd::no_grad(|| self.forward.run(&detached))?;
         let saved = outs.split_off(self.num_outputs);
         let Some(bwd) = &self.backward else {
             return Ok(outs);
         };
         let wrt: Vec<&Tensor> = bwd.wrt.iter().map(|&i| &args[i]).collect();
-        let graph = bwd.graph.clone();
+        let program = bwd.program.clone();
         let tangent_outputs = bwd.tangent_outputs.clone();
         let backward = move |grads: &[Tensor]| -> Result<Vec<Option<Tensor>>> {
             let mut feed = saved.clone();
             feed.extend(tangent_outputs.iter().map(|&i| grads[i].clone()));
-            Ok(run_graph(&graph, &feed)?
-                .into_iter()
-                .map(|(_, g)| Some(g))
-                .collect())
+            Ok(program.run(&feed)?.into_iter().map(Some).collect())
         };
         Ok(autograd::custom_function(
             &self.name,

@@ -319,7 +319,7 @@ fn eval_shape(shape: &Shape, symbols: &Symbols) -> Result<Vec<usize>> {
 }
 
 /// Names the node in `e` and points it at the node's source line.
-fn node_error(graph: &Graph, id: NodeId, mut e: Error) -> Error {
+pub(crate) fn node_error(graph: &Graph, id: NodeId, mut e: Error) -> Error {
     let node = graph.node(id);
     e.message = format!("node `{}`: {}", graph.display_name(id), e.message);
     e.op.get_or_insert_with(|| node.op.name().to_string());

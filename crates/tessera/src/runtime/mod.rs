@@ -1,4 +1,5 @@
 //! Backends that run ops and graphs.
 
 pub mod cpu;
+pub mod execute;
 pub mod interpret;

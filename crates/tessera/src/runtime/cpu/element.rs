@@ -38,8 +38,31 @@ macro_rules! element {
 
 element!(f32, F32, |x| x as f64, |v| v as f32);
 element!(f64, F64, |x| x, |v| v);
-element!(f16, F16, |x| x.to_f64(), |v| f16::from_f64(v));
-element!(bf16, BF16, |x| x.to_f64(), |v| bf16::from_f64(v));
+element!(f16, F16, |x| x.to_f64(), |v| f16::from_f32(
+    to_f32_round_odd(v)
+));
+element!(bf16, BF16, |x| x.to_f64(), |v| bf16::from_f32(
+    to_f32_round_odd(v)
+));
+
+/// `v` as f32 rounded to odd: truncated toward zero, with the last bit set
+/// when inexact. Rounding that to a narrower format (f16, bf16) to nearest
+/// even is then exactly the correctly rounded f64 → narrow conversion.
+/// (`half`'s own f64 conversions drop the low 32 bits first and so round
+/// some values just above a tie down.)
+pub(crate) fn to_f32_round_odd(v: f64) -> f32 {
+    let nearest = v as f32;
+    if !v.is_finite() || nearest as f64 == v {
+        return nearest;
+    }
+    // Step back toward zero if rounding went away from it.
+    let toward_zero = if (nearest as f64).abs() > v.abs() {
+        f32::from_bits(nearest.to_bits() - 1)
+    } else {
+        nearest
+    };
+    f32::from_bits(toward_zero.to_bits() | 1)
+}
 element!(i64, I64, |x| x as f64, |v| v as i64);
 element!(i32, I32, |x| x as f64, |v| v as i32);
 element!(u8, Bool, |x| x as f64, |v| (v != 0.0) as u8);
@@ -228,4 +251,42 @@ macro_rules! with_float_dtype {
             _ => $other,
         }
     };
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn f64_to_half_types_round_correctly() {
+        // Just above the midpoint of two bf16 neighbours (0.201171875 and
+        // 0.2021484375, midpoint 0.20166015625): rounds up. `half`'s own
+        // f64 conversion, which drops the low mantissa bits, rounds it down.
+        let x = 0.20166023075580597f32 as f64;
+        assert_eq!(<bf16 as Element>::from_f64(x).to_f64(), 0.2021484375);
+        // An exact tie rounds to even; a hair below rounds down.
+        assert_eq!(
+            <bf16 as Element>::from_f64(0.20166015625).to_f64(),
+            0.201171875
+        );
+        assert_eq!(
+            <bf16 as Element>::from_f64(0.20166015625 - 1e-12).to_f64(),
+            0.201171875
+        );
+        assert_eq!(
+            <bf16 as Element>::from_f64(0.20166015625 + 1e-12).to_f64(),
+            0.2021484375
+        );
+        // f16: 1 + 2^-11 is the tie between 1 and 1 + 2^-10.
+        let tie = 1.0 + 2f64.powi(-11);
+        assert_eq!(<f16 as Element>::from_f64(tie).to_f64(), 1.0);
+        assert_eq!(
+            <f16 as Element>::from_f64(tie + 2f64.powi(-40)).to_f64(),
+            1.0 + 2f64.powi(-10)
+        );
+        assert!(<bf16 as Element>::from_f64(f64::NAN).is_nan());
+        assert_eq!(<bf16 as Element>::from_f64(f64::INFINITY), bf16::INFINITY);
+        assert_eq!(<f16 as Element>::from_f64(1e6), f16::INFINITY);
+        assert_eq!(<bf16 as Element>::from_f64(-0.0).to_bits(), 0x8000);
+    }
 }

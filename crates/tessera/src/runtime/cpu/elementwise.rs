@@ -52,21 +52,66 @@ pub fn unary(op: UnaryOp, x: &Tensor) -> Result<Tensor> {
 macro_rules! with_unary_fn {
     ($op:expr, $A:ty, $f:ident => $body:expr) => {{
         match $op {
-            UnaryOp::Neg => { let $f = |v: $A| -v; $body }
-            UnaryOp::Abs => { let $f = |v: $A| v.abs(); $body }
-            UnaryOp::Exp => { let $f = |v: $A| v.exp_(); $body }
-            UnaryOp::Log => { let $f = |v: $A| v.ln(); $body }
-            UnaryOp::Sqrt => { let $f = |v: $A| v.sqrt(); $body }
-            UnaryOp::Rsqrt => { let $f = |v: $A| <$A>::ONE / v.sqrt(); $body }
-            UnaryOp::Reciprocal => { let $f = |v: $A| <$A>::ONE / v; $body }
-            UnaryOp::Sin => { let $f = |v: $A| v.sin(); $body }
-            UnaryOp::Cos => { let $f = |v: $A| v.cos(); $body }
-            UnaryOp::Tanh => { let $f = |v: $A| v.tanh_(); $body }
-            UnaryOp::Sigmoid => { let $f = sigmoid::<$A>; $body }
-            UnaryOp::Relu => { let $f = relu::<$A>; $body }
-            UnaryOp::Gelu => { let $f = gelu::<$A>; $body }
-            UnaryOp::GeluTanh => { let $f = gelu_tanh::<$A>; $body }
-            UnaryOp::Silu => { let $f = silu::<$A>; $body }
+            UnaryOp::Neg => {
+                let $f = |v: $A| -v;
+                $body
+            }
+            UnaryOp::Abs => {
+                let $f = |v: $A| v.abs();
+                $body
+            }
+            UnaryOp::Exp => {
+                let $f = |v: $A| v.exp_();
+                $body
+            }
+            UnaryOp::Log => {
+                let $f = |v: $A| v.ln();
+                $body
+            }
+            UnaryOp::Sqrt => {
+                let $f = |v: $A| v.sqrt();
+                $body
+            }
+            UnaryOp::Rsqrt => {
+                let $f = |v: $A| <$A>::ONE / v.sqrt();
+                $body
+            }
+            UnaryOp::Reciprocal => {
+                let $f = |v: $A| <$A>::ONE / v;
+                $body
+            }
+            UnaryOp::Sin => {
+                let $f = |v: $A| v.sin();
+                $body
+            }
+            UnaryOp::Cos => {
+                let $f = |v: $A| v.cos();
+                $body
+            }
+            UnaryOp::Tanh => {
+                let $f = |v: $A| v.tanh_();
+                $body
+            }
+            UnaryOp::Sigmoid => {
+                let $f = sigmoid::<$A>;
+                $body
+            }
+            UnaryOp::Relu => {
+                let $f = relu::<$A>;
+                $body
+            }
+            UnaryOp::Gelu => {
+                let $f = gelu::<$A>;
+                $body
+            }
+            UnaryOp::GeluTanh => {
+                let $f = gelu_tanh::<$A>;
+                $body
+            }
+            UnaryOp::Silu => {
+                let $f = silu::<$A>;
+                $body
+            }
         }
     }};
 }
@@ -77,7 +122,6 @@ where
 {
     with_unary_fn!(op, T::Acc, f => lift1::<T>(x, f))
 }
-
 
 /// `v < 0` rather than `max`, so NaN stays NaN as in torch.relu.
 #[inline(always)]
@@ -311,16 +355,16 @@ castable!(
 castable!(
     f16,
     |x| Wide::F32(x.to_f32()),
-    int | i | f16::from_f64(i as f64),
+    int | i | <f16 as Element>::from_f64(i as f64),
     f32 | v | f16::from_f32(v),
-    f64 | v | f16::from_f64(v)
+    f64 | v | <f16 as Element>::from_f64(v)
 );
 castable!(
     bf16,
     |x| Wide::F32(x.to_f32()),
-    int | i | bf16::from_f64(i as f64),
+    int | i | <bf16 as Element>::from_f64(i as f64),
     f32 | v | bf16::from_f32(v),
-    f64 | v | bf16::from_f64(v)
+    f64 | v | <bf16 as Element>::from_f64(v)
 );
 castable!(
     i64,
@@ -371,11 +415,26 @@ pub fn binary(op: BinaryOp, a: &Tensor, b: &Tensor, shape: &[usize]) -> Result<T
 macro_rules! with_binary_fn {
     ($op:expr, $A:ty, $f:ident => $body:expr) => {{
         match $op {
-            BinaryOp::Add => { let $f = |x: $A, y: $A| x + y; $body }
-            BinaryOp::Sub => { let $f = |x: $A, y: $A| x - y; $body }
-            BinaryOp::Mul => { let $f = |x: $A, y: $A| x * y; $body }
-            BinaryOp::Div => { let $f = |x: $A, y: $A| x / y; $body }
-            BinaryOp::Pow => { let $f = |x: $A, y: $A| x.powf(y); $body }
+            BinaryOp::Add => {
+                let $f = |x: $A, y: $A| x + y;
+                $body
+            }
+            BinaryOp::Sub => {
+                let $f = |x: $A, y: $A| x - y;
+                $body
+            }
+            BinaryOp::Mul => {
+                let $f = |x: $A, y: $A| x * y;
+                $body
+            }
+            BinaryOp::Div => {
+                let $f = |x: $A, y: $A| x / y;
+                $body
+            }
+            BinaryOp::Pow => {
+                let $f = |x: $A, y: $A| x.powf(y);
+                $body
+            }
             // NaN-propagating like torch.maximum: a NaN in either operand wins.
             BinaryOp::Maximum => {
                 let $f = |x: $A, y: $A| if x > y || x.is_nan() { x } else { y };
@@ -392,7 +451,6 @@ macro_rules! with_binary_fn {
 fn float_binary<T: Float>(op: BinaryOp, a: &Tensor, b: &Tensor, shape: &[usize]) -> Tensor {
     with_binary_fn!(op, T::Acc, f => lift2::<T>(a, b, shape, f))
 }
-
 
 /// Applies binary `op` over blocks: `xs[i] = op(xs[i], ys[i])`.
 pub(crate) fn binary_block<A: AccFloat>(op: BinaryOp, xs: &mut [A], ys: &[A]) {

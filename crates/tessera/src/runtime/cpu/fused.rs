@@ -49,9 +49,19 @@ impl FusedKernel {
     pub fn run(&self, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
         for (i, t) in inputs.iter().enumerate() {
             let fits = t.rank() <= self.shape.len()
-                && t.shape().iter().rev().zip(self.shape.iter().rev()).all(|(&a, &b)| a == b || a == 1);
+                && t.shape()
+                    .iter()
+                    .rev()
+                    .zip(self.shape.iter().rev())
+                    .all(|(&a, &b)| a == b || a == 1);
             if !fits {
-                return Err(op_err!(Shape, "fused", "input {i} {} does not broadcast to {:?}", t.ty(), self.shape));
+                return Err(op_err!(
+                    Shape,
+                    "fused",
+                    "input {i} {} does not broadcast to {:?}",
+                    t.ty(),
+                    self.shape
+                ));
             }
         }
         if self.wide {
@@ -63,7 +73,11 @@ impl FusedKernel {
 
     fn run_as<A: Transcendental>(&self, inputs: &[&Tensor]) -> Vec<Tensor> {
         let numel: usize = self.shape.iter().product();
-        let mut outs: Vec<Storage> = self.outputs.iter().map(|&(_, d)| Storage::new(d, numel)).collect();
+        let mut outs: Vec<Storage> = self
+            .outputs
+            .iter()
+            .map(|&(_, d)| Storage::new(d, numel))
+            .collect();
         let sinks: Vec<Sink> = outs
             .iter_mut()
             .map(|s| Sink {
@@ -71,7 +85,10 @@ impl FusedKernel {
                 dtype: s.dtype(),
             })
             .collect();
-        let loads: Vec<Layout> = inputs.iter().map(|t| t.layout().expanded(&self.shape)).collect();
+        let loads: Vec<Layout> = inputs
+            .iter()
+            .map(|t| t.layout().expanded(&self.shape))
+            .collect();
         let blocks = numel.div_ceil(BLOCK);
         let run_blocks = |range: std::ops::Range<usize>| {
             let mut regs = vec![A::ZERO; self.steps.len() * BLOCK];
@@ -90,12 +107,23 @@ impl FusedKernel {
             run_blocks(0..blocks);
         } else {
             let per = blocks.div_ceil(tasks);
-            (0..tasks).into_par_iter().for_each(|t| run_blocks(t * per..((t + 1) * per).min(blocks)));
+            (0..tasks)
+                .into_par_iter()
+                .for_each(|t| run_blocks(t * per..((t + 1) * per).min(blocks)));
         }
-        outs.into_iter().map(|s| Tensor::from_storage(s, &self.shape)).collect()
+        outs.into_iter()
+            .map(|s| Tensor::from_storage(s, &self.shape))
+            .collect()
     }
 
-    fn eval_block<A: Transcendental>(&self, inputs: &[&Tensor], loads: &[Layout], regs: &mut [A], start: usize, len: usize) {
+    fn eval_block<A: Transcendental>(
+        &self,
+        inputs: &[&Tensor],
+        loads: &[Layout],
+        regs: &mut [A],
+        start: usize,
+        len: usize,
+    ) {
         for (i, step) in self.steps.iter().enumerate() {
             let (before, after) = regs.split_at_mut(i * BLOCK);
             let dst = &mut after[..len];
@@ -218,7 +246,10 @@ mod tests {
             wide: false,
         };
         let out = k.run(&[&x, &w]).unwrap();
-        let want: Vec<f64> = [0.0f64, 0.5, -2.0, -1.0, 0.25, -3.0].iter().map(|v| v.exp() + 1.0).collect();
+        let want: Vec<f64> = [0.0f64, 0.5, -2.0, -1.0, 0.25, -3.0]
+            .iter()
+            .map(|v| v.exp() + 1.0)
+            .collect();
         for (g, w) in out[0].to_f64_vec().iter().zip(&want) {
             assert!((g - w).abs() < 1e-6, "{g} vs {w}");
         }
