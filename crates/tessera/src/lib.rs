@@ -3,7 +3,8 @@
 //! - [`ir`]: the graph IR (dtypes, shapes, ops, graphs, text form, verifier);
 //! - [`tensor`]: the eager `Tensor` API;
 //! - [`runtime`]: the CPU backend's kernels and the graph interpreter;
-//! - [`io`]: `.npy` and safetensors files.
+//! - [`io`]: `.npy` and safetensors files;
+//! - [`nn`]: modules, parameters and losses; [`optim`]: optimizers.
 
 pub mod autograd;
 pub mod compile;
@@ -12,6 +13,8 @@ pub mod fusion;
 pub mod io;
 pub mod ir;
 pub mod logging;
+pub mod nn;
+pub mod optim;
 pub mod runtime;
 pub mod tensor;
 

@@ -66,3 +66,22 @@ fn aot_graphs_match_eager() {
         );
     }
 }
+
+#[test]
+fn set_grad_replaces_a_leaf_gradient_and_checks_its_type() {
+    let w = Tensor::from_vec(vec![1.0, 2.0], &[2]).set_requires_grad(true);
+    (&w * 3.0).sum(&[], false).backward();
+    w.set_grad(Some(Tensor::from_vec(vec![0.5, -0.5], &[2])))
+        .unwrap();
+    assert_eq!(w.grad().unwrap().to_f64_vec(), vec![0.5, -0.5]);
+    w.set_grad(None).unwrap();
+    assert!(w.grad().is_none());
+    let msg = w
+        .set_grad(Some(Tensor::zeros(&[3], DType::F64)))
+        .unwrap_err()
+        .to_string();
+    assert!(msg.contains("f64[3]") && msg.contains("f64[2]"), "{msg}");
+    let not_leaf = &w * 2.0;
+    assert!(not_leaf.set_grad(None).is_err());
+    assert!(w.detach().set_grad(None).is_err());
+}

@@ -230,6 +230,35 @@ impl Tensor {
             .and_then(|m| m.grad.lock().expect("grad lock").clone())
     }
 
+    /// Replaces the accumulated gradient of this leaf (like assigning
+    /// `p.grad` in PyTorch; gradient clipping needs it). The gradient must
+    /// have this tensor's type.
+    pub fn set_grad(&self, grad: Option<Tensor>) -> Result<()> {
+        let meta = self
+            .autograd_meta()
+            .filter(|_| self.is_leaf())
+            .ok_or_else(|| {
+                Error::op(
+                    ErrorKind::Argument,
+                    "set_grad",
+                    format!("{} is not a leaf that requires grad", self.ty()),
+                )
+            })?;
+        if let Some(g) = grad.as_ref().filter(|g| g.ty() != self.ty()) {
+            return Err(Error::op(
+                ErrorKind::Shape,
+                "set_grad",
+                format!(
+                    "the gradient {} does not match the tensor {}",
+                    g.ty(),
+                    self.ty()
+                ),
+            ));
+        }
+        *meta.grad.lock().expect("grad lock") = grad.map(|g| g.detach());
+        Ok(())
+    }
+
     /// Clears the accumulated gradient.
     pub fn zero_grad(&self) {
         if let Some(m) = self.autograd_meta() {

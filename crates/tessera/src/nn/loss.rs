@@ -1,0 +1,94 @@
+//! Losses: mean cross-entropy over class logits, mean squared error.
+
+use crate::error::{Error, ErrorKind, Result, SourceLoc};
+use crate::tensor::{unwrap_or_panic, Tensor};
+
+/// Mean cross-entropy of `logits [N, C]` (float) against class ids
+/// `targets [N]` (i64/i32), as `torch.nn.functional.cross_entropy`: rows
+/// whose target equals `ignore_index` count neither in the sum nor in the
+/// mean. For `[B, T, C]` logits pass `logits.reshape(&[-1, C])` and
+/// `targets.reshape(&[-1])`.
+///
+/// When every row is ignored the loss is 0 (with zero gradients), not
+/// PyTorch's NaN: a batch of pure padding then leaves a training run intact.
+/// A target outside `0..C` (other than `ignore_index`) is an error.
+#[track_caller]
+pub fn cross_entropy(logits: &Tensor, targets: &Tensor, ignore_index: Option<i64>) -> Tensor {
+    unwrap_or_panic(try_cross_entropy(logits, targets, ignore_index))
+}
+
+/// [`cross_entropy`], returning the error instead of panicking.
+#[track_caller]
+pub fn try_cross_entropy(
+    logits: &Tensor,
+    targets: &Tensor,
+    ignore_index: Option<i64>,
+) -> Result<Tensor> {
+    let fits = logits.rank() == 2
+        && logits.dtype().is_float()
+        && targets.rank() == 1
+        && targets.dtype().is_int()
+        && targets.shape()[0] == logits.shape()[0];
+    if !fits {
+        return Err(loss_error(
+            "cross_entropy",
+            format!(
+                "expects float logits [N, C] and i64/i32 targets [N], got {} and {}",
+                logits.ty(),
+                targets.ty()
+            ),
+        ));
+    }
+    mean_nll(logits, targets, ignore_index)
+}
+
+fn mean_nll(logits: &Tensor, targets: &Tensor, ignore_index: Option<i64>) -> Result<Tensor> {
+    let log_probs = logits.try_log_softmax(-1)?;
+    let Some(ignore) = ignore_index else {
+        let picked = log_probs.try_gather(1, &targets.try_unsqueeze(1)?)?;
+        return picked.try_mean(&[], false)?.try_neg();
+    };
+    let kept = targets.try_ne(ignore)?;
+    // Ignored rows gather class 0 (always valid) and are then weighted 0.
+    let safe = Tensor::try_where(&kept, targets, &Tensor::zeros(&[], targets.dtype()))?;
+    let picked = log_probs
+        .try_gather(1, &safe.try_unsqueeze(1)?)?
+        .try_squeeze(1)?;
+    let weight = kept.try_cast(logits.dtype())?;
+    // The count is clamped to 1 so an all-ignored batch gives 0/1, not 0/0.
+    let count = weight.try_sum(&[], false)?.try_maximum(1.0)?;
+    picked
+        .try_mul(&weight)?
+        .try_sum(&[], false)?
+        .try_div(&count)?
+        .try_neg()
+}
+
+/// Mean squared error of two tensors of the same shape and dtype.
+#[track_caller]
+pub fn mse(pred: &Tensor, target: &Tensor) -> Tensor {
+    unwrap_or_panic(try_mse(pred, target))
+}
+
+/// [`mse`], returning the error instead of panicking. Shapes must match
+/// exactly: a broadcast here is almost always a bug (`[N, 1]` vs `[N]`).
+#[track_caller]
+pub fn try_mse(pred: &Tensor, target: &Tensor) -> Result<Tensor> {
+    if pred.ty() != target.ty() || !pred.dtype().is_float() {
+        return Err(loss_error(
+            "mse",
+            format!(
+                "prediction and target must be float tensors of one type, got {} and {}",
+                pred.ty(),
+                target.ty()
+            ),
+        ));
+    }
+    let diff = pred.try_sub(target)?;
+    diff.try_mul(&diff)?.try_mean(&[], false)
+}
+
+#[track_caller]
+fn loss_error(op: &str, message: String) -> Error {
+    Error::op(ErrorKind::Shape, op, message).at(SourceLoc::caller())
+}
