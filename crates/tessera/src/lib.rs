@@ -3,13 +3,15 @@
 //! - [`ir`]: the graph IR (dtypes, shapes, ops, graphs, text form, verifier);
 //! - [`tensor`]: the eager `Tensor` API;
 //! - [`runtime`]: the CPU backend's kernels and the graph interpreter;
-//! - [`io`]: `.npy` and safetensors files.
+//! - [`io`]: `.npy` and safetensors files;
+//! - [`passes`]: graph rewrites and the pass manager.
 
 pub mod autograd;
 pub mod error;
 pub mod io;
 pub mod ir;
 pub mod logging;
+pub mod passes;
 pub mod runtime;
 pub mod tensor;
 
