@@ -10,6 +10,7 @@ use std::time::Instant;
 use anyhow::{anyhow, bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
 use tessera::ir::text;
+use tessera::passes::{PassContext, PassManager};
 use tessera::runtime::interpret;
 use tessera::tensor::Generator;
 use tessera::{DType, Error, ErrorKind, Graph, Tensor};
@@ -29,11 +30,28 @@ struct Cli {
 enum Command {
     /// Run a graph on .npy inputs and write each output as DIR/<name>.npy.
     Run(RunArgs),
-    /// Print a graph and a summary: node count by op, inputs, outputs.
-    Inspect {
-        /// The graph file (text form).
-        graph: PathBuf,
-    },
+    /// Print a graph and a summary: node count by op, inputs, outputs;
+    /// with --passes, the graph after those passes and what each changed.
+    Inspect(InspectArgs),
+}
+
+#[derive(Args)]
+struct InspectArgs {
+    /// The graph file (text form).
+    graph: PathBuf,
+    /// Optimise the graph first with these passes, run to a fixed point:
+    /// comma-separated names, `default` for the default pipeline (e.g.
+    /// `default,decompose` or `cse,dce`).
+    #[arg(long, value_name = "PASSES")]
+    passes: Option<String>,
+    /// With --passes: keep float results bit-identical to the unoptimised
+    /// graph (no reassociation, hoisting or regrouping).
+    #[arg(long)]
+    no_reassociation: bool,
+    /// With --passes: allow rewrites that are exact only for finite inputs
+    /// (x*0 → 0, x-x → 0).
+    #[arg(long)]
+    unsafe_math: bool,
 }
 
 #[derive(Args)]
@@ -66,7 +84,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Run(args) => run(&args),
-        Command::Inspect { graph } => inspect(&graph),
+        Command::Inspect(args) => inspect(&args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -114,8 +132,12 @@ fn run(args: &RunArgs) -> Result<()> {
     Ok(())
 }
 
-fn inspect(path: &Path) -> Result<()> {
-    let graph = load_graph(path)?;
+fn inspect(args: &InspectArgs) -> Result<()> {
+    let mut graph = load_graph(&args.graph)?;
+    let optimised = match &args.passes {
+        Some(spec) => Some(optimise(&mut graph, spec, args)?),
+        None => None,
+    };
     println!("{}", graph.to_string().trim_end());
     println!();
     println!("{} nodes", graph.len());
@@ -130,7 +152,35 @@ fn inspect(path: &Path) -> Result<()> {
     for out in &graph.outputs {
         println!("  {}: {}", out.name, graph.node(out.node).ty);
     }
+    if let Some(summary) = optimised {
+        print!("{summary}");
+    }
     Ok(())
+}
+
+/// Runs the passes named by `spec` on `graph`; returns what each changed,
+/// as printed after the graph.
+fn optimise(graph: &mut Graph, spec: &str, args: &InspectArgs) -> Result<String> {
+    let pipeline = PassManager::from_names(spec)?;
+    let ctx = PassContext {
+        allow_reassociation: !args.no_reassociation,
+        unsafe_math: args.unsafe_math,
+        ..PassContext::default()
+    };
+    let before = graph.len();
+    let report = pipeline.run(graph, &ctx)?;
+    let state = match report.converged {
+        true => format!("fixed point after {} rounds", report.rounds),
+        false => format!("stopped after {} rounds", report.rounds),
+    };
+    let mut out = format!(
+        "passes `{spec}` ({state}): {before} -> {} nodes\n",
+        graph.len()
+    );
+    for (name, changes, delta) in report.changes_by_pass(&pipeline) {
+        out += &format!("  {name:<24} changed {changes} times, {delta:+} nodes\n");
+    }
+    Ok(out)
 }
 
 /// Node count per op name, most frequent first.

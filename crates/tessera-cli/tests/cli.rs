@@ -155,6 +155,43 @@ fn inspect_prints_the_graph_and_a_summary() {
 }
 
 #[test]
+fn inspect_with_passes_prints_the_optimised_graph_and_the_changes() {
+    let dir = tempfile::tempdir().unwrap();
+    let src = "graph g(%x, %w) {
+  %x = input : f32[4,3]
+  %w = input : f32[5,3]
+  %wt = permute(%w) {perm=[1,0]} : f32[3,5]
+  %h = matmul(%x, %wt) : f32[4,5]
+  %one = full {value=1.0, shape=[], dtype=f32} : f32[]
+  %y = mul(%h, %one) : f32[4,5]
+  return %y as y
+}
+";
+    std::fs::write(dir.path().join("g.tir"), src).unwrap();
+    let out = tessera(&["inspect", "g.tir", "--passes", "default"], dir.path());
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = stdout(&out);
+    let optimised = "graph g(%x, %w) {
+  %x = input : f32[4,3]
+  %w = input : f32[5,3]
+  %h = matmul_t(%x, %w) {transpose_a=false, transpose_b=true} : f32[4,5]
+  return %h as y
+}";
+    assert!(text.starts_with(optimised), "{text}");
+    for line in [
+        "passes `default` (fixed point after 2 rounds): 6 -> 3 nodes",
+        "  neutral_elements         changed 1 times, -2 nodes",
+        "  transpose_matmul         changed 1 times, -1 nodes",
+        "  cse                      changed 0 times, +0 nodes",
+    ] {
+        assert!(text.contains(line), "missing `{line}` in:\n{text}");
+    }
+    let out = tessera(&["inspect", "g.tir", "--passes", "cse,fold"], dir.path());
+    let err = assert_one_line_error(&out);
+    assert!(err.contains("unknown pass `fold`"), "{err}");
+}
+
+#[test]
 fn a_missing_graph_file_is_a_one_line_error() {
     let dir = tempfile::tempdir().unwrap();
     let out = tessera(&["inspect", "nowhere.tir"], dir.path());

@@ -5,6 +5,7 @@
 //! - [`runtime`]: the CPU backend's kernels and the graph interpreter;
 //! - [`io`]: `.npy` and safetensors files;
 //! - [`nn`]: modules, parameters and losses; [`optim`]: optimizers.
+//! - [`passes`]: graph rewrites and the pass manager.
 
 pub mod autograd;
 pub mod compile;
@@ -15,6 +16,7 @@ pub mod ir;
 pub mod logging;
 pub mod nn;
 pub mod optim;
+pub mod passes;
 pub mod runtime;
 pub mod tensor;
 

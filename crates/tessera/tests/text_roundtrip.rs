@@ -311,6 +311,12 @@ fn every_op_kind_round_trips() {
     let t = add(&mut g, Op::Permute(vec![1, 0]), &[s]);
     used(&Op::MatMul);
     let mm = add(&mut g, Op::MatMul, &[s, t]);
+    let mm_t = Op::MatMulT {
+        transpose_a: false,
+        transpose_b: true,
+    };
+    used(&mm_t);
+    add(&mut g, mm_t, &[s, s]);
     used(&Op::Cat { dim: 0 });
     add(&mut g, Op::Cat { dim: 0 }, &[s, s, s]);
     let index = Literal {

@@ -19,6 +19,7 @@ const INF: u64 = u64::MAX / 4;
 fn recompute_cost(op: &Op) -> Option<u8> {
     Some(match op {
         Op::MatMul
+        | Op::MatMulT { .. }
         | Op::IndexSelect { .. }
         | Op::Gather { .. }
         | Op::IndexAdd { .. }

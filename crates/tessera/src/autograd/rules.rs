@@ -42,6 +42,20 @@ pub fn vjp(op: &Op, inputs: &[Tensor], output: &Tensor, g: &Tensor) -> Result<Ve
             let (ga, gb) = matmul(x, &inputs[1], g)?;
             vec![Some(ga), Some(gb)]
         }
+        Op::MatMulT {
+            transpose_a,
+            transpose_b,
+        } => {
+            // matmul(a', b') with a' = aᵀ or a: the matmul rule gives the
+            // gradients of a' and b', transposed back where the op transposed.
+            let swap = |t: &Tensor, yes: bool| if yes { t.try_t() } else { Ok(t.clone()) };
+            let (a, b) = (swap(x, *transpose_a)?, swap(&inputs[1], *transpose_b)?);
+            let (ga, gb) = matmul(&a, &b, g)?;
+            vec![
+                Some(swap(&ga, *transpose_a)?),
+                Some(swap(&gb, *transpose_b)?),
+            ]
+        }
         Op::Reshape(_) => vec![Some(g.try_reshape(&signed(x.shape()))?)],
         Op::Permute(perm) => {
             let mut inverse = vec![0isize; perm.len()];
@@ -333,4 +347,48 @@ fn slice_backward(
     let used = spread.shape()[dim];
     let after = shape[dim] - start - used;
     Tensor::try_cat(&[&zeros(start), &spread, &zeros(after)], d)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::panic::Location;
+
+    use crate::ir::{DType, Op};
+    use crate::tensor::{Generator, Tensor};
+
+    /// `matmul_t`'s gradients are those of the matmul of explicit transposes.
+    #[test]
+    fn matmul_t_gradients_match_matmul_of_permutes() {
+        let mut gen = Generator::new(3);
+        let a = Tensor::randn(&[2, 4, 3], DType::F64, &mut gen);
+        let b = Tensor::randn(&[5, 4], DType::F64, &mut gen);
+        let grads = |fused: bool| {
+            let (a, b) = (a.set_requires_grad(true), b.set_requires_grad(true));
+            let y = if fused {
+                let op = Op::MatMulT {
+                    transpose_a: true,
+                    transpose_b: true,
+                };
+                Tensor::apply(&op, &[&a, &b], Location::caller()).unwrap()
+            } else {
+                a.t().matmul(&b.t())
+            };
+            (y.sin()).sum(&[], false).backward();
+            (
+                a.grad().unwrap().to_f64_vec(),
+                b.grad().unwrap().to_f64_vec(),
+            )
+        };
+        let (fused, plain) = (grads(true), grads(false));
+        assert_eq!(fused.0.len(), 24);
+        assert_eq!(fused.1.len(), 20);
+        for (f, p) in fused
+            .0
+            .iter()
+            .chain(&fused.1)
+            .zip(plain.0.iter().chain(&plain.1))
+        {
+            assert!((f - p).abs() < 1e-12, "{f} vs {p}");
+        }
+    }
 }

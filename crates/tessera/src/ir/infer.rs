@@ -313,6 +313,14 @@ impl Op {
                 Ok(inputs[0].clone())
             }
             Op::MatMul => infer_matmul(inputs),
+            Op::MatMulT {
+                transpose_a,
+                transpose_b,
+            } => {
+                let a = transposed_last2(self, &inputs[0], *transpose_a)?;
+                let b = transposed_last2(self, &inputs[1], *transpose_b)?;
+                infer_matmul(&[a, b])
+            }
             Op::Reshape(shape) => {
                 let t = &inputs[0];
                 if t.shape.numel() != shape.numel() {
@@ -532,6 +540,28 @@ pub fn reduced_shape(shape: &Shape, dims: &[usize], keepdim: bool) -> Shape {
     Shape(out)
 }
 
+/// `t` with its last two dims swapped when `transpose` (`matmul_t`'s view
+/// of an operand); a transposed operand needs two dims to swap.
+fn transposed_last2(op: &Op, t: &TensorType, transpose: bool) -> Result<TensorType> {
+    if !transpose {
+        return Ok(t.clone());
+    }
+    let r = t.rank();
+    if r < 2 {
+        return Err(op_err!(
+            Shape,
+            op.name(),
+            "a transposed operand needs at least 2 dims, got {t}"
+        ));
+    }
+    let mut shape = t.shape.clone();
+    shape.0.swap(r - 2, r - 1);
+    Ok(TensorType {
+        dtype: t.dtype,
+        shape,
+    })
+}
+
 fn infer_matmul(inputs: &[TensorType]) -> Result<TensorType> {
     let (a, b) = (&inputs[0], &inputs[1]);
     let dtype = same_dtype(&Op::MatMul, inputs)?;
@@ -641,6 +671,32 @@ mod tests {
         assert!(
             err.to_string()
                 .contains("inner dims differ: f32[3,4] and f32[5,6]"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn matmul_t_shapes() {
+        let op = |transpose_a, transpose_b| Op::MatMulT {
+            transpose_a,
+            transpose_b,
+        };
+        assert_eq!(
+            op(true, false).infer(&[t(&[2, 4, 3]), t(&[4, 5])]).unwrap(),
+            t(&[2, 3, 5])
+        );
+        assert_eq!(
+            op(true, true).infer(&[t(&[4, 3]), t(&[5, 4])]).unwrap(),
+            t(&[3, 5])
+        );
+        assert_eq!(
+            op(false, true).infer(&[t(&[4]), t(&[5, 4])]).unwrap(),
+            t(&[5])
+        );
+        let err = op(true, false).infer(&[t(&[4]), t(&[4])]).unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("matmul_t: a transposed operand needs at least 2 dims, got f32[4]"),
             "{err}"
         );
     }

@@ -324,6 +324,15 @@ pub enum Op {
     /// (a, b) like `torch.matmul`: 1-D operands are promoted and the added
     /// dim removed; leading (batch) dims broadcast.
     MatMul,
+    /// (a, b) `matmul(a', b')` where `a'` is `a` with its last two dims
+    /// swapped when `transpose_a` (likewise `b'`); a transposed operand needs
+    /// rank ≥ 2. Produced by the `transpose_matmul` pass from
+    /// `matmul(permute(x), y)`: the kernel reads the transpose as a strided
+    /// view, so the permute costs nothing.
+    MatMulT {
+        transpose_a: bool,
+        transpose_b: bool,
+    },
     /// (x) to `shape` (same number of elements); a view when x is contiguous.
     Reshape(Shape),
     /// (x) dims reordered: output dim i is input dim `perm[i]`. A view.
@@ -377,6 +386,7 @@ impl Op {
             Op::Softmax { .. } => "softmax",
             Op::LogSoftmax { .. } => "log_softmax",
             Op::MatMul => "matmul",
+            Op::MatMulT { .. } => "matmul_t",
             Op::Reshape(_) => "reshape",
             Op::Permute(_) => "permute",
             Op::Expand(_) => "expand",
@@ -404,6 +414,7 @@ impl Op {
             Op::Binary(_)
             | Op::Compare(_)
             | Op::MatMul
+            | Op::MatMulT { .. }
             | Op::IndexSelect { .. }
             | Op::Gather { .. } => Some(2),
             Op::Where | Op::IndexAdd { .. } | Op::ScatterAdd { .. } => Some(3),

@@ -122,6 +122,7 @@ pub(super) fn signature(op_name: &str) -> Option<&'static [(&'static str, AttrKi
             ("step", Usize),
         ],
         "tril" | "triu" => &[("diagonal", I64)],
+        "matmul_t" => &[("transpose_a", Bool), ("transpose_b", Bool)],
         _ => return None,
     })
 }
@@ -184,6 +185,10 @@ pub(super) fn attrs_of(op: &Op) -> Vec<Attr> {
             A::Usize(*step),
         ],
         Op::Tril { diagonal } | Op::Triu { diagonal } => vec![A::I64(*diagonal)],
+        Op::MatMulT {
+            transpose_a,
+            transpose_b,
+        } => vec![A::Bool(*transpose_a), A::Bool(*transpose_b)],
     }
 }
 
@@ -243,6 +248,10 @@ pub(super) fn build(op_name: &str, attrs: &[Attr], ty: &TensorType) -> Result<Op
         },
         ("triu", [A::I64(diagonal)]) => Op::Triu {
             diagonal: *diagonal,
+        },
+        ("matmul_t", [A::Bool(transpose_a), A::Bool(transpose_b)]) => Op::MatMulT {
+            transpose_a: *transpose_a,
+            transpose_b: *transpose_b,
         },
         (name, [A::Dims(dims), A::Bool(keepdim)]) => Op::Reduce {
             op: reduce_op(name).ok_or_else(mismatch)?,
@@ -455,6 +464,10 @@ mod tests {
             Op::Softmax { dim: 1 },
             Op::LogSoftmax { dim: 0 },
             Op::MatMul,
+            Op::MatMulT {
+                transpose_a: true,
+                transpose_b: false,
+            },
             Op::Reshape(sym.clone()),
             Op::Permute(vec![1, 0]),
             Op::Expand(sym),

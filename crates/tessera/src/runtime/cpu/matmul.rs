@@ -37,6 +37,34 @@ pub fn matmul(a: &Tensor, b: &Tensor, out_shape: &[usize]) -> Result<Tensor> {
     Ok(Tensor::from_storage(out, out_shape))
 }
 
+/// `a' @ b'` where `a'` is `a` with its last two dims swapped when
+/// `transpose_a` (likewise `b'`). The swap is a strided view, which gemm
+/// reads in place: nothing is copied.
+pub fn matmul_t(
+    a: &Tensor,
+    b: &Tensor,
+    transpose_a: bool,
+    transpose_b: bool,
+    out_shape: &[usize],
+) -> Result<Tensor> {
+    matmul(
+        &swapped_last2(a, transpose_a),
+        &swapped_last2(b, transpose_b),
+        out_shape,
+    )
+}
+
+/// A view of `x` with its last two dims swapped (`x` itself unless `swap`).
+fn swapped_last2(x: &Tensor, swap: bool) -> Tensor {
+    if !swap {
+        return x.clone();
+    }
+    let r = x.rank();
+    let mut perm: Vec<usize> = (0..r).collect();
+    perm.swap(r - 2, r - 1);
+    Tensor::from_parts(x.storage().clone(), x.layout().permuted(&perm))
+}
+
 /// One batched matmul in strided form: `batch` products of an m×k and a k×n
 /// matrix, written row-major and back to back into the output.
 #[derive(Debug)]
@@ -654,6 +682,18 @@ mod tests {
             &naive(&a.to_f64_vec(), &b.to_f64_vec(), 2, 3, 1),
             1e-6,
         );
+    }
+
+    #[test]
+    fn matmul_t_reads_transposed_views() {
+        let a = f32_tensor(&values(12, 27), &[2, 3, 2]); // a' is [2, 2, 3]
+        let b = f32_tensor(&values(12, 28), &[4, 3]); // b' is [3, 4]
+        let out = matmul_t(&a, &b, true, true, &[2, 2, 4]).unwrap();
+        let a_t = swapped_last2(&a, true).to_f64_vec();
+        let b_t = swapped_last2(&b, true).to_f64_vec();
+        let mut want = naive(&a_t[..6], &b_t, 2, 3, 4);
+        want.extend(naive(&a_t[6..], &b_t, 2, 3, 4));
+        assert_close(&out.to_f64_vec(), &want, 1e-6);
     }
 
     #[test]

@@ -44,6 +44,10 @@ pub fn eval(op: &Op, inputs: &[&Tensor], dtype: DType, shape: &[usize]) -> Resul
         Op::Softmax { dim } => reduce::softmax(inputs[0], *dim, false),
         Op::LogSoftmax { dim } => reduce::softmax(inputs[0], *dim, true),
         Op::MatMul => matmul::matmul(inputs[0], inputs[1], shape),
+        Op::MatMulT {
+            transpose_a,
+            transpose_b,
+        } => matmul::matmul_t(inputs[0], inputs[1], *transpose_a, *transpose_b, shape),
         Op::Reshape(_) => Ok(copy::reshape(inputs[0], shape)),
         Op::Permute(perm) => Ok(view(inputs[0], inputs[0].layout().permuted(perm))),
         Op::Expand(_) => Ok(view(inputs[0], inputs[0].layout().expanded(shape))),
