@@ -8,6 +8,7 @@ use crate::autograd::{self, aot_autograd};
 use crate::error::Result;
 use crate::fusion::{self, Plan};
 use crate::ir::{Graph, NodeId};
+use crate::passes::{PassContext, PassManager};
 use crate::runtime::execute::run_plan;
 use crate::runtime::interpret::run_graph;
 use crate::tensor::trace::Traced;
@@ -21,12 +22,16 @@ struct Program {
 }
 
 impl Program {
-    fn new(graph: Graph, fused: bool) -> Program {
-        let plan = fused.then(|| Arc::new(fusion::fuse(&graph)));
-        Program {
+    /// For the default backend (`optimized`): the pass pipeline, then fusion.
+    fn new(mut graph: Graph, optimized: bool) -> Result<Program> {
+        if optimized {
+            PassManager::default_pipeline().run(&mut graph, &PassContext::default())?;
+        }
+        let plan = optimized.then(|| Arc::new(fusion::fuse(&graph)));
+        Ok(Program {
             graph: Arc::new(graph),
             plan,
-        }
+        })
     }
 
     fn run(&self, args: &[Tensor]) -> Result<Vec<Tensor>> {
@@ -71,7 +76,7 @@ impl Executable {
         let fused = options.backend == Backend::Default;
         Ok(Executable {
             name,
-            forward: Program::new(graph, fused),
+            forward: Program::new(graph, fused)?,
             backward: None,
             fused,
             eager_autograd: options.backend == Backend::Eager,
@@ -95,9 +100,9 @@ impl Executable {
         let tangent_outputs = (0..self.num_outputs)
             .filter(|&i| graph.node(graph.outputs[i].node).ty.dtype.is_float())
             .collect();
-        self.forward = Program::new(aot.forward, self.fused);
+        self.forward = Program::new(aot.forward, self.fused)?;
         self.backward = Some(BackwardGraph {
-            program: Program::new(aot.backward, self.fused),
+            program: Program::new(aot.backward, self.fused)?,
             wrt,
             tangent_outputs,
         });
