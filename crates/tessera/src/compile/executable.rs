@@ -109,6 +109,22 @@ impl Executable {
         Ok(self)
     }
 
+    /// Every stage's artifact as (file name, text): the graphs after passes
+    /// and the kernel lists, for `TESSERA_COMPILE_DEBUG` and logs.
+    pub fn artifacts(&self) -> Vec<(String, String)> {
+        let mut out = vec![("forward.tir".to_string(), self.forward.graph.to_string())];
+        if let Some(plan) = &self.forward.plan {
+            out.push(("forward.kernels.txt".into(), fusion::describe(&self.forward.graph, plan)));
+        }
+        if let Some(bwd) = &self.backward {
+            out.push(("backward.tir".into(), bwd.program.graph.to_string()));
+            if let Some(plan) = &bwd.program.plan {
+                out.push(("backward.kernels.txt".into(), fusion::describe(&bwd.program.graph, plan)));
+            }
+        }
+        out
+    }
+
     pub(super) fn has_lifted(&self) -> bool {
         self.num_lifted > 0
     }

@@ -76,8 +76,12 @@ impl Default for CompileOptions {
 }
 
 /// Counters of what the cache did.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct CompileStats {
+    /// Seconds spent building executables (passes, AOT autograd, fusion).
+    pub compile_seconds: f64,
+    /// Seconds spent tracing (every call traces; see the module doc).
+    pub trace_seconds: f64,
     /// Executables built (the first compile and every recompile).
     pub compiles: usize,
     pub recompiles: usize,
@@ -201,7 +205,9 @@ impl<F: Fn(&[Tensor]) -> Vec<Tensor>> Compiled<F> {
                 return exe.run(inputs, &[]);
             }
         }
+        let started = std::time::Instant::now();
         let traced = self.capture(inputs)?;
+        self.state.lock().expect("compile cache").stats.trace_seconds += started.elapsed().as_secs_f64();
         if !traced.breaks.is_empty() {
             if let Some(out) = self.handle_breaks(&traced, inputs)? {
                 return Ok(out);
@@ -341,9 +347,17 @@ impl<F: Fn(&[Tensor]) -> Vec<Tensor>> Compiled<F> {
                 )
             });
         }
+        let started = std::time::Instant::now();
         let exe =
             Arc::new(Executable::build(traced, &self.options)?.with_backward(wrt, &self.options)?);
+        state.stats.compile_seconds += started.elapsed().as_secs_f64();
         state.stats.compiles += 1;
+        log("output_code", || {
+            exe.artifacts().iter().filter(|(n, _)| n.ends_with(".txt")).map(|(_, t)| t.clone()).collect::<String>()
+        });
+        if std::env::var("TESSERA_COMPILE_DEBUG").is_ok_and(|v| v == "1") {
+            dump_debug(&self.name, state.stats.compiles, traced, guards, &exe);
+        }
         state.entries.push(Entry {
             key,
             guards: guards.to_vec(),
@@ -356,6 +370,23 @@ impl<F: Fn(&[Tensor]) -> Vec<Tensor>> Compiled<F> {
     fn run_eagerly(&self, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
         self.state.lock().expect("compile cache").stats.eager_calls += 1;
         Ok((self.f)(inputs))
+    }
+}
+
+/// Writes every stage's artifact into `tessera_debug/<name>_<n>/` and says
+/// where once per compile. A failure to write is reported, not fatal.
+fn dump_debug(name: &str, n: usize, traced: &Traced, guards: &[InputGuard], exe: &Executable) {
+    let dir = std::path::PathBuf::from("tessera_debug").join(format!("{name}_{n}"));
+    let mut files = vec![
+        ("captured.tir".to_string(), traced.graph.to_string()),
+        ("guards.txt".to_string(), format!("{guards:#?}\n")),
+    ];
+    files.extend(exe.artifacts());
+    let written = std::fs::create_dir_all(&dir)
+        .and_then(|_| files.iter().try_for_each(|(f, text)| std::fs::write(dir.join(f), text)));
+    match written {
+        Ok(()) => eprintln!("tessera: compile debug artifacts of {name} in {}", dir.display()),
+        Err(e) => eprintln!("tessera: could not write compile debug artifacts to {}: {e}", dir.display()),
     }
 }
 

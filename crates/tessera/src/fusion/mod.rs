@@ -233,7 +233,7 @@ fn fused_kernel(graph: &Graph, members: &[NodeId], users: &HashSet<NodeId>) -> K
 }
 
 /// The fusion log: what fused, and the node count before and after.
-fn describe(graph: &Graph, plan: &Plan) -> String {
+pub fn describe(graph: &Graph, plan: &Plan) -> String {
     let mut text = String::new();
     let ops = graph
         .nodes
