@@ -1,6 +1,7 @@
-//! f32 matmul through tessera's dispatcher against a direct call of the gemm
-//! crate on the same buffers: the dispatcher path must stay within a few
-//! percent of raw gemm (no copies, no zero-fill of the output).
+//! f32 matmul through `Tensor::matmul` (the whole eager path: type
+//! inference, dispatch, output allocation) against a direct call of the gemm
+//! crate on the same buffers: it must stay within a few percent of raw gemm
+//! (no copies, no zero-fill of the output).
 //!
 //! `cargo bench -p tessera --bench matmul`; throughput is in FLOP/s
 //! (criterion's "elem/s", 2·n³ per product).
@@ -8,8 +9,6 @@
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use std::hint::black_box;
 use std::time::Duration;
-use tessera::ir::{DType, Op};
-use tessera::runtime::cpu::eval;
 use tessera::Tensor;
 
 fn values(n: usize, seed: u64) -> Vec<f32> {
@@ -64,9 +63,7 @@ fn bench(c: &mut Criterion) {
         .warm_up_time(Duration::from_secs(2))
         .measurement_time(Duration::from_secs(8))
         .throughput(Throughput::Elements(2 * (n * n * n) as u64));
-    group.bench_function("tessera_eval", |bench| {
-        bench.iter(|| black_box(eval(&Op::MatMul, &[&a, &b], DType::F32, &[n, n]).unwrap()))
-    });
+    group.bench_function("Tensor::matmul", |bench| bench.iter(|| black_box(a.matmul(&b))));
     group.bench_function("raw_gemm", |bench| {
         bench.iter(|| raw_gemm(n, black_box(&av), black_box(&bv), &mut dst))
     });
