@@ -3,6 +3,8 @@
 //! Every failure on bad input is one line on stderr (`error: …`) and a
 //! non-zero exit code; parse errors read `GRAPH.tir:LINE:COL: message`.
 
+mod seed_table;
+
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Instant;
@@ -19,7 +21,7 @@ use tessera::{DType, Error, ErrorKind, Graph, Tensor};
 #[command(
     name = "tessera",
     version,
-    about = "Run and inspect tessera graph files"
+    about = "tessera: run the seed experiment, run and inspect graph files"
 )]
 struct Cli {
     #[command(subcommand)]
@@ -33,6 +35,9 @@ enum Command {
     /// Print a graph and a summary: node count by op, inputs, outputs;
     /// with --passes, the graph after those passes and what each changed.
     Inspect(InspectArgs),
+    /// The seed experiment: sliced attention, eager and compiled, with and
+    /// without context hints: working memory, time, compile time, error.
+    SeedTable(seed_table::SeedTableArgs),
 }
 
 #[derive(Args)]
@@ -85,6 +90,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Run(args) => run(&args),
         Command::Inspect(args) => inspect(&args),
+        Command::SeedTable(args) => seed_table::seed_table(&args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -155,8 +161,15 @@ fn inspect(args: &InspectArgs) -> Result<()> {
     if let Some(summary) = optimised {
         print!("{summary}");
         // The kernels the default backend would run (needs concrete shapes).
-        if graph.nodes.iter().all(|n| n.ty.shape.as_concrete().is_some()) {
-            print!("kernels: {}", tessera::fusion::describe(&graph, &tessera::fusion::fuse(&graph)));
+        if graph
+            .nodes
+            .iter()
+            .all(|n| n.ty.shape.as_concrete().is_some())
+        {
+            print!(
+                "kernels: {}",
+                tessera::fusion::describe(&graph, &tessera::fusion::fuse(&graph))
+            );
         }
     }
     Ok(())

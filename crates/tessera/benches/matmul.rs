@@ -63,7 +63,9 @@ fn bench(c: &mut Criterion) {
         .warm_up_time(Duration::from_secs(2))
         .measurement_time(Duration::from_secs(8))
         .throughput(Throughput::Elements(2 * (n * n * n) as u64));
-    group.bench_function("Tensor::matmul", |bench| bench.iter(|| black_box(a.matmul(&b))));
+    group.bench_function("Tensor::matmul", |bench| {
+        bench.iter(|| black_box(a.matmul(&b)))
+    });
     group.bench_function("raw_gemm", |bench| {
         bench.iter(|| raw_gemm(n, black_box(&av), black_box(&bv), &mut dst))
     });

@@ -18,6 +18,7 @@ pub mod nn;
 pub mod optim;
 pub mod passes;
 pub mod runtime;
+pub mod seed_table;
 pub mod tensor;
 
 pub use compile::compile;

@@ -114,12 +114,18 @@ impl Executable {
     pub fn artifacts(&self) -> Vec<(String, String)> {
         let mut out = vec![("forward.tir".to_string(), self.forward.graph.to_string())];
         if let Some(plan) = &self.forward.plan {
-            out.push(("forward.kernels.txt".into(), fusion::describe(&self.forward.graph, plan)));
+            out.push((
+                "forward.kernels.txt".into(),
+                fusion::describe(&self.forward.graph, plan),
+            ));
         }
         if let Some(bwd) = &self.backward {
             out.push(("backward.tir".into(), bwd.program.graph.to_string()));
             if let Some(plan) = &bwd.program.plan {
-                out.push(("backward.kernels.txt".into(), fusion::describe(&bwd.program.graph, plan)));
+                out.push((
+                    "backward.kernels.txt".into(),
+                    fusion::describe(&bwd.program.graph, plan),
+                ));
             }
         }
         out

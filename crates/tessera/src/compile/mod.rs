@@ -207,7 +207,11 @@ impl<F: Fn(&[Tensor]) -> Vec<Tensor>> Compiled<F> {
         }
         let started = std::time::Instant::now();
         let traced = self.capture(inputs)?;
-        self.state.lock().expect("compile cache").stats.trace_seconds += started.elapsed().as_secs_f64();
+        self.state
+            .lock()
+            .expect("compile cache")
+            .stats
+            .trace_seconds += started.elapsed().as_secs_f64();
         if !traced.breaks.is_empty() {
             if let Some(out) = self.handle_breaks(&traced, inputs)? {
                 return Ok(out);
@@ -353,7 +357,11 @@ impl<F: Fn(&[Tensor]) -> Vec<Tensor>> Compiled<F> {
         state.stats.compile_seconds += started.elapsed().as_secs_f64();
         state.stats.compiles += 1;
         log("output_code", || {
-            exe.artifacts().iter().filter(|(n, _)| n.ends_with(".txt")).map(|(_, t)| t.clone()).collect::<String>()
+            exe.artifacts()
+                .iter()
+                .filter(|(n, _)| n.ends_with(".txt"))
+                .map(|(_, t)| t.clone())
+                .collect::<String>()
         });
         if std::env::var("TESSERA_COMPILE_DEBUG").is_ok_and(|v| v == "1") {
             dump_debug(&self.name, state.stats.compiles, traced, guards, &exe);
@@ -382,11 +390,20 @@ fn dump_debug(name: &str, n: usize, traced: &Traced, guards: &[InputGuard], exe:
         ("guards.txt".to_string(), format!("{guards:#?}\n")),
     ];
     files.extend(exe.artifacts());
-    let written = std::fs::create_dir_all(&dir)
-        .and_then(|_| files.iter().try_for_each(|(f, text)| std::fs::write(dir.join(f), text)));
+    let written = std::fs::create_dir_all(&dir).and_then(|_| {
+        files
+            .iter()
+            .try_for_each(|(f, text)| std::fs::write(dir.join(f), text))
+    });
     match written {
-        Ok(()) => eprintln!("tessera: compile debug artifacts of {name} in {}", dir.display()),
-        Err(e) => eprintln!("tessera: could not write compile debug artifacts to {}: {e}", dir.display()),
+        Ok(()) => eprintln!(
+            "tessera: compile debug artifacts of {name} in {}",
+            dir.display()
+        ),
+        Err(e) => eprintln!(
+            "tessera: could not write compile debug artifacts to {}: {e}",
+            dir.display()
+        ),
     }
 }
 

@@ -1,0 +1,236 @@
+//! The seed experiment (seeds/000_6388399522242122.txt): scaled dot-product
+//! attention written naively and sliced per batch×head, forward + backward,
+//! eager and compiled, with and without the user's context hint — working
+//! memory, time, compile time and error against an f64 reference.
+
+use std::time::Instant;
+
+use crate::compile::{compile, CompileStats};
+use crate::error::Result;
+use crate::ir::DType;
+use crate::runtime::cpu::{memory_stats, reset_peak};
+use crate::tensor::{Generator, Tensor};
+
+/// What to run.
+#[derive(Clone, Debug)]
+pub struct SeedConfig {
+    /// (B, H, N, D).
+    pub shape: [usize; 4],
+    pub dtype: DType,
+    pub causal: bool,
+    /// Timed repetitions per scenario (the median is reported).
+    pub reps: usize,
+    pub seed: u64,
+}
+
+impl Default for SeedConfig {
+    fn default() -> SeedConfig {
+        SeedConfig {
+            shape: [4, 16, 512, 64],
+            dtype: DType::F32,
+            causal: false,
+            reps: 5,
+            seed: 0,
+        }
+    }
+}
+
+/// One row of the table.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct SeedRow {
+    pub scenario: String,
+    /// Peak bytes during one forward+backward step beyond the inputs, the
+    /// output and the three gradients, in MiB.
+    pub working_mb: f64,
+    pub ms_median: f64,
+    /// Milliseconds spent compiling (0 for eager scenarios).
+    pub compile_ms: f64,
+    /// Largest absolute difference of the output and gradients from the
+    /// f64 reference.
+    pub max_abs_err: f64,
+}
+
+/// The seed's `sdpa_fwd`: attention over `slices` parts of the flattened
+/// batch×head dim (1: the naive version).
+pub fn sdpa(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool, slices: usize) -> Tensor {
+    let scale = 1.0 / (q.shape()[3] as f64).sqrt();
+    let (qf, kf, vf) = (q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1));
+    let (qs, ks, vs) = (
+        qf.tensor_split(slices, 0),
+        kf.tensor_split(slices, 0),
+        vf.tensor_split(slices, 0),
+    );
+    let outs: Vec<Tensor> = (0..slices)
+        .map(|i| {
+            let s = qs[i].matmul(&ks[i].transpose(-2, -1)) * scale;
+            let s = if causal { causal_mask(&s) } else { s };
+            s.softmax(-1).matmul(&vs[i])
+        })
+        .collect();
+    let refs: Vec<&Tensor> = outs.iter().collect();
+    let shape: Vec<isize> = q.shape().iter().map(|&d| d as isize).collect();
+    Tensor::cat(&refs, 0).reshape(&shape)
+}
+
+/// Scores above the diagonal set to -inf.
+fn causal_mask(s: &Tensor) -> Tensor {
+    let n = s.shape()[s.rank() - 1];
+    let keep = Tensor::ones(&[n, n], DType::Bool).tril(0);
+    Tensor::where_(&keep, s, &Tensor::full(&[], f64::NEG_INFINITY, s.dtype()))
+}
+
+/// The inputs and the output gradient, and the f64 reference results.
+struct Problem {
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    grad: Tensor,
+    reference: Vec<Vec<f64>>,
+}
+
+impl Problem {
+    fn new(config: &SeedConfig) -> Problem {
+        let mut g = Generator::new(config.seed);
+        let make = |g: &mut Generator| Tensor::randn(&config.shape, DType::F64, g);
+        let (q, k, v, grad) = (make(&mut g), make(&mut g), make(&mut g), make(&mut g));
+        let reference = step(
+            &sdpa_fn(config.causal, 1),
+            &[q.clone(), k.clone(), v.clone()],
+            &grad,
+        )
+        .iter()
+        .map(Tensor::to_f64_vec)
+        .collect();
+        let cast = |t: &Tensor| t.cast(config.dtype);
+        Problem {
+            q: cast(&q),
+            k: cast(&k),
+            v: cast(&v),
+            grad: cast(&grad),
+            reference,
+        }
+    }
+
+    fn bytes(&self) -> usize {
+        self.q.numel() * self.q.dtype().size_bytes()
+    }
+}
+
+type Forward = Box<dyn Fn(&[Tensor]) -> Vec<Tensor>>;
+
+fn sdpa_fn(causal: bool, slices: usize) -> Forward {
+    Box::new(move |x: &[Tensor]| vec![sdpa(&x[0], &x[1], &x[2], causal, slices)])
+}
+
+/// One forward + backward: the output and the three gradients.
+fn step(
+    forward: &dyn Fn(&[Tensor]) -> Vec<Tensor>,
+    inputs: &[Tensor],
+    grad: &Tensor,
+) -> Vec<Tensor> {
+    let leaves: Vec<Tensor> = inputs.iter().map(|t| t.set_requires_grad(true)).collect();
+    let out = forward(&leaves).remove(0);
+    out.backward_with(grad);
+    let mut results = vec![out.detach()];
+    results.extend(
+        leaves
+            .iter()
+            .map(|l| l.grad().expect("every input gets a gradient")),
+    );
+    results
+}
+
+/// Runs one scenario: a first call (compiling, if compiled), then `reps`
+/// timed steps with the peak measured on the last.
+fn measure(
+    name: &str,
+    forward: &dyn Fn(&[Tensor]) -> Vec<Tensor>,
+    stats: &dyn Fn() -> CompileStats,
+    problem: &Problem,
+    reps: usize,
+) -> SeedRow {
+    let inputs = [problem.q.clone(), problem.k.clone(), problem.v.clone()];
+    let first = step(forward, &inputs, &problem.grad);
+    let max_abs_err = first
+        .iter()
+        .zip(&problem.reference)
+        .flat_map(|(t, r)| {
+            t.to_f64_vec()
+                .into_iter()
+                .zip(r.iter())
+                .map(|(a, b)| (a - b).abs())
+                .collect::<Vec<_>>()
+        })
+        .fold(0.0, f64::max);
+    drop(first);
+    let mut times = Vec::with_capacity(reps);
+    let mut working = 0.0;
+    for _ in 0..reps.max(1) {
+        let before = memory_stats().live_bytes;
+        reset_peak();
+        let t = Instant::now();
+        let results = step(forward, &inputs, &problem.grad);
+        times.push(t.elapsed().as_secs_f64() * 1e3);
+        let peak = memory_stats().peak_bytes;
+        let kept = 4 * problem.bytes(); // the output and three gradients
+        working = peak.saturating_sub(before).saturating_sub(kept) as f64 / (1 << 20) as f64;
+        drop(results);
+    }
+    times.sort_by(f64::total_cmp);
+    let s = stats();
+    SeedRow {
+        scenario: name.to_string(),
+        working_mb: working,
+        ms_median: times[times.len() / 2],
+        compile_ms: (s.compile_seconds) * 1e3,
+        max_abs_err,
+    }
+}
+
+/// The scenarios, in the table's order.
+pub const SCENARIOS: [&str; 4] = [
+    "naive eager",
+    "sliced eager",
+    "sliced graph (compiled)",
+    "naive graph (compiled)",
+];
+
+/// Runs every scenario; `progress(i, name)` is called before scenario `i`.
+pub fn run(config: &SeedConfig, mut progress: impl FnMut(usize, &str)) -> Result<Vec<SeedRow>> {
+    let problem = Problem::new(config);
+    let slices = config.shape[0] * config.shape[1];
+    let no_stats = || CompileStats::default();
+    let mut rows = Vec::new();
+    for (i, &name) in SCENARIOS.iter().enumerate() {
+        progress(i, name);
+        let row = match i {
+            0 => measure(
+                name,
+                &*sdpa_fn(config.causal, 1),
+                &no_stats,
+                &problem,
+                config.reps,
+            ),
+            1 => measure(
+                name,
+                &*sdpa_fn(config.causal, slices),
+                &no_stats,
+                &problem,
+                config.reps,
+            ),
+            _ => {
+                let parts = if i == 2 { slices } else { 1 };
+                let f = compile(sdpa_fn(config.causal, parts)).name(name);
+                measure(
+                    name,
+                    &|x: &[Tensor]| f.call(x),
+                    &|| f.stats(),
+                    &problem,
+                    config.reps,
+                )
+            }
+        };
+        rows.push(row);
+    }
+    Ok(rows)
+}
