@@ -6,28 +6,9 @@
 
 use std::time::Instant;
 
+use tessera::seed_table::sdpa;
 use tessera::tensor::Generator;
 use tessera::{compile, DType, Tensor};
-
-/// The seed's `sdpa_sliced`: attention computed per slice of batch·heads.
-fn sliced_attention(q: &Tensor, k: &Tensor, v: &Tensor, slices: usize) -> Tensor {
-    let scale = 1.0 / (q.shape()[3] as f64).sqrt();
-    let (qf, kf, vf) = (q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1));
-    let (qs, ks, vs) = (
-        qf.tensor_split(slices, 0),
-        kf.tensor_split(slices, 0),
-        vf.tensor_split(slices, 0),
-    );
-    let outs: Vec<Tensor> = (0..slices)
-        .map(|i| {
-            let s = qs[i].matmul(&ks[i].transpose(-2, -1)) * scale;
-            s.softmax(-1).matmul(&vs[i])
-        })
-        .collect();
-    let refs: Vec<&Tensor> = outs.iter().collect();
-    let shape: Vec<isize> = q.shape().iter().map(|&d| d as isize).collect();
-    Tensor::cat(&refs, 0).reshape(&shape)
-}
 
 fn main() {
     let args: Vec<usize> = std::env::args()
@@ -43,7 +24,7 @@ fn main() {
     let k = Tensor::randn(&shape, DType::F32, &mut g).set_requires_grad(true);
     let v = Tensor::randn(&shape, DType::F32, &mut g).set_requires_grad(true);
     let grad = Tensor::randn(&shape, DType::F32, &mut g);
-    let f = compile(move |x: &[Tensor]| vec![sliced_attention(&x[0], &x[1], &x[2], slices)]);
+    let f = compile(move |x: &[Tensor]| vec![sdpa(&x[0], &x[1], &x[2], false, slices)]);
     let step = || {
         let out = f.call(&[q.clone(), k.clone(), v.clone()]);
         out[0].backward_with(&grad);

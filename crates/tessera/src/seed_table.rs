@@ -68,12 +68,13 @@ pub fn sdpa(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool, slices: usize) -> 
         })
         .collect();
     let refs: Vec<&Tensor> = outs.iter().collect();
-    let shape: Vec<isize> = q.shape().iter().map(|&d| d as isize).collect();
+    // As the seed: (q.shape[0], q.shape[1], v.shape[2], v.shape[3]).
+    let shape = [q.shape()[0], q.shape()[1], v.shape()[2], v.shape()[3]].map(|d| d as isize);
     Tensor::cat(&refs, 0).reshape(&shape)
 }
 
 /// Scores above the diagonal set to -inf.
-fn causal_mask(s: &Tensor) -> Tensor {
+pub fn causal_mask(s: &Tensor) -> Tensor {
     let n = s.shape()[s.rank() - 1];
     let keep = Tensor::ones(&[n, n], DType::Bool).tril(0);
     Tensor::where_(&keep, s, &Tensor::full(&[], f64::NEG_INFINITY, s.dtype()))

@@ -20,37 +20,12 @@ pub fn sdpa(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool) -> Tensor {
     s.softmax(-1).matmul(v)
 }
 
-/// `s` with the entries above the diagonal of its last two dims set to -inf.
-pub fn causal_mask(s: &Tensor) -> Tensor {
-    let n = s.shape()[s.rank() - 1];
-    let mask = Tensor::ones(&[n, n], s.dtype()).tril(0).gt(0.5);
-    Tensor::where_(&mask, s, &Tensor::scalar(f64::NEG_INFINITY, s.dtype()))
-}
+pub use tessera::seed_table::causal_mask;
 
-/// The seed's sliced attention: q/k/v flattened over batch·heads, split
-/// into one slice per (batch, head) with `tensor_split`, attention per
-/// slice, the slices joined with `cat`.
+/// The seed's sliced attention (one slice per batch·head), as the seed
+/// table runs it.
 pub fn sdpa_sliced(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool) -> Tensor {
-    let bh = q.shape()[0] * q.shape()[1];
-    let scale = 1.0 / (q.shape()[3] as f64).sqrt();
-    let (qs, ks, vs) = (
-        q.flatten(0, 1).tensor_split(bh, 0),
-        k.flatten(0, 1).tensor_split(bh, 0),
-        v.flatten(0, 1).tensor_split(bh, 0),
-    );
-    let outs: Vec<Tensor> = (0..bh)
-        .map(|i| {
-            let s = qs[i].matmul(&ks[i].transpose(-2, -1)) * scale;
-            let s = if causal { causal_mask(&s) } else { s };
-            s.softmax(-1).matmul(&vs[i])
-        })
-        .collect();
-    let refs: Vec<&Tensor> = outs.iter().collect();
-    let shape: Vec<isize> = [q.shape()[0], q.shape()[1], v.shape()[2], v.shape()[3]]
-        .iter()
-        .map(|&d| d as isize)
-        .collect();
-    Tensor::cat(&refs, 0).reshape(&shape)
+    tessera::seed_table::sdpa(q, k, v, causal, q.shape()[0] * q.shape()[1])
 }
 
 /// Layer norm over the last dim: biased variance, eps = 1e-5, affine.
