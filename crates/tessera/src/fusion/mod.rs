@@ -154,7 +154,7 @@ fn users_outside(graph: &Graph, groups: &[Vec<NodeId>]) -> HashSet<NodeId> {
     for (i, node) in graph.nodes.iter().enumerate() {
         let mine = group_of.get(&NodeId(i as u32));
         for x in &node.inputs {
-            if group_of.get(x).is_some() && group_of.get(x) != mine {
+            if group_of.contains_key(x) && group_of.get(x) != mine {
                 out.insert(*x);
             }
         }
