@@ -1,4 +1,5 @@
-//! The `tessera` command: runs or inspects a graph file (the IR's text form).
+//! The `tessera` command: runs or inspects a graph file (the IR's text form),
+//! or trains a small model end to end (`tessera train`).
 //!
 //! Every failure on bad input is one line on stderr (`error: …`) and a
 //! non-zero exit code; parse errors read `GRAPH.tir:LINE:COL: message`.
@@ -14,11 +15,13 @@ use tessera::runtime::interpret;
 use tessera::tensor::Generator;
 use tessera::{DType, Error, ErrorKind, Graph, Tensor};
 
+mod train;
+
 #[derive(Parser)]
 #[command(
     name = "tessera",
     version,
-    about = "Run and inspect tessera graph files"
+    about = "Run and inspect tessera graph files; train a small model"
 )]
 struct Cli {
     #[command(subcommand)]
@@ -34,6 +37,9 @@ enum Command {
         /// The graph file (text form).
         graph: PathBuf,
     },
+    /// Train a small transformer to reverse digit strings (a self-checking
+    /// synthetic task); write a checkpoint, loss.png and summary.json.
+    Train(train::TrainArgs),
 }
 
 #[derive(Args)]
@@ -67,6 +73,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Run(args) => run(&args),
         Command::Inspect { graph } => inspect(&graph),
+        Command::Train(args) => train::run(&args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -4,7 +4,8 @@
 //! - [`tensor`]: the eager `Tensor` API;
 //! - [`runtime`]: the CPU backend's kernels and the graph interpreter;
 //! - [`io`]: `.npy` and safetensors files;
-//! - [`nn`]: modules, parameters and losses; [`optim`]: optimizers.
+//! - [`nn`]: modules, parameters and losses; [`optim`]: optimizers;
+//! - [`train`]: a complete training run on a self-checking synthetic task.
 
 pub mod autograd;
 pub mod compile;
@@ -17,6 +18,7 @@ pub mod nn;
 pub mod optim;
 pub mod runtime;
 pub mod tensor;
+pub mod train;
 
 pub use compile::compile;
 pub use error::{Error, ErrorKind, Result, SourceLoc};
