@@ -92,14 +92,7 @@ pub fn train(config: &TrainConfig, mut progress: impl FnMut(&Progress)) -> Resul
     let mut store = ParamStore::new();
     let model = TransformerLM::new(&mut store, "", config.model_config(), &mut g);
     let mut sampler = Sampler::new(task, g.next_seed(), &eval_set);
-    let mut opt = AdamW::new(
-        store.parameters(),
-        AdamWConfig {
-            lr: config.lr,
-            weight_decay: config.weight_decay,
-            ..AdamWConfig::default()
-        },
-    );
+    let mut opt = optimizer(config, &store);
     let schedule = config.schedule();
     let mut losses = Vec::with_capacity(config.steps);
     let mut evals = Vec::new();
@@ -116,11 +109,12 @@ pub fn train(config: &TrainConfig, mut progress: impl FnMut(&Progress)) -> Resul
         let done = step + 1;
         let eval = if done % config.eval_every == 0 || done == config.steps {
             let accuracy = evaluate_model(&model, &task, &eval_set)?;
-            evals.push(EvalPoint {
+            let point = EvalPoint {
                 step: done,
                 accuracy,
-            });
-            evals.last().copied()
+            };
+            evals.push(point);
+            Some(point)
         } else {
             None
         };
@@ -146,6 +140,17 @@ pub fn train(config: &TrainConfig, mut progress: impl FnMut(&Progress)) -> Resul
         evals,
         final_accuracy,
     })
+}
+
+fn optimizer(config: &TrainConfig, store: &ParamStore) -> AdamW {
+    AdamW::new(
+        store.parameters(),
+        AdamWConfig {
+            lr: config.lr,
+            weight_decay: config.weight_decay,
+            ..AdamWConfig::default()
+        },
+    )
 }
 
 /// One optimizer step on `batch`; returns the loss. Only the answer
