@@ -43,10 +43,13 @@ pub struct TrainArgs {
     /// Largest global gradient norm.
     #[arg(long, default_value_t = defaults().grad_clip)]
     grad_clip: f64,
+    /// Model width.
     #[arg(long, default_value_t = defaults().d_model)]
     d_model: usize,
+    /// Attention heads per block (must divide d_model).
     #[arg(long, default_value_t = defaults().n_heads)]
     n_heads: usize,
+    /// Transformer blocks.
     #[arg(long, default_value_t = defaults().n_layers)]
     n_layers: usize,
     /// Hidden width of each block's MLP.
@@ -55,6 +58,7 @@ pub struct TrainArgs {
     /// Learned positions; at least 2 × digits.
     #[arg(long, default_value_t = defaults().max_len)]
     max_len: usize,
+    /// Dropout on embeddings and residual branches.
     #[arg(long, default_value_t = defaults().dropout)]
     dropout: f64,
     /// Seeds the initialisation and the training batches.
