@@ -1,4 +1,5 @@
-//! The `tessera` command: runs or inspects a graph file (the IR's text form).
+//! The `tessera` command: runs or inspects a graph file (the IR's text form),
+//! or trains a small model end to end (`tessera train`).
 //!
 //! Every failure on bad input is one line on stderr (`error: …`) and a
 //! non-zero exit code; parse errors read `GRAPH.tir:LINE:COL: message`.
@@ -17,11 +18,13 @@ use tessera::runtime::interpret;
 use tessera::tensor::Generator;
 use tessera::{DType, Error, ErrorKind, Graph, Tensor};
 
+mod train;
+
 #[derive(Parser)]
 #[command(
     name = "tessera",
     version,
-    about = "tessera: run the seed experiment, run and inspect graph files"
+    about = "tessera: the seed experiment, graph files, training"
 )]
 struct Cli {
     #[command(subcommand)]
@@ -38,6 +41,9 @@ enum Command {
     /// The seed experiment: sliced attention, eager and compiled, with and
     /// without context hints: working memory, time, compile time, error.
     SeedTable(seed_table::SeedTableArgs),
+    /// Train a small transformer to reverse digit strings (a self-checking
+    /// synthetic task); write a checkpoint, loss.png and summary.json.
+    Train(train::TrainArgs),
 }
 
 #[derive(Args)]
@@ -91,6 +97,7 @@ fn main() -> ExitCode {
         Command::Run(args) => run(&args),
         Command::Inspect(args) => inspect(&args),
         Command::SeedTable(args) => seed_table::seed_table(&args),
+        Command::Train(args) => train::run(&args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

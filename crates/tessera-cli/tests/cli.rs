@@ -219,3 +219,86 @@ fn an_input_without_a_name_is_rejected() {
     let err = stderr(&out);
     assert!(err.contains("expected NAME=FILE, got `x.npy`"), "{err}");
 }
+
+/// Flags for a run that takes a second or two even in a debug build.
+const TINY_RUN: &[&str] = &[
+    "train",
+    "--digits",
+    "4",
+    "--steps",
+    "30",
+    "--batch",
+    "32",
+    "--lr",
+    "1e-2",
+    "--warmup",
+    "5",
+    "--d-model",
+    "32",
+    "--n-heads",
+    "2",
+    "--n-layers",
+    "1",
+    "--d-ff",
+    "64",
+    "--max-len",
+    "8",
+    "--eval-every",
+    "10",
+    "--eval-size",
+    "50",
+    "--out-dir",
+    "run",
+];
+
+#[test]
+fn train_writes_a_checkpoint_a_plot_and_a_summary() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = tessera(TINY_RUN, dir.path());
+    assert!(out.status.success(), "stderr: {}", stderr(&out));
+    let text = stdout(&out);
+    // Piped output: one line per evaluation and the summary, no bar.
+    assert_eq!(text.matches("exact match").count(), 4, "{text}");
+    assert!(text.contains("final held-out exact match"), "{text}");
+
+    let run = dir.path().join("run");
+    let summary: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(run.join("summary.json")).unwrap()).unwrap();
+    assert_eq!(summary["losses"].as_array().unwrap().len(), 30);
+    assert_eq!(summary["evals"].as_array().unwrap().len(), 3);
+    assert_eq!(summary["config"]["digits"], 4);
+    let accuracy = summary["final_accuracy"].as_f64().unwrap();
+    assert!((0.0..=1.0).contains(&accuracy));
+    assert!(summary["tokens_per_s"].as_f64().unwrap() > 0.0);
+    let png = std::fs::read(run.join("loss.png")).unwrap();
+    assert!(png.starts_with(b"\x89PNG"));
+    let checkpoint = tessera::io::load_safetensors(run.join("model.safetensors")).unwrap();
+    assert!(checkpoint.iter().any(|(name, _)| name == "head.weight"));
+}
+
+#[test]
+fn train_rejects_a_sequence_longer_than_max_len() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = tessera(&["train", "--digits", "9", "--out-dir", "run"], dir.path());
+    let err = assert_one_line_error(&out);
+    assert!(
+        err.contains("max_len 16 is shorter than the 18 tokens the model reads for 9 digits"),
+        "{err}"
+    );
+    assert!(
+        !dir.path().join("run").exists(),
+        "nothing written on bad flags"
+    );
+}
+
+#[test]
+fn train_rejects_an_unknown_decay() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = tessera(&["train", "--decay", "exp"], dir.path());
+    assert!(!out.status.success());
+    let err = stderr(&out);
+    assert!(
+        err.contains("unknown decay `exp`: expected cosine, linear or constant"),
+        "{err}"
+    );
+}

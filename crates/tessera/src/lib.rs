@@ -4,8 +4,9 @@
 //! - [`tensor`]: the eager `Tensor` API;
 //! - [`runtime`]: the CPU backend's kernels and the graph interpreter;
 //! - [`io`]: `.npy` and safetensors files;
-//! - [`nn`]: modules, parameters and losses; [`optim`]: optimizers.
-//! - [`passes`]: graph rewrites and the pass manager.
+//! - [`nn`]: modules, parameters and losses; [`optim`]: optimizers;
+//! - [`passes`]: graph rewrites and the pass manager;
+//! - [`train`]: a complete training run on a self-checking synthetic task.
 
 pub mod autograd;
 pub mod compile;
@@ -20,6 +21,7 @@ pub mod passes;
 pub mod runtime;
 pub mod seed_table;
 pub mod tensor;
+pub mod train;
 
 pub use compile::compile;
 pub use error::{Error, ErrorKind, Result, SourceLoc};

@@ -1,0 +1,196 @@
+//! `tessera train`: trains a small transformer to reverse digit strings and
+//! writes a checkpoint, the loss curve and a JSON summary.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::{anyhow, Result};
+use clap::Args;
+use indicatif::{ProgressBar, ProgressStyle};
+use tessera::train::{train, Decay, Progress, TrainConfig, TrainReport};
+
+/// The defaults of every flag: one place, the library's.
+fn defaults() -> TrainConfig {
+    TrainConfig::default()
+}
+
+#[derive(Args)]
+pub struct TrainArgs {
+    /// Digits per string to reverse (the model reads 2 × digits tokens).
+    #[arg(long, default_value_t = defaults().digits)]
+    digits: usize,
+    /// Training steps.
+    #[arg(long, default_value_t = defaults().steps)]
+    steps: usize,
+    /// Strings per batch.
+    #[arg(long, default_value_t = defaults().batch)]
+    batch: usize,
+    /// Peak learning rate (AdamW).
+    #[arg(long, default_value_t = defaults().lr)]
+    lr: f64,
+    /// Steps of linear warmup.
+    #[arg(long, default_value_t = defaults().warmup)]
+    warmup: usize,
+    /// Decay after warmup: cosine, linear or constant.
+    #[arg(long, default_value_t = defaults().decay, value_parser = str::parse::<Decay>)]
+    decay: Decay,
+    /// The last step's learning rate as a fraction of the peak.
+    #[arg(long, default_value_t = defaults().final_lr_ratio)]
+    final_lr_ratio: f64,
+    /// AdamW weight decay.
+    #[arg(long, default_value_t = defaults().weight_decay)]
+    weight_decay: f64,
+    /// Largest global gradient norm.
+    #[arg(long, default_value_t = defaults().grad_clip)]
+    grad_clip: f64,
+    /// Model width.
+    #[arg(long, default_value_t = defaults().d_model)]
+    d_model: usize,
+    /// Attention heads per block (must divide d_model).
+    #[arg(long, default_value_t = defaults().n_heads)]
+    n_heads: usize,
+    /// Transformer blocks.
+    #[arg(long, default_value_t = defaults().n_layers)]
+    n_layers: usize,
+    /// Hidden width of each block's MLP.
+    #[arg(long, default_value_t = defaults().d_ff)]
+    d_ff: usize,
+    /// Learned positions; at least 2 × digits.
+    #[arg(long, default_value_t = defaults().max_len)]
+    max_len: usize,
+    /// Dropout on embeddings and residual branches.
+    #[arg(long, default_value_t = defaults().dropout)]
+    dropout: f64,
+    /// Seeds the initialisation and the training batches.
+    #[arg(long, default_value_t = defaults().seed)]
+    seed: u64,
+    /// Evaluate on the held-out set every N steps (and after the last).
+    #[arg(long, value_name = "N", default_value_t = defaults().eval_every)]
+    eval_every: usize,
+    /// Strings in the held-out set.
+    #[arg(long, default_value_t = defaults().eval_size)]
+    eval_size: usize,
+    /// Where to write model.safetensors, loss.png and summary.json
+    /// (created if missing).
+    #[arg(long, value_name = "DIR", default_value = "train-out")]
+    out_dir: PathBuf,
+}
+
+impl TrainArgs {
+    fn config(&self) -> TrainConfig {
+        TrainConfig {
+            digits: self.digits,
+            steps: self.steps,
+            batch: self.batch,
+            lr: self.lr,
+            warmup: self.warmup,
+            decay: self.decay,
+            final_lr_ratio: self.final_lr_ratio,
+            weight_decay: self.weight_decay,
+            grad_clip: self.grad_clip,
+            d_model: self.d_model,
+            n_heads: self.n_heads,
+            n_layers: self.n_layers,
+            d_ff: self.d_ff,
+            max_len: self.max_len,
+            dropout: self.dropout,
+            seed: self.seed,
+            eval_every: self.eval_every,
+            eval_size: self.eval_size,
+            checkpoint: Some(self.out_dir.join("model.safetensors")),
+            plot: Some(self.out_dir.join("loss.png")),
+        }
+    }
+}
+
+pub fn run(args: &TrainArgs) -> Result<()> {
+    let config = args.config();
+    // Bad flags fail here, before any output or training.
+    config.validate()?;
+    let c = &config;
+    println!(
+        "reversing {}-digit strings: TransformerLM d_model {}, {} heads, {} layers, d_ff {}; \
+         {} steps of batch {}, lr {} ({} decay, warmup {}), seed {}",
+        c.digits,
+        c.d_model,
+        c.n_heads,
+        c.n_layers,
+        c.d_ff,
+        c.steps,
+        c.batch,
+        c.lr,
+        c.decay,
+        c.warmup,
+        c.seed
+    );
+    let bar = progress_bar(c.steps as u64);
+    let mut last_accuracy = None;
+    let report = train(&config, |p| {
+        if let Some(e) = p.eval {
+            last_accuracy = Some(e.accuracy.exact_match);
+            bar.suspend(|| println!("{}", eval_line(p)));
+        }
+        bar.set_position(p.step as u64);
+        bar.set_message(status(p, last_accuracy));
+    });
+    bar.finish_and_clear();
+    let report = report?;
+    write_summary(&args.out_dir.join("summary.json"), &report)?;
+    print_summary(&report, &args.out_dir);
+    Ok(())
+}
+
+/// Drawn on stderr, and only on a terminal: piped output (CI, logs) gets
+/// the eval lines and the summary alone.
+fn progress_bar(steps: u64) -> ProgressBar {
+    let bar = ProgressBar::new(steps);
+    let style = ProgressStyle::with_template(
+        "{bar:30.cyan/blue} {pos:>5}/{len} {msg} [{elapsed_precise} < {eta_precise}]",
+    )
+    .expect("a valid progress template")
+    .progress_chars("=> ");
+    bar.set_style(style);
+    bar.enable_steady_tick(Duration::from_millis(200));
+    bar
+}
+
+fn status(p: &Progress, accuracy: Option<f64>) -> String {
+    let acc = accuracy.map_or("-".to_string(), |a| format!("{:.1}%", a * 100.0));
+    format!("loss {:.4}  acc {acc}  {:.0} tok/s", p.loss, p.tokens_per_s)
+}
+
+fn eval_line(p: &Progress) -> String {
+    let e = p.eval.expect("called on eval steps");
+    format!(
+        "step {:>5}/{}  loss {:.4}  lr {:.2e}  exact match {:6.2}%  token accuracy {:6.2}%  {:.0} tok/s",
+        e.step,
+        p.steps,
+        p.loss,
+        p.lr,
+        e.accuracy.exact_match * 100.0,
+        e.accuracy.token * 100.0,
+        p.tokens_per_s
+    )
+}
+
+fn write_summary(path: &Path, report: &TrainReport) -> Result<()> {
+    let json = serde_json::to_string_pretty(report)?;
+    std::fs::write(path, json + "\n").map_err(|e| anyhow!("{}: {e}", path.display()))
+}
+
+fn print_summary(report: &TrainReport, out_dir: &Path) {
+    println!(
+        "final held-out exact match {:.2}% ({} strings); {} parameters",
+        report.final_accuracy * 100.0,
+        report.config.eval_size,
+        report.num_parameters
+    );
+    println!(
+        "wall time {:.1} s (training {:.1} s, {:.2} ms/step, {:.0} tokens/s)",
+        report.wall_time_s, report.train_time_s, report.ms_per_step, report.tokens_per_s
+    );
+    println!(
+        "wrote {0}/model.safetensors, {0}/loss.png, {0}/summary.json",
+        out_dir.display()
+    );
+}
