@@ -85,3 +85,25 @@ fn set_grad_replaces_a_leaf_gradient_and_checks_its_type() {
     assert!(not_leaf.set_grad(None).is_err());
     assert!(w.detach().set_grad(None).is_err());
 }
+
+#[test]
+fn backward_through_an_op_without_gradient_names_it() {
+    let x = Tensor::from_vec(vec![1.0f64, 3.0, 2.0], &[3]).set_requires_grad(true);
+    let idx = x.argmax(0, false);
+    let y = idx.cast(DType::F64) * 2.0;
+    let err = y.try_backward(None).unwrap_err().to_string();
+    assert!(
+        err.contains("backward: f64[] does not require grad: it was computed through `argmax`"),
+        "{err}"
+    );
+    let mask = x.gt(1.5).cast(DType::F64).sum(&[], false);
+    let err = mask.try_backward(None).unwrap_err().to_string();
+    assert!(err.contains("through `gt`"), "{err}");
+    // Without inputs that require grad, the message says so instead.
+    let plain = Tensor::from_vec(vec![1.0f64], &[1]).sum(&[], false);
+    let err = plain.try_backward(None).unwrap_err().to_string();
+    assert!(
+        err.contains("no input of its computation requires grad"),
+        "{err}"
+    );
+}

@@ -122,8 +122,15 @@ pub(crate) fn record(
     out: Tensor,
     caller: &'static Location<'static>,
 ) -> Tensor {
-    if !rules::has_gradient(op) || !tracks(inputs, out.dtype().is_float()) {
-        return out;
+    if !rules::has_gradient(op) || !out.dtype().is_float() {
+        // Remember the cut, so a later `backward` can name the op.
+        return match inputs.iter().any(|t| t.requires_grad()) && is_grad_enabled() {
+            true => out.cut_by(op.name()),
+            false => inherit_cut(inputs, out),
+        };
+    }
+    if !tracks(inputs, true) {
+        return inherit_cut(inputs, out);
     }
     let node = Arc::new(GradNode {
         backward: Backward::Op {
@@ -135,6 +142,14 @@ pub(crate) fn record(
         origin: trace::node_meta(caller),
     });
     attach(&out, &node, 0)
+}
+
+/// A result of a cut tensor stays cut (by the same op).
+fn inherit_cut(inputs: &[&Tensor], out: Tensor) -> Tensor {
+    match inputs.iter().find_map(|t| t.cut_op()) {
+        Some(op) => out.cut_by(op),
+        None => out,
+    }
 }
 
 fn attach(out: &Tensor, node: &Arc<GradNode>, index: usize) -> Tensor {
@@ -293,6 +308,16 @@ impl Tensor {
 }
 
 fn seed_gradient(out: &Tensor, grad: Option<&Tensor>) -> Result<Tensor> {
+    if let Some(op) = out.cut_op() {
+        return Err(Error::op(
+            ErrorKind::Argument,
+            "backward",
+            format!(
+                "{} does not require grad: it was computed through `{op}`, which has no gradient",
+                out.ty()
+            ),
+        ));
+    }
     if !out.requires_grad() {
         return Err(Error::op(
             ErrorKind::Argument,

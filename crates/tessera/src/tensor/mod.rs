@@ -43,6 +43,9 @@ struct TensorImpl {
     /// Present when the tensor takes part in autograd (a leaf that requires
     /// grad, or the result of a differentiable op on one).
     autograd: Option<Arc<AutogradMeta>>,
+    /// The op without a gradient (argmax, a compare …) that cut this tensor
+    /// off from inputs that require grad, for the error of a `backward`.
+    cut_by: Option<&'static str>,
 }
 
 /// Where a tensor's values are.
@@ -61,6 +64,7 @@ impl Tensor {
             layout,
             data: Data::Host(storage),
             autograd: None,
+            cut_by: None,
         }))
     }
 
@@ -70,6 +74,7 @@ impl Tensor {
             layout,
             data,
             autograd: None,
+            cut_by: None,
         }))
     }
 
@@ -88,7 +93,24 @@ impl Tensor {
             layout: self.0.layout.clone(),
             data: self.0.data.clone(),
             autograd: meta,
+            cut_by: None,
         }))
+    }
+
+    /// The same values, marked as cut from autograd by `op`.
+    pub(crate) fn cut_by(&self, op: &'static str) -> Tensor {
+        Tensor(Arc::new(TensorImpl {
+            dtype: self.0.dtype,
+            layout: self.0.layout.clone(),
+            data: self.0.data.clone(),
+            autograd: None,
+            cut_by: Some(op),
+        }))
+    }
+
+    /// The op that cut this tensor off from inputs requiring grad, if any.
+    pub(crate) fn cut_op(&self) -> Option<&'static str> {
+        self.0.cut_by
     }
 
     /// A stable identity for this handle (clones share it).
