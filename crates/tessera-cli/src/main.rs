@@ -155,8 +155,15 @@ fn inspect(args: &InspectArgs) -> Result<()> {
     if let Some(summary) = optimised {
         print!("{summary}");
         // The kernels the default backend would run (needs concrete shapes).
-        if graph.nodes.iter().all(|n| n.ty.shape.as_concrete().is_some()) {
-            print!("kernels: {}", tessera::fusion::describe(&graph, &tessera::fusion::fuse(&graph)));
+        if graph
+            .nodes
+            .iter()
+            .all(|n| n.ty.shape.as_concrete().is_some())
+        {
+            print!(
+                "kernels: {}",
+                tessera::fusion::describe(&graph, &tessera::fusion::fuse(&graph))
+            );
         }
     }
     Ok(())

@@ -13,7 +13,11 @@ use tessera::{compile, DType, Tensor};
 fn sliced_attention(q: &Tensor, k: &Tensor, v: &Tensor, slices: usize) -> Tensor {
     let scale = 1.0 / (q.shape()[3] as f64).sqrt();
     let (qf, kf, vf) = (q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1));
-    let (qs, ks, vs) = (qf.tensor_split(slices, 0), kf.tensor_split(slices, 0), vf.tensor_split(slices, 0));
+    let (qs, ks, vs) = (
+        qf.tensor_split(slices, 0),
+        kf.tensor_split(slices, 0),
+        vf.tensor_split(slices, 0),
+    );
     let outs: Vec<Tensor> = (0..slices)
         .map(|i| {
             let s = qs[i].matmul(&ks[i].transpose(-2, -1)) * scale;
@@ -26,7 +30,10 @@ fn sliced_attention(q: &Tensor, k: &Tensor, v: &Tensor, slices: usize) -> Tensor
 }
 
 fn main() {
-    let args: Vec<usize> = std::env::args().skip(1).map(|a| a.parse().expect("sizes are integers")).collect();
+    let args: Vec<usize> = std::env::args()
+        .skip(1)
+        .map(|a| a.parse().expect("sizes are integers"))
+        .collect();
     let [b, h, n, d, slices] = args[..] else {
         panic!("usage: compile_time B H N D SLICES");
     };

@@ -23,6 +23,7 @@ use crate::autograd::Partition;
 use crate::error::{Error, ErrorKind, Result, SourceLoc};
 use crate::ir::Graph;
 use crate::logging::log;
+use crate::schedule::Strategy;
 use crate::tensor::trace::{self, Traced};
 use crate::tensor::Tensor;
 
@@ -61,6 +62,12 @@ pub struct CompileOptions {
     pub recompile_limit: usize,
     /// How the AOT partition chooses saved values.
     pub partition: Partition,
+    /// How the default backend orders kernels (context hints override it
+    /// in their regions).
+    pub schedule: Strategy,
+    /// The most bytes a graph's intermediates may hold at once (default
+    /// backend): the most parallel order that fits is chosen.
+    pub memory_budget: Option<usize>,
 }
 
 impl Default for CompileOptions {
@@ -71,6 +78,8 @@ impl Default for CompileOptions {
             fullgraph: false,
             recompile_limit: 8,
             partition: Partition::SaveAll,
+            schedule: Strategy::Bfs,
+            memory_budget: None,
         }
     }
 }
@@ -166,6 +175,19 @@ impl<F: Fn(&[Tensor]) -> Vec<Tensor>> Compiled<F> {
         self
     }
 
+    /// How kernels are ordered (default `Bfs`); see [`crate::schedule`].
+    pub fn schedule(mut self, strategy: Strategy) -> Self {
+        self.options.schedule = strategy;
+        self
+    }
+
+    /// Runs each graph in the most parallel order whose predicted peak of
+    /// intermediates fits `bytes` (or the lowest peak, with a warning).
+    pub fn memory_budget(mut self, bytes: usize) -> Self {
+        self.options.memory_budget = Some(bytes);
+        self
+    }
+
     /// A readable name for logs and dumps (default: file and line).
     pub fn name(mut self, name: &str) -> Self {
         self.name = name.to_string();
@@ -207,7 +229,11 @@ impl<F: Fn(&[Tensor]) -> Vec<Tensor>> Compiled<F> {
         }
         let started = std::time::Instant::now();
         let traced = self.capture(inputs)?;
-        self.state.lock().expect("compile cache").stats.trace_seconds += started.elapsed().as_secs_f64();
+        self.state
+            .lock()
+            .expect("compile cache")
+            .stats
+            .trace_seconds += started.elapsed().as_secs_f64();
         if !traced.breaks.is_empty() {
             if let Some(out) = self.handle_breaks(&traced, inputs)? {
                 return Ok(out);
@@ -353,7 +379,11 @@ impl<F: Fn(&[Tensor]) -> Vec<Tensor>> Compiled<F> {
         state.stats.compile_seconds += started.elapsed().as_secs_f64();
         state.stats.compiles += 1;
         log("output_code", || {
-            exe.artifacts().iter().filter(|(n, _)| n.ends_with(".txt")).map(|(_, t)| t.clone()).collect::<String>()
+            exe.artifacts()
+                .iter()
+                .filter(|(n, _)| n.ends_with(".kernels.txt") || n.ends_with(".schedule.txt"))
+                .map(|(_, t)| t.clone())
+                .collect::<String>()
         });
         if std::env::var("TESSERA_COMPILE_DEBUG").is_ok_and(|v| v == "1") {
             dump_debug(&self.name, state.stats.compiles, traced, guards, &exe);
@@ -382,11 +412,20 @@ fn dump_debug(name: &str, n: usize, traced: &Traced, guards: &[InputGuard], exe:
         ("guards.txt".to_string(), format!("{guards:#?}\n")),
     ];
     files.extend(exe.artifacts());
-    let written = std::fs::create_dir_all(&dir)
-        .and_then(|_| files.iter().try_for_each(|(f, text)| std::fs::write(dir.join(f), text)));
+    let written = std::fs::create_dir_all(&dir).and_then(|_| {
+        files
+            .iter()
+            .try_for_each(|(f, text)| std::fs::write(dir.join(f), text))
+    });
     match written {
-        Ok(()) => eprintln!("tessera: compile debug artifacts of {name} in {}", dir.display()),
-        Err(e) => eprintln!("tessera: could not write compile debug artifacts to {}: {e}", dir.display()),
+        Ok(()) => eprintln!(
+            "tessera: compile debug artifacts of {name} in {}",
+            dir.display()
+        ),
+        Err(e) => eprintln!(
+            "tessera: could not write compile debug artifacts to {}: {e}",
+            dir.display()
+        ),
     }
 }
 

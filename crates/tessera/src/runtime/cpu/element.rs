@@ -262,7 +262,7 @@ mod tests {
         // Just above the midpoint of two bf16 neighbours (0.201171875 and
         // 0.2021484375, midpoint 0.20166015625): rounds up. `half`'s own
         // f64 conversion, which drops the low mantissa bits, rounds it down.
-        let x = 0.20166023075580597f32 as f64;
+        let x = 0.201_660_23_f32 as f64;
         assert_eq!(<bf16 as Element>::from_f64(x).to_f64(), 0.2021484375);
         // An exact tie rounds to even; a hair below rounds down.
         assert_eq!(
