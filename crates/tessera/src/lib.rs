@@ -6,12 +6,15 @@
 //! - [`io`]: `.npy` and safetensors files;
 //! - [`nn`]: modules, parameters and losses; [`optim`]: optimizers;
 //! - [`passes`]: graph rewrites and the pass manager;
+//! - [`hints`]: the user's context hints; [`schedule`]: kernel orders and
+//!   the memory plan;
 //! - [`train`]: a complete training run on a self-checking synthetic task.
 
 pub mod autograd;
 pub mod compile;
 pub mod error;
 pub mod fusion;
+pub mod hints;
 pub mod io;
 pub mod ir;
 pub mod logging;
@@ -19,6 +22,7 @@ pub mod nn;
 pub mod optim;
 pub mod passes;
 pub mod runtime;
+pub mod schedule;
 pub mod seed_table;
 pub mod tensor;
 pub mod train;

@@ -43,7 +43,8 @@ struct GradNode {
     inputs: Vec<Tensor>,
     /// Shapes and dtypes of the outputs, to make zero gradients.
     outputs: Vec<(Vec<usize>, DType)>,
-    /// The forward op's call site and hints, which its backward ops inherit.
+    /// The forward op's call site and hints, as its backward ops inherit
+    /// them (see `backward_origin`).
     origin: NodeMeta,
 }
 
@@ -139,7 +140,7 @@ pub(crate) fn record(
         },
         inputs: inputs.iter().map(|&t| t.clone()).collect(),
         outputs: vec![(out.shape().to_vec(), out.dtype())],
-        origin: trace::node_meta(caller),
+        origin: backward_origin(caller),
     });
     attach(&out, &node, 0)
 }
@@ -150,6 +151,15 @@ fn inherit_cut(inputs: &[&Tensor], out: Tensor) -> Tensor {
         Some(op) => out.cut_by(op),
         None => out,
     }
+}
+
+/// What a node's backward ops inherit: the forward op's call site and hints,
+/// with the hints' `backward_group_id` as their `group_id` (the one place
+/// backward hints are derived; see `hints::for_backward`).
+fn backward_origin(caller: &'static Location<'static>) -> NodeMeta {
+    let mut meta = trace::node_meta(caller);
+    meta.hints = crate::hints::for_backward(meta.hints);
+    meta
 }
 
 fn attach(out: &Tensor, node: &Arc<GradNode>, index: usize) -> Tensor {
@@ -183,7 +193,7 @@ pub fn custom_function(
             .iter()
             .map(|t| (t.shape().to_vec(), t.dtype()))
             .collect(),
-        origin: trace::node_meta(Location::caller()),
+        origin: backward_origin(Location::caller()),
     });
     outputs
         .iter()

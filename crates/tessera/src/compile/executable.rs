@@ -8,38 +8,92 @@ use crate::autograd::{self, aot_autograd};
 use crate::error::Result;
 use crate::fusion::{self, Plan};
 use crate::ir::{Graph, NodeId};
+use crate::logging::log;
 use crate::passes::{PassContext, PassManager};
-use crate::runtime::execute::run_plan;
+use crate::runtime::execute::{run_plan, run_scheduled};
 use crate::runtime::interpret::run_graph;
+use crate::schedule::{self, ScheduleOptions, Scheduled};
 use crate::tensor::trace::Traced;
 use crate::tensor::Tensor;
 
-/// A graph and, for the default backend, its fused kernels.
+/// A graph and, for the default backend, its fused kernels, their schedule
+/// and memory plan.
 #[derive(Clone)]
 struct Program {
     graph: Arc<Graph>,
     plan: Option<Arc<Plan>>,
+    /// `None` where the graph cannot be planned (symbolic shapes): then the
+    /// kernels run in plan order.
+    scheduled: Option<Arc<Scheduled>>,
 }
 
 impl Program {
-    /// For the default backend (`optimized`): the pass pipeline, then fusion.
-    fn new(mut graph: Graph, optimized: bool) -> Result<Program> {
-        if optimized {
-            PassManager::default_pipeline().run(&mut graph, &PassContext::default())?;
+    /// For the default backend (`optimized`): the pass pipeline, fusion,
+    /// then the schedule.
+    fn new(mut graph: Graph, optimized: bool, options: &CompileOptions) -> Result<Program> {
+        if !optimized {
+            return Ok(Program {
+                graph: Arc::new(graph),
+                plan: None,
+                scheduled: None,
+            });
         }
-        let plan = optimized.then(|| Arc::new(fusion::fuse(&graph)));
+        PassManager::default_pipeline().run(&mut graph, &PassContext::default())?;
+        let plan = fusion::fuse(&graph);
+        let schedule_options = ScheduleOptions {
+            strategy: options.schedule,
+            memory_budget: options.memory_budget,
+        };
+        let scheduled = match schedule::build(&graph, &plan, &schedule_options) {
+            Ok(s) => Some(Arc::new(s)),
+            Err(e) => {
+                log("schedule", || {
+                    format!(
+                        "graph `{}` not scheduled ({e}); its kernels run in plan order",
+                        graph.name
+                    )
+                });
+                None
+            }
+        };
         Ok(Program {
             graph: Arc::new(graph),
-            plan,
+            plan: Some(Arc::new(plan)),
+            scheduled,
         })
     }
 
     fn run(&self, args: &[Tensor]) -> Result<Vec<Tensor>> {
-        let outs = match &self.plan {
-            Some(plan) => run_plan(&self.graph, plan, args)?,
-            None => run_graph(&self.graph, args)?,
+        let outs = match (&self.plan, &self.scheduled) {
+            (Some(plan), Some(s)) => {
+                run_scheduled(&self.graph, plan, &s.schedule, &s.memory, args)?
+            }
+            (Some(plan), None) => run_plan(&self.graph, plan, args)?,
+            (None, _) => run_graph(&self.graph, args)?,
         };
         Ok(outs.into_iter().map(|(_, t)| t).collect())
+    }
+
+    /// The kernel list, schedule and memory plan as (file suffix, text).
+    fn artifacts(&self, prefix: &str) -> Vec<(String, String)> {
+        let mut out = vec![(format!("{prefix}.tir"), self.graph.to_string())];
+        if let Some(plan) = &self.plan {
+            out.push((
+                format!("{prefix}.kernels.txt"),
+                fusion::describe(&self.graph, plan),
+            ));
+            if let Some(s) = &self.scheduled {
+                out.push((
+                    format!("{prefix}.schedule.txt"),
+                    schedule::describe(&self.graph, plan, &s.schedule, &s.memory),
+                ));
+                out.push((
+                    format!("{prefix}.memory.txt"),
+                    s.memory.describe(&self.graph),
+                ));
+            }
+        }
+        out
     }
 }
 
@@ -76,7 +130,7 @@ impl Executable {
         let fused = options.backend == Backend::Default;
         Ok(Executable {
             name,
-            forward: Program::new(graph, fused)?,
+            forward: Program::new(graph, fused, options)?,
             backward: None,
             fused,
             eager_autograd: options.backend == Backend::Eager,
@@ -100,33 +154,22 @@ impl Executable {
         let tangent_outputs = (0..self.num_outputs)
             .filter(|&i| graph.node(graph.outputs[i].node).ty.dtype.is_float())
             .collect();
-        self.forward = Program::new(aot.forward, self.fused)?;
+        self.forward = Program::new(aot.forward, self.fused, options)?;
         self.backward = Some(BackwardGraph {
-            program: Program::new(aot.backward, self.fused)?,
+            program: Program::new(aot.backward, self.fused, options)?,
             wrt,
             tangent_outputs,
         });
         Ok(self)
     }
 
-    /// Every stage's artifact as (file name, text): the graphs after passes
-    /// and the kernel lists, for `TESSERA_COMPILE_DEBUG` and logs.
+    /// Every stage's artifact as (file name, text): the graphs after passes,
+    /// the kernel lists, schedules and memory plans, for
+    /// `TESSERA_COMPILE_DEBUG` and logs.
     pub fn artifacts(&self) -> Vec<(String, String)> {
-        let mut out = vec![("forward.tir".to_string(), self.forward.graph.to_string())];
-        if let Some(plan) = &self.forward.plan {
-            out.push((
-                "forward.kernels.txt".into(),
-                fusion::describe(&self.forward.graph, plan),
-            ));
-        }
+        let mut out = self.forward.artifacts("forward");
         if let Some(bwd) = &self.backward {
-            out.push(("backward.tir".into(), bwd.program.graph.to_string()));
-            if let Some(plan) = &bwd.program.plan {
-                out.push((
-                    "backward.kernels.txt".into(),
-                    fusion::describe(&bwd.program.graph, plan),
-                ));
-            }
+            out.extend(bwd.program.artifacts("backward"));
         }
         out
     }

@@ -23,6 +23,7 @@ use crate::autograd::Partition;
 use crate::error::{Error, ErrorKind, Result, SourceLoc};
 use crate::ir::Graph;
 use crate::logging::log;
+use crate::schedule::Strategy;
 use crate::tensor::trace::{self, Traced};
 use crate::tensor::Tensor;
 
@@ -61,6 +62,12 @@ pub struct CompileOptions {
     pub recompile_limit: usize,
     /// How the AOT partition chooses saved values.
     pub partition: Partition,
+    /// How the default backend orders kernels (context hints override it
+    /// in their regions).
+    pub schedule: Strategy,
+    /// The most bytes a graph's intermediates may hold at once (default
+    /// backend): the most parallel order that fits is chosen.
+    pub memory_budget: Option<usize>,
 }
 
 impl Default for CompileOptions {
@@ -71,6 +78,8 @@ impl Default for CompileOptions {
             fullgraph: false,
             recompile_limit: 8,
             partition: Partition::SaveAll,
+            schedule: Strategy::Bfs,
+            memory_budget: None,
         }
     }
 }
@@ -163,6 +172,19 @@ impl<F: Fn(&[Tensor]) -> Vec<Tensor>> Compiled<F> {
         self.options.partition = Partition::MinCut {
             activation_memory_budget: budget,
         };
+        self
+    }
+
+    /// How kernels are ordered (default `Bfs`); see [`crate::schedule`].
+    pub fn schedule(mut self, strategy: Strategy) -> Self {
+        self.options.schedule = strategy;
+        self
+    }
+
+    /// Runs each graph in the most parallel order whose predicted peak of
+    /// intermediates fits `bytes` (or the lowest peak, with a warning).
+    pub fn memory_budget(mut self, bytes: usize) -> Self {
+        self.options.memory_budget = Some(bytes);
         self
     }
 
@@ -359,7 +381,7 @@ impl<F: Fn(&[Tensor]) -> Vec<Tensor>> Compiled<F> {
         log("output_code", || {
             exe.artifacts()
                 .iter()
-                .filter(|(n, _)| n.ends_with(".txt"))
+                .filter(|(n, _)| n.ends_with(".kernels.txt") || n.ends_with(".schedule.txt"))
                 .map(|(_, t)| t.clone())
                 .collect::<String>()
         });

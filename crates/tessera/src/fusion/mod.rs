@@ -4,8 +4,8 @@
 //!
 //! Grouping walks the nodes in order and puts an elementwise node into the
 //! newest kernel among its producers when that kernel is a fused group of
-//! the same shape; all its other inputs then come from older kernels, so
-//! running kernels in creation order respects every dependency.
+//! the same shape and hints; all its other inputs then come from older
+//! kernels, so running kernels in creation order respects every dependency.
 
 use std::collections::{HashMap, HashSet};
 
@@ -25,6 +25,33 @@ pub enum Kernel {
     },
     /// One node through the op dispatcher.
     Extern(NodeId),
+}
+
+impl Kernel {
+    /// The values the kernel reads, in operand order (inlined scalars of a
+    /// fused kernel are not read: they are constants of its code).
+    pub fn reads(&self, graph: &Graph) -> Vec<NodeId> {
+        match self {
+            Kernel::Extern(id) => graph.node(*id).inputs.clone(),
+            Kernel::Fused { inputs, .. } => inputs.clone(),
+        }
+    }
+
+    /// The values the kernel writes.
+    pub fn writes(&self) -> Vec<NodeId> {
+        match self {
+            Kernel::Extern(id) => vec![*id],
+            Kernel::Fused { outputs, .. } => outputs.clone(),
+        }
+    }
+
+    /// The graph nodes the kernel computes.
+    pub fn members(&self) -> &[NodeId] {
+        match self {
+            Kernel::Extern(id) => std::slice::from_ref(id),
+            Kernel::Fused { members, .. } => members,
+        }
+    }
 }
 
 /// The kernels of a graph, in an order that respects dependencies.
@@ -88,8 +115,15 @@ pub fn fuse(graph: &Graph) -> Plan {
                 .iter()
                 .filter_map(|x| kernel_of.get(x).copied())
                 .max();
+            // A kernel never mixes hints (as no pass merges nodes whose hints
+            // differ): the scheduler orders kernels by their nodes' hints.
             let joins = newest.and_then(|k| match order[k] {
-                Ok(g) if graph.node(groups[g][0]).ty.shape == node.ty.shape => Some((k, g)),
+                Ok(g)
+                    if graph.node(groups[g][0]).ty.shape == node.ty.shape
+                        && graph.node(groups[g][0]).meta.hints == node.meta.hints =>
+                {
+                    Some((k, g))
+                }
                 _ => None,
             });
             match joins {

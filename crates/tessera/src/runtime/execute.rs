@@ -1,31 +1,96 @@
-//! Runs a fused [`Plan`]: kernels in order, each intermediate freed after
-//! the last kernel that reads it. Results equal the interpreter's (which
-//! is checked by the differential tests); only the work differs.
+//! Runs a fused [`Plan`]: in plan order ([`run_plan`]) or in a schedule's
+//! steps ([`run_scheduled`]). Each value is freed right after the last step
+//! that reads it, so the bytes alive over time follow the memory plan.
+//! Results equal the interpreter's (checked by the differential tests);
+//! only the work and its order differ.
 
 use std::panic::Location;
 
+use rayon::prelude::*;
+
+use super::cpu::fused::{FusedInput, FusedKernel};
+use super::cpu::Storage;
 use super::interpret::{bind_symbols, node_error};
+use crate::autograd;
 use crate::error::Result;
 use crate::fusion::{Kernel, Plan};
 use crate::ir::{Graph, NodeId};
-use crate::tensor::Tensor;
+use crate::logging::log;
+use crate::schedule::{MemoryPlan, Schedule};
+use crate::tensor::{trace, Tensor};
 
 /// Runs `plan` (made by `fusion::fuse(graph)`) on `inputs`, one per
-/// `graph.inputs`, returning the named outputs.
+/// `graph.inputs`, one kernel at a time in plan order, returning the named
+/// outputs.
 pub fn run_plan(graph: &Graph, plan: &Plan, inputs: &[Tensor]) -> Result<Vec<(String, Tensor)>> {
+    let steps: Vec<Vec<usize>> = (0..plan.kernels.len()).map(|k| vec![k]).collect();
+    execute(graph, plan, &steps, |_| Vec::new(), |_| false, inputs)
+}
+
+/// Runs `plan` in `schedule`'s steps: the kernels of a step with several
+/// run concurrently on the rayon pool (each kernel may itself be parallel),
+/// a step of one runs alone. Fused kernels write in place where `memory`
+/// says so. Kernels that need scratch memory run first in their step, one
+/// at a time, so that the bytes alive never depend on how threads
+/// interleave: the measured peak is the predicted one. Under an active
+/// trace, every kernel runs on this thread (traced tensors belong to it).
+pub fn run_scheduled(
+    graph: &Graph,
+    plan: &Plan,
+    schedule: &Schedule,
+    memory: &MemoryPlan,
+    inputs: &[Tensor],
+) -> Result<Vec<(String, Tensor)>> {
+    execute(
+        graph,
+        plan,
+        &schedule.steps,
+        |k| memory.in_place(k).collect(),
+        |k| memory.scratch_bytes(k) > 0,
+        inputs,
+    )
+}
+
+fn execute(
+    graph: &Graph,
+    plan: &Plan,
+    steps: &[Vec<usize>],
+    in_place: impl Fn(usize) -> Vec<(NodeId, NodeId)>,
+    alone: impl Fn(usize) -> bool,
+    inputs: &[Tensor],
+) -> Result<Vec<(String, Tensor)>> {
     let given: Vec<Option<&Tensor>> = inputs.iter().map(Some).collect();
     bind_symbols(graph, &given)?;
-    let last = last_reads(graph, plan);
+    let frees = frees_after_each_step(graph, plan, steps);
     let mut values: Vec<Option<Tensor>> = vec![None; graph.len()];
     for (&id, t) in graph.inputs.iter().zip(inputs) {
         values[id.index()] = Some(t.clone());
     }
-    for (k, kernel) in plan.kernels.iter().enumerate() {
-        run_kernel(graph, kernel, &mut values)?;
-        for (i, &l) in last.iter().enumerate() {
-            if l == k {
-                values[i] = None;
+    let concurrent = !trace::is_active();
+    let grad = autograd::is_grad_enabled();
+    for (step, free) in steps.iter().zip(&frees) {
+        let jobs: Vec<Job<'_>> = step
+            .iter()
+            .map(|&k| Job::gather(graph, k, &plan.kernels[k], &in_place(k), &mut values))
+            .collect();
+        let concurrent = concurrent && jobs.len() > 1;
+        let (serial, parallel): (Vec<Job<'_>>, Vec<Job<'_>>) = jobs
+            .into_iter()
+            .partition(|job| !concurrent || alone(job.k));
+        let mut results: Vec<Result<Vec<(NodeId, Tensor)>>> =
+            serial.into_iter().map(|job| job.run(graph)).collect();
+        // Rayon's workers start with grad mode on: carry the caller's.
+        results.par_extend(parallel.into_par_iter().map(|job| match grad {
+            true => job.run(graph),
+            false => autograd::no_grad(|| job.run(graph)),
+        }));
+        for result in results {
+            for (id, t) in result? {
+                values[id.index()] = Some(t);
             }
+        }
+        for id in free {
+            values[id.index()] = None;
         }
     }
     Ok(graph
@@ -40,54 +105,144 @@ pub fn run_plan(graph: &Graph, plan: &Plan, inputs: &[Tensor]) -> Result<Vec<(St
         .collect())
 }
 
-fn run_kernel(graph: &Graph, kernel: &Kernel, values: &mut [Option<Tensor>]) -> Result<()> {
-    let get = |values: &[Option<Tensor>], x: NodeId| {
-        values[x.index()].clone().expect("computed before use")
-    };
-    match kernel {
-        Kernel::Extern(id) => {
-            let node = graph.node(*id);
-            let args: Vec<Tensor> = node.inputs.iter().map(|&x| get(values, x)).collect();
-            let refs: Vec<&Tensor> = args.iter().collect();
-            let out = Tensor::apply(&node.op, &refs, Location::caller())
-                .map_err(|e| node_error(graph, *id, e))?;
-            values[id.index()] = Some(out);
-        }
-        Kernel::Fused {
-            kernel,
-            inputs,
-            outputs,
-            members,
-            ..
-        } => {
-            let args: Vec<Tensor> = inputs.iter().map(|&x| get(values, x)).collect();
-            let refs: Vec<&Tensor> = args.iter().collect();
-            let outs = kernel
-                .run(&refs)
-                .map_err(|e| node_error(graph, members[0], e))?;
-            for (&id, t) in outputs.iter().zip(outs) {
-                values[id.index()] = Some(t);
+/// A kernel's argument, gathered before the step runs.
+enum Arg {
+    Shared(Tensor),
+    /// The storage of an input read for the last time, which the fused
+    /// kernel's output `.1` overwrites.
+    Donated(Storage, usize),
+}
+
+/// A kernel with its arguments, ready to run on any thread.
+struct Job<'a> {
+    k: usize,
+    kernel: &'a Kernel,
+    args: Vec<Arg>,
+}
+
+impl<'a> Job<'a> {
+    /// Takes the kernel's inputs from `values`: clones, except the inputs
+    /// it overwrites in place (`in_place`: input value, output value), which
+    /// are moved out — when their storage is unshared, as the memory plan
+    /// promised; otherwise the kernel allocates, and the log says so.
+    fn gather(
+        graph: &Graph,
+        k: usize,
+        kernel: &'a Kernel,
+        in_place: &[(NodeId, NodeId)],
+        values: &mut [Option<Tensor>],
+    ) -> Job<'a> {
+        let writes = kernel.writes();
+        let args = kernel
+            .reads(graph)
+            .into_iter()
+            .map(|x| {
+                let Some(&(_, out)) = in_place.iter().find(|(i, _)| *i == x) else {
+                    return Arg::Shared(values[x.index()].clone().expect("computed before use"));
+                };
+                let t = values[x.index()].take().expect("computed before use");
+                match t.into_unique_storage() {
+                    Ok(storage) => {
+                        let output = writes
+                            .iter()
+                            .position(|&w| w == out)
+                            .expect("an output of the kernel");
+                        Arg::Donated(storage, output)
+                    }
+                    Err(t) => {
+                        log("memory", || {
+                            format!(
+                                "kernel k{k}: {} is still shared; {} gets its own buffer",
+                                graph.display_name(x),
+                                graph.display_name(out)
+                            )
+                        });
+                        Arg::Shared(t)
+                    }
+                }
+            })
+            .collect();
+        Job { k, kernel, args }
+    }
+
+    fn run(self, graph: &Graph) -> Result<Vec<(NodeId, Tensor)>> {
+        match self.kernel {
+            Kernel::Extern(id) => {
+                let node = graph.node(*id);
+                let args: Vec<&Tensor> = self
+                    .args
+                    .iter()
+                    .map(|a| match a {
+                        Arg::Shared(t) => t,
+                        Arg::Donated(..) => unreachable!("extern kernels never write in place"),
+                    })
+                    .collect();
+                let out = Tensor::apply(&node.op, &args, Location::caller())
+                    .map_err(|e| node_error(graph, *id, e))?;
+                Ok(vec![(*id, out)])
+            }
+            Kernel::Fused {
+                kernel,
+                outputs,
+                members,
+                ..
+            } => {
+                let outs =
+                    run_fused(kernel, self.args).map_err(|e| node_error(graph, members[0], e))?;
+                Ok(outputs.iter().copied().zip(outs).collect())
             }
         }
     }
-    Ok(())
 }
 
-/// For each node, the index of the last kernel that reads it (`usize::MAX`
-/// for outputs, never freed).
-fn last_reads(graph: &Graph, plan: &Plan) -> Vec<usize> {
-    let mut last = vec![usize::MAX - 1; graph.len()];
-    for (k, kernel) in plan.kernels.iter().enumerate() {
-        let reads: Vec<NodeId> = match kernel {
-            Kernel::Extern(id) => graph.node(*id).inputs.clone(),
-            Kernel::Fused { inputs, .. } => inputs.clone(),
-        };
-        for x in reads {
-            last[x.index()] = k;
+/// Runs a fused kernel on its gathered arguments.
+fn run_fused(kernel: &FusedKernel, args: Vec<Arg>) -> Result<Vec<Tensor>> {
+    // The shared tensors must outlive the inputs that borrow them.
+    let mut shared: Vec<Option<Tensor>> = Vec::with_capacity(args.len());
+    let mut donated: Vec<Option<(Storage, usize)>> = Vec::with_capacity(args.len());
+    for arg in args {
+        match arg {
+            Arg::Shared(t) => {
+                shared.push(Some(t));
+                donated.push(None);
+            }
+            Arg::Donated(s, o) => {
+                shared.push(None);
+                donated.push(Some((s, o)));
+            }
+        }
+    }
+    let inputs: Vec<FusedInput<'_>> = shared
+        .iter()
+        .zip(donated)
+        .map(|(t, d)| match d {
+            Some((storage, output)) => FusedInput::Donated { storage, output },
+            None => FusedInput::Shared(t.as_ref().expect("a shared input")),
+        })
+        .collect();
+    kernel.run_with(inputs)
+}
+
+/// For each step, the values read for the last time in it (or made in it
+/// and never read); graph outputs are kept.
+fn frees_after_each_step(graph: &Graph, plan: &Plan, steps: &[Vec<usize>]) -> Vec<Vec<NodeId>> {
+    let mut last: Vec<Option<usize>> = vec![None; graph.len()];
+    for (s, step) in steps.iter().enumerate() {
+        for &k in step {
+            let kernel = &plan.kernels[k];
+            for v in kernel.writes().into_iter().chain(kernel.reads(graph)) {
+                last[v.index()] = Some(last[v.index()].map_or(s, |l| l.max(s)));
+            }
         }
     }
     for out in &graph.outputs {
-        last[out.node.index()] = usize::MAX;
+        last[out.node.index()] = None;
     }
-    last
+    let mut frees = vec![Vec::new(); steps.len()];
+    for (i, l) in last.into_iter().enumerate() {
+        if let Some(s) = l {
+            frees[s].push(NodeId(i as u32));
+        }
+    }
+    frees
 }

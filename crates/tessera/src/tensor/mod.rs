@@ -118,6 +118,29 @@ impl Tensor {
         Arc::as_ptr(&self.0) as usize
     }
 
+    /// The storage of a host tensor that no other handle or view shares and
+    /// that it covers densely, taken by value so a kernel may overwrite it
+    /// (in-place reuse); the tensor back otherwise.
+    pub(crate) fn into_unique_storage(self) -> std::result::Result<Storage, Tensor> {
+        let dense = match &self.0.data {
+            Data::Host(s) => cpu::copy::is_dense(&self.0.layout, s.numel()),
+            Data::Traced(_) => false,
+        };
+        if !dense || self.0.autograd.is_some() {
+            return Err(self);
+        }
+        let inner = Arc::try_unwrap(self.0).map_err(Tensor)?;
+        let Data::Host(storage) = inner.data else {
+            unreachable!("checked: a host tensor")
+        };
+        Arc::try_unwrap(storage).map_err(|shared| {
+            Tensor(Arc::new(TensorImpl {
+                data: Data::Host(shared),
+                ..inner
+            }))
+        })
+    }
+
     /// Whether this tensor is a node of a graph being traced.
     pub fn is_traced(&self) -> bool {
         matches!(self.0.data, Data::Traced(_))

@@ -63,13 +63,15 @@ pub fn with_origin<R>(origin: &NodeMeta, f: impl FnOnce() -> R) -> R {
     f()
 }
 
-/// The metadata a new node gets: the origin in force, else the caller.
+/// The metadata a new node gets: the origin in force (with its own hints),
+/// else the caller with the hints of the open `hints::scope`s.
 pub(crate) fn node_meta(caller: &'static Location<'static>) -> NodeMeta {
     ORIGIN
         .with(|o| o.borrow().clone())
         .unwrap_or_else(|| NodeMeta {
+            name: None,
             location: Some(SourceLoc::from_location(caller)),
-            ..NodeMeta::default()
+            hints: crate::hints::current(),
         })
 }
 

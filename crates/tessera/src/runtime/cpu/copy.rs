@@ -10,10 +10,16 @@ use crate::with_dtype;
 /// costs more than it saves.
 pub const PAR_THRESHOLD: usize = 1 << 15;
 
+/// Whether a view with `layout` over a storage of `storage_numel` elements
+/// is the whole storage in row-major order (then it needs no copy).
+pub fn is_dense(layout: &Layout, storage_numel: usize) -> bool {
+    layout.is_contiguous() && layout.offset == 0 && layout.numel() == storage_numel
+}
+
 /// A row-major dense copy of `x`, or `x` itself when it already is one.
 pub fn contiguous(x: &Tensor) -> Tensor {
     let l = x.layout();
-    if l.is_contiguous() && l.offset == 0 && x.numel() == x.storage().numel() {
+    if is_dense(l, x.storage().numel()) {
         return x.clone();
     }
     with_dtype!(x.dtype(), T => {

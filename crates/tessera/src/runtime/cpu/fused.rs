@@ -44,25 +44,29 @@ pub struct FusedKernel {
     pub wide: bool,
 }
 
+/// One input of a fused kernel.
+pub enum FusedInput<'a> {
+    /// A tensor the kernel reads (broadcast to the kernel's shape).
+    Shared(&'a Tensor),
+    /// The storage of an input that nobody else holds, dense over the
+    /// kernel's shape, which output `output` (of the same dtype) overwrites.
+    /// In place is safe here because every block loads all of its inputs
+    /// before it stores its outputs, at the same element range, and blocks
+    /// are disjoint.
+    Donated { storage: Storage, output: usize },
+}
+
 impl FusedKernel {
     /// Runs the kernel; `inputs` as numbered by `Step::Load`.
     pub fn run(&self, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
-        for (i, t) in inputs.iter().enumerate() {
-            let fits = t.rank() <= self.shape.len()
-                && t.shape()
-                    .iter()
-                    .rev()
-                    .zip(self.shape.iter().rev())
-                    .all(|(&a, &b)| a == b || a == 1);
-            if !fits {
-                return Err(op_err!(
-                    Shape,
-                    "fused",
-                    "input {i} {} does not broadcast to {:?}",
-                    t.ty(),
-                    self.shape
-                ));
-            }
+        self.run_with(inputs.iter().map(|&t| FusedInput::Shared(t)).collect())
+    }
+
+    /// Runs the kernel, writing donated inputs' outputs in place.
+    pub fn run_with(&self, inputs: Vec<FusedInput<'_>>) -> Result<Vec<Tensor>> {
+        let numel: usize = self.shape.iter().product();
+        for (i, input) in inputs.iter().enumerate() {
+            self.check_input(i, input, numel)?;
         }
         if self.wide {
             Ok(self.run_as::<f64>(inputs))
@@ -71,13 +75,44 @@ impl FusedKernel {
         }
     }
 
-    fn run_as<A: Transcendental>(&self, inputs: &[&Tensor]) -> Vec<Tensor> {
+    fn check_input(&self, i: usize, input: &FusedInput<'_>, numel: usize) -> Result<()> {
+        match input {
+            FusedInput::Shared(t) => {
+                let fits = t.rank() <= self.shape.len()
+                    && t.shape()
+                        .iter()
+                        .rev()
+                        .zip(self.shape.iter().rev())
+                        .all(|(&a, &b)| a == b || a == 1);
+                if !fits {
+                    return Err(op_err!(
+                        Shape,
+                        "fused",
+                        "input {i} {} does not broadcast to {:?}",
+                        t.ty(),
+                        self.shape
+                    ));
+                }
+            }
+            FusedInput::Donated { storage, output } => {
+                let dtype = self.outputs.get(*output).map(|&(_, d)| d);
+                if storage.numel() != numel || dtype != Some(storage.dtype()) {
+                    return Err(op_err!(
+                        Argument,
+                        "fused",
+                        "input {i} ({} x {}) cannot be reused for output {output} of {numel} elements",
+                        storage.numel(),
+                        storage.dtype()
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn run_as<A: Transcendental>(&self, inputs: Vec<FusedInput<'_>>) -> Vec<Tensor> {
         let numel: usize = self.shape.iter().product();
-        let mut outs: Vec<Storage> = self
-            .outputs
-            .iter()
-            .map(|&(_, d)| Storage::new(d, numel))
-            .collect();
+        let (sources, mut outs) = self.sources_and_outputs(inputs, numel);
         let sinks: Vec<Sink> = outs
             .iter_mut()
             .map(|s| Sink {
@@ -85,19 +120,16 @@ impl FusedKernel {
                 dtype: s.dtype(),
             })
             .collect();
-        let loads: Vec<Layout> = inputs
-            .iter()
-            .map(|t| t.layout().expanded(&self.shape))
-            .collect();
         let blocks = numel.div_ceil(BLOCK);
         let run_blocks = |range: std::ops::Range<usize>| {
             let mut regs = vec![A::ZERO; self.steps.len() * BLOCK];
             for b in range {
                 let start = b * BLOCK;
                 let len = BLOCK.min(numel - start);
-                self.eval_block(inputs, &loads, &mut regs, start, len);
+                self.eval_block(&sources, &sinks, &mut regs, start, len);
                 for (&(step, _), sink) in self.outputs.iter().zip(&sinks) {
-                    // SAFETY: each block writes its own disjoint range of every output.
+                    // SAFETY: each block writes its own disjoint range of every
+                    // output, after it has loaded that range of every input.
                     unsafe { sink.store(start, &regs[step * BLOCK..step * BLOCK + len]) };
                 }
             }
@@ -116,10 +148,38 @@ impl FusedKernel {
             .collect()
     }
 
+    /// Where each input is read from, and the outputs' storages: donated
+    /// inputs' storages where given, new ones otherwise.
+    fn sources_and_outputs<'a>(
+        &self,
+        inputs: Vec<FusedInput<'a>>,
+        numel: usize,
+    ) -> (Vec<Source<'a>>, Vec<Storage>) {
+        let mut reused: Vec<Option<Storage>> = self.outputs.iter().map(|_| None).collect();
+        let mut sources: Vec<Source<'a>> = Vec::with_capacity(inputs.len());
+        for input in inputs {
+            match input {
+                FusedInput::Shared(t) => {
+                    sources.push(Source::Shared(t, t.layout().expanded(&self.shape)))
+                }
+                FusedInput::Donated { storage, output } => {
+                    reused[output] = Some(storage);
+                    sources.push(Source::Output(output));
+                }
+            }
+        }
+        let outs = reused
+            .into_iter()
+            .zip(&self.outputs)
+            .map(|(s, &(_, d))| s.unwrap_or_else(|| Storage::new(d, numel)))
+            .collect();
+        (sources, outs)
+    }
+
     fn eval_block<A: Transcendental>(
         &self,
-        inputs: &[&Tensor],
-        loads: &[Layout],
+        sources: &[Source<'_>],
+        sinks: &[Sink],
         regs: &mut [A],
         start: usize,
         len: usize,
@@ -129,7 +189,12 @@ impl FusedKernel {
             let dst = &mut after[..len];
             let reg = |j: usize| &before[j * BLOCK..j * BLOCK + len];
             match *step {
-                Step::Load(k) => load(inputs[k], &loads[k], start, dst),
+                Step::Load(k) => match &sources[k] {
+                    Source::Shared(t, layout) => load(t, layout, start, dst),
+                    // SAFETY: this task owns `start..start+len` of the sink,
+                    // which it stores only after every load of the block.
+                    Source::Output(o) => unsafe { sinks[*o].load(start, dst) },
+                },
                 Step::Const(c) => dst.fill(A::from_f64(c)),
                 Step::Unary(op, a) => {
                     dst.copy_from_slice(reg(a));
@@ -198,6 +263,13 @@ fn load<A: AccFloat>(t: &Tensor, layout: &Layout, start: usize, dst: &mut [A]) {
     })
 }
 
+/// Where a `Step::Load` reads: a shared tensor through its broadcast
+/// layout, or the buffer of output `o` (a donated input, read in place).
+enum Source<'a> {
+    Shared(&'a Tensor, Layout),
+    Output(usize),
+}
+
 /// Where one output goes: its storage's bytes and dtype.
 struct Sink {
     ptr: *mut u8,
@@ -209,6 +281,19 @@ unsafe impl Send for Sink {}
 unsafe impl Sync for Sink {}
 
 impl Sink {
+    /// Reads `start..start+dst.len()` of the output (a donated input).
+    ///
+    /// # Safety
+    /// The range is in bounds and no other task writes it meanwhile.
+    unsafe fn load<A: AccFloat>(&self, start: usize, dst: &mut [A]) {
+        with_dtype!(self.dtype, T => {
+            let src = std::slice::from_raw_parts((self.ptr as *const T).add(start), dst.len());
+            for (d, s) in dst.iter_mut().zip(src) {
+                *d = A::from_f64(Element::to_f64(*s));
+            }
+        })
+    }
+
     /// # Safety
     /// `start..start+vals.len()` is in bounds and written by no other task.
     unsafe fn store<A: AccFloat>(&self, start: usize, vals: &[A]) {
@@ -255,5 +340,59 @@ mod tests {
         }
         let flags: Vec<f64> = want.iter().map(|&v| (v > 2.0) as u8 as f64).collect();
         assert_eq!(out[1].to_f64_vec(), flags);
+    }
+
+    #[test]
+    fn a_donated_input_is_overwritten_in_place_with_the_same_result() {
+        // y = tanh(x) * x + w over more than one block, x donated to y.
+        let n = 3 * BLOCK + 17;
+        let xs: Vec<f32> = (0..n).map(|i| (i % 97) as f32 / 50.0 - 1.0).collect();
+        let x = Tensor::from_vec(xs, &[n]);
+        let w = Tensor::from_vec(vec![0.25f32], &[1]);
+        let k = FusedKernel {
+            shape: vec![n],
+            steps: vec![
+                Step::Load(0),
+                Step::Unary(UnaryOp::Tanh, 0),
+                Step::Binary(BinaryOp::Mul, 1, 0),
+                Step::Load(1),
+                Step::Binary(BinaryOp::Add, 2, 3),
+            ],
+            outputs: vec![(4, DType::F32)],
+            wide: false,
+        };
+        let want = k.run(&[&x, &w]).unwrap()[0].to_f64_vec();
+        let storage = x.into_unique_storage().expect("x is not shared");
+        let address = storage.as_bytes().as_ptr();
+        let got = k
+            .run_with(vec![
+                FusedInput::Donated { storage, output: 0 },
+                FusedInput::Shared(&w),
+            ])
+            .unwrap();
+        assert_eq!(
+            got[0].storage().as_bytes().as_ptr(),
+            address,
+            "written in place"
+        );
+        assert_eq!(got[0].to_f64_vec(), want);
+    }
+
+    #[test]
+    fn a_donation_of_the_wrong_size_is_an_error() {
+        let k = FusedKernel {
+            shape: vec![4],
+            steps: vec![Step::Load(0)],
+            outputs: vec![(0, DType::F32)],
+            wide: false,
+        };
+        let small = Storage::new(DType::F32, 3);
+        let e = k
+            .run_with(vec![FusedInput::Donated {
+                storage: small,
+                output: 0,
+            }])
+            .unwrap_err();
+        assert!(e.message.contains("cannot be reused"), "{e}");
     }
 }

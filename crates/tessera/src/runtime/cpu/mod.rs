@@ -20,11 +20,18 @@ pub use storage::Storage;
 
 use crate::error::Result;
 use crate::ir::{DType, Op};
-use crate::tensor::Tensor;
+use crate::tensor::{Layout, Tensor};
 
 /// Computes `op(inputs)` whose output has `dtype` and `shape` (already
-/// inferred and checked by `Op::infer`). Movement ops return views.
+/// inferred and checked by `Op::infer`). Movement ops return views (see
+/// [`view_layout`]).
 pub fn eval(op: &Op, inputs: &[&Tensor], dtype: DType, shape: &[usize]) -> Result<Tensor> {
+    if let Some(x) = inputs.first() {
+        let input = (x.layout(), x.dtype(), x.storage().numel());
+        if let Some(layout) = view_layout(op, input, shape) {
+            return Ok(view(x, layout));
+        }
+    }
     match op {
         Op::Input => unreachable!("inputs are bound by the caller, never evaluated"),
         Op::Constant(lit) => creation::constant(lit),
@@ -49,14 +56,9 @@ pub fn eval(op: &Op, inputs: &[&Tensor], dtype: DType, shape: &[usize]) -> Resul
             transpose_b,
         } => matmul::matmul_t(inputs[0], inputs[1], *transpose_a, *transpose_b, shape),
         Op::Reshape(_) => Ok(copy::reshape(inputs[0], shape)),
-        Op::Permute(perm) => Ok(view(inputs[0], inputs[0].layout().permuted(perm))),
-        Op::Expand(_) => Ok(view(inputs[0], inputs[0].layout().expanded(shape))),
-        Op::Slice {
-            dim, start, step, ..
-        } => Ok(view(
-            inputs[0],
-            inputs[0].layout().sliced(*dim, *start, shape[*dim], *step),
-        )),
+        Op::Permute(_) | Op::Expand(_) | Op::Slice { .. } => {
+            unreachable!("{} is always a view", op.name())
+        }
         Op::Cat { dim } => Ok(index::cat(inputs, *dim, shape)),
         Op::Contiguous => Ok(copy::contiguous(inputs[0])),
         Op::Tril { diagonal } => Ok(elementwise::triangle(inputs[0], *diagonal, false)),
@@ -82,8 +84,68 @@ pub fn eval(op: &Op, inputs: &[&Tensor], dtype: DType, shape: &[usize]) -> Resul
     })
 }
 
-fn view(x: &Tensor, layout: crate::tensor::Layout) -> Tensor {
+fn view(x: &Tensor, layout: Layout) -> Tensor {
     Tensor::from_parts(x.storage().clone(), layout)
+}
+
+/// The layout of `op`'s output when it is a view of its first input
+/// (`input`: layout, dtype, element count of its storage) that shares the
+/// input's storage; `None` when the op writes a new buffer of `out_shape`.
+///
+/// [`eval`] returns views exactly when this says so, and the memory planner
+/// uses it to know which values alias which buffers: one rule for both.
+pub fn view_layout(op: &Op, input: (&Layout, DType, usize), out_shape: &[usize]) -> Option<Layout> {
+    let (layout, dtype, storage_numel) = input;
+    match op {
+        Op::Permute(perm) => Some(layout.permuted(perm)),
+        Op::Expand(_) => Some(layout.expanded(out_shape)),
+        Op::Slice {
+            dim, start, step, ..
+        } => Some(layout.sliced(*dim, *start, out_shape[*dim], *step)),
+        Op::Reshape(_) => layout.reshaped(out_shape),
+        // `contiguous` of a dense tensor, a reduction over no dims and a
+        // cast to the same dtype hand the input back.
+        Op::Contiguous => copy::is_dense(layout, storage_numel).then(|| layout.clone()),
+        Op::Reduce { dims, .. } if dims.is_empty() => {
+            copy::is_dense(layout, storage_numel).then(|| layout.clone())
+        }
+        Op::Cast(to) if *to == dtype => Some(layout.clone()),
+        _ => None,
+    }
+}
+
+/// Bytes a kernel allocates for its own use while it runs, besides its
+/// output (`inputs`: each input's layout, dtype and storage element count).
+/// Softmax makes a dense copy of a strided input, a reduction one of an
+/// input too strided to fold in place; f16/bf16 matmul widens both operands
+/// (broadcast dims stay compact) and its result to f32.
+pub fn scratch_bytes(op: &Op, inputs: &[(&Layout, DType, usize)], out_shape: &[usize]) -> usize {
+    match op {
+        Op::Reduce { dims, .. } => {
+            let (layout, dtype, storage_numel) = inputs[0];
+            reduce::scratch_bytes(layout, storage_numel, dims, dtype)
+        }
+        Op::Softmax { .. } | Op::LogSoftmax { .. } => {
+            let (layout, dtype, storage_numel) = inputs[0];
+            if copy::is_dense(layout, storage_numel) {
+                0
+            } else {
+                layout.numel() * dtype.size_bytes()
+            }
+        }
+        Op::MatMul | Op::MatMulT { .. } if matches!(inputs[0].1, DType::F16 | DType::BF16) => {
+            let compact = |l: &Layout| -> usize {
+                l.shape
+                    .iter()
+                    .zip(&l.strides)
+                    .map(|(&n, &s)| if s == 0 { 1 } else { n })
+                    .product()
+            };
+            let out: usize = out_shape.iter().product();
+            (compact(inputs[0].0) + compact(inputs[1].0) + out) * 4
+        }
+        _ => 0,
+    }
 }
 
 /// Deterministic test values in [-1, 1), multiples of 1/64 so that f16 and

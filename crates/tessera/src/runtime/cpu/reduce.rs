@@ -310,7 +310,7 @@ where
     let dst = out.as_mut_slice::<T>();
     if split.reduced.is_contiguous() {
         fold_slices(x.storage().as_slice::<T>(), &split, dst, &fold);
-    } else if split.unit_row().is_some_and(|len| len >= MIN_ROW) {
+    } else if folds_by_rows(&split) {
         fold_rows(x.storage().as_slice::<T>(), &split, dst, &fold);
     } else {
         let dense = reduced_dims_last(x, dims);
@@ -321,16 +321,48 @@ where
     out
 }
 
+fn folds_by_rows(split: &Split) -> bool {
+    split.unit_row().is_some_and(|len| len >= MIN_ROW)
+}
+
 /// A contiguous copy of `x` with the kept dims first, then `dims`.
 fn reduced_dims_last(x: &Tensor, dims: &[usize]) -> Tensor {
-    let perm: Vec<usize> = (0..x.rank())
+    copy::contiguous(&Tensor::from_parts(
+        x.storage().clone(),
+        kept_dims_first(x.layout(), dims),
+    ))
+}
+
+fn kept_dims_first(layout: &Layout, dims: &[usize]) -> Layout {
+    let perm: Vec<usize> = (0..layout.rank())
         .filter(|d| !dims.contains(d))
         .chain(dims.iter().copied())
         .collect();
-    copy::contiguous(&Tensor::from_parts(
-        x.storage().clone(),
-        x.layout().permuted(&perm),
-    ))
+    layout.permuted(&perm)
+}
+
+/// Bytes [`reduce`] copies its input into besides its output: a dense copy
+/// with the reduced dims last, where neither strided strategy applies.
+pub(super) fn scratch_bytes(
+    layout: &Layout,
+    storage_numel: usize,
+    dims: &[usize],
+    dtype: DType,
+) -> usize {
+    let count: usize = dims.iter().map(|&d| layout.shape[d]).product();
+    if dims.is_empty() || count == 0 {
+        return 0;
+    }
+    let split = Split::new(layout, dims);
+    let moved = kept_dims_first(layout, dims);
+    let copies = !split.reduced.is_contiguous()
+        && !folds_by_rows(&split)
+        && !copy::is_dense(&moved, storage_numel);
+    if copies {
+        layout.numel() * dtype.size_bytes()
+    } else {
+        0
+    }
 }
 
 /// Runs `f(chunk index, chunk)` over `out` in chunks of `size`, in parallel

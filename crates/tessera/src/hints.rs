@@ -1,0 +1,427 @@
+//! Context hints: JSON objects the user attaches to a region of code, as in
+//! Gaudi's `hinted_context(fn, *args, hint='{"order": "strict", "group_id": 0}')`.
+//!
+//! Every op created inside [`scope`] (traced nodes and the origins of eager
+//! autograd nodes, both through `trace::node_meta`) carries the merged hints
+//! of the scopes in force in `meta.hints`; backward ops inherit the hints of
+//! the forward op they come from, with `backward_group_id` (when given) as
+//! their `group_id`. The scheduler reads them (see `crate::schedule`).
+//!
+//! | key | type | meaning |
+//! |---|---|---|
+//! | `order` (alias `schedule_policy`) | `"strict"` \| `"dfs"` \| `"bfs"` \| `"auto"` | how the region's kernels are ordered |
+//! | `group_id` | integer | the group's kernels run as one contiguous block |
+//! | `backward_group_id` | integer | the `group_id` of the region's backward ops |
+//! | `memory_budget_mb` | number ≥ 0 | the most memory the region's steps may use |
+//!
+//! An unknown key is a warning and is otherwise ignored; a wrong type or
+//! malformed JSON is an error ([`ErrorKind::Parse`]) naming the key.
+
+use std::cell::RefCell;
+use std::collections::BTreeSet;
+use std::sync::Mutex;
+
+use serde_json::{Map, Value};
+
+use crate::error::{Error, ErrorKind, Result};
+use crate::logging::log;
+pub use crate::schedule::Strategy as Order;
+
+/// The JSON object form of hints, as stored in `NodeMeta::hints`.
+pub type HintMap = Map<String, Value>;
+
+const KNOWN_KEYS: &str = "order, schedule_policy, group_id, backward_group_id, memory_budget_mb";
+
+/// A parsed hint; `None` fields are not set (an inner scope leaves them to
+/// the outer one).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Hint {
+    pub order: Option<Order>,
+    pub group_id: Option<i64>,
+    pub backward_group_id: Option<i64>,
+    pub memory_budget_mb: Option<f64>,
+}
+
+impl Hint {
+    /// Parses a JSON object, printing a warning for each unknown key.
+    pub fn parse(json: &str) -> Result<Hint> {
+        let (hint, unknown) = Hint::parse_with_warnings(json)?;
+        for w in unknown {
+            warn(&w);
+        }
+        Ok(hint)
+    }
+
+    /// Parses a JSON object; also returns one warning per unknown key.
+    pub fn parse_with_warnings(json: &str) -> Result<(Hint, Vec<String>)> {
+        let value: Value = serde_json::from_str(json).map_err(|e| {
+            Error::new(
+                ErrorKind::Parse,
+                format!(
+                    "hint: malformed JSON at line {} column {}: {e}",
+                    e.line(),
+                    e.column()
+                ),
+            )
+        })?;
+        match value {
+            Value::Object(map) => Hint::from_map(&map),
+            other => Err(parse_error(format!(
+                "hint: expected a JSON object, got {other}"
+            ))),
+        }
+    }
+
+    /// Reads a JSON object (e.g. a node's `meta.hints`); unknown keys are
+    /// returned as warnings, not printed.
+    pub fn from_map(map: &HintMap) -> Result<(Hint, Vec<String>)> {
+        let mut hint = Hint::default();
+        let mut warnings = Vec::new();
+        for (key, value) in map {
+            match key.as_str() {
+                "order" | "schedule_policy" => {
+                    let order = parse_order(key, value)?;
+                    if hint.order.is_some_and(|o| o != order) {
+                        return Err(parse_error(format!(
+                            "hint: \"order\" and its alias \"schedule_policy\" disagree ({} vs {})",
+                            hint.order.expect("checked").name(),
+                            order.name()
+                        )));
+                    }
+                    hint.order = Some(order);
+                }
+                "group_id" => hint.group_id = Some(integer(key, value)?),
+                "backward_group_id" => hint.backward_group_id = Some(integer(key, value)?),
+                "memory_budget_mb" => hint.memory_budget_mb = Some(megabytes(key, value)?),
+                _ => warnings.push(format!(
+                    "hint key \"{key}\" is not known (known: {KNOWN_KEYS}); ignored"
+                )),
+            }
+        }
+        Ok((hint, warnings))
+    }
+
+    /// `{"order": "strict"}`: program order, one kernel at a time.
+    pub fn strict() -> Hint {
+        Hint::order(Order::Strict)
+    }
+
+    pub fn dfs() -> Hint {
+        Hint::order(Order::Dfs)
+    }
+
+    pub fn bfs() -> Hint {
+        Hint::order(Order::Bfs)
+    }
+
+    pub fn auto() -> Hint {
+        Hint::order(Order::Auto)
+    }
+
+    pub fn order(order: Order) -> Hint {
+        Hint {
+            order: Some(order),
+            ..Hint::default()
+        }
+    }
+
+    pub fn group(mut self, id: i64) -> Hint {
+        self.group_id = Some(id);
+        self
+    }
+
+    /// The `group_id` the region's backward ops get.
+    pub fn backward_group(mut self, id: i64) -> Hint {
+        self.backward_group_id = Some(id);
+        self
+    }
+
+    pub fn memory_budget_mb(mut self, mb: f64) -> Hint {
+        self.memory_budget_mb = Some(mb);
+        self
+    }
+
+    pub fn is_empty(&self) -> bool {
+        *self == Hint::default()
+    }
+
+    /// `self` with the fields `inner` sets replaced (the inner scope wins).
+    pub fn merged(&self, inner: &Hint) -> Hint {
+        Hint {
+            order: inner.order.or(self.order),
+            group_id: inner.group_id.or(self.group_id),
+            backward_group_id: inner.backward_group_id.or(self.backward_group_id),
+            memory_budget_mb: inner.memory_budget_mb.or(self.memory_budget_mb),
+        }
+    }
+
+    /// The canonical JSON object (alias spelled `order`).
+    pub fn to_map(&self) -> HintMap {
+        let mut map = Map::new();
+        if let Some(o) = self.order {
+            map.insert("order".into(), Value::from(o.name()));
+        }
+        if let Some(g) = self.group_id {
+            map.insert("group_id".into(), Value::from(g));
+        }
+        if let Some(g) = self.backward_group_id {
+            map.insert("backward_group_id".into(), Value::from(g));
+        }
+        if let Some(mb) = self.memory_budget_mb {
+            map.insert("memory_budget_mb".into(), Value::from(mb));
+        }
+        map
+    }
+
+    pub fn to_json(&self) -> String {
+        Value::Object(self.to_map()).to_string()
+    }
+
+    /// The budget in bytes, if one is set.
+    pub fn memory_budget_bytes(&self) -> Option<usize> {
+        self.memory_budget_mb
+            .map(|mb| (mb * 1024.0 * 1024.0) as usize)
+    }
+}
+
+fn parse_error(message: String) -> Error {
+    Error::new(ErrorKind::Parse, message)
+}
+
+/// Prints a warning once per process (a compiled function re-traces, and
+/// so re-parses its hints, on every call).
+fn warn(message: &str) {
+    static SEEN: Mutex<BTreeSet<String>> = Mutex::new(BTreeSet::new());
+    let first = match SEEN.lock() {
+        Ok(mut seen) => seen.insert(message.to_string()),
+        Err(_) => true,
+    };
+    if first {
+        eprintln!("tessera: warning: {message}");
+    }
+    log("schedule", || message.to_string());
+}
+
+fn parse_order(key: &str, value: &Value) -> Result<Order> {
+    let expected = "one of \"strict\", \"dfs\", \"bfs\", \"auto\"";
+    let name = value.as_str().ok_or_else(|| {
+        parse_error(format!(
+            "hint key \"{key}\": expected {expected}, got {value}"
+        ))
+    })?;
+    Order::from_name(name).ok_or_else(|| {
+        parse_error(format!(
+            "hint key \"{key}\": expected {expected}, got {value}"
+        ))
+    })
+}
+
+fn integer(key: &str, value: &Value) -> Result<i64> {
+    value.as_i64().ok_or_else(|| {
+        parse_error(format!(
+            "hint key \"{key}\": expected an integer, got {value}"
+        ))
+    })
+}
+
+fn megabytes(key: &str, value: &Value) -> Result<f64> {
+    match value.as_f64() {
+        Some(mb) if mb >= 0.0 && mb.is_finite() => Ok(mb),
+        _ => Err(parse_error(format!(
+            "hint key \"{key}\": expected a non-negative number (megabytes), got {value}"
+        ))),
+    }
+}
+
+/// What [`scope`] and [`hinted_context`] accept: a [`Hint`] or its JSON text.
+pub trait IntoHint {
+    fn into_hint(self) -> Result<Hint>;
+}
+
+impl IntoHint for Hint {
+    fn into_hint(self) -> Result<Hint> {
+        Ok(self)
+    }
+}
+
+impl IntoHint for &Hint {
+    fn into_hint(self) -> Result<Hint> {
+        Ok(self.clone())
+    }
+}
+
+impl IntoHint for &str {
+    fn into_hint(self) -> Result<Hint> {
+        Hint::parse(self)
+    }
+}
+
+impl IntoHint for &String {
+    fn into_hint(self) -> Result<Hint> {
+        Hint::parse(self)
+    }
+}
+
+thread_local! {
+    /// The merged hints of the scopes open on this thread, innermost last.
+    static STACK: RefCell<Vec<Hint>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Runs `f` with `hint` merged into the hints in force (the inner value of a
+/// key wins); every op `f` creates on this thread carries them. Errors only
+/// for a bad hint (then `f` does not run).
+pub fn scope<R>(hint: impl IntoHint, f: impl FnOnce() -> R) -> Result<R> {
+    struct Pop;
+    impl Drop for Pop {
+        fn drop(&mut self) {
+            STACK.with(|s| s.borrow_mut().pop());
+        }
+    }
+    let hint = hint.into_hint()?;
+    STACK.with(|s| {
+        let mut stack = s.borrow_mut();
+        let merged = stack
+            .last()
+            .map_or(hint.clone(), |outer| outer.merged(&hint));
+        stack.push(merged);
+    });
+    let _pop = Pop;
+    Ok(f())
+}
+
+/// Gaudi's `hinted_context(fn, *args, hint=…)`: `f(args)` inside a
+/// [`scope`] of `hint`.
+pub fn hinted_context<A: ?Sized, R>(
+    f: impl FnOnce(&A) -> R,
+    args: &A,
+    hint: impl IntoHint,
+) -> Result<R> {
+    scope(hint, || f(args))
+}
+
+/// The hints in force on this thread as a JSON object (`None` outside any
+/// scope, or when the scopes set nothing).
+pub fn current() -> Option<HintMap> {
+    STACK.with(|s| {
+        s.borrow()
+            .last()
+            .filter(|h| !h.is_empty())
+            .map(Hint::to_map)
+    })
+}
+
+/// The hints a backward op inherits from its forward op's `hints`: the same,
+/// with `backward_group_id` (when set) as the `group_id`. Hints that do not
+/// parse are inherited as they are (the scheduler reports them).
+pub fn for_backward(hints: Option<HintMap>) -> Option<HintMap> {
+    let mut map = hints?;
+    if let Some(g) = map.get("backward_group_id").cloned() {
+        map.insert("group_id".into(), g);
+    }
+    Some(map)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_seeds_hint_parses() {
+        let h = Hint::parse(r#"{"order": "strict", "group_id": 0}"#).unwrap();
+        assert_eq!(h, Hint::strict().group(0));
+        assert_eq!(h.to_json(), r#"{"group_id":0,"order":"strict"}"#);
+    }
+
+    #[test]
+    fn schedule_policy_is_an_alias_of_order() {
+        let h = Hint::parse(r#"{"schedule_policy": "dfs"}"#).unwrap();
+        assert_eq!(h, Hint::dfs());
+        let both = Hint::parse(r#"{"schedule_policy": "dfs", "order": "bfs"}"#).unwrap_err();
+        assert!(both.message.contains("disagree"), "{both}");
+    }
+
+    #[test]
+    fn unknown_keys_warn_and_are_ignored() {
+        let (h, w) = Hint::parse_with_warnings(r#"{"order": "bfs", "stream": 2}"#).unwrap();
+        assert_eq!(h, Hint::bfs());
+        assert_eq!(w.len(), 1);
+        assert!(w[0].contains("\"stream\""), "{}", w[0]);
+    }
+
+    #[test]
+    fn wrong_types_name_the_key_and_the_type() {
+        for (json, key, expected) in [
+            (r#"{"group_id": "0"}"#, "group_id", "an integer"),
+            (r#"{"group_id": 1.5}"#, "group_id", "an integer"),
+            (r#"{"order": "fast"}"#, "order", "one of"),
+            (r#"{"schedule_policy": 3}"#, "schedule_policy", "one of"),
+            (
+                r#"{"memory_budget_mb": -1}"#,
+                "memory_budget_mb",
+                "non-negative number",
+            ),
+            (
+                r#"{"memory_budget_mb": "64"}"#,
+                "memory_budget_mb",
+                "non-negative number",
+            ),
+        ] {
+            let e = Hint::parse(json).unwrap_err();
+            assert_eq!(e.kind, ErrorKind::Parse);
+            assert!(e.message.contains(&format!("\"{key}\"")), "{e}");
+            assert!(e.message.contains(expected), "{e}");
+        }
+    }
+
+    #[test]
+    fn malformed_json_is_a_parse_error() {
+        let e = Hint::parse(r#"{"order": "strict""#).unwrap_err();
+        assert_eq!(e.kind, ErrorKind::Parse);
+        assert!(e.message.contains("malformed JSON"), "{e}");
+        let e = Hint::parse("[1, 2]").unwrap_err();
+        assert!(e.message.contains("expected a JSON object"), "{e}");
+    }
+
+    #[test]
+    fn builder_round_trips_through_json() {
+        let h = Hint::order(Order::Dfs)
+            .group(3)
+            .backward_group(4)
+            .memory_budget_mb(64.0);
+        assert_eq!(Hint::parse(&h.to_json()).unwrap(), h);
+    }
+
+    #[test]
+    fn nested_scopes_merge_and_the_inner_wins() {
+        let seen = scope(Hint::strict().group(0), || {
+            let outer = current();
+            let inner = scope(r#"{"order": "bfs", "memory_budget_mb": 8}"#, current).unwrap();
+            (outer, inner, current())
+        })
+        .unwrap();
+        assert_eq!(seen.0, Some(Hint::strict().group(0).to_map()));
+        let want = Hint::bfs().group(0).memory_budget_mb(8.0);
+        assert_eq!(seen.1, Some(want.to_map()));
+        assert_eq!(seen.2, seen.0, "the inner scope is closed");
+        assert_eq!(current(), None);
+    }
+
+    #[test]
+    fn a_bad_hint_does_not_run_the_region() {
+        let mut ran = false;
+        assert!(scope(r#"{"group_id": true}"#, || ran = true).is_err());
+        assert!(!ran);
+    }
+
+    #[test]
+    fn backward_hints_take_the_backward_group() {
+        let fwd = Hint::strict().group(0).backward_group(1).to_map();
+        let bwd = for_backward(Some(fwd)).unwrap();
+        assert_eq!(
+            Hint::from_map(&bwd).unwrap().0,
+            Hint::strict().group(1).backward_group(1)
+        );
+        let plain = Hint::strict().group(0).to_map();
+        assert_eq!(for_backward(Some(plain.clone())), Some(plain));
+    }
+}

@@ -1,0 +1,264 @@
+//! Which buffers a plan's kernels create and read, whatever the order.
+//!
+//! A buffer is the storage a kernel allocates for an output value, or the
+//! scratch a kernel uses while it runs. A view (permute, slice, a reshape
+//! or `contiguous` that needs no copy …) is no buffer: it reads the buffer
+//! of the value it views, which therefore lives as long as any view of it
+//! is read — as the runtime's reference-counted storages do. Graph inputs
+//! are the caller's and are in no buffer; graph outputs' buffers live to the
+//! end. Layouts are followed from the inputs, assumed dense (the compiled
+//! function's inputs are; a strided input may make a reshape copy where the
+//! plan expected a view).
+
+use super::kernels::KernelGraph;
+use crate::error::{Error, ErrorKind, Result};
+use crate::fusion::{Kernel, Plan};
+use crate::ir::{DType, Graph, NodeId};
+use crate::runtime::cpu::{copy, scratch_bytes, view_layout};
+use crate::tensor::Layout;
+
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct Buffer {
+    /// The value stored; `None` for scratch.
+    pub value: Option<NodeId>,
+    /// The kernel that creates it.
+    pub kernel: usize,
+    pub bytes: usize,
+    /// Kernels that read it (through the value or any view of it).
+    pub readers: Vec<usize>,
+    /// Lives to the end (a graph output is, or views, it).
+    pub pinned: bool,
+}
+
+/// A fused kernel may write output `output` into the buffer of its input
+/// `input` (position in its inputs) if, in the chosen order, that input is
+/// read for the last time by this kernel alone (see `memory.rs`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct InPlace {
+    pub input: usize,
+    pub output: usize,
+    pub buffer: usize,
+}
+
+/// A value's layout as the runtime will make it.
+#[derive(Clone, Debug)]
+struct ValueLayout {
+    layout: Layout,
+    dtype: DType,
+    /// Elements of the storage it views.
+    storage_numel: usize,
+    buffer: Option<usize>,
+}
+
+pub(crate) struct BufferModel {
+    pub buffers: Vec<Buffer>,
+    /// Per node, the buffer its value lives in.
+    pub value_buffer: Vec<Option<usize>>,
+    /// Per kernel, the buffers it creates (outputs and scratch).
+    pub created: Vec<Vec<usize>>,
+    /// Per kernel, the buffers it reads.
+    pub read: Vec<Vec<usize>>,
+    /// Per kernel, the in-place writes its layouts allow.
+    pub in_place: Vec<Vec<InPlace>>,
+}
+
+impl BufferModel {
+    pub fn new(graph: &Graph, plan: &Plan, kg: &KernelGraph) -> Result<BufferModel> {
+        let mut model = BufferModel {
+            buffers: Vec::new(),
+            value_buffer: vec![None; graph.len()],
+            created: vec![Vec::new(); kg.len()],
+            read: vec![Vec::new(); kg.len()],
+            in_place: vec![Vec::new(); kg.len()],
+        };
+        let mut values: Vec<Option<ValueLayout>> = vec![None; graph.len()];
+        for &id in &graph.inputs {
+            let shape = concrete(graph, id)?;
+            values[id.index()] = Some(ValueLayout {
+                storage_numel: shape.iter().product(),
+                layout: Layout::contiguous(&shape),
+                dtype: graph.node(id).ty.dtype,
+                buffer: None,
+            });
+        }
+        for (k, kernel) in plan.kernels.iter().enumerate() {
+            model.add_kernel(graph, k, kernel, &mut values)?;
+        }
+        for out in &graph.outputs {
+            if let Some(b) = model.value_buffer[out.node.index()] {
+                model.buffers[b].pinned = true;
+            }
+        }
+        Ok(model)
+    }
+
+    fn add_kernel(
+        &mut self,
+        graph: &Graph,
+        k: usize,
+        kernel: &Kernel,
+        values: &mut [Option<ValueLayout>],
+    ) -> Result<()> {
+        let reads = kernel.reads(graph);
+        let inputs: Vec<&ValueLayout> = reads
+            .iter()
+            .map(|v| {
+                values[v.index()].as_ref().ok_or_else(|| {
+                    internal(format!(
+                        "kernel k{k} reads {} before it is made",
+                        graph.display_name(*v)
+                    ))
+                })
+            })
+            .collect::<Result<_>>()?;
+        for b in inputs.iter().filter_map(|v| v.buffer) {
+            self.note_read(k, b);
+        }
+        match kernel {
+            Kernel::Extern(id) => {
+                let (value, scratch) = self.extern_output(graph, k, *id, &inputs)?;
+                if scratch > 0 {
+                    self.create(k, None, scratch);
+                }
+                self.value_buffer[id.index()] = value.buffer;
+                values[id.index()] = Some(value);
+            }
+            Kernel::Fused {
+                kernel: code,
+                inputs: fused_inputs,
+                outputs,
+                ..
+            } => {
+                for &o in outputs {
+                    let value = self.new_value(graph, k, o)?;
+                    self.value_buffer[o.index()] = value.buffer;
+                    values[o.index()] = Some(value);
+                }
+                self.in_place[k] =
+                    in_place_candidates(&code.shape, fused_inputs, outputs, graph, values);
+            }
+        }
+        Ok(())
+    }
+
+    fn note_read(&mut self, k: usize, b: usize) {
+        if !self.read[k].contains(&b) {
+            self.read[k].push(b);
+            self.buffers[b].readers.push(k);
+        }
+    }
+
+    /// The output of extern kernel `k` (node `id`): a view of its first
+    /// input's buffer or a new buffer, and the scratch bytes it needs.
+    fn extern_output(
+        &mut self,
+        graph: &Graph,
+        k: usize,
+        id: NodeId,
+        inputs: &[&ValueLayout],
+    ) -> Result<(ValueLayout, usize)> {
+        let node = graph.node(id);
+        let shape = concrete(graph, id)?;
+        let described: Vec<(&Layout, DType, usize)> = inputs
+            .iter()
+            .map(|v| (&v.layout, v.dtype, v.storage_numel))
+            .collect();
+        let scratch = if described.is_empty() {
+            0
+        } else {
+            scratch_bytes(&node.op, &described, &shape)
+        };
+        let view = described
+            .first()
+            .and_then(|&input| view_layout(&node.op, input, &shape));
+        let value = match view {
+            Some(layout) => ValueLayout {
+                layout,
+                dtype: node.ty.dtype,
+                storage_numel: inputs[0].storage_numel,
+                buffer: inputs[0].buffer,
+            },
+            None => self.new_value(graph, k, id)?,
+        };
+        Ok((value, scratch))
+    }
+
+    fn new_value(&mut self, graph: &Graph, k: usize, id: NodeId) -> Result<ValueLayout> {
+        let shape = concrete(graph, id)?;
+        let numel: usize = shape.iter().product();
+        let dtype = graph.node(id).ty.dtype;
+        let buffer = self.create(k, Some(id), numel * dtype.size_bytes());
+        Ok(ValueLayout {
+            layout: Layout::contiguous(&shape),
+            dtype,
+            storage_numel: numel,
+            buffer: Some(buffer),
+        })
+    }
+
+    fn create(&mut self, k: usize, value: Option<NodeId>, bytes: usize) -> usize {
+        self.buffers.push(Buffer {
+            value,
+            kernel: k,
+            bytes,
+            readers: Vec::new(),
+            pinned: false,
+        });
+        self.created[k].push(self.buffers.len() - 1);
+        self.buffers.len() - 1
+    }
+}
+
+/// Inputs of a fused kernel that an output of the same dtype may overwrite:
+/// the input is a whole buffer, dense, of the kernel's shape (so element i
+/// of the input is element i of the output), read once by the kernel.
+fn in_place_candidates(
+    shape: &[usize],
+    inputs: &[NodeId],
+    outputs: &[NodeId],
+    graph: &Graph,
+    values: &[Option<ValueLayout>],
+) -> Vec<InPlace> {
+    let value = |v: NodeId| values[v.index()].as_ref().expect("made before use");
+    let mut found = Vec::new();
+    for (j, &x) in inputs.iter().enumerate() {
+        let vx = value(x);
+        let Some(buffer) = vx.buffer else { continue };
+        let read_once = inputs
+            .iter()
+            .filter(|&&y| value(y).buffer == Some(buffer))
+            .count()
+            == 1;
+        let whole = vx.layout.shape == shape && copy::is_dense(&vx.layout, vx.storage_numel);
+        if !(read_once && whole) {
+            continue;
+        }
+        for (o, &out) in outputs.iter().enumerate() {
+            if graph.node(out).ty.dtype == vx.dtype {
+                found.push(InPlace {
+                    input: j,
+                    output: o,
+                    buffer,
+                });
+            }
+        }
+    }
+    found
+}
+
+fn concrete(graph: &Graph, id: NodeId) -> Result<Vec<usize>> {
+    let ty = &graph.node(id).ty;
+    ty.shape.as_concrete().ok_or_else(|| {
+        Error::new(
+            ErrorKind::Unsupported,
+            format!(
+                "memory planning needs concrete shapes; {} is {ty}",
+                graph.display_name(id)
+            ),
+        )
+    })
+}
+
+fn internal(message: String) -> Error {
+    Error::new(ErrorKind::Verify, format!("internal error: {message}"))
+}

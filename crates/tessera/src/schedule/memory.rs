@@ -1,0 +1,533 @@
+//! The memory planner: liveness of every buffer over a schedule's steps,
+//! in-place reuse, an offset per buffer in one arena, and the predicted peak.
+//!
+//! Time is counted in steps. A buffer is live from the step of the kernel
+//! that creates it to the last step that reads it (or the end, for graph
+//! outputs): the executor frees values after each step, so within a step
+//! every buffer created by its kernels is live at once, together with every
+//! buffer still to be read. The predicted peak is the most bytes live in any
+//! step, which is exactly what the runtime's allocator counts when kernels
+//! allocate their outputs one buffer each (`runtime::cpu::memory_stats`).
+//!
+//! In place: a fused (elementwise) kernel writes an output into the buffer
+//! of an input when the input is dense, of the kernel's shape and dtype,
+//! read once by the kernel, and read for the last time in this step by this
+//! kernel alone (no concurrent kernel of the step reads it; no view of it
+//! is read later; it is not a graph output). The kernel loads each block of
+//! its inputs before storing that block of its outputs, so the overwrite
+//! never reaches an element still to be read. The output then takes the
+//! input's place in the arena.
+//!
+//! Offsets: buffers (in-place chains merged) are placed largest first, each
+//! at the lowest offset that overlaps no placed buffer live at the same
+//! time, with sizes rounded up to 64 bytes (the allocator's alignment).
+//! [`MemoryPlan::check`] verifies that no two buffers live at the same time
+//! overlap; it runs after every plan in debug builds.
+
+use super::buffers::BufferModel;
+use super::Schedule;
+use crate::error::{Error, ErrorKind, Result};
+use crate::ir::{Graph, NodeId};
+
+const ALIGN: usize = 64;
+
+/// One buffer of the plan.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PlannedBuffer {
+    /// The value stored; `None` for a kernel's scratch.
+    pub value: Option<NodeId>,
+    /// The kernel that creates it.
+    pub kernel: usize,
+    pub bytes: usize,
+    pub offset: usize,
+    /// The steps it is live in (inclusive).
+    pub first_step: usize,
+    pub last_step: usize,
+    /// It takes the place of this buffer (in place).
+    pub reuses: Option<usize>,
+}
+
+/// Kernel `kernel` writes `output` over its input `input`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Donation {
+    pub kernel: usize,
+    pub input: NodeId,
+    pub output: NodeId,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct MemoryPlan {
+    pub buffers: Vec<PlannedBuffer>,
+    /// Bytes live in each step.
+    pub step_bytes: Vec<usize>,
+    /// The most bytes live at once: the predicted peak.
+    pub peak_bytes: usize,
+    pub peak_step: usize,
+    /// The buffers live at the peak.
+    pub live_at_peak: Vec<usize>,
+    /// The arena's size: the end of the highest placed buffer (at least the
+    /// peak; more when placement leaves gaps or sizes are rounded up).
+    pub arena_bytes: usize,
+    /// The in-place writes, by kernel.
+    pub donations: Vec<Donation>,
+    /// Per kernel, its scratch bytes (the executor asks once per kernel).
+    scratch: Vec<usize>,
+}
+
+/// Liveness and in-place decisions of a model over some steps: all that
+/// the peak needs (the schedule search evaluates many orders this way).
+pub(crate) struct Liveness {
+    pub first: Vec<usize>,
+    pub last: Vec<usize>,
+    /// Per buffer, the buffer whose place it takes.
+    pub reuses: Vec<Option<usize>>,
+    pub donations: Vec<(usize, usize, usize)>,
+    pub step_bytes: Vec<usize>,
+    /// Per step, the bytes live when it starts (made by earlier steps).
+    pub start_bytes: Vec<usize>,
+}
+
+impl Liveness {
+    pub fn new(model: &BufferModel, steps: &[Vec<usize>]) -> Liveness {
+        let num_kernels = model.created.len();
+        let mut step_of = vec![0; num_kernels];
+        for (s, step) in steps.iter().enumerate() {
+            for &k in step {
+                step_of[k] = s;
+            }
+        }
+        let end = steps.len().saturating_sub(1);
+        let first: Vec<usize> = model.buffers.iter().map(|b| step_of[b.kernel]).collect();
+        let last: Vec<usize> = model
+            .buffers
+            .iter()
+            .zip(&first)
+            .map(|(b, &f)| {
+                if b.pinned {
+                    end
+                } else {
+                    b.readers.iter().map(|&r| step_of[r]).fold(f, usize::max)
+                }
+            })
+            .collect();
+        let mut live = Liveness {
+            first,
+            last,
+            reuses: vec![None; model.buffers.len()],
+            donations: Vec::new(),
+            step_bytes: Vec::new(),
+            start_bytes: Vec::new(),
+        };
+        live.choose_in_place(model, steps, &step_of);
+        live.count_bytes(model, steps);
+        live
+    }
+
+    /// Accepts each in-place candidate whose input buffer dies in the
+    /// kernel's step, read there by that kernel alone.
+    fn choose_in_place(&mut self, model: &BufferModel, steps: &[Vec<usize>], step_of: &[usize]) {
+        let mut taken = vec![false; model.buffers.len()];
+        for step in steps {
+            for &k in step {
+                for c in &model.in_place[k] {
+                    let input = &model.buffers[c.buffer];
+                    let s = step_of[k];
+                    let sole_reader = input.readers.iter().all(|&r| r == k || step_of[r] < s);
+                    // A fused kernel creates one buffer per output, in order.
+                    let output = model.created[k][c.output];
+                    if input.pinned
+                        || self.last[c.buffer] != s
+                        || !sole_reader
+                        || taken[c.buffer]
+                        || self.reuses[output].is_some()
+                    {
+                        continue;
+                    }
+                    taken[c.buffer] = true;
+                    self.reuses[output] = Some(c.buffer);
+                    self.donations.push((k, c.buffer, output));
+                }
+            }
+        }
+    }
+
+    /// Bytes live in each step: the values live in it (a buffer that takes
+    /// another's place adds nothing in the step it takes it), plus what the
+    /// kernels with scratch add while they run. Those run first in their
+    /// step, one at a time in kernel order (see `runtime::execute`), each
+    /// holding its scratch while it allocates its output: kernel i adds
+    /// `outputs of the scratch kernels before it + its output + its scratch`
+    /// over the step's start, which may exceed all the step's new values.
+    fn count_bytes(&mut self, model: &BufferModel, steps: &[Vec<usize>]) {
+        let mut delta = vec![0isize; steps.len() + 1];
+        let mut fresh = vec![0usize; steps.len()];
+        for (b, buffer) in model.buffers.iter().enumerate() {
+            if buffer.value.is_none() {
+                continue;
+            }
+            let from = match self.reuses[b] {
+                Some(_) => self.first[b] + 1,
+                None => self.first[b],
+            };
+            if self.reuses[b].is_none() {
+                fresh[self.first[b]] += buffer.bytes;
+            }
+            if from <= self.last[b] {
+                delta[from] += buffer.bytes as isize;
+                delta[self.last[b] + 1] -= buffer.bytes as isize;
+            }
+        }
+        let mut live = 0isize;
+        for ((step, d), &fresh) in steps.iter().zip(&delta).zip(&fresh) {
+            live += d;
+            self.start_bytes.push(live as usize - fresh);
+            self.step_bytes
+                .push(live as usize + scratch_excess(model, step, fresh));
+        }
+    }
+
+    pub fn peak(&self) -> usize {
+        self.step_bytes.iter().copied().max().unwrap_or(0)
+    }
+}
+
+/// How far the scratch kernels of `step` (run first, one at a time) rise
+/// above `fresh`, the bytes of all the values the step creates.
+fn scratch_excess(model: &BufferModel, step: &[usize], fresh: usize) -> usize {
+    let mut before = 0;
+    let mut excess = 0;
+    for &k in step {
+        let (mut scratch, mut output) = (0, 0);
+        for &b in &model.created[k] {
+            match model.buffers[b].value {
+                None => scratch += model.buffers[b].bytes,
+                Some(_) => output += model.buffers[b].bytes,
+            }
+        }
+        if scratch > 0 {
+            excess = excess.max((before + output + scratch).saturating_sub(fresh));
+            before += output;
+        }
+    }
+    excess
+}
+
+impl MemoryPlan {
+    /// Plans the buffers of `model` under `schedule`.
+    pub(crate) fn from_model(
+        graph: &Graph,
+        model: &BufferModel,
+        schedule: &Schedule,
+    ) -> Result<MemoryPlan> {
+        let live = Liveness::new(model, &schedule.steps);
+        let offsets = place(model, &live);
+        let (peak_step, peak_bytes) = live
+            .step_bytes
+            .iter()
+            .copied()
+            .enumerate()
+            .max_by_key(|&(s, b)| (b, std::cmp::Reverse(s)))
+            .unwrap_or((0, 0));
+        let buffers: Vec<PlannedBuffer> = model
+            .buffers
+            .iter()
+            .enumerate()
+            .map(|(b, buffer)| PlannedBuffer {
+                value: buffer.value,
+                kernel: buffer.kernel,
+                bytes: buffer.bytes,
+                offset: offsets[b],
+                first_step: live.first[b],
+                last_step: live.last[b],
+                reuses: live.reuses[b],
+            })
+            .collect();
+        let plan = MemoryPlan {
+            live_at_peak: live_in(&buffers, peak_step),
+            arena_bytes: buffers
+                .iter()
+                .map(|b| b.offset + b.bytes)
+                .max()
+                .unwrap_or(0),
+            buffers,
+            donations: donations(model, &live),
+            scratch: scratch_per_kernel(model),
+            step_bytes: live.step_bytes,
+            peak_bytes,
+            peak_step,
+        };
+        if cfg!(debug_assertions) {
+            plan.check().map_err(|e| {
+                let message = format!(
+                    "internal error in the memory plan of `{}`: {}",
+                    graph.name, e.message
+                );
+                Error::new(ErrorKind::Verify, message)
+            })?;
+        }
+        Ok(plan)
+    }
+
+    /// Bytes kernel `k` allocates for its own use while it runs.
+    pub fn scratch_bytes(&self, k: usize) -> usize {
+        self.scratch[k]
+    }
+
+    /// The in-place writes of kernel `k`: (input value, output value).
+    pub fn in_place(&self, k: usize) -> impl Iterator<Item = (NodeId, NodeId)> + '_ {
+        let from = self.donations.partition_point(|d| d.kernel < k);
+        self.donations[from..]
+            .iter()
+            .take_while(move |d| d.kernel == k)
+            .map(|d| (d.input, d.output))
+    }
+
+    /// Verifies that no two buffers live at the same time overlap in the
+    /// arena, except a buffer and the one whose place it takes (which share
+    /// it from the step the first dies in), and that the peak is the most
+    /// bytes live in a step.
+    pub fn check(&self) -> Result<()> {
+        let bad = |m: String| Err(Error::new(ErrorKind::Verify, m));
+        for (i, a) in self.buffers.iter().enumerate() {
+            if let Some(r) = a.reuses {
+                let donor = &self.buffers[r];
+                if donor.offset != a.offset
+                    || donor.bytes != a.bytes
+                    || donor.last_step != a.first_step
+                {
+                    return bad(format!("buffer {i} reuses buffer {r}, which is not dead where it starts or differs in place or size"));
+                }
+            }
+            for (j, b) in self.buffers.iter().enumerate().skip(i + 1) {
+                let same_place = self.shares_place(i, j);
+                let in_time = a.first_step <= b.last_step && b.first_step <= a.last_step;
+                let in_space = a.offset < b.offset + b.bytes && b.offset < a.offset + a.bytes;
+                if in_time && in_space && !same_place && a.bytes > 0 && b.bytes > 0 {
+                    return bad(format!(
+                        "buffers {i} ({} bytes at {}, steps {}..={}) and {j} ({} bytes at {}, steps {}..={}) overlap",
+                        a.bytes, a.offset, a.first_step, a.last_step, b.bytes, b.offset, b.first_step, b.last_step
+                    ));
+                }
+            }
+        }
+        if self.step_bytes.iter().copied().max().unwrap_or(0) != self.peak_bytes {
+            return bad("the peak is not the most bytes live in a step".into());
+        }
+        if self.arena_bytes < self.peak_bytes {
+            return bad(format!(
+                "an arena of {} bytes cannot hold a peak of {}",
+                self.arena_bytes, self.peak_bytes
+            ));
+        }
+        Ok(())
+    }
+
+    /// Whether `a` and `b` are one place: one takes the other's, in a chain.
+    fn shares_place(&self, a: usize, b: usize) -> bool {
+        let root = |mut x: usize| {
+            while let Some(r) = self.buffers[x].reuses {
+                x = r;
+            }
+            x
+        };
+        root(a) == root(b)
+    }
+
+    /// The plan as text: peak, arena, in-place writes, every buffer.
+    pub fn describe(&self, graph: &Graph) -> String {
+        let name = |b: &PlannedBuffer| match b.value {
+            Some(v) => graph.display_name(v),
+            None => format!("scratch of k{}", b.kernel),
+        };
+        let mut text = format!(
+            "graph `{}`: {} buffers, predicted peak {} bytes at step {}, arena {} bytes, {} in place\n",
+            graph.name,
+            self.buffers.len(),
+            self.peak_bytes,
+            self.peak_step,
+            self.arena_bytes,
+            self.donations.len()
+        );
+        let at_peak: Vec<String> = self
+            .live_at_peak
+            .iter()
+            .map(|&b| name(&self.buffers[b]))
+            .collect();
+        text.push_str(&format!("  live at the peak: {}\n", at_peak.join(", ")));
+        for (i, b) in self.buffers.iter().enumerate() {
+            let reuse = b
+                .reuses
+                .map(|r| format!(" in place of buffer {r}"))
+                .unwrap_or_default();
+            text.push_str(&format!(
+                "  buffer {i} {}: {} bytes at offset {}, steps {}..={}, k{}{reuse}\n",
+                name(b),
+                b.bytes,
+                b.offset,
+                b.first_step,
+                b.last_step,
+                b.kernel
+            ));
+        }
+        text
+    }
+}
+
+/// The buffers that hold bytes in `step` (one that takes another's place
+/// holds none of its own in the step it takes it).
+fn live_in(buffers: &[PlannedBuffer], step: usize) -> Vec<usize> {
+    (0..buffers.len())
+        .filter(|&b| {
+            let from = buffers[b].first_step + usize::from(buffers[b].reuses.is_some());
+            from <= step && step <= buffers[b].last_step
+        })
+        .collect()
+}
+
+/// The in-place writes, by kernel.
+fn donations(model: &BufferModel, live: &Liveness) -> Vec<Donation> {
+    let value = |b: usize| {
+        model.buffers[b]
+            .value
+            .expect("an in-place buffer holds a value")
+    };
+    let mut donations: Vec<Donation> = live
+        .donations
+        .iter()
+        .map(|&(kernel, input, output)| Donation {
+            kernel,
+            input: value(input),
+            output: value(output),
+        })
+        .collect();
+    donations.sort_by_key(|d| d.kernel);
+    donations
+}
+
+fn scratch_per_kernel(model: &BufferModel) -> Vec<usize> {
+    let mut scratch = vec![0; model.created.len()];
+    for b in model.buffers.iter().filter(|b| b.value.is_none()) {
+        scratch[b.kernel] += b.bytes;
+    }
+    scratch
+}
+
+/// Offsets: in-place chains share one place; places go largest first to the
+/// lowest offset free over their lifetime.
+fn place(model: &BufferModel, live: &Liveness) -> Vec<usize> {
+    let n = model.buffers.len();
+    let root = |mut b: usize| {
+        while let Some(r) = live.reuses[b] {
+            b = r;
+        }
+        b
+    };
+    // Per place (its root buffer): size and lifetime over the chain.
+    let mut span: Vec<Option<(usize, usize, usize)>> = vec![None; n];
+    for b in 0..n {
+        let r = root(b);
+        let size = model.buffers[b].bytes.div_ceil(ALIGN) * ALIGN;
+        span[r] = Some(match span[r] {
+            None => (size, live.first[b], live.last[b]),
+            Some((s, f, l)) => (s.max(size), f.min(live.first[b]), l.max(live.last[b])),
+        });
+    }
+    let mut places: Vec<(usize, (usize, usize, usize))> = span
+        .iter()
+        .enumerate()
+        .filter_map(|(r, s)| s.map(|s| (r, s)))
+        .collect();
+    places.sort_by_key(|&(r, (size, first, _))| (std::cmp::Reverse(size), first, r));
+    let mut offset_of = vec![0usize; n];
+    let mut placed: Vec<(usize, usize, usize, usize)> = Vec::new(); // offset, size, first, last
+    for (r, (size, first, last)) in places {
+        let mut busy: Vec<(usize, usize)> = placed
+            .iter()
+            .filter(|p| p.2 <= last && first <= p.3 && p.1 > 0)
+            .map(|p| (p.0, p.1))
+            .collect();
+        busy.sort_unstable();
+        let mut offset = 0;
+        for (o, s) in busy {
+            if offset + size <= o {
+                break;
+            }
+            offset = offset.max(o + s);
+        }
+        offset_of[r] = offset;
+        placed.push((offset, size, first, last));
+    }
+    (0..n).map(|b| offset_of[root(b)]).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn buffer(
+        bytes: usize,
+        offset: usize,
+        steps: (usize, usize),
+        reuses: Option<usize>,
+    ) -> PlannedBuffer {
+        PlannedBuffer {
+            value: None,
+            kernel: 0,
+            bytes,
+            offset,
+            first_step: steps.0,
+            last_step: steps.1,
+            reuses,
+        }
+    }
+
+    fn plan(buffers: Vec<PlannedBuffer>, step_bytes: Vec<usize>) -> MemoryPlan {
+        let peak_bytes = step_bytes.iter().copied().max().unwrap_or(0);
+        MemoryPlan {
+            arena_bytes: buffers
+                .iter()
+                .map(|b| b.offset + b.bytes)
+                .max()
+                .unwrap_or(0),
+            buffers,
+            step_bytes,
+            peak_bytes,
+            peak_step: 0,
+            live_at_peak: Vec::new(),
+            donations: Vec::new(),
+            scratch: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn the_checker_accepts_reuse_of_dead_buffers() {
+        // 0 and 1 live together; 2 starts after 0 died and takes its place;
+        // 3 takes 1's place in place (1 dies in the step 3 starts).
+        let ok = plan(
+            vec![
+                buffer(64, 0, (0, 1), None),
+                buffer(64, 64, (0, 2), None),
+                buffer(64, 0, (2, 3), None),
+                buffer(64, 64, (2, 3), Some(1)),
+            ],
+            vec![128, 128, 128, 128],
+        );
+        assert_eq!(ok.check(), Ok(()));
+    }
+
+    #[test]
+    fn the_checker_finds_live_buffers_that_overlap() {
+        let overlap = plan(
+            vec![buffer(64, 0, (0, 2), None), buffer(64, 32, (2, 3), None)],
+            vec![64, 64, 128, 64],
+        );
+        let e = overlap.check().unwrap_err();
+        assert!(e.message.contains("overlap"), "{e}");
+        // In place only from the step the donor dies in.
+        let early = plan(
+            vec![buffer(64, 0, (0, 2), None), buffer(64, 0, (1, 3), Some(0))],
+            vec![64, 64, 64, 64],
+        );
+        assert!(early.check().is_err());
+    }
+}

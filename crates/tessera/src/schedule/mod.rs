@@ -1,0 +1,177 @@
+//! Scheduling: the order in which a fused [`Plan`]'s kernels run, and the
+//! memory plan of that order.
+//!
+//! A [`Schedule`] is a list of *steps*; the kernels of one step are
+//! independent and may run concurrently, and a step starts when the
+//! previous one has finished. Strategies ([`Strategy`]):
+//!
+//! - `bfs`: every kernel as soon as its producers are done — level order,
+//!   the most independent work in flight (the default, fastest);
+//! - `dfs`: one kernel at a time, finishing what one consumer needs before
+//!   the next (post-order from the outputs, producers in operand order);
+//! - `strict`: one kernel at a time in program order, as eager would;
+//! - `auto`: the lowest predicted peak among bfs, dfs, strict and a greedy
+//!   memory-aware order;
+//! - with a memory budget: the requested order if it fits, else the most
+//!   parallel candidate that fits (sequential orders are coarsened into
+//!   concurrent steps while the budget allows), else the lowest peak with a
+//!   warning.
+//!
+//! Context hints ([`crate::hints`]) on a kernel's nodes override the
+//! strategy for their region: `order` (a strict or dfs region runs one
+//! kernel at a time in its order, inside whatever the rest does),
+//! `group_id` (the group runs as one contiguous block, in program order
+//! unless it has an `order`), `memory_budget_mb`. A hint that cannot be
+//! honoured is logged under `TESSERA_LOGS=schedule` with the reason and kept
+//! in [`Schedule::notes`]; none is dropped silently.
+
+mod buffers;
+mod hinted;
+mod kernels;
+mod list;
+pub mod memory;
+mod search;
+
+use std::fmt;
+
+pub use memory::{Donation, MemoryPlan, PlannedBuffer};
+
+use crate::error::Result;
+use crate::fusion::Plan;
+use crate::ir::Graph;
+use crate::logging::log;
+
+/// How kernels are ordered (also the values of the `order` hint).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Strategy {
+    #[default]
+    Bfs,
+    Dfs,
+    Strict,
+    Auto,
+}
+
+impl Strategy {
+    pub fn name(self) -> &'static str {
+        match self {
+            Strategy::Bfs => "bfs",
+            Strategy::Dfs => "dfs",
+            Strategy::Strict => "strict",
+            Strategy::Auto => "auto",
+        }
+    }
+
+    pub fn from_name(name: &str) -> Option<Strategy> {
+        [
+            Strategy::Bfs,
+            Strategy::Dfs,
+            Strategy::Strict,
+            Strategy::Auto,
+        ]
+        .into_iter()
+        .find(|s| s.name() == name)
+    }
+}
+
+impl fmt::Display for Strategy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// What the scheduler is asked for.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct ScheduleOptions {
+    pub strategy: Strategy,
+    /// The most bytes the arena may hold at once.
+    pub memory_budget: Option<usize>,
+}
+
+/// An order of kernels, in steps of independent kernels.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Schedule {
+    /// Indices into `plan.kernels`; each step sorted by index.
+    pub steps: Vec<Vec<usize>>,
+    /// The order chosen (`bfs`, `auto: dfs`, `budget: greedy, coarsened` …).
+    pub chosen: String,
+    /// What became of the hints: those not honoured and why, and the
+    /// orders chosen for `auto` and budgeted regions.
+    pub notes: Vec<String>,
+    /// Warnings also printed to stderr (a budget that nothing fits).
+    pub warnings: Vec<String>,
+}
+
+impl Schedule {
+    /// The kernels in execution order.
+    pub fn order(&self) -> Vec<usize> {
+        self.steps.iter().flatten().copied().collect()
+    }
+
+    /// For each kernel, the step that runs it.
+    pub fn step_of_kernel(&self, num_kernels: usize) -> Vec<usize> {
+        let mut step_of = vec![usize::MAX; num_kernels];
+        for (s, step) in self.steps.iter().enumerate() {
+            for &k in step {
+                step_of[k] = s;
+            }
+        }
+        step_of
+    }
+}
+
+/// A schedule and the memory plan of its order.
+#[derive(Clone, Debug)]
+pub struct Scheduled {
+    pub schedule: Schedule,
+    pub memory: MemoryPlan,
+}
+
+/// Schedules `plan` (made by `fusion::fuse(graph)`, concrete shapes) and
+/// plans its memory. Errors for symbolic shapes (the planner needs sizes).
+pub fn build(graph: &Graph, plan: &Plan, options: &ScheduleOptions) -> Result<Scheduled> {
+    let ctx = search::Context::new(graph, plan)?;
+    let schedule = ctx.choose(options);
+    let memory = MemoryPlan::from_model(graph, &ctx.model, &schedule)?;
+    log("schedule", || describe(graph, plan, &schedule, &memory));
+    log("memory", || memory.describe(graph));
+    Ok(Scheduled { schedule, memory })
+}
+
+/// The schedule log: what was chosen, the hints not honoured, the steps.
+pub fn describe(graph: &Graph, plan: &Plan, schedule: &Schedule, memory: &MemoryPlan) -> String {
+    let mut text = format!(
+        "graph `{}`: {} kernels in {} steps, order {}, predicted peak {} bytes\n",
+        graph.name,
+        plan.kernels.len(),
+        schedule.steps.len(),
+        schedule.chosen,
+        memory.peak_bytes
+    );
+    for line in schedule.notes.iter().chain(&schedule.warnings) {
+        text.push_str(&format!("  note: {line}\n"));
+    }
+    for (s, step) in schedule.steps.iter().enumerate() {
+        let names: Vec<String> = step
+            .iter()
+            .map(|&k| format!("k{k} {}", kernel_label(graph, plan, k)))
+            .collect();
+        text.push_str(&format!("  step {s}: {}\n", names.join(", ")));
+    }
+    text
+}
+
+/// A kernel's first member and op, for logs.
+fn kernel_label(graph: &Graph, plan: &Plan, k: usize) -> String {
+    let members = plan.kernels[k].members();
+    let first = members[0];
+    let more = if members.len() > 1 {
+        format!(" +{}", members.len() - 1)
+    } else {
+        String::new()
+    };
+    format!(
+        "{}:{}{more}",
+        graph.display_name(first),
+        graph.node(first).op.name()
+    )
+}

@@ -1,0 +1,252 @@
+//! The memory plan against the runtime: for each graph and each strategy,
+//! the peak the planner predicts is the peak the allocator measures while
+//! `run_scheduled` runs (`memory_stats`, which counts the exact bytes every
+//! tensor asks for), and every strategy computes the same values as the
+//! kernels run in plan order.
+//!
+//! Tolerance: none — predicted and measured agree to the byte, scratch
+//! memory of kernels (softmax and reductions of strided inputs, f16/bf16
+//! matmul) and concurrent steps included.
+//!
+//! The allocator's counters are global, so the tests of this file take one
+//! lock: nothing else allocates while a peak is measured.
+
+mod schedule_util;
+
+use std::sync::Mutex;
+
+use proptest::prelude::*;
+use schedule_util::{planned, random_graph, sliced_attention, traced};
+use tessera::autograd::{aot_autograd, Partition};
+use tessera::fusion::Plan;
+use tessera::hints::hinted_context;
+use tessera::ir::Graph;
+use tessera::runtime::cpu::{memory_stats, reset_peak};
+use tessera::runtime::execute::{run_plan, run_scheduled};
+use tessera::schedule::{Scheduled, Strategy};
+use tessera::tensor::Generator;
+use tessera::{DType, Tensor};
+
+static ALLOCATOR: Mutex<()> = Mutex::new(());
+
+const STRATEGIES: [Strategy; 4] = [
+    Strategy::Bfs,
+    Strategy::Dfs,
+    Strategy::Strict,
+    Strategy::Auto,
+];
+
+fn randn(shape: &[usize], dtype: DType, seed: u64) -> Tensor {
+    Tensor::randn(shape, dtype, &mut Generator::new(seed))
+}
+
+/// Runs the schedule and returns its outputs and the measured peak of the
+/// bytes it allocated.
+fn measured(graph: &Graph, plan: &Plan, s: &Scheduled, inputs: &[Tensor]) -> (Vec<Tensor>, usize) {
+    let before = memory_stats().live_bytes;
+    reset_peak();
+    let outs = run_scheduled(graph, plan, &s.schedule, &s.memory, inputs).unwrap();
+    let peak = memory_stats().peak_bytes - before;
+    (outs.into_iter().map(|(_, t)| t).collect(), peak)
+}
+
+fn bits(ts: &[Tensor]) -> Vec<Vec<u64>> {
+    ts.iter()
+        .map(|t| t.to_f64_vec().iter().map(|v| v.to_bits()).collect())
+        .collect()
+}
+
+/// Every test holds this while it allocates.
+fn allocator() -> std::sync::MutexGuard<'static, ()> {
+    ALLOCATOR.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Predicted == measured and the same values as plan order, for every
+/// strategy (and a budget between bfs's peak and strict's); returns the
+/// peaks by strategy.
+fn check_graph(graph: &Graph, inputs: &[Tensor]) -> Vec<(String, usize)> {
+    let plan = tessera::fusion::fuse(graph);
+    let reference: Vec<Tensor> = run_plan(graph, &plan, inputs)
+        .unwrap()
+        .into_iter()
+        .map(|(_, t)| t)
+        .collect();
+    let mut peaks = Vec::new();
+    let mut runs: Vec<(String, Option<usize>)> = STRATEGIES
+        .iter()
+        .map(|s| (s.name().to_string(), None))
+        .collect();
+    let (_, bfs) = planned(graph, Strategy::Bfs, None);
+    let (_, strict) = planned(graph, Strategy::Strict, None);
+    let between = (bfs.memory.peak_bytes + strict.memory.peak_bytes) / 2;
+    runs.push(("budget".into(), Some(between)));
+    for (name, budget) in runs {
+        let strategy = Strategy::from_name(&name).unwrap_or(Strategy::Bfs);
+        let (plan, s) = planned(graph, strategy, budget);
+        let (outs, peak) = measured(graph, &plan, &s, inputs);
+        assert_eq!(
+            peak,
+            s.memory.peak_bytes,
+            "{name} ({}): measured {peak} bytes, predicted {}\n{}",
+            s.schedule.chosen,
+            s.memory.peak_bytes,
+            s.memory.describe(graph)
+        );
+        assert_eq!(bits(&outs), bits(&reference), "{name} changed the values");
+        peaks.push((name, peak));
+    }
+    peaks
+}
+
+#[test]
+fn sliced_attention_with_and_without_the_strict_hint() {
+    let _lock = allocator();
+    let inputs: Vec<Tensor> = (0..3)
+        .map(|i| randn(&[2, 4, 32, 8], DType::F32, i))
+        .collect();
+    let plain = traced("attention", &inputs, |a| {
+        vec![sliced_attention(&a[0], &a[1], &a[2], 8)]
+    });
+    let peaks = check_graph(&plain, &inputs);
+    eprintln!("sliced attention peaks: {peaks:?}");
+    let hinted = traced("attention", &inputs, |a| {
+        let hint = r#"{"order": "strict", "group_id": 0}"#;
+        vec![hinted_context(
+            |a: &[Tensor]| sliced_attention(&a[0], &a[1], &a[2], 8),
+            a,
+            hint,
+        )
+        .unwrap()]
+    });
+    check_graph(&hinted, &inputs);
+}
+
+/// Fused chains (in place), softmax of a transposed view (scratch), an
+/// output that is a view of an intermediate, a dead-end side output.
+fn mlp(a: &[Tensor]) -> Vec<Tensor> {
+    let h = (a[0].matmul(&a[1]) + &a[2]).gelu();
+    let g = (&h * 2.0).tanh() + 1.0;
+    let p = g.t().softmax(-1);
+    let flat = p.reshape(&[-1]);
+    vec![flat, (g.exp() - 1.0).sum(&[-1], false)]
+}
+
+#[test]
+fn a_small_mlp_with_views_scratch_and_in_place() {
+    let _lock = allocator();
+    let inputs = [
+        randn(&[16, 32], DType::F32, 3),
+        randn(&[32, 24], DType::F32, 4),
+        randn(&[24], DType::F32, 5),
+    ];
+    let g = traced("mlp", &inputs, mlp);
+    let (plan, s) = planned(&g, Strategy::Strict, None);
+    assert!(
+        !s.memory.donations.is_empty(),
+        "the elementwise chains run in place"
+    );
+    assert!(
+        (0..plan.kernels.len()).any(|k| s.memory.scratch_bytes(k) > 0),
+        "softmax of a transpose copies"
+    );
+    let output = g.outputs[0].node;
+    assert!(
+        s.memory.buffers.iter().all(|b| b.value != Some(output)),
+        "the reshape is a view, not a buffer"
+    );
+    check_graph(&g, &inputs);
+}
+
+#[test]
+fn the_backward_of_the_mlp() {
+    let _lock = allocator();
+    let inputs = [
+        randn(&[16, 32], DType::F32, 6),
+        randn(&[32, 24], DType::F32, 7),
+        randn(&[24], DType::F32, 8),
+    ];
+    let g = traced("mlp", &inputs, mlp);
+    let aot = aot_autograd(&g, &[0, 1, 2], Partition::SaveAll).unwrap();
+    let fwd = schedule_util::optimized(aot.forward);
+    let plan = tessera::fusion::fuse(&fwd);
+    let fwd_out: Vec<Tensor> = run_plan(&fwd, &plan, &inputs)
+        .unwrap()
+        .into_iter()
+        .map(|(_, t)| t)
+        .collect();
+    let mut feed: Vec<Tensor> = fwd_out[aot.num_outputs..].to_vec();
+    feed.extend(
+        fwd_out[..aot.num_outputs]
+            .iter()
+            .map(|t| Tensor::ones(t.shape(), t.dtype())),
+    );
+    let bwd = schedule_util::optimized(aot.backward);
+    check_graph(&fwd, &inputs);
+    check_graph(&bwd, &feed);
+}
+
+#[test]
+fn half_precision_matmul_scratch() {
+    let _lock = allocator();
+    let inputs = [
+        randn(&[8, 16], DType::BF16, 9),
+        randn(&[16, 8], DType::BF16, 10),
+    ];
+    let g = traced("bf16", &inputs, |a| {
+        let x = a[0].matmul(&a[1]);
+        let y = a[1].matmul(&a[0]);
+        vec![x.matmul(&x), y]
+    });
+    let (plan, s) = planned(&g, Strategy::Bfs, None);
+    let concurrent_scratch = s.schedule.steps.iter().any(|st| {
+        st.iter()
+            .filter(|&&k| s.memory.scratch_bytes(k) > 0)
+            .count()
+            > 1
+    });
+    assert!(concurrent_scratch && plan.kernels.len() == 3);
+    check_graph(&g, &inputs);
+}
+
+#[test]
+fn reductions_that_copy_a_strided_input() {
+    let _lock = allocator();
+    // Over dim 0 of [16, 4] (and dim 1 of its transpose): the reduced dim
+    // is strided and the kept rows are short, so the kernel folds a dense
+    // copy (scratch); over dim 0 of the transpose it folds in place.
+    let inputs = [randn(&[16, 4], DType::F32, 12)];
+    let g = traced("reduce", &inputs, |a| {
+        let e = a[0].exp();
+        vec![
+            e.sum(&[0], true),
+            e.t().sum(&[1], false),
+            e.max(&[0], false),
+            e.t().sum(&[0], false),
+        ]
+    });
+    let (plan, s) = planned(&g, Strategy::Bfs, None);
+    let with_scratch = (0..plan.kernels.len())
+        .filter(|&k| s.memory.scratch_bytes(k) > 0)
+        .count();
+    assert_eq!(with_scratch, 3, "{}", s.memory.describe(&g));
+    check_graph(&g, &inputs);
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(32))]
+
+    #[test]
+    fn random_graphs_predicted_peak_is_measured(
+        codes in prop::collection::vec(0u8..7, 1..10),
+        hinted in prop::collection::vec(any::<bool>(), 10),
+    ) {
+        let _lock = allocator();
+        let g = random_graph(&codes, &hinted, 6);
+        let mut rng = Generator::new(11);
+        let inputs = [
+            Tensor::randn(&[6, 6], DType::F32, &mut rng),
+            Tensor::randn(&[6, 6], DType::F32, &mut rng),
+        ];
+        check_graph(&g, &inputs);
+    }
+}
