@@ -7,6 +7,7 @@ use std::time::Instant;
 
 use crate::compile::{compile, CompileStats};
 use crate::error::Result;
+use crate::hints;
 use crate::ir::DType;
 use crate::runtime::cpu::{memory_stats, reset_peak};
 use crate::tensor::{Generator, Tensor};
@@ -189,12 +190,24 @@ fn measure(
 }
 
 /// The scenarios, in the table's order.
-pub const SCENARIOS: [&str; 4] = [
+pub const SCENARIOS: [&str; 5] = [
     "naive eager",
     "sliced eager",
     "sliced graph (compiled)",
+    "hinted sliced graph (compiled)",
     "naive graph (compiled)",
 ];
+
+/// The seed's hint: the forward in program order as group 0, the backward
+/// as group 1 (PySDPAHinted).
+pub const SEED_HINT: &str = r#"{"order": "strict", "group_id": 0, "backward_group_id": 1}"#;
+
+fn hinted_sdpa_fn(causal: bool, slices: usize) -> Forward {
+    Box::new(move |x: &[Tensor]| {
+        let out = hints::scope(SEED_HINT, || sdpa(&x[0], &x[1], &x[2], causal, slices));
+        vec![out.expect("the seed hint is valid")]
+    })
+}
 
 /// Runs every scenario; `progress(i, name)` is called before scenario `i`.
 pub fn run(config: &SeedConfig, mut progress: impl FnMut(usize, &str)) -> Result<Vec<SeedRow>> {
@@ -220,8 +233,12 @@ pub fn run(config: &SeedConfig, mut progress: impl FnMut(usize, &str)) -> Result
                 config.reps,
             ),
             _ => {
-                let parts = if i == 2 { slices } else { 1 };
-                let f = compile(sdpa_fn(config.causal, parts)).name(name);
+                let forward = match i {
+                    2 => sdpa_fn(config.causal, slices),
+                    3 => hinted_sdpa_fn(config.causal, slices),
+                    _ => sdpa_fn(config.causal, 1),
+                };
+                let f = compile(forward).name(name);
                 measure(
                     name,
                     &|x: &[Tensor]| f.call(x),
