@@ -92,6 +92,10 @@ fn parse_input(arg: &str) -> Result<(String, PathBuf), String> {
 
 fn main() -> ExitCode {
     report_panics_on_one_line();
+    if let Err(e) = check_cpu() {
+        eprintln!("error: {e}");
+        return ExitCode::FAILURE;
+    }
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Run(args) => run(&args),
@@ -106,6 +110,20 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// The build targets x86-64-v3 (see .cargo/config.toml): refuse clearly on
+/// an older CPU rather than dying of an illegal instruction later.
+fn check_cpu() -> Result<()> {
+    #[cfg(target_arch = "x86_64")]
+    if !(std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma"))
+    {
+        bail!(
+            "this build of tessera needs an x86-64-v3 CPU (AVX2 and FMA); \
+             rebuild without the target-cpu setting in .cargo/config.toml for this machine"
+        );
+    }
+    Ok(())
 }
 
 /// A panic is a bug in tessera, not bad input; still, the user gets one

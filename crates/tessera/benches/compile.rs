@@ -10,8 +10,15 @@ use tessera::{compile, DType, Tensor};
 
 const N: usize = 64 << 20;
 
+/// Eight ops, two of them transcendental (tanh, sigmoid): compute-heavy.
 fn chain(x: &[Tensor]) -> Vec<Tensor> {
     let y = ((&x[0] * 1.5 + 0.25).tanh() * &x[0] - 0.5).relu().sigmoid() * 2.0;
+    vec![y]
+}
+
+/// Eight arithmetic ops: memory-bound, where fusion saves 7 of 8 round trips.
+fn arith_chain(x: &[Tensor]) -> Vec<Tensor> {
+    let y = (((&x[0] * 1.5 + 0.25).relu() * &x[0] - 0.5).maximum(-1.0) * 2.0).abs();
     vec![y]
 }
 
@@ -32,6 +39,13 @@ fn bench_chain(c: &mut Criterion) {
     group.bench_function("eager", |b| b.iter(|| chain(std::slice::from_ref(&x))));
     let f = compile(chain);
     group.bench_function("compiled", |b| b.iter(|| f.call(std::slice::from_ref(&x))));
+    group.bench_function("arith eager", |b| {
+        b.iter(|| arith_chain(std::slice::from_ref(&x)))
+    });
+    let g = compile(arith_chain);
+    group.bench_function("arith compiled", |b| {
+        b.iter(|| g.call(std::slice::from_ref(&x)))
+    });
     group.finish();
 }
 
