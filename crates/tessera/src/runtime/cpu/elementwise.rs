@@ -152,9 +152,9 @@ fn silu<A: Transcendental>(v: A) -> A {
     v * sigmoid(v)
 }
 
-/// Applies unary `op` in place over a block (the fused evaluator's step).
-pub(crate) fn unary_block<A: Transcendental>(op: UnaryOp, xs: &mut [A]) {
-    with_unary_fn!(op, A, f => xs.iter_mut().for_each(|v| *v = f(*v)))
+/// Applies unary `op` to a block (the fused evaluator's step).
+pub(crate) fn unary_into<A: Transcendental>(op: UnaryOp, src: &[A], dst: &mut [A]) {
+    with_unary_fn!(op, A, f => dst.iter_mut().zip(src).for_each(|(d, &v)| *d = f(v)))
 }
 
 /// `1 / (1 + e^-v)` without overflow: with `e = e^-|v|` (never above 1) it
@@ -452,9 +452,11 @@ fn float_binary<T: Float>(op: BinaryOp, a: &Tensor, b: &Tensor, shape: &[usize])
     with_binary_fn!(op, T::Acc, f => lift2::<T>(a, b, shape, f))
 }
 
-/// Applies binary `op` over blocks: `xs[i] = op(xs[i], ys[i])`.
-pub(crate) fn binary_block<A: AccFloat>(op: BinaryOp, xs: &mut [A], ys: &[A]) {
-    with_binary_fn!(op, A, f => xs.iter_mut().zip(ys).for_each(|(x, y)| *x = f(*x, *y)))
+/// Applies binary `op` over blocks: `dst[i] = op(xs[i], ys[i])`.
+pub(crate) fn binary_into<A: AccFloat>(op: BinaryOp, xs: &[A], ys: &[A], dst: &mut [A]) {
+    with_binary_fn!(op, A, f => {
+        dst.iter_mut().zip(xs).zip(ys).for_each(|((d, &x), &y)| *d = f(x, y))
+    })
 }
 
 /// Maps `g` over `a` and `b` in `T::Acc` precision.

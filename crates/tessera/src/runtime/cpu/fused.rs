@@ -6,7 +6,7 @@
 use rayon::prelude::*;
 
 use super::element::num_like::AccFloat;
-use super::elementwise::{binary_block, unary_block, Transcendental};
+use super::elementwise::{binary_into, unary_into, Transcendental};
 use super::{Element, Storage};
 use crate::error::{op_err, Result};
 use crate::ir::{BinaryOp, CompareOp, DType, UnaryOp};
@@ -123,6 +123,12 @@ impl FusedKernel {
         let blocks = numel.div_ceil(BLOCK);
         let run_blocks = |range: std::ops::Range<usize>| {
             let mut regs = vec![A::ZERO; self.steps.len() * BLOCK];
+            // Constants are filled once per task, not once per block.
+            for (i, step) in self.steps.iter().enumerate() {
+                if let Step::Const(c) = *step {
+                    regs[i * BLOCK..(i + 1) * BLOCK].fill(A::from_f64(c));
+                }
+            }
             for b in range {
                 let start = b * BLOCK;
                 let len = BLOCK.min(numel - start);
@@ -195,15 +201,9 @@ impl FusedKernel {
                     // which it stores only after every load of the block.
                     Source::Output(o) => unsafe { sinks[*o].load(start, dst) },
                 },
-                Step::Const(c) => dst.fill(A::from_f64(c)),
-                Step::Unary(op, a) => {
-                    dst.copy_from_slice(reg(a));
-                    unary_block(op, dst);
-                }
-                Step::Binary(op, a, b) => {
-                    dst.copy_from_slice(reg(a));
-                    binary_block(op, dst, reg(b));
-                }
+                Step::Const(_) => {}
+                Step::Unary(op, a) => unary_into(op, reg(a), dst),
+                Step::Binary(op, a, b) => binary_into(op, reg(a), reg(b), dst),
                 Step::Compare(op, a, b) => compare_block(op, reg(a), reg(b), dst),
                 Step::Where(c, a, b) => {
                     for (((d, &c), &x), &y) in dst.iter_mut().zip(reg(c)).zip(reg(a)).zip(reg(b)) {
@@ -242,6 +242,13 @@ fn round_block<A: AccFloat>(dtype: DType, xs: &mut [A]) {
     })
 }
 
+/// Whether element type `T` is the compute type `A` (f32 or f64, the only
+/// `AccFloat`s): then loads and stores are plain copies.
+fn same_repr<T: Element, A: AccFloat>() -> bool {
+    let a = std::mem::size_of::<A>();
+    (T::DTYPE == DType::F32 && a == 4) || (T::DTYPE == DType::F64 && a == 8)
+}
+
 /// Reads elements `start..start+dst.len()` (row-major over the kernel's
 /// shape) of `t` through its broadcast layout.
 fn load<A: AccFloat>(t: &Tensor, layout: &Layout, start: usize, dst: &mut [A]) {
@@ -250,6 +257,11 @@ fn load<A: AccFloat>(t: &Tensor, layout: &Layout, start: usize, dst: &mut [A]) {
         if let Some(range) = layout.contiguous_range() {
             let base = range.start + start;
             let n = dst.len();
+            if same_repr::<T, A>() {
+                // SAFETY: T and A are the same float type (checked).
+                dst.copy_from_slice(unsafe { std::slice::from_raw_parts(src[base..].as_ptr() as *const A, n) });
+                return;
+            }
             for (d, s) in dst.iter_mut().zip(&src[base..base + n]) {
                 *d = A::from_f64(Element::to_f64(*s));
             }
@@ -287,6 +299,10 @@ impl Sink {
     /// The range is in bounds and no other task writes it meanwhile.
     unsafe fn load<A: AccFloat>(&self, start: usize, dst: &mut [A]) {
         with_dtype!(self.dtype, T => {
+            if same_repr::<T, A>() {
+                dst.copy_from_slice(std::slice::from_raw_parts((self.ptr as *const A).add(start), dst.len()));
+                return;
+            }
             let src = std::slice::from_raw_parts((self.ptr as *const T).add(start), dst.len());
             for (d, s) in dst.iter_mut().zip(src) {
                 *d = A::from_f64(Element::to_f64(*s));
@@ -298,6 +314,11 @@ impl Sink {
     /// `start..start+vals.len()` is in bounds and written by no other task.
     unsafe fn store<A: AccFloat>(&self, start: usize, vals: &[A]) {
         with_dtype!(self.dtype, T => {
+            if same_repr::<T, A>() {
+                let dst = std::slice::from_raw_parts_mut((self.ptr as *mut A).add(start), vals.len());
+                dst.copy_from_slice(vals);
+                return;
+            }
             let dst = std::slice::from_raw_parts_mut((self.ptr as *mut T).add(start), vals.len());
             for (d, v) in dst.iter_mut().zip(vals) {
                 *d = <T as Element>::from_f64(v.to_f64());
