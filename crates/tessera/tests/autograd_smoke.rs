@@ -107,3 +107,25 @@ fn backward_through_an_op_without_gradient_names_it() {
         "{err}"
     );
 }
+
+#[test]
+fn slice_gradients_are_joined_overlapping_or_not() {
+    let x = Tensor::from_vec(vec![0.0f64; 6], &[6]).set_requires_grad(true);
+    let h = &x * 1.0; // a non-leaf, so the slices' pieces meet in the engine
+                      // Disjoint pieces with a gap at 2..3: joined by one cat with zeros.
+    let parts = h.split_sizes(&[2, 1, 3], 0);
+    (parts[0].sum(&[], false) + parts[2].sum(&[], false) * 3.0).backward();
+    assert_eq!(
+        x.grad().unwrap().to_f64_vec(),
+        vec![1.0, 1.0, 0.0, 3.0, 3.0, 3.0]
+    );
+    // Overlapping pieces are summed.
+    let x = Tensor::from_vec(vec![0.0f64; 6], &[6]).set_requires_grad(true);
+    let h = &x * 1.0;
+    let y = h.slice(0, 0, 4, 1).sum(&[], false) + h.slice(0, 2, 6, 1).sum(&[], false) * 2.0;
+    y.backward();
+    assert_eq!(
+        x.grad().unwrap().to_f64_vec(),
+        vec![1.0, 1.0, 3.0, 3.0, 2.0, 2.0]
+    );
+}

@@ -441,18 +441,94 @@ impl Sink {
     }
 }
 
+/// A gradient on its way to a node output: dense, or the gradients of
+/// step-1 slices of it along one dim, kept apart until the node needs them.
+/// That way `tensor_split` followed by per-slice work costs one `cat` in the
+/// backward instead of one full-size zero-padded gradient per slice (which
+/// a level-order schedule would otherwise hold all at once).
+enum Partial {
+    Dense(Tensor),
+    Slices {
+        dim: usize,
+        shape: Vec<usize>,
+        /// (start, gradient of the slice starting there).
+        pieces: Vec<(usize, Tensor)>,
+    },
+}
+
+impl Partial {
+    fn add(self, other: Partial) -> Result<Partial> {
+        match (self, other) {
+            (
+                Partial::Slices {
+                    dim,
+                    shape,
+                    mut pieces,
+                },
+                Partial::Slices {
+                    dim: d2,
+                    pieces: more,
+                    ..
+                },
+            ) if dim == d2 => {
+                pieces.extend(more);
+                Ok(Partial::Slices { dim, shape, pieces })
+            }
+            (a, b) => Ok(Partial::Dense(a.dense()?.try_add(&b.dense()?)?)),
+        }
+    }
+
+    /// The full gradient: the pieces joined with zeros between them by one
+    /// `cat` when they do not overlap, else summed.
+    fn dense(self) -> Result<Tensor> {
+        let (dim, shape, mut pieces) = match self {
+            Partial::Dense(t) => return Ok(t),
+            Partial::Slices { dim, shape, pieces } => (dim, shape, pieces),
+        };
+        pieces.sort_by_key(|(start, _)| *start);
+        let dtype = pieces[0].1.dtype();
+        let zeros = |len: usize| {
+            let mut s = shape.clone();
+            s[dim] = len;
+            Tensor::zeros(&s, dtype)
+        };
+        let mut parts = Vec::new();
+        let mut cursor = 0;
+        for (start, g) in &pieces {
+            if *start < cursor {
+                let padded = pieces
+                    .iter()
+                    .map(|(s, g)| rules::slice_backward(g, &shape, dim, *s, 1));
+                return padded
+                    .reduce(|a, b| a?.try_add(&b?))
+                    .expect("at least one piece");
+            }
+            if *start > cursor {
+                parts.push(zeros(start - cursor));
+            }
+            parts.push(g.clone());
+            cursor = start + g.shape()[dim];
+        }
+        if cursor < shape[dim] {
+            parts.push(zeros(shape[dim] - cursor));
+        }
+        let refs: Vec<&Tensor> = parts.iter().collect();
+        Tensor::try_cat(&refs, dim as isize)
+    }
+}
+
 /// Output gradients waiting for their node, summed as they arrive.
 #[derive(Default)]
-struct Pending(HashMap<usize, Vec<Option<Tensor>>>);
+struct Pending(HashMap<usize, Vec<Option<Partial>>>);
 
 impl Pending {
-    fn add(&mut self, node: &Arc<GradNode>, index: usize, g: Tensor) -> Result<()> {
+    fn add(&mut self, node: &Arc<GradNode>, index: usize, g: Partial) -> Result<()> {
         let slots = self
             .0
             .entry(node.id())
-            .or_insert_with(|| vec![None; node.outputs.len()]);
+            .or_insert_with(|| (0..node.outputs.len()).map(|_| None).collect());
         slots[index] = Some(match slots[index].take() {
-            Some(prev) => prev.try_add(&g)?,
+            Some(prev) => prev.add(g)?,
             None => g,
         });
         Ok(())
@@ -460,10 +536,31 @@ impl Pending {
 }
 
 /// Sends `g` to where `t`'s gradient goes.
-fn route(t: &Tensor, g: Tensor, pending: &mut Pending, sink: &mut Sink) -> Result<()> {
+fn route(t: &Tensor, g: Partial, pending: &mut Pending, sink: &mut Sink) -> Result<()> {
     match grad_fn(t) {
-        None => sink.leaf(t, g),
+        None => sink.leaf(t, g.dense()?),
         Some((node, i)) => pending.add(node, *i, g),
+    }
+}
+
+/// For a step-1 slice, the gradient of its input as a slice piece.
+fn slice_piece(node: &GradNode, g: &Tensor) -> Option<Partial> {
+    match &node.backward {
+        Backward::Op {
+            op:
+                Op::Slice {
+                    dim,
+                    start,
+                    step: 1,
+                    ..
+                },
+            ..
+        } => Some(Partial::Slices {
+            dim: *dim,
+            shape: node.inputs[0].shape().to_vec(),
+            pieces: vec![(*start, g.clone())],
+        }),
+        _ => None,
     }
 }
 
@@ -473,20 +570,36 @@ fn propagate(roots: &[Tensor], seeds: Vec<Tensor>, sink: &mut Sink) -> Result<()
         // Summing the seeds of a root given twice belongs to the backward of
         // the op that computed it (its line and hints).
         match grad_fn(root) {
-            Some((node, _)) => {
-                trace::with_origin(&node.origin, || route(root, seed, &mut pending, sink))?
-            }
-            None => route(root, seed, &mut pending, sink)?,
+            Some((node, _)) => trace::with_origin(&node.origin, || {
+                route(root, Partial::Dense(seed), &mut pending, sink)
+            })?,
+            None => route(root, Partial::Dense(seed), &mut pending, sink)?,
         }
     }
     for node in reverse_topological(roots) {
-        let Some(grads) = pending.0.remove(&node.id()) else {
+        let Some(partials) = pending.0.remove(&node.id()) else {
             continue;
         };
+        // Joining slice pieces belongs to this node's backward (its origin).
+        let grads = trace::with_origin(&node.origin, || {
+            partials
+                .into_iter()
+                .map(|p| p.map(Partial::dense).transpose())
+                .collect::<Result<Vec<_>>>()
+        })?;
         for (i, g) in grads.iter().enumerate() {
             if let Some(g) = g {
                 sink.capture(Some(Slot::Output(node.id(), i)), g)?;
             }
+        }
+        if let (Some(piece), true) = (
+            grads[0].as_ref().and_then(|g| slice_piece(&node, g)),
+            node.inputs[0].requires_grad(),
+        ) {
+            trace::with_origin(&node.origin, || {
+                route(&node.inputs[0], piece, &mut pending, sink)
+            })?;
+            continue;
         }
         let input_grads = node.apply(grads)?;
         // The sums of partial gradients are part of this node's backward too:
@@ -497,7 +610,7 @@ fn propagate(roots: &[Tensor], seeds: Vec<Tensor>, sink: &mut Sink) -> Result<()
                     continue;
                 };
                 check_gradient(node.name(), input, &g)?;
-                route(input, g, &mut pending, sink)?;
+                route(input, Partial::Dense(g), &mut pending, sink)?;
             }
             Ok(())
         })?;

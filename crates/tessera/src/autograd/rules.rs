@@ -319,7 +319,7 @@ fn matmul(a: &Tensor, b: &Tensor, g: &Tensor) -> Result<(Tensor, Tensor)> {
 
 /// The gradient of a slice: `g` placed at `start, start+step, …` of a zero
 /// tensor of the input's shape, built from cat/reshape (no scatter needed).
-fn slice_backward(
+pub(crate) fn slice_backward(
     g: &Tensor,
     shape: &[usize],
     dim: usize,
