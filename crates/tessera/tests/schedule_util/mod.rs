@@ -11,25 +11,9 @@ use tessera::tensor::trace::trace;
 use tessera::tensor::Generator;
 use tessera::{DType, Tensor};
 
-/// The seed's sliced attention over `[batch, heads, seq, dim]`: batch·heads
-/// flattened, cut into `slices` with `tensor_split`, attention per slice,
-/// the slices joined with `cat`.
+/// The seed's sliced attention (`tessera::seed_table::sdpa`, not causal).
 pub fn sliced_attention(q: &Tensor, k: &Tensor, v: &Tensor, slices: usize) -> Tensor {
-    let scale = 1.0 / (q.shape()[3] as f64).sqrt();
-    let (qs, ks, vs) = (
-        q.flatten(0, 1).tensor_split(slices, 0),
-        k.flatten(0, 1).tensor_split(slices, 0),
-        v.flatten(0, 1).tensor_split(slices, 0),
-    );
-    let outs: Vec<Tensor> = (0..slices)
-        .map(|i| {
-            let s = qs[i].matmul(&ks[i].transpose(-2, -1)) * scale;
-            s.softmax(-1).matmul(&vs[i])
-        })
-        .collect();
-    let refs: Vec<&Tensor> = outs.iter().collect();
-    let shape: Vec<isize> = q.shape().iter().map(|&d| d as isize).collect();
-    Tensor::cat(&refs, 0).reshape(&shape)
+    tessera::seed_table::sdpa(q, k, v, false, slices)
 }
 
 /// The graph of `f` on inputs shaped like `args`, after the default passes.
