@@ -89,7 +89,9 @@ impl Default for PassContext {
 }
 
 impl PassContext {
-    /// Only rewrites that keep every result bit-identical.
+    /// Only rewrites that keep every result bit-identical — except matmul,
+    /// whose last bits may change when a pass changes an operand's layout
+    /// (gemm's summation order depends on strides).
     pub fn exact() -> PassContext {
         PassContext {
             allow_reassociation: false,
