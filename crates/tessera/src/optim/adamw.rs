@@ -1,7 +1,6 @@
 //! AdamW: Adam with decoupled weight decay.
 
 use super::Optimizer;
-use crate::autograd::no_grad;
 use crate::nn::Parameter;
 use crate::tensor::Tensor;
 
@@ -76,8 +75,12 @@ impl AdamW {
     }
 
     /// The new value of one parameter, advancing its moments.
-    fn update(&self, p: &Tensor, g: &Tensor, state: Option<Moments>) -> (Tensor, Moments) {
-        let c = &self.config;
+    fn update(
+        c: &AdamWConfig,
+        p: &Tensor,
+        g: &Tensor,
+        state: Option<Moments>,
+    ) -> (Tensor, Moments) {
         let (b1, b2) = c.betas;
         let (m, v, t) = match state {
             Some(s) => (
@@ -103,17 +106,11 @@ impl AdamW {
 
 impl Optimizer for AdamW {
     fn step(&mut self) {
-        no_grad(|| {
-            let mut states = std::mem::take(&mut self.states);
-            for (param, state) in self.params.iter().zip(&mut states) {
-                let p = param.get();
-                if let Some(g) = p.grad() {
-                    let (next, moments) = self.update(&p, &g, state.take());
-                    param.set(&next);
-                    *state = Some(moments);
-                }
-            }
-            self.states = states;
+        let config = &self.config;
+        super::step_each(&self.params, &mut self.states, |p, g, state| {
+            let (next, moments) = AdamW::update(config, p, g, state.take());
+            *state = Some(moments);
+            next
         });
     }
 

@@ -32,6 +32,24 @@ pub trait Optimizer {
     fn set_lr(&mut self, lr: f64);
 }
 
+/// The step both optimizers share: under `no_grad`, each parameter with a
+/// gradient gets `update(value, grad, its state)` as its new value;
+/// parameters without one (and their state) are left as they are.
+fn step_each<S>(
+    params: &[Parameter],
+    states: &mut [Option<S>],
+    mut update: impl FnMut(&Tensor, &Tensor, &mut Option<S>) -> Tensor,
+) {
+    no_grad(|| {
+        for (param, state) in params.iter().zip(states.iter_mut()) {
+            let p = param.get();
+            if let Some(g) = p.grad() {
+                param.set(&update(&p, &g, state));
+            }
+        }
+    })
+}
+
 /// Scales the gradients of `params` in place so their global L2 norm is at
 /// most `max_norm` (as `torch.nn.utils.clip_grad_norm_`, with its 1e-6
 /// guard), and returns the norm before clipping. Parameters without a

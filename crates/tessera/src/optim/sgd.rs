@@ -1,7 +1,6 @@
 //! Stochastic gradient descent with momentum and (coupled) weight decay.
 
 use super::Optimizer;
-use crate::autograd::no_grad;
 use crate::nn::Parameter;
 use crate::tensor::Tensor;
 
@@ -59,8 +58,7 @@ impl Sgd {
     }
 
     /// The new value of one parameter, updating its momentum buffer.
-    fn update(&self, p: &Tensor, grad: &Tensor, buffer: &mut Option<Tensor>) -> Tensor {
-        let c = &self.config;
+    fn update(c: &SgdConfig, p: &Tensor, grad: &Tensor, buffer: &mut Option<Tensor>) -> Tensor {
         let mut d = grad.clone();
         if c.weight_decay != 0.0 {
             d = d + p * c.weight_decay;
@@ -79,15 +77,9 @@ impl Sgd {
 
 impl Optimizer for Sgd {
     fn step(&mut self) {
-        no_grad(|| {
-            let mut buffers = std::mem::take(&mut self.buffers);
-            for (param, buffer) in self.params.iter().zip(&mut buffers) {
-                let p = param.get();
-                if let Some(g) = p.grad() {
-                    param.set(&self.update(&p, &g, buffer));
-                }
-            }
-            self.buffers = buffers;
+        let config = &self.config;
+        super::step_each(&self.params, &mut self.buffers, |p, g, buffer| {
+            Sgd::update(config, p, g, buffer)
         });
     }
 
