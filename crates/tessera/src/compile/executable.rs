@@ -113,8 +113,6 @@ pub struct Executable {
     name: String,
     forward: Program,
     backward: Option<BackwardGraph>,
-    /// Fuse elementwise chains (the default backend).
-    fused: bool,
     /// Run the captured ops with the eager tape (backend `eager`).
     eager_autograd: bool,
     num_outputs: usize,
@@ -122,45 +120,41 @@ pub struct Executable {
 }
 
 impl Executable {
-    /// Builds the forward-only executable for `traced`.
-    pub fn build(traced: &Traced, options: &CompileOptions) -> Result<Executable> {
-        let graph = cut_at_breaks(traced)?;
+    /// Builds the executable for `traced`, with the AOT backward for the
+    /// graph inputs at `wrt` (none: forward only; backend `eager` keeps the
+    /// tape instead). For the default backend the passes run once on the
+    /// captured graph, then each graph that runs is fused and scheduled once.
+    pub fn build(traced: &Traced, wrt: Vec<usize>, options: &CompileOptions) -> Result<Executable> {
+        let mut graph = cut_at_breaks(traced)?;
+        let fused = options.backend == Backend::Default;
+        let eager_autograd = options.backend == Backend::Eager;
+        if fused {
+            PassManager::default_pipeline().run(&mut graph, &PassContext::default())?;
+        }
         let num_outputs = graph.outputs.len();
         let name = graph.name.clone();
-        let fused = options.backend == Backend::Default;
+        let (forward, backward) = if wrt.is_empty() || eager_autograd {
+            (Program::new(graph, fused, options)?, None)
+        } else {
+            let aot = aot_autograd(&graph, &wrt, options.partition)?;
+            let tangent_outputs = (0..num_outputs)
+                .filter(|&i| graph.node(graph.outputs[i].node).ty.dtype.is_float())
+                .collect();
+            let backward = BackwardGraph {
+                program: Program::new(aot.backward, fused, options)?,
+                wrt,
+                tangent_outputs,
+            };
+            (Program::new(aot.forward, fused, options)?, Some(backward))
+        };
         Ok(Executable {
             name,
-            forward: Program::new(graph, fused, options)?,
-            backward: None,
-            fused,
-            eager_autograd: options.backend == Backend::Eager,
+            forward,
+            backward,
+            eager_autograd,
             num_outputs,
             num_lifted: traced.lifted.len(),
         })
-    }
-
-    /// Adds the AOT backward for the inputs at `wrt` (positions in the
-    /// forward graph's inputs), unless the backend runs the eager tape.
-    pub(super) fn with_backward(
-        mut self,
-        wrt: Vec<usize>,
-        options: &CompileOptions,
-    ) -> Result<Executable> {
-        if wrt.is_empty() || self.eager_autograd {
-            return Ok(self);
-        }
-        let graph = &self.forward.graph;
-        let aot = aot_autograd(graph, &wrt, options.partition)?;
-        let tangent_outputs = (0..self.num_outputs)
-            .filter(|&i| graph.node(graph.outputs[i].node).ty.dtype.is_float())
-            .collect();
-        self.forward = Program::new(aot.forward, self.fused, options)?;
-        self.backward = Some(BackwardGraph {
-            program: Program::new(aot.backward, self.fused, options)?,
-            wrt,
-            tangent_outputs,
-        });
-        Ok(self)
     }
 
     /// Every stage's artifact as (file name, text): the graphs after passes,

@@ -374,8 +374,7 @@ impl<F: Fn(&[Tensor]) -> Vec<Tensor>> Compiled<F> {
             });
         }
         let started = std::time::Instant::now();
-        let exe =
-            Arc::new(Executable::build(traced, &self.options)?.with_backward(wrt, &self.options)?);
+        let exe = Arc::new(Executable::build(traced, wrt, &self.options)?);
         state.stats.compile_seconds += started.elapsed().as_secs_f64();
         state.stats.compiles += 1;
         log("output_code", || {

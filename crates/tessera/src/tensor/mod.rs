@@ -266,7 +266,7 @@ impl Tensor {
             ))
         })?;
         let out = if trace::is_active() {
-            trace::record(op, inputs, ty, &shape, caller).map_err(at)?
+            trace::record(op, inputs, ty, caller).map_err(at)?
         } else {
             if let Some(t) = inputs.iter().find(|t| t.is_traced()) {
                 return Err(at(Error::op(

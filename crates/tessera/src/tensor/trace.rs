@@ -294,7 +294,6 @@ pub(crate) fn record(
     op: &Op,
     inputs: &[&Tensor],
     ty: TensorType,
-    _shape: &[usize],
     caller: &'static Location<'static>,
 ) -> Result<Tensor> {
     let ids = inputs
