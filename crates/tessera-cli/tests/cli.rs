@@ -37,10 +37,7 @@ fn shape(dims: &[&str]) -> Shape {
 }
 
 fn named(name: &str) -> NodeMeta {
-    NodeMeta {
-        name: Some(name.to_string()),
-        ..NodeMeta::default()
-    }
+    NodeMeta::named(name)
 }
 
 /// `y = x.reshape(s0, 2, 3).permute(0, 2, 1)` with `x: f32[s0,6]`.

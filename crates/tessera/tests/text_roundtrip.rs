@@ -25,10 +25,7 @@ fn loc(file: &str, line: u32, column: u32) -> SourceLoc {
 }
 
 fn named(name: &str) -> NodeMeta {
-    NodeMeta {
-        name: Some(name.to_string()),
-        ..NodeMeta::default()
-    }
+    NodeMeta::named(name)
 }
 
 fn ty(dtype: DType, dims: &[&str]) -> TensorType {

@@ -33,6 +33,16 @@ pub struct NodeMeta {
     pub hints: Option<serde_json::Map<String, serde_json::Value>>,
 }
 
+impl NodeMeta {
+    /// Metadata carrying only a readable name.
+    pub fn named(name: &str) -> NodeMeta {
+        NodeMeta {
+            name: Some(name.to_string()),
+            ..NodeMeta::default()
+        }
+    }
+}
+
 #[derive(Clone, Debug, PartialEq)]
 pub struct Node {
     pub op: Op,

@@ -339,10 +339,7 @@ mod tests {
     }
 
     fn named(name: &str) -> NodeMeta {
-        NodeMeta {
-            name: Some(name.to_string()),
-            ..NodeMeta::default()
-        }
+        NodeMeta::named(name)
     }
 
     /// x: f32[s0,6] -> reshape [s0,2,3] -> permute [0,2,1] -> slice dim 1
