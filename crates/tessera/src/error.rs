@@ -54,6 +54,9 @@ pub enum ErrorKind {
     Io,
     /// Something valid that is not supported (yet) — said plainly.
     Unsupported,
+    /// A device failed: no driver, out of device memory, a kernel that did
+    /// not compile or launch.
+    Device,
 }
 
 #[derive(Clone, Debug, PartialEq)]

@@ -9,7 +9,7 @@ use crate::compile::{compile, CompileStats};
 use crate::error::Result;
 use crate::hints;
 use crate::ir::DType;
-use crate::runtime::cpu::{memory_stats, reset_peak};
+use crate::runtime::device::{self, Device};
 use crate::tensor::{Generator, Tensor};
 
 /// What to run.
@@ -22,6 +22,9 @@ pub struct SeedConfig {
     /// Timed repetitions per scenario (the median is reported).
     pub reps: usize,
     pub seed: u64,
+    /// Where every tensor of every scenario lives (working memory is
+    /// measured by that device's accounting).
+    pub device: Device,
 }
 
 impl Default for SeedConfig {
@@ -32,6 +35,7 @@ impl Default for SeedConfig {
             causal: false,
             reps: 5,
             seed: 0,
+            device: Device::Cpu,
         }
     }
 }
@@ -91,10 +95,16 @@ struct Problem {
 }
 
 impl Problem {
-    fn new(config: &SeedConfig) -> Problem {
+    /// The inputs are drawn on the host (the same values for every device)
+    /// and moved to the device; the f64 reference runs there too (the
+    /// seed's shape is out of the CPU's reach in f64; the device's kernels
+    /// are checked against the CPU's by the CUDA differential tests).
+    fn new(config: &SeedConfig) -> Result<Problem> {
         let mut g = Generator::new(config.seed);
-        let make = |g: &mut Generator| Tensor::randn(&config.shape, DType::F64, g);
-        let (q, k, v, grad) = (make(&mut g), make(&mut g), make(&mut g), make(&mut g));
+        let make = |g: &mut Generator| {
+            Tensor::randn(&config.shape, DType::F64, g).to(config.device)
+        };
+        let (q, k, v, grad) = (make(&mut g)?, make(&mut g)?, make(&mut g)?, make(&mut g)?);
         let reference = step(
             &sdpa_fn(config.causal, 1),
             &[q.clone(), k.clone(), v.clone()],
@@ -104,13 +114,13 @@ impl Problem {
         .map(Tensor::to_f64_vec)
         .collect();
         let cast = |t: &Tensor| t.cast(config.dtype);
-        Problem {
+        Ok(Problem {
             q: cast(&q),
             k: cast(&k),
             v: cast(&v),
             grad: cast(&grad),
             reference,
-        }
+        })
     }
 
     fn bytes(&self) -> usize {
@@ -150,7 +160,8 @@ fn measure(
     stats: &dyn Fn() -> CompileStats,
     problem: &Problem,
     reps: usize,
-) -> SeedRow {
+) -> Result<SeedRow> {
+    let on = problem.q.device();
     let inputs = [problem.q.clone(), problem.k.clone(), problem.v.clone()];
     let first = step(forward, &inputs, &problem.grad);
     let max_abs_err = first
@@ -168,25 +179,27 @@ fn measure(
     let mut times = Vec::with_capacity(reps);
     let mut working = 0.0;
     for _ in 0..reps.max(1) {
-        let before = memory_stats().live_bytes;
-        reset_peak();
+        device::synchronize(on)?;
+        let before = device::memory_stats(on)?.live_bytes;
+        device::reset_peak(on)?;
         let t = Instant::now();
         let results = step(forward, &inputs, &problem.grad);
+        device::synchronize(on)?;
         times.push(t.elapsed().as_secs_f64() * 1e3);
-        let peak = memory_stats().peak_bytes;
+        let peak = device::memory_stats(on)?.peak_bytes;
         let kept = 4 * problem.bytes(); // the output and three gradients
         working = peak.saturating_sub(before).saturating_sub(kept) as f64 / (1 << 20) as f64;
         drop(results);
     }
     times.sort_by(f64::total_cmp);
     let s = stats();
-    SeedRow {
+    Ok(SeedRow {
         scenario: name.to_string(),
         working_mb: working,
         ms_median: times[times.len() / 2],
         compile_ms: (s.compile_seconds) * 1e3,
         max_abs_err,
-    }
+    })
 }
 
 /// The scenarios, in the table's order.
@@ -211,7 +224,7 @@ fn hinted_sdpa_fn(causal: bool, slices: usize) -> Forward {
 
 /// Runs every scenario; `progress(i, name)` is called before scenario `i`.
 pub fn run(config: &SeedConfig, mut progress: impl FnMut(usize, &str)) -> Result<Vec<SeedRow>> {
-    let problem = Problem::new(config);
+    let problem = Problem::new(config)?;
     let slices = config.shape[0] * config.shape[1];
     let no_stats = || CompileStats::default();
     let mut rows = Vec::new();
@@ -247,7 +260,7 @@ pub fn run(config: &SeedConfig, mut progress: impl FnMut(usize, &str)) -> Result
                     config.reps,
                 )
             }
-        };
+        }?;
         rows.push(row);
     }
     Ok(rows)

@@ -227,7 +227,9 @@ fn trace_joint(graph: &Graph, wrt: &[usize]) -> Result<trace::Traced> {
             // file's, which would read as if the user had written it here).
             let g = g.unwrap_or_else(|| {
                 trace::with_origin(&NodeMeta::default(), || {
-                    Tensor::zeros(input.shape(), input.dtype())
+                    crate::runtime::device::with_device(input.device(), || {
+                        Tensor::zeros(input.shape(), input.dtype())
+                    })
                 })
             });
             named.push((format!("grad_{}", graph.display_name(graph.inputs[i])), g));

@@ -311,9 +311,13 @@ impl Tensor {
     #[track_caller]
     pub fn try_backward(&self, grad: Option<&Tensor>) -> Result<()> {
         let at = SourceLoc::caller();
-        let seed = seed_gradient(self, grad).map_err(|e| e.at(at.clone()))?;
-        no_grad(|| propagate(std::slice::from_ref(self), vec![seed], &mut Sink::Leaves))
-            .map_err(|e| e.at(at))
+        // The backward's own tensors (the implied seed, zeros of rules) are
+        // made on the output's device.
+        crate::runtime::device::with_device(self.device(), || {
+            let seed = seed_gradient(self, grad).map_err(|e| e.at(at.clone()))?;
+            no_grad(|| propagate(std::slice::from_ref(self), vec![seed], &mut Sink::Leaves))
+                .map_err(|e| e.at(at))
+        })
     }
 }
 
@@ -650,7 +654,9 @@ pub fn grad(
         .filter_map(|(i, t)| Some((slot_of(t)?, i)))
         .collect();
     let mut sink = Sink::Capture(targets, vec![None; inputs.len()]);
-    no_grad(|| propagate(outputs, seeds, &mut sink)).map_err(|e| e.at(at))?;
+    let on = outputs.first().map_or(Default::default(), Tensor::device);
+    crate::runtime::device::with_device(on, || no_grad(|| propagate(outputs, seeds, &mut sink)))
+        .map_err(|e| e.at(at))?;
     match sink {
         Sink::Capture(_, results) => Ok(results),
         Sink::Leaves => unreachable!("grad always captures"),

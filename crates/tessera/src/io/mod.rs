@@ -27,8 +27,9 @@ fn file_error(path: &Path, what: impl std::fmt::Display) -> Error {
 struct DenseBytes(Tensor);
 
 impl DenseBytes {
-    fn new(t: &Tensor) -> DenseBytes {
-        DenseBytes(copy::contiguous(t))
+    /// Errors only when `t` is on a device that cannot copy it back.
+    fn new(t: &Tensor) -> crate::error::Result<DenseBytes> {
+        Ok(DenseBytes(copy::contiguous(&t.to_host()?)))
     }
 
     fn bytes(&self) -> &[u8] {

@@ -90,7 +90,7 @@ pub fn write_npy(path: impl AsRef<Path>, t: &Tensor) -> Result<()> {
     })?;
     let shape: Vec<u64> = t.shape().iter().map(|&d| d as u64).collect();
     let file = File::create(path).map_err(|e| file_error(path, e))?;
-    write_file(file, type_str, &shape, DenseBytes::new(t).bytes()).map_err(|e| file_error(path, e))
+    write_file(file, type_str, &shape, DenseBytes::new(t)?.bytes()).map_err(|e| file_error(path, e))
 }
 
 fn write_file(file: File, type_str: TypeStr, shape: &[u64], data: &[u8]) -> std::io::Result<()> {

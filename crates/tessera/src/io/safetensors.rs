@@ -62,14 +62,17 @@ pub fn save_safetensors(path: impl AsRef<Path>, tensors: &[(&str, &Tensor)]) -> 
             "writing safetensors (little-endian) on a big-endian host is not supported",
         ));
     }
-    let views = tensors.iter().map(|(name, t)| {
-        let view = Dense {
-            dtype: safetensors_dtype(t.dtype()),
-            shape: t.shape().to_vec(),
-            data: DenseBytes::new(t),
-        };
-        (*name, view)
-    });
+    let views = tensors
+        .iter()
+        .map(|(name, t)| {
+            let view = Dense {
+                dtype: safetensors_dtype(t.dtype()),
+                shape: t.shape().to_vec(),
+                data: DenseBytes::new(t)?,
+            };
+            Ok((*name, view))
+        })
+        .collect::<Result<Vec<_>>>()?;
     ::safetensors::serialize_to_file(views, None, path).map_err(|e| file_error(path, e))
 }
 

@@ -10,6 +10,7 @@ use rayon::prelude::*;
 
 use super::cpu::fused::{FusedInput, FusedKernel};
 use super::cpu::Storage;
+use super::device::{self, Device};
 use super::interpret::{bind_symbols, node_error};
 use crate::autograd;
 use crate::error::Result;
@@ -61,12 +62,39 @@ fn execute(
 ) -> Result<Vec<(String, Tensor)>> {
     let given: Vec<Option<&Tensor>> = inputs.iter().map(Some).collect();
     bind_symbols(graph, &given)?;
+    // Every kernel runs on the inputs' device, kernels without inputs too.
+    let refs: Vec<&Tensor> = inputs.iter().collect();
+    let on = inputs_device(graph, &refs)?;
+    device::with_device(on, || execute_on(graph, plan, steps, in_place, alone, inputs, on))
+}
+
+/// The device of a program's inputs (scalars on the host go with any);
+/// inputs on different devices are an error naming the program.
+pub(crate) fn inputs_device(graph: &Graph, inputs: &[&Tensor]) -> Result<Device> {
+    device::of_inputs("input", inputs).map_err(|e| {
+        crate::error::Error::new(
+            e.kind,
+            format!("graph `{}`: {}", graph.name, e.message),
+        )
+    })
+}
+
+fn execute_on(
+    graph: &Graph,
+    plan: &Plan,
+    steps: &[Vec<usize>],
+    in_place: impl Fn(usize) -> Vec<(NodeId, NodeId)>,
+    alone: impl Fn(usize) -> bool,
+    inputs: &[Tensor],
+    on: Device,
+) -> Result<Vec<(String, Tensor)>> {
     let frees = frees_after_each_step(graph, plan, steps);
     let mut values: Vec<Option<Tensor>> = vec![None; graph.len()];
     for (&id, t) in graph.inputs.iter().zip(inputs) {
         values[id.index()] = Some(t.clone());
     }
-    let concurrent = !trace::is_active();
+    // Device kernels queue on one stream: nothing to gain from threads.
+    let concurrent = !trace::is_active() && on == Device::Cpu;
     let grad = autograd::is_grad_enabled();
     for (step, free) in steps.iter().zip(&frees) {
         let jobs: Vec<Job<'_>> = step
@@ -195,8 +223,23 @@ impl<'a> Job<'a> {
     }
 }
 
-/// Runs a fused kernel on its gathered arguments.
+/// Runs a fused kernel on its gathered arguments, on their device.
 fn run_fused(kernel: &FusedKernel, args: Vec<Arg>) -> Result<Vec<Tensor>> {
+    let on_device = args.iter().find_map(|a| match a {
+        Arg::Shared(t) if t.device() != Device::Cpu => Some(t.device()),
+        _ => None,
+    });
+    if let Some(d) = on_device {
+        let tensors: Vec<&Tensor> = args
+            .iter()
+            .map(|a| match a {
+                Arg::Shared(t) => t,
+                Arg::Donated(..) => unreachable!("device storage is never donated"),
+            })
+            .collect();
+        device::of_inputs("fused", &tensors)?;
+        return device::backend(d)?.run_fused(kernel, &tensors);
+    }
     // The shared tensors must outlive the inputs that borrow them.
     let mut shared: Vec<Option<Tensor>> = Vec::with_capacity(args.len());
     let mut donated: Vec<Option<(Storage, usize)>> = Vec::with_capacity(args.len());

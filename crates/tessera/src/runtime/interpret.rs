@@ -28,6 +28,13 @@ pub fn run_graph(graph: &Graph, inputs: &[Tensor]) -> Result<Vec<(String, Tensor
     graph.verify()?;
     let given: Vec<Option<&Tensor>> = inputs.iter().map(Some).collect();
     let symbols = bind_symbols(graph, &given)?;
+    // Nodes without inputs (full, randn …) run on the inputs' device.
+    let refs: Vec<&Tensor> = inputs.iter().collect();
+    let on = super::execute::inputs_device(graph, &refs)?;
+    super::device::with_device(on, || run_nodes(graph, inputs, &symbols))
+}
+
+fn run_nodes(graph: &Graph, inputs: &[Tensor], symbols: &Symbols) -> Result<Vec<(String, Tensor)>> {
     let last_use = last_uses(graph);
     let mut values: Vec<Option<Tensor>> = vec![None; graph.len()];
     for (&id, t) in graph.inputs.iter().zip(inputs) {
@@ -36,7 +43,7 @@ pub fn run_graph(graph: &Graph, inputs: &[Tensor]) -> Result<Vec<(String, Tensor
     for (i, node) in graph.nodes.iter().enumerate() {
         let id = NodeId(i as u32);
         if !matches!(node.op, Op::Input) {
-            values[i] = Some(eval_node(graph, id, &values, &symbols)?);
+            values[i] = Some(eval_node(graph, id, &values, symbols)?);
         }
         for x in node.inputs.iter().copied().chain([id]) {
             if last_use[x.index()] == i {

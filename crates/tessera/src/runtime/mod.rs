@@ -1,5 +1,7 @@
-//! Backends that run ops and graphs.
+//! Backends that run ops and graphs: the CPU's kernels, and the
+//! [`device::Backend`] trait other devices (CUDA) implement.
 
 pub mod cpu;
+pub mod device;
 pub mod execute;
 pub mod interpret;

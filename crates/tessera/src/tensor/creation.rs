@@ -150,6 +150,9 @@ impl Tensor {
             return super::trace::materialize(self, "to_vec", crate::error::SourceLoc::caller())?
                 .to_vec();
         }
+        if self.device() != crate::runtime::device::Device::Cpu {
+            return self.to_host()?.to_vec();
+        }
         let c = copy::contiguous(self);
         Ok(c.contiguous_slice::<T>().expect("contiguous").to_vec())
     }

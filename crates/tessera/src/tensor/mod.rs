@@ -30,6 +30,7 @@ use crate::autograd::{self, AutogradMeta};
 use crate::error::{Error, ErrorKind, Result, SourceLoc};
 use crate::ir::{DType, Op, Shape, TensorType};
 use crate::runtime::cpu::{self, Element, Storage};
+use crate::runtime::device::{self, Device, DeviceStorage};
 
 /// An n-dimensional array: values on the CPU, or a node of a graph being
 /// traced (see [`trace`]).
@@ -52,6 +53,8 @@ struct TensorImpl {
 #[derive(Clone)]
 pub(crate) enum Data {
     Host(Arc<Storage>),
+    /// Values in the memory of a device (a GPU).
+    Device(Arc<DeviceStorage>),
     /// A node of the graph traced on this thread; it has no values.
     Traced(trace::TracedValue),
 }
@@ -124,7 +127,7 @@ impl Tensor {
     pub(crate) fn into_unique_storage(self) -> std::result::Result<Storage, Tensor> {
         let dense = match &self.0.data {
             Data::Host(s) => cpu::copy::is_dense(&self.0.layout, s.numel()),
-            Data::Traced(_) => false,
+            Data::Device(_) | Data::Traced(_) => false,
         };
         if !dense || self.0.autograd.is_some() {
             return Err(self);
@@ -168,16 +171,113 @@ impl Tensor {
         &self.0.layout
     }
 
-    /// The storage behind a host tensor. Kernels only ever see host
-    /// tensors; calling this on a traced tensor is a bug in tessera.
+    /// The storage behind a host tensor. CPU kernels only ever see host
+    /// tensors; calling this on a traced or device tensor is a bug in
+    /// tessera (public readers copy device tensors to the host first).
     pub fn storage(&self) -> &Arc<Storage> {
         match &self.0.data {
             Data::Host(s) => s,
+            Data::Device(s) => panic!(
+                "internal error: a tensor on {} ({}) has no host storage; use .to_host()",
+                s.device(),
+                self.ty()
+            ),
             Data::Traced(_) => panic!(
                 "internal error: a traced tensor ({}) has no storage",
                 self.ty()
             ),
         }
+    }
+
+    /// A tensor over device `storage` with `layout`.
+    pub fn from_device_parts(storage: Arc<DeviceStorage>, layout: Layout) -> Tensor {
+        Tensor::from_data(storage.dtype(), layout, Data::Device(storage))
+    }
+
+    /// A contiguous tensor owning device `storage`.
+    pub fn from_device_storage(storage: DeviceStorage, shape: &[usize]) -> Tensor {
+        debug_assert_eq!(storage.numel(), shape.iter().product::<usize>());
+        Tensor::from_device_parts(Arc::new(storage), Layout::contiguous(shape))
+    }
+
+    /// The storage behind a device tensor, if it is one.
+    pub fn device_storage(&self) -> Option<&Arc<DeviceStorage>> {
+        match &self.0.data {
+            Data::Device(s) => Some(s),
+            _ => None,
+        }
+    }
+
+    /// Where the values are (a traced tensor reports the CPU: it has none).
+    pub fn device(&self) -> Device {
+        match &self.0.data {
+            Data::Device(s) => s.device(),
+            Data::Host(_) | Data::Traced(_) => Device::Cpu,
+        }
+    }
+
+    /// The elements of storage behind this tensor (host or device).
+    pub(crate) fn storage_numel(&self) -> Option<usize> {
+        match &self.0.data {
+            Data::Host(s) => Some(s.numel()),
+            Data::Device(s) => Some(s.numel()),
+            Data::Traced(_) => None,
+        }
+    }
+
+    /// A view of the same storage (host or device) with another layout.
+    pub(crate) fn view_as(&self, layout: Layout) -> Tensor {
+        Tensor::from_data(self.0.dtype, layout, self.0.data.clone())
+    }
+
+    /// This tensor on `device` ("cpu" or "cuda"): the same tensor when it
+    /// is there already, else a copy (`requires_grad` is not carried: the
+    /// copy is a new leaf). Under tracing the tensor is returned as is: a
+    /// compiled program runs on its inputs' device.
+    #[track_caller]
+    pub fn to_device(&self, device: &str) -> Result<Tensor> {
+        let at = SourceLoc::caller();
+        let target = Device::parse(device).map_err(|e| e.at(at.clone()))?;
+        self.to(target).map_err(|e| e.at(at))
+    }
+
+    /// This tensor on `target` (see [`Tensor::to_device`]).
+    pub fn to(&self, target: Device) -> Result<Tensor> {
+        if self.is_traced() || self.device() == target {
+            return Ok(self.clone());
+        }
+        match target {
+            Device::Cpu => self.to_host(),
+            d => {
+                let backend = device::backend(d)?;
+                let host = if self.device() == Device::Cpu {
+                    self.clone()
+                } else {
+                    self.to_host()?
+                };
+                let dense = cpu::copy::contiguous(&host);
+                let storage = backend.upload(dense.storage())?;
+                Ok(Tensor::from_device_storage(storage, host.shape()))
+            }
+        }
+    }
+
+    /// A host copy of a device tensor (the tensor itself when on the host).
+    pub fn to_host(&self) -> Result<Tensor> {
+        let Data::Device(storage) = &self.0.data else {
+            return Ok(self.clone());
+        };
+        let backend = device::backend(storage.device())?;
+        let dense = storage.numel() == self.numel() && self.is_contiguous();
+        let (storage, layout) = if dense || self.numel() * 2 > storage.numel() {
+            (backend.download(storage)?, self.0.layout.clone())
+        } else {
+            // A small view of a large buffer: gather it on the device first.
+            let c = Tensor::apply(&Op::Contiguous, &[self], Location::caller())?;
+            let s = c.device_storage().expect("on the device");
+            (backend.download(s)?, c.0.layout.clone())
+        };
+        Ok(Tensor::from_parts(Arc::new(storage), layout))
     }
 
     pub fn rank(&self) -> usize {
@@ -204,6 +304,7 @@ impl Tensor {
     pub fn shares_storage(&self, other: &Tensor) -> bool {
         match (&self.0.data, &other.0.data) {
             (Data::Host(a), Data::Host(b)) => Arc::ptr_eq(a, b),
+            (Data::Device(a), Data::Device(b)) => Arc::ptr_eq(a, b),
             _ => false,
         }
     }
@@ -213,13 +314,20 @@ impl Tensor {
     pub fn storage_slice<T: Element>(&self) -> Result<&[T]> {
         self.expect_dtype::<T>()?;
         self.expect_host("storage_slice")?;
+        if self.device() != Device::Cpu {
+            return Err(Error::op(
+                ErrorKind::Unsupported,
+                "storage_slice",
+                format!("{} is on {}: copy it with .to_host() first", self.ty(), self.device()),
+            ));
+        }
         Ok(self.storage().as_slice::<T>())
     }
 
     /// The elements as `&[T]` in row-major order, if contiguous.
     pub fn contiguous_slice<T: Element>(&self) -> Option<&[T]> {
         let range = self.0.layout.contiguous_range()?;
-        (T::DTYPE == self.dtype() && !self.is_traced())
+        (T::DTYPE == self.dtype() && matches!(self.0.data, Data::Host(_)))
             .then(|| &self.storage().as_slice::<T>()[range])
     }
 
@@ -248,8 +356,9 @@ impl Tensor {
         Ok(())
     }
 
-    /// Runs `op` on `inputs` eagerly: the IR's type rule, then the CPU kernel.
-    /// Errors carry `caller` as the user's line.
+    /// Runs `op` on `inputs` eagerly: the IR's type rule, then the kernel of
+    /// the inputs' device (see [`device::of_inputs`]). Errors carry `caller`
+    /// as the user's line.
     pub fn apply(
         op: &Op,
         inputs: &[&Tensor],
@@ -275,10 +384,33 @@ impl Tensor {
                     format!("input {} is a traced tensor used outside its trace", t.ty()),
                 )));
             }
-            cpu::eval(op, inputs, ty.dtype, &shape).map_err(at)?
+            match device::of_inputs(op.name(), inputs).map_err(at)? {
+                Device::Cpu => cpu::eval(op, inputs, ty.dtype, &shape).map_err(at)?,
+                d => eval_on_device(d, op, inputs, ty.dtype, &shape).map_err(at)?,
+            }
         };
         Ok(autograd::record(op, inputs, out, caller))
     }
+}
+
+/// Runs a non-traced op on `device`'s backend; views are made here, with
+/// the CPU's rule ([`cpu::view_layout`]), so both devices alias alike.
+fn eval_on_device(
+    device: Device,
+    op: &Op,
+    inputs: &[&Tensor],
+    dtype: DType,
+    shape: &[usize],
+) -> Result<Tensor> {
+    if let Some(x) = inputs.first() {
+        if x.device() == device {
+            let numel = x.storage_numel().expect("not traced");
+            if let Some(layout) = cpu::view_layout(op, (x.layout(), x.dtype(), numel), shape) {
+                return Ok(x.view_as(layout));
+            }
+        }
+    }
+    device::backend(device)?.eval(op, inputs, dtype, shape)
 }
 
 /// Panics with the error's message; used by the panicking op methods so the

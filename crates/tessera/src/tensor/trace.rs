@@ -270,7 +270,7 @@ fn node_of(t: &Tensor) -> Result<NodeId> {
                     t.ty()
                 ),
             )),
-            Data::Host(_) => Ok(lift(state, t)),
+            Data::Host(_) | Data::Device(_) => Ok(lift(state, t)),
         }
     })
 }

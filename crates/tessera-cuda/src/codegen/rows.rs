@@ -1,0 +1,327 @@
+//! Kernels that combine many elements into one: reductions (sum, mean,
+//! max, min, prod over any dims), arg-reductions and softmax/log_softmax
+//! along one dim.
+//!
+//! The input is seen as `kept dims × reduced dims`, each a (shape, strides)
+//! list taken from the input's layout, so any view reduces in place with
+//! no copy. Two schedules: a block per output (threads stride over the
+//! reduced elements, then a shuffle tree) when the reduced elements are
+//! adjacent in memory or many; a thread per output when the outputs are
+//! adjacent and the reduced elements are not (a column sum), so that a
+//! warp's loads stay coalesced.
+
+use tessera::ir::{ArgReduceOp, ReduceOp};
+use tessera::tensor::Layout;
+use tessera::DType;
+
+use super::{
+    c_type, convert, decompose, grid_for, index_type, load, padded, prelude, Compute, Launch,
+    Words, ENTRY,
+};
+
+/// The input split into the dims that stay and the dims reduced.
+#[derive(Clone, Debug)]
+pub struct Split {
+    pub kept_shape: Vec<usize>,
+    pub kept_strides: Vec<usize>,
+    pub red_shape: Vec<usize>,
+    pub red_strides: Vec<usize>,
+    pub offset: usize,
+}
+
+impl Split {
+    pub fn new(layout: &Layout, dims: &[usize]) -> Split {
+        let mut s = Split {
+            kept_shape: vec![],
+            kept_strides: vec![],
+            red_shape: vec![],
+            red_strides: vec![],
+            offset: layout.offset,
+        };
+        for (d, (&n, &st)) in layout.shape.iter().zip(&layout.strides).enumerate() {
+            if dims.contains(&d) {
+                s.red_shape.push(n);
+                s.red_strides.push(st);
+            } else {
+                s.kept_shape.push(n);
+                s.kept_strides.push(st);
+            }
+        }
+        s
+    }
+
+    fn n_out(&self) -> usize {
+        self.kept_shape.iter().product()
+    }
+
+    fn n_red(&self) -> usize {
+        self.red_shape.iter().product()
+    }
+
+    /// A thread per output pays off when neighbouring outputs are
+    /// neighbours in memory and neighbouring reduced elements are not.
+    fn columns(&self) -> bool {
+        let inner = |shape: &[usize], strides: &[usize]| {
+            shape
+                .iter()
+                .zip(strides)
+                .rev()
+                .find(|(&n, _)| n > 1)
+                .map(|(_, &s)| s)
+        };
+        inner(&self.kept_shape, &self.kept_strides) == Some(1)
+            && inner(&self.red_shape, &self.red_strides) != Some(1)
+            && self.n_out() >= 1024
+    }
+
+    fn words(&self, args: &mut Words) -> (usize, usize) {
+        let k = self.kept_shape.len().max(1);
+        let r = self.red_shape.len().max(1);
+        args.int(self.n_out() as i64)
+            .int(self.n_red() as i64)
+            .int(self.offset as i64)
+            .ints(padded(&self.kept_shape, k, 1))
+            .ints(padded(&self.kept_strides, k, 0))
+            .ints(padded(&self.red_shape, r, 1))
+            .ints(padded(&self.red_strides, r, 0));
+        (k, r)
+    }
+}
+
+/// Threads per block for `n` reduced elements: a power of two, 32..=256.
+fn block_for(n: usize) -> u32 {
+    (n.next_power_of_two()).clamp(32, 256) as u32
+}
+
+/// Warp and block combining of `ACC` values with `COMBINE(a, b)`; the block
+/// result is handed to every thread.
+const TREE: &str = r#"
+__device__ __forceinline__ ACC warp_all(ACC v) {
+  for (int o = 16; o > 0; o >>= 1) { ACC w = __shfl_xor_sync(0xffffffffu, v, o); v = COMBINE(v, w); }
+  return v;
+}
+__device__ ACC block_all(ACC v) {
+  __shared__ ACC sh[32];
+  int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+  v = warp_all(v);
+  __syncthreads();
+  if (lane == 0) sh[w] = v;
+  __syncthreads();
+  v = lane < nw ? sh[lane] : IDENTITY;
+  v = warp_all(v);
+  return v;
+}
+"#;
+
+/// `op` over `dims` of the input (`layout`, `dtype`) into a contiguous
+/// output of `out_dtype`.
+pub fn reduce(
+    op: ReduceOp,
+    dtype: DType,
+    layout: &Layout,
+    dims: &[usize],
+    out_dtype: DType,
+    x: u64,
+    y: u64,
+    sms: u32,
+) -> Launch {
+    let split = Split::new(layout, dims);
+    let compute = Compute::of(dtype);
+    let acc = compute.c_type();
+    let (identity, combine) = match (op, compute.is_float()) {
+        (ReduceOp::Sum | ReduceOp::Mean, _) => ("0".to_string(), "((a_) + (b_))"),
+        (ReduceOp::Prod, _) => ("1".to_string(), "((a_) * (b_))"),
+        (ReduceOp::Max, true) => ("-TS_INF".to_string(), "(((a_) > (b_) || (a_) != (a_)) ? (a_) : (b_))"),
+        (ReduceOp::Min, true) => ("TS_INF".to_string(), "(((a_) < (b_) || (a_) != (a_)) ? (a_) : (b_))"),
+        (ReduceOp::Max, false) => ("(-9223372036854775807ll - 1)".to_string(), "((a_) > (b_) ? (a_) : (b_))"),
+        (ReduceOp::Min, false) => ("9223372036854775807ll".to_string(), "((a_) < (b_) ? (a_) : (b_))"),
+    };
+    let mut args = Words::default();
+    let (k, r) = split.words(&mut args);
+    let scale = if op == ReduceOp::Mean { 1.0 / split.n_red().max(1) as f64 } else { 1.0 };
+    args.float(scale).ptr(x).ptr(y);
+    let mut src = prelude(&[dtype, out_dtype]);
+    src.push_str(&format!(
+        "typedef {acc} ACC;\n#define IDENTITY (({acc}){identity})\n#define COMBINE(a_, b_) {combine}\n{TREE}\
+         struct Args {{ long long n_out; long long n_red; long long off; long long kshape[{k}]; long long kstr[{k}]; \
+         long long rshape[{r}]; long long rstr[{r}]; double scale; const void* x; void* y; }};\n"
+    ));
+    let idx_k = index_type(split.n_out());
+    let idx_r = index_type(split.n_red());
+    let kept = decompose("o", "kshape", k, &[("base".into(), "kstr".into())], false, idx_k);
+    let red = decompose("j", "rshape", r, &[("off".into(), "rstr".into())], false, idx_r);
+    let value = load(dtype, compute, "a.x", "off");
+    let finish = if op == ReduceOp::Mean {
+        format!("(ACC)(acc * ({acc})a.scale)")
+    } else {
+        "acc".to_string()
+    };
+    let store = format!("(({}*)a.y)[o] = {};", c_type(out_dtype), convert(out_dtype, compute, &finish));
+    let columns = split.columns();
+    if columns {
+        src.push_str(&format!(
+            "extern \"C\" __global__ void {ENTRY}(Args a) {{\n\
+             for (long long o = (long long)blockIdx.x * blockDim.x + threadIdx.x; o < a.n_out; o += (long long)gridDim.x * blockDim.x) {{\n\
+             long long base = a.off;\n{kept}ACC acc = IDENTITY;\n\
+             for (long long j = 0; j < a.n_red; ++j) {{ long long off = base;\n{red}ACC v = {value}; acc = COMBINE(acc, v); }}\n\
+             {store}\n}}\n}}\n"
+        ));
+    } else {
+        src.push_str(&format!(
+            "extern \"C\" __global__ void {ENTRY}(Args a) {{\n\
+             for (long long o = blockIdx.x; o < a.n_out; o += gridDim.x) {{\n\
+             long long base = a.off;\n{kept}ACC acc = IDENTITY;\n\
+             for (long long j = threadIdx.x; j < a.n_red; j += blockDim.x) {{ long long off = base;\n{red}ACC v = {value}; acc = COMBINE(acc, v); }}\n\
+             acc = block_all(acc);\nif (threadIdx.x == 0) {{ {store} }}\n}}\n}}\n"
+        ));
+    }
+    let (grid, block) = if columns {
+        (grid_for(split.n_out(), 256, sms), 256)
+    } else {
+        let block = block_for(split.n_red());
+        ((split.n_out().max(1)).min(sms as usize * 64) as u32, block)
+    };
+    Launch { source: src, args, grid, block }
+}
+
+/// The index of the max/min along `dim` (first on ties; NaN counts as the
+/// largest and the smallest, as on the CPU), as i64.
+pub fn arg_reduce(op: ArgReduceOp, dtype: DType, layout: &Layout, dim: usize, x: u64, y: u64, sms: u32) -> Launch {
+    let split = Split::new(layout, &[dim]);
+    let compute = Compute::of(dtype);
+    let acc = compute.c_type();
+    let better = match op {
+        ArgReduceOp::ArgMax => "(v > bv)",
+        ArgReduceOp::ArgMin => "(v < bv)",
+    };
+    let nan = if compute.is_float() { "|| (v != v && bv == bv)" } else { "" };
+    let mut args = Words::default();
+    let (k, r) = split.words(&mut args);
+    args.float(0.0).ptr(x).ptr(y);
+    let mut src = prelude(&[dtype]);
+    src.push_str(&format!(
+        "struct Args {{ long long n_out; long long n_red; long long off; long long kshape[{k}]; long long kstr[{k}]; \
+         long long rshape[{r}]; long long rstr[{r}]; double scale; const void* x; void* y; }};\n\
+         __device__ __forceinline__ void pick({acc}& bv, long long& bi, {acc} v, long long i) {{\n\
+           if ({better} {nan} || ((v == bv || (v != v && bv != bv)) && i < bi)) {{ bv = v; bi = i; }}\n}}\n"
+    ));
+    let kept = decompose("o", "kshape", k, &[("base".into(), "kstr".into())], false, index_type(split.n_out()));
+    let value = load(dtype, compute, "a.x", "off");
+    src.push_str(&format!(
+        "extern \"C\" __global__ void {ENTRY}(Args a) {{\n\
+         __shared__ {acc} sv[32]; __shared__ long long si[32];\n\
+         for (long long o = blockIdx.x; o < a.n_out; o += gridDim.x) {{\n\
+         long long base = a.off;\n{kept}\
+         {acc} bv = {value0}; long long bi = 0;\n\
+         for (long long j = threadIdx.x; j < a.n_red; j += blockDim.x) {{ long long off = base + j * a.rstr[0]; {acc} v = {value}; pick(bv, bi, v, j); }}\n\
+         if (threadIdx.x >= a.n_red) bi = 0x7fffffffffffffffll;\n\
+         for (int s = 16; s > 0; s >>= 1) {{ {acc} v = __shfl_xor_sync(0xffffffffu, bv, s); long long i = __shfl_xor_sync(0xffffffffu, bi, s); if (i != 0x7fffffffffffffffll) pick(bv, bi, v, i); }}\n\
+         __syncthreads();\n\
+         if ((threadIdx.x & 31) == 0) {{ sv[threadIdx.x >> 5] = bv; si[threadIdx.x >> 5] = bi; }}\n\
+         __syncthreads();\n\
+         if (threadIdx.x == 0) {{ for (int w = 1; w < (int)((blockDim.x + 31) >> 5); ++w) if (si[w] != 0x7fffffffffffffffll) pick(bv, bi, sv[w], si[w]); ((long long*)a.y)[o] = bi; }}\n\
+         }}\n}}\n",
+        value0 = load(dtype, compute, "a.x", "base"),
+    ));
+    let block = block_for(split.n_red());
+    let grid = (split.n_out().max(1)).min(sms as usize * 64) as u32;
+    Launch { source: src, args, grid, block }
+}
+
+/// Softmax (or log_softmax) along `dim`: a block per row, one pass for the
+/// running max and sum (online softmax), one to write.
+pub fn softmax(dtype: DType, layout: &Layout, dim: usize, log: bool, x: u64, y: u64, sms: u32) -> Launch {
+    let split = Split::new(layout, &[dim]);
+    let out = Split::new(&Layout::contiguous(&layout.shape), &[dim]);
+    let compute = Compute::of(dtype);
+    let acc = compute.c_type();
+    let e = if compute == Compute::F32 { "expf" } else { "exp" };
+    let lg = if compute == Compute::F32 { "logf" } else { "log" };
+    let k = split.kept_shape.len().max(1);
+    let mut args = Words::default();
+    args.int(split.n_out() as i64)
+        .int(split.n_red() as i64)
+        .int(split.offset as i64)
+        .ints(padded(&split.kept_shape, k, 1))
+        .ints(padded(&split.kept_strides, k, 0))
+        .ints(padded(&out.kept_strides, k, 0))
+        .int(split.red_strides[0] as i64)
+        .int(out.red_strides[0] as i64)
+        .ptr(x)
+        .ptr(y);
+    let mut src = prelude(&[dtype]);
+    src.push_str(&format!(
+        "typedef {acc} ACC;\n\
+         struct Args {{ long long rows; long long len; long long off; long long kshape[{k}]; long long kstr[{k}]; long long ostr[{k}]; \
+         long long sd; long long osd; const void* x; void* y; }};\n\
+         // (max, sum of exp(x - max)) of two parts of a row.\n\
+         __device__ __forceinline__ void merge(ACC& m, ACC& s, ACC m2, ACC s2) {{\n\
+           ACC mm = m > m2 ? m : m2;\n\
+           if (mm == -TS_INF) return;\n\
+           s = (m == -TS_INF ? (ACC)0 : s * {e}(m - mm)) + (m2 == -TS_INF ? (ACC)0 : s2 * {e}(m2 - mm));\n\
+           m = mm;\n}}\n"
+    ));
+    let kept = decompose(
+        "o",
+        "kshape",
+        k,
+        &[("base".into(), "kstr".into()), ("obase".into(), "ostr".into())],
+        false,
+        index_type(split.n_out()),
+    );
+    let value = load(dtype, compute, "a.x", "base + j * a.sd");
+    let result = if log { format!("v - m - {lg}(s)") } else { format!("{e}(v - m) / s") };
+    src.push_str(&format!(
+        "extern \"C\" __global__ void {ENTRY}(Args a) {{\n\
+         __shared__ ACC shm[32]; __shared__ ACC shs[32];\n\
+         for (long long o = blockIdx.x; o < a.rows; o += gridDim.x) {{\n\
+         long long base = a.off, obase = 0;\n{kept}\
+         ACC m = -TS_INF, s = 0;\n\
+         for (long long j = threadIdx.x; j < a.len; j += blockDim.x) {{ ACC v = {value}; merge(m, s, v, (ACC)1); if (v != v) {{ m = v; }} }}\n\
+         for (int d = 16; d > 0; d >>= 1) {{ ACC m2 = __shfl_xor_sync(0xffffffffu, m, d); ACC s2 = __shfl_xor_sync(0xffffffffu, s, d); merge(m, s, m2, s2); }}\n\
+         __syncthreads();\n\
+         if ((threadIdx.x & 31) == 0) {{ shm[threadIdx.x >> 5] = m; shs[threadIdx.x >> 5] = s; }}\n\
+         __syncthreads();\n\
+         m = -TS_INF; s = 0;\n\
+         for (int w = 0; w < (int)((blockDim.x + 31) >> 5); ++w) merge(m, s, shm[w], shs[w]);\n\
+         for (long long j = threadIdx.x; j < a.len; j += blockDim.x) {{ ACC v = {value}; (({ct}*)a.y)[obase + j * a.osd] = {store}; }}\n\
+         }}\n}}\n",
+        ct = c_type(dtype),
+        store = convert(dtype, compute, &result),
+    ));
+    let block = block_for(split.n_red());
+    let grid = (split.n_out().max(1)).min(sms as usize * 64) as u32;
+    Launch { source: src, args, grid, block }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_row_sum_takes_a_block_per_row_and_a_column_sum_a_thread_per_column() {
+        let rows = reduce(ReduceOp::Sum, DType::F32, &Layout::contiguous(&[4096, 512]), &[1], DType::F32, 1, 2, 132);
+        assert!(rows.source.contains("acc = block_all(acc);"), "{}", rows.source);
+        assert_eq!((rows.block, rows.grid), (256, 4096));
+        let cols = reduce(ReduceOp::Sum, DType::F32, &Layout::contiguous(&[4096, 2048]), &[0], DType::F32, 1, 2, 132);
+        assert!(!cols.source.contains("block_all(acc);"), "{}", cols.source);
+        assert_eq!(cols.block, 256);
+    }
+
+    #[test]
+    fn mean_scales_by_the_reduced_count_and_bf16_accumulates_in_f32() {
+        let l = reduce(ReduceOp::Mean, DType::BF16, &Layout::contiguous(&[3, 10]), &[1], DType::BF16, 1, 2, 132);
+        assert!(l.source.contains("typedef float ACC;"));
+        // n_out, n_red, off, kshape, kstr, rshape, rstr, scale, x, y
+        assert_eq!(l.args.0[..7], [3, 10, 0, 3, 10, 10, 1]);
+        assert_eq!(f64::from_bits(l.args.0[7]), 0.1);
+    }
+
+    #[test]
+    fn softmax_of_a_middle_dim_reads_with_that_dims_stride() {
+        let l = softmax(DType::F32, &Layout::contiguous(&[2, 5, 3]), 1, true, 1, 2, 132);
+        // rows, len, off, kshape[2], kstr[2], ostr[2], sd, osd
+        assert_eq!(l.args.0[..11], [6, 5, 0, 2, 3, 15, 1, 15, 1, 3, 3]);
+        assert!(l.source.contains("v - m - logf(s)"), "{}", l.source);
+    }
+}

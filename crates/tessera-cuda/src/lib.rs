@@ -1,0 +1,150 @@
+//! The CUDA backend of tessera.
+//!
+//! [`register`] opens GPU 0 and makes it the backend of
+//! `Device::Cuda`: from then on `tensor.to_device("cuda")` moves a tensor
+//! there, eager ops on device tensors run here, and compiled programs run
+//! their kernels here when their inputs live here.
+//!
+//! - [`codegen`]: CUDA C for every kernel (pointwise from the fusion plan's
+//!   step lists, reductions, softmax, indexing), plain strings;
+//! - [`compiler`]: NVRTC for the device's architecture, cached by source
+//!   hash in memory and on disk; `TESSERA_LOGS=output_code` prints sources;
+//! - `gpu`: context, stream, caching allocator (live/peak accounting,
+//!   out-of-memory as an error), copies, launches;
+//! - `matmul`: cuBLASLt (f32, f16, bf16 with f32 accumulation; f64),
+//!   batched, transposed operands, bias/activation epilogues.
+//!
+//! Everything is loaded dynamically: the crate builds and links with no
+//! CUDA installed, and every entry point checks for the driver and
+//! libraries first and reports their absence as an error.
+
+pub mod codegen;
+pub mod compiler;
+mod gpu;
+mod matmul;
+mod ops;
+
+use std::sync::{Arc, OnceLock};
+
+use tessera::error::{Error, ErrorKind, Result};
+use tessera::ir::{DType, Op};
+use tessera::runtime::cpu::fused::FusedKernel;
+use tessera::runtime::cpu::{MemoryStats, Storage};
+use tessera::runtime::device::{self, Backend, Device, DeviceStorage};
+use tessera::Tensor;
+
+pub use matmul::Epilogue;
+
+/// The CUDA backend: one GPU, one stream.
+pub struct CudaBackend {
+    gpu: gpu::Gpu,
+    blas: matmul::Blas,
+}
+
+static BACKEND: OnceLock<std::result::Result<Arc<CudaBackend>, String>> = OnceLock::new();
+
+/// The backend for GPU 0, opened on first use. Errors (one line) when the
+/// CUDA driver or NVRTC is missing or no GPU is visible.
+pub fn backend() -> Result<Arc<CudaBackend>> {
+    BACKEND
+        .get_or_init(|| {
+            gpu::Gpu::open().map(|gpu| {
+                Arc::new(CudaBackend {
+                    gpu,
+                    blas: matmul::Blas::default(),
+                })
+            })
+        })
+        .clone()
+        .map_err(|m| Error::new(ErrorKind::Device, m))
+}
+
+/// Opens GPU 0 and registers it as `Device::Cuda`.
+pub fn register() -> Result<()> {
+    let b = backend()?;
+    device::register(b)
+}
+
+impl CudaBackend {
+    /// The GPU's name and architecture, e.g. `NVIDIA H100 80GB HBM3 (sm_90)`.
+    pub fn describe(&self) -> String {
+        format!("{} ({}, {} SMs)", self.gpu.name, self.gpu.target, self.gpu.sms)
+    }
+
+    /// `epilogue(a·b + bias)` in one cuBLASLt call: `a` [.., m, k], `b`
+    /// [.., k, n] (batch dims broadcast), `bias` [n] of their dtype.
+    pub fn matmul_epilogue(
+        &self,
+        a: &Tensor,
+        b: &Tensor,
+        bias: Option<&Tensor>,
+        epilogue: Epilogue,
+    ) -> Result<Tensor> {
+        let ty = Op::MatMul.infer(&[a.ty(), b.ty()])?;
+        let shape = ty.shape.as_concrete().expect("concrete inputs");
+        for t in [Some(a), Some(b), bias].into_iter().flatten() {
+            if t.device() != Device::Cuda {
+                return Err(Error::op(
+                    ErrorKind::Argument,
+                    "matmul_epilogue",
+                    format!("{} is on {}: move it with .to_device(\"cuda\")", t.ty(), t.device()),
+                ));
+            }
+        }
+        if let Some(bias) = bias {
+            let n = *shape.last().unwrap_or(&1);
+            if bias.shape() != [n] || bias.dtype() != a.dtype() || !bias.is_contiguous() {
+                return Err(Error::op(
+                    ErrorKind::Shape,
+                    "matmul_epilogue",
+                    format!("the bias must be a contiguous [{n}] of {}, got {}", a.dtype(), bias.ty()),
+                ));
+            }
+        }
+        self.matmul("matmul_epilogue", a, b, false, false, &shape, bias, epilogue)
+    }
+}
+
+impl Backend for CudaBackend {
+    fn device(&self) -> Device {
+        Device::Cuda
+    }
+
+    fn alloc(&self, dtype: DType, numel: usize) -> Result<DeviceStorage> {
+        self.empty(dtype, numel)
+    }
+
+    fn upload(&self, host: &Storage) -> Result<DeviceStorage> {
+        self.upload_storage(host)
+    }
+
+    fn download(&self, storage: &DeviceStorage) -> Result<Storage> {
+        self.download_storage(storage)
+    }
+
+    fn eval(&self, op: &Op, inputs: &[&Tensor], dtype: DType, shape: &[usize]) -> Result<Tensor> {
+        self.eval_op(op, inputs, dtype, shape)
+    }
+
+    fn run_fused(&self, kernel: &FusedKernel, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
+        self.fused(kernel, inputs)
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        self.gpu
+            .synchronize()
+            .map_err(|m| Error::new(ErrorKind::Device, m))
+    }
+
+    fn memory_stats(&self) -> MemoryStats {
+        self.gpu.memory_stats()
+    }
+
+    fn reset_peak(&self) {
+        self.gpu.reset_peak()
+    }
+
+    fn empty_cache(&self) {
+        self.gpu.empty_cache()
+    }
+}
