@@ -4,6 +4,7 @@
 //! Every failure on bad input is one line on stderr (`error: …`) and a
 //! non-zero exit code; parse errors read `GRAPH.tir:LINE:COL: message`.
 
+mod device;
 mod seed_table;
 
 use std::path::{Path, PathBuf};
@@ -79,6 +80,9 @@ struct RunArgs {
     /// inputs are standard normal samples, integer and bool inputs zeros.
     #[arg(long, value_name = "SEED")]
     random_inputs: Option<u64>,
+    /// cpu or cuda: where the inputs are moved and the graph runs.
+    #[arg(long, default_value = "cpu")]
+    device: String,
 }
 
 fn parse_input(arg: &str) -> Result<(String, PathBuf), String> {
@@ -150,9 +154,14 @@ fn run(args: &RunArgs) -> Result<()> {
     if let Some(seed) = args.random_inputs {
         add_random_inputs(&graph, &mut named, seed)?;
     }
-    let inputs = interpret::inputs_by_name(&graph, named)?;
+    let on = device::open(&args.device)?;
+    let inputs = interpret::inputs_by_name(&graph, named)?
+        .iter()
+        .map(|t| t.to(on))
+        .collect::<tessera::Result<Vec<Tensor>>>()?;
     let start = Instant::now();
     let outputs = interpret::run_graph(&graph, &inputs)?;
+    tessera::runtime::device::synchronize(on)?;
     let elapsed = start.elapsed();
     write_outputs(&args.output_dir, &outputs)?;
     println!(
