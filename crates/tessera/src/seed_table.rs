@@ -81,7 +81,8 @@ pub fn sdpa(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool, slices: usize) -> 
 /// Scores above the diagonal set to -inf.
 pub fn causal_mask(s: &Tensor) -> Tensor {
     let n = s.shape()[s.rank() - 1];
-    let keep = Tensor::ones(&[n, n], DType::Bool).tril(0);
+    // The mask is made where the scores are (a no-op scope while tracing).
+    let keep = device::with_device(s.device(), || Tensor::ones(&[n, n], DType::Bool).tril(0));
     Tensor::where_(&keep, s, &Tensor::full(&[], f64::NEG_INFINITY, s.dtype()))
 }
 
