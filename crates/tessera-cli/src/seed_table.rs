@@ -64,7 +64,16 @@ pub fn seed_table(args: &SeedTableArgs) -> Result<()> {
     let rows = seed_table::run(&config, |i, name| {
         bar.set_position(i as u64);
         bar.set_message(name.to_string());
+        // TESSERA_CUDA_PROFILE=1: what the previous scenario spent, by op.
+        let report = tessera_cuda::profile::report(12);
+        if !report.is_empty() {
+            eprintln!("before `{name}`: {report}");
+        }
     })?;
+    let report = tessera_cuda::profile::report(12);
+    if !report.is_empty() {
+        eprintln!("last scenario: {report}");
+    }
     bar.finish_and_clear();
     if args.json {
         for row in &rows {

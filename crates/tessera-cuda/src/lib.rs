@@ -23,6 +23,7 @@ pub mod compiler;
 mod gpu;
 mod matmul;
 mod ops;
+pub mod profile;
 
 use std::sync::{Arc, OnceLock};
 
@@ -123,11 +124,14 @@ impl Backend for CudaBackend {
     }
 
     fn eval(&self, op: &Op, inputs: &[&Tensor], dtype: DType, shape: &[usize]) -> Result<Tensor> {
-        self.eval_op(op, inputs, dtype, shape)
+        profile::timed(self, || op.name().to_string(), inputs, || {
+            self.eval_op(op, inputs, dtype, shape)
+        })
     }
 
     fn run_fused(&self, kernel: &FusedKernel, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
-        self.fused(kernel, inputs)
+        let name = || format!("fused[{} steps]", kernel.steps.len());
+        profile::timed(self, name, inputs, || self.fused(kernel, inputs))
     }
 
     fn synchronize(&self) -> Result<()> {

@@ -201,8 +201,20 @@ impl CudaBackend {
             Op::Reduce { op: r, dims, .. } => {
                 let x = self.on_device(inputs[0])?;
                 let out = self.empty(dtype, shape.iter().product())?;
-                let launch = rows::reduce(*r, x.dtype(), x.layout(), dims, dtype, base(&x), out.ptr(), self.gpu.sms);
-                self.launch(name, &launch)?;
+                let sms = self.gpu.sms;
+                let parts = rows::parts_for(x.layout(), dims, sms);
+                if parts == 1 {
+                    let launch = rows::reduce(*r, x.dtype(), x.layout(), dims, dtype, base(&x), out.ptr(), sms);
+                    self.launch(name, &launch)?;
+                } else {
+                    let n_out: usize = shape.iter().product();
+                    let tmp = self.empty(rows::accumulator(x.dtype()), n_out * parts)?;
+                    let (first, second, _) = rows::reduce_in_parts(
+                        *r, x.dtype(), x.layout(), dims, dtype, parts, base(&x), tmp.ptr(), out.ptr(), sms,
+                    );
+                    self.launch(name, &first)?;
+                    self.launch(name, &second)?;
+                }
                 Ok(Tensor::from_device_storage(out, shape))
             }
             Op::ArgReduce { op: r, dim, .. } => {

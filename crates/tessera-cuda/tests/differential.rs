@@ -124,6 +124,13 @@ fn reductions_softmax_and_arg_reductions() {
     // A long row (block schedule) and a tall column sum (thread schedule).
     let big = randn(&[3, 70000], DType::F32, 4);
     both("long rows", &[big], true, |a| vec![a[0].sum(&[1], false), a[0].softmax(-1)]);
+    // A full reduction of many elements (cut into parts, two launches).
+    for d in FLOATS {
+        let many = randn(&[300, 1000], d, 6);
+        both("full reductions", &[many], true, |a| {
+            vec![a[0].sum(&[], false), a[0].mean(&[], false), a[0].max(&[], false), a[0].min(&[0, 1], true)]
+        });
+    }
     let tall = randn(&[5000, 3000], DType::F32, 5);
     both("tall columns", &[tall], true, |a| vec![a[0].sum(&[0], false), a[0].max(&[0], false)]);
 }
@@ -274,7 +281,7 @@ fn compiled_programs_run_their_kernels_on_the_inputs_device() {
     for d in [DType::F32, DType::BF16] {
         let qkv: Vec<Tensor> = (0..4).map(|s| randn(&[2, 2, 32, 16], d, 40 + s)).collect();
         // A fused chain with a broadcast, a reduction and a matmul.
-        let f = compile(|x: &[Tensor]| vec![((&x[0] * 0.5 + &x[1]).tanh().softmax(-1).matmul(&x[2])).sum(&[1], false)]);
+        let f = compile(|x: &[Tensor]| vec![((&x[0] * 0.5 + &x[1]).tanh().softmax(-1).matmul(&x[2].transpose(-2, -1))).sum(&[1], false)]);
         both(&format!("compiled chain {d}"), &qkv[..3], true, |x| f.call(x));
         // The seed's hinted sliced graph, forward + backward.
         let g = compile(|x: &[Tensor]| {

@@ -11,7 +11,7 @@ use tessera::tensor::Layout;
 use tessera::DType;
 use tessera_cuda::codegen::index::{indexed, triangle, Indexed, Strided};
 use tessera_cuda::codegen::pointwise::{pointwise, Operand, Output};
-use tessera_cuda::codegen::rows::{arg_reduce, reduce, softmax};
+use tessera_cuda::codegen::rows::{arg_reduce, reduce, reduce_in_parts, softmax};
 use tessera_cuda::codegen::{Compute, Launch};
 use tessera_cuda::compiler::compile_uncached;
 
@@ -107,6 +107,8 @@ fn reductions() -> Vec<Launch> {
             // A row reduction (block per row) and a column one (thread per column).
             v.push(reduce(op, d, &Layout::contiguous(&[64, 32]), &[1], d, 0, 0, 132));
             v.push(reduce(op, d, &Layout::contiguous(&[64, 2048]), &[0], d, 0, 0, 132));
+            let (a, b, _) = reduce_in_parts(op, d, &Layout::contiguous(&[1 << 20]), &[0], d, 8, 0, 0, 0, 132);
+            v.extend([a, b]);
         }
         for op in [ArgReduceOp::ArgMax, ArgReduceOp::ArgMin] {
             v.push(arg_reduce(op, d, &Layout::contiguous(&[3, 5]), 1, 0, 0, 132));

@@ -115,6 +115,7 @@ __device__ ACC block_all(ACC v) {
 
 /// `op` over `dims` of the input (`layout`, `dtype`) into a contiguous
 /// output of `out_dtype`.
+#[allow(clippy::too_many_arguments)]
 pub fn reduce(
     op: ReduceOp,
     dtype: DType,
@@ -126,8 +127,81 @@ pub fn reduce(
     sms: u32,
 ) -> Launch {
     let split = Split::new(layout, dims);
+    let scale = (op == ReduceOp::Mean).then(|| 1.0 / split.n_red().max(1) as f64);
+    reduce_impl(op, scale, 1, dtype, &split, Some(out_dtype), x, y, sms)
+}
+
+/// How many parts to cut each output's reduced elements into, so that a
+/// few outputs over many elements still fill the GPU (a full sum over a
+/// billion elements must not be one block's work); 1 when no cut pays.
+pub fn parts_for(layout: &Layout, dims: &[usize], sms: u32) -> usize {
+    let split = Split::new(layout, dims);
+    let (n_out, n_red) = (split.n_out().max(1), split.n_red());
+    if n_out >= sms as usize * 2 || n_red < 1 << 16 || split.columns() {
+        return 1;
+    }
+    (sms as usize * 4)
+        .div_ceil(n_out)
+        .min(n_red / 4096)
+        .max(1)
+}
+
+/// The two launches of a reduction cut into `parts`: partial results (of
+/// the accumulator type, returned) into `tmp` (`n_out × parts`), then their
+/// reduction into `y`.
+#[allow(clippy::too_many_arguments)]
+pub fn reduce_in_parts(
+    op: ReduceOp,
+    dtype: DType,
+    layout: &Layout,
+    dims: &[usize],
+    out_dtype: DType,
+    parts: usize,
+    x: u64,
+    tmp: u64,
+    y: u64,
+    sms: u32,
+) -> (Launch, Launch, DType) {
+    let split = Split::new(layout, dims);
+    let acc = accumulator(dtype);
+    let first = reduce_impl(op, None, parts, dtype, &split, None, x, tmp, sms);
+    // Partial sums are summed; the mean divides by the whole count.
+    let (second_op, scale) = match op {
+        ReduceOp::Mean => (ReduceOp::Sum, Some(1.0 / split.n_red().max(1) as f64)),
+        other => (other, None),
+    };
+    let partials = Split::new(&Layout::contiguous(&[split.n_out(), parts]), &[1]);
+    let second = reduce_impl(second_op, scale, 1, acc, &partials, Some(out_dtype), tmp, y, sms);
+    (first, second, acc)
+}
+
+/// The dtype a reduction of `dtype` accumulates in.
+pub fn accumulator(dtype: DType) -> DType {
+    match Compute::of(dtype) {
+        Compute::F32 => DType::F32,
+        Compute::F64 => DType::F64,
+        Compute::I64 => DType::I64,
+    }
+}
+
+/// A reduction over `split`; with `parts > 1` each output's elements are
+/// cut into that many ranges, one block each, whose partial results (no
+/// scale; `out_dtype` None: the accumulator type) go to `y[o·parts + p]`.
+#[allow(clippy::too_many_arguments)]
+fn reduce_impl(
+    op: ReduceOp,
+    scale: Option<f64>,
+    parts: usize,
+    dtype: DType,
+    split: &Split,
+    out_dtype: Option<DType>,
+    x: u64,
+    y: u64,
+    sms: u32,
+) -> Launch {
     let compute = Compute::of(dtype);
     let acc = compute.c_type();
+    let out_dtype = out_dtype.unwrap_or_else(|| accumulator(dtype));
     let (identity, combine) = match (op, compute.is_float()) {
         (ReduceOp::Sum | ReduceOp::Mean, _) => ("0".to_string(), "((a_) + (b_))"),
         (ReduceOp::Prod, _) => ("1".to_string(), "((a_) * (b_))"),
@@ -138,48 +212,50 @@ pub fn reduce(
     };
     let mut args = Words::default();
     let (k, r) = split.words(&mut args);
-    let scale = if op == ReduceOp::Mean { 1.0 / split.n_red().max(1) as f64 } else { 1.0 };
-    args.float(scale).ptr(x).ptr(y);
+    args.float(scale.unwrap_or(1.0)).int(parts as i64).ptr(x).ptr(y);
     let mut src = prelude(&[dtype, out_dtype]);
     src.push_str(&format!(
         "typedef {acc} ACC;\n#define IDENTITY (({acc}){identity})\n#define COMBINE(a_, b_) {combine}\n{TREE}\
          struct Args {{ long long n_out; long long n_red; long long off; long long kshape[{k}]; long long kstr[{k}]; \
-         long long rshape[{r}]; long long rstr[{r}]; double scale; const void* x; void* y; }};\n"
+         long long rshape[{r}]; long long rstr[{r}]; double scale; long long parts; const void* x; void* y; }};\n"
     ));
     let idx_k = index_type(split.n_out());
     let idx_r = index_type(split.n_red());
     let kept = decompose("o", "kshape", k, &[("base".into(), "kstr".into())], false, idx_k);
     let red = decompose("j", "rshape", r, &[("off".into(), "rstr".into())], false, idx_r);
     let value = load(dtype, compute, "a.x", "off");
-    let finish = if op == ReduceOp::Mean {
-        format!("(ACC)(acc * ({acc})a.scale)")
-    } else {
-        "acc".to_string()
+    let finish = match scale {
+        Some(_) => format!("(ACC)(acc * ({acc})a.scale)"),
+        None => "acc".to_string(),
     };
-    let store = format!("(({}*)a.y)[o] = {};", c_type(out_dtype), convert(out_dtype, compute, &finish));
-    let columns = split.columns();
+    let store = format!("(({}*)a.y)[w] = {};", c_type(out_dtype), convert(out_dtype, compute, &finish));
+    let columns = parts == 1 && split.columns();
     if columns {
         src.push_str(&format!(
             "extern \"C\" __global__ void {ENTRY}(Args a) {{\n\
              for (long long o = (long long)blockIdx.x * blockDim.x + threadIdx.x; o < a.n_out; o += (long long)gridDim.x * blockDim.x) {{\n\
-             long long base = a.off;\n{kept}ACC acc = IDENTITY;\n\
+             long long w = o, base = a.off;\n{kept}ACC acc = IDENTITY;\n\
              for (long long j = 0; j < a.n_red; ++j) {{ long long off = base;\n{red}ACC v = {value}; acc = COMBINE(acc, v); }}\n\
              {store}\n}}\n}}\n"
         ));
     } else {
         src.push_str(&format!(
             "extern \"C\" __global__ void {ENTRY}(Args a) {{\n\
-             for (long long o = blockIdx.x; o < a.n_out; o += gridDim.x) {{\n\
+             long long chunk = (a.n_red + a.parts - 1) / a.parts;\n\
+             for (long long w = blockIdx.x; w < a.n_out * a.parts; w += gridDim.x) {{\n\
+             long long o = w / a.parts, p = w - o * a.parts;\n\
+             long long lo = p * chunk, hi = lo + chunk < a.n_red ? lo + chunk : a.n_red;\n\
              long long base = a.off;\n{kept}ACC acc = IDENTITY;\n\
-             for (long long j = threadIdx.x; j < a.n_red; j += blockDim.x) {{ long long off = base;\n{red}ACC v = {value}; acc = COMBINE(acc, v); }}\n\
+             for (long long j = lo + threadIdx.x; j < hi; j += blockDim.x) {{ long long off = base;\n{red}ACC v = {value}; acc = COMBINE(acc, v); }}\n\
              acc = block_all(acc);\nif (threadIdx.x == 0) {{ {store} }}\n}}\n}}\n"
         ));
     }
     let (grid, block) = if columns {
         (grid_for(split.n_out(), 256, sms), 256)
     } else {
-        let block = block_for(split.n_red());
-        ((split.n_out().max(1)).min(sms as usize * 64) as u32, block)
+        let per = split.n_red().div_ceil(parts.max(1));
+        let block = block_for(per);
+        ((split.n_out().max(1) * parts).min(sms as usize * 64) as u32, block)
     };
     Launch { source: src, args, grid, block }
 }
@@ -312,9 +388,26 @@ mod tests {
     fn mean_scales_by_the_reduced_count_and_bf16_accumulates_in_f32() {
         let l = reduce(ReduceOp::Mean, DType::BF16, &Layout::contiguous(&[3, 10]), &[1], DType::BF16, 1, 2, 132);
         assert!(l.source.contains("typedef float ACC;"));
-        // n_out, n_red, off, kshape, kstr, rshape, rstr, scale, x, y
+        // n_out, n_red, off, kshape, kstr, rshape, rstr, scale, parts, x, y
         assert_eq!(l.args.0[..7], [3, 10, 0, 3, 10, 10, 1]);
         assert_eq!(f64::from_bits(l.args.0[7]), 0.1);
+        assert_eq!(l.args.0[8], 1);
+    }
+
+    #[test]
+    fn a_full_sum_of_many_elements_is_cut_into_parts_and_the_mean_scales_once() {
+        let l = Layout::contiguous(&[1 << 30]);
+        let parts = parts_for(&l, &[0], 132);
+        assert_eq!(parts, 528);
+        let (first, second, acc) = reduce_in_parts(ReduceOp::Mean, DType::BF16, &l, &[0], DType::BF16, parts, 1, 2, 3, 132);
+        assert_eq!(acc, DType::F32);
+        assert_eq!(first.grid, 528);
+        assert_eq!(f64::from_bits(first.args.0[7]), 1.0, "no scale on the partials");
+        assert!(first.source.contains("((float*)a.y)[w] = (float)(acc);"), "{}", first.source);
+        assert_eq!(f64::from_bits(second.args.0[7]), 1.0 / (1u64 << 30) as f64);
+        assert!(second.source.contains("__float2bfloat16_rn"));
+        // Many outputs: no cut.
+        assert_eq!(parts_for(&Layout::contiguous(&[4096, 512]), &[1], 132), 1);
     }
 
     #[test]
