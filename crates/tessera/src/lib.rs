@@ -12,6 +12,7 @@
 
 pub mod autograd;
 pub mod compile;
+pub mod custom_op;
 pub mod error;
 pub mod fusion;
 pub mod hints;
