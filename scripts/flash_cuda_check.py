@@ -36,9 +36,11 @@ DEFAULT_CU = os.path.join(HERE, "..", "crates", "tessera-cuda", "kernels", "flas
 
 TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}
 TN = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
-# Configurations the .cu instantiates: fwd (warps, key tile), bwd (warps, query tile).
-FWD_CFGS = {64: [(8, 64), (4, 64)], 128: [(8, 64), (4, 64), (4, 32)]}
-BWD_CFGS = {64: [(8, 64), (4, 64)], 128: [(8, 64), (8, 32), (4, 64)]}
+# Configurations the .cu instantiates: fwd (warps, key tile), bwd (warps, query tile) for
+# the mma.sync kernels; ("gN", key tile) and ("wg", 64) for the sm_90a wgmma kernels
+# (N warpgroups of 64 query rows; the wgmma backward has 2 warpgroups x 64 keys).
+FWD_CFGS = {64: [(8, 64), (4, 64)], 128: [("g2", 64), ("g3", 64), ("g2", 128), (8, 64), (4, 64)]}
+BWD_CFGS = {64: [(8, 64), (4, 64)], 128: [("wg", 64), (8, 32), (8, 64)]}
 F32_DIMS = [32, 64, 96, 128, 160, 192, 224, 256]
 LOG2E = 1.4426950408889634
 
@@ -52,7 +54,7 @@ class Flash:
 
     def __init__(self, src):
         t0 = time.perf_counter()
-        self.mod = cp.RawModule(code=src, options=("-arch=sm_90", "-std=c++17",
+        self.mod = cp.RawModule(code=src, options=("-arch=sm_90a", "-std=c++17",
                                                    "-I/usr/local/cuda/include"))
         self.mod.compile()
         self.compile_s = time.perf_counter() - t0
@@ -87,10 +89,17 @@ class Flash:
                                np.int32(nq), np.int32(nk), sl, np.int32(causal)), shared_mem=smem)
         else:
             w, bc = cfg or FWD_CFGS[D][0]
-            smem = (16 * w * (D + 8) + 4 * bc * (D + 8)) * 2
-            grid = ((nq + 16 * w - 1) // (16 * w), B * H)
-            self.fn(f"flash_fwd_{tn}_d{D}_w{w}_c{bc}", smem)(
-                grid, (32 * w,), (self.p(q), self.p(k), self.p(v), self.p(out), self.p(lse),
+            if isinstance(w, str):  # wgmma: w = "gN", N warpgroups of 64 rows
+                br, threads = 64 * int(w[1:]), 128 * int(w[1:])
+                smem = (br * D + 4 * bc * D) * 2
+                name = f"flash_fwd_wg_{tn}_d{D}_{w}_c{bc}"
+            else:
+                br, threads = 16 * w, 32 * w
+                smem = (16 * w * (D + 8) + 4 * bc * (D + 8)) * 2
+                name = f"flash_fwd_{tn}_d{D}_w{w}_c{bc}"
+            grid = ((nq + br - 1) // br, B * H)
+            self.fn(name, smem)(
+                grid, (threads,), (self.p(q), self.p(k), self.p(v), self.p(out), self.p(lse),
                                   np.int32(nq), np.int32(nk), sl, np.int32(causal)),
                 shared_mem=smem)
         return out, lse
@@ -130,11 +139,17 @@ class Flash:
             self.fn(f"flash_bwd_pre_{tn}_d{D}", 0)(
                 ((rows + 7) // 8,), (256,), (self.p(out), self.p(dout), self.p(delta),
                                              self.p(ws), np.int64(rows)))
-            bc = 16 * w
-            smem = (2 * bc * (D + 8) + 4 * br * (D + 8) + bc * (br + 8)) * 2 + 16 * br
+            if w == "wg":
+                bc, threads = 128, 256
+                smem = (2 * bc * D + 4 * br * D + bc * br) * 2 + 16 * br
+                name = f"flash_bwd_wg_{tn}_d{D}"
+            else:
+                bc, threads = 16 * w, 32 * w
+                smem = (2 * bc * (D + 8) + 4 * br * (D + 8) + bc * (br + 8)) * 2 + 16 * br
+                name = f"flash_bwd_{tn}_d{D}_w{w}_r{br}"
             if nk > 0:
-                self.fn(f"flash_bwd_{tn}_d{D}_w{w}_r{br}", smem)(
-                    ((nk + bc - 1) // bc, B * H), (32 * w,),
+                self.fn(name, smem)(
+                    ((nk + bc - 1) // bc, B * H), (threads,),
                     (self.p(q), self.p(k), self.p(v), self.p(dout), self.p(lse), self.p(delta),
                      self.p(ws), self.p(dk), self.p(dv), np.int32(nq), np.int32(nk), s, sl,
                      np.int32(causal)), shared_mem=smem)

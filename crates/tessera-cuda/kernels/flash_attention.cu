@@ -604,6 +604,455 @@ __device__ __forceinline__ void bwd_tc(const T* __restrict__ Q, const T* __restr
   }
 }
 
+
+// ---------------------------------------------------------------------------------
+// Hopper warpgroup MMA (wgmma, sm_90a only), head dim 128
+// ---------------------------------------------------------------------------------
+//
+// A warpgroup (4 consecutive warps) multiplies a 64-row A by a B read straight from
+// shared memory. Tiles are kept in shared memory in the "core matrix" layout the
+// instruction reads without swizzling: 8 rows x 16 bytes stored contiguously (128 B),
+// core matrix (row/8, col/8) of a [rows][C] tile at ((row/8) * (C/8) + col/8) * 128 B.
+// A descriptor names the first core matrix, LBO = the byte step between core matrices
+// along K and SBO = the step along M/N, for K-major and MN-major (transposed) operands
+// alike. The accumulator fragment of warp w in the group covers rows 16w..16w+15 in the
+// mma.sync C layout per 8 columns, and a register A operand has the mma.sync A layout,
+// so the softmax code is shared with the kernels above.
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define TF_HAVE_WGMMA 1
+
+template <typename T>
+struct Tag {};
+
+__device__ __forceinline__ unsigned long long gmma_desc(const void* p, u32 lbo_bytes,
+                                                        u32 sbo_bytes) {
+  unsigned long long a = smem_addr(p);
+  return ((a & 0x3FFFFull) >> 4) | ((unsigned long long)(lbo_bytes >> 4) << 16) |
+         ((unsigned long long)(sbo_bytes >> 4) << 32);
+}
+__device__ __forceinline__ void wg_fence() {
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void wg_commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void wg_wait_all() {
+  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+}
+// Generic-proxy writes to shared memory (st.shared, cp.async) become visible to the
+// tensor cores' async proxy only after this fence in the writing thread (then a barrier).
+__device__ __forceinline__ void fence_proxy_async() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+// Keep the accumulator registers from being reordered across the asynchronous MMA.
+template <int N>
+__device__ __forceinline__ void reg_fence(float (&d)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+template <int TA, int TB>
+__device__ __forceinline__ void wg_ss_n64(Tag<__nv_bfloat16>, float (&d)[32], unsigned long long da,
+                                          unsigned long long db, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, %32, %33, p, 1, 1, %35, %36;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "l"(da), "l"(db), "r"(scale_d), "n"(TA), "n"(TB));
+}
+template <int TA, int TB>
+__device__ __forceinline__ void wg_ss_n128(Tag<__nv_bfloat16>, float (&d)[64], unsigned long long da,
+                                          unsigned long long db, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, %64, %65, p, 1, 1, %67, %68;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(da), "l"(db), "r"(scale_d), "n"(TA), "n"(TB));
+}
+template <int TB>
+__device__ __forceinline__ void wg_rs_n128(Tag<__nv_bfloat16>, float (&d)[64], const u32 (&a)[4],
+                                          unsigned long long db, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, {%64,%65,%66,%67}, %68, p, 1, 1, %70;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d), "n"(TB));
+}
+template <int TA, int TB>
+__device__ __forceinline__ void wg_ss_n64(Tag<__half>, float (&d)[32], unsigned long long da,
+                                          unsigned long long db, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, %32, %33, p, 1, 1, %35, %36;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "l"(da), "l"(db), "r"(scale_d), "n"(TA), "n"(TB));
+}
+template <int TA, int TB>
+__device__ __forceinline__ void wg_ss_n128(Tag<__half>, float (&d)[64], unsigned long long da,
+                                          unsigned long long db, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, %64, %65, p, 1, 1, %67, %68;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(da), "l"(db), "r"(scale_d), "n"(TA), "n"(TB));
+}
+template <int TB>
+__device__ __forceinline__ void wg_rs_n128(Tag<__half>, float (&d)[64], const u32 (&a)[4],
+                                          unsigned long long db, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, {%64,%65,%66,%67}, %68, p, 1, 1, %70;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d), "n"(TB));
+}
+
+// Copy rows [row0, row0 + ROWS) of a row-major [n_rows, C] matrix into a core-matrix
+// tile (zeros past n_rows). Eight consecutive threads fill one 128-byte core matrix.
+template <typename T, int ROWS, int C, int THREADS>
+__device__ __forceinline__ void load_tile_cm(T* s, const T* g, int row0, int n_rows, int tid) {
+  constexpr int CH = C / 8;
+  constexpr int TOTAL = ROWS * CH;
+#pragma unroll
+  for (int it = 0; it < (TOTAL + THREADS - 1) / THREADS; ++it) {
+    const int i = it * THREADS + tid;
+    if (TOTAL % THREADS != 0 && i >= TOTAL) break;
+    const int r8 = i & 7, rest = i >> 3;
+    const int c8 = rest % CH, rg = rest / CH;
+    const int r = rg * 8 + r8;
+    const bool ok = row0 + r < n_rows;
+    cp_async16(s + (rg * CH + c8) * 64 + r8 * 8, g + (size_t)(ok ? row0 + r : 0) * C + c8 * 8,
+               ok);
+  }
+}
+
+// Forward: NWG warpgroups of 64 query rows each share K/V tiles of BC keys (D = 128).
+template <typename T, int NWG, int BC>
+__device__ __forceinline__ void fwd_wg(const T* __restrict__ Q, const T* __restrict__ K,
+                                       const T* __restrict__ V, T* __restrict__ O,
+                                       float* __restrict__ LSE, int nq, int nk,
+                                       float scale_log2, int causal) {
+  constexpr int D = 128, BR = 64 * NWG, THREADS = 128 * NWG;
+  constexpr u32 ROWG = (D / 8) * 128;  // bytes between 8-row groups of a [.][D] tile
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  T* sQ = reinterpret_cast<T*>(smem_raw);
+  T* sK = sQ + BR * D;
+  T* sV = sK + 2 * BC * D;
+
+  const int tid = threadIdx.x, wg = tid / 128, warp = (tid % 128) / 32, lane = tid % 32;
+  const int qb = gridDim.x - 1 - blockIdx.x;
+  const size_t bh = blockIdx.y;
+  const int q0 = qb * BR;
+  const T* Kb = K + bh * nk * D;
+  const T* Vb = V + bh * nk * D;
+  const int kv_end = causal ? min(nk, q0 + BR) : nk;
+  const int n_tiles = (kv_end + BC - 1) / BC;
+
+  load_tile_cm<T, BR, D, THREADS>(sQ, Q + bh * nq * D, q0, nq, tid);
+  if (n_tiles > 0) {
+    load_tile_cm<T, BC, D, THREADS>(sK, Kb, 0, nk, tid);
+    load_tile_cm<T, BC, D, THREADS>(sV, Vb, 0, nk, tid);
+  }
+  cp_async_commit();
+
+  float o[D / 2];
+#pragma unroll
+  for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
+  float m_run[2] = {-TF_INF, -TF_INF};
+  float l_run[2] = {0.f, 0.f};
+  const int row_a = q0 + wg * 64 + warp * 16 + lane / 4;
+  const T* qw = sQ + wg * 64 * D;  // this warpgroup's 64 rows (8 row groups)
+
+  for (int j = 0; j < n_tiles; ++j) {
+    cp_async_wait_all();
+    fence_proxy_async();
+    __syncthreads();
+    if (j + 1 < n_tiles) {
+      const int nb = (j + 1) & 1;
+      load_tile_cm<T, BC, D, THREADS>(sK + nb * BC * D, Kb, (j + 1) * BC, nk, tid);
+      load_tile_cm<T, BC, D, THREADS>(sV + nb * BC * D, Vb, (j + 1) * BC, nk, tid);
+    }
+    cp_async_commit();
+    const T* kt = sK + (j & 1) * BC * D;
+    const T* vt = sV + (j & 1) * BC * D;
+
+    float s[BC / 2];
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      // A = Q rows (K-major), B = K rows (K-major): next core matrix along K is +128 B.
+      const unsigned long long da = gmma_desc(qw + kk * 128, 128, ROWG);
+      const unsigned long long db = gmma_desc(kt + kk * 128, 128, ROWG);
+      if constexpr (BC == 64) wg_ss_n64<0, 0>(Tag<T>(), s, da, db, kk);
+      else wg_ss_n128<0, 0>(Tag<T>(), s, da, db, kk);
+    }
+    wg_commit();
+    wg_wait_all();
+    reg_fence(s);
+
+    const int key0 = j * BC;
+    const bool need_mask = (key0 + BC > nk) || (causal && key0 + BC - 1 > q0);
+#pragma unroll
+    for (int nt = 0; nt < BC / 8; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float x = s[4 * nt + e] * scale_log2;
+        if (need_mask) {
+          const int key = key0 + nt * 8 + 2 * (lane % 4) + (e & 1);
+          const int row = row_a + (e >> 1) * 8;
+          if (key >= nk || (causal && key > row)) x = -TF_INF;
+        }
+        s[4 * nt + e] = x;
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float mx = -TF_INF;
+#pragma unroll
+      for (int nt = 0; nt < BC / 8; ++nt)
+        mx = fmaxf(mx, fmaxf(s[4 * nt + 2 * r], s[4 * nt + 2 * r + 1]));
+      mx = quad_max(mx);
+      const float m_new = fmaxf(m_run[r], mx);
+      const float m_use = (m_new == -TF_INF) ? 0.f : m_new;
+      const float alpha = exp2f(m_run[r] - m_use);
+      float sum = 0.f;
+#pragma unroll
+      for (int nt = 0; nt < BC / 8; ++nt) {
+        const float p0 = exp2f(s[4 * nt + 2 * r] - m_use);
+        const float p1 = exp2f(s[4 * nt + 2 * r + 1] - m_use);
+        s[4 * nt + 2 * r] = p0;
+        s[4 * nt + 2 * r + 1] = p1;
+        sum += p0 + p1;
+      }
+      l_run[r] = l_run[r] * alpha + sum;
+      m_run[r] = m_new;
+#pragma unroll
+      for (int dn = 0; dn < D / 8; ++dn) {
+        o[4 * dn + 2 * r] *= alpha;
+        o[4 * dn + 2 * r + 1] *= alpha;
+      }
+    }
+
+    // O += P V: A = P from registers, B = V (k = key, n = d) read N-major.
+    u32 pa[BC / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < BC / 16; ++kk) {
+      pa[kk][0] = Mma<T>::pack(s[8 * kk + 0], s[8 * kk + 1]);
+      pa[kk][1] = Mma<T>::pack(s[8 * kk + 2], s[8 * kk + 3]);
+      pa[kk][2] = Mma<T>::pack(s[8 * kk + 4], s[8 * kk + 5]);
+      pa[kk][3] = Mma<T>::pack(s[8 * kk + 6], s[8 * kk + 7]);
+    }
+    reg_fence(o);
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < BC / 16; ++kk) {
+      // Two key groups per k step: along K (keys) the step is a row group, along N (d)
+      // it is one core matrix.
+      const unsigned long long db = gmma_desc(vt + kk * 2 * (ROWG / 2), ROWG, 128);
+      wg_rs_n128<1>(Tag<T>(), o, pa[kk], db, 1);
+    }
+    wg_commit();
+    wg_wait_all();
+    reg_fence(o);
+  }
+
+  T* Ob = O + bh * nq * D;
+  float* Lb = LSE + bh * nq;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const float l = quad_sum(l_run[r]);
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    const int row = row_a + r * 8;
+    if (row < nq) {
+#pragma unroll
+      for (int dn = 0; dn < D / 8; ++dn) {
+        const u32 v = Mma<T>::pack(o[4 * dn + 2 * r] * inv, o[4 * dn + 2 * r + 1] * inv);
+        *reinterpret_cast<u32*>(Ob + (size_t)row * D + dn * 8 + 2 * (lane % 4)) = v;
+      }
+      if (lane % 4 == 0) Lb[row] = l > 0.f ? (m_run[r] + log2f(l)) * TF_LN2 : -TF_INF;
+    }
+  }
+}
+
+// Backward (D = 128): 2 warpgroups x 64 keys per block, query tiles of 64 rows.
+template <typename T>
+__device__ __forceinline__ void bwd_wg(const T* __restrict__ Q, const T* __restrict__ K,
+                                       const T* __restrict__ V, const T* __restrict__ dO,
+                                       const float* __restrict__ LSE,
+                                       const float* __restrict__ Delta,
+                                       float* __restrict__ dq_acc, T* __restrict__ dK,
+                                       T* __restrict__ dV, int nq, int nk, float scale,
+                                       float scale_log2, int causal) {
+  constexpr int D = 128, BC = 128, BR = 64, THREADS = 256;
+  constexpr u32 ROWG = (D / 8) * 128;   // row-group step of a [.][D] tile, bytes
+  constexpr u32 SROWG = (BR / 8) * 128;  // row-group step of the dS^T tile [BC][BR]
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  T* sK = reinterpret_cast<T*>(smem_raw);
+  T* sV = sK + BC * D;
+  T* sQ = sV + BC * D;        // [2][BR][D]
+  T* sdO = sQ + 2 * BR * D;   // [2][BR][D]
+  T* sdS = sdO + 2 * BR * D;  // [BC][BR], dS^T
+  float* sL = reinterpret_cast<float*>(sdS + BC * BR);
+  float* sDl = sL + 2 * BR;
+
+  const int tid = threadIdx.x, wg = tid / 128, warp = (tid % 128) / 32, lane = tid % 32;
+  const int k0 = blockIdx.x * BC;
+  const size_t bh = blockIdx.y;
+  const T* Qb = Q + bh * nq * D;
+  const T* dOb = dO + bh * nq * D;
+  const float* Lb = LSE + bh * nq;
+  const float* Db = Delta + bh * nq;
+  float* dqb = dq_acc + bh * nq * D;
+  const int i_begin = causal ? (k0 / BR) : 0;
+  const int i_end = (nq + BR - 1) / BR;
+
+  load_tile_cm<T, BC, D, THREADS>(sK, K + bh * nk * D, k0, nk, tid);
+  load_tile_cm<T, BC, D, THREADS>(sV, V + bh * nk * D, k0, nk, tid);
+  auto stage_q = [&](int i, int buf) {
+    load_tile_cm<T, BR, D, THREADS>(sQ + buf * BR * D, Qb, i * BR, nq, tid);
+    load_tile_cm<T, BR, D, THREADS>(sdO + buf * BR * D, dOb, i * BR, nq, tid);
+    if (tid < BR) {
+      const int q = i * BR + tid;
+      sL[buf * BR + tid] = q < nq ? Lb[q] * TF_LOG2E : TF_INF;
+      sDl[buf * BR + tid] = q < nq ? Db[q] : 0.f;
+    }
+  };
+  if (i_begin < i_end) stage_q(i_begin, 0);
+  cp_async_commit();
+
+  float dk[D / 2], dv[D / 2];
+#pragma unroll
+  for (int i = 0; i < D / 2; ++i) dk[i] = dv[i] = 0.f;
+  const int key_a = k0 + wg * 64 + warp * 16 + lane / 4;
+  const T* kw = sK + wg * 64 * D;
+  const T* vw = sV + wg * 64 * D;
+
+  for (int i = i_begin; i < i_end; ++i) {
+    const int buf = (i - i_begin) & 1;
+    cp_async_wait_all();
+    fence_proxy_async();
+    __syncthreads();
+    if (i + 1 < i_end) stage_q(i + 1, buf ^ 1);
+    cp_async_commit();
+    const T* qt = sQ + buf * BR * D;
+    const T* gt = sdO + buf * BR * D;
+    const float* lt = sL + buf * BR;
+    const float* dt = sDl + buf * BR;
+    const int qrow0 = i * BR;
+
+    // S^T = K Q^T, dP^T = V dO^T (this warpgroup's 64 keys x 64 queries).
+    float s[BR / 2], dp[BR / 2];
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      wg_ss_n64<0, 0>(Tag<T>(), s, gmma_desc(kw + kk * 128, 128, ROWG),
+                      gmma_desc(qt + kk * 128, 128, ROWG), kk);
+      wg_ss_n64<0, 0>(Tag<T>(), dp, gmma_desc(vw + kk * 128, 128, ROWG),
+                      gmma_desc(gt + kk * 128, 128, ROWG), kk);
+    }
+    wg_commit();
+    wg_wait_all();
+    reg_fence(s);
+    reg_fence(dp);
+
+    const bool need_mask = (k0 + BC > nk) || (causal && k0 + BC - 1 > qrow0);
+#pragma unroll
+    for (int nt = 0; nt < BR / 8; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int qc = nt * 8 + 2 * (lane % 4) + (e & 1);
+        float p = exp2f(s[4 * nt + e] * scale_log2 - lt[qc]);
+        if (need_mask) {
+          const int key = key_a + (e >> 1) * 8;
+          if (key >= nk || (causal && key > qrow0 + qc)) p = 0.f;
+        }
+        s[4 * nt + e] = p;
+        dp[4 * nt + e] = p * (dp[4 * nt + e] - dt[qc]);
+      }
+    }
+
+    // dS^T into its core-matrix tile for the dQ product.
+    {
+      const int kl = wg * 64 + warp * 16 + lane / 4;  // key row within the block
+#pragma unroll
+      for (int nt = 0; nt < BR / 8; ++nt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int kr = kl + 8 * h;
+          *reinterpret_cast<u32*>(sdS + ((kr >> 3) * (BR / 8) + nt) * 64 + (kr & 7) * 8 +
+                                  2 * (lane % 4)) =
+              Mma<T>::pack(dp[4 * nt + 2 * h], dp[4 * nt + 2 * h + 1]);
+        }
+    }
+
+    // dV += P^T dO, dK += dS^T Q (A from registers, B N-major).
+    u32 pa[BR / 16][4], sa[BR / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < BR / 16; ++kk) {
+#pragma unroll
+      for (int x = 0; x < 4; ++x) {
+        pa[kk][x] = Mma<T>::pack(s[8 * kk + 2 * x], s[8 * kk + 2 * x + 1]);
+        sa[kk][x] = Mma<T>::pack(dp[8 * kk + 2 * x], dp[8 * kk + 2 * x + 1]);
+      }
+    }
+    reg_fence(dv);
+    reg_fence(dk);
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < BR / 16; ++kk) {
+      wg_rs_n128<1>(Tag<T>(), dv, pa[kk], gmma_desc(gt + kk * 2 * (ROWG / 2), ROWG, 128), 1);
+      wg_rs_n128<1>(Tag<T>(), dk, sa[kk], gmma_desc(qt + kk * 2 * (ROWG / 2), ROWG, 128), 1);
+    }
+    wg_commit();
+    fence_proxy_async();  // dS^T stores -> async proxy
+    wg_wait_all();
+    reg_fence(dv);
+    reg_fence(dk);
+    __syncthreads();
+
+    // dQ_i += dS K: warpgroup wg takes d columns [64 wg, 64 wg + 64). A = dS read
+    // M-major from the dS^T tile, B = K (k = key, n = d) read N-major.
+    float dq[32];
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < BC / 16; ++kk) {
+      wg_ss_n64<1, 1>(Tag<T>(), dq, gmma_desc(sdS + kk * 2 * (SROWG / 2), SROWG, 128),
+                      gmma_desc(sK + kk * 2 * (ROWG / 2) + wg * 8 * 64, ROWG, 128), kk);
+    }
+    wg_commit();
+    wg_wait_all();
+    reg_fence(dq);
+    const int qa = qrow0 + warp * 16 + lane / 4;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int q = qa + 8 * h;
+      if (q < nq) {
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt)
+          red_add_v2(dqb + (size_t)q * D + wg * 64 + nt * 8 + 2 * (lane % 4), dq[4 * nt + 2 * h],
+                     dq[4 * nt + 2 * h + 1]);
+      }
+    }
+  }
+
+  T* dKb = dK + bh * nk * D;
+  T* dVb = dV + bh * nk * D;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int key = key_a + 8 * h;
+    if (key < nk) {
+#pragma unroll
+      for (int dn = 0; dn < D / 8; ++dn) {
+        const size_t off = (size_t)key * D + dn * 8 + 2 * (lane % 4);
+        *reinterpret_cast<u32*>(dKb + off) =
+            Mma<T>::pack(dk[4 * dn + 2 * h] * scale, dk[4 * dn + 2 * h + 1] * scale);
+        *reinterpret_cast<u32*>(dVb + off) = Mma<T>::pack(dv[4 * dn + 2 * h], dv[4 * dn + 2 * h + 1]);
+      }
+    }
+  }
+}
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL
+
 // ---------------------------------------------------------------------------------
 // f32 on CUDA cores
 // ---------------------------------------------------------------------------------
@@ -919,3 +1368,33 @@ TF_F32(160)
 TF_F32(192)
 TF_F32(224)
 TF_F32(256)
+
+// wgmma kernels exist only in an sm_90a compilation.
+#if defined(TF_HAVE_WGMMA)
+#define TF_WG(TN, T)                                                                      \
+  extern "C" __global__ void __launch_bounds__(256)                                       \
+      flash_fwd_wg_##TN##_d128_g2_c64(const T* q, const T* k, const T* v, T* o, float* lse, \
+                                      int nq, int nk, float scale_log2, int causal) {     \
+    tessera_flash::fwd_wg<T, 2, 64>(q, k, v, o, lse, nq, nk, scale_log2, causal);         \
+  }                                                                                       \
+  extern "C" __global__ void __launch_bounds__(384)                                       \
+      flash_fwd_wg_##TN##_d128_g3_c64(const T* q, const T* k, const T* v, T* o, float* lse, \
+                                      int nq, int nk, float scale_log2, int causal) {     \
+    tessera_flash::fwd_wg<T, 3, 64>(q, k, v, o, lse, nq, nk, scale_log2, causal);         \
+  }                                                                                       \
+  extern "C" __global__ void __launch_bounds__(256)                                       \
+      flash_fwd_wg_##TN##_d128_g2_c128(const T* q, const T* k, const T* v, T* o,          \
+                                       float* lse, int nq, int nk, float scale_log2,      \
+                                       int causal) {                                      \
+    tessera_flash::fwd_wg<T, 2, 128>(q, k, v, o, lse, nq, nk, scale_log2, causal);        \
+  }                                                                                       \
+  extern "C" __global__ void __launch_bounds__(256) flash_bwd_wg_##TN##_d128(             \
+      const T* q, const T* k, const T* v, const T* d_o, const float* lse,                 \
+      const float* delta, float* dq_acc, T* dk, T* dv, int nq, int nk, float scale,       \
+      float scale_log2, int causal) {                                                     \
+    tessera_flash::bwd_wg<T>(q, k, v, d_o, lse, delta, dq_acc, dk, dv, nq, nk, scale,     \
+                             scale_log2, causal);                                         \
+  }
+TF_WG(bf16, __nv_bfloat16)
+TF_WG(f16, __half)
+#endif
