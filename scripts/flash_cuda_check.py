@@ -39,7 +39,11 @@ TN = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
 # Configurations the .cu instantiates: fwd (warps, key tile), bwd (warps, query tile) for
 # the mma.sync kernels; ("gN", key tile) and ("wg", 64) for the sm_90a wgmma kernels
 # (N warpgroups of 64 query rows; the wgmma backward has 2 warpgroups x 64 keys).
-FWD_CFGS = {64: [(8, 64), (4, 64)], 128: [("g2", 64), ("g3", 64), ("g2", 128), (8, 64), (4, 64)]}
+FWD_CFGS = {64: [(8, 64), (4, 64)],
+            128: [("p2", 64), ("p3", 64), ("g2", 64), ("g3", 64), ("o2", 64), ("g4", 64),
+                  ("g2", 128), (8, 64), (4, 64)]}
+# Backward variants timed only (they compute a wrong dQ on purpose): stage costs.
+BWD_DIAG = [("wg_diag1", 64), ("wg_diag2", 64)]
 BWD_CFGS = {64: [(8, 64), (4, 64)], 128: [("wg", 64), (8, 32), (8, 64)]}
 F32_DIMS = [32, 64, 96, 128, 160, 192, 224, 256]
 LOG2E = 1.4426950408889634
@@ -139,10 +143,10 @@ class Flash:
             self.fn(f"flash_bwd_pre_{tn}_d{D}", 0)(
                 ((rows + 7) // 8,), (256,), (self.p(out), self.p(dout), self.p(delta),
                                              self.p(ws), np.int64(rows)))
-            if w == "wg":
+            if isinstance(w, str):  # "wg" or a diagnostic "wg_diagN"
                 bc, threads = 128, 256
                 smem = (2 * bc * D + 4 * br * D + bc * br) * 2 + 16 * br
-                name = f"flash_bwd_wg_{tn}_d{D}"
+                name = f"flash_bwd_{w}_{tn}_d{D}" if w != "wg" else f"flash_bwd_wg_{tn}_d{D}"
             else:
                 bc, threads = 16 * w, 32 * w
                 smem = (2 * bc * (D + 8) + 4 * br * (D + 8) + bc * (br + 8)) * 2 + 16 * br
@@ -319,19 +323,30 @@ def timings(fl, reps, results):
         log(f"torch SDPA fwd+bwd causal={causal}: {t_torch[0]:.3f} / {t_torch[1]:.3f} ms "
             f"({flops / fdiv / t_torch[0] / 1e9:.0f} TFLOP/s)")
         results.append(dict(what="torch_sdpa", causal=causal, ms=t_torch))
+        # Each forward and each backward configuration alone, then the best pair together.
+        t_fwd = {}
         for fc in FWD_CFGS[D]:
-            for bc in BWD_CFGS[D]:
-                def step():
-                    fl.fwd(q, k, v, causal, scale, fc, out, lse)
-                    fl.bwd(q, k, v, out, dout, lse, causal, scale, bc, bufs)
-                t_all = median_ms(step, reps)
-                t_f = median_ms(lambda: fl.fwd(q, k, v, causal, scale, fc, out, lse), reps)
-                t_b = median_ms(lambda: fl.bwd(q, k, v, out, dout, lse, causal, scale, bc, bufs), reps)
-                log(f"tessera fwd{fc} bwd{bc} causal={causal}: fwd+bwd {t_all:.3f} ms "
-                    f"(fwd {t_f:.3f}, bwd {t_b:.3f}; {flops / fdiv / t_all / 1e9:.0f} TFLOP/s) "
-                    f"ratio to torch {t_all / t_torch[0]:.2f}")
-                results.append(dict(what="tessera", causal=causal, fwd_cfg=fc, bwd_cfg=bc,
-                                    ms=t_all, fwd_ms=t_f, bwd_ms=t_b, torch_ms=t_torch[0]))
+            t_fwd[fc] = median_ms(lambda: fl.fwd(q, k, v, causal, scale, fc, out, lse), reps)
+            log(f"tessera fwd{fc} causal={causal}: {t_fwd[fc]:.3f} ms "
+                f"({flops / 3.5 / fdiv / t_fwd[fc] / 1e9:.0f} TFLOP/s)")
+        fl.fwd(q, k, v, causal, scale, None, out, lse)
+        t_bwd = {}
+        for bc in BWD_CFGS[D] + BWD_DIAG:
+            t_bwd[bc] = median_ms(lambda: fl.bwd(q, k, v, out, dout, lse, causal, scale, bc, bufs), reps)
+            log(f"tessera bwd{bc} causal={causal}: {t_bwd[bc]:.3f} ms "
+                f"({flops * 2.5 / 3.5 / fdiv / t_bwd[bc] / 1e9:.0f} TFLOP/s)")
+        fc = min(t_fwd, key=t_fwd.get)
+        bc = min((b for b in BWD_CFGS[D]), key=t_bwd.get)
+        for pair in ((fc, bc), (FWD_CFGS[D][0], BWD_CFGS[D][0]), ((4, 64), (8, 32))):
+            def step():
+                fl.fwd(q, k, v, causal, scale, pair[0], out, lse)
+                fl.bwd(q, k, v, out, dout, lse, causal, scale, pair[1], bufs)
+            t_all = [median_ms(step, reps) for _ in range(2)]
+            log(f"tessera fwd{pair[0]} bwd{pair[1]} causal={causal}: fwd+bwd {t_all[0]:.3f} / "
+                f"{t_all[1]:.3f} ms ({flops / fdiv / t_all[0] / 1e9:.0f} TFLOP/s) "
+                f"ratio to torch {t_all[0] / t_torch[0]:.2f}")
+            results.append(dict(what="tessera", causal=causal, fwd_cfg=pair[0], bwd_cfg=pair[1],
+                                ms=t_all, torch_ms=t_torch[0]))
         # Which backend torch's default is: each one timed on its own.
         from torch.nn.attention import SDPBackend, sdpa_kernel
         for be in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION,

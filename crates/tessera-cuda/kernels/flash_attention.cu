@@ -726,6 +726,58 @@ __device__ __forceinline__ void load_tile_cm(T* s, const T* g, int row0, int n_r
   }
 }
 
+// One online-softmax step on a warpgroup accumulator tile S (BC keys starting at key0):
+// scale into the log2 domain, mask, update the running max/sum, rescale O, and leave
+// P in S. Shared by both wgmma forward variants.
+template <int BC, int D>
+__device__ __forceinline__ void wg_softmax_step(float (&s)[BC / 2], float (&o)[D / 2],
+                                                float (&m_run)[2], float (&l_run)[2], int key0,
+                                                int nk, int q0, int row_a, int lane,
+                                                float scale_log2, int causal) {
+    const bool need_mask = (key0 + BC > nk) || (causal && key0 + BC - 1 > q0);
+#pragma unroll
+    for (int nt = 0; nt < BC / 8; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float x = s[4 * nt + e] * scale_log2;
+        if (need_mask) {
+          const int key = key0 + nt * 8 + 2 * (lane % 4) + (e & 1);
+          const int row = row_a + (e >> 1) * 8;
+          if (key >= nk || (causal && key > row)) x = -TF_INF;
+        }
+        s[4 * nt + e] = x;
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float mx = -TF_INF;
+#pragma unroll
+      for (int nt = 0; nt < BC / 8; ++nt)
+        mx = fmaxf(mx, fmaxf(s[4 * nt + 2 * r], s[4 * nt + 2 * r + 1]));
+      mx = quad_max(mx);
+      const float m_new = fmaxf(m_run[r], mx);
+      const float m_use = (m_new == -TF_INF) ? 0.f : m_new;
+      const float alpha = exp2f(m_run[r] - m_use);
+      float sum = 0.f;
+#pragma unroll
+      for (int nt = 0; nt < BC / 8; ++nt) {
+        const float p0 = exp2f(s[4 * nt + 2 * r] - m_use);
+        const float p1 = exp2f(s[4 * nt + 2 * r + 1] - m_use);
+        s[4 * nt + 2 * r] = p0;
+        s[4 * nt + 2 * r + 1] = p1;
+        sum += p0 + p1;
+      }
+      l_run[r] = l_run[r] * alpha + sum;
+      m_run[r] = m_new;
+#pragma unroll
+      for (int dn = 0; dn < D / 8; ++dn) {
+        o[4 * dn + 2 * r] *= alpha;
+        o[4 * dn + 2 * r + 1] *= alpha;
+      }
+    }
+
+}
+
 // Forward: NWG warpgroups of 64 query rows each share K/V tiles of BC keys (D = 128).
 template <typename T, int NWG, int BC>
 __device__ __forceinline__ void fwd_wg(const T* __restrict__ Q, const T* __restrict__ K,
@@ -790,48 +842,7 @@ __device__ __forceinline__ void fwd_wg(const T* __restrict__ Q, const T* __restr
     wg_wait_all();
     reg_fence(s);
 
-    const int key0 = j * BC;
-    const bool need_mask = (key0 + BC > nk) || (causal && key0 + BC - 1 > q0);
-#pragma unroll
-    for (int nt = 0; nt < BC / 8; ++nt) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float x = s[4 * nt + e] * scale_log2;
-        if (need_mask) {
-          const int key = key0 + nt * 8 + 2 * (lane % 4) + (e & 1);
-          const int row = row_a + (e >> 1) * 8;
-          if (key >= nk || (causal && key > row)) x = -TF_INF;
-        }
-        s[4 * nt + e] = x;
-      }
-    }
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float mx = -TF_INF;
-#pragma unroll
-      for (int nt = 0; nt < BC / 8; ++nt)
-        mx = fmaxf(mx, fmaxf(s[4 * nt + 2 * r], s[4 * nt + 2 * r + 1]));
-      mx = quad_max(mx);
-      const float m_new = fmaxf(m_run[r], mx);
-      const float m_use = (m_new == -TF_INF) ? 0.f : m_new;
-      const float alpha = exp2f(m_run[r] - m_use);
-      float sum = 0.f;
-#pragma unroll
-      for (int nt = 0; nt < BC / 8; ++nt) {
-        const float p0 = exp2f(s[4 * nt + 2 * r] - m_use);
-        const float p1 = exp2f(s[4 * nt + 2 * r + 1] - m_use);
-        s[4 * nt + 2 * r] = p0;
-        s[4 * nt + 2 * r + 1] = p1;
-        sum += p0 + p1;
-      }
-      l_run[r] = l_run[r] * alpha + sum;
-      m_run[r] = m_new;
-#pragma unroll
-      for (int dn = 0; dn < D / 8; ++dn) {
-        o[4 * dn + 2 * r] *= alpha;
-        o[4 * dn + 2 * r + 1] *= alpha;
-      }
-    }
+    wg_softmax_step<BC, D>(s, o, m_run, l_run, j * BC, nk, q0, row_a, lane, scale_log2, causal);
 
     // O += P V: A = P from registers, B = V (k = key, n = d) read N-major.
     u32 pa[BC / 16][4];
@@ -874,8 +885,134 @@ __device__ __forceinline__ void fwd_wg(const T* __restrict__ Q, const T* __restr
   }
 }
 
+
+// The same forward with the next tile's S = Q K^T in flight while the softmax of the
+// current tile runs (K/V tiles prefetched one ahead; S for tile j+1 issued before the
+// softmax of tile j).
+template <typename T, int NWG, int BC>
+__device__ __forceinline__ void fwd_wg_pipe(const T* __restrict__ Q, const T* __restrict__ K,
+                                            const T* __restrict__ V, T* __restrict__ O,
+                                            float* __restrict__ LSE, int nq, int nk,
+                                            float scale_log2, int causal) {
+  constexpr int D = 128, BR = 64 * NWG, THREADS = 128 * NWG;
+  constexpr u32 ROWG = (D / 8) * 128;
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  T* sQ = reinterpret_cast<T*>(smem_raw);
+  T* sK = sQ + BR * D;
+  T* sV = sK + 2 * BC * D;
+
+  const int tid = threadIdx.x, wg = tid / 128, warp = (tid % 128) / 32, lane = tid % 32;
+  const int qb = gridDim.x - 1 - blockIdx.x;
+  const size_t bh = blockIdx.y;
+  const int q0 = qb * BR;
+  const T* Kb = K + bh * nk * D;
+  const T* Vb = V + bh * nk * D;
+  const int kv_end = causal ? min(nk, q0 + BR) : nk;
+  const int n_tiles = (kv_end + BC - 1) / BC;
+  const T* qw = sQ + wg * 64 * D;
+
+  load_tile_cm<T, BR, D, THREADS>(sQ, Q + bh * nq * D, q0, nq, tid);
+  if (n_tiles > 0) {
+    load_tile_cm<T, BC, D, THREADS>(sK, Kb, 0, nk, tid);
+    load_tile_cm<T, BC, D, THREADS>(sV, Vb, 0, nk, tid);
+  }
+  cp_async_commit();
+  if (n_tiles > 1) {
+    load_tile_cm<T, BC, D, THREADS>(sK + BC * D, Kb, BC, nk, tid);
+    load_tile_cm<T, BC, D, THREADS>(sV + BC * D, Vb, BC, nk, tid);
+  }
+  cp_async_commit();
+  cp_async_wait_one();
+  fence_proxy_async();
+  __syncthreads();
+
+  float o[D / 2];
+#pragma unroll
+  for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
+  float m_run[2] = {-TF_INF, -TF_INF};
+  float l_run[2] = {0.f, 0.f};
+  const int row_a = q0 + wg * 64 + warp * 16 + lane / 4;
+
+  auto issue_s = [&](float (&acc)[BC / 2], const T* kt) {
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      const unsigned long long da = gmma_desc(qw + kk * 128, 128, ROWG);
+      const unsigned long long db = gmma_desc(kt + kk * 128, 128, ROWG);
+      if constexpr (BC == 64) wg_ss_n64<0, 0>(Tag<T>(), acc, da, db, kk);
+      else wg_ss_n128<0, 0>(Tag<T>(), acc, da, db, kk);
+    }
+  };
+
+  float s[BC / 2];
+  if (n_tiles > 0) {
+    wg_fence();
+    issue_s(s, sK);
+    wg_commit();
+    wg_wait_all();
+    reg_fence(s);
+  }
+  for (int j = 0; j < n_tiles; ++j) {
+    const bool has_next = j + 1 < n_tiles;
+    float sn[BC / 2];
+    if (has_next) {
+      cp_async_wait_all();
+      fence_proxy_async();
+      __syncthreads();  // tile j+1 visible to every warpgroup
+      wg_fence();
+      issue_s(sn, sK + ((j + 1) & 1) * BC * D);
+      wg_commit();
+    }
+    wg_softmax_step<BC, D>(s, o, m_run, l_run, j * BC, nk, q0, row_a, lane, scale_log2, causal);
+    u32 pa[BC / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < BC / 16; ++kk) {
+      pa[kk][0] = Mma<T>::pack(s[8 * kk + 0], s[8 * kk + 1]);
+      pa[kk][1] = Mma<T>::pack(s[8 * kk + 2], s[8 * kk + 3]);
+      pa[kk][2] = Mma<T>::pack(s[8 * kk + 4], s[8 * kk + 5]);
+      pa[kk][3] = Mma<T>::pack(s[8 * kk + 6], s[8 * kk + 7]);
+    }
+    const T* vt = sV + (j & 1) * BC * D;
+    reg_fence(o);
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < BC / 16; ++kk)
+      wg_rs_n128<1>(Tag<T>(), o, pa[kk], gmma_desc(vt + kk * 2 * (ROWG / 2), ROWG, 128), 1);
+    wg_commit();
+    wg_wait_all();
+    reg_fence(o);
+    if (has_next) {
+      reg_fence(sn);
+#pragma unroll
+      for (int i = 0; i < BC / 2; ++i) s[i] = sn[i];
+    }
+    if (j + 2 < n_tiles) {
+      __syncthreads();  // every warpgroup is done with buffer j & 1
+      load_tile_cm<T, BC, D, THREADS>(sK + (j & 1) * BC * D, Kb, (j + 2) * BC, nk, tid);
+      load_tile_cm<T, BC, D, THREADS>(sV + (j & 1) * BC * D, Vb, (j + 2) * BC, nk, tid);
+    }
+    cp_async_commit();
+  }
+
+  T* Ob = O + bh * nq * D;
+  float* Lb = LSE + bh * nq;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const float l = quad_sum(l_run[r]);
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    const int row = row_a + r * 8;
+    if (row < nq) {
+#pragma unroll
+      for (int dn = 0; dn < D / 8; ++dn) {
+        const u32 v = Mma<T>::pack(o[4 * dn + 2 * r] * inv, o[4 * dn + 2 * r + 1] * inv);
+        *reinterpret_cast<u32*>(Ob + (size_t)row * D + dn * 8 + 2 * (lane % 4)) = v;
+      }
+      if (lane % 4 == 0) Lb[row] = l > 0.f ? (m_run[r] + log2f(l)) * TF_LN2 : -TF_INF;
+    }
+  }
+}
+
 // Backward (D = 128): 2 warpgroups x 64 keys per block, query tiles of 64 rows.
-template <typename T>
+template <typename T, int DIAG = 0>
 __device__ __forceinline__ void bwd_wg(const T* __restrict__ Q, const T* __restrict__ K,
                                        const T* __restrict__ V, const T* __restrict__ dO,
                                        const float* __restrict__ LSE,
@@ -1005,14 +1142,18 @@ __device__ __forceinline__ void bwd_wg(const T* __restrict__ Q, const T* __restr
     }
     wg_commit();
     fence_proxy_async();  // dS^T stores -> async proxy
-    wg_wait_all();
-    reg_fence(dv);
-    reg_fence(dk);
+    // dV/dK stay in flight across the barrier and the dQ issue; one wait covers both.
     __syncthreads();
 
     // dQ_i += dS K: warpgroup wg takes d columns [64 wg, 64 wg + 64). A = dS read
     // M-major from the dS^T tile, B = K (k = key, n = d) read N-major.
     float dq[32];
+    if (DIAG == 2) {  // timing diagnostic: no dQ product
+      wg_wait_all();
+      reg_fence(dv);
+      reg_fence(dk);
+      continue;
+    }
     wg_fence();
 #pragma unroll
     for (int kk = 0; kk < BC / 16; ++kk) {
@@ -1022,11 +1163,13 @@ __device__ __forceinline__ void bwd_wg(const T* __restrict__ Q, const T* __restr
     wg_commit();
     wg_wait_all();
     reg_fence(dq);
+    reg_fence(dv);
+    reg_fence(dk);
     const int qa = qrow0 + warp * 16 + lane / 4;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int q = qa + 8 * h;
-      if (q < nq) {
+      if (q < nq && DIAG == 0) {
 #pragma unroll
         for (int nt = 0; nt < 8; ++nt)
           red_add_v2(dqb + (size_t)q * D + wg * 64 + nt * 8 + 2 * (lane % 4), dq[4 * nt + 2 * h],
@@ -1382,6 +1525,26 @@ TF_F32(256)
                                       int nq, int nk, float scale_log2, int causal) {     \
     tessera_flash::fwd_wg<T, 3, 64>(q, k, v, o, lse, nq, nk, scale_log2, causal);         \
   }                                                                                       \
+  extern "C" __global__ void __launch_bounds__(256, 2)                                    \
+      flash_fwd_wg_##TN##_d128_o2_c64(const T* q, const T* k, const T* v, T* o, float* lse, \
+                                      int nq, int nk, float scale_log2, int causal) {     \
+    tessera_flash::fwd_wg<T, 2, 64>(q, k, v, o, lse, nq, nk, scale_log2, causal);         \
+  }                                                                                       \
+  extern "C" __global__ void __launch_bounds__(512, 1)                                    \
+      flash_fwd_wg_##TN##_d128_g4_c64(const T* q, const T* k, const T* v, T* o, float* lse, \
+                                      int nq, int nk, float scale_log2, int causal) {     \
+    tessera_flash::fwd_wg<T, 4, 64>(q, k, v, o, lse, nq, nk, scale_log2, causal);         \
+  }                                                                                       \
+  extern "C" __global__ void __launch_bounds__(256)                                       \
+      flash_fwd_wg_##TN##_d128_p2_c64(const T* q, const T* k, const T* v, T* o, float* lse, \
+                                      int nq, int nk, float scale_log2, int causal) {     \
+    tessera_flash::fwd_wg_pipe<T, 2, 64>(q, k, v, o, lse, nq, nk, scale_log2, causal);    \
+  }                                                                                       \
+  extern "C" __global__ void __launch_bounds__(384)                                       \
+      flash_fwd_wg_##TN##_d128_p3_c64(const T* q, const T* k, const T* v, T* o, float* lse, \
+                                      int nq, int nk, float scale_log2, int causal) {     \
+    tessera_flash::fwd_wg_pipe<T, 3, 64>(q, k, v, o, lse, nq, nk, scale_log2, causal);    \
+  }                                                                                       \
   extern "C" __global__ void __launch_bounds__(256)                                       \
       flash_fwd_wg_##TN##_d128_g2_c128(const T* q, const T* k, const T* v, T* o,          \
                                        float* lse, int nq, int nk, float scale_log2,      \
@@ -1396,5 +1559,22 @@ TF_F32(256)
                              scale_log2, causal);                                         \
   }
 TF_WG(bf16, __nv_bfloat16)
+// Timing diagnostics (wrong dQ on purpose): 1 = no dQ atomics, 2 = no dQ product.
+extern "C" __global__ void __launch_bounds__(256) flash_bwd_wg_diag1_bf16_d128(
+    const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
+    const __nv_bfloat16* d_o, const float* lse, const float* delta, float* dq_acc,
+    __nv_bfloat16* dk, __nv_bfloat16* dv, int nq, int nk, float scale, float scale_log2,
+    int causal) {
+  tessera_flash::bwd_wg<__nv_bfloat16, 1>(q, k, v, d_o, lse, delta, dq_acc, dk, dv, nq, nk,
+                                          scale, scale_log2, causal);
+}
+extern "C" __global__ void __launch_bounds__(256) flash_bwd_wg_diag2_bf16_d128(
+    const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
+    const __nv_bfloat16* d_o, const float* lse, const float* delta, float* dq_acc,
+    __nv_bfloat16* dk, __nv_bfloat16* dv, int nq, int nk, float scale, float scale_log2,
+    int causal) {
+  tessera_flash::bwd_wg<__nv_bfloat16, 2>(q, k, v, d_o, lse, delta, dq_acc, dk, dv, nq, nk,
+                                          scale, scale_log2, causal);
+}
 TF_WG(f16, __half)
 #endif
