@@ -128,6 +128,12 @@ __device__ __forceinline__ void red_add_v2(float* p, float a, float b) {
                : "memory");
 }
 
+__device__ __forceinline__ void red_add_v4(float* p, float a, float b, float c, float d) {
+  asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(p), "f"(a), "f"(b),
+               "f"(c), "f"(d)
+               : "memory");
+}
+
 __device__ __forceinline__ float quad_max(float x) {
   x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
   return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
@@ -886,133 +892,46 @@ __device__ __forceinline__ void fwd_wg(const T* __restrict__ Q, const T* __restr
 }
 
 
-// The same forward with the next tile's S = Q K^T in flight while the softmax of the
-// current tile runs (K/V tiles prefetched one ahead; S for tile j+1 issued before the
-// softmax of tile j).
-template <typename T, int NWG, int BC>
-__device__ __forceinline__ void fwd_wg_pipe(const T* __restrict__ Q, const T* __restrict__ K,
-                                            const T* __restrict__ V, T* __restrict__ O,
-                                            float* __restrict__ LSE, int nq, int nk,
-                                            float scale_log2, int causal) {
-  constexpr int D = 128, BR = 64 * NWG, THREADS = 128 * NWG;
-  constexpr u32 ROWG = (D / 8) * 128;
-  extern __shared__ __align__(128) unsigned char smem_raw[];
-  T* sQ = reinterpret_cast<T*>(smem_raw);
-  T* sK = sQ + BR * D;
-  T* sV = sK + 2 * BC * D;
-
-  const int tid = threadIdx.x, wg = tid / 128, warp = (tid % 128) / 32, lane = tid % 32;
-  const int qb = gridDim.x - 1 - blockIdx.x;
-  const size_t bh = blockIdx.y;
-  const int q0 = qb * BR;
-  const T* Kb = K + bh * nk * D;
-  const T* Vb = V + bh * nk * D;
-  const int kv_end = causal ? min(nk, q0 + BR) : nk;
-  const int n_tiles = (kv_end + BC - 1) / BC;
-  const T* qw = sQ + wg * 64 * D;
-
-  load_tile_cm<T, BR, D, THREADS>(sQ, Q + bh * nq * D, q0, nq, tid);
-  if (n_tiles > 0) {
-    load_tile_cm<T, BC, D, THREADS>(sK, Kb, 0, nk, tid);
-    load_tile_cm<T, BC, D, THREADS>(sV, Vb, 0, nk, tid);
-  }
-  cp_async_commit();
-  if (n_tiles > 1) {
-    load_tile_cm<T, BC, D, THREADS>(sK + BC * D, Kb, BC, nk, tid);
-    load_tile_cm<T, BC, D, THREADS>(sV + BC * D, Vb, BC, nk, tid);
-  }
-  cp_async_commit();
-  cp_async_wait_one();
-  fence_proxy_async();
-  __syncthreads();
-
-  float o[D / 2];
+// Backward (D = 128): 2 warpgroups x 64 keys per block, query tiles of 64 rows.
+// Adds a warpgroup's 64 x 64 dQ accumulator tile (queries q0.., columns 64*wg..) to the
+// f32 workspace. VEC = 2: one v2 reduction per accumulator pair; VEC = 4: lanes t and
+// t^1 swap halves first so that each lane adds four adjacent columns of one row, half
+// the number of reductions.
+template <int VEC, int DIAG>
+__device__ __forceinline__ void dq_atomic_add(const float (&dq)[32], float* dqb, int q0, int nq,
+                                              int wg, int warp, int lane) {
+  if (DIAG != 0) return;
+  const int qa = q0 + warp * 16 + lane / 4;
+  if (VEC == 2) {
 #pragma unroll
-  for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
-  float m_run[2] = {-TF_INF, -TF_INF};
-  float l_run[2] = {0.f, 0.f};
-  const int row_a = q0 + wg * 64 + warp * 16 + lane / 4;
-
-  auto issue_s = [&](float (&acc)[BC / 2], const T* kt) {
+    for (int h = 0; h < 2; ++h) {
+      const int q = qa + 8 * h;
+      if (q < nq) {
 #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      const unsigned long long da = gmma_desc(qw + kk * 128, 128, ROWG);
-      const unsigned long long db = gmma_desc(kt + kk * 128, 128, ROWG);
-      if constexpr (BC == 64) wg_ss_n64<0, 0>(Tag<T>(), acc, da, db, kk);
-      else wg_ss_n128<0, 0>(Tag<T>(), acc, da, db, kk);
-    }
-  };
-
-  float s[BC / 2];
-  if (n_tiles > 0) {
-    wg_fence();
-    issue_s(s, sK);
-    wg_commit();
-    wg_wait_all();
-    reg_fence(s);
-  }
-  for (int j = 0; j < n_tiles; ++j) {
-    const bool has_next = j + 1 < n_tiles;
-    float sn[BC / 2];
-    if (has_next) {
-      cp_async_wait_all();
-      fence_proxy_async();
-      __syncthreads();  // tile j+1 visible to every warpgroup
-      wg_fence();
-      issue_s(sn, sK + ((j + 1) & 1) * BC * D);
-      wg_commit();
-    }
-    wg_softmax_step<BC, D>(s, o, m_run, l_run, j * BC, nk, q0, row_a, lane, scale_log2, causal);
-    u32 pa[BC / 16][4];
-#pragma unroll
-    for (int kk = 0; kk < BC / 16; ++kk) {
-      pa[kk][0] = Mma<T>::pack(s[8 * kk + 0], s[8 * kk + 1]);
-      pa[kk][1] = Mma<T>::pack(s[8 * kk + 2], s[8 * kk + 3]);
-      pa[kk][2] = Mma<T>::pack(s[8 * kk + 4], s[8 * kk + 5]);
-      pa[kk][3] = Mma<T>::pack(s[8 * kk + 6], s[8 * kk + 7]);
-    }
-    const T* vt = sV + (j & 1) * BC * D;
-    reg_fence(o);
-    wg_fence();
-#pragma unroll
-    for (int kk = 0; kk < BC / 16; ++kk)
-      wg_rs_n128<1>(Tag<T>(), o, pa[kk], gmma_desc(vt + kk * 2 * (ROWG / 2), ROWG, 128), 1);
-    wg_commit();
-    wg_wait_all();
-    reg_fence(o);
-    if (has_next) {
-      reg_fence(sn);
-#pragma unroll
-      for (int i = 0; i < BC / 2; ++i) s[i] = sn[i];
-    }
-    if (j + 2 < n_tiles) {
-      __syncthreads();  // every warpgroup is done with buffer j & 1
-      load_tile_cm<T, BC, D, THREADS>(sK + (j & 1) * BC * D, Kb, (j + 2) * BC, nk, tid);
-      load_tile_cm<T, BC, D, THREADS>(sV + (j & 1) * BC * D, Vb, (j + 2) * BC, nk, tid);
-    }
-    cp_async_commit();
-  }
-
-  T* Ob = O + bh * nq * D;
-  float* Lb = LSE + bh * nq;
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const float l = quad_sum(l_run[r]);
-    const float inv = l > 0.f ? 1.f / l : 0.f;
-    const int row = row_a + r * 8;
-    if (row < nq) {
-#pragma unroll
-      for (int dn = 0; dn < D / 8; ++dn) {
-        const u32 v = Mma<T>::pack(o[4 * dn + 2 * r] * inv, o[4 * dn + 2 * r + 1] * inv);
-        *reinterpret_cast<u32*>(Ob + (size_t)row * D + dn * 8 + 2 * (lane % 4)) = v;
+        for (int nt = 0; nt < 8; ++nt)
+          red_add_v2(dqb + (size_t)q * 128 + wg * 64 + nt * 8 + 2 * (lane % 4), dq[4 * nt + 2 * h],
+                     dq[4 * nt + 2 * h + 1]);
       }
-      if (lane % 4 == 0) Lb[row] = l > 0.f ? (m_run[r] + log2f(l)) * TF_LN2 : -TF_INF;
+    }
+  } else {
+    const bool odd = lane & 1;
+    const int q = odd ? qa + 8 : qa;
+    const int col = wg * 64 + 2 * ((lane % 4) & ~1);
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+      const float a0 = dq[4 * nt], a1 = dq[4 * nt + 1], b0 = dq[4 * nt + 2], b1 = dq[4 * nt + 3];
+      const float r0 = __shfl_xor_sync(0xffffffffu, odd ? a0 : b0, 1);
+      const float r1 = __shfl_xor_sync(0xffffffffu, odd ? a1 : b1, 1);
+      if (q < nq) {
+        float* p = dqb + (size_t)q * 128 + col + nt * 8;
+        if (odd) red_add_v4(p, r0, r1, b0, b1);
+        else red_add_v4(p, a0, a1, r0, r1);
+      }
     }
   }
 }
 
-// Backward (D = 128): 2 warpgroups x 64 keys per block, query tiles of 64 rows.
-template <typename T, int DIAG = 0>
+template <typename T, int VEC = 4, bool DEFER = true, int DIAG = 0>
 __device__ __forceinline__ void bwd_wg(const T* __restrict__ Q, const T* __restrict__ K,
                                        const T* __restrict__ V, const T* __restrict__ dO,
                                        const float* __restrict__ LSE,
@@ -1063,6 +982,10 @@ __device__ __forceinline__ void bwd_wg(const T* __restrict__ Q, const T* __restr
   const int key_a = k0 + wg * 64 + warp * 16 + lane / 4;
   const T* kw = sK + wg * 64 * D;
   const T* vw = sV + wg * 64 * D;
+  // DEFER: the dQ tile of one iteration is added to the workspace during the next
+  // iteration's S/dP products, so the atomics overlap tensor-core work.
+  float dq_prev[32];
+  int q_prev = -1;
 
   for (int i = i_begin; i < i_end; ++i) {
     const int buf = (i - i_begin) & 1;
@@ -1088,6 +1011,9 @@ __device__ __forceinline__ void bwd_wg(const T* __restrict__ Q, const T* __restr
                       gmma_desc(gt + kk * 128, 128, ROWG), kk);
     }
     wg_commit();
+    if (DEFER && q_prev >= 0) {
+      dq_atomic_add<VEC, DIAG>(dq_prev, dqb, q_prev, nq, wg, warp, lane);
+    }
     wg_wait_all();
     reg_fence(s);
     reg_fence(dp);
@@ -1165,18 +1091,15 @@ __device__ __forceinline__ void bwd_wg(const T* __restrict__ Q, const T* __restr
     reg_fence(dq);
     reg_fence(dv);
     reg_fence(dk);
-    const int qa = qrow0 + warp * 16 + lane / 4;
+    if (DEFER) {
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int q = qa + 8 * h;
-      if (q < nq && DIAG == 0) {
-#pragma unroll
-        for (int nt = 0; nt < 8; ++nt)
-          red_add_v2(dqb + (size_t)q * D + wg * 64 + nt * 8 + 2 * (lane % 4), dq[4 * nt + 2 * h],
-                     dq[4 * nt + 2 * h + 1]);
-      }
+      for (int x = 0; x < 32; ++x) dq_prev[x] = dq[x];
+      q_prev = qrow0;
+    } else {
+      dq_atomic_add<VEC, DIAG>(dq, dqb, qrow0, nq, wg, warp, lane);
     }
   }
+  if (DEFER && q_prev >= 0) dq_atomic_add<VEC, DIAG>(dq_prev, dqb, q_prev, nq, wg, warp, lane);
 
   T* dKb = dK + bh * nk * D;
   T* dVb = dV + bh * nk * D;
@@ -1536,16 +1459,6 @@ TF_F32(256)
     tessera_flash::fwd_wg<T, 4, 64>(q, k, v, o, lse, nq, nk, scale_log2, causal);         \
   }                                                                                       \
   extern "C" __global__ void __launch_bounds__(256)                                       \
-      flash_fwd_wg_##TN##_d128_p2_c64(const T* q, const T* k, const T* v, T* o, float* lse, \
-                                      int nq, int nk, float scale_log2, int causal) {     \
-    tessera_flash::fwd_wg_pipe<T, 2, 64>(q, k, v, o, lse, nq, nk, scale_log2, causal);    \
-  }                                                                                       \
-  extern "C" __global__ void __launch_bounds__(384)                                       \
-      flash_fwd_wg_##TN##_d128_p3_c64(const T* q, const T* k, const T* v, T* o, float* lse, \
-                                      int nq, int nk, float scale_log2, int causal) {     \
-    tessera_flash::fwd_wg_pipe<T, 3, 64>(q, k, v, o, lse, nq, nk, scale_log2, causal);    \
-  }                                                                                       \
-  extern "C" __global__ void __launch_bounds__(256)                                       \
       flash_fwd_wg_##TN##_d128_g2_c128(const T* q, const T* k, const T* v, T* o,          \
                                        float* lse, int nq, int nk, float scale_log2,      \
                                        int causal) {                                      \
@@ -1559,22 +1472,20 @@ TF_F32(256)
                              scale_log2, causal);                                         \
   }
 TF_WG(bf16, __nv_bfloat16)
-// Timing diagnostics (wrong dQ on purpose): 1 = no dQ atomics, 2 = no dQ product.
-extern "C" __global__ void __launch_bounds__(256) flash_bwd_wg_diag1_bf16_d128(
-    const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
-    const __nv_bfloat16* d_o, const float* lse, const float* delta, float* dq_acc,
-    __nv_bfloat16* dk, __nv_bfloat16* dv, int nq, int nk, float scale, float scale_log2,
-    int causal) {
-  tessera_flash::bwd_wg<__nv_bfloat16, 1>(q, k, v, d_o, lse, delta, dq_acc, dk, dv, nq, nk,
-                                          scale, scale_log2, causal);
-}
-extern "C" __global__ void __launch_bounds__(256) flash_bwd_wg_diag2_bf16_d128(
-    const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
-    const __nv_bfloat16* d_o, const float* lse, const float* delta, float* dq_acc,
-    __nv_bfloat16* dk, __nv_bfloat16* dv, int nq, int nk, float scale, float scale_log2,
-    int causal) {
-  tessera_flash::bwd_wg<__nv_bfloat16, 2>(q, k, v, d_o, lse, delta, dq_acc, dk, dv, nq, nk,
-                                          scale, scale_log2, causal);
-}
 TF_WG(f16, __half)
+// Timing variants of the backward (bf16): v2 / v4 reductions, deferred or not, and
+// diag = no dQ product at all (wrong dQ on purpose, to price the dQ stage).
+#define TF_BWD_WG_VAR(NAME, VEC, DEFER, DIAG)                                             \
+  extern "C" __global__ void __launch_bounds__(256) NAME(                                 \
+      const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,             \
+      const __nv_bfloat16* d_o, const float* lse, const float* delta, float* dq_acc,      \
+      __nv_bfloat16* dk, __nv_bfloat16* dv, int nq, int nk, float scale, float scale_log2, \
+      int causal) {                                                                       \
+    tessera_flash::bwd_wg<__nv_bfloat16, VEC, DEFER, DIAG>(                               \
+        q, k, v, d_o, lse, delta, dq_acc, dk, dv, nq, nk, scale, scale_log2, causal);     \
+  }
+TF_BWD_WG_VAR(flash_bwd_wg_v2_bf16_d128, 2, false, 0)
+TF_BWD_WG_VAR(flash_bwd_wg_v4_bf16_d128, 4, false, 0)
+TF_BWD_WG_VAR(flash_bwd_wg_v2d_bf16_d128, 2, true, 0)
+TF_BWD_WG_VAR(flash_bwd_wg_diag_bf16_d128, 4, false, 2)
 #endif
