@@ -44,7 +44,7 @@ FWD_CFGS = {64: [(8, 64), (4, 64)],
 # Backward variants timed only (they compute a wrong dQ on purpose): stage costs.
 BWD_DIAG = [("wg_diag", 64)]
 BWD_CFGS = {64: [(8, 64), (4, 64)],
-            128: [("wg", 64), ("wg_v4", 64), ("wg_v2", 64), ("wg_v2d", 64), (8, 32), (8, 64)]}
+            128: [("wg2", 64), ("wg", 64), (8, 32), (8, 64)]}
 F32_DIMS = [32, 64, 96, 128, 160, 192, 224, 256]
 LOG2E = 1.4426950408889634
 
@@ -143,17 +143,22 @@ class Flash:
             self.fn(f"flash_bwd_pre_{tn}_d{D}", 0)(
                 ((rows + 7) // 8,), (256,), (self.p(out), self.p(dout), self.p(delta),
                                              self.p(ws), np.int64(rows)))
-            if isinstance(w, str):  # "wg" or a diagnostic "wg_diagN"
+            if isinstance(w, str):  # "wg", "wg2" (cluster pairs) or a diagnostic "wg_diag"
                 bc, threads = 128, 256
                 smem = (2 * bc * D + 4 * br * D + bc * br) * 2 + 16 * br
-                name = f"flash_bwd_{w}_{tn}_d{D}" if w != "wg" else f"flash_bwd_wg_{tn}_d{D}"
+                if w == "wg2":
+                    smem += 2 * br * (D + 8) * 4
+                name = f"flash_bwd_{w}_{tn}_d{D}"
             else:
                 bc, threads = 16 * w, 32 * w
                 smem = (2 * bc * (D + 8) + 4 * br * (D + 8) + bc * (br + 8)) * 2 + 16 * br
                 name = f"flash_bwd_{tn}_d{D}_w{w}_r{br}"
+            nblk = (nk + bc - 1) // bc
+            if w == "wg2":
+                nblk += nblk % 2  # whole cluster pairs
             if nk > 0:
                 self.fn(name, smem)(
-                    ((nk + bc - 1) // bc, B * H), (threads,),
+                    (nblk, B * H), (threads,),
                     (self.p(q), self.p(k), self.p(v), self.p(dout), self.p(lse), self.p(delta),
                      self.p(ws), self.p(dk), self.p(dv), np.int32(nq), np.int32(nk), s, sl,
                      np.int32(causal)), shared_mem=smem)

@@ -134,6 +134,14 @@ __device__ __forceinline__ void red_add_v4(float* p, float a, float b, float c, 
                : "memory");
 }
 
+// 2^x on the special-function unit (flushes subnormal results to zero, which the
+// softmax never needs: they are below 2^-126 of the row maximum).
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
 __device__ __forceinline__ float quad_max(float x) {
   x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
   return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
@@ -292,12 +300,12 @@ __device__ __forceinline__ void fwd_tc(const T* __restrict__ Q, const T* __restr
       float m_new = fmaxf(m_run[r], mx);
       // A row with every key masked so far keeps m = -inf; subtract 0 then (no NaN).
       float m_use = (m_new == -TF_INF) ? 0.f : m_new;
-      float alpha = exp2f(m_run[r] - m_use);
+      float alpha = fast_exp2(m_run[r] - m_use);
       float sum = 0.f;
 #pragma unroll
       for (int nt = 0; nt < BC / 8; ++nt) {
-        float p0 = exp2f(s[nt][2 * r] - m_use);
-        float p1 = exp2f(s[nt][2 * r + 1] - m_use);
+        float p0 = fast_exp2(s[nt][2 * r] - m_use);
+        float p1 = fast_exp2(s[nt][2 * r + 1] - m_use);
         s[nt][2 * r] = p0;
         s[nt][2 * r + 1] = p1;
         sum += p0 + p1;
@@ -511,7 +519,7 @@ __device__ __forceinline__ void bwd_tc(const T* __restrict__ Q, const T* __restr
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int qc = nt * 8 + 2 * (lane % 4) + (e & 1);
-        float p = exp2f(s[nt][e] * scale_log2 - lt[qc]);
+        float p = fast_exp2(s[nt][e] * scale_log2 - lt[qc]);
         if (need_mask) {
           int key = key_a + (e >> 1) * 8;
           if (key >= nk || (causal && key > qrow0 + qc)) p = 0.f;
@@ -651,6 +659,33 @@ __device__ __forceinline__ void fence_proxy_async() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
+// Thread block clusters: this block's rank, the cluster-wide barrier (also a block
+// barrier, with release/acquire ordering of shared memory), and a peer block's shared
+// memory (distributed shared memory).
+__device__ __forceinline__ u32 cluster_rank() {
+  u32 r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+  return r;
+}
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile(
+      "barrier.cluster.arrive.release.aligned;\n"
+      "barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ u32 cluster_map(u32 smem, u32 rank) {
+  u32 r;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(smem), "r"(rank));
+  return r;
+}
+__device__ __forceinline__ float4 ld_cluster_f4(u32 addr) {
+  float4 v;
+  asm volatile("ld.shared::cluster.v4.f32 {%0,%1,%2,%3}, [%4];\n"
+               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+               : "r"(addr)
+               : "memory");
+  return v;
+}
+
 // Keep the accumulator registers from being reordered across the asynchronous MMA.
 template <int N>
 __device__ __forceinline__ void reg_fence(float (&d)[N]) {
@@ -763,12 +798,12 @@ __device__ __forceinline__ void wg_softmax_step(float (&s)[BC / 2], float (&o)[D
       mx = quad_max(mx);
       const float m_new = fmaxf(m_run[r], mx);
       const float m_use = (m_new == -TF_INF) ? 0.f : m_new;
-      const float alpha = exp2f(m_run[r] - m_use);
+      const float alpha = fast_exp2(m_run[r] - m_use);
       float sum = 0.f;
 #pragma unroll
       for (int nt = 0; nt < BC / 8; ++nt) {
-        const float p0 = exp2f(s[4 * nt + 2 * r] - m_use);
-        const float p1 = exp2f(s[4 * nt + 2 * r + 1] - m_use);
+        const float p0 = fast_exp2(s[4 * nt + 2 * r] - m_use);
+        const float p1 = fast_exp2(s[4 * nt + 2 * r + 1] - m_use);
         s[4 * nt + 2 * r] = p0;
         s[4 * nt + 2 * r + 1] = p1;
         sum += p0 + p1;
@@ -894,44 +929,28 @@ __device__ __forceinline__ void fwd_wg(const T* __restrict__ Q, const T* __restr
 
 // Backward (D = 128): 2 warpgroups x 64 keys per block, query tiles of 64 rows.
 // Adds a warpgroup's 64 x 64 dQ accumulator tile (queries q0.., columns 64*wg..) to the
-// f32 workspace. VEC = 2: one v2 reduction per accumulator pair; VEC = 4: lanes t and
-// t^1 swap halves first so that each lane adds four adjacent columns of one row, half
-// the number of reductions.
-template <int VEC, int DIAG>
+// f32 workspace. Lanes t and t^1 swap halves first so that each lane adds four adjacent
+// columns of one row with one v4 reduction.
 __device__ __forceinline__ void dq_atomic_add(const float (&dq)[32], float* dqb, int q0, int nq,
                                               int wg, int warp, int lane) {
-  if (DIAG != 0) return;
   const int qa = q0 + warp * 16 + lane / 4;
-  if (VEC == 2) {
+  const bool odd = lane & 1;
+  const int q = odd ? qa + 8 : qa;
+  const int col = wg * 64 + 2 * ((lane % 4) & ~1);
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int q = qa + 8 * h;
-      if (q < nq) {
-#pragma unroll
-        for (int nt = 0; nt < 8; ++nt)
-          red_add_v2(dqb + (size_t)q * 128 + wg * 64 + nt * 8 + 2 * (lane % 4), dq[4 * nt + 2 * h],
-                     dq[4 * nt + 2 * h + 1]);
-      }
-    }
-  } else {
-    const bool odd = lane & 1;
-    const int q = odd ? qa + 8 : qa;
-    const int col = wg * 64 + 2 * ((lane % 4) & ~1);
-#pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
-      const float a0 = dq[4 * nt], a1 = dq[4 * nt + 1], b0 = dq[4 * nt + 2], b1 = dq[4 * nt + 3];
-      const float r0 = __shfl_xor_sync(0xffffffffu, odd ? a0 : b0, 1);
-      const float r1 = __shfl_xor_sync(0xffffffffu, odd ? a1 : b1, 1);
-      if (q < nq) {
-        float* p = dqb + (size_t)q * 128 + col + nt * 8;
-        if (odd) red_add_v4(p, r0, r1, b0, b1);
-        else red_add_v4(p, a0, a1, r0, r1);
-      }
+  for (int nt = 0; nt < 8; ++nt) {
+    const float a0 = dq[4 * nt], a1 = dq[4 * nt + 1], b0 = dq[4 * nt + 2], b1 = dq[4 * nt + 3];
+    const float r0 = __shfl_xor_sync(0xffffffffu, odd ? a0 : b0, 1);
+    const float r1 = __shfl_xor_sync(0xffffffffu, odd ? a1 : b1, 1);
+    if (q < nq) {
+      float* p = dqb + (size_t)q * 128 + col + nt * 8;
+      if (odd) red_add_v4(p, r0, r1, b0, b1);
+      else red_add_v4(p, a0, a1, r0, r1);
     }
   }
 }
 
-template <typename T, int VEC = 4, bool DEFER = true, int DIAG = 0>
+template <typename T, int CL, int DIAG = 0>
 __device__ __forceinline__ void bwd_wg(const T* __restrict__ Q, const T* __restrict__ K,
                                        const T* __restrict__ V, const T* __restrict__ dO,
                                        const float* __restrict__ LSE,
@@ -950,6 +969,10 @@ __device__ __forceinline__ void bwd_wg(const T* __restrict__ Q, const T* __restr
   T* sdS = sdO + 2 * BR * D;  // [BC][BR], dS^T
   float* sL = reinterpret_cast<float*>(sdS + BC * BR);
   float* sDl = sL + 2 * BR;
+  // CL == 2: [2][BR][D + 8] f32, this block's dQ tile, summed with the pair block's
+  // through distributed shared memory before one set of atomics goes out.
+  float* sdQ = sDl + 2 * BR;
+  constexpr int LDQ = D + 8;
 
   const int tid = threadIdx.x, wg = tid / 128, warp = (tid % 128) / 32, lane = tid % 32;
   const int k0 = blockIdx.x * BC;
@@ -959,8 +982,10 @@ __device__ __forceinline__ void bwd_wg(const T* __restrict__ Q, const T* __restr
   const float* Lb = LSE + bh * nq;
   const float* Db = Delta + bh * nq;
   float* dqb = dq_acc + bh * nq * D;
-  const int i_begin = causal ? (k0 / BR) : 0;
+  // Both blocks of a cluster pair walk the same query tiles (the pair shares barriers).
+  const int i_begin = causal ? ((CL == 2 ? (k0 & ~(2 * BC - 1)) : k0) / BR) : 0;
   const int i_end = (nq + BR - 1) / BR;
+  const u32 rank = CL == 2 ? cluster_rank() : 0;
 
   load_tile_cm<T, BC, D, THREADS>(sK, K + bh * nk * D, k0, nk, tid);
   load_tile_cm<T, BC, D, THREADS>(sV, V + bh * nk * D, k0, nk, tid);
@@ -982,10 +1007,6 @@ __device__ __forceinline__ void bwd_wg(const T* __restrict__ Q, const T* __restr
   const int key_a = k0 + wg * 64 + warp * 16 + lane / 4;
   const T* kw = sK + wg * 64 * D;
   const T* vw = sV + wg * 64 * D;
-  // DEFER: the dQ tile of one iteration is added to the workspace during the next
-  // iteration's S/dP products, so the atomics overlap tensor-core work.
-  float dq_prev[32];
-  int q_prev = -1;
 
   for (int i = i_begin; i < i_end; ++i) {
     const int buf = (i - i_begin) & 1;
@@ -1011,9 +1032,6 @@ __device__ __forceinline__ void bwd_wg(const T* __restrict__ Q, const T* __restr
                       gmma_desc(gt + kk * 128, 128, ROWG), kk);
     }
     wg_commit();
-    if (DEFER && q_prev >= 0) {
-      dq_atomic_add<VEC, DIAG>(dq_prev, dqb, q_prev, nq, wg, warp, lane);
-    }
     wg_wait_all();
     reg_fence(s);
     reg_fence(dp);
@@ -1024,7 +1042,7 @@ __device__ __forceinline__ void bwd_wg(const T* __restrict__ Q, const T* __restr
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int qc = nt * 8 + 2 * (lane % 4) + (e & 1);
-        float p = exp2f(s[4 * nt + e] * scale_log2 - lt[qc]);
+        float p = fast_exp2(s[4 * nt + e] * scale_log2 - lt[qc]);
         if (need_mask) {
           const int key = key_a + (e >> 1) * 8;
           if (key >= nk || (causal && key > qrow0 + qc)) p = 0.f;
@@ -1074,7 +1092,7 @@ __device__ __forceinline__ void bwd_wg(const T* __restrict__ Q, const T* __restr
     // dQ_i += dS K: warpgroup wg takes d columns [64 wg, 64 wg + 64). A = dS read
     // M-major from the dS^T tile, B = K (k = key, n = d) read N-major.
     float dq[32];
-    if (DIAG == 2) {  // timing diagnostic: no dQ product
+    if (CL == 1 && DIAG == 2) {  // timing diagnostic: no dQ product
       wg_wait_all();
       reg_fence(dv);
       reg_fence(dk);
@@ -1091,15 +1109,35 @@ __device__ __forceinline__ void bwd_wg(const T* __restrict__ Q, const T* __restr
     reg_fence(dq);
     reg_fence(dv);
     reg_fence(dk);
-    if (DEFER) {
-#pragma unroll
-      for (int x = 0; x < 32; ++x) dq_prev[x] = dq[x];
-      q_prev = qrow0;
+    if (CL == 1) {
+      dq_atomic_add(dq, dqb, qrow0, nq, wg, warp, lane);
     } else {
-      dq_atomic_add<VEC, DIAG>(dq, dqb, qrow0, nq, wg, warp, lane);
+      // Stage the tile, meet the pair block, then each block adds half of the rows of
+      // (own + pair) tile: half the atomic traffic of two separate blocks.
+      float* tq = sdQ + buf * BR * LDQ;
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt)
+          *reinterpret_cast<float2*>(tq + (warp * 16 + lane / 4 + 8 * h) * LDQ + wg * 64 + nt * 8 +
+                                     2 * (lane % 4)) =
+              make_float2(dq[4 * nt + 2 * h], dq[4 * nt + 2 * h + 1]);
+      cluster_sync();
+      const u32 peer = cluster_map(smem_addr(tq), rank ^ 1);
+#pragma unroll
+      for (int x = 0; x < (BR / 2) * D / 4 / THREADS; ++x) {
+        const int e = (x * THREADS + tid) * 4;
+        const int row = (int)rank * (BR / 2) + e / D, col = e % D;
+        const float4 a = *reinterpret_cast<const float4*>(tq + row * LDQ + col);
+        const float4 b = ld_cluster_f4(peer + (u32)(row * LDQ + col) * 4);
+        if (qrow0 + row < nq)
+          red_add_v4(dqb + (size_t)(qrow0 + row) * D + col, a.x + b.x, a.y + b.y, a.z + b.z,
+                     a.w + b.w);
+      }
     }
   }
-  if (DEFER && q_prev >= 0) dq_atomic_add<VEC, DIAG>(dq_prev, dqb, q_prev, nq, wg, warp, lane);
+  // The pair block may still be reading this block's staged dQ tile.
+  if (CL == 2) cluster_sync();
 
   T* dKb = dK + bh * nk * D;
   T* dVb = dV + bh * nk * D;
@@ -1468,24 +1506,26 @@ TF_F32(256)
       const T* q, const T* k, const T* v, const T* d_o, const float* lse,                 \
       const float* delta, float* dq_acc, T* dk, T* dv, int nq, int nk, float scale,       \
       float scale_log2, int causal) {                                                     \
-    tessera_flash::bwd_wg<T>(q, k, v, d_o, lse, delta, dq_acc, dk, dv, nq, nk, scale,     \
-                             scale_log2, causal);                                         \
+    tessera_flash::bwd_wg<T, 1>(q, k, v, d_o, lse, delta, dq_acc, dk, dv, nq, nk, scale,  \
+                                scale_log2, causal);                                      \
+  }                                                                                       \
+  extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(256)             \
+      flash_bwd_wg2_##TN##_d128(const T* q, const T* k, const T* v, const T* d_o,          \
+                                const float* lse, const float* delta, float* dq_acc,      \
+                                T* dk, T* dv, int nq, int nk, float scale,                \
+                                float scale_log2, int causal) {                           \
+    tessera_flash::bwd_wg<T, 2>(q, k, v, d_o, lse, delta, dq_acc, dk, dv, nq, nk, scale,  \
+                                scale_log2, causal);                                      \
   }
 TF_WG(bf16, __nv_bfloat16)
 TF_WG(f16, __half)
-// Timing variants of the backward (bf16): v2 / v4 reductions, deferred or not, and
-// diag = no dQ product at all (wrong dQ on purpose, to price the dQ stage).
-#define TF_BWD_WG_VAR(NAME, VEC, DEFER, DIAG)                                             \
-  extern "C" __global__ void __launch_bounds__(256) NAME(                                 \
-      const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,             \
-      const __nv_bfloat16* d_o, const float* lse, const float* delta, float* dq_acc,      \
-      __nv_bfloat16* dk, __nv_bfloat16* dv, int nq, int nk, float scale, float scale_log2, \
-      int causal) {                                                                       \
-    tessera_flash::bwd_wg<__nv_bfloat16, VEC, DEFER, DIAG>(                               \
-        q, k, v, d_o, lse, delta, dq_acc, dk, dv, nq, nk, scale, scale_log2, causal);     \
-  }
-TF_BWD_WG_VAR(flash_bwd_wg_v2_bf16_d128, 2, false, 0)
-TF_BWD_WG_VAR(flash_bwd_wg_v4_bf16_d128, 4, false, 0)
-TF_BWD_WG_VAR(flash_bwd_wg_v2d_bf16_d128, 2, true, 0)
-TF_BWD_WG_VAR(flash_bwd_wg_diag_bf16_d128, 4, false, 2)
+// Timing variant (wrong dQ on purpose): the backward without the dQ product.
+extern "C" __global__ void __launch_bounds__(256) flash_bwd_wg_diag_bf16_d128(
+    const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
+    const __nv_bfloat16* d_o, const float* lse, const float* delta, float* dq_acc,
+    __nv_bfloat16* dk, __nv_bfloat16* dv, int nq, int nk, float scale, float scale_log2,
+    int causal) {
+  tessera_flash::bwd_wg<__nv_bfloat16, 1, 2>(q, k, v, d_o, lse, delta, dq_acc, dk, dv, nq, nk,
+                                             scale, scale_log2, causal);
+}
 #endif
