@@ -55,6 +55,13 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool va
                "l"(gmem), "r"(src_size)
                : "memory");
 }
+// 4-byte variant for the per-row f32 vectors (lse, Delta); zero-fills when !valid.
+__device__ __forceinline__ void cp_async4(void* smem, const void* gmem, bool valid) {
+  int src_size = valid ? 4 : 0;
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_addr(smem)),
+               "l"(gmem), "r"(src_size)
+               : "memory");
+}
 __device__ __forceinline__ void cp_async_commit() {
   asm volatile("cp.async.commit_group;\n" ::: "memory");
 }
@@ -429,7 +436,7 @@ __device__ __forceinline__ void bwd_tc(const T* __restrict__ Q, const T* __restr
   T* sQ = sV + BC * LD;      // [2][BR][LD]
   T* sdO = sQ + 2 * BR * LD;  // [2][BR][LD]
   T* sdS = sdO + 2 * BR * LD;  // [BC][LDS], dS^T
-  float* sL = reinterpret_cast<float*>(sdS + BC * LDS);  // [2][BR], lse * log2(e)
+  float* sL = reinterpret_cast<float*>(sdS + BC * LDS);  // [2][BR], lse
   float* sDl = sL + 2 * BR;                              // [2][BR], Delta
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
@@ -455,10 +462,11 @@ __device__ __forceinline__ void bwd_tc(const T* __restrict__ Q, const T* __restr
     load_tile_async<T, BR, D, LD, THREADS>(sQ + buf * BR * LD, Qb, i * BR, nq, tid);
     load_tile_async<T, BR, D, LD, THREADS>(sdO + buf * BR * LD, dOb, i * BR, nq, tid);
     if (tid < BR) {
-      int q = i * BR + tid;
-      // A query past the end gets lse = +inf so that its P is exactly 0.
-      sL[buf * BR + tid] = q < nq ? Lb[q] * TF_LOG2E : TF_INF;
-      sDl[buf * BR + tid] = q < nq ? Db[q] : 0.f;
+      // Asynchronous like the tiles: a plain load here would stall the whole block on
+      // L2 latency every iteration. Rows past the end read 0 and are masked below.
+      const int q = i * BR + tid;
+      cp_async4(sL + buf * BR + tid, Lb + (q < nq ? q : 0), q < nq);
+      cp_async4(sDl + buf * BR + tid, Db + (q < nq ? q : 0), q < nq);
     }
   };
   if (i_begin < i_end) stage_q(i_begin, 0);
@@ -513,16 +521,17 @@ __device__ __forceinline__ void bwd_tc(const T* __restrict__ Q, const T* __restr
 
     // P^T = exp(scale * S^T - lse), dS^T = P^T * (dP^T - Delta) (the softmax scale of dS
     // is applied to dK and dQ at the end).
-    const bool need_mask = (k0 + BC > nk) || (causal && k0 + BC - 1 > qrow0);
+    const bool need_mask =
+        (k0 + BC > nk) || (qrow0 + BR > nq) || (causal && k0 + BC - 1 > qrow0);
 #pragma unroll
     for (int nt = 0; nt < BR / 8; ++nt) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int qc = nt * 8 + 2 * (lane % 4) + (e & 1);
-        float p = fast_exp2(s[nt][e] * scale_log2 - lt[qc]);
+        float p = fast_exp2(s[nt][e] * scale_log2 - lt[qc] * TF_LOG2E);
         if (need_mask) {
           int key = key_a + (e >> 1) * 8;
-          if (key >= nk || (causal && key > qrow0 + qc)) p = 0.f;
+          if (key >= nk || qrow0 + qc >= nq || (causal && key > qrow0 + qc)) p = 0.f;
         }
         s[nt][e] = p;
         dp[nt][e] = p * (dp[nt][e] - dt[qc]);
@@ -950,7 +959,7 @@ __device__ __forceinline__ void dq_atomic_add(const float (&dq)[32], float* dqb,
   }
 }
 
-template <typename T, int CL, int DIAG = 0>
+template <typename T, int CL, int DIAG = 0, bool LATE = false>
 __device__ __forceinline__ void bwd_wg(const T* __restrict__ Q, const T* __restrict__ K,
                                        const T* __restrict__ V, const T* __restrict__ dO,
                                        const float* __restrict__ LSE,
@@ -993,9 +1002,11 @@ __device__ __forceinline__ void bwd_wg(const T* __restrict__ Q, const T* __restr
     load_tile_cm<T, BR, D, THREADS>(sQ + buf * BR * D, Qb, i * BR, nq, tid);
     load_tile_cm<T, BR, D, THREADS>(sdO + buf * BR * D, dOb, i * BR, nq, tid);
     if (tid < BR) {
+      // Asynchronous like the tiles: a plain load here would stall the whole block on
+      // L2 latency every iteration. Rows past the end read 0 and are masked below.
       const int q = i * BR + tid;
-      sL[buf * BR + tid] = q < nq ? Lb[q] * TF_LOG2E : TF_INF;
-      sDl[buf * BR + tid] = q < nq ? Db[q] : 0.f;
+      cp_async4(sL + buf * BR + tid, Lb + (q < nq ? q : 0), q < nq);
+      cp_async4(sDl + buf * BR + tid, Db + (q < nq ? q : 0), q < nq);
     }
   };
   if (i_begin < i_end) stage_q(i_begin, 0);
@@ -1008,6 +1019,10 @@ __device__ __forceinline__ void bwd_wg(const T* __restrict__ Q, const T* __restr
   const T* kw = sK + wg * 64 * D;
   const T* vw = sV + wg * 64 * D;
 
+  // LATE: a dQ tile's atomics are issued at the top of the next iteration, after its
+  // proxy fence, so that no fence has to wait for them to reach L2.
+  float dq_prev[LATE ? 32 : 1];
+  int q_prev = -1;
   for (int i = i_begin; i < i_end; ++i) {
     const int buf = (i - i_begin) & 1;
     cp_async_wait_all();
@@ -1015,6 +1030,7 @@ __device__ __forceinline__ void bwd_wg(const T* __restrict__ Q, const T* __restr
     __syncthreads();
     if (i + 1 < i_end) stage_q(i + 1, buf ^ 1);
     cp_async_commit();
+    if (LATE && q_prev >= 0) dq_atomic_add(reinterpret_cast<const float(&)[32]>(dq_prev), dqb, q_prev, nq, wg, warp, lane);
     const T* qt = sQ + buf * BR * D;
     const T* gt = sdO + buf * BR * D;
     const float* lt = sL + buf * BR;
@@ -1036,16 +1052,17 @@ __device__ __forceinline__ void bwd_wg(const T* __restrict__ Q, const T* __restr
     reg_fence(s);
     reg_fence(dp);
 
-    const bool need_mask = (k0 + BC > nk) || (causal && k0 + BC - 1 > qrow0);
+    const bool need_mask =
+        (k0 + BC > nk) || (qrow0 + BR > nq) || (causal && k0 + BC - 1 > qrow0);
 #pragma unroll
     for (int nt = 0; nt < BR / 8; ++nt) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int qc = nt * 8 + 2 * (lane % 4) + (e & 1);
-        float p = fast_exp2(s[4 * nt + e] * scale_log2 - lt[qc]);
+        float p = fast_exp2(s[4 * nt + e] * scale_log2 - lt[qc] * TF_LOG2E);
         if (need_mask) {
           const int key = key_a + (e >> 1) * 8;
-          if (key >= nk || (causal && key > qrow0 + qc)) p = 0.f;
+          if (key >= nk || qrow0 + qc >= nq || (causal && key > qrow0 + qc)) p = 0.f;
         }
         s[4 * nt + e] = p;
         dp[4 * nt + e] = p * (dp[4 * nt + e] - dt[qc]);
@@ -1109,7 +1126,11 @@ __device__ __forceinline__ void bwd_wg(const T* __restrict__ Q, const T* __restr
     reg_fence(dq);
     reg_fence(dv);
     reg_fence(dk);
-    if (CL == 1) {
+    if (CL == 1 && LATE) {
+#pragma unroll
+      for (int x = 0; x < (LATE ? 32 : 1); ++x) dq_prev[x] = dq[x];
+      q_prev = qrow0;
+    } else if (CL == 1) {
       dq_atomic_add(dq, dqb, qrow0, nq, wg, warp, lane);
     } else {
       // Stage the tile, meet the pair block, then each block adds half of the rows of
@@ -1138,6 +1159,8 @@ __device__ __forceinline__ void bwd_wg(const T* __restrict__ Q, const T* __restr
   }
   // The pair block may still be reading this block's staged dQ tile.
   if (CL == 2) cluster_sync();
+  if (LATE && q_prev >= 0)
+    dq_atomic_add(reinterpret_cast<const float(&)[32]>(dq_prev), dqb, q_prev, nq, wg, warp, lane);
 
   T* dKb = dK + bh * nk * D;
   T* dVb = dV + bh * nk * D;
@@ -1519,6 +1542,14 @@ TF_F32(256)
   }
 TF_WG(bf16, __nv_bfloat16)
 TF_WG(f16, __half)
+extern "C" __global__ void __launch_bounds__(256) flash_bwd_wgl_bf16_d128(
+    const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
+    const __nv_bfloat16* d_o, const float* lse, const float* delta, float* dq_acc,
+    __nv_bfloat16* dk, __nv_bfloat16* dv, int nq, int nk, float scale, float scale_log2,
+    int causal) {
+  tessera_flash::bwd_wg<__nv_bfloat16, 1, 0, true>(q, k, v, d_o, lse, delta, dq_acc, dk, dv,
+                                                   nq, nk, scale, scale_log2, causal);
+}
 // Timing variant (wrong dQ on purpose): the backward without the dQ product.
 extern "C" __global__ void __launch_bounds__(256) flash_bwd_wg_diag_bf16_d128(
     const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
