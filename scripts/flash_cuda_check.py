@@ -37,14 +37,10 @@ DEFAULT_CU = os.path.join(HERE, "..", "crates", "tessera-cuda", "kernels", "flas
 TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}
 TN = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
 # Configurations the .cu instantiates: fwd (warps, key tile), bwd (warps, query tile) for
-# the mma.sync kernels; ("gN", key tile) and ("wg", 64) for the sm_90a wgmma kernels
-# (N warpgroups of 64 query rows; the wgmma backward has 2 warpgroups x 64 keys).
-FWD_CFGS = {64: [(8, 64), (4, 64)],
-            128: [("g4", 64), ("g3", 64), ("g2", 64), ("o2", 64), ("g2", 128), (8, 64), (4, 64)]}
-# Backward variants timed only (they compute a wrong dQ on purpose): stage costs.
-BWD_DIAG = [("wg_diag", 64)]
-BWD_CFGS = {64: [(8, 64), (4, 64)],
-            128: [("wg", 64), ("wgl", 64), ("wg2", 64), (8, 32), (8, 64)]}
+# the mma.sync kernels; ("g4", 64) and ("wg", 64) for the sm_90a wgmma kernels
+# (4 warpgroups of 64 query rows; the wgmma backward has 2 warpgroups x 64 keys).
+FWD_CFGS = {64: [(4, 64)], 128: [("g4", 64), (4, 64)]}
+BWD_CFGS = {64: [(8, 64)], 128: [("wg", 64), (8, 32)]}
 F32_DIMS = [32, 64, 96, 128, 160, 192, 224, 256]
 LOG2E = 1.4426950408889634
 
@@ -143,19 +139,15 @@ class Flash:
             self.fn(f"flash_bwd_pre_{tn}_d{D}", 0)(
                 ((rows + 7) // 8,), (256,), (self.p(out), self.p(dout), self.p(delta),
                                              self.p(ws), np.int64(rows)))
-            if isinstance(w, str):  # "wg", "wg2" (cluster pairs) or a diagnostic "wg_diag"
+            if w == "wg":
                 bc, threads = 128, 256
                 smem = (2 * bc * D + 4 * br * D + bc * br) * 2 + 16 * br
-                if w == "wg2":
-                    smem += 2 * br * (D + 8) * 4
-                name = f"flash_bwd_{w}_{tn}_d{D}"
+                name = f"flash_bwd_wg_{tn}_d{D}"
             else:
                 bc, threads = 16 * w, 32 * w
                 smem = (2 * bc * (D + 8) + 4 * br * (D + 8) + bc * (br + 8)) * 2 + 16 * br
                 name = f"flash_bwd_{tn}_d{D}_w{w}_r{br}"
             nblk = (nk + bc - 1) // bc
-            if w == "wg2":
-                nblk += nblk % 2  # whole cluster pairs
             if nk > 0:
                 self.fn(name, smem)(
                     (nblk, B * H), (threads,),
@@ -239,8 +231,6 @@ def small_checks(fl, quick=False):
                 # Every configuration, on shapes with ragged tails both ways.
                 for fc in FWD_CFGS[D]:
                     for bc in BWD_CFGS[D]:
-                        if bc[0] == "wgl" and dtype != torch.bfloat16:
-                            continue  # timing variants exist for bf16 only
                         for causal in (False, True):
                             for shp in ((1, 2, 200, 333, D), (2, 1, 333, 150, D)):
                                 check_case(fl, dtype, shp, causal, 0.3, fc, bc, failures)
@@ -338,7 +328,7 @@ def timings(fl, reps, results):
                 f"({flops / 3.5 / fdiv / t_fwd[fc] / 1e9:.0f} TFLOP/s)")
         fl.fwd(q, k, v, causal, scale, None, out, lse)
         t_bwd = {}
-        for bc in BWD_CFGS[D] + BWD_DIAG:
+        for bc in BWD_CFGS[D]:
             t_bwd[bc] = median_ms(lambda: fl.bwd(q, k, v, out, dout, lse, causal, scale, bc, bufs), reps)
             log(f"tessera bwd{bc} causal={causal}: {t_bwd[bc]:.3f} ms "
                 f"({flops * 2.5 / 3.5 / fdiv / t_bwd[bc] / 1e9:.0f} TFLOP/s)")

@@ -7,16 +7,18 @@
 // f32 logsumexp of each row (natural log), the residual the backward needs.
 //
 // Kernels (extern "C" entry points at the bottom; the launcher in src/flash.rs picks one
-// by dtype and head dim):
-//   flash_fwd_<t>_d<D>_w<W>_c<BC>   tensor cores (bf16/f16, mma.sync m16n8k16, f32 accum);
-//                                   W warps each own 16 query rows, key tiles of BC rows.
-//   flash_bwd_<t>_d<D>_w<W>_r<BR>   FlashAttention-2 backward: one block per key tile of
-//                                   16*W keys; dK, dV in registers; loops over query tiles
-//                                   of BR rows recomputing P from the logsumexp; dQ is
-//                                   accumulated in an f32 workspace with vector atomics
-//                                   (red.global.add.v2.f32). Atomics rather than a
-//                                   separate dQ pass: that pass would recompute S and dP
-//                                   (two of the five matmuls) a second time.
+// by dtype, head dim and architecture):
+//   flash_fwd_wg_<t>_d128_g4_c64    sm_90a (Hopper): wgmma, 4 warpgroups x 64 query rows,
+//                                   key tiles of 64; S = Q K^T with both operands read
+//                                   from shared memory, O += P V with P from registers.
+//   flash_bwd_wg_<t>_d128           sm_90a: FlashAttention-2 backward on wgmma; a block
+//                                   owns 128 keys (2 warpgroups x 64), keeps dK and dV in
+//                                   registers and walks query tiles of 64 rows,
+//                                   recomputing P from the logsumexp.
+//   flash_fwd_<t>_d<D>_w<W>_c<BC>   sm_80+: mma.sync m16n8k16 (f32 accumulation), W warps
+//                                   each own 16 query rows, key tiles of BC rows.
+//   flash_bwd_<t>_d<D>_w<W>_r<BR>   sm_80+: the same backward on mma.sync, 16*W keys per
+//                                   block, query tiles of BR rows.
 //   flash_bwd_pre_<t>_d<D>          Delta_i = rowsum(dO * O) in f32, and zeroes the dQ
 //                                   workspace rows (bf16/f16 only).
 //   flash_bwd_post_<t>              dQ = scale * workspace, converted to bf16/f16.
@@ -24,6 +26,13 @@
 //                                   operand streamed through shared memory 32 rows at a
 //                                   time (each lane owns one of those rows for the dot
 //                                   products). D a multiple of 32 up to 256.
+// dQ (bf16/f16) is accumulated in an f32 workspace with vector atomics (red.global.add
+// .v2/.v4.f32) by every key block rather than by a separate dQ pass, which would
+// recompute S and dP (two of the five products) a second time. Measured on an H200 at
+// (8, 32, 2048, 128): the atomics cost ~1.4 ms of the 4.6 ms backward; v4 instead of v2
+// reductions, deferring them past the next fence, a bulk-copy reduction
+// (cp.reduce.async.bulk) and summing cluster pairs through distributed shared memory
+// first were all tried and none was faster (BENCHMARKS.md).
 //
 // Only headers NVRTC ships are used; there is no host code here.
 
@@ -131,15 +140,16 @@ struct Mma<__half> {
 
 // dQ workspace accumulation: two adjacent f32 in one vector reduction (sm_90).
 __device__ __forceinline__ void red_add_v2(float* p, float a, float b) {
+#if __CUDA_ARCH__ >= 900
   asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(p), "f"(a), "f"(b)
                : "memory");
+#else
+  atomicAdd(p, a);
+  atomicAdd(p + 1, b);
+#endif
 }
 
-__device__ __forceinline__ void red_add_v4(float* p, float a, float b, float c, float d) {
-  asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(p), "f"(a), "f"(b),
-               "f"(c), "f"(d)
-               : "memory");
-}
+
 
 // 2^x on the special-function unit (flushes subnormal results to zero, which the
 // softmax never needs: they are below 2^-126 of the row maximum).
@@ -653,6 +663,11 @@ __device__ __forceinline__ unsigned long long gmma_desc(const void* p, u32 lbo_b
   return ((a & 0x3FFFFull) >> 4) | ((unsigned long long)(lbo_bytes >> 4) << 16) |
          ((unsigned long long)(sbo_bytes >> 4) << 32);
 }
+__device__ __forceinline__ void red_add_v4(float* p, float a, float b, float c, float d) {
+  asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(p), "f"(a), "f"(b),
+               "f"(c), "f"(d)
+               : "memory");
+}
 __device__ __forceinline__ void wg_fence() {
   asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 }
@@ -666,33 +681,6 @@ __device__ __forceinline__ void wg_wait_all() {
 // tensor cores' async proxy only after this fence in the writing thread (then a barrier).
 __device__ __forceinline__ void fence_proxy_async() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-}
-
-// Thread block clusters: this block's rank, the cluster-wide barrier (also a block
-// barrier, with release/acquire ordering of shared memory), and a peer block's shared
-// memory (distributed shared memory).
-__device__ __forceinline__ u32 cluster_rank() {
-  u32 r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
-  return r;
-}
-__device__ __forceinline__ void cluster_sync() {
-  asm volatile(
-      "barrier.cluster.arrive.release.aligned;\n"
-      "barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-}
-__device__ __forceinline__ u32 cluster_map(u32 smem, u32 rank) {
-  u32 r;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(smem), "r"(rank));
-  return r;
-}
-__device__ __forceinline__ float4 ld_cluster_f4(u32 addr) {
-  float4 v;
-  asm volatile("ld.shared::cluster.v4.f32 {%0,%1,%2,%3}, [%4];\n"
-               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
-               : "r"(addr)
-               : "memory");
-  return v;
 }
 
 // Keep the accumulator registers from being reordered across the asynchronous MMA.
@@ -959,7 +947,7 @@ __device__ __forceinline__ void dq_atomic_add(const float (&dq)[32], float* dqb,
   }
 }
 
-template <typename T, int CL, int DIAG = 0, bool LATE = false>
+template <typename T>
 __device__ __forceinline__ void bwd_wg(const T* __restrict__ Q, const T* __restrict__ K,
                                        const T* __restrict__ V, const T* __restrict__ dO,
                                        const float* __restrict__ LSE,
@@ -978,10 +966,6 @@ __device__ __forceinline__ void bwd_wg(const T* __restrict__ Q, const T* __restr
   T* sdS = sdO + 2 * BR * D;  // [BC][BR], dS^T
   float* sL = reinterpret_cast<float*>(sdS + BC * BR);
   float* sDl = sL + 2 * BR;
-  // CL == 2: [2][BR][D + 8] f32, this block's dQ tile, summed with the pair block's
-  // through distributed shared memory before one set of atomics goes out.
-  float* sdQ = sDl + 2 * BR;
-  constexpr int LDQ = D + 8;
 
   const int tid = threadIdx.x, wg = tid / 128, warp = (tid % 128) / 32, lane = tid % 32;
   const int k0 = blockIdx.x * BC;
@@ -991,10 +975,8 @@ __device__ __forceinline__ void bwd_wg(const T* __restrict__ Q, const T* __restr
   const float* Lb = LSE + bh * nq;
   const float* Db = Delta + bh * nq;
   float* dqb = dq_acc + bh * nq * D;
-  // Both blocks of a cluster pair walk the same query tiles (the pair shares barriers).
-  const int i_begin = causal ? ((CL == 2 ? (k0 & ~(2 * BC - 1)) : k0) / BR) : 0;
+  const int i_begin = causal ? (k0 / BR) : 0;
   const int i_end = (nq + BR - 1) / BR;
-  const u32 rank = CL == 2 ? cluster_rank() : 0;
 
   load_tile_cm<T, BC, D, THREADS>(sK, K + bh * nk * D, k0, nk, tid);
   load_tile_cm<T, BC, D, THREADS>(sV, V + bh * nk * D, k0, nk, tid);
@@ -1019,10 +1001,6 @@ __device__ __forceinline__ void bwd_wg(const T* __restrict__ Q, const T* __restr
   const T* kw = sK + wg * 64 * D;
   const T* vw = sV + wg * 64 * D;
 
-  // LATE: a dQ tile's atomics are issued at the top of the next iteration, after its
-  // proxy fence, so that no fence has to wait for them to reach L2.
-  float dq_prev[LATE ? 32 : 1];
-  int q_prev = -1;
   for (int i = i_begin; i < i_end; ++i) {
     const int buf = (i - i_begin) & 1;
     cp_async_wait_all();
@@ -1030,7 +1008,6 @@ __device__ __forceinline__ void bwd_wg(const T* __restrict__ Q, const T* __restr
     __syncthreads();
     if (i + 1 < i_end) stage_q(i + 1, buf ^ 1);
     cp_async_commit();
-    if (LATE && q_prev >= 0) dq_atomic_add(reinterpret_cast<const float(&)[32]>(dq_prev), dqb, q_prev, nq, wg, warp, lane);
     const T* qt = sQ + buf * BR * D;
     const T* gt = sdO + buf * BR * D;
     const float* lt = sL + buf * BR;
@@ -1109,12 +1086,6 @@ __device__ __forceinline__ void bwd_wg(const T* __restrict__ Q, const T* __restr
     // dQ_i += dS K: warpgroup wg takes d columns [64 wg, 64 wg + 64). A = dS read
     // M-major from the dS^T tile, B = K (k = key, n = d) read N-major.
     float dq[32];
-    if (CL == 1 && DIAG == 2) {  // timing diagnostic: no dQ product
-      wg_wait_all();
-      reg_fence(dv);
-      reg_fence(dk);
-      continue;
-    }
     wg_fence();
 #pragma unroll
     for (int kk = 0; kk < BC / 16; ++kk) {
@@ -1126,41 +1097,8 @@ __device__ __forceinline__ void bwd_wg(const T* __restrict__ Q, const T* __restr
     reg_fence(dq);
     reg_fence(dv);
     reg_fence(dk);
-    if (CL == 1 && LATE) {
-#pragma unroll
-      for (int x = 0; x < (LATE ? 32 : 1); ++x) dq_prev[x] = dq[x];
-      q_prev = qrow0;
-    } else if (CL == 1) {
-      dq_atomic_add(dq, dqb, qrow0, nq, wg, warp, lane);
-    } else {
-      // Stage the tile, meet the pair block, then each block adds half of the rows of
-      // (own + pair) tile: half the atomic traffic of two separate blocks.
-      float* tq = sdQ + buf * BR * LDQ;
-#pragma unroll
-      for (int h = 0; h < 2; ++h)
-#pragma unroll
-        for (int nt = 0; nt < 8; ++nt)
-          *reinterpret_cast<float2*>(tq + (warp * 16 + lane / 4 + 8 * h) * LDQ + wg * 64 + nt * 8 +
-                                     2 * (lane % 4)) =
-              make_float2(dq[4 * nt + 2 * h], dq[4 * nt + 2 * h + 1]);
-      cluster_sync();
-      const u32 peer = cluster_map(smem_addr(tq), rank ^ 1);
-#pragma unroll
-      for (int x = 0; x < (BR / 2) * D / 4 / THREADS; ++x) {
-        const int e = (x * THREADS + tid) * 4;
-        const int row = (int)rank * (BR / 2) + e / D, col = e % D;
-        const float4 a = *reinterpret_cast<const float4*>(tq + row * LDQ + col);
-        const float4 b = ld_cluster_f4(peer + (u32)(row * LDQ + col) * 4);
-        if (qrow0 + row < nq)
-          red_add_v4(dqb + (size_t)(qrow0 + row) * D + col, a.x + b.x, a.y + b.y, a.z + b.z,
-                     a.w + b.w);
-      }
-    }
+    dq_atomic_add(dq, dqb, qrow0, nq, wg, warp, lane);
   }
-  // The pair block may still be reading this block's staged dQ tile.
-  if (CL == 2) cluster_sync();
-  if (LATE && q_prev >= 0)
-    dq_atomic_add(reinterpret_cast<const float(&)[32]>(dq_prev), dqb, q_prev, nq, wg, warp, lane);
 
   T* dKb = dK + bh * nk * D;
   T* dVb = dV + bh * nk * D;
@@ -1407,13 +1345,16 @@ __device__ __forceinline__ void bwd_pre_f32(const float* __restrict__ O,
 
 // ---------------------------------------------------------------------------------
 // Entry points. Shared memory sizes (bytes) the launcher must pass, per family:
-//   fwd tc:  (16W*(D+8) + 4*BC*(D+8)) * 2
-//   bwd tc:  (2*16W*(D+8) + 4*BR*(D+8) + 16W*(BR+8)) * 2 + 16*BR
-//   fwd f32: (2*32*(D+1) + 8*D) * 4
-//   dq f32:  (2*32*(D+1) + 16*D) * 4
-//   dkv f32: (2*32*(D+1) + 16*D + 64) * 4
-// Grids: fwd tc (ceil(nq/16W), B*H); bwd tc (ceil(nk/16W), B*H); f32 (ceil(n/8), B*H)
-// with 256 threads; pre: one warp per row, 256 threads; post: 4 elements per thread.
+//   fwd mma.sync:  (16W*(D+8) + 4*BC*(D+8)) * 2
+//   bwd mma.sync:  (2*16W*(D+8) + 4*BR*(D+8) + 16W*(BR+8)) * 2 + 16*BR
+//   fwd wgmma g4:  (256*128 + 4*64*128) * 2 = 131072
+//   bwd wgmma:     (2*128*128 + 4*64*128 + 128*64) * 2 + 16*64 = 148480
+//   fwd f32:       (2*32*(D+1) + 8*D) * 4
+//   dq f32:        (2*32*(D+1) + 16*D) * 4
+//   dkv f32:       (2*32*(D+1) + 16*D + 64) * 4
+// Grids: fwd (ceil(nq/rows per block), B*H) with 16W (mma.sync) or 256 (wgmma g4) rows;
+// bwd (ceil(nk/keys per block), B*H) with 16W or 128 keys; f32 (ceil(n/8), B*H), 256
+// threads; pre: one warp per row, 256 threads; post: 4 elements per thread, 256 threads.
 // ---------------------------------------------------------------------------------
 
 #define TF_FWD_TC(TN, T, D, W, BC)                                                        \
@@ -1468,15 +1409,9 @@ __device__ __forceinline__ void bwd_pre_f32(const float* __restrict__ O,
 
 #define TF_TC_DTYPE(TN, T)                                                                \
   TF_FWD_TC(TN, T, 64, 4, 64)                                                             \
-  TF_FWD_TC(TN, T, 64, 8, 64)                                                             \
   TF_FWD_TC(TN, T, 128, 4, 64)                                                            \
-  TF_FWD_TC(TN, T, 128, 8, 64)                                                            \
-  TF_FWD_TC(TN, T, 128, 4, 32)                                                            \
   TF_BWD_TC(TN, T, 64, 8, 64)                                                             \
-  TF_BWD_TC(TN, T, 64, 4, 64)                                                             \
-  TF_BWD_TC(TN, T, 128, 8, 64)                                                            \
   TF_BWD_TC(TN, T, 128, 8, 32)                                                            \
-  TF_BWD_TC(TN, T, 128, 4, 64)                                                            \
   TF_PRE(TN, T, 64)                                                                       \
   TF_PRE(TN, T, 128)                                                                      \
   extern "C" __global__ void flash_bwd_post_##TN(const float* dq_acc, T* dq, long long n, \
@@ -1484,9 +1419,16 @@ __device__ __forceinline__ void bwd_pre_f32(const float* __restrict__ O,
     tessera_flash::bwd_post<T>(dq_acc, dq, n, scale);                                     \
   }
 
+// A module may be compiled for one dtype only (-DTF_SKIP_BF16 -DTF_SKIP_F16 ...), which
+// keeps run-time compilation short.
+#if !defined(TF_SKIP_BF16)
 TF_TC_DTYPE(bf16, __nv_bfloat16)
+#endif
+#if !defined(TF_SKIP_F16)
 TF_TC_DTYPE(f16, __half)
+#endif
 
+#if !defined(TF_SKIP_F32)
 TF_F32(32)
 TF_F32(64)
 TF_F32(96)
@@ -1495,68 +1437,27 @@ TF_F32(160)
 TF_F32(192)
 TF_F32(224)
 TF_F32(256)
+#endif
 
 // wgmma kernels exist only in an sm_90a compilation.
 #if defined(TF_HAVE_WGMMA)
 #define TF_WG(TN, T)                                                                      \
-  extern "C" __global__ void __launch_bounds__(256)                                       \
-      flash_fwd_wg_##TN##_d128_g2_c64(const T* q, const T* k, const T* v, T* o, float* lse, \
-                                      int nq, int nk, float scale_log2, int causal) {     \
-    tessera_flash::fwd_wg<T, 2, 64>(q, k, v, o, lse, nq, nk, scale_log2, causal);         \
-  }                                                                                       \
-  extern "C" __global__ void __launch_bounds__(384)                                       \
-      flash_fwd_wg_##TN##_d128_g3_c64(const T* q, const T* k, const T* v, T* o, float* lse, \
-                                      int nq, int nk, float scale_log2, int causal) {     \
-    tessera_flash::fwd_wg<T, 3, 64>(q, k, v, o, lse, nq, nk, scale_log2, causal);         \
-  }                                                                                       \
-  extern "C" __global__ void __launch_bounds__(256, 2)                                    \
-      flash_fwd_wg_##TN##_d128_o2_c64(const T* q, const T* k, const T* v, T* o, float* lse, \
-                                      int nq, int nk, float scale_log2, int causal) {     \
-    tessera_flash::fwd_wg<T, 2, 64>(q, k, v, o, lse, nq, nk, scale_log2, causal);         \
-  }                                                                                       \
   extern "C" __global__ void __launch_bounds__(512, 1)                                    \
       flash_fwd_wg_##TN##_d128_g4_c64(const T* q, const T* k, const T* v, T* o, float* lse, \
                                       int nq, int nk, float scale_log2, int causal) {     \
     tessera_flash::fwd_wg<T, 4, 64>(q, k, v, o, lse, nq, nk, scale_log2, causal);         \
   }                                                                                       \
-  extern "C" __global__ void __launch_bounds__(256)                                       \
-      flash_fwd_wg_##TN##_d128_g2_c128(const T* q, const T* k, const T* v, T* o,          \
-                                       float* lse, int nq, int nk, float scale_log2,      \
-                                       int causal) {                                      \
-    tessera_flash::fwd_wg<T, 2, 128>(q, k, v, o, lse, nq, nk, scale_log2, causal);        \
-  }                                                                                       \
   extern "C" __global__ void __launch_bounds__(256) flash_bwd_wg_##TN##_d128(             \
       const T* q, const T* k, const T* v, const T* d_o, const float* lse,                 \
       const float* delta, float* dq_acc, T* dk, T* dv, int nq, int nk, float scale,       \
       float scale_log2, int causal) {                                                     \
-    tessera_flash::bwd_wg<T, 1>(q, k, v, d_o, lse, delta, dq_acc, dk, dv, nq, nk, scale,  \
-                                scale_log2, causal);                                      \
-  }                                                                                       \
-  extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(256)             \
-      flash_bwd_wg2_##TN##_d128(const T* q, const T* k, const T* v, const T* d_o,          \
-                                const float* lse, const float* delta, float* dq_acc,      \
-                                T* dk, T* dv, int nq, int nk, float scale,                \
-                                float scale_log2, int causal) {                           \
-    tessera_flash::bwd_wg<T, 2>(q, k, v, d_o, lse, delta, dq_acc, dk, dv, nq, nk, scale,  \
-                                scale_log2, causal);                                      \
+    tessera_flash::bwd_wg<T>(q, k, v, d_o, lse, delta, dq_acc, dk, dv, nq, nk, scale,     \
+                             scale_log2, causal);                                         \
   }
+#if !defined(TF_SKIP_BF16)
 TF_WG(bf16, __nv_bfloat16)
+#endif
+#if !defined(TF_SKIP_F16)
 TF_WG(f16, __half)
-extern "C" __global__ void __launch_bounds__(256) flash_bwd_wgl_bf16_d128(
-    const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
-    const __nv_bfloat16* d_o, const float* lse, const float* delta, float* dq_acc,
-    __nv_bfloat16* dk, __nv_bfloat16* dv, int nq, int nk, float scale, float scale_log2,
-    int causal) {
-  tessera_flash::bwd_wg<__nv_bfloat16, 1, 0, true>(q, k, v, d_o, lse, delta, dq_acc, dk, dv,
-                                                   nq, nk, scale, scale_log2, causal);
-}
-// Timing variant (wrong dQ on purpose): the backward without the dQ product.
-extern "C" __global__ void __launch_bounds__(256) flash_bwd_wg_diag_bf16_d128(
-    const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
-    const __nv_bfloat16* d_o, const float* lse, const float* delta, float* dq_acc,
-    __nv_bfloat16* dk, __nv_bfloat16* dv, int nq, int nk, float scale, float scale_log2,
-    int causal) {
-  tessera_flash::bwd_wg<__nv_bfloat16, 1, 2>(q, k, v, d_o, lse, delta, dq_acc, dk, dv, nq, nk,
-                                             scale, scale_log2, causal);
-}
+#endif
 #endif
