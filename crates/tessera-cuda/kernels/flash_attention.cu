@@ -1118,6 +1118,7 @@ __device__ __forceinline__ void bwd_wg(const T* __restrict__ Q, const T* __restr
 }
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
+#if !defined(TF_SKIP_F32)
 // ---------------------------------------------------------------------------------
 // f32 on CUDA cores
 // ---------------------------------------------------------------------------------
@@ -1340,6 +1341,7 @@ __device__ __forceinline__ void bwd_pre_f32(const float* __restrict__ O,
   acc = warp_sum(acc);
   if (lane == 0) Delta[row] = acc;
 }
+#endif  // !TF_SKIP_F32
 
 }  // namespace tessera_flash
 
