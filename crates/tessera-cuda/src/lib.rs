@@ -23,6 +23,7 @@ pub mod compiler;
 mod gpu;
 mod matmul;
 mod ops;
+pub mod flash;
 pub mod profile;
 
 use std::sync::{Arc, OnceLock};
@@ -124,7 +125,11 @@ impl Backend for CudaBackend {
     }
 
     fn eval(&self, op: &Op, inputs: &[&Tensor], dtype: DType, shape: &[usize]) -> Result<Tensor> {
-        profile::timed(self, || op.name().to_string(), inputs, || {
+        let name = || match op {
+            Op::Reduce { dims, .. } => format!("{}{dims:?}", op.name()),
+            _ => op.name().to_string(),
+        };
+        profile::timed(self, name, inputs, || {
             self.eval_op(op, inputs, dtype, shape)
         })
     }

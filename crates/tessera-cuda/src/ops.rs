@@ -286,6 +286,11 @@ impl CudaBackend {
                 name,
                 "reached the CUDA kernels (inputs are bound and views are made by the caller)",
             )),
+            // Custom ops run their own CUDA kernel slot (custom_op::CustomOp::set_kernel).
+            Op::Custom(_) | Op::CustomOutput { .. } => Err(unsupported(
+                name,
+                "reached the built-in CUDA kernels; a custom op runs the kernel registered for `cuda`",
+            )),
         }
     }
 

@@ -16,6 +16,10 @@ fn enabled() -> bool {
 }
 
 static TABLE: Mutex<Option<HashMap<String, (usize, Duration)>>> = Mutex::new(None);
+/// When the last profiled op finished: the gap to the next one is host
+/// time (autograd, dispatch, anything outside the kernels), booked as
+/// `host before <op>`.
+static LAST_END: Mutex<Option<Instant>> = Mutex::new(None);
 
 /// Runs `f`, timing it when profiling is on.
 pub(crate) fn timed<R>(
@@ -29,23 +33,34 @@ pub(crate) fn timed<R>(
     }
     let _ = backend.gpu.synchronize();
     let t = Instant::now();
+    let gap = LAST_END.lock().expect("poisoned").map(|e| t - e);
     let r = f();
     let _ = backend.gpu.synchronize();
+    *LAST_END.lock().expect("poisoned") = Some(Instant::now());
     let shapes: Vec<String> = inputs
         .iter()
+        .take(3)
         .map(|x| format!("{}{:?}{}", x.dtype(), x.shape(), if x.is_contiguous() { "" } else { "s" }))
         .collect();
-    let key = format!("{} {}", name(), shapes.join(" "));
+    let name = name();
+    let key = format!("{name} {}", shapes.join(" "));
     let mut table = TABLE.lock().expect("profile poisoned");
-    let e = table.get_or_insert_with(HashMap::new).entry(key).or_default();
+    let table = table.get_or_insert_with(HashMap::new);
+    let e = table.entry(key).or_default();
     e.0 += 1;
     e.1 += t.elapsed();
+    if let Some(gap) = gap.filter(|g| *g < Duration::from_secs(1)) {
+        let h = table.entry(format!("host before {name}")).or_default();
+        h.0 += 1;
+        h.1 += gap;
+    }
     r
 }
 
 /// The `top` most expensive entries since the last report (then cleared);
 /// empty when profiling is off.
 pub fn report(top: usize) -> String {
+    *LAST_END.lock().expect("poisoned") = None;
     let Some(table) = TABLE.lock().expect("profile poisoned").take() else {
         return String::new();
     };

@@ -12,6 +12,7 @@
 
 pub mod autograd;
 pub mod compile;
+pub mod custom_op;
 pub mod error;
 pub mod fusion;
 pub mod hints;
@@ -28,6 +29,9 @@ pub mod tensor;
 pub mod train;
 
 pub use compile::compile;
+pub use custom_op::flash_attention::{
+    scaled_dot_product_attention, try_scaled_dot_product_attention, SdpaOptions,
+};
 pub use error::{Error, ErrorKind, Result, SourceLoc};
 pub use ir::{DType, Graph};
 pub use tensor::Tensor;

@@ -180,6 +180,17 @@ pub fn custom_function(
     outputs: Vec<Tensor>,
     backward: Arc<BackwardFn>,
 ) -> Vec<Tensor> {
+    custom_function_at(name, inputs, outputs, backward, Location::caller())
+}
+
+/// [`custom_function`] with the forward's call site given.
+pub fn custom_function_at(
+    name: &str,
+    inputs: &[&Tensor],
+    outputs: Vec<Tensor>,
+    backward: Arc<BackwardFn>,
+    caller: &'static Location<'static>,
+) -> Vec<Tensor> {
     if !tracks(inputs, outputs.iter().any(|t| t.dtype().is_float())) {
         return outputs;
     }
@@ -193,7 +204,7 @@ pub fn custom_function(
             .iter()
             .map(|t| (t.shape().to_vec(), t.dtype()))
             .collect(),
-        origin: backward_origin(Location::caller()),
+        origin: backward_origin(caller),
     });
     outputs
         .iter()

@@ -24,6 +24,9 @@ fn recompute_cost(op: &Op) -> Option<u8> {
         | Op::Gather { .. }
         | Op::IndexAdd { .. }
         | Op::ScatterAdd { .. }
+        // Opaque, and the kernel writes all outputs at once.
+        | Op::Custom(_)
+        | Op::CustomOutput { .. }
         | Op::Input => return None,
         Op::Reduce { .. } | Op::ArgReduce { .. } | Op::Softmax { .. } | Op::LogSoftmax { .. } => 3,
         Op::Unary(u) if !matches!(u, UnaryOp::Neg | UnaryOp::Abs | UnaryOp::Relu) => 2,

@@ -8,5 +8,5 @@ mod mincut;
 pub mod rules;
 
 pub use aot::{aot_autograd, AotGraphs, Partition};
-pub use engine::{custom_function, grad, is_grad_enabled, no_grad, BackwardFn};
+pub use engine::{custom_function, custom_function_at, grad, is_grad_enabled, no_grad, BackwardFn};
 pub(crate) use engine::{record, AutogradMeta};

@@ -113,6 +113,13 @@ pub fn vjp(op: &Op, inputs: &[Tensor], output: &Tensor, g: &Tensor) -> Result<Ve
         | Op::Randn { .. }
         | Op::Compare(_)
         | Op::ArgReduce { .. } => vec![None; inputs.len()],
+        Op::Custom(_) | Op::CustomOutput { .. } => {
+            return Err(crate::error::Error::op(
+                crate::error::ErrorKind::Verify,
+                op.name(),
+                "custom ops are differentiated by their registered backward, not by a rule",
+            ))
+        }
     })
 }
 
@@ -128,6 +135,8 @@ pub fn has_gradient(op: &Op) -> bool {
             | Op::Randn { .. }
             | Op::Compare(_)
             | Op::ArgReduce { .. }
+            | Op::Custom(_)
+            | Op::CustomOutput { .. }
     )
 }
 

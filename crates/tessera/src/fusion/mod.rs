@@ -25,6 +25,9 @@ pub enum Kernel {
     },
     /// One node through the op dispatcher.
     Extern(NodeId),
+    /// A custom op's node, whose kernel also writes the `custom_output`
+    /// nodes in `outputs` (the op's further outputs that are read).
+    Custom { node: NodeId, outputs: Vec<NodeId> },
 }
 
 impl Kernel {
@@ -32,7 +35,7 @@ impl Kernel {
     /// fused kernel are not read: they are constants of its code).
     pub fn reads(&self, graph: &Graph) -> Vec<NodeId> {
         match self {
-            Kernel::Extern(id) => graph.node(*id).inputs.clone(),
+            Kernel::Extern(id) | Kernel::Custom { node: id, .. } => graph.node(*id).inputs.clone(),
             Kernel::Fused { inputs, .. } => inputs.clone(),
         }
     }
@@ -42,13 +45,16 @@ impl Kernel {
         match self {
             Kernel::Extern(id) => vec![*id],
             Kernel::Fused { outputs, .. } => outputs.clone(),
+            Kernel::Custom { node, outputs } => {
+                [*node].into_iter().chain(outputs.iter().copied()).collect()
+            }
         }
     }
 
     /// The graph nodes the kernel computes.
     pub fn members(&self) -> &[NodeId] {
         match self {
-            Kernel::Extern(id) => std::slice::from_ref(id),
+            Kernel::Extern(id) | Kernel::Custom { node: id, .. } => std::slice::from_ref(id),
             Kernel::Fused { members, .. } => members,
         }
     }
@@ -109,6 +115,11 @@ pub fn fuse(graph: &Graph) -> Plan {
         if matches!(node.op, Op::Input) || inline_scalar(graph, id).is_some() {
             continue;
         }
+        if let Op::CustomOutput { .. } = node.op {
+            // Written by its custom op's kernel.
+            kernel_of.insert(id, kernel_of[&node.inputs[0]]);
+            continue;
+        }
         if is_fusible(graph, id) {
             let newest = node
                 .inputs
@@ -164,7 +175,13 @@ fn assemble(graph: &Graph, groups: &[Vec<NodeId>], order: &[Result<usize, NodeId
                 for &x in &graph.node(*id).inputs {
                     scalar_value(&mut kernels, x);
                 }
-                kernels.push(Kernel::Extern(*id));
+                kernels.push(match graph.node(*id).op {
+                    Op::Custom(_) => Kernel::Custom {
+                        node: *id,
+                        outputs: custom_outputs(graph, *id),
+                    },
+                    _ => Kernel::Extern(*id),
+                });
             }
             Ok(g) => kernels.push(fused_kernel(graph, &groups[*g], &users)),
         }
@@ -175,6 +192,17 @@ fn assemble(graph: &Graph, groups: &[Vec<NodeId>], order: &[Result<usize, NodeId
         }
     }
     Plan { kernels }
+}
+
+/// The `custom_output` nodes of the custom node `id`.
+fn custom_outputs(graph: &Graph, id: NodeId) -> Vec<NodeId> {
+    (0..graph.len())
+        .map(|i| NodeId(i as u32))
+        .filter(|&o| {
+            let node = graph.node(o);
+            matches!(node.op, Op::CustomOutput { .. }) && node.inputs[0] == id
+        })
+        .collect()
 }
 
 /// Nodes read by something other than their own group (or returned).
@@ -303,6 +331,17 @@ pub fn describe(graph: &Graph, plan: &Plan) -> String {
                 graph.display_name(*id),
                 graph.node(*id).op.name()
             )),
+            Kernel::Custom { node, outputs } => {
+                let Op::Custom(call) = &graph.node(*node).op else {
+                    unreachable!("a custom kernel's node is a custom op")
+                };
+                text.push_str(&format!(
+                    "  k{k} custom {} ({}) writes {}\n",
+                    graph.display_name(*node),
+                    call.name(),
+                    1 + outputs.len()
+                ));
+            }
         }
     }
     text

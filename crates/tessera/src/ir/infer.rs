@@ -160,7 +160,7 @@ impl Op {
                     inputs.len()
                 ));
             }
-        } else if inputs.is_empty() {
+        } else if inputs.is_empty() && !matches!(self, Op::Custom(_)) {
             return Err(op_err!(Argument, self.name(), "needs at least one input"));
         }
         match self {
@@ -520,6 +520,21 @@ impl Op {
                     ));
                 }
                 Ok(base.clone())
+            }
+            Op::Custom(call) => Ok(call.infer(inputs)?.swap_remove(0)),
+            Op::CustomOutput {
+                index,
+                dtype,
+                shape,
+            } => {
+                if *index == 0 {
+                    return Err(op_err!(
+                        Argument,
+                        "custom_output",
+                        "output 0 is the custom node itself; indices start at 1"
+                    ));
+                }
+                Ok(TensorType::new(*dtype, shape.clone()))
             }
         }
     }

@@ -10,6 +10,7 @@
 
 use super::dtype::DType;
 use super::shape::Shape;
+pub use crate::custom_op::CustomCall;
 
 /// A scalar value in an op attribute.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -364,6 +365,16 @@ pub enum Op {
     /// (base, index: i64/i32, src of index's shape) `out[index[i][j]][j] +=
     /// src[i][j]` for dim 0 (`torch.scatter_add`): the gradient of gather.
     ScatterAdd { dim: usize },
+    /// (x0, x1, …) a call of a registered custom op (`crate::custom_op`);
+    /// the node's value is the op's first output.
+    Custom(CustomCall),
+    /// (c) output `index` (≥ 1) of the `custom` node `c`, of the declared
+    /// type; written by `c`'s kernel.
+    CustomOutput {
+        index: usize,
+        dtype: DType,
+        shape: Shape,
+    },
 }
 
 impl Op {
@@ -399,6 +410,8 @@ impl Op {
             Op::Gather { .. } => "gather",
             Op::IndexAdd { .. } => "index_add",
             Op::ScatterAdd { .. } => "scatter_add",
+            Op::Custom(_) => "custom",
+            Op::CustomOutput { .. } => "custom_output",
         }
     }
 
@@ -418,7 +431,7 @@ impl Op {
             | Op::IndexSelect { .. }
             | Op::Gather { .. } => Some(2),
             Op::Where | Op::IndexAdd { .. } | Op::ScatterAdd { .. } => Some(3),
-            Op::Cat { .. } => None,
+            Op::Cat { .. } | Op::Custom(_) => None,
             _ => Some(1),
         }
     }

@@ -71,6 +71,10 @@ impl Graph {
                     format!("declared type {} but its inputs give {inferred}", node.ty),
                 ));
             }
+            if let Op::CustomOutput { index, .. } = node.op {
+                self.check_custom_output(node.inputs[0], index, &node.ty)
+                    .map_err(|msg| fail(id, msg))?;
+            }
         }
         let mut out_names = HashSet::new();
         for out in &self.outputs {
@@ -91,6 +95,41 @@ impl Graph {
             }
         }
         Ok(())
+    }
+}
+
+impl Graph {
+    /// A `custom_output` reads a `custom` node that has output `index` of
+    /// type `ty`.
+    fn check_custom_output(
+        &self,
+        source: NodeId,
+        index: usize,
+        ty: &super::infer::TensorType,
+    ) -> std::result::Result<(), String> {
+        let node = self.node(source);
+        let Op::Custom(call) = &node.op else {
+            return Err(format!("reads {source:?}, which is not a custom op"));
+        };
+        let types: Vec<_> = node
+            .inputs
+            .iter()
+            .map(|&x| self.node(x).ty.clone())
+            .collect();
+        let outputs = call.infer(&types).map_err(|e| e.to_string())?;
+        match outputs.get(index) {
+            Some(t) if t == ty => Ok(()),
+            Some(t) => Err(format!(
+                "declares {ty} but {} output {index} is {t}",
+                call.name()
+            )),
+            None => Err(format!(
+                "{} has {} outputs, not {}",
+                call.name(),
+                outputs.len(),
+                index + 1
+            )),
+        }
     }
 }
 

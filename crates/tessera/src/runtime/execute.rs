@@ -15,7 +15,7 @@ use super::interpret::{bind_symbols, node_error};
 use crate::autograd;
 use crate::error::Result;
 use crate::fusion::{Kernel, Plan};
-use crate::ir::{Graph, NodeId};
+use crate::ir::{Graph, NodeId, Op};
 use crate::logging::log;
 use crate::schedule::{MemoryPlan, Schedule};
 use crate::tensor::{trace, Tensor};
@@ -208,6 +208,32 @@ impl<'a> Job<'a> {
                 let out = Tensor::apply(&node.op, &args, Location::caller())
                     .map_err(|e| node_error(graph, *id, e))?;
                 Ok(vec![(*id, out)])
+            }
+            Kernel::Custom { node, outputs } => {
+                let n = graph.node(*node);
+                let Op::Custom(call) = &n.op else {
+                    unreachable!("a custom kernel's node is a custom op")
+                };
+                let args: Vec<&Tensor> = self
+                    .args
+                    .iter()
+                    .map(|a| match a {
+                        Arg::Shared(t) => t,
+                        Arg::Donated(..) => unreachable!("custom kernels never write in place"),
+                    })
+                    .collect();
+                let outs = trace::with_origin(&n.meta, || {
+                    crate::custom_op::apply(call, &args, Location::caller())
+                })
+                .map_err(|e| node_error(graph, *node, e))?;
+                let mut written = vec![(*node, outs[0].clone())];
+                for &o in outputs {
+                    let Op::CustomOutput { index, .. } = graph.node(o).op else {
+                        unreachable!("a custom kernel writes custom outputs")
+                    };
+                    written.push((o, outs[index].clone()));
+                }
+                Ok(written)
             }
             Kernel::Fused {
                 kernel,

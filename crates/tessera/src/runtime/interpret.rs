@@ -40,10 +40,24 @@ fn run_nodes(graph: &Graph, inputs: &[Tensor], symbols: &Symbols) -> Result<Vec<
     for (&id, t) in graph.inputs.iter().zip(inputs) {
         values[id.index()] = Some(t.clone());
     }
+    // Outputs after the first of custom ops, until their `custom_output`
+    // node takes them.
+    let mut custom_outputs: HashMap<(NodeId, usize), Tensor> = HashMap::new();
     for (i, node) in graph.nodes.iter().enumerate() {
         let id = NodeId(i as u32);
-        if !matches!(node.op, Op::Input) {
-            values[i] = Some(eval_node(graph, id, &values, symbols)?);
+        match &node.op {
+            Op::Input => {}
+            Op::Custom(call) => {
+                let outs = eval_custom(graph, id, call, &values, symbols)?;
+                let mut outs = outs.into_iter().enumerate();
+                values[i] = outs.next().map(|(_, t)| t);
+                custom_outputs.extend(outs.map(|(index, t)| ((id, index), t)));
+            }
+            Op::CustomOutput { index, .. } => {
+                let value = custom_outputs.remove(&(node.inputs[0], *index));
+                values[i] = Some(value.expect("a custom op runs before its outputs are read"));
+            }
+            _ => values[i] = Some(eval_node(graph, id, &values, symbols)?),
         }
         for x in node.inputs.iter().copied().chain([id]) {
             if last_use[x.index()] == i {
@@ -269,6 +283,36 @@ fn eval_node(
         ));
     }
     Ok(out)
+}
+
+/// Every output of a `custom` node, checked against the declared types.
+fn eval_custom(
+    graph: &Graph,
+    id: NodeId,
+    call: &crate::custom_op::CustomCall,
+    values: &[Option<Tensor>],
+    symbols: &Symbols,
+) -> Result<Vec<Tensor>> {
+    let node = graph.node(id);
+    let args: Vec<&Tensor> = node
+        .inputs
+        .iter()
+        .map(|x| values[x.index()].as_ref().expect("live until its last use"))
+        .collect();
+    let outs = trace::with_origin(&node.meta, || {
+        crate::custom_op::apply(call, &args, Location::caller())
+    })
+    .map_err(|e| node_error(graph, id, e))?;
+    let declared = eval_shape(&node.ty.shape, symbols).map_err(|e| node_error(graph, id, e))?;
+    if outs[0].shape() != declared.as_slice() || outs[0].dtype() != node.ty.dtype {
+        let msg = format!(
+            "computed {} but the graph declares {}",
+            outs[0].ty(),
+            node.ty
+        );
+        return Err(node_error(graph, id, Error::new(ErrorKind::Verify, msg)));
+    }
+    Ok(outs)
 }
 
 /// `op` with its symbolic shape attribute (if any) evaluated.

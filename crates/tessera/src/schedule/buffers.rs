@@ -123,6 +123,14 @@ impl BufferModel {
                 self.value_buffer[id.index()] = value.buffer;
                 values[id.index()] = Some(value);
             }
+            Kernel::Custom { .. } => {
+                // An opaque kernel: every output in a buffer of its own.
+                for o in kernel.writes() {
+                    let value = self.new_value(graph, k, o)?;
+                    self.value_buffer[o.index()] = value.buffer;
+                    values[o.index()] = Some(value);
+                }
+            }
             Kernel::Fused {
                 kernel: code,
                 inputs: fused_inputs,

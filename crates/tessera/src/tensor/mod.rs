@@ -365,6 +365,21 @@ impl Tensor {
         caller: &'static Location<'static>,
     ) -> Result<Tensor> {
         let at = |e: Error| e.at(SourceLoc::from_location(caller));
+        match op {
+            // The first output; a graph's later `custom_output` nodes are
+            // bound by whoever runs the graph (see `runtime::interpret`).
+            Op::Custom(call) => {
+                return crate::custom_op::apply(call, inputs, caller).map(|mut o| o.swap_remove(0))
+            }
+            Op::CustomOutput { .. } => {
+                return Err(at(Error::op(
+                    ErrorKind::Verify,
+                    op.name(),
+                    "is computed with its custom op, never on its own",
+                )))
+            }
+            _ => {}
+        }
         let types: Vec<TensorType> = inputs.iter().map(|t| t.ty()).collect();
         let ty = op.infer(&types).map_err(at)?;
         let shape = ty.shape.as_concrete().ok_or_else(|| {

@@ -36,6 +36,8 @@ pub(super) enum AttrKind {
     /// A constant's data: one value for a rank-0 constant, else a flat
     /// row-major list. Its dtype and shape are the node's type.
     Data,
+    /// A JSON string: a custom op's name, its attributes as JSON.
+    Str,
 }
 
 /// An attribute value, as printed and as parsed.
@@ -56,6 +58,7 @@ pub(super) enum Attr {
         values: Vec<Scalar>,
         list: bool,
     },
+    Str(String),
 }
 
 /// The ops that take no attributes, by name.
@@ -123,6 +126,8 @@ pub(super) fn signature(op_name: &str) -> Option<&'static [(&'static str, AttrKi
         ],
         "tril" | "triu" => &[("diagonal", I64)],
         "matmul_t" => &[("transpose_a", Bool), ("transpose_b", Bool)],
+        "custom" => &[("op", Str), ("attrs", Str)],
+        "custom_output" => &[("index", Usize), ("dtype", DType), ("shape", Shape)],
         _ => return None,
     })
 }
@@ -189,6 +194,12 @@ pub(super) fn attrs_of(op: &Op) -> Vec<Attr> {
             transpose_a,
             transpose_b,
         } => vec![A::Bool(*transpose_a), A::Bool(*transpose_b)],
+        Op::Custom(call) => vec![A::Str(call.name().to_string()), A::Str(call.attrs_json())],
+        Op::CustomOutput {
+            index,
+            dtype,
+            shape,
+        } => vec![A::Usize(*index), A::DType(*dtype), A::Shape(shape.clone())],
     }
 }
 
@@ -253,6 +264,14 @@ pub(super) fn build(op_name: &str, attrs: &[Attr], ty: &TensorType) -> Result<Op
             transpose_a: *transpose_a,
             transpose_b: *transpose_b,
         },
+        ("custom", [A::Str(name), A::Str(attrs)]) => Op::Custom(custom_call(name, attrs)?),
+        ("custom_output", [A::Usize(index), A::DType(dtype), A::Shape(shape)]) => {
+            Op::CustomOutput {
+                index: *index,
+                dtype: *dtype,
+                shape: shape.clone(),
+            }
+        }
         (name, [A::Dims(dims), A::Bool(keepdim)]) => Op::Reduce {
             op: reduce_op(name).ok_or_else(mismatch)?,
             dims: dims.clone(),
@@ -266,6 +285,23 @@ pub(super) fn build(op_name: &str, attrs: &[Attr], ty: &TensorType) -> Result<Op
         _ => return Err(mismatch()),
     };
     Ok(op)
+}
+
+/// The registered custom op `name` with `attrs` (a JSON object).
+fn custom_call(name: &str, attrs: &str) -> Result<crate::custom_op::CustomCall, String> {
+    let op = crate::custom_op::lookup(name).map_err(|e| e.to_string())?;
+    let attrs = match serde_json::from_str::<serde_json::Value>(attrs) {
+        Ok(serde_json::Value::Object(map)) => map,
+        _ => {
+            return Err(format!(
+                "the attributes of `{name}` must be a JSON object, got {attrs}"
+            ))
+        }
+    };
+    Ok(crate::custom_op::CustomCall {
+        op,
+        attrs: std::sync::Arc::new(attrs),
+    })
 }
 
 fn literal_values(data: &LiteralData) -> Vec<Scalar> {
@@ -403,6 +439,7 @@ impl fmt::Display for Attr {
                 // is printed as a list so the parser reports the count.
                 _ => write_list(f, values, |v, f| ScalarText(*v).fmt(f)),
             },
+            Attr::Str(text) => write!(f, "{}", serde_json::Value::from(text.as_str())),
         }
     }
 }
@@ -424,6 +461,7 @@ mod tests {
             Attr::Shape(_) => AttrKind::Shape,
             Attr::Dims(_) => AttrKind::Dims,
             Attr::Data { .. } => AttrKind::Data,
+            Attr::Str(_) => AttrKind::Str,
         }
     }
 

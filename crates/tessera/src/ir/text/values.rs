@@ -37,6 +37,10 @@ pub(super) fn attr(cur: &mut Cursor, kind: AttrKind) -> Result<Attr> {
         AttrKind::DType => Attr::DType(dtype(cur)?),
         AttrKind::Shape => Attr::Shape(shape(cur)?),
         AttrKind::Dims => Attr::Dims(list(cur, |c| integer(c, "a dim index"))?),
+        AttrKind::Str => match cur.string()? {
+            Some(text) => Attr::Str(text),
+            None => return Err(cur.expected("a string")),
+        },
         AttrKind::Data => match cur.peek() {
             Some('[') => Attr::Data {
                 values: list(cur, scalar)?,

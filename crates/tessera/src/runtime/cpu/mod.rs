@@ -7,6 +7,7 @@ mod creation;
 mod element;
 mod elementwise;
 mod fastmath;
+pub mod flash;
 pub mod fused;
 mod index;
 mod matmul;
@@ -67,6 +68,11 @@ pub fn eval(op: &Op, inputs: &[&Tensor], dtype: DType, shape: &[usize]) -> Resul
         Op::Gather { dim } => index::gather(inputs[0], inputs[1], *dim),
         Op::IndexAdd { dim } => scatter::index_add(inputs[0], inputs[1], inputs[2], *dim),
         Op::ScatterAdd { dim } => scatter::scatter_add(inputs[0], inputs[1], inputs[2], *dim),
+        Op::Custom(_) | Op::CustomOutput { .. } => Err(crate::error::Error::op(
+            crate::error::ErrorKind::Verify,
+            op.name(),
+            "custom ops run through `custom_op`, not the op dispatcher",
+        )),
     }
     .inspect(|t| {
         debug_assert_eq!(

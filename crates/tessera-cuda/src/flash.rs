@@ -1,0 +1,933 @@
+//! Flash attention on the GPU: the launcher for `kernels/flash_attention.cu`.
+//!
+//! Semantics are PyTorch's `F.scaled_dot_product_attention(q, k, v, is_causal, scale)`
+//! on contiguous `[B, H, N, D]` tensors (causal masking top-left aligned; `q_len` and
+//! `kv_len` may differ). [`flash_forward`] writes the output and the f32 logsumexp per
+//! query row; [`flash_backward`] takes q, k, v, out, d_out and that logsumexp and writes
+//! dq, dk, dv, recomputing the probabilities block by block.
+//!
+//! The source is compiled once per (context, architecture, dtype) with NVRTC for the
+//! device's own architecture (`sm_90a` on Hopper, so that the wgmma kernels exist) into
+//! a cubin, and the loaded module is kept for the life of the process. Kernels are chosen
+//! by dtype, head dim and architecture ([`select`]); what is not covered is an error
+//! naming the dtype and head dim, never a launch.
+//!
+//! Everything goes through cudarc's dynamic loading: the crate builds with no CUDA
+//! installed, and the first call checks for the driver and NVRTC and says which is
+//! missing.
+
+use std::collections::HashMap;
+use std::ffi::{c_char, CString};
+use std::fmt;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use cudarc::driver::sys::{CUdeviceptr, CUfunction_attribute_enum};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaModule, CudaStream, LaunchConfig, PushKernelArg,
+};
+use cudarc::nvrtc::{result as nvrtc, sys as nvrtc_sys, Ptx};
+
+/// The kernels' CUDA C source.
+pub const SOURCE: &str = include_str!("../kernels/flash_attention.cu");
+
+/// Element types of q, k, v, out and the gradients (lse and the workspace are f32).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum FlashDType {
+    F32,
+    F16,
+    BF16,
+}
+
+impl FlashDType {
+    /// The name used in kernel names (`flash_fwd_bf16_...`).
+    pub fn name(self) -> &'static str {
+        match self {
+            FlashDType::F32 => "f32",
+            FlashDType::F16 => "f16",
+            FlashDType::BF16 => "bf16",
+        }
+    }
+
+    /// Bytes per element.
+    pub fn size(self) -> usize {
+        match self {
+            FlashDType::F32 => 4,
+            FlashDType::F16 | FlashDType::BF16 => 2,
+        }
+    }
+
+    /// NVRTC defines that leave the other dtypes' kernels out of a module.
+    fn skip_others(self) -> [&'static str; 2] {
+        match self {
+            FlashDType::F32 => ["-DTF_SKIP_BF16", "-DTF_SKIP_F16"],
+            FlashDType::F16 => ["-DTF_SKIP_BF16", "-DTF_SKIP_F32"],
+            FlashDType::BF16 => ["-DTF_SKIP_F16", "-DTF_SKIP_F32"],
+        }
+    }
+}
+
+/// Shapes: q and out are `[batch, heads, q_len, head_dim]`, k and v
+/// `[batch, heads, kv_len, head_dim]`, lse `[batch, heads, q_len]`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FlashDims {
+    pub batch: usize,
+    pub heads: usize,
+    pub q_len: usize,
+    pub kv_len: usize,
+    pub head_dim: usize,
+}
+
+impl FlashDims {
+    fn rows(&self) -> usize {
+        self.batch * self.heads * self.q_len
+    }
+}
+
+/// What went wrong, in one line a user can act on.
+#[derive(Clone, Debug, PartialEq)]
+pub enum FlashError {
+    /// A dtype / head dim / device combination with no kernel.
+    Unsupported(String),
+    /// Dimensions the kernels cannot take (too large for the grid, or inconsistent).
+    Shape(String),
+    /// A bad scalar argument.
+    Argument(String),
+    /// The driver or NVRTC is missing, or a CUDA call failed.
+    Device(String),
+}
+
+impl fmt::Display for FlashError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            FlashError::Unsupported(m)
+            | FlashError::Shape(m)
+            | FlashError::Argument(m)
+            | FlashError::Device(m) => write!(f, "flash_attention: {m}"),
+        }
+    }
+}
+
+impl std::error::Error for FlashError {}
+
+type Result<T> = std::result::Result<T, FlashError>;
+
+fn device_err(what: &str, e: impl fmt::Debug) -> FlashError {
+    FlashError::Device(format!("{what}: {e:?}"))
+}
+
+// ---------------------------------------------------------------------------------------
+// Kernel choice and launch geometry (pure: unit-tested without a GPU)
+// ---------------------------------------------------------------------------------------
+
+/// Forward kernel families.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FwdKernel {
+    /// sm_90a wgmma, 4 warpgroups x 64 query rows, key tiles of 64 (head dim 128).
+    Wgmma,
+    /// mma.sync: `warps` warps x 16 query rows, key tiles of `key_tile`.
+    Mma { warps: u32, key_tile: u32 },
+    /// CUDA cores, one warp per query row.
+    F32,
+}
+
+/// Backward kernel families.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BwdKernel {
+    /// sm_90a wgmma, 2 warpgroups x 64 keys per block, query tiles of 64 (head dim 128).
+    Wgmma,
+    /// mma.sync: `warps` warps x 16 keys per block, query tiles of `q_tile` rows.
+    Mma { warps: u32, q_tile: u32 },
+    /// CUDA cores: a dQ kernel (warp per query) and a dK/dV kernel (warp per key).
+    F32,
+}
+
+/// The kernels for one call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Selection {
+    pub dtype: FlashDType,
+    pub head_dim: usize,
+    pub fwd: FwdKernel,
+    pub bwd: BwdKernel,
+}
+
+/// The NVRTC target for a compute capability: Hopper gets `sm_90a` (wgmma needs the
+/// architecture-specific target), everything else its plain `sm_XY`.
+pub fn arch_for(cc: (i32, i32)) -> String {
+    if cc == (9, 0) {
+        "sm_90a".to_string()
+    } else {
+        format!("sm_{}{}", cc.0, cc.1)
+    }
+}
+
+/// Picks the kernels by dtype, head dim and compute capability. The choices are the
+/// fastest measured on an H200 at (8, 32, 2048, 128) bf16 (BENCHMARKS.md); the mma.sync
+/// ones serve every other sm_80+ device.
+pub fn select(dtype: FlashDType, head_dim: usize, cc: (i32, i32)) -> Result<Selection> {
+    if cc.0 < 8 {
+        return Err(FlashError::Unsupported(format!(
+            "needs a GPU of compute capability 8.0 or newer (cp.async, bf16 tensor cores); \
+             this one is {}.{}",
+            cc.0, cc.1
+        )));
+    }
+    let (fwd, bwd) = match dtype {
+        FlashDType::F32 => {
+            if head_dim == 0 || !head_dim.is_multiple_of(32) || head_dim > 256 {
+                return Err(FlashError::Unsupported(format!(
+                    "head dim {head_dim} with f32: supported are multiples of 32 up to 256"
+                )));
+            }
+            (FwdKernel::F32, BwdKernel::F32)
+        }
+        FlashDType::F16 | FlashDType::BF16 => match (head_dim, cc == (9, 0)) {
+            (128, true) => (FwdKernel::Wgmma, BwdKernel::Wgmma),
+            (128, false) => (
+                FwdKernel::Mma {
+                    warps: 4,
+                    key_tile: 64,
+                },
+                BwdKernel::Mma {
+                    warps: 8,
+                    q_tile: 32,
+                },
+            ),
+            (64, _) => (
+                FwdKernel::Mma {
+                    warps: 4,
+                    key_tile: 64,
+                },
+                BwdKernel::Mma {
+                    warps: 8,
+                    q_tile: 64,
+                },
+            ),
+            _ => {
+                return Err(FlashError::Unsupported(format!(
+                    "head dim {head_dim} with {}: the tensor-core kernels cover head dims 64 \
+                     and 128 (f32 covers multiples of 32 up to 256)",
+                    dtype.name()
+                )))
+            }
+        },
+    };
+    Ok(Selection {
+        dtype,
+        head_dim,
+        fwd,
+        bwd,
+    })
+}
+
+/// One kernel launch: entry point, grid, block and dynamic shared memory.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Launch {
+    pub name: String,
+    pub grid: (u32, u32, u32),
+    pub block: u32,
+    pub smem: u32,
+}
+
+fn blocks(n: usize, per_block: usize) -> Result<u32> {
+    u32::try_from(n.div_ceil(per_block))
+        .map_err(|_| FlashError::Shape(format!("{n} rows need more than 2^32 blocks")))
+}
+
+/// The forward launch for `sel` at `dims`. Shared memory sizes follow the table at the
+/// end of the .cu file.
+pub fn forward_launch(sel: &Selection, dims: &FlashDims) -> Result<Launch> {
+    let d = sel.head_dim;
+    let t = sel.dtype.name();
+    let bh = bh_dim(dims)?;
+    Ok(match sel.fwd {
+        FwdKernel::Wgmma => Launch {
+            name: format!("flash_fwd_wg_{t}_d{d}_g4_c64"),
+            grid: (blocks(dims.q_len, 256)?, bh, 1),
+            block: 512,
+            smem: ((256 * d + 4 * 64 * d) * 2) as u32,
+        },
+        FwdKernel::Mma { warps, key_tile } => {
+            let (w, c) = (warps as usize, key_tile as usize);
+            Launch {
+                name: format!("flash_fwd_{t}_d{d}_w{w}_c{c}"),
+                grid: (blocks(dims.q_len, 16 * w)?, bh, 1),
+                block: 32 * warps,
+                smem: ((16 * w * (d + 8) + 4 * c * (d + 8)) * 2) as u32,
+            }
+        }
+        FwdKernel::F32 => Launch {
+            name: format!("flash_fwd_f32_d{d}"),
+            grid: (blocks(dims.q_len, 8)?, bh, 1),
+            block: 256,
+            smem: ((2 * 32 * (d + 1) + 8 * d) * 4) as u32,
+        },
+    })
+}
+
+/// The backward launches in order: Delta (and zeroed dQ workspace), the main kernel(s),
+/// and for bf16/f16 the dQ conversion.
+pub fn backward_launches(sel: &Selection, dims: &FlashDims) -> Result<Vec<Launch>> {
+    let d = sel.head_dim;
+    let t = sel.dtype.name();
+    let bh = bh_dim(dims)?;
+    let rows = dims.rows();
+    let pre = Launch {
+        name: format!("flash_bwd_pre_{t}_d{d}"),
+        grid: (blocks(rows, 8)?, 1, 1),
+        block: 256,
+        smem: 0,
+    };
+    let mut out = vec![pre];
+    match sel.bwd {
+        BwdKernel::F32 => {
+            out.push(Launch {
+                name: format!("flash_bwd_dq_f32_d{d}"),
+                grid: (blocks(dims.q_len, 8)?, bh, 1),
+                block: 256,
+                smem: ((2 * 32 * (d + 1) + 16 * d) * 4) as u32,
+            });
+            out.push(Launch {
+                name: format!("flash_bwd_dkv_f32_d{d}"),
+                grid: (blocks(dims.kv_len, 8)?, bh, 1),
+                block: 256,
+                smem: ((2 * 32 * (d + 1) + 16 * d + 64) * 4) as u32,
+            });
+        }
+        BwdKernel::Wgmma | BwdKernel::Mma { .. } => {
+            out.push(match sel.bwd {
+                BwdKernel::Wgmma => Launch {
+                    name: format!("flash_bwd_wg_{t}_d{d}"),
+                    grid: (blocks(dims.kv_len, 128)?, bh, 1),
+                    block: 256,
+                    smem: ((2 * 128 * d + 4 * 64 * d + 128 * 64) * 2 + 16 * 64) as u32,
+                },
+                BwdKernel::Mma { warps, q_tile } => {
+                    let (w, r) = (warps as usize, q_tile as usize);
+                    Launch {
+                        name: format!("flash_bwd_{t}_d{d}_w{w}_r{r}"),
+                        grid: (blocks(dims.kv_len, 16 * w)?, bh, 1),
+                        block: 32 * warps,
+                        smem: ((2 * 16 * w * (d + 8) + 4 * r * (d + 8) + 16 * w * (r + 8)) * 2
+                            + 16 * r) as u32,
+                    }
+                }
+                BwdKernel::F32 => unreachable!("handled above"),
+            });
+            out.push(Launch {
+                name: format!("flash_bwd_post_{t}"),
+                grid: (blocks(rows * d / 4, 256)?, 1, 1),
+                block: 256,
+                smem: 0,
+            });
+        }
+    }
+    Ok(out)
+}
+
+fn bh_dim(dims: &FlashDims) -> Result<u32> {
+    let bh = dims.batch * dims.heads;
+    if bh > 65_535 {
+        return Err(FlashError::Shape(format!(
+            "batch x heads = {} x {} = {bh} exceeds the 65535 blocks of a grid's y dimension",
+            dims.batch, dims.heads
+        )));
+    }
+    Ok(bh as u32)
+}
+
+/// Bytes of f32 scratch [`flash_backward`] needs: Delta (one f32 per query row, padded
+/// to 256 bytes) and, for bf16/f16, the f32 dQ accumulator.
+pub fn backward_workspace_bytes(dtype: FlashDType, dims: &FlashDims) -> usize {
+    let delta = (dims.rows() * 4).div_ceil(256) * 256;
+    let acc = match dtype {
+        FlashDType::F32 => 0,
+        _ => dims.rows() * dims.head_dim * 4,
+    };
+    delta + acc
+}
+
+fn check_dims(dims: &FlashDims, scale: f32) -> Result<()> {
+    let lens = [dims.q_len, dims.kv_len];
+    if lens.iter().any(|&n| n > i32::MAX as usize) {
+        return Err(FlashError::Shape(format!(
+            "q_len {} / kv_len {} exceed the kernels' 32-bit row indices",
+            dims.q_len, dims.kv_len
+        )));
+    }
+    if !scale.is_finite() {
+        return Err(FlashError::Argument(format!(
+            "scale must be finite, got {scale}"
+        )));
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------
+// Compilation and module cache
+// ---------------------------------------------------------------------------------------
+
+/// Directories searched for `cuda_fp16.h` / `cuda_bf16.h`: `$TESSERA_CUDA_INCLUDE`
+/// (`:`-separated), `$CUDA_HOME/include`, `/usr/local/cuda/include`; those that exist.
+pub fn include_dirs() -> Vec<String> {
+    let mut dirs: Vec<String> = std::env::var("TESSERA_CUDA_INCLUDE")
+        .map(|v| v.split(':').map(String::from).collect())
+        .unwrap_or_default();
+    if let Ok(home) = std::env::var("CUDA_HOME") {
+        dirs.push(format!("{home}/include"));
+    }
+    dirs.push("/usr/local/cuda/include".into());
+    dirs.retain(|d| !d.is_empty() && std::path::Path::new(d).join("cuda_bf16.h").is_file());
+    dirs.dedup();
+    dirs
+}
+
+/// Whether libnvrtc can be loaded (cudarc panics on a missing library).
+pub fn nvrtc_present() -> bool {
+    // SAFETY: only tries to open the library.
+    unsafe { nvrtc_sys::is_culib_present() }
+}
+
+/// Compiles the kernels of one dtype for `target` (`sm_90a`, `sm_80`, ...: a cubin;
+/// `compute_90a`, ...: PTX text). Errors carry NVRTC's log.
+pub fn compile(dtype: FlashDType, target: &str) -> Result<Vec<u8>> {
+    if !nvrtc_present() {
+        return Err(FlashError::Device(
+            "NVRTC (libnvrtc) not found: install the CUDA toolkit or put libnvrtc on \
+             LD_LIBRARY_PATH"
+                .into(),
+        ));
+    }
+    let src = CString::new(SOURCE).expect("the kernel source holds no NUL byte");
+    let prog = nvrtc::create_program(&src, Some(c"flash_attention.cu"))
+        .map_err(|e| device_err("nvrtcCreateProgram", e))?;
+    let mut options = vec![
+        format!("--gpu-architecture={target}"),
+        "--std=c++17".to_string(),
+    ];
+    options.extend(dtype.skip_others().iter().map(|s| s.to_string()));
+    options.extend(
+        include_dirs()
+            .into_iter()
+            .map(|d| format!("--include-path={d}")),
+    );
+    // SAFETY: `prog` stays alive until destroyed at the end of this function.
+    let out = match unsafe { nvrtc::compile_program(prog, &options) } {
+        Ok(()) => unsafe { program_image(prog, target.starts_with("sm_")) },
+        Err(e) => {
+            let log = unsafe { nvrtc::get_program_log(prog) }
+                .map(|l| c_chars_to_string(&l))
+                .unwrap_or_default();
+            Err(FlashError::Device(format!(
+                "NVRTC failed ({e:?}) for {target} ({}):\n{log}",
+                dtype.name()
+            )))
+        }
+    };
+    // SAFETY: created above and destroyed once.
+    unsafe {
+        let _ = nvrtc::destroy_program(prog);
+    }
+    out
+}
+
+/// The compiled cubin, or the PTX text (NUL-terminated as the driver wants it).
+///
+/// # Safety
+/// `prog` was compiled successfully and is not destroyed.
+unsafe fn program_image(prog: nvrtc_sys::nvrtcProgram, cubin: bool) -> Result<Vec<u8>> {
+    if cubin {
+        let mut size = 0usize;
+        nvrtc_sys::nvrtcGetCUBINSize(prog, &mut size)
+            .result()
+            .map_err(|e| device_err("nvrtcGetCUBINSize", e))?;
+        let mut buf = vec![0 as c_char; size];
+        nvrtc_sys::nvrtcGetCUBIN(prog, buf.as_mut_ptr())
+            .result()
+            .map_err(|e| device_err("nvrtcGetCUBIN", e))?;
+        Ok(buf.into_iter().map(|c| c as u8).collect())
+    } else {
+        let ptx = nvrtc::get_ptx(prog).map_err(|e| device_err("nvrtcGetPTX", e))?;
+        Ok(ptx.into_iter().map(|c| c as u8).collect())
+    }
+}
+
+fn c_chars_to_string(chars: &[c_char]) -> String {
+    let bytes: Vec<u8> = chars
+        .iter()
+        .take_while(|&&c| c != 0)
+        .map(|&c| c as u8)
+        .collect();
+    String::from_utf8_lossy(&bytes).into_owned()
+}
+
+/// A loaded module and the functions taken from it (with their shared-memory limit
+/// already raised).
+struct Loaded {
+    module: Arc<CudaModule>,
+    functions: Mutex<HashMap<String, CudaFunction>>,
+}
+
+type ModuleKey = (usize, FlashDType);
+
+fn modules() -> &'static Mutex<HashMap<ModuleKey, Arc<Loaded>>> {
+    static MODULES: OnceLock<Mutex<HashMap<ModuleKey, Arc<Loaded>>>> = OnceLock::new();
+    MODULES.get_or_init(Default::default)
+}
+
+/// The module for this context and dtype, compiled and loaded on first use.
+fn module_for(ctx: &Arc<CudaContext>, dtype: FlashDType, cc: (i32, i32)) -> Result<Arc<Loaded>> {
+    let key = (ctx.cu_ctx() as usize, dtype);
+    let mut map = modules().lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(m) = map.get(&key) {
+        return Ok(m.clone());
+    }
+    let image = compile(dtype, &arch_for(cc))?;
+    let module = ctx
+        .load_module(Ptx::from_binary(image))
+        .map_err(|e| device_err("loading the flash attention module", e))?;
+    let loaded = Arc::new(Loaded {
+        module,
+        functions: Mutex::new(HashMap::new()),
+    });
+    map.insert(key, loaded.clone());
+    Ok(loaded)
+}
+
+fn function(loaded: &Loaded, launch: &Launch) -> Result<CudaFunction> {
+    let mut funcs = loaded.functions.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(f) = funcs.get(&launch.name) {
+        return Ok(f.clone());
+    }
+    let f = loaded
+        .module
+        .load_function(&launch.name)
+        .map_err(|e| device_err(&format!("kernel {}", launch.name), e))?;
+    // Above 48 KB a block gets dynamic shared memory only after opting in.
+    if launch.smem > 48 * 1024 {
+        f.set_attribute(
+            CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            launch.smem as i32,
+        )
+        .map_err(|e| device_err(&format!("shared memory limit of {}", launch.name), e))?;
+    }
+    funcs.insert(launch.name.clone(), f.clone());
+    Ok(f)
+}
+
+fn device_ready(stream: &CudaStream) -> Result<(i32, i32)> {
+    stream
+        .context()
+        .compute_capability()
+        .map_err(|e| device_err("reading the compute capability", e))
+}
+
+// ---------------------------------------------------------------------------------------
+// Entry points
+// ---------------------------------------------------------------------------------------
+
+/// Device pointers of a forward call (all on `stream`'s context, contiguous).
+#[derive(Clone, Copy, Debug)]
+pub struct FwdPtrs {
+    /// `[B, H, q_len, D]` of `dtype`.
+    pub q: CUdeviceptr,
+    /// `[B, H, kv_len, D]` of `dtype`.
+    pub k: CUdeviceptr,
+    /// `[B, H, kv_len, D]` of `dtype`.
+    pub v: CUdeviceptr,
+    /// `[B, H, q_len, D]` of `dtype`, written.
+    pub out: CUdeviceptr,
+    /// `[B, H, q_len]` f32, written (natural-log logsumexp of each scaled score row).
+    pub lse: CUdeviceptr,
+}
+
+/// Device pointers of a backward call.
+#[derive(Clone, Copy, Debug)]
+pub struct BwdPtrs {
+    pub q: CUdeviceptr,
+    pub k: CUdeviceptr,
+    pub v: CUdeviceptr,
+    /// The forward's output.
+    pub out: CUdeviceptr,
+    /// Gradient of the output, `[B, H, q_len, D]` of `dtype`.
+    pub d_out: CUdeviceptr,
+    /// The forward's logsumexp, `[B, H, q_len]` f32.
+    pub lse: CUdeviceptr,
+    /// Written: `[B, H, q_len, D]`, `[B, H, kv_len, D]`, `[B, H, kv_len, D]` of `dtype`.
+    pub dq: CUdeviceptr,
+    pub dk: CUdeviceptr,
+    pub dv: CUdeviceptr,
+    /// Scratch of [`backward_workspace_bytes`] bytes, 256-byte aligned.
+    pub workspace: CUdeviceptr,
+}
+
+fn run(
+    stream: &CudaStream,
+    loaded: &Loaded,
+    launch: &Launch,
+    args: &[&dyn KernelArg],
+) -> Result<()> {
+    if launch.grid.0 == 0 || launch.grid.1 == 0 {
+        return Ok(()); // nothing to do (an empty sequence)
+    }
+    let f = function(loaded, launch)?;
+    let mut b = stream.launch_builder(&f);
+    for a in args {
+        a.push(&mut b);
+    }
+    let cfg = LaunchConfig {
+        grid_dim: launch.grid,
+        block_dim: (launch.block, 1, 1),
+        shared_mem_bytes: launch.smem,
+    };
+    // SAFETY: the argument list matches the kernel's signature (checked by the names
+    // and orders in this file against the .cu), and the caller of the public entry
+    // points vouches for the pointers.
+    unsafe { b.launch(cfg) }.map_err(|e| device_err(&format!("launching {}", launch.name), e))?;
+    Ok(())
+}
+
+/// A kernel argument of one of the types the kernels take.
+trait KernelArg {
+    fn push<'a>(&'a self, b: &mut cudarc::driver::LaunchArgs<'a>);
+}
+impl KernelArg for u64 {
+    fn push<'a>(&'a self, b: &mut cudarc::driver::LaunchArgs<'a>) {
+        b.arg(self);
+    }
+}
+impl KernelArg for i32 {
+    fn push<'a>(&'a self, b: &mut cudarc::driver::LaunchArgs<'a>) {
+        b.arg(self);
+    }
+}
+impl KernelArg for i64 {
+    fn push<'a>(&'a self, b: &mut cudarc::driver::LaunchArgs<'a>) {
+        b.arg(self);
+    }
+}
+impl KernelArg for f32 {
+    fn push<'a>(&'a self, b: &mut cudarc::driver::LaunchArgs<'a>) {
+        b.arg(self);
+    }
+}
+
+/// Attention forward: `out = softmax(scale * q k^T [+ causal mask]) v` and
+/// `lse = logsumexp(scale * q k^T [+ mask])` per query row, enqueued on `stream`.
+///
+/// # Safety
+/// Every pointer in `ptrs` must be a live device allocation on `stream`'s context of at
+/// least the size its field documents for `dims` and `dtype`, contiguous, and not be
+/// freed or written by other work until the enqueued kernels finish.
+pub unsafe fn flash_forward(
+    stream: &CudaStream,
+    dtype: FlashDType,
+    dims: FlashDims,
+    causal: bool,
+    scale: f32,
+    ptrs: FwdPtrs,
+) -> Result<()> {
+    check_dims(&dims, scale)?;
+    let cc = device_ready(stream)?;
+    let sel = select(dtype, dims.head_dim, cc)?;
+    let launch = forward_launch(&sel, &dims)?;
+    if dims.q_len == 0 {
+        return Ok(());
+    }
+    let loaded = module_for(stream.context(), dtype, cc)?;
+    let (nq, nk) = (dims.q_len as i32, dims.kv_len as i32);
+    let scale_log2 = scale * std::f32::consts::LOG2_E;
+    let causal = causal as i32;
+    run(
+        stream,
+        &loaded,
+        &launch,
+        &[
+            &ptrs.q,
+            &ptrs.k,
+            &ptrs.v,
+            &ptrs.out,
+            &ptrs.lse,
+            &nq,
+            &nk,
+            &scale_log2,
+            &causal,
+        ],
+    )
+}
+
+/// Attention backward (FlashAttention-2): from q, k, v, the forward's out and lse, and
+/// d_out, writes dq, dk, dv; enqueued on `stream`.
+///
+/// # Safety
+/// As for [`flash_forward`], for every pointer in `ptrs`; `workspace` must hold
+/// [`backward_workspace_bytes`] bytes.
+pub unsafe fn flash_backward(
+    stream: &CudaStream,
+    dtype: FlashDType,
+    dims: FlashDims,
+    causal: bool,
+    scale: f32,
+    ptrs: BwdPtrs,
+) -> Result<()> {
+    check_dims(&dims, scale)?;
+    let cc = device_ready(stream)?;
+    let sel = select(dtype, dims.head_dim, cc)?;
+    let launches = backward_launches(&sel, &dims)?;
+    let loaded = module_for(stream.context(), dtype, cc)?;
+    let (nq, nk) = (dims.q_len as i32, dims.kv_len as i32);
+    let scale_log2 = scale * std::f32::consts::LOG2_E;
+    let causal = causal as i32;
+    let rows = dims.rows() as i64;
+    let delta = ptrs.workspace;
+    let dq_acc = ptrs.workspace + ((dims.rows() * 4).div_ceil(256) * 256) as u64;
+    let p = &ptrs;
+    for launch in &launches {
+        let name = launch.name.as_str();
+        if name.starts_with("flash_bwd_pre_f32") {
+            run(stream, &loaded, launch, &[&p.out, &p.d_out, &delta, &rows])?;
+        } else if name.starts_with("flash_bwd_pre_") {
+            run(
+                stream,
+                &loaded,
+                launch,
+                &[&p.out, &p.d_out, &delta, &dq_acc, &rows],
+            )?;
+        } else if name.starts_with("flash_bwd_dq_f32") {
+            let a: [&dyn KernelArg; 12] = [
+                &p.q,
+                &p.k,
+                &p.v,
+                &p.d_out,
+                &p.lse,
+                &delta,
+                &p.dq,
+                &nq,
+                &nk,
+                &scale,
+                &scale_log2,
+                &causal,
+            ];
+            run(stream, &loaded, launch, &a)?;
+        } else if name.starts_with("flash_bwd_dkv_f32") {
+            let a: [&dyn KernelArg; 13] = [
+                &p.q,
+                &p.k,
+                &p.v,
+                &p.d_out,
+                &p.lse,
+                &delta,
+                &p.dk,
+                &p.dv,
+                &nq,
+                &nk,
+                &scale,
+                &scale_log2,
+                &causal,
+            ];
+            run(stream, &loaded, launch, &a)?;
+        } else if name.starts_with("flash_bwd_post_") {
+            let n = (dims.rows() * dims.head_dim) as i64;
+            run(stream, &loaded, launch, &[&dq_acc, &p.dq, &n, &scale])?;
+        } else {
+            let a: [&dyn KernelArg; 14] = [
+                &p.q,
+                &p.k,
+                &p.v,
+                &p.d_out,
+                &p.lse,
+                &delta,
+                &dq_acc,
+                &p.dk,
+                &p.dv,
+                &nq,
+                &nk,
+                &scale,
+                &scale_log2,
+                &causal,
+            ];
+            run(stream, &loaded, launch, &a)?;
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const HOPPER: (i32, i32) = (9, 0);
+    const AMPERE: (i32, i32) = (8, 0);
+
+    fn dims(d: usize) -> FlashDims {
+        FlashDims {
+            batch: 8,
+            heads: 32,
+            q_len: 2048,
+            kv_len: 1000,
+            head_dim: d,
+        }
+    }
+
+    #[test]
+    fn hopper_bf16_d128_uses_the_wgmma_kernels() {
+        let sel = select(FlashDType::BF16, 128, HOPPER).unwrap();
+        assert_eq!((sel.fwd, sel.bwd), (FwdKernel::Wgmma, BwdKernel::Wgmma));
+        let f = forward_launch(&sel, &dims(128)).unwrap();
+        assert_eq!(f.name, "flash_fwd_wg_bf16_d128_g4_c64");
+        assert_eq!((f.grid, f.block, f.smem), ((8, 256, 1), 512, 131_072));
+        let b = backward_launches(&sel, &dims(128)).unwrap();
+        let names: Vec<&str> = b.iter().map(|l| l.name.as_str()).collect();
+        assert_eq!(
+            names,
+            [
+                "flash_bwd_pre_bf16_d128",
+                "flash_bwd_wg_bf16_d128",
+                "flash_bwd_post_bf16"
+            ]
+        );
+        assert_eq!((b[1].grid, b[1].smem), ((8, 256, 1), 148_480)); // ceil(1000 / 128) = 8
+        assert_eq!(b[0].grid.0 as usize, (8 * 32 * 2048usize).div_ceil(8));
+    }
+
+    #[test]
+    fn other_devices_and_head_dims_use_mma_sync() {
+        let sel = select(FlashDType::F16, 128, AMPERE).unwrap();
+        let f = forward_launch(&sel, &dims(128)).unwrap();
+        assert_eq!(f.name, "flash_fwd_f16_d128_w4_c64");
+        assert_eq!(f.smem, (64 * 136 + 4 * 64 * 136) * 2);
+        let b = backward_launches(&sel, &dims(128)).unwrap();
+        assert_eq!(b[1].name, "flash_bwd_f16_d128_w8_r32");
+        assert_eq!(
+            b[1].smem,
+            (2 * 128 * 136 + 4 * 32 * 136 + 128 * 40) * 2 + 16 * 32
+        );
+        assert_eq!(b[1].grid.0, 8);
+        let sel = select(FlashDType::BF16, 64, HOPPER).unwrap();
+        let b = backward_launches(&sel, &dims(64)).unwrap();
+        assert_eq!(b[1].name, "flash_bwd_bf16_d64_w8_r64");
+    }
+
+    #[test]
+    fn f32_covers_multiples_of_32_up_to_256() {
+        for d in (32..=256).step_by(32) {
+            let sel = select(FlashDType::F32, d, HOPPER).unwrap();
+            let b = backward_launches(&sel, &dims(d)).unwrap();
+            assert_eq!(b.len(), 3);
+            assert_eq!(b[2].name, format!("flash_bwd_dkv_f32_d{d}"));
+        }
+        for d in [0, 16, 48, 288] {
+            let e = select(FlashDType::F32, d, HOPPER).unwrap_err();
+            assert!(matches!(e, FlashError::Unsupported(_)), "{e}");
+            assert!(
+                e.to_string().contains(&format!("head dim {d} with f32")),
+                "{e}"
+            );
+        }
+    }
+
+    #[test]
+    fn unsupported_combinations_are_errors_that_say_what() {
+        let e = select(FlashDType::BF16, 96, HOPPER).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "flash_attention: head dim 96 with bf16: the tensor-core kernels cover head dims \
+             64 and 128 (f32 covers multiples of 32 up to 256)"
+        );
+        let e = select(FlashDType::F16, 64, (7, 5)).unwrap_err();
+        assert!(
+            e.to_string().contains("compute capability 8.0 or newer"),
+            "{e}"
+        );
+        assert!(e.to_string().contains("7.5"), "{e}");
+        let huge = FlashDims {
+            batch: 300,
+            heads: 256,
+            ..dims(64)
+        };
+        let sel = select(FlashDType::F16, 64, HOPPER).unwrap();
+        let e = forward_launch(&sel, &huge).unwrap_err();
+        assert!(e.to_string().contains("300 x 256 = 76800"), "{e}");
+        assert!(check_dims(&dims(64), f32::NAN).is_err());
+    }
+
+    #[test]
+    fn workspace_holds_delta_and_the_f32_dq_accumulator() {
+        let d = dims(128);
+        let rows = 8 * 32 * 2048;
+        assert_eq!(backward_workspace_bytes(FlashDType::F32, &d), rows * 4);
+        assert_eq!(
+            backward_workspace_bytes(FlashDType::BF16, &d),
+            rows * 4 + rows * 128 * 4
+        );
+        let odd = FlashDims {
+            q_len: 3,
+            batch: 1,
+            heads: 1,
+            ..d
+        };
+        assert_eq!(
+            backward_workspace_bytes(FlashDType::F16, &odd),
+            256 + 3 * 128 * 4
+        );
+    }
+
+    #[test]
+    fn hopper_target_is_the_architecture_specific_one() {
+        assert_eq!(arch_for((9, 0)), "sm_90a");
+        assert_eq!(arch_for((8, 6)), "sm_86");
+        assert_eq!(arch_for((10, 0)), "sm_100");
+    }
+
+    /// Compiles the source to PTX with NVRTC for Hopper (wgmma kernels included) and for
+    /// sm_80, per dtype, and checks that every kernel the launcher can pick is there.
+    /// Needs libnvrtc and the fp16/bf16 headers (CI: the nvidia-cuda-nvrtc and
+    /// nvidia-cuda-runtime wheels, TESSERA_CUDA_INCLUDE pointing at their include dir).
+    #[test]
+    fn every_selectable_kernel_compiles_to_ptx() {
+        if !nvrtc_present() {
+            println!("skipped: libnvrtc not found (set LD_LIBRARY_PATH to a CUDA 13.0 NVRTC)");
+            return;
+        }
+        if include_dirs().is_empty() {
+            println!("skipped: cuda_bf16.h not found (set TESSERA_CUDA_INCLUDE or CUDA_HOME)");
+            return;
+        }
+        let probe = FlashDims {
+            batch: 1,
+            heads: 1,
+            q_len: 5,
+            kv_len: 7,
+            head_dim: 0,
+        };
+        for (target, cc) in [("compute_90a", HOPPER), ("compute_80", AMPERE)] {
+            for dtype in [FlashDType::BF16, FlashDType::F16, FlashDType::F32] {
+                let ptx = compile(dtype, target).unwrap_or_else(|e| panic!("{e}"));
+                let ptx = String::from_utf8_lossy(&ptx);
+                let dims_list: &[usize] = match dtype {
+                    FlashDType::F32 => &[32, 64, 96, 128, 160, 192, 224, 256],
+                    _ => &[64, 128],
+                };
+                for &d in dims_list {
+                    let sel = select(dtype, d, cc).unwrap();
+                    let dims = FlashDims {
+                        head_dim: d,
+                        ..probe
+                    };
+                    let mut names = vec![forward_launch(&sel, &dims).unwrap().name];
+                    names.extend(
+                        backward_launches(&sel, &dims)
+                            .unwrap()
+                            .into_iter()
+                            .map(|l| l.name),
+                    );
+                    for name in names {
+                        assert!(
+                            ptx.contains(&format!(".entry {name}(")),
+                            "{name} missing from the {target} PTX"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,476 @@
+//! Flash attention as a built-in custom op.
+//!
+//! `tessera::flash_attention` (q, k, v[, mask]) {causal, scale} → (out, lse)
+//! runs the tiled kernel of `runtime::cpu::flash` (online softmax, no
+//! N×N matrix) and returns the log-sum-exp of each query row as the residual
+//! its backward needs; `tessera::flash_attention_backward` (q, k, v, out,
+//! lse, d_out[, mask]) → (dq, dk, dv) recomputes the probabilities block by
+//! block from it. [`scaled_dot_product_attention`] is the user-facing call
+//! with PyTorch's semantics; the attention-recognition pass rewrites
+//! matched attention in captured graphs into the same op.
+
+use std::panic::Location;
+use std::sync::Arc;
+
+use half::{bf16, f16};
+
+use super::{Attrs, BackwardCtx, CustomOp};
+use crate::error::{op_err, Error, Result, SourceLoc};
+use crate::ir::{DType, Dim, Shape, TensorType};
+use crate::runtime::cpu::flash::{
+    flash_backward, flash_forward, AdditiveMask, AttentionParams, AttentionShape,
+};
+use crate::runtime::cpu::{Element, Storage};
+use crate::tensor::Tensor;
+
+/// The forward op's registered name.
+pub const FORWARD: &str = "tessera::flash_attention";
+/// The backward op's registered name.
+pub const BACKWARD: &str = "tessera::flash_attention_backward";
+/// The largest head dim the kernels take.
+pub const MAX_HEAD_DIM: usize = 256;
+
+const USER_NAME: &str = "scaled_dot_product_attention";
+
+/// The built-in custom ops this module registers.
+pub(super) fn builtins() -> Vec<Arc<CustomOp>> {
+    let forward = CustomOp::builder(FORWARD)
+        .shape(forward_types)
+        .cpu(forward_kernel)
+        .backward(forward_backward)
+        .build()
+        .expect("a valid built-in op");
+    let backward = CustomOp::builder(BACKWARD)
+        .shape(|_, inputs| backward_types(inputs))
+        .cpu(backward_kernel)
+        .build()
+        .expect("a valid built-in op");
+    vec![forward, backward]
+}
+
+/// The attributes of one attention call.
+pub fn attrs(causal: bool, scale: f64) -> Attrs {
+    let mut a = Attrs::new();
+    a.insert("causal".into(), causal.into());
+    a.insert("scale".into(), scale.into());
+    a
+}
+
+fn params(attrs: &Attrs) -> Result<AttentionParams> {
+    let causal = attrs.get("causal").and_then(|v| v.as_bool());
+    let scale = attrs.get("scale").and_then(|v| v.as_f64());
+    match (causal, scale) {
+        (Some(causal), Some(scale)) => Ok(AttentionParams {
+            causal,
+            scale: scale as f32,
+        }),
+        _ => Err(op_err!(
+            Argument,
+            FORWARD,
+            "needs attributes {{\"causal\": bool, \"scale\": number}}, got {}",
+            serde_json::Value::Object(attrs.clone())
+        )),
+    }
+}
+
+/// `(q, k, v[, mask])` → `(out, lse)`; every rule of the op is here.
+fn forward_types(attrs: &Attrs, inputs: &[TensorType]) -> Result<Vec<TensorType>> {
+    params(attrs)?;
+    let (q, k, v) = match inputs {
+        [q, k, v] | [q, k, v, _] => (q, k, v),
+        _ => {
+            return Err(op_err!(
+                Argument,
+                FORWARD,
+                "takes (q, k, v) or (q, k, v, mask), got {} inputs",
+                inputs.len()
+            ))
+        }
+    };
+    let all = format!("q {q}, k {k}, v {v}");
+    if !matches!(q.dtype, DType::F32 | DType::F16 | DType::BF16)
+        || k.dtype != q.dtype
+        || v.dtype != q.dtype
+    {
+        return Err(op_err!(
+            DType,
+            FORWARD,
+            "takes f32, f16 or bf16 q, k and v of one dtype, got {all}"
+        ));
+    }
+    let rank = q.rank();
+    if rank < 2 || k.rank() != rank || v.rank() != rank {
+        return Err(op_err!(
+            Shape,
+            FORWARD,
+            "q, k and v must have one rank ≥ 2 ([..., len, dim]), got {all}"
+        ));
+    }
+    let (lead, qd) = (&q.shape.0[..rank - 2], &q.shape.0[rank - 2..]);
+    let (kd, vd) = (&k.shape.0[rank - 2..], &v.shape.0[rank - 2..]);
+    if k.shape.0[..rank - 2] != *lead || v.shape.0[..rank - 2] != *lead {
+        return Err(op_err!(
+            Shape,
+            FORWARD,
+            "q, k and v must share their leading (batch, head) dims, got {all}"
+        ));
+    }
+    if kd[1] != qd[1] || vd[0] != kd[0] {
+        return Err(op_err!(
+            Shape,
+            FORWARD,
+            "needs q [..., Lq, E], k [..., Lk, E], v [..., Lk, Ev], got {all}"
+        ));
+    }
+    for d in [&qd[1], &vd[1]] {
+        if let Dim::Const(n) = d {
+            if *n == 0 || *n > MAX_HEAD_DIM {
+                return Err(op_err!(
+                    Unsupported,
+                    FORWARD,
+                    "head dims from 1 to {MAX_HEAD_DIM} are supported, got {all}"
+                ));
+            }
+        }
+    }
+    if let Some(mask) = inputs.get(3) {
+        let scores = Shape(vec![qd[0].clone(), kd[0].clone()]);
+        let full = Shape([lead, &scores.0[..]].concat());
+        if mask.dtype != DType::F32 || (mask.shape != scores && mask.shape != full) {
+            return Err(op_err!(
+                Shape,
+                FORWARD,
+                "the mask must be f32{scores} or f32{full}, got {mask}"
+            ));
+        }
+    }
+    let out = Shape([lead, &[qd[0].clone(), vd[1].clone()][..]].concat());
+    let lse = Shape([lead, &[qd[0].clone()][..]].concat());
+    Ok(vec![
+        TensorType::new(q.dtype, out),
+        TensorType::new(DType::F32, lse),
+    ])
+}
+
+/// `(q, k, v, out, lse, d_out[, mask])` → `(dq, dk, dv)`.
+fn backward_types(inputs: &[TensorType]) -> Result<Vec<TensorType>> {
+    let (q, k, v, rest) = match inputs {
+        [q, k, v, out, lse, d_out] => (q, k, v, (out, lse, d_out, None)),
+        [q, k, v, out, lse, d_out, mask] => (q, k, v, (out, lse, d_out, Some(mask))),
+        _ => {
+            return Err(op_err!(
+                Argument,
+                BACKWARD,
+                "takes (q, k, v, out, lse, d_out[, mask]), got {} inputs",
+                inputs.len()
+            ))
+        }
+    };
+    let (out, lse, d_out, mask) = rest;
+    let mut forward_inputs = vec![q.clone(), k.clone(), v.clone()];
+    forward_inputs.extend(mask.cloned());
+    let expected = forward_types(&attrs(false, 1.0), &forward_inputs)?;
+    if *out != expected[0] || *d_out != expected[0] || *lse != expected[1] {
+        return Err(op_err!(
+            Shape,
+            BACKWARD,
+            "out and d_out must be {} and lse {}, got out {out}, lse {lse}, d_out {d_out}",
+            expected[0],
+            expected[1]
+        ));
+    }
+    Ok(vec![q.clone(), k.clone(), v.clone()])
+}
+
+/// The kernel's view of concrete operands.
+fn attention_shape(q: &Tensor, k: &Tensor, v: &Tensor) -> AttentionShape {
+    let r = q.rank();
+    AttentionShape {
+        bh: q.shape()[..r - 2].iter().product(),
+        q_len: q.shape()[r - 2],
+        kv_len: k.shape()[r - 2],
+        head_dim: q.shape()[r - 1],
+        v_dim: v.shape()[r - 1],
+    }
+}
+
+/// A new contiguous tensor of `dtype` and `shape`, filled by `fill`.
+fn output<T: Element>(dtype: DType, shape: &[usize], fill: impl FnOnce(&mut [T])) -> Tensor {
+    let mut storage = Storage::new(dtype, shape.iter().product());
+    fill(storage.as_mut_slice::<T>());
+    Tensor::from_storage(storage, shape)
+}
+
+fn contiguous_values<T: Element>(t: &Tensor) -> Result<Tensor> {
+    let t = t.try_contiguous()?;
+    t.contiguous_slice::<T>().ok_or_else(|| {
+        op_err!(
+            Verify,
+            FORWARD,
+            "a contiguous operand has no contiguous slice"
+        )
+    })?;
+    Ok(t)
+}
+
+/// The values of a tensor made contiguous by [`contiguous_values`].
+fn slice_of<T: Element>(t: &Tensor) -> &[T] {
+    t.contiguous_slice::<T>().expect("made contiguous")
+}
+
+/// Runs `$body` with `$T` bound to the element type of `$dtype`.
+macro_rules! with_float_type {
+    ($dtype:expr, $T:ident => $body:expr) => {
+        match $dtype {
+            DType::F32 => {
+                type $T = f32;
+                $body
+            }
+            DType::F16 => {
+                type $T = f16;
+                $body
+            }
+            DType::BF16 => {
+                type $T = bf16;
+                $body
+            }
+            other => Err(op_err!(DType, FORWARD, "has no kernel for {other}")),
+        }
+    };
+}
+
+fn forward_kernel(attrs: &Attrs, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
+    let p = params(attrs)?;
+    let (q, k, v) = (inputs[0], inputs[1], inputs[2]);
+    let shape = attention_shape(q, k, v);
+    let mask = inputs
+        .get(3)
+        .map(|m| contiguous_values::<f32>(m))
+        .transpose()?;
+    let mask_arg = mask.as_ref().map(|m| AdditiveMask {
+        values: m.contiguous_slice::<f32>().expect("contiguous"),
+        shared: m.rank() == 2,
+    });
+    let r = q.rank();
+    let out_shape = [&q.shape()[..r - 1], &[shape.v_dim][..]].concat();
+    let lse_shape = &q.shape()[..r - 1];
+    with_float_type!(q.dtype(), T => {
+        let (q, k, v) = (contiguous_values::<T>(q)?, contiguous_values::<T>(k)?, contiguous_values::<T>(v)?);
+        let (qs, ks, vs) = (slice_of::<T>(&q), slice_of::<T>(&k), slice_of::<T>(&v));
+        let mut lse = Storage::new(DType::F32, shape.bh * shape.q_len);
+        let out = output::<T>(q.dtype(), &out_shape, |out| {
+            flash_forward(&shape, &p, qs, ks, vs, mask_arg, out, lse.as_mut_slice::<f32>())
+        });
+        Ok(vec![out, Tensor::from_storage(lse, lse_shape)])
+    })
+}
+
+fn backward_kernel(attrs: &Attrs, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
+    let p = params(attrs)?;
+    let (q, k, v, out, lse, d_out) = (
+        inputs[0], inputs[1], inputs[2], inputs[3], inputs[4], inputs[5],
+    );
+    let shape = attention_shape(q, k, v);
+    let mask = inputs
+        .get(6)
+        .map(|m| contiguous_values::<f32>(m))
+        .transpose()?;
+    let mask_arg = mask.as_ref().map(|m| AdditiveMask {
+        values: m.contiguous_slice::<f32>().expect("contiguous"),
+        shared: m.rank() == 2,
+    });
+    let lse = contiguous_values::<f32>(lse)?;
+    with_float_type!(q.dtype(), T => {
+        let c = |t: &Tensor| contiguous_values::<T>(t);
+        let (q, k, v, out, d_out) = (c(q)?, c(k)?, c(v)?, c(out)?, c(d_out)?);
+        let s = slice_of::<T>;
+        let mut dk = Storage::new(q.dtype(), k.numel());
+        let mut dv = Storage::new(q.dtype(), v.numel());
+        let dq = output::<T>(q.dtype(), q.shape(), |dq| {
+            flash_backward(
+                &shape,
+                &p,
+                s(&q),
+                s(&k),
+                s(&v),
+                mask_arg,
+                s(&out),
+                lse.contiguous_slice::<f32>().expect("contiguous"),
+                s(&d_out),
+                dq,
+                dk.as_mut_slice::<T>(),
+                dv.as_mut_slice::<T>(),
+            )
+        });
+        Ok(vec![dq, Tensor::from_storage(dk, k.shape()), Tensor::from_storage(dv, v.shape())])
+    })
+}
+
+/// The forward's backward: the backward op on the saved inputs, outputs
+/// and the output gradient (the lse output has no gradient of its own).
+fn forward_backward(ctx: &BackwardCtx<'_>) -> Result<Vec<Option<Tensor>>> {
+    let i = ctx.inputs;
+    let mut args: Vec<&Tensor> = vec![
+        &i[0],
+        &i[1],
+        &i[2],
+        &ctx.outputs[0],
+        &ctx.outputs[1],
+        &ctx.grads[0],
+    ];
+    args.extend(i.get(3));
+    let grads = super::lookup(BACKWARD)?.call((*ctx.attrs).clone(), &args)?;
+    let mut out: Vec<Option<Tensor>> = grads.into_iter().map(Some).collect();
+    if i.len() == 4 {
+        out.push(None);
+    }
+    Ok(out)
+}
+
+/// Options of [`scaled_dot_product_attention`] (PyTorch's arguments).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct SdpaOptions<'a> {
+    /// Added to the scaled scores (float, broadcastable to `[..., Lq, Lk]`),
+    /// or where `false` hides a key (bool).
+    pub mask: Option<&'a Tensor>,
+    /// Query `i` sees keys `j <= i` (top-left aligned, as PyTorch).
+    pub causal: bool,
+    /// Multiplies `q·k`; `1/sqrt(E)` when `None`.
+    pub scale: Option<f64>,
+}
+
+/// `softmax(q·kᵀ·scale + mask) · v` over `[..., L, E]` operands, as
+/// `torch.nn.functional.scaled_dot_product_attention`, through the flash
+/// attention op: O(L) memory, recomputation in the backward. f64 operands
+/// run the plain composite (the kernels accumulate in f32). In f32/f16/bf16,
+/// a row that sees no key (a mask of `-inf` only) gives zeros. The mask gets no gradient:
+/// passing one that requires grad is an error.
+#[track_caller]
+pub fn scaled_dot_product_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    options: SdpaOptions<'_>,
+) -> Tensor {
+    match try_scaled_dot_product_attention(q, k, v, options) {
+        Ok(t) => t,
+        Err(e) => panic!("{e}"),
+    }
+}
+
+/// [`scaled_dot_product_attention`], returning the error.
+#[track_caller]
+pub fn try_scaled_dot_product_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    options: SdpaOptions<'_>,
+) -> Result<Tensor> {
+    let caller = Location::caller();
+    let at = |e: Error| e.at(SourceLoc::from_location(caller));
+    if q.rank() < 2 {
+        return Err(at(op_err!(
+            Shape,
+            USER_NAME,
+            "q must be [..., L, E], got {}",
+            q.ty()
+        )));
+    }
+    let scale = options
+        .scale
+        .unwrap_or(1.0 / (q.shape()[q.rank() - 1] as f64).sqrt());
+    let mask = options
+        .mask
+        .map(|m| kernel_mask(m, q, k))
+        .transpose()
+        .map_err(at)?;
+    if q.dtype() == DType::F64 {
+        return composite(q, k, v, mask.as_ref(), options.causal, scale).map_err(at);
+    }
+    let mut inputs = vec![q, k, v];
+    inputs.extend(mask.as_ref());
+    let op = super::lookup(FORWARD).map_err(at)?;
+    let call = super::CustomCall {
+        op,
+        attrs: Arc::new(attrs(options.causal, scale)),
+    };
+    let mut outs = super::apply(&call, &inputs, caller)?;
+    Ok(outs.swap_remove(0))
+}
+
+/// The mask as the kernel takes it: f32, `[Lq, Lk]` when shared by every
+/// batch and head, else `[..., Lq, Lk]` like the scores.
+fn kernel_mask(mask: &Tensor, q: &Tensor, k: &Tensor) -> Result<Tensor> {
+    if mask.requires_grad() {
+        return Err(op_err!(
+            Unsupported,
+            USER_NAME,
+            "the attention mask gets no gradient; detach it ({})",
+            mask.ty()
+        ));
+    }
+    let r = q.rank();
+    let (lq, lk) = (q.shape()[r - 2], k.shape()[r - 2]);
+    let neg_inf = Tensor::scalar(f64::NEG_INFINITY, DType::F32);
+    let additive = match mask.dtype() {
+        DType::Bool => Tensor::try_where(mask, &Tensor::scalar(0.0, DType::F32), &neg_inf)?,
+        d if d == q.dtype() || d == DType::F32 => mask.try_cast(DType::F32)?,
+        d => {
+            return Err(op_err!(
+                DType,
+                USER_NAME,
+                "the mask must be bool, {} or f32, got {d}",
+                q.dtype()
+            ))
+        }
+    };
+    let m = mask.rank();
+    let shared = m <= 2 || mask.shape()[..m - 2].iter().all(|&d| d == 1);
+    let target: Vec<usize> = match shared {
+        true => vec![lq, lk],
+        false => [&q.shape()[..r - 2], &[lq, lk][..]].concat(),
+    };
+    let trimmed = match (shared, m > 2) {
+        (true, true) => {
+            additive.try_reshape(&[mask.shape()[m - 2] as isize, mask.shape()[m - 1] as isize])?
+        }
+        _ => additive,
+    };
+    let signed: Vec<isize> = target.iter().map(|&d| d as isize).collect();
+    let expanded = trimmed.try_expand(&signed).map_err(|_| {
+        op_err!(
+            Shape,
+            USER_NAME,
+            "the mask {} does not broadcast to the scores [..., {lq}, {lk}] of q {} and k {}",
+            mask.ty(),
+            q.ty(),
+            k.ty()
+        )
+    })?;
+    expanded.try_contiguous()
+}
+
+/// The plain composite, for f64 (and the reference of the tests).
+pub fn composite(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: Option<&Tensor>,
+    causal: bool,
+    scale: f64,
+) -> Result<Tensor> {
+    let mut scores = q.try_matmul(&k.try_transpose(-2, -1)?)? * scale;
+    if let Some(m) = mask {
+        scores = scores.try_add(&m.try_cast(scores.dtype())?)?;
+    }
+    if causal {
+        let r = q.rank();
+        let (lq, lk) = (q.shape()[r - 2], k.shape()[r - 2]);
+        let keep = Tensor::ones(&[lq, lk], DType::F32)
+            .try_tril(0)?
+            .try_cast(DType::Bool)?;
+        let hidden = Tensor::scalar(f64::NEG_INFINITY, scores.dtype());
+        scores = Tensor::try_where(&keep, &scores, &hidden)?;
+    }
+    scores.try_softmax(-1)?.try_matmul(v)
+}
