@@ -13,7 +13,10 @@ use tessera::{DType, Tensor};
 fn main() -> tessera::Result<()> {
     let args: Vec<String> = std::env::args().collect();
     let n: usize = args.get(1).map_or(8192, |s| s.parse().expect("a size"));
-    let dtype: DType = args.get(2).map_or(Ok(DType::BF16), |s| s.parse()).expect("a dtype");
+    let dtype: DType = args
+        .get(2)
+        .map_or(Ok(DType::BF16), |s| s.parse())
+        .expect("a dtype");
     tessera_cuda::register()?;
     let mut g = Generator::new(0);
     let a = Tensor::randn(&[n, n], dtype, &mut g).to(Device::Cuda)?;

@@ -66,7 +66,11 @@ pub fn cache_dir() -> Option<PathBuf> {
 /// reading and filling the disk cache. Errors carry NVRTC's log.
 pub fn compile(source: &str, target: &str) -> Result<Vec<u8>, String> {
     let key = source_hash(source, target);
-    let ext = if target.starts_with("sm_") { "cubin" } else { "ptx" };
+    let ext = if target.starts_with("sm_") {
+        "cubin"
+    } else {
+        "ptx"
+    };
     let file = cache_dir().map(|d| d.join(format!("{key}.{ext}")));
     if let Some(bytes) = file.as_ref().and_then(|f| std::fs::read(f).ok()) {
         return Ok(bytes);
@@ -93,7 +97,11 @@ pub fn compile_uncached(source: &str, target: &str) -> Result<Vec<u8>, String> {
         format!("--gpu-architecture={target}"),
         "--std=c++17".to_string(),
     ];
-    options.extend(include_dirs().into_iter().map(|d| format!("--include-path={d}")));
+    options.extend(
+        include_dirs()
+            .into_iter()
+            .map(|d| format!("--include-path={d}")),
+    );
     // SAFETY: `prog` is live until destroyed below.
     let result = unsafe { nvrtc::compile_program(prog, &options) };
     let out = match result {

@@ -96,8 +96,8 @@ impl Gpu {
         let name = cu::device::get_name(dev).unwrap_or_else(|_| "GPU".into());
         // SAFETY: dev is a valid device; the primary context lives as long
         // as the process (never released).
-        let context = unsafe { cu::primary_ctx::retain(dev) }
-            .map_err(|e| driver_error("context", e))?;
+        let context =
+            unsafe { cu::primary_ctx::retain(dev) }.map_err(|e| driver_error("context", e))?;
         unsafe { cu::ctx::set_current(context) }.map_err(|e| driver_error("context", e))?;
         let stream = cu::stream::create(cu::stream::StreamKind::NonBlocking)
             .map_err(|e| driver_error("stream creation", e))?;
@@ -170,7 +170,8 @@ impl Gpu {
     /// Device memory for the backend's own use (never freed, not counted).
     pub fn alloc_unaccounted(&self, bytes: usize) -> Result<u64, String> {
         self.bind();
-        unsafe { cu::malloc_sync(bytes) }.map_err(|e| driver_error(&format!("allocation of {bytes} bytes"), e))
+        unsafe { cu::malloc_sync(bytes) }
+            .map_err(|e| driver_error(&format!("allocation of {bytes} bytes"), e))
     }
 
     fn out_of_memory(&self, bytes: usize, e: cu::DriverError) -> String {

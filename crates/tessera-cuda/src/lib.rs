@@ -20,10 +20,10 @@
 
 pub mod codegen;
 pub mod compiler;
+pub mod flash;
 mod gpu;
 mod matmul;
 mod ops;
-pub mod flash;
 pub mod profile;
 
 use std::sync::{Arc, OnceLock};
@@ -70,7 +70,10 @@ pub fn register() -> Result<()> {
 impl CudaBackend {
     /// The GPU's name and architecture, e.g. `NVIDIA H100 80GB HBM3 (sm_90)`.
     pub fn describe(&self) -> String {
-        format!("{} ({}, {} SMs)", self.gpu.name, self.gpu.target, self.gpu.sms)
+        format!(
+            "{} ({}, {} SMs)",
+            self.gpu.name, self.gpu.target, self.gpu.sms
+        )
     }
 
     /// `epilogue(a·b + bias)` in one cuBLASLt call: `a` [.., m, k], `b`
@@ -89,7 +92,11 @@ impl CudaBackend {
                 return Err(Error::op(
                     ErrorKind::Argument,
                     "matmul_epilogue",
-                    format!("{} is on {}: move it with .to_device(\"cuda\")", t.ty(), t.device()),
+                    format!(
+                        "{} is on {}: move it with .to_device(\"cuda\")",
+                        t.ty(),
+                        t.device()
+                    ),
                 ));
             }
         }
@@ -99,11 +106,24 @@ impl CudaBackend {
                 return Err(Error::op(
                     ErrorKind::Shape,
                     "matmul_epilogue",
-                    format!("the bias must be a contiguous [{n}] of {}, got {}", a.dtype(), bias.ty()),
+                    format!(
+                        "the bias must be a contiguous [{n}] of {}, got {}",
+                        a.dtype(),
+                        bias.ty()
+                    ),
                 ));
             }
         }
-        self.matmul("matmul_epilogue", a, b, false, false, &shape, bias, epilogue)
+        self.matmul(
+            "matmul_epilogue",
+            a,
+            b,
+            false,
+            false,
+            &shape,
+            bias,
+            epilogue,
+        )
     }
 }
 

@@ -59,11 +59,21 @@ impl Mat {
         if c <= 1 || self.col_stride == 1 {
             // Rows contiguous: column-major c×r, ld = row stride.
             let ld = if r <= 1 { c.max(1) } else { self.row_stride };
-            (ld >= c.max(1)).then_some(Form { trans: false, rows: c as u64, cols: r as u64, ld: ld as i64 })
+            (ld >= c.max(1)).then_some(Form {
+                trans: false,
+                rows: c as u64,
+                cols: r as u64,
+                ld: ld as i64,
+            })
         } else if r <= 1 || self.row_stride == 1 {
             // Columns contiguous: column-major r×c read transposed.
             let ld = if c <= 1 { r.max(1) } else { self.col_stride };
-            (ld >= r.max(1)).then_some(Form { trans: true, rows: r as u64, cols: c as u64, ld: ld as i64 })
+            (ld >= r.max(1)).then_some(Form {
+                trans: true,
+                rows: r as u64,
+                cols: c as u64,
+                ld: ld as i64,
+            })
         } else {
             None
         }
@@ -113,7 +123,13 @@ fn blas_error(what: &str, e: lt::CublasError) -> String {
     format!("cuBLASLt {what} failed: {:?}", e.0)
 }
 
-fn data_type(dtype: DType) -> Option<(lt_sys::cudaDataType, lt_sys::cublasComputeType_t, lt_sys::cudaDataType)> {
+fn data_type(
+    dtype: DType,
+) -> Option<(
+    lt_sys::cudaDataType,
+    lt_sys::cublasComputeType_t,
+    lt_sys::cudaDataType,
+)> {
     use lt_sys::cublasComputeType_t as C;
     use lt_sys::cudaDataType as D;
     Some(match dtype {
@@ -154,7 +170,9 @@ impl Blas {
             return Err("an operand with neither rows nor columns contiguous".into());
         };
         let Some((ty, compute, scale)) = data_type(dtype) else {
-            return Err(format!("matmul of {dtype} is not supported on the GPU (f32, f64, f16, bf16 are)"));
+            return Err(format!(
+                "matmul of {dtype} is not supported on the GPU (f32, f64, f16, bf16 are)"
+            ));
         };
         // SAFETY: only tries to open the library.
         if !unsafe { lt_sys::is_culib_present() } {
@@ -269,13 +287,24 @@ unsafe fn make_plan(
         set(DA::CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, ty as i32)?;
     }
     let layout = |f: Form, batch_stride: usize| -> Result<_, String> {
-        let l = lt::create_matrix_layout(ty, f.rows, f.cols, f.ld).map_err(|e| blas_error("layout", e))?;
+        let l = lt::create_matrix_layout(ty, f.rows, f.cols, f.ld)
+            .map_err(|e| blas_error("layout", e))?;
         let count = key.batch as i32;
         let stride = batch_stride as i64;
-        lt::set_matrix_layout_attribute(l, LA::CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &count as *const i32 as _, 4)
-            .map_err(|e| blas_error("layout", e))?;
-        lt::set_matrix_layout_attribute(l, LA::CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride as *const i64 as _, 8)
-            .map_err(|e| blas_error("layout", e))?;
+        lt::set_matrix_layout_attribute(
+            l,
+            LA::CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT,
+            &count as *const i32 as _,
+            4,
+        )
+        .map_err(|e| blas_error("layout", e))?;
+        lt::set_matrix_layout_attribute(
+            l,
+            LA::CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET,
+            &stride as *const i64 as _,
+            8,
+        )
+        .map_err(|e| blas_error("layout", e))?;
         Ok(l)
     };
     let d = Form {
@@ -284,7 +313,11 @@ unsafe fn make_plan(
         cols: key.m as u64,
         ld: key.n.max(1) as i64,
     };
-    let layouts = [layout(key.b, key.strides[1])?, layout(key.a, key.strides[0])?, layout(d, key.strides[2])?];
+    let layouts = [
+        layout(key.b, key.strides[1])?,
+        layout(key.a, key.strides[0])?,
+        layout(d, key.strides[2])?,
+    ];
     let pref = lt::create_matmul_pref().map_err(|e| blas_error("preference", e))?;
     let ws = WORKSPACE as u64;
     lt::set_matmul_pref_attribute(
@@ -294,8 +327,10 @@ unsafe fn make_plan(
         8,
     )
     .map_err(|e| blas_error("preference", e))?;
-    let heuristic = lt::get_matmul_algo_heuristic(handle, desc, layouts[0], layouts[1], layouts[2], layouts[2], pref)
-        .map_err(|e| blas_error("algorithm search", e));
+    let heuristic = lt::get_matmul_algo_heuristic(
+        handle, desc, layouts[0], layouts[1], layouts[2], layouts[2], pref,
+    )
+    .map_err(|e| blas_error("algorithm search", e));
     let _ = lt::destroy_matmul_pref(pref);
     Ok(Plan {
         desc,
@@ -309,17 +344,48 @@ mod tests {
     use super::*;
 
     fn mat(rows: usize, cols: usize, row_stride: usize, col_stride: usize) -> Mat {
-        Mat { ptr: 0, rows, cols, row_stride, col_stride, batch_stride: 0 }
+        Mat {
+            ptr: 0,
+            rows,
+            cols,
+            row_stride,
+            col_stride,
+            batch_stride: 0,
+        }
     }
 
     #[test]
     fn row_major_goes_in_untransposed_and_column_major_transposed() {
         // A 4×3 row-major: column-major 3×4 with ld 3, op N.
-        assert_eq!(mat(4, 3, 3, 1).form(), Some(Form { trans: false, rows: 3, cols: 4, ld: 3 }));
+        assert_eq!(
+            mat(4, 3, 3, 1).form(),
+            Some(Form {
+                trans: false,
+                rows: 3,
+                cols: 4,
+                ld: 3
+            })
+        );
         // The transpose of a 3×4 row-major (a view): column-major 4×3, op T.
-        assert_eq!(mat(4, 3, 1, 4).form(), Some(Form { trans: true, rows: 4, cols: 3, ld: 4 }));
+        assert_eq!(
+            mat(4, 3, 1, 4).form(),
+            Some(Form {
+                trans: true,
+                rows: 4,
+                cols: 3,
+                ld: 4
+            })
+        );
         // A slice of columns keeps its parent's row stride.
-        assert_eq!(mat(4, 2, 8, 1).form(), Some(Form { trans: false, rows: 2, cols: 4, ld: 8 }));
+        assert_eq!(
+            mat(4, 2, 8, 1).form(),
+            Some(Form {
+                trans: false,
+                rows: 2,
+                cols: 4,
+                ld: 8
+            })
+        );
         // Neither contiguous, or rows overlapping (a broadcast): a copy.
         assert_eq!(mat(4, 3, 6, 2).form(), None);
         assert_eq!(mat(4, 3, 0, 1).form(), None);

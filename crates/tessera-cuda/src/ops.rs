@@ -47,7 +47,12 @@ impl CudaBackend {
             .gpu
             .alloc(numel * dtype.size_bytes())
             .map_err(|m| Error::new(ErrorKind::Device, m))?;
-        Ok(DeviceStorage::new(Device::Cuda, dtype, numel, Box::new(mem)))
+        Ok(DeviceStorage::new(
+            Device::Cuda,
+            dtype,
+            numel,
+            Box::new(mem),
+        ))
     }
 
     fn launch(&self, op: &str, launch: &crate::codegen::Launch) -> Result<()> {
@@ -94,8 +99,9 @@ impl CudaBackend {
             })
             .collect();
         if numel > 0 {
-            let launch = pointwise::pointwise(steps, &operands, &outs, shape, compute, self.gpu.sms)
-                .map_err(|m| unsupported(op, m))?;
+            let launch =
+                pointwise::pointwise(steps, &operands, &outs, shape, compute, self.gpu.sms)
+                    .map_err(|m| unsupported(op, m))?;
             self.launch(op, &launch)?;
         }
         Ok(storages
@@ -169,11 +175,24 @@ impl CudaBackend {
     }
 
     /// The backend's `eval`: `op` (never a view) on device inputs.
-    pub(crate) fn eval_op(&self, op: &Op, inputs: &[&Tensor], dtype: DType, shape: &[usize]) -> Result<Tensor> {
+    pub(crate) fn eval_op(
+        &self,
+        op: &Op,
+        inputs: &[&Tensor],
+        dtype: DType,
+        shape: &[usize],
+    ) -> Result<Tensor> {
         let name = op.name();
         let one = |steps: &[Step], compute: Compute| -> Result<Tensor> {
             Ok(self
-                .pointwise(name, steps, inputs, &[(steps.len() - 1, dtype)], shape, compute)?
+                .pointwise(
+                    name,
+                    steps,
+                    inputs,
+                    &[(steps.len() - 1, dtype)],
+                    shape,
+                    compute,
+                )?
                 .remove(0))
         };
         match op {
@@ -304,8 +323,19 @@ impl CudaBackend {
 
     /// Runs a fused kernel of the fusion plan.
     pub(crate) fn fused(&self, kernel: &FusedKernel, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
-        let compute = if kernel.wide { Compute::F64 } else { Compute::F32 };
-        self.pointwise("fused", &kernel.steps, inputs, &kernel.outputs, &kernel.shape, compute)
+        let compute = if kernel.wide {
+            Compute::F64
+        } else {
+            Compute::F32
+        };
+        self.pointwise(
+            "fused",
+            &kernel.steps,
+            inputs,
+            &kernel.outputs,
+            &kernel.shape,
+            compute,
+        )
     }
 
     /// `a·b` (either transposed) into a new tensor of `shape`, with an
@@ -336,7 +366,11 @@ impl CudaBackend {
         }
         if k == 0 {
             let zero = self.eval_op(
-                &Op::Full { value: tessera::ir::Scalar::Float(0.0), shape: tessera::ir::Shape::from_concrete(shape), dtype },
+                &Op::Full {
+                    value: tessera::ir::Scalar::Float(0.0),
+                    shape: tessera::ir::Shape::from_concrete(shape),
+                    dtype,
+                },
                 &[],
                 dtype,
                 shape,
@@ -361,21 +395,46 @@ impl CudaBackend {
         let mb = operand(b, lb, k, n)?;
         let (mut batch_n, mut m_n) = (batch, m);
         // A shared right operand: fold the batch into the rows of A.
-        if batch > 1 && mb.batch_stride == 0 && ma.col_stride == 1 && ma.batch_stride == m * ma.row_stride {
+        if batch > 1
+            && mb.batch_stride == 0
+            && ma.col_stride == 1
+            && ma.batch_stride == m * ma.row_stride
+        {
             ma.rows = batch * m;
             m_n = batch * m;
             batch_n = 1;
         }
         let bias_ptr = bias.map(first);
         self.blas
-            .gemm(&self.gpu, dtype, batch_n, ma, mb, base(&result), bias_ptr, epilogue)
-            .map_err(|msg| device_err(name, format!("{msg} (a {:?}, b {:?}, m {m_n})", a.shape(), b.shape())))?;
+            .gemm(
+                &self.gpu,
+                dtype,
+                batch_n,
+                ma,
+                mb,
+                base(&result),
+                bias_ptr,
+                epilogue,
+            )
+            .map_err(|msg| {
+                device_err(
+                    name,
+                    format!("{msg} (a {:?}, b {:?}, m {m_n})", a.shape(), b.shape()),
+                )
+            })?;
         drop(keep);
         Ok(result)
     }
 
     /// index_select and gather.
-    fn read_indexed(&self, op: &Op, inputs: &[&Tensor], dim: usize, dtype: DType, shape: &[usize]) -> Result<Tensor> {
+    fn read_indexed(
+        &self,
+        op: &Op,
+        inputs: &[&Tensor],
+        dim: usize,
+        dtype: DType,
+        shape: &[usize],
+    ) -> Result<Tensor> {
         let name = op.name();
         let x = self.on_device(inputs[0])?;
         let idx = self.on_device(inputs[1])?;
@@ -385,22 +444,52 @@ impl CudaBackend {
         if numel > 0 {
             let mut xs = x.strides().to_vec();
             let dim_stride = std::mem::replace(&mut xs[dim], 0);
-            let src = Strided { dtype, ptr: base(&x), offset: x.layout().offset, strides: xs };
+            let src = Strided {
+                dtype,
+                ptr: base(&x),
+                offset: x.layout().offset,
+                strides: xs,
+            };
             let istrides = match op {
                 Op::IndexSelect { .. } => one_hot_stride(shape.len(), dim, idx.strides()[0]),
                 _ => idx.strides().to_vec(),
             };
-            let index = Strided { dtype: idx.dtype(), ptr: base(&idx), offset: idx.layout().offset, strides: istrides };
-            let dst = Strided { dtype, ptr: out.ptr(), offset: 0, strides: contiguous_strides(shape) };
-            let launch = index::indexed(Indexed::Read, shape, &src, &index, &dst, dim_stride, self.gpu.sms)
-                .map_err(|m| unsupported(name, m))?;
+            let index = Strided {
+                dtype: idx.dtype(),
+                ptr: base(&idx),
+                offset: idx.layout().offset,
+                strides: istrides,
+            };
+            let dst = Strided {
+                dtype,
+                ptr: out.ptr(),
+                offset: 0,
+                strides: contiguous_strides(shape),
+            };
+            let launch = index::indexed(
+                Indexed::Read,
+                shape,
+                &src,
+                &index,
+                &dst,
+                dim_stride,
+                self.gpu.sms,
+            )
+            .map_err(|m| unsupported(name, m))?;
             self.launch(name, &launch)?;
         }
         Ok(Tensor::from_device_storage(out, shape))
     }
 
     /// index_add and scatter_add: a copy of the base, then atomic adds.
-    fn add_indexed(&self, op: &Op, inputs: &[&Tensor], dim: usize, dtype: DType, shape: &[usize]) -> Result<Tensor> {
+    fn add_indexed(
+        &self,
+        op: &Op,
+        inputs: &[&Tensor],
+        dim: usize,
+        dtype: DType,
+        shape: &[usize],
+    ) -> Result<Tensor> {
         let name = op.name();
         let basis = self.on_device(inputs[0])?;
         let idx = self.on_device(inputs[1])?;
@@ -418,11 +507,34 @@ impl CudaBackend {
                 Op::IndexAdd { .. } => one_hot_stride(iter.len(), dim, idx.strides()[0]),
                 _ => idx.strides().to_vec(),
             };
-            let s = Strided { dtype, ptr: base(&src), offset: src.layout().offset, strides: src.strides().to_vec() };
-            let index = Strided { dtype: idx.dtype(), ptr: base(&idx), offset: idx.layout().offset, strides: istrides };
-            let dst = Strided { dtype, ptr: base(&out), offset: 0, strides: ds };
-            let launch = index::indexed(Indexed::Add, &iter, &s, &index, &dst, dim_stride, self.gpu.sms)
-                .map_err(|m| unsupported(name, m))?;
+            let s = Strided {
+                dtype,
+                ptr: base(&src),
+                offset: src.layout().offset,
+                strides: src.strides().to_vec(),
+            };
+            let index = Strided {
+                dtype: idx.dtype(),
+                ptr: base(&idx),
+                offset: idx.layout().offset,
+                strides: istrides,
+            };
+            let dst = Strided {
+                dtype,
+                ptr: base(&out),
+                offset: 0,
+                strides: ds,
+            };
+            let launch = index::indexed(
+                Indexed::Add,
+                &iter,
+                &s,
+                &index,
+                &dst,
+                dim_stride,
+                self.gpu.sms,
+            )
+            .map_err(|m| unsupported(name, m))?;
             self.launch(name, &launch)?;
         }
         Ok(out)
@@ -436,7 +548,13 @@ fn check_indices(op: &str, index: &Tensor, bound: usize) -> Result<()> {
     let values: Vec<i64> = match host.dtype() {
         DType::I32 => host.to_vec::<i32>()?.into_iter().map(i64::from).collect(),
         DType::I64 => host.to_vec::<i64>()?,
-        d => return Err(Error::op(ErrorKind::DType, op, format!("indices must be i64 or i32, got {d}"))),
+        d => {
+            return Err(Error::op(
+                ErrorKind::DType,
+                op,
+                format!("indices must be i64 or i32, got {d}"),
+            ))
+        }
     };
     if let Some(bad) = values.iter().find(|&&v| v < 0 || v as usize >= bound) {
         return Err(Error::op(
@@ -474,9 +592,17 @@ fn matrix_layout(l: &Layout, transposed: bool, is_a: bool) -> Layout {
     if l.rank() == 1 {
         let (n, s) = (l.shape[0], l.strides[0]);
         l = if is_a {
-            Layout { shape: vec![1, n], strides: vec![n * s.max(1), s], offset: l.offset }
+            Layout {
+                shape: vec![1, n],
+                strides: vec![n * s.max(1), s],
+                offset: l.offset,
+            }
         } else {
-            Layout { shape: vec![n, 1], strides: vec![s, 1], offset: l.offset }
+            Layout {
+                shape: vec![n, 1],
+                strides: vec![s, 1],
+                offset: l.offset,
+            }
         };
     }
     if transposed {
@@ -492,8 +618,16 @@ fn broadcast(a: &[usize], b: &[usize]) -> Vec<usize> {
     let r = a.len().max(b.len());
     (0..r)
         .map(|i| {
-            let x = if i + a.len() >= r { a[i + a.len() - r] } else { 1 };
-            let y = if i + b.len() >= r { b[i + b.len() - r] } else { 1 };
+            let x = if i + a.len() >= r {
+                a[i + a.len() - r]
+            } else {
+                1
+            };
+            let y = if i + b.len() >= r {
+                b[i + b.len() - r]
+            } else {
+                1
+            };
             x.max(y)
         })
         .collect()

@@ -40,7 +40,14 @@ pub(crate) fn timed<R>(
     let shapes: Vec<String> = inputs
         .iter()
         .take(3)
-        .map(|x| format!("{}{:?}{}", x.dtype(), x.shape(), if x.is_contiguous() { "" } else { "s" }))
+        .map(|x| {
+            format!(
+                "{}{:?}{}",
+                x.dtype(),
+                x.shape(),
+                if x.is_contiguous() { "" } else { "s" }
+            )
+        })
         .collect();
     let name = name();
     let key = format!("{name} {}", shapes.join(" "));
@@ -65,11 +72,18 @@ pub fn report(top: usize) -> String {
         return String::new();
     };
     let mut rows: Vec<(String, (usize, Duration))> = table.into_iter().collect();
-    rows.sort_by(|a, b| b.1 .1.cmp(&a.1 .1));
+    rows.sort_by_key(|r| std::cmp::Reverse(r.1 .1));
     let total: Duration = rows.iter().map(|r| r.1 .1).sum();
-    let mut s = format!("GPU op time (synchronized), total {:.1} ms\n", total.as_secs_f64() * 1e3);
+    let mut s = format!(
+        "GPU op time (synchronized), total {:.1} ms\n",
+        total.as_secs_f64() * 1e3
+    );
     for (key, (n, d)) in rows.into_iter().take(top) {
-        s.push_str(&format!("{:>10.3} ms {:>6}x  {key}\n", d.as_secs_f64() * 1e3, n));
+        s.push_str(&format!(
+            "{:>10.3} ms {:>6}x  {key}\n",
+            d.as_secs_f64() * 1e3,
+            n
+        ));
     }
     s
 }

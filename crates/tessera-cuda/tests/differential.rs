@@ -38,13 +38,20 @@ fn tol(dtype: DType, heavy: bool) -> (f64, f64) {
 }
 
 fn close(what: &str, gpu: &Tensor, cpu: &Tensor, (rtol, atol): (f64, f64)) {
-    assert_eq!(gpu.device(), Device::Cuda, "{what}: the result stayed on the GPU");
+    assert_eq!(
+        gpu.device(),
+        Device::Cuda,
+        "{what}: the result stayed on the GPU"
+    );
     assert_eq!(gpu.shape(), cpu.shape(), "{what}: shape");
     assert_eq!(gpu.dtype(), cpu.dtype(), "{what}: dtype");
     let (g, c) = (gpu.to_f64_vec(), cpu.to_f64_vec());
     for (i, (a, b)) in g.iter().zip(&c).enumerate() {
         let ok = (a.is_nan() && b.is_nan()) || a == b || (a - b).abs() <= atol + rtol * b.abs();
-        assert!(ok, "{what}: element {i}: gpu {a} vs cpu {b} (rtol {rtol}, atol {atol})");
+        assert!(
+            ok,
+            "{what}: element {i}: gpu {a} vs cpu {b} (rtol {rtol}, atol {atol})"
+        );
     }
 }
 
@@ -80,26 +87,57 @@ fn unary_binary_compare_where_and_casts() {
         both("unary", &[x.clone(), pos], false, |a| {
             let (x, p) = (&a[0], &a[1]);
             vec![
-                x.neg(), x.abs(), x.exp(), p.log(), p.sqrt(), p.rsqrt(), p.reciprocal(), x.sin(), x.cos(),
-                x.tanh(), x.sigmoid(), x.relu(), x.gelu(), x.gelu_tanh(), x.silu(),
+                x.neg(),
+                x.abs(),
+                x.exp(),
+                p.log(),
+                p.sqrt(),
+                p.rsqrt(),
+                p.reciprocal(),
+                x.sin(),
+                x.cos(),
+                x.tanh(),
+                x.sigmoid(),
+                x.relu(),
+                x.gelu(),
+                x.gelu_tanh(),
+                x.silu(),
             ]
         });
         both("binary", &[x.clone(), y.clone()], false, |a| {
             let (x, y) = (&a[0], &a[1]);
             let t = x.transpose(0, 1).contiguous().transpose(0, 1); // a strided view
             vec![
-                x + y, x - y, x * y, x / &(y.abs() + 1.0), x.abs().pow(&(y * 0.5)), x.maximum(y), x.minimum(&t),
-                x * 3.0, x.gt(y).cast(d), Tensor::where_(&x.lt(y), x, y),
+                x + y,
+                x - y,
+                x * y,
+                x / &(y.abs() + 1.0),
+                x.abs().pow(&(y * 0.5)),
+                x.maximum(y),
+                x.minimum(&t),
+                x * 3.0,
+                x.gt(y).cast(d),
+                Tensor::where_(&x.lt(y), x, y),
             ]
         });
         for to in DType::ALL {
-            both("cast", &[x.clone() * 4.0], false, |a| vec![a[0].cast(to).cast(DType::F64)]);
+            both("cast", &[x.clone() * 4.0], false, |a| {
+                vec![a[0].cast(to).cast(DType::F64)]
+            });
         }
     }
     let i = Tensor::from_vec(vec![3i64, -7, 0, 12, 5, -1], &[2, 3]);
     both("integers", &[i], false, |a| {
         let x = &a[0];
-        vec![x + x, x * x, x.neg(), x.abs(), x.relu(), x.maximum(&x.neg()), x.gt(&x.neg()).cast(DType::I64)]
+        vec![
+            x + x,
+            x * x,
+            x.neg(),
+            x.abs(),
+            x.relu(),
+            x.maximum(x.neg()),
+            x.gt(x.neg()).cast(DType::I64),
+        ]
     });
 }
 
@@ -110,29 +148,47 @@ fn reductions_softmax_and_arg_reductions() {
     }
     for d in FLOATS {
         let x = randn(&[6, 33, 40], d, 3);
-        both("reduce", &[x.clone()], true, |a| {
+        both("reduce", std::slice::from_ref(&x), true, |a| {
             let x = &a[0];
             let t = x.transpose(0, 2); // strided
             vec![
-                x.sum(&[-1], false), x.sum(&[0], true), x.mean(&[0, 2], false), x.max(&[1], false),
-                x.min(&[-1], true), (x * 0.1).exp().prod(&[0], false), t.sum(&[1], false), x.sum(&[], false),
-                x.argmax(1, false).cast(DType::F64), x.argmin(-1, true).cast(DType::F64),
-                x.softmax(-1), x.log_softmax(1), t.softmax(0),
+                x.sum(&[-1], false),
+                x.sum(&[0], true),
+                x.mean(&[0, 2], false),
+                x.max(&[1], false),
+                x.min(&[-1], true),
+                (x * 0.1).exp().prod(&[0], false),
+                t.sum(&[1], false),
+                x.sum(&[], false),
+                x.argmax(1, false).cast(DType::F64),
+                x.argmin(-1, true).cast(DType::F64),
+                x.softmax(-1),
+                x.log_softmax(1),
+                t.softmax(0),
             ]
         });
     }
     // A long row (block schedule) and a tall column sum (thread schedule).
     let big = randn(&[3, 70000], DType::F32, 4);
-    both("long rows", &[big], true, |a| vec![a[0].sum(&[1], false), a[0].softmax(-1)]);
+    both("long rows", &[big], true, |a| {
+        vec![a[0].sum(&[1], false), a[0].softmax(-1)]
+    });
     // A full reduction of many elements (cut into parts, two launches).
     for d in FLOATS {
         let many = randn(&[300, 1000], d, 6);
         both("full reductions", &[many], true, |a| {
-            vec![a[0].sum(&[], false), a[0].mean(&[], false), a[0].max(&[], false), a[0].min(&[0, 1], true)]
+            vec![
+                a[0].sum(&[], false),
+                a[0].mean(&[], false),
+                a[0].max(&[], false),
+                a[0].min(&[0, 1], true),
+            ]
         });
     }
     let tall = randn(&[5000, 3000], DType::F32, 5);
-    both("tall columns", &[tall], true, |a| vec![a[0].sum(&[0], false), a[0].max(&[0], false)]);
+    both("tall columns", &[tall], true, |a| {
+        vec![a[0].sum(&[0], false), a[0].max(&[0], false)]
+    });
 }
 
 #[test]
@@ -149,12 +205,12 @@ fn matmul_batched_transposed_broadcast_and_vectors() {
             let (a, b, w, v) = (&x[0], &x[1], &x[2], &x[3]);
             vec![
                 a.matmul(b),
-                a.matmul(w),                                        // shared right operand
-                b.transpose(-2, -1).matmul(&a.transpose(-2, -1)),   // both transposed
-                a.matmul(v),                                        // matrix·vector
-                v.matmul(w),                                        // vector·matrix
-                a.narrow(2, 4, 12).matmul(&b.narrow(1, 0, 12)),     // column slices
-                a.permute(&[1, 0, 2]).matmul(w),                    // batch dims permuted
+                a.matmul(w),                                      // shared right operand
+                b.transpose(-2, -1).matmul(&a.transpose(-2, -1)), // both transposed
+                a.matmul(v),                                      // matrix·vector
+                v.matmul(w),                                      // vector·matrix
+                a.narrow(2, 4, 12).matmul(&b.narrow(1, 0, 12)),   // column slices
+                a.permute(&[1, 0, 2]).matmul(w),                  // batch dims permuted
             ]
         });
     }
@@ -167,14 +223,20 @@ fn matmul_epilogue_matches_the_composed_ops() {
     }
     let backend = tessera_cuda::backend().unwrap();
     for d in [DType::F32, DType::BF16, DType::F16] {
-        let (a, b, bias) = (randn(&[2, 33, 64], d, 10), randn(&[64, 48], d, 11), randn(&[48], d, 12));
+        let (a, b, bias) = (
+            randn(&[2, 33, 64], d, 10),
+            randn(&[64, 48], d, 11),
+            randn(&[48], d, 12),
+        );
         let base = a.matmul(&b) + &bias;
         for (epi, want) in [
             (tessera_cuda::Epilogue::None, base.clone()),
             (tessera_cuda::Epilogue::Relu, base.relu()),
             (tessera_cuda::Epilogue::Gelu, base.gelu_tanh()),
         ] {
-            let got = backend.matmul_epilogue(&cuda(&a), &cuda(&b), Some(&cuda(&bias)), epi).unwrap();
+            let got = backend
+                .matmul_epilogue(&cuda(&a), &cuda(&b), Some(&cuda(&bias)), epi)
+                .unwrap();
             close(&format!("epilogue {epi:?} {d}"), &got, &want, tol(d, true));
         }
     }
@@ -188,7 +250,10 @@ fn movement_indexing_and_creation() {
     for d in [DType::F32, DType::BF16, DType::I64] {
         let x = (randn(&[4, 5, 6], DType::F64, 13) * 10.0).cast(d);
         let idx = Tensor::from_vec(vec![2i64, 0, 2, 1], &[4]);
-        let gidx = Tensor::from_vec((0..4 * 5 * 6).map(|i| (i * 7 % 5) as i64).collect(), &[4, 5, 6]);
+        let gidx = Tensor::from_vec(
+            (0..4 * 5 * 6).map(|i| (i * 7 % 5) as i64).collect(),
+            &[4, 5, 6],
+        );
         both("movement", &[x.clone(), idx, gidx], false, |a| {
             let (x, idx, g) = (&a[0], &a[1], &a[2]);
             vec![
@@ -208,20 +273,34 @@ fn movement_indexing_and_creation() {
     let idx = Tensor::from_vec(vec![4i64, 0, 4], &[3]);
     let sidx = Tensor::from_vec(vec![1i64, 1, 0, 3, 3, 3, 2, 0, 1, 0, 0, 2], &[4, 3]);
     both("scatter", &[base, src, idx, sidx], true, |a| {
-        vec![a[0].index_add(1, &a[2], &a[1]), a[0].scatter_add(1, &a[3], &a[1])]
+        vec![
+            a[0].index_add(1, &a[2], &a[1]),
+            a[0].scatter_add(1, &a[3], &a[1]),
+        ]
     });
     // Out of range is an error naming the op, as on the CPU.
     let x = cuda(&randn(&[3, 4], DType::F32, 16));
     let bad = cuda(&Tensor::from_vec(vec![5i64], &[1]));
     let e = x.try_index_select(1, &bad).unwrap_err();
-    assert!(e.to_string().contains("index_select") && e.to_string().contains("out of range"), "{e}");
+    assert!(
+        e.to_string().contains("index_select") && e.to_string().contains("out of range"),
+        "{e}"
+    );
     // Creation on the device: the same values as on the CPU.
     let on_gpu = device::with_device(Device::Cuda, || {
         let mut g = Generator::new(3);
-        vec![Tensor::randn(&[100], DType::F32, &mut g), Tensor::full(&[3, 2], 1.5, DType::BF16), Tensor::arange(0.0, 5.0, 1.0, DType::I64)]
+        vec![
+            Tensor::randn(&[100], DType::F32, &mut g),
+            Tensor::full(&[3, 2], 1.5, DType::BF16),
+            Tensor::arange(0.0, 5.0, 1.0, DType::I64),
+        ]
     });
     let mut g = Generator::new(3);
-    let on_cpu = [Tensor::randn(&[100], DType::F32, &mut g), Tensor::full(&[3, 2], 1.5, DType::BF16), Tensor::arange(0.0, 5.0, 1.0, DType::I64)];
+    let on_cpu = [
+        Tensor::randn(&[100], DType::F32, &mut g),
+        Tensor::full(&[3, 2], 1.5, DType::BF16),
+        Tensor::arange(0.0, 5.0, 1.0, DType::I64),
+    ];
     for (a, b) in on_gpu.iter().zip(&on_cpu) {
         close("creation", a, b, (0.0, 0.0));
     }
@@ -260,15 +339,25 @@ fn eager_gradients_match() {
     // Attention, forward + backward, naive and sliced, causal and not.
     for causal in [false, true] {
         for slices in [1, 6] {
-            let qkv: Vec<Tensor> = (0..4).map(|s| randn(&[2, 3, 16, 8], DType::F32, 30 + s)).collect();
-            both(&format!("sdpa causal={causal} slices={slices}"), &qkv, true, |x| {
-                let leaves: Vec<Tensor> = x[..3].iter().map(|t| t.set_requires_grad(true)).collect();
-                let out = tessera::seed_table::sdpa(&leaves[0], &leaves[1], &leaves[2], causal, slices);
-                out.backward_with(&x[3]);
-                let mut r = vec![out.detach()];
-                r.extend(leaves.iter().map(|l| l.grad().unwrap()));
-                r
-            });
+            let qkv: Vec<Tensor> = (0..4)
+                .map(|s| randn(&[2, 3, 16, 8], DType::F32, 30 + s))
+                .collect();
+            both(
+                &format!("sdpa causal={causal} slices={slices}"),
+                &qkv,
+                true,
+                |x| {
+                    let leaves: Vec<Tensor> =
+                        x[..3].iter().map(|t| t.set_requires_grad(true)).collect();
+                    let out = tessera::seed_table::sdpa(
+                        &leaves[0], &leaves[1], &leaves[2], causal, slices,
+                    );
+                    out.backward_with(&x[3]);
+                    let mut r = vec![out.detach()];
+                    r.extend(leaves.iter().map(|l| l.grad().unwrap()));
+                    r
+                },
+            );
         }
     }
 }
@@ -281,8 +370,16 @@ fn compiled_programs_run_their_kernels_on_the_inputs_device() {
     for d in [DType::F32, DType::BF16] {
         let qkv: Vec<Tensor> = (0..4).map(|s| randn(&[2, 2, 32, 16], d, 40 + s)).collect();
         // A fused chain with a broadcast, a reduction and a matmul.
-        let f = compile(|x: &[Tensor]| vec![((&x[0] * 0.5 + &x[1]).tanh().softmax(-1).matmul(&x[2].transpose(-2, -1))).sum(&[1], false)]);
-        both(&format!("compiled chain {d}"), &qkv[..3], true, |x| f.call(x));
+        let f = compile(|x: &[Tensor]| {
+            vec![((&x[0] * 0.5 + &x[1])
+                .tanh()
+                .softmax(-1)
+                .matmul(&x[2].transpose(-2, -1)))
+            .sum(&[1], false)]
+        });
+        both(&format!("compiled chain {d}"), &qkv[..3], true, |x| {
+            f.call(x)
+        });
         // The seed's hinted sliced graph, forward + backward.
         let g = compile(|x: &[Tensor]| {
             let out = tessera::hints::scope(tessera::seed_table::SEED_HINT, || {
@@ -309,9 +406,17 @@ fn devices_do_not_mix_and_memory_is_accounted() {
     let a = cuda(&randn(&[4, 4], DType::F32, 50));
     let b = randn(&[4, 4], DType::F32, 51);
     let e = a.try_matmul(&b).unwrap_err().to_string();
-    assert!(e.contains("matmul") && e.contains("different devices"), "{e}");
+    assert!(
+        e.contains("matmul") && e.contains("different devices"),
+        "{e}"
+    );
     // A host scalar goes with a device tensor (as in PyTorch).
-    close("scalar", &(&a * &Tensor::scalar(2.0, DType::F32)), &(a.to_host().unwrap() * 2.0), (0.0, 0.0));
+    close(
+        "scalar",
+        &(&a * &Tensor::scalar(2.0, DType::F32)),
+        &(a.to_host().unwrap() * 2.0),
+        (0.0, 0.0),
+    );
 
     device::synchronize(Device::Cuda).unwrap();
     let before = device::memory_stats(Device::Cuda).unwrap().live_bytes;
@@ -320,7 +425,10 @@ fn devices_do_not_mix_and_memory_is_accounted() {
     let during = device::memory_stats(Device::Cuda).unwrap();
     assert_eq!(during.live_bytes - before, 4_000_000);
     drop(t);
-    assert_eq!(device::memory_stats(Device::Cuda).unwrap().live_bytes, before);
+    assert_eq!(
+        device::memory_stats(Device::Cuda).unwrap().live_bytes,
+        before
+    );
     assert!(device::memory_stats(Device::Cuda).unwrap().peak_bytes >= before + 4_000_000);
 
     let backend = tessera_cuda::backend().unwrap();
@@ -328,5 +436,10 @@ fn devices_do_not_mix_and_memory_is_accounted() {
         Ok(_) => panic!("64 TiB allocated"),
         Err(e) => e.to_string(),
     };
-    assert!(e.contains("out of memory") && e.contains("asked for 70368744177664 bytes") && e.contains("free"), "{e}");
+    assert!(
+        e.contains("out of memory")
+            && e.contains("asked for 70368744177664 bytes")
+            && e.contains("free"),
+        "{e}"
+    );
 }

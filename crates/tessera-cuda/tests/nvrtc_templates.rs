@@ -26,11 +26,20 @@ fn enabled() -> bool {
 }
 
 fn buffer(dtype: DType, layout: Layout) -> Operand {
-    Operand::Buffer { dtype, ptr: 0, layout }
+    Operand::Buffer {
+        dtype,
+        ptr: 0,
+        layout,
+    }
 }
 
 fn out(step: usize, dtype: DType, shape: &[usize]) -> Output {
-    Output { step, dtype, ptr: 0, layout: Layout::contiguous(shape) }
+    Output {
+        step,
+        dtype,
+        ptr: 0,
+        layout: Layout::contiguous(shape),
+    }
 }
 
 /// One chain per float dtype with every unary, binary and compare op, a
@@ -62,9 +71,24 @@ fn float_chains() -> Vec<Launch> {
                 last = steps.len() - 1;
             }
             steps.push(Step::Const(0.5));
-            let compute = if d == DType::F64 { Compute::F64 } else { Compute::F32 };
-            let outs = [out(last, d, &shape), out(steps.len() - 2, DType::Bool, &shape)];
-            pointwise(&steps, &[x, y, Operand::Scalar(2.0)], &outs, &shape, compute, 132).unwrap()
+            let compute = if d == DType::F64 {
+                Compute::F64
+            } else {
+                Compute::F32
+            };
+            let outs = [
+                out(last, d, &shape),
+                out(steps.len() - 2, DType::Bool, &shape),
+            ];
+            pointwise(
+                &steps,
+                &[x, y, Operand::Scalar(2.0)],
+                &outs,
+                &shape,
+                compute,
+                132,
+            )
+            .unwrap()
         })
         .collect()
 }
@@ -89,12 +113,26 @@ fn integer_and_conversions() -> Vec<Launch> {
     ];
     for d in [DType::I64, DType::I32] {
         let ins = [buffer(d, l.clone()), buffer(d, l.clone())];
-        v.push(pointwise(&int_steps, &ins, &[out(9, d, &shape)], &shape, Compute::I64, 132).unwrap());
+        v.push(
+            pointwise(
+                &int_steps,
+                &ins,
+                &[out(9, d, &shape)],
+                &shape,
+                Compute::I64,
+                132,
+            )
+            .unwrap(),
+        );
     }
     for compute in [Compute::F32, Compute::F64, Compute::I64] {
         let ins: Vec<Operand> = DType::ALL.iter().map(|&d| buffer(d, l.clone())).collect();
         let steps: Vec<Step> = (0..ins.len()).map(Step::Load).collect();
-        let outs: Vec<Output> = DType::ALL.iter().enumerate().map(|(i, &d)| out(i, d, &shape)).collect();
+        let outs: Vec<Output> = DType::ALL
+            .iter()
+            .enumerate()
+            .map(|(i, &d)| out(i, d, &shape))
+            .collect();
         v.push(pointwise(&steps, &ins, &outs, &shape, compute, 132).unwrap());
     }
     v
@@ -105,18 +143,63 @@ fn reductions() -> Vec<Launch> {
     for d in DType::ALL {
         for op in ReduceOp::ALL {
             // A row reduction (block per row) and a column one (thread per column).
-            v.push(reduce(op, d, &Layout::contiguous(&[64, 32]), &[1], d, 0, 0, 132));
-            v.push(reduce(op, d, &Layout::contiguous(&[64, 2048]), &[0], d, 0, 0, 132));
-            let (a, b, _) = reduce_in_parts(op, d, &Layout::contiguous(&[1 << 20]), &[0], d, 8, 0, 0, 0, 132);
+            v.push(reduce(
+                op,
+                d,
+                &Layout::contiguous(&[64, 32]),
+                &[1],
+                d,
+                0,
+                0,
+                132,
+            ));
+            v.push(reduce(
+                op,
+                d,
+                &Layout::contiguous(&[64, 2048]),
+                &[0],
+                d,
+                0,
+                0,
+                132,
+            ));
+            let (a, b, _) = reduce_in_parts(
+                op,
+                d,
+                &Layout::contiguous(&[1 << 20]),
+                &[0],
+                d,
+                8,
+                0,
+                0,
+                0,
+                132,
+            );
             v.extend([a, b]);
         }
         for op in [ArgReduceOp::ArgMax, ArgReduceOp::ArgMin] {
-            v.push(arg_reduce(op, d, &Layout::contiguous(&[3, 5]), 1, 0, 0, 132));
+            v.push(arg_reduce(
+                op,
+                d,
+                &Layout::contiguous(&[3, 5]),
+                1,
+                0,
+                0,
+                132,
+            ));
         }
     }
     for d in FLOATS {
         for log in [false, true] {
-            v.push(softmax(d, &Layout::contiguous(&[2, 7, 3]), 1, log, 0, 0, 132));
+            v.push(softmax(
+                d,
+                &Layout::contiguous(&[2, 7, 3]),
+                1,
+                log,
+                0,
+                0,
+                132,
+            ));
         }
     }
     v
@@ -126,9 +209,19 @@ fn indexing() -> Vec<Launch> {
     let mut v = Vec::new();
     for d in DType::ALL {
         v.push(triangle(d, &[2, 3, 3], &[9, 3, 1], 0, 1, true, 0, 0, 132));
-        let op = Strided { dtype: d, ptr: 0, offset: 0, strides: vec![4, 1] };
+        let op = Strided {
+            dtype: d,
+            ptr: 0,
+            offset: 0,
+            strides: vec![4, 1],
+        };
         for id in [DType::I64, DType::I32] {
-            let idx = Strided { dtype: id, ptr: 0, offset: 0, strides: vec![1, 0] };
+            let idx = Strided {
+                dtype: id,
+                ptr: 0,
+                offset: 0,
+                strides: vec![1, 0],
+            };
             v.push(indexed(Indexed::Read, &[3, 4], &op, &idx, &op, 4, 132).unwrap());
             if d != DType::Bool {
                 v.push(indexed(Indexed::Add, &[3, 4], &op, &idx, &op, 4, 132).unwrap());
@@ -143,10 +236,15 @@ fn every_template_compiles_to_ptx() {
     if !enabled() {
         return;
     }
-    let launches: Vec<Launch> = [float_chains(), integer_and_conversions(), reductions(), indexing()]
-        .into_iter()
-        .flatten()
-        .collect();
+    let launches: Vec<Launch> = [
+        float_chains(),
+        integer_and_conversions(),
+        reductions(),
+        indexing(),
+    ]
+    .into_iter()
+    .flatten()
+    .collect();
     let mut failures = Vec::new();
     for l in &launches {
         match compile_uncached(&l.source, "compute_90") {
@@ -157,6 +255,12 @@ fn every_template_compiles_to_ptx() {
             Err(e) => failures.push(format!("{e}\n--- source ---\n{}", l.source)),
         }
     }
-    assert!(failures.is_empty(), "{} of {} kernels failed:\n{}", failures.len(), launches.len(), failures.join("\n\n"));
+    assert!(
+        failures.is_empty(),
+        "{} of {} kernels failed:\n{}",
+        failures.len(),
+        launches.len(),
+        failures.join("\n\n")
+    );
     eprintln!("{} kernels compiled to PTX", launches.len());
 }

@@ -102,9 +102,8 @@ impl Problem {
     /// are checked against the CPU's by the CUDA differential tests).
     fn new(config: &SeedConfig) -> Result<Problem> {
         let mut g = Generator::new(config.seed);
-        let make = |g: &mut Generator| {
-            Tensor::randn(&config.shape, DType::F64, g).to(config.device)
-        };
+        let make =
+            |g: &mut Generator| Tensor::randn(&config.shape, DType::F64, g).to(config.device);
         let (q, k, v, grad) = (make(&mut g)?, make(&mut g)?, make(&mut g)?, make(&mut g)?);
         let reference = step(
             &sdpa_fn(config.causal, 1),

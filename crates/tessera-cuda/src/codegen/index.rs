@@ -101,7 +101,10 @@ pub fn indexed(
     let dtype = dst.dtype;
     let compute = Compute::of(dtype);
     let value = load(src.dtype, compute, "a.src", "so");
-    let iv = format!("((long long){})", load(index.dtype, Compute::I64, "a.idx", "io"));
+    let iv = format!(
+        "((long long){})",
+        load(index.dtype, Compute::I64, "a.idx", "io")
+    );
     let body = match kind {
         Indexed::Read => format!(
             "so += {iv} * a.dim_stride;\n(({ct}*)a.dst)[dO] = {v};",
@@ -115,9 +118,9 @@ pub fn indexed(
                 DType::F32 | DType::F64 | DType::F16 | DType::BF16 | DType::I32 => {
                     format!("atomicAdd({ptr}, {v});")
                 }
-                DType::I64 => format!(
-                    "atomicAdd((unsigned long long*)({ptr}), (unsigned long long)({v}));"
-                ),
+                DType::I64 => {
+                    format!("atomicAdd((unsigned long long*)({ptr}), (unsigned long long)({v}));")
+                }
                 DType::Bool => {
                     return Err("an indexed add of bools is not supported on the GPU".into())
                 }
@@ -148,9 +151,13 @@ pub fn indexed(
     let mut args = Words::default();
     args.int(n as i64).ints(padded(shape, rank, 1));
     for op in [src, index, dst] {
-        args.int(op.offset as i64).ints(padded(&op.strides, rank, 0));
+        args.int(op.offset as i64)
+            .ints(padded(&op.strides, rank, 0));
     }
-    args.int(dim_stride as i64).ptr(src.ptr).ptr(index.ptr).ptr(dst.ptr);
+    args.int(dim_stride as i64)
+        .ptr(src.ptr)
+        .ptr(index.ptr)
+        .ptr(dst.ptr);
     Ok(Launch {
         source,
         args,
@@ -165,12 +172,44 @@ mod tests {
 
     #[test]
     fn an_add_of_bf16_uses_the_bf16_atomic_and_bools_are_refused() {
-        let op = |dtype| Strided { dtype, ptr: 1, offset: 0, strides: vec![4, 1] };
-        let idx = Strided { dtype: DType::I64, ptr: 2, offset: 0, strides: vec![1, 0] };
-        let l = indexed(Indexed::Add, &[3, 4], &op(DType::BF16), &idx, &op(DType::BF16), 4, 132).unwrap();
-        assert!(l.source.contains("atomicAdd(((__nv_bfloat16*)a.dst) + dO"), "{}", l.source);
+        let op = |dtype| Strided {
+            dtype,
+            ptr: 1,
+            offset: 0,
+            strides: vec![4, 1],
+        };
+        let idx = Strided {
+            dtype: DType::I64,
+            ptr: 2,
+            offset: 0,
+            strides: vec![1, 0],
+        };
+        let l = indexed(
+            Indexed::Add,
+            &[3, 4],
+            &op(DType::BF16),
+            &idx,
+            &op(DType::BF16),
+            4,
+            132,
+        )
+        .unwrap();
+        assert!(
+            l.source.contains("atomicAdd(((__nv_bfloat16*)a.dst) + dO"),
+            "{}",
+            l.source
+        );
         assert!(l.source.contains("dO += ((long long)"), "{}", l.source);
-        let e = indexed(Indexed::Add, &[3, 4], &op(DType::Bool), &idx, &op(DType::Bool), 4, 132).unwrap_err();
+        let e = indexed(
+            Indexed::Add,
+            &[3, 4],
+            &op(DType::Bool),
+            &idx,
+            &op(DType::Bool),
+            4,
+            132,
+        )
+        .unwrap_err();
         assert!(e.contains("bools"), "{e}");
     }
 

@@ -11,8 +11,8 @@ use tessera::tensor::Layout;
 use tessera::DType;
 
 use super::{
-    at_least_one, c_type, convert, decompose, grid_for, index_type, load, padded, prelude,
-    Compute, Launch, Words, ENTRY,
+    at_least_one, c_type, convert, decompose, grid_for, index_type, load, padded, prelude, Compute,
+    Launch, Words, ENTRY,
 };
 
 /// One input of a pointwise kernel.
@@ -127,14 +127,22 @@ pub fn pointwise(
     for (s, step) in steps.iter().enumerate() {
         let expr = match *step {
             Step::Load(k) => match buffer_pos(k) {
-                Some(b) => load(buffers[b].1, compute, &format!("a.in[{b}]"), &format!("io{b}")),
+                Some(b) => load(
+                    buffers[b].1,
+                    compute,
+                    &format!("a.in[{b}]"),
+                    &format!("io{b}"),
+                ),
                 None => format!("({acc})a.c[{}]", const_of_step[s].expect("a scalar")),
             },
             Step::Const(_) => format!("({acc})a.c[{}]", const_of_step[s].expect("a const")),
             Step::Unary(op, x) => unary(op, compute, &format!("v{x}"))?,
             Step::Binary(op, x, y) => binary(op, compute, &format!("v{x}"), &format!("v{y}"))?,
             Step::Compare(op, x, y) => {
-                format!("(({}) ? ({acc})1 : ({acc})0)", compare(op, &format!("v{x}"), &format!("v{y}")))
+                format!(
+                    "(({}) ? ({acc})1 : ({acc})0)",
+                    compare(op, &format!("v{x}"), &format!("v{y}"))
+                )
             }
             Step::Where(c, x, y) => format!("((v{c} != ({acc})0) ? v{x} : v{y})"),
             Step::Round(d, x) => round(d, compute, &format!("v{x}"))?,
@@ -205,7 +213,9 @@ fn unary(op: UnaryOp, c: Compute, x: &str) -> Result<String, String> {
     if c == Compute::I64 {
         return match op {
             UnaryOp::Neg => Ok(format!("(long long)(0ull - (unsigned long long){x})")),
-            UnaryOp::Abs => Ok(format!("({x} < 0 ? (long long)(0ull - (unsigned long long){x}) : {x})")),
+            UnaryOp::Abs => Ok(format!(
+                "({x} < 0 ? (long long)(0ull - (unsigned long long){x}) : {x})"
+            )),
             UnaryOp::Relu => Ok(format!("({x} < 0 ? 0ll : {x})")),
             other => Err(format!("{} is not defined for integers", other.name())),
         };
@@ -317,14 +327,36 @@ mod tests {
     #[test]
     fn a_contiguous_chain_has_no_index_arithmetic_and_packs_its_words_in_field_order() {
         // y = exp(x) * 2, x and y contiguous f32 [4, 8].
-        let steps = [Step::Load(0), Step::Unary(UnaryOp::Exp, 0), Step::Const(2.0), Step::Binary(BinaryOp::Mul, 1, 2)];
+        let steps = [
+            Step::Load(0),
+            Step::Unary(UnaryOp::Exp, 0),
+            Step::Const(2.0),
+            Step::Binary(BinaryOp::Mul, 1, 2),
+        ];
         let x = buffer(DType::F32, Layout::contiguous(&[4, 8]));
-        let y = Output { step: 3, dtype: DType::F32, ptr: 0x2000, layout: Layout::contiguous(&[4, 8]) };
+        let y = Output {
+            step: 3,
+            dtype: DType::F32,
+            ptr: 0x2000,
+            layout: Layout::contiguous(&[4, 8]),
+        };
         let l = pointwise(&steps, &[x], &[y], &[4, 8], Compute::F32, 132).unwrap();
-        assert!(l.source.contains("long long io0 = a.ioff[0] + i;"), "{}", l.source);
-        assert!(!l.source.contains("r_ /"), "no division when all is contiguous:\n{}", l.source);
+        assert!(
+            l.source.contains("long long io0 = a.ioff[0] + i;"),
+            "{}",
+            l.source
+        );
+        assert!(
+            !l.source.contains("r_ /"),
+            "no division when all is contiguous:\n{}",
+            l.source
+        );
         assert!(l.source.contains("float v1 = expf(v0);"), "{}", l.source);
-        assert!(l.source.contains("float v2 = (float)a.c[0];"), "{}", l.source);
+        assert!(
+            l.source.contains("float v2 = (float)a.c[0];"),
+            "{}",
+            l.source
+        );
         assert!(!l.source.contains("cuda_bf16"), "no f16 header for f32");
         // n, shape[2], ioff[1], istr[1][2], ooff[1], ostr[1][2], c[1], in[1], out[1]
         let want: Vec<u64> = vec![32, 4, 8, 0, 8, 1, 0, 8, 1, 2.0f64.to_bits(), 0x1000, 0x2000];
@@ -337,13 +369,34 @@ mod tests {
         // out[i, j] = a[j] + b[i, j] with b transposed in memory, bf16 out.
         let a = buffer(DType::BF16, Layout::contiguous(&[3]).expanded(&[2, 3]));
         let b = buffer(DType::F32, Layout::contiguous(&[3, 2]).permuted(&[1, 0]));
-        let steps = [Step::Load(0), Step::Load(1), Step::Binary(BinaryOp::Add, 0, 1)];
-        let out = Output { step: 2, dtype: DType::BF16, ptr: 0x3000, layout: Layout::contiguous(&[2, 3]) };
+        let steps = [
+            Step::Load(0),
+            Step::Load(1),
+            Step::Binary(BinaryOp::Add, 0, 1),
+        ];
+        let out = Output {
+            step: 2,
+            dtype: DType::BF16,
+            ptr: 0x3000,
+            layout: Layout::contiguous(&[2, 3]),
+        };
         let l = pointwise(&steps, &[a, b], &[out], &[2, 3], Compute::F32, 132).unwrap();
         assert!(l.source.contains("#include <cuda_bf16.h>"));
-        assert!(l.source.contains("io0 += (long long)i_ * a.istr[0][1];"), "{}", l.source);
-        assert!(l.source.contains("__float2bfloat16_rn((float)(v2))"), "{}", l.source);
-        assert!(l.source.contains("(float)__bfloat162float("), "{}", l.source);
+        assert!(
+            l.source.contains("io0 += (long long)i_ * a.istr[0][1];"),
+            "{}",
+            l.source
+        );
+        assert!(
+            l.source.contains("__float2bfloat16_rn((float)(v2))"),
+            "{}",
+            l.source
+        );
+        assert!(
+            l.source.contains("(float)__bfloat162float("),
+            "{}",
+            l.source
+        );
         // istr: a = [0, 1] (broadcast rows), b = [1, 2] (transposed).
         assert_eq!(&l.args.0[5..9], &[0, 1, 1, 2]);
     }
@@ -351,10 +404,35 @@ mod tests {
     #[test]
     fn host_scalars_become_parameters_so_the_source_is_the_same_for_every_value() {
         let x = buffer(DType::F32, Layout::contiguous(&[5]));
-        let steps = [Step::Load(0), Step::Load(1), Step::Binary(BinaryOp::Mul, 0, 1)];
-        let out = |p| Output { step: 2, dtype: DType::F32, ptr: p, layout: Layout::contiguous(&[5]) };
-        let a = pointwise(&steps, &[x.clone(), Operand::Scalar(0.5)], &[out(1)], &[5], Compute::F32, 1).unwrap();
-        let b = pointwise(&steps, &[x, Operand::Scalar(3.0)], &[out(2)], &[5], Compute::F32, 1).unwrap();
+        let steps = [
+            Step::Load(0),
+            Step::Load(1),
+            Step::Binary(BinaryOp::Mul, 0, 1),
+        ];
+        let out = |p| Output {
+            step: 2,
+            dtype: DType::F32,
+            ptr: p,
+            layout: Layout::contiguous(&[5]),
+        };
+        let a = pointwise(
+            &steps,
+            &[x.clone(), Operand::Scalar(0.5)],
+            &[out(1)],
+            &[5],
+            Compute::F32,
+            1,
+        )
+        .unwrap();
+        let b = pointwise(
+            &steps,
+            &[x, Operand::Scalar(3.0)],
+            &[out(2)],
+            &[5],
+            Compute::F32,
+            1,
+        )
+        .unwrap();
         assert_eq!(a.source, b.source);
         assert_ne!(a.args, b.args);
     }
@@ -362,8 +440,17 @@ mod tests {
     #[test]
     fn integer_division_is_refused_with_a_reason() {
         let x = buffer(DType::I64, Layout::contiguous(&[2]));
-        let steps = [Step::Load(0), Step::Load(0), Step::Binary(BinaryOp::Div, 0, 1)];
-        let out = Output { step: 2, dtype: DType::I64, ptr: 1, layout: Layout::contiguous(&[2]) };
+        let steps = [
+            Step::Load(0),
+            Step::Load(0),
+            Step::Binary(BinaryOp::Div, 0, 1),
+        ];
+        let out = Output {
+            step: 2,
+            dtype: DType::I64,
+            ptr: 1,
+            layout: Layout::contiguous(&[2]),
+        };
         let e = pointwise(&steps, &[x], &[out], &[2], Compute::I64, 1).unwrap_err();
         assert!(e.contains("integer div"), "{e}");
     }

@@ -140,10 +140,7 @@ pub fn parts_for(layout: &Layout, dims: &[usize], sms: u32) -> usize {
     if n_out >= sms as usize * 2 || n_red < 1 << 16 || split.columns() {
         return 1;
     }
-    (sms as usize * 4)
-        .div_ceil(n_out)
-        .min(n_red / 4096)
-        .max(1)
+    (sms as usize * 4).div_ceil(n_out).min(n_red / 4096).max(1)
 }
 
 /// The two launches of a reduction cut into `parts`: partial results (of
@@ -171,7 +168,17 @@ pub fn reduce_in_parts(
         other => (other, None),
     };
     let partials = Split::new(&Layout::contiguous(&[split.n_out(), parts]), &[1]);
-    let second = reduce_impl(second_op, scale, 1, acc, &partials, Some(out_dtype), tmp, y, sms);
+    let second = reduce_impl(
+        second_op,
+        scale,
+        1,
+        acc,
+        &partials,
+        Some(out_dtype),
+        tmp,
+        y,
+        sms,
+    );
     (first, second, acc)
 }
 
@@ -205,14 +212,29 @@ fn reduce_impl(
     let (identity, combine) = match (op, compute.is_float()) {
         (ReduceOp::Sum | ReduceOp::Mean, _) => ("0".to_string(), "((a_) + (b_))"),
         (ReduceOp::Prod, _) => ("1".to_string(), "((a_) * (b_))"),
-        (ReduceOp::Max, true) => ("-TS_INF".to_string(), "(((a_) > (b_) || (a_) != (a_)) ? (a_) : (b_))"),
-        (ReduceOp::Min, true) => ("TS_INF".to_string(), "(((a_) < (b_) || (a_) != (a_)) ? (a_) : (b_))"),
-        (ReduceOp::Max, false) => ("(-9223372036854775807ll - 1)".to_string(), "((a_) > (b_) ? (a_) : (b_))"),
-        (ReduceOp::Min, false) => ("9223372036854775807ll".to_string(), "((a_) < (b_) ? (a_) : (b_))"),
+        (ReduceOp::Max, true) => (
+            "-TS_INF".to_string(),
+            "(((a_) > (b_) || (a_) != (a_)) ? (a_) : (b_))",
+        ),
+        (ReduceOp::Min, true) => (
+            "TS_INF".to_string(),
+            "(((a_) < (b_) || (a_) != (a_)) ? (a_) : (b_))",
+        ),
+        (ReduceOp::Max, false) => (
+            "(-9223372036854775807ll - 1)".to_string(),
+            "((a_) > (b_) ? (a_) : (b_))",
+        ),
+        (ReduceOp::Min, false) => (
+            "9223372036854775807ll".to_string(),
+            "((a_) < (b_) ? (a_) : (b_))",
+        ),
     };
     let mut args = Words::default();
     let (k, r) = split.words(&mut args);
-    args.float(scale.unwrap_or(1.0)).int(parts as i64).ptr(x).ptr(y);
+    args.float(scale.unwrap_or(1.0))
+        .int(parts as i64)
+        .ptr(x)
+        .ptr(y);
     let mut src = prelude(&[dtype, out_dtype]);
     src.push_str(&format!(
         "typedef {acc} ACC;\n#define IDENTITY (({acc}){identity})\n#define COMBINE(a_, b_) {combine}\n{TREE}\
@@ -221,14 +243,32 @@ fn reduce_impl(
     ));
     let idx_k = index_type(split.n_out());
     let idx_r = index_type(split.n_red());
-    let kept = decompose("o", "kshape", k, &[("base".into(), "kstr".into())], false, idx_k);
-    let red = decompose("j", "rshape", r, &[("off".into(), "rstr".into())], false, idx_r);
+    let kept = decompose(
+        "o",
+        "kshape",
+        k,
+        &[("base".into(), "kstr".into())],
+        false,
+        idx_k,
+    );
+    let red = decompose(
+        "j",
+        "rshape",
+        r,
+        &[("off".into(), "rstr".into())],
+        false,
+        idx_r,
+    );
     let value = load(dtype, compute, "a.x", "off");
     let finish = match scale {
         Some(_) => format!("(ACC)(acc * ({acc})a.scale)"),
         None => "acc".to_string(),
     };
-    let store = format!("(({}*)a.y)[w] = {};", c_type(out_dtype), convert(out_dtype, compute, &finish));
+    let store = format!(
+        "(({}*)a.y)[w] = {};",
+        c_type(out_dtype),
+        convert(out_dtype, compute, &finish)
+    );
     let columns = parts == 1 && split.columns();
     if columns {
         src.push_str(&format!(
@@ -255,14 +295,30 @@ fn reduce_impl(
     } else {
         let per = split.n_red().div_ceil(parts.max(1));
         let block = block_for(per);
-        ((split.n_out().max(1) * parts).min(sms as usize * 64) as u32, block)
+        (
+            (split.n_out().max(1) * parts).min(sms as usize * 64) as u32,
+            block,
+        )
     };
-    Launch { source: src, args, grid, block }
+    Launch {
+        source: src,
+        args,
+        grid,
+        block,
+    }
 }
 
 /// The index of the max/min along `dim` (first on ties; NaN counts as the
 /// largest and the smallest, as on the CPU), as i64.
-pub fn arg_reduce(op: ArgReduceOp, dtype: DType, layout: &Layout, dim: usize, x: u64, y: u64, sms: u32) -> Launch {
+pub fn arg_reduce(
+    op: ArgReduceOp,
+    dtype: DType,
+    layout: &Layout,
+    dim: usize,
+    x: u64,
+    y: u64,
+    sms: u32,
+) -> Launch {
     let split = Split::new(layout, &[dim]);
     let compute = Compute::of(dtype);
     let acc = compute.c_type();
@@ -270,7 +326,11 @@ pub fn arg_reduce(op: ArgReduceOp, dtype: DType, layout: &Layout, dim: usize, x:
         ArgReduceOp::ArgMax => "(v > bv)",
         ArgReduceOp::ArgMin => "(v < bv)",
     };
-    let nan = if compute.is_float() { "|| (v != v && bv == bv)" } else { "" };
+    let nan = if compute.is_float() {
+        "|| (v != v && bv == bv)"
+    } else {
+        ""
+    };
     let mut args = Words::default();
     let (k, r) = split.words(&mut args);
     args.float(0.0).ptr(x).ptr(y);
@@ -281,7 +341,14 @@ pub fn arg_reduce(op: ArgReduceOp, dtype: DType, layout: &Layout, dim: usize, x:
          __device__ __forceinline__ void pick({acc}& bv, long long& bi, {acc} v, long long i) {{\n\
            if ({better} {nan} || ((v == bv || (v != v && bv != bv)) && i < bi)) {{ bv = v; bi = i; }}\n}}\n"
     ));
-    let kept = decompose("o", "kshape", k, &[("base".into(), "kstr".into())], false, index_type(split.n_out()));
+    let kept = decompose(
+        "o",
+        "kshape",
+        k,
+        &[("base".into(), "kstr".into())],
+        false,
+        index_type(split.n_out()),
+    );
     let value = load(dtype, compute, "a.x", "off");
     src.push_str(&format!(
         "extern \"C\" __global__ void {ENTRY}(Args a) {{\n\
@@ -301,18 +368,39 @@ pub fn arg_reduce(op: ArgReduceOp, dtype: DType, layout: &Layout, dim: usize, x:
     ));
     let block = block_for(split.n_red());
     let grid = (split.n_out().max(1)).min(sms as usize * 64) as u32;
-    Launch { source: src, args, grid, block }
+    Launch {
+        source: src,
+        args,
+        grid,
+        block,
+    }
 }
 
 /// Softmax (or log_softmax) along `dim`: a block per row, one pass for the
 /// running max and sum (online softmax), one to write.
-pub fn softmax(dtype: DType, layout: &Layout, dim: usize, log: bool, x: u64, y: u64, sms: u32) -> Launch {
+pub fn softmax(
+    dtype: DType,
+    layout: &Layout,
+    dim: usize,
+    log: bool,
+    x: u64,
+    y: u64,
+    sms: u32,
+) -> Launch {
     let split = Split::new(layout, &[dim]);
     let out = Split::new(&Layout::contiguous(&layout.shape), &[dim]);
     let compute = Compute::of(dtype);
     let acc = compute.c_type();
-    let e = if compute == Compute::F32 { "expf" } else { "exp" };
-    let lg = if compute == Compute::F32 { "logf" } else { "log" };
+    let e = if compute == Compute::F32 {
+        "expf"
+    } else {
+        "exp"
+    };
+    let lg = if compute == Compute::F32 {
+        "logf"
+    } else {
+        "log"
+    };
     let k = split.kept_shape.len().max(1);
     let mut args = Words::default();
     args.int(split.n_out() as i64)
@@ -341,12 +429,19 @@ pub fn softmax(dtype: DType, layout: &Layout, dim: usize, log: bool, x: u64, y: 
         "o",
         "kshape",
         k,
-        &[("base".into(), "kstr".into()), ("obase".into(), "ostr".into())],
+        &[
+            ("base".into(), "kstr".into()),
+            ("obase".into(), "ostr".into()),
+        ],
         false,
         index_type(split.n_out()),
     );
     let value = load(dtype, compute, "a.x", "base + j * a.sd");
-    let result = if log { format!("v - m - {lg}(s)") } else { format!("{e}(v - m) / s") };
+    let result = if log {
+        format!("v - m - {lg}(s)")
+    } else {
+        format!("{e}(v - m) / s")
+    };
     src.push_str(&format!(
         "extern \"C\" __global__ void {ENTRY}(Args a) {{\n\
          __shared__ ACC shm[32]; __shared__ ACC shs[32];\n\
@@ -367,7 +462,12 @@ pub fn softmax(dtype: DType, layout: &Layout, dim: usize, log: bool, x: u64, y: 
     ));
     let block = block_for(split.n_red());
     let grid = (split.n_out().max(1)).min(sms as usize * 64) as u32;
-    Launch { source: src, args, grid, block }
+    Launch {
+        source: src,
+        args,
+        grid,
+        block,
+    }
 }
 
 #[cfg(test)]
@@ -376,17 +476,48 @@ mod tests {
 
     #[test]
     fn a_row_sum_takes_a_block_per_row_and_a_column_sum_a_thread_per_column() {
-        let rows = reduce(ReduceOp::Sum, DType::F32, &Layout::contiguous(&[4096, 512]), &[1], DType::F32, 1, 2, 132);
-        assert!(rows.source.contains("acc = block_all(acc);"), "{}", rows.source);
+        let rows = reduce(
+            ReduceOp::Sum,
+            DType::F32,
+            &Layout::contiguous(&[4096, 512]),
+            &[1],
+            DType::F32,
+            1,
+            2,
+            132,
+        );
+        assert!(
+            rows.source.contains("acc = block_all(acc);"),
+            "{}",
+            rows.source
+        );
         assert_eq!((rows.block, rows.grid), (256, 4096));
-        let cols = reduce(ReduceOp::Sum, DType::F32, &Layout::contiguous(&[4096, 2048]), &[0], DType::F32, 1, 2, 132);
+        let cols = reduce(
+            ReduceOp::Sum,
+            DType::F32,
+            &Layout::contiguous(&[4096, 2048]),
+            &[0],
+            DType::F32,
+            1,
+            2,
+            132,
+        );
         assert!(!cols.source.contains("block_all(acc);"), "{}", cols.source);
         assert_eq!(cols.block, 256);
     }
 
     #[test]
     fn mean_scales_by_the_reduced_count_and_bf16_accumulates_in_f32() {
-        let l = reduce(ReduceOp::Mean, DType::BF16, &Layout::contiguous(&[3, 10]), &[1], DType::BF16, 1, 2, 132);
+        let l = reduce(
+            ReduceOp::Mean,
+            DType::BF16,
+            &Layout::contiguous(&[3, 10]),
+            &[1],
+            DType::BF16,
+            1,
+            2,
+            132,
+        );
         assert!(l.source.contains("typedef float ACC;"));
         // n_out, n_red, off, kshape, kstr, rshape, rstr, scale, parts, x, y
         assert_eq!(l.args.0[..7], [3, 10, 0, 3, 10, 10, 1]);
@@ -399,11 +530,30 @@ mod tests {
         let l = Layout::contiguous(&[1 << 30]);
         let parts = parts_for(&l, &[0], 132);
         assert_eq!(parts, 528);
-        let (first, second, acc) = reduce_in_parts(ReduceOp::Mean, DType::BF16, &l, &[0], DType::BF16, parts, 1, 2, 3, 132);
+        let (first, second, acc) = reduce_in_parts(
+            ReduceOp::Mean,
+            DType::BF16,
+            &l,
+            &[0],
+            DType::BF16,
+            parts,
+            1,
+            2,
+            3,
+            132,
+        );
         assert_eq!(acc, DType::F32);
         assert_eq!(first.grid, 528);
-        assert_eq!(f64::from_bits(first.args.0[7]), 1.0, "no scale on the partials");
-        assert!(first.source.contains("((float*)a.y)[w] = (float)(acc);"), "{}", first.source);
+        assert_eq!(
+            f64::from_bits(first.args.0[7]),
+            1.0,
+            "no scale on the partials"
+        );
+        assert!(
+            first.source.contains("((float*)a.y)[w] = (float)(acc);"),
+            "{}",
+            first.source
+        );
         assert_eq!(f64::from_bits(second.args.0[7]), 1.0 / (1u64 << 30) as f64);
         assert!(second.source.contains("__float2bfloat16_rn"));
         // Many outputs: no cut.
@@ -412,7 +562,15 @@ mod tests {
 
     #[test]
     fn softmax_of_a_middle_dim_reads_with_that_dims_stride() {
-        let l = softmax(DType::F32, &Layout::contiguous(&[2, 5, 3]), 1, true, 1, 2, 132);
+        let l = softmax(
+            DType::F32,
+            &Layout::contiguous(&[2, 5, 3]),
+            1,
+            true,
+            1,
+            2,
+            132,
+        );
         // rows, len, off, kshape[2], kstr[2], ostr[2], sd, osd
         assert_eq!(l.args.0[..11], [6, 5, 0, 2, 3, 15, 1, 15, 1, 3, 3]);
         assert!(l.source.contains("v - m - logf(s)"), "{}", l.source);

@@ -65,17 +65,16 @@ fn execute(
     // Every kernel runs on the inputs' device, kernels without inputs too.
     let refs: Vec<&Tensor> = inputs.iter().collect();
     let on = inputs_device(graph, &refs)?;
-    device::with_device(on, || execute_on(graph, plan, steps, in_place, alone, inputs, on))
+    device::with_device(on, || {
+        execute_on(graph, plan, steps, in_place, alone, inputs, on)
+    })
 }
 
 /// The device of a program's inputs (scalars on the host go with any);
 /// inputs on different devices are an error naming the program.
 pub(crate) fn inputs_device(graph: &Graph, inputs: &[&Tensor]) -> Result<Device> {
     device::of_inputs("input", inputs).map_err(|e| {
-        crate::error::Error::new(
-            e.kind,
-            format!("graph `{}`: {}", graph.name, e.message),
-        )
+        crate::error::Error::new(e.kind, format!("graph `{}`: {}", graph.name, e.message))
     })
 }
 

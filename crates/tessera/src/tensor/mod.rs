@@ -318,7 +318,11 @@ impl Tensor {
             return Err(Error::op(
                 ErrorKind::Unsupported,
                 "storage_slice",
-                format!("{} is on {}: copy it with .to_host() first", self.ty(), self.device()),
+                format!(
+                    "{} is on {}: copy it with .to_host() first",
+                    self.ty(),
+                    self.device()
+                ),
             ));
         }
         Ok(self.storage().as_slice::<T>())
