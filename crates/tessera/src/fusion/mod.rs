@@ -251,15 +251,15 @@ fn fused_kernel(graph: &Graph, members: &[NodeId], users: &HashSet<NodeId>) -> K
         .as_concrete()
         .expect("fusible nodes are concrete");
     Kernel::Fused {
-        kernel: FusedKernel {
+        kernel: FusedKernel::new(
             shape,
             steps,
-            outputs: outputs
+            outputs
                 .iter()
                 .map(|&o| (step_of[&o], graph.node(o).ty.dtype))
                 .collect(),
             wide,
-        },
+        ),
         members: members.to_vec(),
         inputs,
         outputs,
