@@ -181,6 +181,25 @@ impl<'a> Job<'a> {
                     .map_err(|e| node_error(graph, *id, e))?;
                 Ok(vec![(*id, out)])
             }
+            Kernel::Rows {
+                kernel,
+                outputs,
+                members,
+                ..
+            } => {
+                let args: Vec<&Tensor> = self
+                    .args
+                    .iter()
+                    .map(|a| match a {
+                        Arg::Shared(t) => t,
+                        Arg::Donated(..) => unreachable!("row kernels never write in place"),
+                    })
+                    .collect();
+                let outs = kernel
+                    .run(&args)
+                    .map_err(|e| node_error(graph, members[0], e))?;
+                Ok(outputs.iter().copied().zip(outs).collect())
+            }
             Kernel::Fused {
                 kernel,
                 outputs,

@@ -123,6 +123,13 @@ impl BufferModel {
                 self.value_buffer[id.index()] = value.buffer;
                 values[id.index()] = Some(value);
             }
+            Kernel::Rows { outputs, .. } => {
+                for &o in outputs {
+                    let value = self.new_value(graph, k, o)?;
+                    self.value_buffer[o.index()] = value.buffer;
+                    values[o.index()] = Some(value);
+                }
+            }
             Kernel::Fused {
                 kernel: code,
                 inputs: fused_inputs,
