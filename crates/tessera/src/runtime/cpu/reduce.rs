@@ -38,8 +38,10 @@ const BLOCK: usize = 256;
 /// the block vectorises, and spreads rounding error.
 const LANES: usize = 8;
 /// Accumulators of a [`fold_row`] (one row of a softmax or of a fused row
-/// kernel): each adds at most `ROW_MAX / FOLD_WIDTH` terms in a chain.
-const FOLD_WIDTH: usize = 32;
+/// kernel): each adds at most `ROW_MAX / FOLD_WIDTH` terms in a chain. As
+/// many as 16 vector registers hold: with fewer, LLVM unrolls the loop
+/// completely and vectorises it at half width with shuffles (4x slower).
+const FOLD_WIDTH: usize = 128;
 /// The longest row folded by [`fold_row`]; longer contiguous runs are
 /// summed pairwise over blocks (and on several tasks).
 pub(crate) const ROW_MAX: usize = 1 << 14;
@@ -462,10 +464,8 @@ fn fold_block<X: Copy, A: Copy>(
 
 /// Folds a row of at most [`ROW_MAX`] elements into `FOLD_WIDTH`
 /// accumulators, then halves them (pairs `i` and `i + w/2`) down to one.
-/// Not inlined: as its own function over a slice of unknown length, the
-/// accumulator loop is vectorised at full width (inlined into callers with
-/// short known trip counts, LLVM unrolled it and vectorised at half width
-/// with shuffles, 4x slower).
+/// Not inlined, so that it is compiled once, as a loop over a slice of
+/// unknown length (see `FOLD_WIDTH`).
 #[inline(never)]
 fn fold_row<A: Copy>(xs: &[A], init: A, f: impl Fn(A, A) -> A) -> A {
     let mut acc = [init; FOLD_WIDTH];

@@ -121,12 +121,15 @@ impl RowKernel {
         let sinks = Sinks(sinks);
         let slots = Slots::allocate(self);
         let per_task = (super::copy::PAR_THRESHOLD / self.len.max(1)).max(1);
+        let direct = Direct::find::<A>(self, sources, &sinks);
         let run = |range: std::ops::Range<usize>| {
             let mut file = vec![<A as AccFloat>::ZERO; slots.count * self.len];
             let mut scalars = vec![<A as AccFloat>::ZERO; self.steps.len()];
+            let mut at = vec![std::ptr::null_mut::<A>(); self.steps.len()];
             for r in range {
-                self.eval_row(r, sources, &slots, &mut file, &mut scalars);
-                self.store_row(r, &sinks, &slots, &file, &scalars);
+                direct.place_row(r, self.len, &slots, &mut file, &mut at);
+                self.eval_row(r, sources, &direct.input, &at, &mut scalars);
+                self.store_row(r, &sinks, &direct, &at, &scalars);
             }
         };
         if rows * self.len < super::copy::PAR_THRESHOLD || rows < 2 {
@@ -143,28 +146,32 @@ impl RowKernel {
             .collect()
     }
 
+    /// Evaluates row `r`: row step `i` lives at `at[i]` (a register slot,
+    /// or the input or output memory itself, see [`Direct`]).
     fn eval_row<A: Transcendental + SoftmaxExp>(
         &self,
         r: usize,
         sources: &[Source<'_>],
-        slots: &Slots,
-        file: &mut [A],
+        in_place: &[bool],
+        at: &[*mut A],
         scalars: &mut [A],
     ) {
         let len = self.len;
-        let base = file.as_mut_ptr();
         let row = |j: usize| {
-            // SAFETY: slot j is inside the file, and no step writes the slot
-            // of one of its operands (see `Slots::allocate`).
-            unsafe { std::slice::from_raw_parts(base.add(slots.slot[j] * len), len) }
+            // SAFETY: `at[j]` holds `len` elements (see `Direct::place_row`),
+            // and no step writes where one of its operands lives.
+            unsafe { std::slice::from_raw_parts(at[j] as *const A, len) }
         };
         for (i, step) in self.steps.iter().enumerate() {
             if !self.is_row[i] {
                 scalars[i] = self.eval_scalar(step, r, sources, scalars, &row);
                 continue;
             }
-            // SAFETY: as above; this slot is not among the operands'.
-            let dst = unsafe { std::slice::from_raw_parts_mut(base.add(slots.slot[i] * len), len) };
+            if in_place[i] {
+                continue; // an input read where it is
+            }
+            // SAFETY: as above; this step's place is none of its operands'.
+            let dst = unsafe { std::slice::from_raw_parts_mut(at[i], len) };
             match step {
                 RowStep::Point(p) => self.eval_point(p, r, sources, dst, &row, scalars),
                 RowStep::Softmax { log, arg } => softmax_row(row(*arg), dst, *log),
@@ -267,19 +274,80 @@ impl RowKernel {
         &self,
         r: usize,
         sinks: &Sinks,
-        slots: &Slots,
-        file: &[A],
+        direct: &Direct,
+        at: &[*mut A],
         scalars: &[A],
     ) {
-        for (&(s, dtype, _), &(ptr, _)) in self.outputs.iter().zip(&sinks.0) {
+        for (o, (&(s, dtype, _), &(ptr, _))) in self.outputs.iter().zip(&sinks.0).enumerate() {
+            if direct.output[o] {
+                continue;
+            }
             if self.is_row[s] {
-                let at = slots.slot[s] * self.len;
-                // SAFETY: row r of every output is written by this task only.
-                unsafe { store(ptr, dtype, r * self.len, &file[at..at + self.len]) };
+                // SAFETY: `at[s]` holds the row; row r of every output is
+                // written by this task only.
+                let vals = unsafe { std::slice::from_raw_parts(at[s] as *const A, self.len) };
+                unsafe { store(ptr, dtype, r * self.len, vals) };
             } else {
                 // SAFETY: as above.
                 unsafe { store(ptr, dtype, r, &[scalars[s]]) };
             }
+        }
+    }
+}
+
+/// Row values that live in memory rather than in a register slot: a
+/// contiguous input of the compute type is read where it is (no copy), and
+/// a row output of the compute type is computed into the output buffer.
+struct Direct {
+    /// Per step: the base address of its rows (`row r` at `base + r * len`).
+    base: Vec<Option<usize>>,
+    /// Per step: an input read in place (nothing to load).
+    input: Vec<bool>,
+    /// Per output: written in place by its step (nothing to store).
+    output: Vec<bool>,
+}
+
+impl Direct {
+    fn find<A: AccFloat>(k: &RowKernel, sources: &[Source<'_>], sinks: &Sinks) -> Direct {
+        let width = std::mem::size_of::<A>();
+        let same = |d: DType| d.size_bytes() == width && d.is_float();
+        let mut base: Vec<Option<usize>> = vec![None; k.steps.len()];
+        for (i, step) in k.steps.iter().enumerate() {
+            if let (RowStep::Point(Step::Load(j)), true) = (step, k.is_row[i]) {
+                let t = sources[*j].tensor;
+                if let (Some(range), true) = (sources[*j].full.contiguous_range(), same(t.dtype()))
+                {
+                    let bytes = t.storage().as_bytes();
+                    base[i] = Some(bytes.as_ptr() as usize + range.start * width);
+                }
+            }
+        }
+        let input: Vec<bool> = base.iter().map(Option::is_some).collect();
+        let mut output = vec![false; k.outputs.len()];
+        for (o, &(s, dtype, _)) in k.outputs.iter().enumerate() {
+            // An output step computed once into the buffer (a step that is
+            // two outputs is stored for the second).
+            if k.is_row[s] && same(dtype) && base[s].is_none() {
+                base[s] = Some(sinks.0[o].0 as usize);
+                output[o] = true;
+            }
+        }
+        Direct {
+            base,
+            input,
+            output,
+        }
+    }
+
+    /// Points each row step of row `r` at its place.
+    fn place_row<A>(&self, r: usize, len: usize, slots: &Slots, file: &mut [A], at: &mut [*mut A]) {
+        let width = std::mem::size_of::<A>();
+        for (i, place) in at.iter_mut().enumerate() {
+            *place = match self.base[i] {
+                Some(b) => (b + r * len * width) as *mut A,
+                None if slots.used[i] => file[slots.slot[i] * len..].as_mut_ptr(),
+                None => std::ptr::null_mut(),
+            };
         }
     }
 }
@@ -345,6 +413,8 @@ impl<'a> Source<'a> {
 /// (outputs keep theirs: they are stored after the row).
 struct Slots {
     slot: Vec<usize>,
+    /// Whether the step has a slot (row values do).
+    used: Vec<bool>,
     count: usize,
 }
 
@@ -378,7 +448,8 @@ impl Slots {
                     .map(|a| slot[a]),
             );
         }
-        Slots { slot, count }
+        let used = k.is_row.clone();
+        Slots { slot, used, count }
     }
 }
 
