@@ -1,10 +1,12 @@
 //! Fusion is differentially tested: random graphs of elementwise chains
 //! (broadcasting, compares, where, casts, scalars) mixed with reductions,
 //! softmax and matmul give the same values through fused kernels as through
-//! the interpreter, op by op.
+//! the interpreter, op by op — bit for bit where the kernels are the same
+//! functions (pointwise chains and row kernels in f32), and against an f64
+//! reference.
 
 use proptest::prelude::*;
-use tessera::fusion::{fuse, Kernel};
+use tessera::fusion::{describe, fuse, Kernel};
 use tessera::runtime::execute::run_plan;
 use tessera::runtime::interpret::run_graph;
 use tessera::tensor::trace::trace;
@@ -112,4 +114,165 @@ fn a_pointwise_chain_is_one_kernel() {
 #[test]
 fn a_large_parallel_chain_matches() {
     check(&[0, 2, 1, 6, 8, 12, 3], 300, 257, 3).unwrap();
+}
+
+/// Row-friendly ops: reductions along the last dim (kept or not), softmax
+/// and log_softmax whole and decomposed, layer-norm-like chains, with
+/// pointwise producers and consumers and broadcast inputs.
+fn row_step(code: u8, x: &Tensor, row: &Tensor, col: &Tensor) -> Tensor {
+    match code % 10 {
+        0 => x * row + col,
+        1 => x.softmax(-1),
+        2 => {
+            let m = x.max(&[-1], true);
+            let e = (x - &m).exp();
+            &e / &e.sum(&[-1], true)
+        }
+        3 => x.log_softmax(-1) * 0.5,
+        4 => {
+            let d = x - &x.mean(&[-1], true);
+            &d * &((&d * &d).mean(&[-1], true) + 1e-5).rsqrt() * row
+        }
+        5 => x.sum(&[-1], true) + x.tanh(),
+        6 => Tensor::where_(&x.gt(x.max(&[-1], true).neg()), x, &x.min(&[-1], true)),
+        7 => (x.sigmoid() - 0.25).softmax(-1),
+        8 => x.abs().sum(&[-1], false).unsqueeze(-1) - x,
+        _ => x.exp().minimum(4.0),
+    }
+}
+
+fn trace_rows(codes: &[u8], rows: usize, cols: usize) -> tessera::tensor::trace::Traced {
+    let types = [
+        (
+            "x".to_string(),
+            Tensor::zeros(&[rows, cols], DType::F32).ty(),
+        ),
+        ("row".to_string(), Tensor::zeros(&[cols], DType::F32).ty()),
+        (
+            "col".to_string(),
+            Tensor::zeros(&[rows, 1], DType::F32).ty(),
+        ),
+    ];
+    trace("rows", &types, |a| {
+        let mut v = a[0].clone();
+        let mut outs = Vec::new();
+        for (i, &c) in codes.iter().enumerate() {
+            v = row_step(c, &v, &a[1], &a[2]);
+            if i % 2 == 1 {
+                outs.push((format!("o{i}"), v.clone()));
+            }
+        }
+        outs.push(("out".into(), v));
+        Ok(outs)
+    })
+    .unwrap()
+}
+
+fn check_rows(codes: &[u8], rows: usize, cols: usize, seed: u64) -> Result<(), TestCaseError> {
+    let mut g = Generator::new(seed);
+    let args = [
+        Tensor::randn(&[rows, cols], DType::F32, &mut g),
+        Tensor::randn(&[cols], DType::F32, &mut g),
+        Tensor::randn(&[rows, 1], DType::F32, &mut g),
+    ];
+    let traced = trace_rows(codes, rows, cols);
+    let want = run_graph(&traced.graph, &args).unwrap();
+    let plan = fuse(&traced.graph);
+    let got = run_plan(&traced.graph, &plan, &args).unwrap();
+    for ((name, w), (_, g)) in want.iter().zip(&got) {
+        prop_assert_eq!(w.shape(), g.shape());
+        for (a, b) in w.to_f64_vec().iter().zip(g.to_f64_vec()) {
+            // The same kernels, the same order of operations: the same bits.
+            prop_assert!(
+                a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()),
+                "{}: {} vs {} for {:?}\n{}",
+                name,
+                a,
+                b,
+                codes,
+                describe(&traced.graph, &plan)
+            );
+        }
+    }
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(48))]
+    #[test]
+    fn row_kernels_match_the_interpreter_bit_for_bit(codes in prop::collection::vec(any::<u8>(), 1..8), rows in 1usize..7, cols in 14usize..70, seed in any::<u64>()) {
+        check_rows(&codes, rows, cols, seed)?;
+    }
+}
+
+#[test]
+fn many_rows_on_many_tasks_match() {
+    check_rows(&[0, 2, 4, 1, 3, 6], 700, 129, 5).unwrap();
+}
+
+/// The kernel list of a fused graph, as logged.
+fn kernels_of(codes: &[u8], rows: usize, cols: usize) -> String {
+    let traced = trace_rows(codes, rows, cols);
+    describe(&traced.graph, &fuse(&traced.graph))
+}
+
+#[test]
+fn decomposed_softmax_with_its_producer_and_consumer_is_one_row_kernel() {
+    // x * row + col (prologue), max, sub, exp, sum, div, then exp+minimum (epilogue)
+    let text = kernels_of(&[0, 2, 9], 8, 64);
+    assert_eq!(
+        text,
+        "graph `rows`: 10 ops -> 1 kernels\n  k0 rows [%3:mul, %4:add, %5:max, %6:sub, %7:exp, %8:sum, \
+         %9:div, %10:exp, %12:minimum] reads 3 writes 2\n",
+        "{text}"
+    );
+}
+
+#[test]
+fn softmax_and_layer_norm_fuse_and_short_rows_do_not() {
+    let text = kernels_of(&[1, 4], 4, 32);
+    assert!(
+        text.contains("-> 1 kernels") && text.contains("k0 rows [%3:softmax"),
+        "{text}"
+    );
+    // Rows shorter than 16 stay with the reduction kernels.
+    let short = kernels_of(&[1], 4, 8);
+    assert!(short.contains("k0 extern %3 (softmax)"), "{short}");
+}
+
+#[test]
+fn fused_softmax_matches_an_f64_reference() {
+    let (rows, cols) = (5, 300);
+    let x = Tensor::randn(&[rows, cols], DType::F32, &mut Generator::new(9)) * 4.0;
+    let traced = trace("sm", &[("x".into(), x.ty())], |a| {
+        Ok(vec![
+            ("p".into(), a[0].softmax(-1)),
+            ("l".into(), a[0].log_softmax(-1)),
+        ])
+    })
+    .unwrap();
+    let plan = fuse(&traced.graph);
+    // Two row kernels (siblings reading the same input are not merged).
+    assert!(
+        matches!(plan.kernels[..], [Kernel::Rows { .. }, Kernel::Rows { .. }]),
+        "{plan:?}"
+    );
+    let got = run_plan(&traced.graph, &plan, std::slice::from_ref(&x)).unwrap();
+    let xs = x.to_f64_vec();
+    for (r, line) in xs.chunks(cols).enumerate() {
+        let m = line.iter().cloned().fold(f64::MIN, f64::max);
+        let s: f64 = line.iter().map(|v| (v - m).exp()).sum();
+        for (j, v) in line.iter().enumerate() {
+            let (p, l) = ((v - m).exp() / s, (v - m) - s.ln());
+            let (gp, gl) = (
+                got[0].1.to_f64_vec()[r * cols + j],
+                got[1].1.to_f64_vec()[r * cols + j],
+            );
+            // f32 rounds x - max (relative eps·|x - max| in the exponent),
+            // then exp and the scale add a few eps.
+            let tol = f32::EPSILON as f64 * (4.0 + (v - m).abs());
+            assert!((gp - p).abs() <= tol * p, "{gp} vs {p}");
+            assert!((gl - l).abs() <= 1e-6 * (1.0 + l.abs()), "{gl} vs {l}");
+        }
+    }
 }

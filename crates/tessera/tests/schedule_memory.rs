@@ -128,14 +128,18 @@ fn mlp(a: &[Tensor]) -> Vec<Tensor> {
     let g = (&h * 2.0).tanh() + 1.0;
     let p = g.t().softmax(-1);
     let flat = p.reshape(&[-1]);
-    vec![flat, (g.exp() - 1.0).sum(&[-1], false)]
+    // Summed over dim 0: a sum along the last dim would take the chains
+    // into one row kernel (which writes no input in place).
+    vec![flat, (g.exp() - 1.0).sum(&[0], false)]
 }
 
 #[test]
 fn a_small_mlp_with_views_scratch_and_in_place() {
     let _lock = allocator();
+    // 12 rows: the softmax of the transpose is over rows of 12, too short
+    // for a fused row kernel, so the softmax kernel copies (scratch).
     let inputs = [
-        randn(&[16, 32], DType::F32, 3),
+        randn(&[12, 32], DType::F32, 3),
         randn(&[32, 24], DType::F32, 4),
         randn(&[24], DType::F32, 5),
     ];
@@ -211,10 +215,12 @@ fn half_precision_matmul_scratch() {
 #[test]
 fn reductions_that_copy_a_strided_input() {
     let _lock = allocator();
-    // Over dim 0 of [16, 4] (and dim 1 of its transpose): the reduced dim
+    // Over dim 0 of [12, 4] (and dim 1 of its transpose): the reduced dim
     // is strided and the kept rows are short, so the kernel folds a dense
-    // copy (scratch); over dim 0 of the transpose it folds in place.
-    let inputs = [randn(&[16, 4], DType::F32, 12)];
+    // copy (scratch); over dim 0 of the transpose it folds in place. (Rows
+    // of 12 are too short for a fused row kernel, which would load the
+    // strided rows directly.)
+    let inputs = [randn(&[12, 4], DType::F32, 12)];
     let g = traced("reduce", &inputs, |a| {
         let e = a[0].exp();
         vec![

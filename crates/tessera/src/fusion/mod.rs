@@ -1,17 +1,27 @@
-//! Fusion: grouping a graph's nodes into kernels. Chains of elementwise ops
-//! over one shape become one [`FusedKernel`] (intermediates never reach
-//! memory); every other node is an extern kernel run by the op dispatcher.
+//! Fusion: grouping a graph's nodes into kernels, in rounds logged under
+//! `TESSERA_LOGS=fusion` (the candidates of each round, what fused, and the
+//! kernel count before and after):
 //!
-//! Grouping walks the nodes in order and puts an elementwise node into the
-//! newest kernel among its producers when that kernel is a fused group of
-//! the same shape and hints; all its other inputs then come from older
-//! kernels, so running kernels in creation order respects every dependency.
+//! 1. pointwise: chains of elementwise ops over one shape become one
+//!    [`FusedKernel`] (intermediates never reach memory);
+//! 2. reductions: a reduction or softmax along the last dim takes in its
+//!    pointwise producers (prologue) and consumers (epilogue) as one
+//!    [`RowKernel`], evaluated row by row with the row in cache (softmax,
+//!    whole or decomposed, reads its input once and writes once);
+//!
+//! Every other node is an extern kernel run by the op dispatcher.
+//!
+//! Grouping walks the nodes in order and puts a node into the newest kernel
+//! among its producers when that kernel's domain takes it (same shape and
+//! hints); all its other inputs then come from older kernels, so running
+//! kernels in creation order respects every dependency.
 
 use std::collections::{HashMap, HashSet};
 
 use crate::ir::{CompareOp, DType, Graph, NodeId, Op, Scalar};
 use crate::logging::log;
 use crate::runtime::cpu::fused::{FusedKernel, Step};
+use crate::runtime::cpu::rows::{RowKernel, RowStep, MAX_ROW};
 
 /// One unit of execution.
 #[derive(Clone, Debug, PartialEq)]
@@ -19,6 +29,14 @@ pub enum Kernel {
     /// A fused elementwise group: reads `inputs`, writes `outputs`.
     Fused {
         kernel: FusedKernel,
+        members: Vec<NodeId>,
+        inputs: Vec<NodeId>,
+        outputs: Vec<NodeId>,
+    },
+    /// Reductions along the last dim with their pointwise producers and
+    /// consumers: reads `inputs`, writes `outputs`.
+    Rows {
+        kernel: RowKernel,
         members: Vec<NodeId>,
         inputs: Vec<NodeId>,
         outputs: Vec<NodeId>,
@@ -36,7 +54,7 @@ impl Kernel {
     pub fn reads(&self, graph: &Graph) -> Vec<NodeId> {
         match self {
             Kernel::Extern(id) | Kernel::Custom { node: id, .. } => graph.node(*id).inputs.clone(),
-            Kernel::Fused { inputs, .. } => inputs.clone(),
+            Kernel::Fused { inputs, .. } | Kernel::Rows { inputs, .. } => inputs.clone(),
         }
     }
 
@@ -44,7 +62,7 @@ impl Kernel {
     pub fn writes(&self) -> Vec<NodeId> {
         match self {
             Kernel::Extern(id) => vec![*id],
-            Kernel::Fused { outputs, .. } => outputs.clone(),
+            Kernel::Fused { outputs, .. } | Kernel::Rows { outputs, .. } => outputs.clone(),
             Kernel::Custom { node, outputs } => {
                 [*node].into_iter().chain(outputs.iter().copied()).collect()
             }
@@ -55,7 +73,7 @@ impl Kernel {
     pub fn members(&self) -> &[NodeId] {
         match self {
             Kernel::Extern(id) | Kernel::Custom { node: id, .. } => std::slice::from_ref(id),
-            Kernel::Fused { members, .. } => members,
+            Kernel::Fused { members, .. } | Kernel::Rows { members, .. } => members,
         }
     }
 }
@@ -103,11 +121,131 @@ fn is_fusible(graph: &Graph, id: NodeId) -> bool {
         && !(matches!(node.op, Op::Binary(_)) && node.ty.dtype == DType::Bool)
 }
 
-/// Groups `graph` (concrete shapes) into kernels.
+/// The shorter rows are left to the reduction kernels: a row kernel's
+/// per-row step dispatch would cost more than it saves.
+const MIN_ROW: usize = 16;
+
+/// What a group computes over.
+#[derive(Clone, Debug, PartialEq)]
+enum Domain {
+    /// Elementwise over one shape.
+    Point(Vec<usize>),
+    /// Rows of `len` along the last dim, one per position of `outer`.
+    Rows { outer: Vec<usize>, len: usize },
+}
+
+impl Domain {
+    fn row_shapes(outer: &[usize], len: usize) -> (Vec<usize>, Vec<usize>) {
+        let row: Vec<usize> = outer.iter().copied().chain([len]).collect();
+        let scalar: Vec<usize> = outer.iter().copied().chain([1]).collect();
+        (row, scalar)
+    }
+}
+
+#[derive(Clone, Debug)]
+struct Group {
+    domain: Domain,
+    members: Vec<NodeId>,
+}
+
+/// Which rounds run.
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct Rounds {
+    reductions: bool,
+}
+
+/// The grouping: groups, and kernel slots in order (`Ok(group)` or
+/// `Err(extern node)`).
+struct Grouping {
+    groups: Vec<Group>,
+    order: Vec<Result<usize, NodeId>>,
+}
+
+/// The concrete shape of a node.
+fn shape_of(graph: &Graph, id: NodeId) -> Option<Vec<usize>> {
+    graph.node(id).ty.shape.as_concrete()
+}
+
+/// A softmax or reduction along the last dim of an f32/f64 row of
+/// `MIN_ROW..=MAX_ROW` elements: its (outer, len).
+fn row_reduction(graph: &Graph, id: NodeId) -> Option<(Vec<usize>, usize)> {
+    let node = graph.node(id);
+    let x = *node.inputs.first()?;
+    let shape = shape_of(graph, x)?;
+    let last = shape.len().checked_sub(1)?;
+    let along_last = match &node.op {
+        Op::Reduce { dims, .. } => dims.as_slice() == [last],
+        Op::Softmax { dim } | Op::LogSoftmax { dim } => *dim == last,
+        _ => false,
+    };
+    let real = |d: DType| matches!(d, DType::F32 | DType::F64);
+    let len = shape[last];
+    (along_last
+        && real(node.ty.dtype)
+        && real(graph.node(x).ty.dtype)
+        && (MIN_ROW..=MAX_ROW).contains(&len))
+    .then(|| (shape[..last].to_vec(), len))
+}
+
+/// Whether group `g` may take elementwise node `id`.
+fn point_joins(graph: &Graph, group: &Group, id: NodeId) -> bool {
+    let Some(shape) = shape_of(graph, id) else {
+        return false;
+    };
+    match &group.domain {
+        Domain::Point(s) => *s == shape,
+        Domain::Rows { outer, len } => {
+            let (row, scalar) = Domain::row_shapes(outer, *len);
+            // Operands from the group must broadcast as rows or per-row
+            // scalars (a reduction without keepdim does not).
+            (shape == row || shape == scalar)
+                && graph.node(id).inputs.iter().all(|x| {
+                    !group.members.contains(x)
+                        || shape_of(graph, *x).is_some_and(|s| s == row || s == scalar)
+                })
+        }
+    }
+}
+
+/// Groups `graph` (concrete shapes) into kernels, in rounds, each logged.
 pub fn fuse(graph: &Graph) -> Plan {
+    let ops = graph
+        .nodes
+        .iter()
+        .filter(|n| !matches!(n.op, Op::Input))
+        .count();
+    let pointwise = group(graph, Rounds { reductions: false });
+    let rows = group(graph, Rounds { reductions: true });
+    log("fusion", || {
+        let candidates = (0..graph.len())
+            .filter(|&i| is_fusible(graph, NodeId(i as u32)))
+            .count();
+        let reductions = (0..graph.len())
+            .filter(|&i| row_reduction(graph, NodeId(i as u32)).is_some())
+            .count();
+        format!(
+            "graph `{}`: round 1 (pointwise): {candidates} candidates, {} groups; {ops} ops -> {} kernels\n\
+             graph `{}`: round 2 (reductions): {reductions} candidates, {} row groups; {} -> {} kernels\n",
+            graph.name,
+            pointwise.groups.iter().filter(|g| g.members.len() > 1).count(),
+            pointwise.order.len(),
+            graph.name,
+            rows.groups
+                .iter()
+                .filter(|g| matches!(g.domain, Domain::Rows { .. }))
+                .count(),
+            pointwise.order.len(),
+            rows.order.len(),
+        )
+    });
+    let plan = assemble(graph, &rows);
+    log("fusion", || describe(graph, &plan));
+    plan
+}
+
+fn group(graph: &Graph, rounds: Rounds) -> Grouping {
     let mut kernel_of: HashMap<NodeId, usize> = HashMap::new();
-    let mut groups: Vec<Vec<NodeId>> = Vec::new();
-    // Kernel slots in order: Ok(group index) or Err(extern node).
+    let mut groups: Vec<Group> = Vec::new();
     let mut order: Vec<Result<usize, NodeId>> = Vec::new();
     for i in 0..graph.len() {
         let id = NodeId(i as u32);
@@ -120,48 +258,77 @@ pub fn fuse(graph: &Graph) -> Plan {
             kernel_of.insert(id, kernel_of[&node.inputs[0]]);
             continue;
         }
-        if is_fusible(graph, id) {
-            let newest = node
-                .inputs
-                .iter()
-                .filter_map(|x| kernel_of.get(x).copied())
-                .max();
-            // A kernel never mixes hints (as no pass merges nodes whose hints
-            // differ): the scheduler orders kernels by their nodes' hints.
-            let joins = newest.and_then(|k| match order[k] {
-                Ok(g)
-                    if graph.node(groups[g][0]).ty.shape == node.ty.shape
-                        && graph.node(groups[g][0]).meta.hints == node.meta.hints =>
-                {
-                    Some((k, g))
-                }
-                _ => None,
-            });
-            match joins {
-                Some((k, g)) => {
-                    groups[g].push(id);
-                    kernel_of.insert(id, k);
-                }
-                None => {
-                    kernel_of.insert(id, order.len());
-                    order.push(Ok(groups.len()));
-                    groups.push(vec![id]);
-                }
-            }
+        let reduction = if rounds.reductions {
+            row_reduction(graph, id)
         } else {
+            None
+        };
+        if !is_fusible(graph, id) && reduction.is_none() {
             kernel_of.insert(id, order.len());
             order.push(Err(id));
+            continue;
+        }
+        let newest = node
+            .inputs
+            .iter()
+            .filter_map(|x| kernel_of.get(x).copied())
+            .max();
+        // A kernel never mixes hints (as no pass merges nodes whose hints
+        // differ): the scheduler orders kernels by their nodes' hints.
+        let same_hints = |g: &Group| graph.node(g.members[0]).meta.hints == node.meta.hints;
+        let joined = newest.and_then(|k| {
+            let Ok(g) = order[k] else { return None };
+            let group = &groups[g];
+            if !same_hints(group) {
+                return None;
+            }
+            let takes = match &reduction {
+                Some((outer, len)) => {
+                    let row = Domain::row_shapes(outer, *len).0;
+                    group.domain
+                        == Domain::Rows {
+                            outer: outer.clone(),
+                            len: *len,
+                        }
+                        || group.domain == Domain::Point(row)
+                }
+                None => point_joins(graph, group, id),
+            };
+            takes.then_some((k, g))
+        });
+        match joined {
+            Some((k, g)) => {
+                if let Some((outer, len)) = &reduction {
+                    groups[g].domain = Domain::Rows {
+                        outer: outer.clone(),
+                        len: *len,
+                    };
+                }
+                groups[g].members.push(id);
+                kernel_of.insert(id, k);
+            }
+            None => {
+                let domain = match reduction {
+                    Some((outer, len)) => Domain::Rows { outer, len },
+                    None => Domain::Point(shape_of(graph, id).expect("fusible nodes are concrete")),
+                };
+                kernel_of.insert(id, order.len());
+                order.push(Ok(groups.len()));
+                groups.push(Group {
+                    domain,
+                    members: vec![id],
+                });
+            }
         }
     }
-    let plan = assemble(graph, &groups, &order);
-    log("fusion", || describe(graph, &plan));
-    plan
+    Grouping { groups, order }
 }
 
 /// Builds the kernels, adding extern kernels for inlined scalars that an
 /// extern kernel or a graph output needs as a value.
-fn assemble(graph: &Graph, groups: &[Vec<NodeId>], order: &[Result<usize, NodeId>]) -> Plan {
-    let users = users_outside(graph, groups);
+fn assemble(graph: &Graph, grouping: &Grouping) -> Plan {
+    let members: Vec<Vec<NodeId>> = grouping.groups.iter().map(|g| g.members.clone()).collect();
+    let users = users_outside(graph, &members);
     let mut kernels = Vec::new();
     let mut materialised: HashSet<NodeId> = HashSet::new();
     let mut scalar_value = |kernels: &mut Vec<Kernel>, x: NodeId| {
@@ -169,7 +336,7 @@ fn assemble(graph: &Graph, groups: &[Vec<NodeId>], order: &[Result<usize, NodeId
             kernels.push(Kernel::Extern(x));
         }
     };
-    for slot in order {
+    for slot in &grouping.order {
         match slot {
             Err(id) => {
                 for &x in &graph.node(*id).inputs {
@@ -183,7 +350,7 @@ fn assemble(graph: &Graph, groups: &[Vec<NodeId>], order: &[Result<usize, NodeId
                     _ => Kernel::Extern(*id),
                 });
             }
-            Ok(g) => kernels.push(fused_kernel(graph, &groups[*g], &users)),
+            Ok(g) => kernels.push(group_kernel(graph, &grouping.groups[*g], &users)),
         }
     }
     for out in &graph.outputs {
@@ -224,73 +391,140 @@ fn users_outside(graph: &Graph, groups: &[Vec<NodeId>]) -> HashSet<NodeId> {
     out
 }
 
-fn fused_kernel(graph: &Graph, members: &[NodeId], users: &HashSet<NodeId>) -> Kernel {
-    let mut steps: Vec<Step> = Vec::new();
-    let mut step_of: HashMap<NodeId, usize> = HashMap::new();
-    let mut inputs: Vec<NodeId> = Vec::new();
-    let mut wide = false;
+/// The steps of a group, in member order, with its loaded inputs.
+struct Steps {
+    steps: Vec<RowStep>,
+    step_of: HashMap<NodeId, usize>,
+    inputs: Vec<NodeId>,
+    wide: bool,
+}
+
+fn build_steps(graph: &Graph, members: &[NodeId]) -> Steps {
+    let mut b = Steps {
+        steps: Vec::new(),
+        step_of: HashMap::new(),
+        inputs: Vec::new(),
+        wide: false,
+    };
     for &m in members {
         let node = graph.node(m);
-        wide |= node.ty.dtype == DType::F64;
+        b.wide |= node.ty.dtype == DType::F64;
         let mut args = Vec::with_capacity(node.inputs.len());
         for &x in &node.inputs {
-            wide |= graph.node(x).ty.dtype == DType::F64;
-            let s = match step_of.get(&x) {
+            b.wide |= graph.node(x).ty.dtype == DType::F64;
+            let s = match b.step_of.get(&x) {
                 Some(&s) => s,
                 None => {
                     let step = match inline_scalar(graph, x) {
                         Some(c) => Step::Const(c),
                         None => {
-                            inputs.push(x);
-                            Step::Load(inputs.len() - 1)
+                            b.inputs.push(x);
+                            Step::Load(b.inputs.len() - 1)
                         }
                     };
-                    steps.push(step);
-                    step_of.insert(x, steps.len() - 1);
-                    steps.len() - 1
+                    b.steps.push(RowStep::Point(step));
+                    b.step_of.insert(x, b.steps.len() - 1);
+                    b.steps.len() - 1
                 }
             };
             args.push(s);
         }
         let step = match &node.op {
             Op::Unary(u) => Step::Unary(*u, args[0]),
-            Op::Binary(b) => Step::Binary(*b, args[0], args[1]),
+            Op::Binary(op) => Step::Binary(*op, args[0], args[1]),
             Op::Compare(c) => Step::Compare(*c, args[0], args[1]),
             Op::Where => Step::Where(args[0], args[1], args[2]),
             Op::Cast(DType::Bool) => {
-                steps.push(Step::Const(0.0));
-                Step::Compare(CompareOp::Ne, args[0], steps.len() - 1)
+                b.steps.push(RowStep::Point(Step::Const(0.0)));
+                Step::Compare(CompareOp::Ne, args[0], b.steps.len() - 1)
             }
             Op::Cast(d) => Step::Round(*d, args[0]),
+            Op::Reduce { op, .. } => {
+                b.steps.push(RowStep::Reduce(*op, args[0]));
+                b.step_of.insert(m, b.steps.len() - 1);
+                continue;
+            }
+            Op::Softmax { .. } | Op::LogSoftmax { .. } => {
+                let log = matches!(node.op, Op::LogSoftmax { .. });
+                b.steps.push(RowStep::Softmax { log, arg: args[0] });
+                b.step_of.insert(m, b.steps.len() - 1);
+                continue;
+            }
             other => unreachable!("{} is not fusible", other.name()),
         };
-        steps.push(step);
-        step_of.insert(m, steps.len() - 1);
+        b.steps.push(RowStep::Point(step));
+        b.step_of.insert(m, b.steps.len() - 1);
     }
+    b
+}
+
+fn group_kernel(graph: &Graph, group: &Group, users: &HashSet<NodeId>) -> Kernel {
+    let members = &group.members;
+    let b = build_steps(graph, members);
     let outputs: Vec<NodeId> = members
         .iter()
         .copied()
         .filter(|m| users.contains(m))
         .collect();
-    let shape = graph
-        .node(members[0])
-        .ty
-        .shape
-        .as_concrete()
-        .expect("fusible nodes are concrete");
-    Kernel::Fused {
-        kernel: FusedKernel {
-            shape,
-            steps,
-            outputs: outputs
+    match &group.domain {
+        Domain::Point(shape) => {
+            let steps = b
+                .steps
+                .into_iter()
+                .map(|s| match s {
+                    RowStep::Point(p) => p,
+                    other => unreachable!("{other:?} in a pointwise group"),
+                })
+                .collect();
+            let outs = outputs
                 .iter()
-                .map(|&o| (step_of[&o], graph.node(o).ty.dtype))
-                .collect(),
-            wide,
-        },
-        members: members.to_vec(),
-        inputs,
-        outputs,
+                .map(|&o| (b.step_of[&o], graph.node(o).ty.dtype))
+                .collect();
+            Kernel::Fused {
+                kernel: FusedKernel::new(shape.clone(), steps, outs, b.wide),
+                members: members.to_vec(),
+                inputs: b.inputs,
+                outputs,
+            }
+        }
+        Domain::Rows { outer, len } => {
+            let row = Domain::row_shapes(outer, *len).0;
+            // A step is a row value when its node (or loaded input) spans
+            // the row; constants, per-row inputs and reductions are scalars.
+            let mut is_row = vec![false; b.steps.len()];
+            for (&id, &s) in &b.step_of {
+                let spans = shape_of(graph, id).is_some_and(|sh| {
+                    sh.len() <= row.len()
+                        && sh.last() == Some(len)
+                        && inline_scalar(graph, id).is_none()
+                });
+                is_row[s] = spans && !matches!(b.steps[s], RowStep::Reduce(..));
+            }
+            let outs = outputs
+                .iter()
+                .map(|&o| {
+                    let node = graph.node(o);
+                    (
+                        b.step_of[&o],
+                        node.ty.dtype,
+                        shape_of(graph, o).expect("concrete"),
+                    )
+                })
+                .collect();
+            Kernel::Rows {
+                kernel: RowKernel {
+                    outer: outer.clone(),
+                    len: *len,
+                    steps: b.steps,
+                    is_row,
+                    outputs: outs,
+                    wide: b.wide,
+                },
+                members: members.to_vec(),
+                inputs: b.inputs,
+                outputs,
+            }
+        }
     }
 }
 
@@ -314,13 +548,23 @@ pub fn describe(graph: &Graph, plan: &Plan) -> String {
                 inputs,
                 outputs,
                 ..
+            }
+            | Kernel::Rows {
+                members,
+                inputs,
+                outputs,
+                ..
             } => {
                 let names: Vec<String> = members
                     .iter()
                     .map(|&m| format!("{}:{}", graph.display_name(m), graph.node(m).op.name()))
                     .collect();
+                let kind = match kernel {
+                    Kernel::Rows { .. } => "rows",
+                    _ => "fused",
+                };
                 text.push_str(&format!(
-                    "  k{k} fused [{}] reads {} writes {}\n",
+                    "  k{k} {kind} [{}] reads {} writes {}\n",
                     names.join(", "),
                     inputs.len(),
                     outputs.len()

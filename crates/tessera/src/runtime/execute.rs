@@ -234,6 +234,31 @@ impl<'a> Job<'a> {
                 }
                 Ok(written)
             }
+            Kernel::Rows {
+                kernel,
+                outputs,
+                members,
+                ..
+            } => {
+                let args: Vec<&Tensor> = self
+                    .args
+                    .iter()
+                    .map(|a| match a {
+                        Arg::Shared(t) => t,
+                        Arg::Donated(..) => unreachable!("row kernels never write in place"),
+                    })
+                    .collect();
+                if args.iter().any(|t| t.device() != Device::Cpu) {
+                    // Row kernels are CPU code; on a device their ops run
+                    // one by one through the device's own kernels.
+                    let reads = self.kernel.reads(graph);
+                    return run_members(graph, members, &reads, &args, outputs);
+                }
+                let outs = kernel
+                    .run(&args)
+                    .map_err(|e| node_error(graph, members[0], e))?;
+                Ok(outputs.iter().copied().zip(outs).collect())
+            }
             Kernel::Fused {
                 kernel,
                 outputs,
@@ -246,6 +271,38 @@ impl<'a> Job<'a> {
             }
         }
     }
+}
+
+/// Evaluates a group's `members` in order, op by op, from the values it
+/// `reads`; returns its `outputs`.
+fn run_members(
+    graph: &Graph,
+    members: &[NodeId],
+    reads: &[NodeId],
+    args: &[&Tensor],
+    outputs: &[NodeId],
+) -> Result<Vec<(NodeId, Tensor)>> {
+    let mut values: std::collections::HashMap<NodeId, Tensor> = reads
+        .iter()
+        .copied()
+        .zip(args.iter().map(|&t| t.clone()))
+        .collect();
+    for &m in members {
+        let node = graph.node(m);
+        // Scalar constants a group inlines are not among its reads.
+        for &x in &node.inputs {
+            if !values.contains_key(&x) {
+                let constant = Tensor::apply(&graph.node(x).op, &[], Location::caller())
+                    .map_err(|e| node_error(graph, x, e))?;
+                values.insert(x, constant);
+            }
+        }
+        let inputs: Vec<&Tensor> = node.inputs.iter().map(|x| &values[x]).collect();
+        let out = Tensor::apply(&node.op, &inputs, Location::caller())
+            .map_err(|e| node_error(graph, m, e))?;
+        values.insert(m, out);
+    }
+    Ok(outputs.iter().map(|&o| (o, values[&o].clone())).collect())
 }
 
 /// Runs a fused kernel on its gathered arguments, on their device.

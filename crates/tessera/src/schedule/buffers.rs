@@ -123,8 +123,9 @@ impl BufferModel {
                 self.value_buffer[id.index()] = value.buffer;
                 values[id.index()] = Some(value);
             }
-            Kernel::Custom { .. } => {
-                // An opaque kernel: every output in a buffer of its own.
+            Kernel::Custom { .. } | Kernel::Rows { .. } => {
+                // Every output in a buffer of its own (a custom op is
+                // opaque; a row kernel writes only its outputs).
                 for o in kernel.writes() {
                     let value = self.new_value(graph, k, o)?;
                     self.value_buffer[o.index()] = value.buffer;

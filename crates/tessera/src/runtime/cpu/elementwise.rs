@@ -152,9 +152,17 @@ fn silu<A: Transcendental>(v: A) -> A {
     v * sigmoid(v)
 }
 
-/// Applies unary `op` to a block (the fused evaluator's step).
-pub(crate) fn unary_into<A: Transcendental>(op: UnaryOp, src: &[A], dst: &mut [A]) {
-    with_unary_fn!(op, A, f => dst.iter_mut().zip(src).for_each(|(d, &v)| *d = f(v)))
+super::fastmath::avx512_dispatch! {
+    /// Applies unary `op` to a block (the fused evaluator's step).
+    pub(crate) fn unary_into<A: Transcendental>(op: UnaryOp, src: &[A], dst: &mut [A]) => unary_into_body
+}
+
+#[inline(always)]
+fn unary_into_body<A: Transcendental>(op: UnaryOp, src: &[A], dst: &mut [A]) {
+    with_unary_fn!(op, A, f => dst.iter_mut().zip(src).for_each(
+        #[inline(always)]
+        |(d, &v)| *d = f(v)
+    ))
 }
 
 /// `1 / (1 + e^-v)` without overflow: with `e = e^-|v|` (never above 1) it
@@ -457,6 +465,16 @@ pub(crate) fn binary_into<A: AccFloat>(op: BinaryOp, xs: &[A], ys: &[A], dst: &m
     with_binary_fn!(op, A, f => {
         dst.iter_mut().zip(xs).zip(ys).for_each(|((d, &x), &y)| *d = f(x, y))
     })
+}
+
+/// `dst[i] = op(xs[i], c)`: a binary op with a constant right operand.
+pub(crate) fn binary_const_into<A: AccFloat>(op: BinaryOp, xs: &[A], c: A, dst: &mut [A]) {
+    with_binary_fn!(op, A, f => dst.iter_mut().zip(xs).for_each(|(d, &x)| *d = f(x, c)))
+}
+
+/// `dst[i] = op(c, ys[i])`: a binary op with a constant left operand.
+pub(crate) fn const_binary_into<A: AccFloat>(op: BinaryOp, c: A, ys: &[A], dst: &mut [A]) {
+    with_binary_fn!(op, A, f => dst.iter_mut().zip(ys).for_each(|(d, &y)| *d = f(c, y)))
 }
 
 /// Maps `g` over `a` and `b` in `T::Acc` precision.

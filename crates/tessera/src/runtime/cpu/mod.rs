@@ -12,6 +12,7 @@ pub mod fused;
 mod index;
 mod matmul;
 mod reduce;
+pub mod rows;
 mod scatter;
 mod storage;
 

@@ -37,6 +37,14 @@ const BLOCK: usize = 256;
 /// Independent accumulators per block: breaks the add dependency chain so
 /// the block vectorises, and spreads rounding error.
 const LANES: usize = 8;
+/// Accumulators of a [`fold_row`] (one row of a softmax or of a fused row
+/// kernel): each adds at most `ROW_MAX / FOLD_WIDTH` terms in a chain. As
+/// many as 16 vector registers hold: with fewer, LLVM unrolls the loop
+/// completely and vectorises it at half width with shuffles (4x slower).
+const FOLD_WIDTH: usize = 128;
+/// The longest row folded by [`fold_row`]; longer contiguous runs are
+/// summed pairwise over blocks (and on several tasks).
+pub(crate) const ROW_MAX: usize = 1 << 14;
 /// Rows per leaf of the row strategy's pairwise sum: each accumulator then
 /// adds as many terms in a chain as a lane of a `BLOCK` does.
 const ROW_BLOCK: usize = BLOCK / LANES;
@@ -400,7 +408,10 @@ fn fold_slices<T: Reducible, F, G>(
         for (j, o) in chunk.iter_mut().enumerate() {
             let start = split.kept.offset_of(c * per_task + j);
             let run = &data[start..start + len];
-            *o = (fold.finish)(fold_slice(run, fold.init, T::acc, fold.f));
+            *o = (fold.finish)(match as_acc_run::<T>(run) {
+                Some(run) => row_fold(run, fold.init, fold.f),
+                None => fold_slice(run, fold.init, T::acc, fold.f),
+            });
         }
     });
 }
@@ -449,6 +460,41 @@ fn fold_block<X: Copy, A: Copy>(
         acc = f(acc, map(x));
     }
     acc
+}
+
+/// Folds a row of at most [`ROW_MAX`] elements into `FOLD_WIDTH`
+/// accumulators, then halves them (pairs `i` and `i + w/2`) down to one.
+/// Not inlined, so that it is compiled once, as a loop over a slice of
+/// unknown length (see `FOLD_WIDTH`).
+#[inline(never)]
+fn fold_row<A: Copy>(xs: &[A], init: A, f: impl Fn(A, A) -> A) -> A {
+    let mut acc = [init; FOLD_WIDTH];
+    let mut chunks = xs.chunks_exact(FOLD_WIDTH);
+    for c in &mut chunks {
+        for (a, &x) in acc.iter_mut().zip(c) {
+            *a = f(*a, x);
+        }
+    }
+    let mut w = FOLD_WIDTH;
+    while w > 1 {
+        w /= 2;
+        for i in 0..w {
+            acc[i] = f(acc[i], acc[i + w]);
+        }
+    }
+    let mut r = acc[0];
+    for &x in chunks.remainder() {
+        r = f(r, x);
+    }
+    r
+}
+
+/// `run` as its accumulation type when it is one (f32, f64): such runs are
+/// folded by [`row_fold`], as the fused row kernels fold their rows.
+fn as_acc_run<T: Reducible>(run: &[T]) -> Option<&[T::Acc]> {
+    matches!(T::DTYPE, DType::F32 | DType::F64)
+        // SAFETY: f32 and f64 reduce in themselves (`Reducible for Float`).
+        .then(|| unsafe { std::slice::from_raw_parts(run.as_ptr() as *const T::Acc, run.len()) })
 }
 
 /// The row strategy: the kept dims end in a unit-stride row of length
@@ -661,28 +707,94 @@ where
     });
 }
 
-/// One contiguous line: max, then exp into `scratch` and sum, then write.
-/// The exps go through a buffer because a plain map loop vectorises where
-/// an exp fused into the summing fold does not.
+/// One contiguous line of `T`, through [`softmax_row`] in `T::Acc` (via
+/// `scratch` unless `T` is its own `Acc`).
 fn softmax_line<T: Float>(x: &[T], out: &mut [T], log: bool, scratch: &mut Vec<T::Acc>)
 where
     T::Acc: SoftmaxExp,
 {
-    let max = fold_slice(x, T::Acc::LOWEST, T::to_acc, T::Acc::max_nan);
-    scratch.resize(x.len(), <T::Acc as Arith>::ZERO);
-    for (e, &v) in scratch.iter_mut().zip(x) {
-        *e = (v.to_acc() - max).softmax_exp();
+    if let (Some(x), Some(out)) = (as_acc::<T>(x), as_acc_mut::<T>(out)) {
+        return softmax_row(x, out, log);
     }
-    let sum = fold_slice(scratch, <T::Acc as Arith>::ZERO, |e| e, Arith::add);
+    let n = x.len();
+    scratch.clear();
+    scratch.extend(x.iter().map(|v| v.to_acc()));
+    scratch.resize(2 * n, <T::Acc as Arith>::ZERO);
+    let (src, dst) = scratch.split_at_mut(n);
+    softmax_row(src, dst, log);
+    for (o, &v) in out.iter_mut().zip(dst.iter()) {
+        *o = T::from_acc(v);
+    }
+}
+
+/// `xs` as `&[T::Acc]` when `T` is its own accumulation type (f32, f64).
+fn as_acc<T: Float>(xs: &[T]) -> Option<&[T::Acc]> {
+    matches!(T::DTYPE, DType::F32 | DType::F64)
+        // SAFETY: T is f32 with Acc f32, or f64 with Acc f64: the same type.
+        .then(|| unsafe { std::slice::from_raw_parts(xs.as_ptr() as *const T::Acc, xs.len()) })
+}
+
+fn as_acc_mut<T: Float>(xs: &mut [T]) -> Option<&mut [T::Acc]> {
+    (matches!(T::DTYPE, DType::F32 | DType::F64))
+        // SAFETY: as in `as_acc`.
+        .then(|| unsafe {
+            std::slice::from_raw_parts_mut(xs.as_mut_ptr() as *mut T::Acc, xs.len())
+        })
+}
+
+/// softmax (or log_softmax) of one contiguous row, in the accumulation
+/// type: the kernel both eager softmax and the fused row kernels run, so
+/// their results agree bit for bit. Three sweeps over a row that is in
+/// cache: the max; exp(x - max) written to `out` and summed; the scale
+/// (a multiply by 1/sum) or the log shift.
+pub(crate) fn softmax_row<A: SoftmaxExp>(x: &[A], out: &mut [A], log: bool) {
+    softmax_row_dispatch(x, out, log)
+}
+
+super::fastmath::avx512_dispatch! {
+    fn softmax_row_dispatch<A: SoftmaxExp>(x: &[A], out: &mut [A], log: bool) => softmax_row_body
+}
+
+#[inline(always)]
+fn softmax_row_body<A: SoftmaxExp>(x: &[A], out: &mut [A], log: bool) {
+    let max = row_fold(x, A::LOWEST, A::max_nan);
+    for (e, &v) in out.iter_mut().zip(x) {
+        *e = (v - max).softmax_exp();
+    }
+    let sum = row_fold(out, <A as Arith>::ZERO, Arith::add);
     if log {
         let ln_sum = sum.ln();
         for (o, &v) in out.iter_mut().zip(x) {
-            *o = T::from_acc((v.to_acc() - max) - ln_sum);
+            *o = (v - max) - ln_sum;
         }
     } else {
-        for (o, &e) in out.iter_mut().zip(scratch.iter()) {
-            *o = T::from_acc(e / sum);
+        let scale = <A as AccFloat>::ONE / sum;
+        for o in out.iter_mut() {
+            *o = *o * scale;
         }
+    }
+}
+
+/// A contiguous row's fold: [`fold_row`] up to [`ROW_MAX`] elements, the
+/// pairwise [`fold_slice`] beyond.
+fn row_fold<A: Arith>(xs: &[A], init: A, f: impl Fn(A, A) -> A + Sync + Copy) -> A {
+    if xs.len() <= ROW_MAX {
+        fold_row(xs, init, f)
+    } else {
+        fold_slice(xs, init, |v| v, f)
+    }
+}
+
+/// One reduction of a contiguous row in its accumulation type: what eager
+/// `reduce` computes for each contiguous run of f32/f64 (see
+/// `fold_slices`), and the fused row kernels for each row.
+pub(crate) fn reduce_row<A: Arith>(op: ReduceOp, row: &[A]) -> A {
+    match op {
+        ReduceOp::Sum => row_fold(row, A::ZERO, A::add),
+        ReduceOp::Mean => row_fold(row, A::ZERO, A::add).div_count(row.len()),
+        ReduceOp::Prod => row_fold(row, A::ONE, A::mul),
+        ReduceOp::Max => row_fold(row, A::LOWEST, A::max_nan),
+        ReduceOp::Min => row_fold(row, A::HIGHEST, A::min_nan),
     }
 }
 

@@ -1,0 +1,503 @@
+//! The fused row kernel: reductions along the last dim together with their
+//! pointwise producers (prologue) and consumers (epilogue), evaluated one
+//! row at a time. A row (at most [`ROW_MAX`] elements) stays in cache from
+//! its load to its store, so e.g. softmax — as one op or decomposed into
+//! max, sub, exp, sum, div — reads its input once and writes its output
+//! once.
+//!
+//! Values are of two kinds: *row* values (`[outer.., len]`, one register of
+//! `len` elements per row) and *scalar* values (`[outer.., 1]` or `[outer..]`,
+//! one number per row). Pointwise steps broadcast scalars over rows. Every
+//! step computes what the eager kernel of its op computes (the same
+//! functions; reductions fold each contiguous row as eager `reduce` does),
+//! so the results equal op-by-op evaluation in the compute type.
+
+use rayon::prelude::*;
+
+use super::element::num_like::AccFloat;
+use super::elementwise::{
+    binary_const_into, binary_into, const_binary_into, unary_into, Transcendental,
+};
+use super::fused::{compare_block, load, round_block, Step};
+use super::reduce::{reduce_row, softmax_row, Arith, SoftmaxExp, ROW_MAX};
+use super::{Element, Storage};
+use crate::error::{op_err, Result};
+use crate::ir::{DType, ReduceOp};
+use crate::tensor::{Layout, Tensor};
+use crate::with_dtype;
+
+/// The longest row a row kernel takes (its registers stay in L2).
+pub const MAX_ROW: usize = ROW_MAX;
+
+/// One step of a row kernel; operands are indices of earlier steps.
+#[derive(Clone, Debug, PartialEq)]
+pub enum RowStep {
+    /// A pointwise step (`Step::Load(i)` loads kernel input `i`).
+    Point(Step),
+    /// A row value reduced to one scalar per row.
+    Reduce(ReduceOp, usize),
+    /// softmax (or log_softmax) of a row value.
+    Softmax { log: bool, arg: usize },
+}
+
+impl RowStep {
+    fn operands(&self) -> Vec<usize> {
+        match self {
+            RowStep::Point(s) => s.operands(),
+            RowStep::Reduce(_, a) | RowStep::Softmax { arg: a, .. } => vec![*a],
+        }
+    }
+}
+
+/// A row kernel over `rows` rows of `len` elements.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RowKernel {
+    /// The leading (outer) dims; the rows are their row-major positions.
+    pub outer: Vec<usize>,
+    pub len: usize,
+    pub steps: Vec<RowStep>,
+    /// Whether each step is a row value (else a scalar per row).
+    pub is_row: Vec<bool>,
+    /// The steps written to memory: (step, dtype, shape).
+    pub outputs: Vec<(usize, DType, Vec<usize>)>,
+    /// Compute in f64 (any f64 value involved), else f32.
+    pub wide: bool,
+}
+
+impl RowKernel {
+    fn rows(&self) -> usize {
+        self.outer.iter().product()
+    }
+
+    /// Runs the kernel on `inputs` (numbered by `Step::Load`), each
+    /// broadcastable to `outer ++ [len]`.
+    pub fn run(&self, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
+        let full: Vec<usize> = self.outer.iter().copied().chain([self.len]).collect();
+        let mut sources = Vec::with_capacity(inputs.len());
+        for (i, t) in inputs.iter().enumerate() {
+            let fits = t.rank() <= full.len()
+                && t.shape()
+                    .iter()
+                    .rev()
+                    .zip(full.iter().rev())
+                    .all(|(&a, &b)| a == b || a == 1);
+            if !fits {
+                return Err(op_err!(
+                    Shape,
+                    "fused_rows",
+                    "input {i} {} does not broadcast to {full:?}",
+                    t.ty()
+                ));
+            }
+            sources.push(Source::new(t, &full));
+        }
+        Ok(if self.wide {
+            self.run_as::<f64>(&sources)
+        } else {
+            self.run_as::<f32>(&sources)
+        })
+    }
+
+    fn run_as<A: Transcendental + SoftmaxExp>(&self, sources: &[Source<'_>]) -> Vec<Tensor> {
+        let rows = self.rows();
+        let mut outs: Vec<Storage> = self
+            .outputs
+            .iter()
+            .map(|(s, d, _)| {
+                Storage::new(
+                    *d,
+                    if self.is_row[*s] {
+                        rows * self.len
+                    } else {
+                        rows
+                    },
+                )
+            })
+            .collect();
+        let sinks: Vec<(*mut u8, DType)> = outs
+            .iter_mut()
+            .map(|s| (s.as_bytes_mut().as_mut_ptr(), s.dtype()))
+            .collect();
+        let sinks = Sinks(sinks);
+        let slots = Slots::allocate(self);
+        let per_task = (super::copy::PAR_THRESHOLD / self.len.max(1)).max(1);
+        let direct = Direct::find::<A>(self, sources, &sinks);
+        let run = |range: std::ops::Range<usize>| {
+            let mut file = vec![<A as AccFloat>::ZERO; slots.count * self.len];
+            let mut scalars = vec![<A as AccFloat>::ZERO; self.steps.len()];
+            let mut at = vec![std::ptr::null_mut::<A>(); self.steps.len()];
+            for r in range {
+                direct.place_row(r, self.len, &slots, &mut file, &mut at);
+                self.eval_row(r, sources, &direct.input, &at, &mut scalars);
+                self.store_row(r, &sinks, &direct, &at, &scalars);
+            }
+        };
+        if rows * self.len < super::copy::PAR_THRESHOLD || rows < 2 {
+            run(0..rows);
+        } else {
+            let tasks = rows.div_ceil(per_task);
+            (0..tasks)
+                .into_par_iter()
+                .for_each(|t| run(t * per_task..((t + 1) * per_task).min(rows)));
+        }
+        outs.into_iter()
+            .zip(&self.outputs)
+            .map(|(s, (_, _, shape))| Tensor::from_storage(s, shape))
+            .collect()
+    }
+
+    /// Evaluates row `r`: row step `i` lives at `at[i]` (a register slot,
+    /// or the input or output memory itself, see [`Direct`]).
+    fn eval_row<A: Transcendental + SoftmaxExp>(
+        &self,
+        r: usize,
+        sources: &[Source<'_>],
+        in_place: &[bool],
+        at: &[*mut A],
+        scalars: &mut [A],
+    ) {
+        let len = self.len;
+        let row = |j: usize| {
+            // SAFETY: `at[j]` holds `len` elements (see `Direct::place_row`),
+            // and no step writes where one of its operands lives.
+            unsafe { std::slice::from_raw_parts(at[j] as *const A, len) }
+        };
+        for (i, step) in self.steps.iter().enumerate() {
+            if !self.is_row[i] {
+                scalars[i] = self.eval_scalar(step, r, sources, scalars, &row);
+                continue;
+            }
+            if in_place[i] {
+                continue; // an input read where it is
+            }
+            // SAFETY: as above; this step's place is none of its operands'.
+            let dst = unsafe { std::slice::from_raw_parts_mut(at[i], len) };
+            match step {
+                RowStep::Point(p) => self.eval_point(p, r, sources, dst, &row, scalars),
+                RowStep::Softmax { log, arg } => softmax_row(row(*arg), dst, *log),
+                RowStep::Reduce(..) => unreachable!("reductions are scalar values"),
+            }
+        }
+    }
+
+    /// A row-valued pointwise step; scalar operands are broadcast.
+    fn eval_point<'f, A: Transcendental + 'f>(
+        &self,
+        step: &Step,
+        r: usize,
+        sources: &[Source<'_>],
+        dst: &mut [A],
+        row: &impl Fn(usize) -> &'f [A],
+        scalars: &[A],
+    ) {
+        let is_row = |j: usize| self.is_row[j];
+        match *step {
+            Step::Load(k) => sources[k].load_row(r * self.len, dst),
+            Step::Unary(op, a) => unary_into(op, row(a), dst),
+            Step::Binary(op, a, b) => match (is_row(a), is_row(b)) {
+                (true, true) => binary_into(op, row(a), row(b), dst),
+                (true, false) => binary_const_into(op, row(a), scalars[b], dst),
+                (false, true) => const_binary_into(op, scalars[a], row(b), dst),
+                (false, false) => unreachable!("a row value has a row operand"),
+            },
+            Step::Compare(op, a, b) => {
+                let (x, y) = (self.spread(a, row, scalars), self.spread(b, row, scalars));
+                compare_block(op, &x, &y, dst);
+            }
+            Step::Where(c, a, b) => {
+                let c = self.spread(c, row, scalars);
+                let (x, y) = (self.spread(a, row, scalars), self.spread(b, row, scalars));
+                for (((d, &c), &x), &y) in dst.iter_mut().zip(c.iter()).zip(x.iter()).zip(y.iter())
+                {
+                    *d = if c != <A as AccFloat>::ZERO { x } else { y };
+                }
+            }
+            Step::Round(dtype, a) => {
+                dst.copy_from_slice(row(a));
+                round_block(dtype, dst);
+            }
+            Step::Const(_) => unreachable!("constants are scalar values"),
+        }
+    }
+
+    /// Operand `j` as a row: its register, or its scalar repeated.
+    fn spread<'f, A: AccFloat>(
+        &self,
+        j: usize,
+        row: &impl Fn(usize) -> &'f [A],
+        scalars: &[A],
+    ) -> std::borrow::Cow<'f, [A]> {
+        if self.is_row[j] {
+            std::borrow::Cow::Borrowed(row(j))
+        } else {
+            std::borrow::Cow::Owned(vec![scalars[j]; self.len])
+        }
+    }
+
+    /// A scalar step of row `r`, by the same functions as the row steps.
+    fn eval_scalar<'f, A: Transcendental + Arith + 'f>(
+        &self,
+        step: &RowStep,
+        r: usize,
+        sources: &[Source<'_>],
+        scalars: &[A],
+        row: &impl Fn(usize) -> &'f [A],
+    ) -> A {
+        let one = |s: usize| [scalars[s]];
+        let mut out = [<A as AccFloat>::ZERO];
+        match step {
+            RowStep::Reduce(op, a) => return reduce_row(*op, row(*a)),
+            RowStep::Softmax { .. } => unreachable!("softmax is a row value"),
+            RowStep::Point(p) => match *p {
+                Step::Load(k) => return sources[k].load_one(r),
+                Step::Const(c) => return A::from_f64(c),
+                Step::Unary(op, a) => unary_into(op, &one(a), &mut out),
+                Step::Binary(op, a, b) => binary_into(op, &one(a), &one(b), &mut out),
+                Step::Compare(op, a, b) => compare_block(op, &one(a), &one(b), &mut out),
+                Step::Where(c, a, b) => {
+                    out[0] = if scalars[c] != <A as AccFloat>::ZERO {
+                        scalars[a]
+                    } else {
+                        scalars[b]
+                    }
+                }
+                Step::Round(dtype, a) => {
+                    out[0] = scalars[a];
+                    round_block(dtype, &mut out);
+                }
+            },
+        }
+        out[0]
+    }
+
+    fn store_row<A: AccFloat>(
+        &self,
+        r: usize,
+        sinks: &Sinks,
+        direct: &Direct,
+        at: &[*mut A],
+        scalars: &[A],
+    ) {
+        for (o, (&(s, dtype, _), &(ptr, _))) in self.outputs.iter().zip(&sinks.0).enumerate() {
+            if direct.output[o] {
+                continue;
+            }
+            if self.is_row[s] {
+                // SAFETY: `at[s]` holds the row; row r of every output is
+                // written by this task only.
+                let vals = unsafe { std::slice::from_raw_parts(at[s] as *const A, self.len) };
+                unsafe { store(ptr, dtype, r * self.len, vals) };
+            } else {
+                // SAFETY: as above.
+                unsafe { store(ptr, dtype, r, &[scalars[s]]) };
+            }
+        }
+    }
+}
+
+/// Row values that live in memory rather than in a register slot: a
+/// contiguous input of the compute type is read where it is (no copy), and
+/// a row output of the compute type is computed into the output buffer.
+struct Direct {
+    /// Per step: the base address of its rows (`row r` at `base + r * len`).
+    base: Vec<Option<usize>>,
+    /// Per step: an input read in place (nothing to load).
+    input: Vec<bool>,
+    /// Per output: written in place by its step (nothing to store).
+    output: Vec<bool>,
+}
+
+impl Direct {
+    fn find<A: AccFloat>(k: &RowKernel, sources: &[Source<'_>], sinks: &Sinks) -> Direct {
+        let width = std::mem::size_of::<A>();
+        let same = |d: DType| d.size_bytes() == width && d.is_float();
+        let mut base: Vec<Option<usize>> = vec![None; k.steps.len()];
+        for (i, step) in k.steps.iter().enumerate() {
+            if let (RowStep::Point(Step::Load(j)), true) = (step, k.is_row[i]) {
+                let t = sources[*j].tensor;
+                if let (Some(range), true) = (sources[*j].full.contiguous_range(), same(t.dtype()))
+                {
+                    let bytes = t.storage().as_bytes();
+                    base[i] = Some(bytes.as_ptr() as usize + range.start * width);
+                }
+            }
+        }
+        let input: Vec<bool> = base.iter().map(Option::is_some).collect();
+        let mut output = vec![false; k.outputs.len()];
+        for (o, &(s, dtype, _)) in k.outputs.iter().enumerate() {
+            // An output step computed once into the buffer (a step that is
+            // two outputs is stored for the second).
+            if k.is_row[s] && same(dtype) && base[s].is_none() {
+                base[s] = Some(sinks.0[o].0 as usize);
+                output[o] = true;
+            }
+        }
+        Direct {
+            base,
+            input,
+            output,
+        }
+    }
+
+    /// Points each row step of row `r` at its place.
+    fn place_row<A>(&self, r: usize, len: usize, slots: &Slots, file: &mut [A], at: &mut [*mut A]) {
+        let width = std::mem::size_of::<A>();
+        for (i, place) in at.iter_mut().enumerate() {
+            *place = match self.base[i] {
+                Some(b) => (b + r * len * width) as *mut A,
+                None if slots.used[i] => file[slots.slot[i] * len..].as_mut_ptr(),
+                None => std::ptr::null_mut(),
+            };
+        }
+    }
+}
+
+/// Output buffers, written at disjoint rows by the tasks.
+struct Sinks(Vec<(*mut u8, DType)>);
+// SAFETY: tasks write disjoint ranges (their own rows).
+unsafe impl Sync for Sinks {}
+
+/// # Safety
+/// `start..start + vals.len()` is in bounds of the buffer and written by no
+/// other task.
+unsafe fn store<A: AccFloat>(ptr: *mut u8, dtype: DType, start: usize, vals: &[A]) {
+    with_dtype!(dtype, T => {
+        let dst = std::slice::from_raw_parts_mut((ptr as *mut T).add(start), vals.len());
+        for (d, v) in dst.iter_mut().zip(vals) {
+            *d = <T as Element>::from_f64(v.to_f64());
+        }
+    })
+}
+
+/// An input, with its layout broadcast to `outer ++ [len]` (row loads) and
+/// to `outer ++ [1]` (scalar loads).
+struct Source<'a> {
+    tensor: &'a Tensor,
+    full: Layout,
+    per_row: Layout,
+}
+
+impl<'a> Source<'a> {
+    fn new(t: &'a Tensor, full: &[usize]) -> Source<'a> {
+        let mut per_row_shape = full.to_vec();
+        *per_row_shape.last_mut().expect("rank >= 1") = 1;
+        let layout = t.layout();
+        let per_row = if layout.shape.last().is_some_and(|&n| n != 1) {
+            // A row input is never loaded as a scalar; keep a valid layout.
+            layout.expanded(full)
+        } else {
+            layout.expanded(&per_row_shape)
+        };
+        Source {
+            tensor: t,
+            full: layout.expanded(full),
+            per_row,
+        }
+    }
+
+    fn load_row<A: AccFloat>(&self, start: usize, dst: &mut [A]) {
+        load(self.tensor, &self.full, start, dst)
+    }
+
+    fn load_one<A: AccFloat>(&self, r: usize) -> A {
+        let mut v = [<A as AccFloat>::ZERO];
+        with_dtype!(self.tensor.dtype(), T => {
+            let src = self.tensor.storage().as_slice::<T>();
+            v[0] = A::from_f64(Element::to_f64(src[self.per_row.offset_of(r)]));
+        });
+        v[0]
+    }
+}
+
+/// The register slot of each row value, reused once the value is dead
+/// (outputs keep theirs: they are stored after the row).
+struct Slots {
+    slot: Vec<usize>,
+    /// Whether the step has a slot (row values do).
+    used: Vec<bool>,
+    count: usize,
+}
+
+impl Slots {
+    fn allocate(k: &RowKernel) -> Slots {
+        let n = k.steps.len();
+        let mut last: Vec<usize> = (0..n).collect();
+        for (i, step) in k.steps.iter().enumerate() {
+            for a in step.operands() {
+                last[a] = i;
+            }
+        }
+        for &(o, _, _) in &k.outputs {
+            last[o] = usize::MAX;
+        }
+        let (mut slot, mut free, mut count) = (vec![0; n], Vec::new(), 0);
+        for (i, step) in k.steps.iter().enumerate() {
+            if k.is_row[i] {
+                slot[i] = free.pop().unwrap_or_else(|| {
+                    count += 1;
+                    count - 1
+                });
+            }
+            let mut done = step.operands();
+            done.push(i);
+            done.sort_unstable();
+            done.dedup();
+            free.extend(
+                done.into_iter()
+                    .filter(|&a| k.is_row[a] && last[a] == i)
+                    .map(|a| slot[a]),
+            );
+        }
+        let used = k.is_row.clone();
+        Slots { slot, used, count }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ir::BinaryOp;
+
+    #[test]
+    fn decomposed_softmax_in_one_row_kernel_matches_the_softmax_kernel() {
+        // m = max(x); e = exp(x - m); s = sum(e); y = e / s  vs  softmax(x)
+        let xs: Vec<f32> = (0..3 * 40)
+            .map(|i| ((i * 37) % 23) as f32 * 0.3 - 3.0)
+            .collect();
+        let x = Tensor::from_vec(xs, &[3, 40]);
+        let k = RowKernel {
+            outer: vec![3],
+            len: 40,
+            steps: vec![
+                RowStep::Point(Step::Load(0)),
+                RowStep::Reduce(ReduceOp::Max, 0),
+                RowStep::Point(Step::Binary(BinaryOp::Sub, 0, 1)),
+                RowStep::Point(Step::Unary(crate::ir::UnaryOp::Exp, 2)),
+                RowStep::Reduce(ReduceOp::Sum, 3),
+                RowStep::Point(Step::Binary(BinaryOp::Div, 3, 4)),
+                RowStep::Softmax { log: false, arg: 0 },
+            ],
+            is_row: vec![true, false, true, true, false, true, true],
+            outputs: vec![
+                (5, DType::F32, vec![3, 40]),
+                (6, DType::F32, vec![3, 40]),
+                (4, DType::F32, vec![3, 1]),
+            ],
+            wide: false,
+        };
+        let out = k.run(&[&x]).unwrap();
+        let (dec, sm) = (out[0].to_f64_vec(), out[1].to_f64_vec());
+        let eager = x.softmax(-1).to_f64_vec();
+        assert_eq!(sm, eager, "the softmax step is the eager kernel");
+        for (a, b) in dec.iter().zip(&eager) {
+            assert!((a - b).abs() < 1e-6, "{a} vs {b}");
+        }
+        let sums = out[2].to_f64_vec();
+        let want = x
+            .sub(x.max(&[-1], true))
+            .exp()
+            .sum(&[-1], true)
+            .to_f64_vec();
+        assert_eq!(sums, want, "the row sum is eager's");
+    }
+}
