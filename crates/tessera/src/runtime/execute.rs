@@ -8,6 +8,7 @@ use std::panic::Location;
 
 use rayon::prelude::*;
 
+use super::cpu::arena::{self, Arena, Slots};
 use super::cpu::fused::{FusedInput, FusedKernel};
 use super::cpu::Storage;
 use super::interpret::{bind_symbols, node_error};
@@ -24,7 +25,15 @@ use crate::tensor::{trace, Tensor};
 /// outputs.
 pub fn run_plan(graph: &Graph, plan: &Plan, inputs: &[Tensor]) -> Result<Vec<(String, Tensor)>> {
     let steps: Vec<Vec<usize>> = (0..plan.kernels.len()).map(|k| vec![k]).collect();
-    execute(graph, plan, &steps, |_| Vec::new(), |_| false, inputs)
+    execute(
+        graph,
+        plan,
+        &steps,
+        |_| Vec::new(),
+        |_| false,
+        |_| None,
+        inputs,
+    )
 }
 
 /// Runs `plan` in `schedule`'s steps: the kernels of a step with several
@@ -32,8 +41,14 @@ pub fn run_plan(graph: &Graph, plan: &Plan, inputs: &[Tensor]) -> Result<Vec<(St
 /// a step of one runs alone. Fused kernels write in place where `memory`
 /// says so. Kernels that need scratch memory run first in their step, one
 /// at a time, so that the bytes alive never depend on how threads
-/// interleave: the measured peak is the predicted one. Under an active
-/// trace, every kernel runs on this thread (traced tensors belong to it).
+/// interleave. Under an active trace, every kernel runs on this thread
+/// (traced tensors belong to it).
+///
+/// One arena of `memory.arena_bytes` is allocated for the run, and every
+/// buffer a kernel creates (outputs and scratch) lands at its planned
+/// offset in it (`cpu::arena`), except the values that escape (outputs),
+/// which come from the pool: the measured peak is
+/// `memory.run_peak_bytes()`.
 pub fn run_scheduled(
     graph: &Graph,
     plan: &Plan,
@@ -41,12 +56,31 @@ pub fn run_scheduled(
     memory: &MemoryPlan,
     inputs: &[Tensor],
 ) -> Result<Vec<(String, Tensor)>> {
+    let arena = Arena::new(memory.arena_bytes);
+    let mut created = vec![Vec::new(); plan.kernels.len()];
+    for buffer in &memory.buffers {
+        created[buffer.kernel].push(buffer);
+    }
+    let slots = |k: usize| {
+        let mut slots = arena.slots();
+        for b in &created[k] {
+            match (b.value, b.reuses) {
+                // The planner reserved the size rounded up to the alignment.
+                (None, _) => slots.scratch(b.offset, b.bytes.div_ceil(64) * 64),
+                (Some(_), None) => slots.value(b.bytes, (!b.escapes).then_some(b.offset)),
+                // Written over its input's storage: allocates nothing.
+                (Some(_), Some(_)) => {}
+            }
+        }
+        Some(slots)
+    };
     execute(
         graph,
         plan,
         &schedule.steps,
         |k| memory.in_place(k).collect(),
         |k| memory.scratch_bytes(k) > 0,
+        slots,
         inputs,
     )
 }
@@ -57,6 +91,7 @@ fn execute(
     steps: &[Vec<usize>],
     in_place: impl Fn(usize) -> Vec<(NodeId, NodeId)>,
     alone: impl Fn(usize) -> bool,
+    slots: impl Fn(usize) -> Option<Slots>,
     inputs: &[Tensor],
 ) -> Result<Vec<(String, Tensor)>> {
     let given: Vec<Option<&Tensor>> = inputs.iter().map(Some).collect();
@@ -71,7 +106,11 @@ fn execute(
     for (step, free) in steps.iter().zip(&frees) {
         let jobs: Vec<Job<'_>> = step
             .iter()
-            .map(|&k| Job::gather(graph, k, &plan.kernels[k], &in_place(k), &mut values))
+            .map(|&k| {
+                let mut job = Job::gather(graph, k, &plan.kernels[k], &in_place(k), &mut values);
+                job.slots = slots(k);
+                job
+            })
             .collect();
         let concurrent = concurrent && jobs.len() > 1;
         let (serial, parallel): (Vec<Job<'_>>, Vec<Job<'_>>) = jobs
@@ -118,6 +157,8 @@ struct Job<'a> {
     k: usize,
     kernel: &'a Kernel,
     args: Vec<Arg>,
+    /// Where its allocations go (compiled runs with a memory plan).
+    slots: Option<Slots>,
 }
 
 impl<'a> Job<'a> {
@@ -162,10 +203,22 @@ impl<'a> Job<'a> {
                 }
             })
             .collect();
-        Job { k, kernel, args }
+        Job {
+            k,
+            kernel,
+            args,
+            slots: None,
+        }
     }
 
-    fn run(self, graph: &Graph) -> Result<Vec<(NodeId, Tensor)>> {
+    fn run(mut self, graph: &Graph) -> Result<Vec<(NodeId, Tensor)>> {
+        match self.slots.take() {
+            Some(slots) => arena::planned(slots, || self.run_kernel(graph)),
+            None => self.run_kernel(graph),
+        }
+    }
+
+    fn run_kernel(self, graph: &Graph) -> Result<Vec<(NodeId, Tensor)>> {
         match self.kernel {
             Kernel::Extern(id) => {
                 let node = graph.node(*id);

@@ -23,6 +23,14 @@
 //! time, with sizes rounded up to 64 bytes (the allocator's alignment).
 //! [`MemoryPlan::check`] verifies that no two buffers live at the same time
 //! overlap; it runs after every plan in debug builds.
+//!
+//! Values that escape the executable (graph outputs, which include the
+//! tensors a forward saves for its backward, and the buffers they view) get
+//! no place in the arena: the compiled executor allocates them from the
+//! pool, so that they do not keep the arena alive after the run; nor does
+//! a kernel write one of them in place of an input. The executor allocates
+//! the arena once per run, so what it measures is the arena plus the
+//! escaping bytes: [`MemoryPlan::run_peak_bytes`].
 
 use super::buffers::BufferModel;
 use super::Schedule;
@@ -45,6 +53,8 @@ pub struct PlannedBuffer {
     pub last_step: usize,
     /// It takes the place of this buffer (in place).
     pub reuses: Option<usize>,
+    /// It outlives the run (an output, or viewed by one): not in the arena.
+    pub escapes: bool,
 }
 
 /// Kernel `kernel` writes `output` over its input `input`.
@@ -70,6 +80,8 @@ pub struct MemoryPlan {
     pub arena_bytes: usize,
     /// The in-place writes, by kernel.
     pub donations: Vec<Donation>,
+    /// Bytes of the buffers that escape (allocated outside the arena).
+    pub escaping_bytes: usize,
     /// Per kernel, its scratch bytes (the executor asks once per kernel).
     scratch: Vec<usize>,
 }
@@ -136,6 +148,7 @@ impl Liveness {
                     // A fused kernel creates one buffer per output, in order.
                     let output = model.created[k][c.output];
                     if input.pinned
+                        || model.buffers[output].pinned
                         || self.last[c.buffer] != s
                         || !sole_reader
                         || taken[c.buffer]
@@ -240,15 +253,18 @@ impl MemoryPlan {
                 first_step: live.first[b],
                 last_step: live.last[b],
                 reuses: live.reuses[b],
+                escapes: buffer.pinned,
             })
             .collect();
         let plan = MemoryPlan {
             live_at_peak: live_in(&buffers, peak_step),
             arena_bytes: buffers
                 .iter()
+                .filter(|b| !b.escapes)
                 .map(|b| b.offset + b.bytes)
                 .max()
                 .unwrap_or(0),
+            escaping_bytes: buffers.iter().filter(|b| b.escapes).map(|b| b.bytes).sum(),
             buffers,
             donations: donations(model, &live),
             scratch: scratch_per_kernel(model),
@@ -266,6 +282,12 @@ impl MemoryPlan {
             })?;
         }
         Ok(plan)
+    }
+
+    /// The peak the compiled executor measures: its arena, allocated for
+    /// the whole run, plus the escaping buffers (all alive at its end).
+    pub fn run_peak_bytes(&self) -> usize {
+        self.arena_bytes + self.escaping_bytes
     }
 
     /// Bytes kernel `k` allocates for its own use while it runs.
@@ -299,6 +321,9 @@ impl MemoryPlan {
                 }
             }
             for (j, b) in self.buffers.iter().enumerate().skip(i + 1) {
+                if a.escapes || b.escapes {
+                    continue;
+                }
                 let same_place = self.shares_place(i, j);
                 let in_time = a.first_step <= b.last_step && b.first_step <= a.last_step;
                 let in_space = a.offset < b.offset + b.bytes && b.offset < a.offset + a.bytes;
@@ -313,10 +338,10 @@ impl MemoryPlan {
         if self.step_bytes.iter().copied().max().unwrap_or(0) != self.peak_bytes {
             return bad("the peak is not the most bytes live in a step".into());
         }
-        if self.arena_bytes < self.peak_bytes {
+        if self.run_peak_bytes() < self.peak_bytes {
             return bad(format!(
-                "an arena of {} bytes cannot hold a peak of {}",
-                self.arena_bytes, self.peak_bytes
+                "an arena of {} bytes and {} escaping bytes cannot hold a peak of {}",
+                self.arena_bytes, self.escaping_bytes, self.peak_bytes
             ));
         }
         Ok(())
@@ -340,12 +365,15 @@ impl MemoryPlan {
             None => format!("scratch of k{}", b.kernel),
         };
         let mut text = format!(
-            "graph `{}`: {} buffers, predicted peak {} bytes at step {}, arena {} bytes, {} in place\n",
+            "graph `{}`: {} buffers, predicted peak {} bytes at step {}, arena {} bytes \
+             + {} escaping bytes = {} bytes for a run, {} in place\n",
             graph.name,
             self.buffers.len(),
             self.peak_bytes,
             self.peak_step,
             self.arena_bytes,
+            self.escaping_bytes,
+            self.run_peak_bytes(),
             self.donations.len()
         );
         let at_peak: Vec<String> = self
@@ -359,11 +387,14 @@ impl MemoryPlan {
                 .reuses
                 .map(|r| format!(" in place of buffer {r}"))
                 .unwrap_or_default();
+            let place = match b.escapes {
+                true => "outside the arena (escapes)".to_string(),
+                false => format!("at offset {}", b.offset),
+            };
             text.push_str(&format!(
-                "  buffer {i} {}: {} bytes at offset {}, steps {}..={}, k{}{reuse}\n",
+                "  buffer {i} {}: {} bytes {place}, steps {}..={}, k{}{reuse}\n",
                 name(b),
                 b.bytes,
-                b.offset,
                 b.first_step,
                 b.last_step,
                 b.kernel
@@ -424,7 +455,7 @@ fn place(model: &BufferModel, live: &Liveness) -> Vec<usize> {
     };
     // Per place (its root buffer): size and lifetime over the chain.
     let mut span: Vec<Option<(usize, usize, usize)>> = vec![None; n];
-    for b in 0..n {
+    for b in (0..n).filter(|&b| !model.buffers[b].pinned) {
         let r = root(b);
         let size = model.buffers[b].bytes.div_ceil(ALIGN) * ALIGN;
         span[r] = Some(match span[r] {
@@ -478,6 +509,7 @@ mod tests {
             first_step: steps.0,
             last_step: steps.1,
             reuses,
+            escapes: false,
         }
     }
 
@@ -495,6 +527,7 @@ mod tests {
             peak_step: 0,
             live_at_peak: Vec::new(),
             donations: Vec::new(),
+            escaping_bytes: 0,
             scratch: Vec::new(),
         }
     }
