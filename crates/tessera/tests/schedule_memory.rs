@@ -161,8 +161,8 @@ fn a_small_mlp_with_views_scratch_and_in_place() {
 
 /// The forward and backward graphs of `g` (AOT, saving all), each checked
 /// as `check_graph` does; the backward is fed the forward's saved values
-/// and tangents of ones.
-fn check_forward_and_backward(g: &Graph, inputs: &[Tensor]) {
+/// and tangents of ones. Returns the two graphs.
+fn check_forward_and_backward(g: &Graph, inputs: &[Tensor]) -> (Graph, Graph) {
     let wrt: Vec<usize> = (0..inputs.len()).collect();
     let aot = aot_autograd(g, &wrt, Partition::SaveAll).unwrap();
     let fwd = schedule_util::optimized(aot.forward);
@@ -181,6 +181,7 @@ fn check_forward_and_backward(g: &Graph, inputs: &[Tensor]) {
     let bwd = schedule_util::optimized(aot.backward);
     check_graph(&fwd, inputs);
     check_graph(&bwd, &feed);
+    (fwd, bwd)
 }
 
 #[test]
@@ -196,7 +197,11 @@ fn the_backward_of_the_mlp() {
 }
 
 /// The seed's graphs: the sliced attention's forward and backward, plain
-/// and under the seed's hint (whose backward recomputes every slice).
+/// and under the seed's hint (whose backward recomputes every slice). The
+/// cats that join the slices' outputs and the gradients' pieces copy
+/// nothing: their inputs are planned within their outputs — except the cat
+/// of k's gradient, whose pieces are transposed views of matmul results
+/// (strided: it must copy them).
 #[test]
 fn the_seed_forward_and_backward_with_and_without_the_hint() {
     let _lock = allocator();
@@ -211,7 +216,29 @@ fn the_seed_forward_and_backward_with_and_without_the_hint() {
                 None => f(a),
             }]
         });
-        check_forward_and_backward(&g, &inputs);
+        let (fwd, bwd) = check_forward_and_backward(&g, &inputs);
+        for graph in [&fwd, &bwd] {
+            let cats: Vec<_> = graph
+                .nodes
+                .iter()
+                .filter(|n| n.op.name() == "cat")
+                .collect();
+            let of_views = cats
+                .iter()
+                .filter(|n| {
+                    n.inputs
+                        .iter()
+                        .any(|x| graph.node(*x).op.name() == "permute")
+                })
+                .count();
+            let (_, s) = planned(graph, Strategy::Strict, None);
+            let joins = s.memory.joins.iter().filter(|&&j| j).count();
+            assert!(
+                !cats.is_empty() && joins == cats.len() - of_views,
+                "{} cats ({of_views} of strided views), {joins} in place\n{graph}",
+                cats.len()
+            );
+        }
     }
 }
 

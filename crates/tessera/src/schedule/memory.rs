@@ -31,6 +31,10 @@
 //! a kernel write one of them in place of an input. The executor allocates
 //! the arena once per run, so what it measures is the arena plus the
 //! escaping bytes: [`MemoryPlan::run_peak_bytes`].
+//!
+//! A buffer planned within a cat's output (`buffers.rs`) holds no bytes of
+//! its own: the output is live from the step its first piece is made, and
+//! each piece sits at its range of the output's place.
 
 use super::buffers::BufferModel;
 use super::Schedule;
@@ -55,6 +59,10 @@ pub struct PlannedBuffer {
     pub reuses: Option<usize>,
     /// It outlives the run (an output, or viewed by one): not in the arena.
     pub escapes: bool,
+    /// It is the bytes at (.1) of buffer (.0), the output of a cat that
+    /// copies nothing; its offset is its place in the arena (when the
+    /// output escapes: in the output's own block).
+    pub within: Option<(usize, usize)>,
 }
 
 /// Kernel `kernel` writes `output` over its input `input`.
@@ -82,6 +90,9 @@ pub struct MemoryPlan {
     pub donations: Vec<Donation>,
     /// Bytes of the buffers that escape (allocated outside the arena).
     pub escaping_bytes: usize,
+    /// Per kernel, whether it is a cat that copies nothing (its inputs were
+    /// made within its output).
+    pub joins: Vec<bool>,
     /// Per kernel, its scratch bytes (the executor asks once per kernel).
     scratch: Vec<usize>,
 }
@@ -109,7 +120,12 @@ impl Liveness {
             }
         }
         let end = steps.len().saturating_sub(1);
-        let first: Vec<usize> = model.buffers.iter().map(|b| step_of[b.kernel]).collect();
+        let mut first: Vec<usize> = model.buffers.iter().map(|b| step_of[b.kernel]).collect();
+        for b in &model.buffers {
+            if let Some((parent, _)) = b.within {
+                first[parent] = first[parent].min(step_of[b.kernel]);
+            }
+        }
         let last: Vec<usize> = model
             .buffers
             .iter()
@@ -149,6 +165,8 @@ impl Liveness {
                     let output = model.created[k][c.output];
                     if input.pinned
                         || model.buffers[output].pinned
+                        || model.buffers[output].within.is_some()
+                        || input.within.is_some()
                         || self.last[c.buffer] != s
                         || !sole_reader
                         || taken[c.buffer]
@@ -175,7 +193,7 @@ impl Liveness {
         let mut delta = vec![0isize; steps.len() + 1];
         let mut fresh = vec![0usize; steps.len()];
         for (b, buffer) in model.buffers.iter().enumerate() {
-            if buffer.value.is_none() {
+            if buffer.value.is_none() || buffer.within.is_some() {
                 continue;
             }
             let from = match self.reuses[b] {
@@ -214,6 +232,7 @@ fn scratch_excess(model: &BufferModel, step: &[usize], fresh: usize) -> usize {
         for &b in &model.created[k] {
             match model.buffers[b].value {
                 None => scratch += model.buffers[b].bytes,
+                Some(_) if model.buffers[b].within.is_some() => {}
                 Some(_) => output += model.buffers[b].bytes,
             }
         }
@@ -253,7 +272,10 @@ impl MemoryPlan {
                 first_step: live.first[b],
                 last_step: live.last[b],
                 reuses: live.reuses[b],
-                escapes: buffer.pinned,
+                escapes: buffer
+                    .within
+                    .map_or(buffer.pinned, |(p, _)| model.buffers[p].pinned),
+                within: buffer.within,
             })
             .collect();
         let plan = MemoryPlan {
@@ -264,7 +286,12 @@ impl MemoryPlan {
                 .map(|b| b.offset + b.bytes)
                 .max()
                 .unwrap_or(0),
-            escaping_bytes: buffers.iter().filter(|b| b.escapes).map(|b| b.bytes).sum(),
+            escaping_bytes: buffers
+                .iter()
+                .filter(|b| b.escapes && b.within.is_none())
+                .map(|b| b.bytes)
+                .sum(),
+            joins: model.joins.clone(),
             buffers,
             donations: donations(model, &live),
             scratch: scratch_per_kernel(model),
@@ -321,7 +348,9 @@ impl MemoryPlan {
                 }
             }
             for (j, b) in self.buffers.iter().enumerate().skip(i + 1) {
-                if a.escapes || b.escapes {
+                let nested =
+                    a.within.is_some_and(|(p, _)| p == j) || b.within.is_some_and(|(p, _)| p == i);
+                if a.escapes || b.escapes || nested {
                     continue;
                 }
                 let same_place = self.shares_place(i, j);
@@ -387,9 +416,12 @@ impl MemoryPlan {
                 .reuses
                 .map(|r| format!(" in place of buffer {r}"))
                 .unwrap_or_default();
-            let place = match b.escapes {
-                true => "outside the arena (escapes)".to_string(),
-                false => format!("at offset {}", b.offset),
+            let place = match (b.within, b.escapes) {
+                (Some((p, at)), _) => {
+                    format!("within buffer {p} at +{at} (its cat copies nothing)")
+                }
+                (None, true) => "outside the arena (escapes)".to_string(),
+                (None, false) => format!("at offset {}", b.offset),
             };
             text.push_str(&format!(
                 "  buffer {i} {}: {} bytes {place}, steps {}..={}, k{}{reuse}\n",
@@ -410,7 +442,7 @@ fn live_in(buffers: &[PlannedBuffer], step: usize) -> Vec<usize> {
     (0..buffers.len())
         .filter(|&b| {
             let from = buffers[b].first_step + usize::from(buffers[b].reuses.is_some());
-            from <= step && step <= buffers[b].last_step
+            from <= step && step <= buffers[b].last_step && buffers[b].within.is_none()
         })
         .collect()
 }
@@ -455,7 +487,8 @@ fn place(model: &BufferModel, live: &Liveness) -> Vec<usize> {
     };
     // Per place (its root buffer): size and lifetime over the chain.
     let mut span: Vec<Option<(usize, usize, usize)>> = vec![None; n];
-    for b in (0..n).filter(|&b| !model.buffers[b].pinned) {
+    let placed_alone = |b: usize| !model.buffers[b].pinned && model.buffers[b].within.is_none();
+    for b in (0..n).filter(|&b| placed_alone(b)) {
         let r = root(b);
         let size = model.buffers[b].bytes.div_ceil(ALIGN) * ALIGN;
         span[r] = Some(match span[r] {
@@ -488,7 +521,12 @@ fn place(model: &BufferModel, live: &Liveness) -> Vec<usize> {
         offset_of[r] = offset;
         placed.push((offset, size, first, last));
     }
-    (0..n).map(|b| offset_of[root(b)]).collect()
+    (0..n)
+        .map(|b| match model.buffers[b].within {
+            Some((parent, at)) => offset_of[root(parent)] + at,
+            None => offset_of[root(b)],
+        })
+        .collect()
 }
 
 #[cfg(test)]
@@ -510,6 +548,7 @@ mod tests {
             last_step: steps.1,
             reuses,
             escapes: false,
+            within: None,
         }
     }
 
@@ -528,6 +567,7 @@ mod tests {
             live_at_peak: Vec::new(),
             donations: Vec::new(),
             escaping_bytes: 0,
+            joins: Vec::new(),
             scratch: Vec::new(),
         }
     }

@@ -71,8 +71,31 @@ pub struct Slots {
     scratch: Option<(usize, usize, usize)>,
     /// Inside [`scratch`]: allocations are the kernel's scratch.
     in_scratch: bool,
-    /// (bytes, offset; `None` when the value escapes, taken).
-    values: Vec<(usize, Option<usize>, bool)>,
+    /// (bytes, place, taken).
+    values: Vec<(usize, Place, bool)>,
+}
+
+/// Where a value goes.
+#[derive(Clone)]
+pub enum Place {
+    /// At this offset in the arena.
+    Arena(usize),
+    /// At this offset in a block of its own (a piece of an escaping cat
+    /// output, or that output).
+    Block(Block, usize),
+    /// In the pool (it escapes).
+    Pool,
+}
+
+/// A block from the pool that regions share: the output of a cat in place
+/// that escapes the run, allocated when its first piece is made.
+#[derive(Clone)]
+pub struct Block(Arc<RawBuffer>);
+
+impl Block {
+    pub fn new(bytes: usize) -> Block {
+        Block(Arc::new(RawBuffer::new(bytes)))
+    }
 }
 
 const ALIGN: usize = 64;
@@ -83,10 +106,18 @@ impl Slots {
         self.scratch = Some((offset, bytes, 0));
     }
 
-    /// The kernel's next output value: `bytes` at `offset`, or in the pool
-    /// when `offset` is `None` (the value escapes).
-    pub fn value(&mut self, bytes: usize, offset: Option<usize>) {
-        self.values.push((bytes, offset, false));
+    /// The kernel's next output value: `bytes` at `place`.
+    pub fn value(&mut self, bytes: usize, place: Place) {
+        self.values.push((bytes, place, false));
+    }
+
+    /// The place of the kernel's value of `len` bytes, taken without
+    /// allocating (a cat in place takes its output this way).
+    pub(crate) fn take_value(&mut self, len: usize) -> Option<Region> {
+        let was = std::mem::replace(&mut self.in_scratch, false);
+        let region = self.take(len);
+        self.in_scratch = was;
+        region
     }
 
     /// The place of an allocation of `len` bytes: a region, or `None` for
@@ -107,21 +138,28 @@ impl Slots {
             .iter_mut()
             .find(|(bytes, _, taken)| *bytes == len && !taken)?;
         slot.2 = true;
-        let offset = slot.1?;
-        Some(self.region(offset, len))
+        match slot.1.clone() {
+            Place::Arena(offset) => Some(self.region(offset, len)),
+            Place::Block(block, offset) => Some(region_of(&block.0, offset, len)),
+            Place::Pool => None,
+        }
     }
 
     fn region(&self, offset: usize, len: usize) -> Region {
-        assert!(
-            offset + len <= self.arena.len(),
-            "internal error: a planned buffer ({len} bytes at {offset}) outside the arena ({} bytes)",
-            self.arena.len()
-        );
-        Region {
-            arena: self.arena.clone(),
-            offset,
-            len,
-        }
+        region_of(&self.arena, offset, len)
+    }
+}
+
+fn region_of(block: &Arc<RawBuffer>, offset: usize, len: usize) -> Region {
+    assert!(
+        offset + len <= block.len(),
+        "internal error: a planned buffer ({len} bytes at {offset}) outside its block ({} bytes)",
+        block.len()
+    );
+    Region {
+        arena: block.clone(),
+        offset,
+        len,
     }
 }
 

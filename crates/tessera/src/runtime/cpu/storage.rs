@@ -48,6 +48,21 @@ impl Storage {
         Storage { buf, dtype, numel }
     }
 
+    /// Storage for `numel` elements of `dtype` over a planned region (whose
+    /// bytes others may have written: a cat in place).
+    pub(crate) fn in_region(dtype: DType, numel: usize, region: Region) -> Storage {
+        assert_eq!(
+            region.len(),
+            numel * dtype.size_bytes(),
+            "internal error: region size"
+        );
+        Storage {
+            buf: Block::Planned(region),
+            dtype,
+            numel,
+        }
+    }
+
     /// Storage holding a copy of `data`.
     pub fn from_slice<T: Element>(data: &[T]) -> Storage {
         let mut s = Storage::new(T::DTYPE, data.len());
