@@ -484,7 +484,8 @@ pub(crate) fn extract(
     extract_ordered(joint, name, inputs, outputs, &HashSet::new())
 }
 
-/// As [`extract`], except that the forward nodes in `recomputed` take the
+/// As [`extract`], except that the nodes in `recomputed` (forward values
+/// and constants the backward computes) take the
 /// backward's hints ([`crate::hints::for_backward`]) and are placed just
 /// before the first node that reads them (in joint order they would all
 /// come first, and a strict order would recompute every slice before the
