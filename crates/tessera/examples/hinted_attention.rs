@@ -109,7 +109,7 @@ fn run_case(name: &str, g: &Graph, options: &ScheduleOptions, args: &[Tensor]) {
     println!(
         "{name:<30} {:>6} {:>14.3} {:>14.3} {ms:>9.2}",
         s.schedule.steps.len(),
-        mib(s.memory.peak_bytes),
+        mib(s.memory.run_peak_bytes()),
         mib(measured)
     );
 }

@@ -13,6 +13,12 @@
 //! | `group_id` | integer | the group's kernels run as one contiguous block |
 //! | `backward_group_id` | integer | the `group_id` of the region's backward ops |
 //! | `memory_budget_mb` | number ≥ 0 | the most memory the region's steps may use |
+//! | `recompute` | boolean (default: `true` under `order: "strict"`, else `false`) | AOT autograd recomputes the region's forward values in the backward instead of saving them (activation checkpointing, matmuls included) |
+//!
+//! `order: "strict"` says "memory over speed", so by default such a region
+//! is checkpointed: its backward recomputes what it needs from the region's
+//! inputs, slice by slice, with the backward's hints (see
+//! `crate::autograd::aot`); `"recompute": false` keeps its activations.
 //!
 //! An unknown key is a warning and is otherwise ignored; a wrong type or
 //! malformed JSON is an error ([`ErrorKind::Parse`]) naming the key.
@@ -30,7 +36,8 @@ pub use crate::schedule::Strategy as Order;
 /// The JSON object form of hints, as stored in `NodeMeta::hints`.
 pub type HintMap = Map<String, Value>;
 
-const KNOWN_KEYS: &str = "order, schedule_policy, group_id, backward_group_id, memory_budget_mb";
+const KNOWN_KEYS: &str =
+    "order, schedule_policy, group_id, backward_group_id, memory_budget_mb, recompute";
 
 /// A parsed hint; `None` fields are not set (an inner scope leaves them to
 /// the outer one).
@@ -40,6 +47,9 @@ pub struct Hint {
     pub group_id: Option<i64>,
     pub backward_group_id: Option<i64>,
     pub memory_budget_mb: Option<f64>,
+    /// Recompute the region's forward values in the backward (see
+    /// [`Hint::recomputes`] for the default).
+    pub recompute: Option<bool>,
 }
 
 impl Hint {
@@ -93,6 +103,7 @@ impl Hint {
                 "group_id" => hint.group_id = Some(integer(key, value)?),
                 "backward_group_id" => hint.backward_group_id = Some(integer(key, value)?),
                 "memory_budget_mb" => hint.memory_budget_mb = Some(megabytes(key, value)?),
+                "recompute" => hint.recompute = Some(boolean(key, value)?),
                 _ => warnings.push(format!(
                     "hint key \"{key}\" is not known (known: {KNOWN_KEYS}); ignored"
                 )),
@@ -141,6 +152,19 @@ impl Hint {
         self
     }
 
+    /// Whether the backward recomputes the region's forward values.
+    pub fn recompute(mut self, on: bool) -> Hint {
+        self.recompute = Some(on);
+        self
+    }
+
+    /// Whether AOT autograd recomputes this region's forward values in the
+    /// backward: the `recompute` key, by default on under `order: "strict"`
+    /// (a region that asks for memory over speed) and off otherwise.
+    pub fn recomputes(&self) -> bool {
+        self.recompute.unwrap_or(self.order == Some(Order::Strict))
+    }
+
     pub fn is_empty(&self) -> bool {
         *self == Hint::default()
     }
@@ -152,6 +176,7 @@ impl Hint {
             group_id: inner.group_id.or(self.group_id),
             backward_group_id: inner.backward_group_id.or(self.backward_group_id),
             memory_budget_mb: inner.memory_budget_mb.or(self.memory_budget_mb),
+            recompute: inner.recompute.or(self.recompute),
         }
     }
 
@@ -169,6 +194,9 @@ impl Hint {
         }
         if let Some(mb) = self.memory_budget_mb {
             map.insert("memory_budget_mb".into(), Value::from(mb));
+        }
+        if let Some(r) = self.recompute {
+            map.insert("recompute".into(), Value::from(r));
         }
         map
     }
@@ -220,6 +248,14 @@ fn integer(key: &str, value: &Value) -> Result<i64> {
     value.as_i64().ok_or_else(|| {
         parse_error(format!(
             "hint key \"{key}\": expected an integer, got {value}"
+        ))
+    })
+}
+
+fn boolean(key: &str, value: &Value) -> Result<bool> {
+    value.as_bool().ok_or_else(|| {
+        parse_error(format!(
+            "hint key \"{key}\": expected a boolean (true or false), got {value}"
         ))
     })
 }
@@ -360,6 +396,8 @@ mod tests {
                 "memory_budget_mb",
                 "non-negative number",
             ),
+            (r#"{"recompute": 1}"#, "recompute", "a boolean"),
+            (r#"{"recompute": "yes"}"#, "recompute", "a boolean"),
             (
                 r#"{"memory_budget_mb": "64"}"#,
                 "memory_budget_mb",
@@ -387,8 +425,22 @@ mod tests {
         let h = Hint::order(Order::Dfs)
             .group(3)
             .backward_group(4)
-            .memory_budget_mb(64.0);
+            .memory_budget_mb(64.0)
+            .recompute(true);
         assert_eq!(Hint::parse(&h.to_json()).unwrap(), h);
+    }
+
+    #[test]
+    fn strict_regions_recompute_unless_told_not_to() {
+        let parsed = |json: &str| Hint::parse(json).unwrap().recomputes();
+        assert!(parsed(r#"{"order": "strict"}"#));
+        assert!(!parsed(r#"{"order": "strict", "recompute": false}"#));
+        assert!(!parsed(r#"{"order": "bfs"}"#));
+        assert!(!parsed(r#"{"group_id": 0}"#));
+        assert!(parsed(r#"{"order": "dfs", "recompute": true}"#));
+        // The inner scope's explicit value wins over the outer default.
+        let inner = Hint::strict().merged(&Hint::default().recompute(false));
+        assert!(!inner.recomputes());
     }
 
     #[test]

@@ -84,6 +84,15 @@ fn cases() -> Vec<Case> {
     cases.push(case("sdpa_sliced_causal", qkv(&mut g), &[0, 1, 2], |a| {
         vec![sdpa_sliced(&a[0], &a[1], &a[2], true)]
     }));
+    cases.push(case("sdpa_sliced_hinted", qkv(&mut g), &[0, 1, 2], |a| {
+        vec![hinted_sdpa(a, tessera::seed_table::SEED_HINT)]
+    }));
+    cases.push(case(
+        "sdpa_sliced_hinted_no_recompute",
+        qkv(&mut g),
+        &[0, 1, 2],
+        |a| vec![hinted_sdpa(a, NO_RECOMPUTE)],
+    ));
     cases.push(case(
         "broadcasting",
         vec![
@@ -189,6 +198,15 @@ fn cases() -> Vec<Case> {
         },
     ));
     cases
+}
+
+/// The seed's hint with the checkpointing it implies turned off.
+const NO_RECOMPUTE: &str =
+    r#"{"order": "strict", "group_id": 0, "backward_group_id": 1, "recompute": false}"#;
+
+/// The seed's sliced attention (one slice per batch×head) under `hint`.
+fn hinted_sdpa(a: &[Tensor], hint: &str) -> Tensor {
+    tessera::hints::scope(hint, || sdpa_sliced(&a[0], &a[1], &a[2], false)).unwrap()
 }
 
 /// The traced graph; its inputs are the case's, then the host tensors the
@@ -523,6 +541,62 @@ fn printed_graphs_point_at_the_user_code() {
                     aot.backward
                 );
             }
+        }
+    }
+}
+
+/// `order: strict` checkpoints the region: the forward saves nothing but
+/// its inputs (the unhinted and `"recompute": false` graphs save every
+/// slice's scores), the backward recomputes them with the backward's group,
+/// one slice at a time (each softmax is read before the next is made), and
+/// the gradients are those of eager mode (checked for every case by
+/// `aot_matches_eager_under_every_partition`).
+#[test]
+fn a_strict_hint_recomputes_the_region_in_the_backward() {
+    let by_name = |name: &str| cases().into_iter().find(|c| c.name == name).unwrap();
+    for partition in partitions() {
+        let saved = |name: &str| {
+            let (graph, _) = traced(&by_name(name));
+            aot_autograd(&graph, &[0, 1, 2], partition).unwrap()
+        };
+        let plain = saved("sdpa_sliced");
+        let kept = saved("sdpa_sliced_hinted_no_recompute");
+        let hinted = saved("sdpa_sliced_hinted");
+        assert!(plain.saved_bytes > 0, "{partition:?}");
+        assert_eq!(kept.saved_bytes, plain.saved_bytes, "{partition:?}");
+        assert_eq!(hinted.saved_bytes, 0, "{partition:?}\n{}", hinted.forward);
+        let bwd = &hinted.backward;
+        let mut softmaxes = Vec::new();
+        for (i, node) in bwd.nodes.iter().enumerate() {
+            if matches!(node.op, Op::Input) {
+                continue;
+            }
+            let hint = tessera::hints::Hint::from_map(node.meta.hints.as_ref().unwrap())
+                .unwrap()
+                .0;
+            assert_eq!(
+                hint.group_id,
+                Some(1),
+                "{} in the backward:\n{bwd}",
+                node.op.name()
+            );
+            if matches!(node.op, Op::Softmax { .. }) {
+                softmaxes.push(i);
+            }
+        }
+        assert_eq!(
+            softmaxes.len(),
+            4,
+            "one recomputed softmax per slice:\n{bwd}"
+        );
+        for pair in softmaxes.windows(2) {
+            let read_before_next = bwd.nodes[pair[0] + 1..pair[1]]
+                .iter()
+                .any(|n| n.inputs.iter().any(|x| x.index() == pair[0]));
+            assert!(
+                read_before_next,
+                "softmaxes recomputed ahead of use:\n{bwd}"
+            );
         }
     }
 }

@@ -1,8 +1,9 @@
 //! The memory plan against the runtime: for each graph and each strategy,
-//! the peak the planner predicts is the peak the allocator measures while
-//! `run_scheduled` runs (`memory_stats`, which counts the exact bytes every
-//! tensor asks for), and every strategy computes the same values as the
-//! kernels run in plan order.
+//! the plan passes the overlap checker, the peak the planner predicts for a
+//! run (its arena plus the escaping outputs) is the peak the allocator
+//! measures while `run_scheduled` runs (`memory_stats`, which counts the
+//! exact bytes every tensor asks for), and every strategy computes the same
+//! bits as the kernels run in plan order without an arena.
 //!
 //! Tolerance: none — predicted and measured agree to the byte, scratch
 //! memory of kernels (softmax and reductions of strided inputs, f16/bf16
@@ -83,13 +84,14 @@ fn check_graph(graph: &Graph, inputs: &[Tensor]) -> Vec<(String, usize)> {
     for (name, budget) in runs {
         let strategy = Strategy::from_name(&name).unwrap_or(Strategy::Bfs);
         let (plan, s) = planned(graph, strategy, budget);
+        s.memory.check().unwrap();
         let (outs, peak) = measured(graph, &plan, &s, inputs);
         assert_eq!(
             peak,
-            s.memory.peak_bytes,
+            s.memory.run_peak_bytes(),
             "{name} ({}): measured {peak} bytes, predicted {}\n{}",
             s.schedule.chosen,
-            s.memory.peak_bytes,
+            s.memory.run_peak_bytes(),
             s.memory.describe(graph)
         );
         assert_eq!(bits(&outs), bits(&reference), "{name} changed the values");
@@ -161,19 +163,15 @@ fn a_small_mlp_with_views_scratch_and_in_place() {
     check_graph(&g, &inputs);
 }
 
-#[test]
-fn the_backward_of_the_mlp() {
-    let _lock = allocator();
-    let inputs = [
-        randn(&[16, 32], DType::F32, 6),
-        randn(&[32, 24], DType::F32, 7),
-        randn(&[24], DType::F32, 8),
-    ];
-    let g = traced("mlp", &inputs, mlp);
-    let aot = aot_autograd(&g, &[0, 1, 2], Partition::SaveAll).unwrap();
+/// The forward and backward graphs of `g` (AOT, saving all), each checked
+/// as `check_graph` does; the backward is fed the forward's saved values
+/// and tangents of ones. Returns the two graphs.
+fn check_forward_and_backward(g: &Graph, inputs: &[Tensor]) -> (Graph, Graph) {
+    let wrt: Vec<usize> = (0..inputs.len()).collect();
+    let aot = aot_autograd(g, &wrt, Partition::SaveAll).unwrap();
     let fwd = schedule_util::optimized(aot.forward);
     let plan = tessera::fusion::fuse(&fwd);
-    let fwd_out: Vec<Tensor> = run_plan(&fwd, &plan, &inputs)
+    let fwd_out: Vec<Tensor> = run_plan(&fwd, &plan, inputs)
         .unwrap()
         .into_iter()
         .map(|(_, t)| t)
@@ -185,8 +183,67 @@ fn the_backward_of_the_mlp() {
             .map(|t| Tensor::ones(t.shape(), t.dtype())),
     );
     let bwd = schedule_util::optimized(aot.backward);
-    check_graph(&fwd, &inputs);
+    check_graph(&fwd, inputs);
     check_graph(&bwd, &feed);
+    (fwd, bwd)
+}
+
+#[test]
+fn the_backward_of_the_mlp() {
+    let _lock = allocator();
+    let inputs = [
+        randn(&[16, 32], DType::F32, 6),
+        randn(&[32, 24], DType::F32, 7),
+        randn(&[24], DType::F32, 8),
+    ];
+    let g = traced("mlp", &inputs, mlp);
+    check_forward_and_backward(&g, &inputs);
+}
+
+/// The seed's graphs: the sliced attention's forward and backward, plain
+/// and under the seed's hint (whose backward recomputes every slice). The
+/// cats that join the slices' outputs and the gradients' pieces copy
+/// nothing: their inputs are planned within their outputs — except the cat
+/// of k's gradient, whose pieces are transposed views of matmul results
+/// (strided: it must copy them).
+#[test]
+fn the_seed_forward_and_backward_with_and_without_the_hint() {
+    let _lock = allocator();
+    let inputs: Vec<Tensor> = (0..3)
+        .map(|i| randn(&[2, 4, 32, 8], DType::F32, 20 + i))
+        .collect();
+    for hint in [None, Some(tessera::seed_table::SEED_HINT)] {
+        let g = traced("attention", &inputs, |a| {
+            let f = |a: &[Tensor]| sliced_attention(&a[0], &a[1], &a[2], 8);
+            vec![match hint {
+                Some(h) => hinted_context(f, a, h).unwrap(),
+                None => f(a),
+            }]
+        });
+        let (fwd, bwd) = check_forward_and_backward(&g, &inputs);
+        for graph in [&fwd, &bwd] {
+            let cats: Vec<_> = graph
+                .nodes
+                .iter()
+                .filter(|n| n.op.name() == "cat")
+                .collect();
+            let of_views = cats
+                .iter()
+                .filter(|n| {
+                    n.inputs
+                        .iter()
+                        .any(|x| graph.node(*x).op.name() == "permute")
+                })
+                .count();
+            let (_, s) = planned(graph, Strategy::Strict, None);
+            let joins = s.memory.joins.iter().filter(|&&j| j).count();
+            assert!(
+                !cats.is_empty() && joins == cats.len() - of_views,
+                "{} cats ({of_views} of strided views), {joins} in place\n{graph}",
+                cats.len()
+            );
+        }
+    }
 }
 
 #[test]

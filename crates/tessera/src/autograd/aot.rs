@@ -7,6 +7,15 @@
 //! same VJP rules on traced tensors. The partitioner then decides, per value
 //! the backward needs, whether the forward saves it or the backward
 //! recomputes it (see [`Partition`]).
+//!
+//! Context hints override the partition region by region: a forward value
+//! made under a hint that [`recomputes`](crate::hints::Hint::recomputes)
+//! (`"recompute": true`, the default under `order: "strict"`) is never
+//! saved; the backward recomputes it from the region's inputs (activation
+//! checkpointing, matmuls included, which the min-cut never recomputes).
+//! The recomputed ops take the backward's hints (`backward_group_id`) and
+//! sit in the backward graph just before the first op that needs them, so
+//! a strict backward recomputes one slice at a time.
 
 use std::collections::{HashMap, HashSet};
 
@@ -108,6 +117,19 @@ pub fn aot_autograd(graph: &Graph, wrt: &[usize], partition: Partition) -> Resul
             )
         }
     };
+    let (saved, checkpointed) = checkpoint(
+        &joint.graph,
+        &split.forward,
+        &split.needed_by_backward,
+        &saved,
+        n_out,
+    );
+    let recomputed = made_before_the_backward(
+        &joint.graph,
+        &split.backward,
+        &saved,
+        &joint.graph.outputs[n_out..],
+    );
     let saved_bytes = saved
         .iter()
         .filter(|id| !matches!(joint.graph.node(**id).op, Op::Input))
@@ -138,16 +160,20 @@ pub fn aot_autograd(graph: &Graph, wrt: &[usize], partition: Partition) -> Resul
         .iter()
         .map(|o| (o.name.clone(), o.node))
         .collect();
-    let backward = extract(
+    let backward = extract_ordered(
         &joint.graph,
         &format!("{}_backward", graph.name),
         &bwd_inputs,
         &bwd_outputs,
+        &recomputed,
     )?;
     crate::logging::log("aot_graphs", || {
         format!(
-            "forward graph ({} saved, {saved_bytes} activation bytes):\n{forward}\nbackward graph:\n{backward}",
-            saved.len()
+            "forward graph ({} saved, {saved_bytes} activation bytes; hints made {} values \
+             recompute, {} bytes not saved):\n{forward}\nbackward graph:\n{backward}",
+            saved.len(),
+            checkpointed.values,
+            checkpointed.bytes,
         )
     });
     Ok(AotGraphs {
@@ -176,6 +202,48 @@ pub(crate) fn bytes_of(ty: &TensorType) -> usize {
         .as_concrete()
         .map_or(0, |s| s.iter().product::<usize>())
         * ty.dtype.size_bytes()
+}
+
+/// The `wanted` nodes in joint order, except that those in `late` come
+/// just before the first node that reads them (depth first, operands in
+/// order), or at the end when only an output needs them.
+fn lazy_order(
+    joint: &Graph,
+    late: &HashSet<NodeId>,
+    outputs: &[(String, NodeId)],
+    wanted: &dyn Fn(&NodeId) -> bool,
+) -> Vec<NodeId> {
+    let mut order = Vec::new();
+    let mut placed = HashSet::new();
+    // Places the late nodes `id` reads (and, if `id` is late, `id` itself).
+    let mut place = |id: NodeId, order: &mut Vec<NodeId>| {
+        let mut stack = vec![(id, 0usize)];
+        while let Some(&mut (v, ref mut i)) = stack.last_mut() {
+            if let Some(&x) = joint.node(v).inputs.get(*i) {
+                *i += 1;
+                if late.contains(&x) && wanted(&x) && !placed.contains(&x) {
+                    stack.push((x, 0));
+                }
+            } else {
+                stack.pop();
+                if (late.contains(&v) || v == id) && placed.insert(v) {
+                    order.push(v);
+                }
+            }
+        }
+    };
+    for i in 0..joint.len() {
+        let id = NodeId(i as u32);
+        if wanted(&id) && !late.contains(&id) {
+            place(id, &mut order);
+        }
+    }
+    for (_, id) in outputs {
+        if wanted(id) {
+            place(*id, &mut order);
+        }
+    }
+    order
 }
 
 /// Traces forward + backward: inputs are the primals, then the tangents;
@@ -246,6 +314,8 @@ struct JointSplit {
     /// create) are left out: they are constants, which `extract` copies into
     /// whichever graph reads them.
     forward: HashSet<NodeId>,
+    /// Nodes that depend on a tangent.
+    backward: HashSet<NodeId>,
     /// Forward values read by backward nodes or returned as gradients, in
     /// node order.
     needed_by_backward: Vec<NodeId>,
@@ -307,9 +377,101 @@ impl JointSplit {
         needed_by_backward.sort();
         JointSplit {
             forward,
+            backward,
             needed_by_backward,
         }
     }
+}
+
+/// What the hints changed in a partition.
+struct Checkpointed {
+    /// Values the partition saved that the backward now recomputes.
+    values: usize,
+    bytes: usize,
+}
+
+/// Whether forward node `id` is in a region whose hints ask for recompute.
+/// Opaque ops (custom kernels write all their outputs at once) and inputs
+/// are never recomputed; nor are the graph's outputs, which stay alive for
+/// the caller anyway (saving one costs nothing).
+fn hinted_recompute(joint: &Graph, id: NodeId, outputs: &HashSet<NodeId>) -> bool {
+    let node = joint.node(id);
+    if matches!(node.op, Op::Input | Op::Custom(_) | Op::CustomOutput { .. })
+        || outputs.contains(&id)
+    {
+        return false;
+    }
+    node.meta
+        .hints
+        .as_ref()
+        .and_then(|map| crate::hints::Hint::from_map(map).ok())
+        .is_some_and(|(hint, _)| hint.recomputes())
+}
+
+/// The partition's saved set with hinted regions checkpointed: walking back
+/// from what the backward needs, a value is recomputed when it is hinted so
+/// or the partition did not save it (then its forward inputs are needed
+/// instead); otherwise it is saved. Returns the new saved set, in node
+/// order, and what the hints changed.
+fn checkpoint(
+    joint: &Graph,
+    forward: &HashSet<NodeId>,
+    needed: &[NodeId],
+    saved: &[NodeId],
+    n_out: usize,
+) -> (Vec<NodeId>, Checkpointed) {
+    let outputs: HashSet<NodeId> = joint.outputs[..n_out].iter().map(|o| o.node).collect();
+    let base: HashSet<NodeId> = saved.iter().copied().collect();
+    let mut kept = HashSet::new();
+    let mut seen = HashSet::new();
+    let mut stack: Vec<NodeId> = needed.to_vec();
+    while let Some(id) = stack.pop() {
+        if !seen.insert(id) || !forward.contains(&id) {
+            continue;
+        }
+        let is_input = matches!(joint.node(id).op, Op::Input);
+        if !is_input && (hinted_recompute(joint, id, &outputs) || !base.contains(&id)) {
+            stack.extend(joint.node(id).inputs.iter().copied());
+        } else {
+            kept.insert(id);
+        }
+    }
+    let dropped: Vec<&NodeId> = saved.iter().filter(|id| !kept.contains(id)).collect();
+    let changed = Checkpointed {
+        values: dropped.len(),
+        bytes: dropped
+            .iter()
+            .filter(|id| !matches!(joint.node(***id).op, Op::Input))
+            .map(|id| bytes_of(&joint.node(**id).ty))
+            .sum(),
+    };
+    let mut kept: Vec<NodeId> = kept.into_iter().collect();
+    kept.sort();
+    (kept, changed)
+}
+
+/// The nodes the backward graph computes that do not depend on a tangent:
+/// forward values it recomputes and constants.
+fn made_before_the_backward(
+    joint: &Graph,
+    backward: &HashSet<NodeId>,
+    saved: &[NodeId],
+    backward_outputs: &[crate::ir::Output],
+) -> HashSet<NodeId> {
+    let saved: HashSet<NodeId> = saved.iter().copied().collect();
+    let mut found = HashSet::new();
+    let mut seen = HashSet::new();
+    let mut stack: Vec<NodeId> = backward_outputs.iter().map(|o| o.node).collect();
+    while let Some(id) = stack.pop() {
+        if !seen.insert(id) || saved.contains(&id) || matches!(joint.node(id).op, Op::Input) {
+            continue;
+        }
+        if !backward.contains(&id) {
+            found.insert(id);
+        }
+        stack.extend(joint.node(id).inputs.iter().copied());
+    }
+    found
 }
 
 /// The subgraph of `joint` computing `outputs` from `inputs` (which become
@@ -320,6 +482,22 @@ pub(crate) fn extract(
     name: &str,
     inputs: &[(String, NodeId)],
     outputs: &[(String, NodeId)],
+) -> Result<Graph> {
+    extract_ordered(joint, name, inputs, outputs, &HashSet::new())
+}
+
+/// As [`extract`], except that the nodes in `recomputed` (forward values
+/// and constants the backward computes) take the
+/// backward's hints ([`crate::hints::for_backward`]) and are placed just
+/// before the first node that reads them (in joint order they would all
+/// come first, and a strict order would recompute every slice before the
+/// backward of the first).
+fn extract_ordered(
+    joint: &Graph,
+    name: &str,
+    inputs: &[(String, NodeId)],
+    outputs: &[(String, NodeId)],
+    recomputed: &HashSet<NodeId>,
 ) -> Result<Graph> {
     let boundary: HashMap<NodeId, &str> = inputs.iter().map(|(n, id)| (*id, n.as_str())).collect();
     // Nodes needed, walking back from the outputs and stopping at inputs.
@@ -349,18 +527,18 @@ pub(crate) fn extract(
             g.add_input(input_name.clone(), joint.node(*id).ty.clone()),
         );
     }
-    for (i, node) in joint.nodes.iter().enumerate() {
-        let id = NodeId(i as u32);
-        if !needed.contains(&id) || boundary.contains_key(&id) {
-            continue;
+    let wanted = |id: &NodeId| needed.contains(id) && !boundary.contains_key(id);
+    for id in lazy_order(joint, recomputed, outputs, &wanted) {
+        let node = joint.node(id);
+        let mut meta = node.meta.clone();
+        if recomputed.contains(&id) {
+            meta.hints = crate::hints::for_backward(meta.hints);
         }
         let new = g.push(Node {
             op: node.op.clone(),
             inputs: node.inputs.iter().map(|x| map[x]).collect(),
             ty: node.ty.clone(),
-            meta: NodeMeta {
-                ..node.meta.clone()
-            },
+            meta,
         });
         map.insert(id, new);
     }

@@ -8,6 +8,10 @@ use std::panic::Location;
 
 use rayon::prelude::*;
 
+use std::cell::RefCell;
+use std::collections::HashMap;
+
+use super::cpu::arena::{self, Arena, Block, Place, Slots};
 use super::cpu::fused::{FusedInput, FusedKernel};
 use super::cpu::Storage;
 use super::device::{self, Device};
@@ -25,7 +29,15 @@ use crate::tensor::{trace, Tensor};
 /// outputs.
 pub fn run_plan(graph: &Graph, plan: &Plan, inputs: &[Tensor]) -> Result<Vec<(String, Tensor)>> {
     let steps: Vec<Vec<usize>> = (0..plan.kernels.len()).map(|k| vec![k]).collect();
-    execute(graph, plan, &steps, |_| Vec::new(), |_| false, inputs)
+    execute(
+        graph,
+        plan,
+        &steps,
+        |_| Vec::new(),
+        |_| false,
+        |_| None,
+        inputs,
+    )
 }
 
 /// Runs `plan` in `schedule`'s steps: the kernels of a step with several
@@ -33,8 +45,14 @@ pub fn run_plan(graph: &Graph, plan: &Plan, inputs: &[Tensor]) -> Result<Vec<(St
 /// a step of one runs alone. Fused kernels write in place where `memory`
 /// says so. Kernels that need scratch memory run first in their step, one
 /// at a time, so that the bytes alive never depend on how threads
-/// interleave: the measured peak is the predicted one. Under an active
-/// trace, every kernel runs on this thread (traced tensors belong to it).
+/// interleave. Under an active trace, every kernel runs on this thread
+/// (traced tensors belong to it).
+///
+/// One arena of `memory.arena_bytes` is allocated for the run, and every
+/// buffer a kernel creates (outputs and scratch) lands at its planned
+/// offset in it (`cpu::arena`), except the values that escape (outputs),
+/// which come from the pool: the measured peak is
+/// `memory.run_peak_bytes()`.
 pub fn run_scheduled(
     graph: &Graph,
     plan: &Plan,
@@ -42,12 +60,51 @@ pub fn run_scheduled(
     memory: &MemoryPlan,
     inputs: &[Tensor],
 ) -> Result<Vec<(String, Tensor)>> {
+    let arena = Arena::new(memory.arena_bytes);
+    let mut created = vec![Vec::new(); plan.kernels.len()];
+    for (i, buffer) in memory.buffers.iter().enumerate() {
+        created[buffer.kernel].push(i);
+    }
+    // The escaping outputs of cats in place, by buffer: allocated with
+    // their first piece.
+    let blocks: RefCell<HashMap<usize, Block>> = RefCell::new(HashMap::new());
+    let block = |b: usize| {
+        let mut blocks = blocks.borrow_mut();
+        let block = blocks
+            .entry(b)
+            .or_insert_with(|| Block::new(memory.buffers[b].bytes));
+        block.clone()
+    };
+    let slots = |k: usize| {
+        let mut slots = arena.slots();
+        for &i in &created[k] {
+            let b = &memory.buffers[i];
+            let place = match (b.within, b.escapes) {
+                (_, false) => Place::Arena(b.offset),
+                (Some((parent, at)), true) => Place::Block(block(parent), at),
+                (None, true) if memory.joins[k] => Place::Block(block(i), 0),
+                (None, true) => Place::Pool,
+            };
+            match (b.value, b.reuses) {
+                // The planner reserved the size rounded up to the alignment.
+                (None, _) => slots.scratch(b.offset, b.bytes.div_ceil(64) * 64),
+                (Some(_), None) => slots.value(b.bytes, place),
+                // Written over its input's storage: allocates nothing.
+                (Some(_), Some(_)) => {}
+            }
+        }
+        Some(Planned {
+            slots,
+            joins: memory.joins[k],
+        })
+    };
     execute(
         graph,
         plan,
         &schedule.steps,
         |k| memory.in_place(k).collect(),
         |k| memory.scratch_bytes(k) > 0,
+        slots,
         inputs,
     )
 }
@@ -58,6 +115,7 @@ fn execute(
     steps: &[Vec<usize>],
     in_place: impl Fn(usize) -> Vec<(NodeId, NodeId)>,
     alone: impl Fn(usize) -> bool,
+    slots: impl Fn(usize) -> Option<Planned>,
     inputs: &[Tensor],
 ) -> Result<Vec<(String, Tensor)>> {
     let given: Vec<Option<&Tensor>> = inputs.iter().map(Some).collect();
@@ -98,7 +156,11 @@ fn execute_on(
     for (step, free) in steps.iter().zip(&frees) {
         let jobs: Vec<Job<'_>> = step
             .iter()
-            .map(|&k| Job::gather(graph, k, &plan.kernels[k], &in_place(k), &mut values))
+            .map(|&k| {
+                let mut job = Job::gather(graph, k, &plan.kernels[k], &in_place(k), &mut values);
+                job.planned = slots(k);
+                job
+            })
             .collect();
         let concurrent = concurrent && jobs.len() > 1;
         let (serial, parallel): (Vec<Job<'_>>, Vec<Job<'_>>) = jobs
@@ -145,6 +207,15 @@ struct Job<'a> {
     k: usize,
     kernel: &'a Kernel,
     args: Vec<Arg>,
+    /// Where its allocations go (compiled runs with a memory plan).
+    planned: Option<Planned>,
+}
+
+/// A kernel's planned allocations.
+struct Planned {
+    slots: Slots,
+    /// A cat whose inputs were made within its output: it copies nothing.
+    joins: bool,
 }
 
 impl<'a> Job<'a> {
@@ -189,10 +260,59 @@ impl<'a> Job<'a> {
                 }
             })
             .collect();
-        Job { k, kernel, args }
+        Job {
+            k,
+            kernel,
+            args,
+            planned: None,
+        }
     }
 
-    fn run(self, graph: &Graph) -> Result<Vec<(NodeId, Tensor)>> {
+    fn run(mut self, graph: &Graph) -> Result<Vec<(NodeId, Tensor)>> {
+        match self.planned.take() {
+            Some(Planned { slots, joins: true }) => self.join(graph, slots),
+            Some(Planned { slots, .. }) => arena::planned(slots, || self.run_kernel(graph)),
+            None => self.run_kernel(graph),
+        }
+    }
+
+    /// A cat in place: its output is the place its inputs were written
+    /// into. Should an input not be where the plan put it (its producer
+    /// allocated elsewhere), the cat copies into a buffer of its own.
+    fn join(self, graph: &Graph, mut slots: Slots) -> Result<Vec<(NodeId, Tensor)>> {
+        let Kernel::Extern(id) = self.kernel else {
+            unreachable!("only cats join")
+        };
+        let ty = &graph.node(*id).ty;
+        let shape = ty.shape.as_concrete().expect("planned shapes are concrete");
+        let numel: usize = shape.iter().product();
+        let region = slots
+            .take_value(numel * ty.dtype.size_bytes())
+            .expect("internal error: the output of a cat in place has a place");
+        let mut at = region.as_ptr() as usize;
+        let mut in_place = true;
+        for arg in &self.args {
+            let Arg::Shared(t) = arg else {
+                unreachable!("cats never write in place")
+            };
+            let bytes = t.storage().as_bytes();
+            in_place &= t.layout().offset == 0 && bytes.as_ptr() as usize == at;
+            at += t.numel() * t.dtype().size_bytes();
+        }
+        if !in_place {
+            log("memory", || {
+                format!(
+                    "{}: an input is not where the plan put it; the cat copies",
+                    graph.display_name(*id)
+                )
+            });
+            return self.run_kernel(graph);
+        }
+        let storage = super::cpu::Storage::in_region(ty.dtype, numel, region);
+        Ok(vec![(*id, Tensor::from_storage(storage, &shape))])
+    }
+
+    fn run_kernel(self, graph: &Graph) -> Result<Vec<(NodeId, Tensor)>> {
         match self.kernel {
             Kernel::Extern(id) => {
                 let node = graph.node(*id);

@@ -9,11 +9,18 @@
 //! end. Layouts are followed from the inputs, assumed dense (the compiled
 //! function's inputs are; a strided input may make a reshape copy where the
 //! plan expected a view).
+//!
+//! Cat in place: when every input of a `cat` is a whole dense buffer that
+//! a kernel of this executable makes, that only the cat reads, and the cat
+//! joins them along a dim with only size-1 dims before it (so each input is
+//! one contiguous byte range of the output), each input buffer is planned
+//! *within* the cat's output buffer, at its range: its producer writes
+//! straight into the output, and the cat copies nothing.
 
 use super::kernels::KernelGraph;
 use crate::error::{Error, ErrorKind, Result};
 use crate::fusion::{Kernel, Plan};
-use crate::ir::{DType, Graph, NodeId};
+use crate::ir::{DType, Graph, NodeId, Op};
 use crate::runtime::cpu::{copy, scratch_bytes, view_layout};
 use crate::tensor::Layout;
 
@@ -28,6 +35,8 @@ pub(crate) struct Buffer {
     pub readers: Vec<usize>,
     /// Lives to the end (a graph output is, or views, it).
     pub pinned: bool,
+    /// It is the bytes at (.1) of buffer (.0), the output of a cat in place.
+    pub within: Option<(usize, usize)>,
 }
 
 /// A fused kernel may write output `output` into the buffer of its input
@@ -60,6 +69,9 @@ pub(crate) struct BufferModel {
     pub read: Vec<Vec<usize>>,
     /// Per kernel, the in-place writes its layouts allow.
     pub in_place: Vec<Vec<InPlace>>,
+    /// Per kernel, whether it is a cat whose inputs are planned within its
+    /// output (it copies nothing).
+    pub joins: Vec<bool>,
 }
 
 impl BufferModel {
@@ -70,6 +82,7 @@ impl BufferModel {
             created: vec![Vec::new(); kg.len()],
             read: vec![Vec::new(); kg.len()],
             in_place: vec![Vec::new(); kg.len()],
+            joins: vec![false; kg.len()],
         };
         let mut values: Vec<Option<ValueLayout>> = vec![None; graph.len()];
         for &id in &graph.inputs {
@@ -89,7 +102,53 @@ impl BufferModel {
                 model.buffers[b].pinned = true;
             }
         }
+        for (k, kernel) in plan.kernels.iter().enumerate() {
+            if let Kernel::Extern(id) = kernel {
+                model.join_in_place(graph, k, *id);
+            }
+        }
         Ok(model)
+    }
+
+    /// Plans the inputs of cat `id` (kernel `k`) within its output, if they
+    /// all qualify (see the module docs).
+    fn join_in_place(&mut self, graph: &Graph, k: usize, id: NodeId) {
+        let node = graph.node(id);
+        let Op::Cat { dim } = node.op else { return };
+        let Some(out) = self.value_buffer[id.index()] else {
+            return;
+        };
+        let Some(shape) = node.ty.shape.as_concrete() else {
+            return;
+        };
+        if shape[..dim].iter().product::<usize>() != 1 || self.buffers[out].value != Some(id) {
+            return;
+        }
+        let mut pieces = Vec::new();
+        let mut offset = 0;
+        for &x in &node.inputs {
+            let Some(b) = self.value_buffer[x.index()] else {
+                return;
+            };
+            let buffer = &self.buffers[b];
+            let whole = buffer.value == Some(x) && buffer.within.is_none();
+            if !whole
+                || buffer.pinned
+                || buffer.readers != [k]
+                || pieces.iter().any(|&(p, _)| p == b)
+            {
+                return;
+            }
+            pieces.push((b, offset));
+            offset += buffer.bytes;
+        }
+        if offset != self.buffers[out].bytes {
+            return;
+        }
+        for (b, at) in pieces {
+            self.buffers[b].within = Some((out, at));
+        }
+        self.joins[k] = true;
     }
 
     fn add_kernel(
@@ -212,6 +271,7 @@ impl BufferModel {
             bytes,
             readers: Vec::new(),
             pinned: false,
+            within: None,
         });
         self.created[k].push(self.buffers.len() - 1);
         self.buffers.len() - 1

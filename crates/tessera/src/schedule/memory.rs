@@ -23,6 +23,18 @@
 //! time, with sizes rounded up to 64 bytes (the allocator's alignment).
 //! [`MemoryPlan::check`] verifies that no two buffers live at the same time
 //! overlap; it runs after every plan in debug builds.
+//!
+//! Values that escape the executable (graph outputs, which include the
+//! tensors a forward saves for its backward, and the buffers they view) get
+//! no place in the arena: the compiled executor allocates them from the
+//! pool, so that they do not keep the arena alive after the run; nor does
+//! a kernel write one of them in place of an input. The executor allocates
+//! the arena once per run, so what it measures is the arena plus the
+//! escaping bytes: [`MemoryPlan::run_peak_bytes`].
+//!
+//! A buffer planned within a cat's output (`buffers.rs`) holds no bytes of
+//! its own: the output is live from the step its first piece is made, and
+//! each piece sits at its range of the output's place.
 
 use super::buffers::BufferModel;
 use super::Schedule;
@@ -45,6 +57,12 @@ pub struct PlannedBuffer {
     pub last_step: usize,
     /// It takes the place of this buffer (in place).
     pub reuses: Option<usize>,
+    /// It outlives the run (an output, or viewed by one): not in the arena.
+    pub escapes: bool,
+    /// It is the bytes at (.1) of buffer (.0), the output of a cat that
+    /// copies nothing; its offset is its place in the arena (when the
+    /// output escapes: in the output's own block).
+    pub within: Option<(usize, usize)>,
 }
 
 /// Kernel `kernel` writes `output` over its input `input`.
@@ -70,6 +88,11 @@ pub struct MemoryPlan {
     pub arena_bytes: usize,
     /// The in-place writes, by kernel.
     pub donations: Vec<Donation>,
+    /// Bytes of the buffers that escape (allocated outside the arena).
+    pub escaping_bytes: usize,
+    /// Per kernel, whether it is a cat that copies nothing (its inputs were
+    /// made within its output).
+    pub joins: Vec<bool>,
     /// Per kernel, its scratch bytes (the executor asks once per kernel).
     scratch: Vec<usize>,
 }
@@ -97,7 +120,12 @@ impl Liveness {
             }
         }
         let end = steps.len().saturating_sub(1);
-        let first: Vec<usize> = model.buffers.iter().map(|b| step_of[b.kernel]).collect();
+        let mut first: Vec<usize> = model.buffers.iter().map(|b| step_of[b.kernel]).collect();
+        for b in &model.buffers {
+            if let Some((parent, _)) = b.within {
+                first[parent] = first[parent].min(step_of[b.kernel]);
+            }
+        }
         let last: Vec<usize> = model
             .buffers
             .iter()
@@ -136,6 +164,9 @@ impl Liveness {
                     // A fused kernel creates one buffer per output, in order.
                     let output = model.created[k][c.output];
                     if input.pinned
+                        || model.buffers[output].pinned
+                        || model.buffers[output].within.is_some()
+                        || input.within.is_some()
                         || self.last[c.buffer] != s
                         || !sole_reader
                         || taken[c.buffer]
@@ -162,7 +193,7 @@ impl Liveness {
         let mut delta = vec![0isize; steps.len() + 1];
         let mut fresh = vec![0usize; steps.len()];
         for (b, buffer) in model.buffers.iter().enumerate() {
-            if buffer.value.is_none() {
+            if buffer.value.is_none() || buffer.within.is_some() {
                 continue;
             }
             let from = match self.reuses[b] {
@@ -201,6 +232,7 @@ fn scratch_excess(model: &BufferModel, step: &[usize], fresh: usize) -> usize {
         for &b in &model.created[k] {
             match model.buffers[b].value {
                 None => scratch += model.buffers[b].bytes,
+                Some(_) if model.buffers[b].within.is_some() => {}
                 Some(_) => output += model.buffers[b].bytes,
             }
         }
@@ -240,15 +272,26 @@ impl MemoryPlan {
                 first_step: live.first[b],
                 last_step: live.last[b],
                 reuses: live.reuses[b],
+                escapes: buffer
+                    .within
+                    .map_or(buffer.pinned, |(p, _)| model.buffers[p].pinned),
+                within: buffer.within,
             })
             .collect();
         let plan = MemoryPlan {
             live_at_peak: live_in(&buffers, peak_step),
             arena_bytes: buffers
                 .iter()
+                .filter(|b| !b.escapes)
                 .map(|b| b.offset + b.bytes)
                 .max()
                 .unwrap_or(0),
+            escaping_bytes: buffers
+                .iter()
+                .filter(|b| b.escapes && b.within.is_none())
+                .map(|b| b.bytes)
+                .sum(),
+            joins: model.joins.clone(),
             buffers,
             donations: donations(model, &live),
             scratch: scratch_per_kernel(model),
@@ -266,6 +309,12 @@ impl MemoryPlan {
             })?;
         }
         Ok(plan)
+    }
+
+    /// The peak the compiled executor measures: its arena, allocated for
+    /// the whole run, plus the escaping buffers (all alive at its end).
+    pub fn run_peak_bytes(&self) -> usize {
+        self.arena_bytes + self.escaping_bytes
     }
 
     /// Bytes kernel `k` allocates for its own use while it runs.
@@ -299,6 +348,11 @@ impl MemoryPlan {
                 }
             }
             for (j, b) in self.buffers.iter().enumerate().skip(i + 1) {
+                let nested =
+                    a.within.is_some_and(|(p, _)| p == j) || b.within.is_some_and(|(p, _)| p == i);
+                if a.escapes || b.escapes || nested {
+                    continue;
+                }
                 let same_place = self.shares_place(i, j);
                 let in_time = a.first_step <= b.last_step && b.first_step <= a.last_step;
                 let in_space = a.offset < b.offset + b.bytes && b.offset < a.offset + a.bytes;
@@ -313,10 +367,10 @@ impl MemoryPlan {
         if self.step_bytes.iter().copied().max().unwrap_or(0) != self.peak_bytes {
             return bad("the peak is not the most bytes live in a step".into());
         }
-        if self.arena_bytes < self.peak_bytes {
+        if self.run_peak_bytes() < self.peak_bytes {
             return bad(format!(
-                "an arena of {} bytes cannot hold a peak of {}",
-                self.arena_bytes, self.peak_bytes
+                "an arena of {} bytes and {} escaping bytes cannot hold a peak of {}",
+                self.arena_bytes, self.escaping_bytes, self.peak_bytes
             ));
         }
         Ok(())
@@ -340,12 +394,15 @@ impl MemoryPlan {
             None => format!("scratch of k{}", b.kernel),
         };
         let mut text = format!(
-            "graph `{}`: {} buffers, predicted peak {} bytes at step {}, arena {} bytes, {} in place\n",
+            "graph `{}`: {} buffers, predicted peak {} bytes at step {}, arena {} bytes \
+             + {} escaping bytes = {} bytes for a run, {} in place\n",
             graph.name,
             self.buffers.len(),
             self.peak_bytes,
             self.peak_step,
             self.arena_bytes,
+            self.escaping_bytes,
+            self.run_peak_bytes(),
             self.donations.len()
         );
         let at_peak: Vec<String> = self
@@ -359,11 +416,17 @@ impl MemoryPlan {
                 .reuses
                 .map(|r| format!(" in place of buffer {r}"))
                 .unwrap_or_default();
+            let place = match (b.within, b.escapes) {
+                (Some((p, at)), _) => {
+                    format!("within buffer {p} at +{at} (its cat copies nothing)")
+                }
+                (None, true) => "outside the arena (escapes)".to_string(),
+                (None, false) => format!("at offset {}", b.offset),
+            };
             text.push_str(&format!(
-                "  buffer {i} {}: {} bytes at offset {}, steps {}..={}, k{}{reuse}\n",
+                "  buffer {i} {}: {} bytes {place}, steps {}..={}, k{}{reuse}\n",
                 name(b),
                 b.bytes,
-                b.offset,
                 b.first_step,
                 b.last_step,
                 b.kernel
@@ -379,7 +442,7 @@ fn live_in(buffers: &[PlannedBuffer], step: usize) -> Vec<usize> {
     (0..buffers.len())
         .filter(|&b| {
             let from = buffers[b].first_step + usize::from(buffers[b].reuses.is_some());
-            from <= step && step <= buffers[b].last_step
+            from <= step && step <= buffers[b].last_step && buffers[b].within.is_none()
         })
         .collect()
 }
@@ -424,7 +487,8 @@ fn place(model: &BufferModel, live: &Liveness) -> Vec<usize> {
     };
     // Per place (its root buffer): size and lifetime over the chain.
     let mut span: Vec<Option<(usize, usize, usize)>> = vec![None; n];
-    for b in 0..n {
+    let placed_alone = |b: usize| !model.buffers[b].pinned && model.buffers[b].within.is_none();
+    for b in (0..n).filter(|&b| placed_alone(b)) {
         let r = root(b);
         let size = model.buffers[b].bytes.div_ceil(ALIGN) * ALIGN;
         span[r] = Some(match span[r] {
@@ -457,7 +521,12 @@ fn place(model: &BufferModel, live: &Liveness) -> Vec<usize> {
         offset_of[r] = offset;
         placed.push((offset, size, first, last));
     }
-    (0..n).map(|b| offset_of[root(b)]).collect()
+    (0..n)
+        .map(|b| match model.buffers[b].within {
+            Some((parent, at)) => offset_of[root(parent)] + at,
+            None => offset_of[root(b)],
+        })
+        .collect()
 }
 
 #[cfg(test)]
@@ -478,6 +547,8 @@ mod tests {
             first_step: steps.0,
             last_step: steps.1,
             reuses,
+            escapes: false,
+            within: None,
         }
     }
 
@@ -495,6 +566,8 @@ mod tests {
             peak_step: 0,
             live_at_peak: Vec::new(),
             donations: Vec::new(),
+            escaping_bytes: 0,
+            joins: Vec::new(),
             scratch: Vec::new(),
         }
     }

@@ -277,9 +277,13 @@ fn gemm_one<T: GemmElement>(
 /// gemm kernel; gemm's f16 kernel accumulates in f16, which loses ~1% at
 /// k = 129 — we promise f32 accumulation for the half types.)
 fn matmul_via_f32<T: Float<Acc = f32>>(a: &Tensor, b: &Tensor, out_shape: &[usize]) -> Tensor {
-    let (a32, b32) = (to_f32::<T>(a), to_f32::<T>(b));
-    let plan = Plan::new(a32.layout(), b32.layout(), out_shape);
-    let wide = gemm_storage::<f32>(&plan, a32.storage(), b32.storage());
+    // The f32 operands and product are the kernel's scratch (see
+    // `scratch_bytes`).
+    let wide = super::arena::scratch(|| {
+        let (a32, b32) = (to_f32::<T>(a), to_f32::<T>(b));
+        let plan = Plan::new(a32.layout(), b32.layout(), out_shape);
+        gemm_storage::<f32>(&plan, a32.storage(), b32.storage())
+    });
     let mut out = Storage::new(T::DTYPE, wide.numel());
     let dst = out.as_mut_slice::<T>();
     for (o, &v) in dst.iter_mut().zip(wide.as_slice::<f32>()) {

@@ -2,6 +2,7 @@
 //! the graph interpreter share.
 
 pub mod alloc;
+pub mod arena;
 pub mod copy;
 mod creation;
 mod element;

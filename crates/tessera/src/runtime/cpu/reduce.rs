@@ -321,7 +321,7 @@ where
     } else if folds_by_rows(&split) {
         fold_rows(x.storage().as_slice::<T>(), &split, dst, &fold);
     } else {
-        let dense = reduced_dims_last(x, dims);
+        let dense = super::arena::scratch(|| reduced_dims_last(x, dims));
         let moved: Vec<usize> = (x.rank() - dims.len()..x.rank()).collect();
         let split = Split::new(dense.layout(), &moved);
         fold_slices(dense.storage().as_slice::<T>(), &split, dst, &fold);
@@ -669,7 +669,7 @@ fn softmax_typed<T: Float>(x: &Tensor, dim: usize, log: bool) -> Tensor
 where
     T::Acc: SoftmaxExp,
 {
-    let x = copy::contiguous(x);
+    let x = super::arena::scratch(|| copy::contiguous(x));
     let src = x.contiguous_slice::<T>().expect("contiguous after copy");
     let len = x.shape()[dim];
     let inner: usize = x.shape()[dim + 1..].iter().product();

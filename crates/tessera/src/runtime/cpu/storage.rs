@@ -1,22 +1,63 @@
 //! A typed view over one host buffer.
 
 use super::alloc::RawBuffer;
+use super::arena::{self, Region};
 use super::element::Element;
 use crate::ir::DType;
 
 /// The bytes behind one or more tensors (views share a storage).
 pub struct Storage {
-    buf: RawBuffer,
+    buf: Block,
     dtype: DType,
     numel: usize,
 }
 
+/// A buffer of its own, or a planned region of a compiled run's arena.
+enum Block {
+    Own(RawBuffer),
+    Planned(Region),
+}
+
+impl Block {
+    fn as_ptr(&self) -> *mut u8 {
+        match self {
+            Block::Own(b) => b.as_ptr(),
+            Block::Planned(r) => r.as_ptr(),
+        }
+    }
+
+    fn len(&self) -> usize {
+        match self {
+            Block::Own(b) => b.len(),
+            Block::Planned(r) => r.len(),
+        }
+    }
+}
+
 impl Storage {
     /// Storage for `numel` elements of `dtype` (contents: zeros or reused bytes;
-    /// kernels overwrite every element they hand out).
+    /// kernels overwrite every element they hand out): at its planned place
+    /// when a compiled run planned this allocation (see [`arena`]), else
+    /// from the pool.
     pub fn new(dtype: DType, numel: usize) -> Storage {
+        let len = numel * dtype.size_bytes();
+        let buf = match arena::take(len) {
+            Some(region) => Block::Planned(region),
+            None => Block::Own(RawBuffer::new(len)),
+        };
+        Storage { buf, dtype, numel }
+    }
+
+    /// Storage for `numel` elements of `dtype` over a planned region (whose
+    /// bytes others may have written: a cat in place).
+    pub(crate) fn in_region(dtype: DType, numel: usize, region: Region) -> Storage {
+        assert_eq!(
+            region.len(),
+            numel * dtype.size_bytes(),
+            "internal error: region size"
+        );
         Storage {
-            buf: RawBuffer::new(numel * dtype.size_bytes()),
+            buf: Block::Planned(region),
             dtype,
             numel,
         }
