@@ -60,7 +60,8 @@ pub fn run_scheduled(
     memory: &MemoryPlan,
     inputs: &[Tensor],
 ) -> Result<Vec<(String, Tensor)>> {
-    let arena = Arena::new(memory.arena_bytes);
+    let on_host = inputs.iter().all(|t| t.device() == Device::Cpu);
+    let arena = Arena::new(if on_host { memory.arena_bytes } else { 0 });
     let mut created = vec![Vec::new(); plan.kernels.len()];
     for (i, buffer) in memory.buffers.iter().enumerate() {
         created[buffer.kernel].push(i);
@@ -124,7 +125,7 @@ fn execute(
     let refs: Vec<&Tensor> = inputs.iter().collect();
     let on = inputs_device(graph, &refs)?;
     device::with_device(on, || {
-        execute_on(graph, plan, steps, in_place, alone, inputs, on)
+        execute_on(graph, plan, steps, in_place, alone, slots, inputs, on)
     })
 }
 
@@ -142,9 +143,13 @@ fn execute_on(
     steps: &[Vec<usize>],
     in_place: impl Fn(usize) -> Vec<(NodeId, NodeId)>,
     alone: impl Fn(usize) -> bool,
+    slots: impl Fn(usize) -> Option<Planned>,
     inputs: &[Tensor],
     on: Device,
 ) -> Result<Vec<(String, Tensor)>> {
+    // The arena and its slots are host memory: device kernels allocate
+    // through the device's own allocator.
+    let slots = |k: usize| if on == Device::Cpu { slots(k) } else { None };
     let frees = frees_after_each_step(graph, plan, steps);
     let mut values: Vec<Option<Tensor>> = vec![None; graph.len()];
     for (&id, t) in graph.inputs.iter().zip(inputs) {
