@@ -7,6 +7,7 @@ mod creation;
 mod element;
 mod elementwise;
 mod fastmath;
+pub mod flash;
 pub mod fused;
 mod index;
 mod matmul;
