@@ -16,16 +16,21 @@
 //! The forward runs the online softmax (FlashAttention, Dao et al. 2022)
 //! over query blocks × key blocks; the backward recomputes the
 //! probabilities block by block from `q`, `k` and `lse` (FlashAttention-2:
-//! `D_i = rowsum(dO ∘ O)`, `dS = P ∘ (dP − D)`). Scratch is a few
+//! `D_i = rowsum(dO ∘ O)`, `dS = P ∘ (dP − D)`). Working memory is a few
 //! `BLOCK × BLOCK` and `BLOCK × head_dim` tiles per task, plus, per call,
-//! f32 copies of the operands that are not f32 already and `Kᵀ`/`Vᵀ` packed
-//! per key block: O(bh · len · dim), like the inputs themselves.
+//! f32 copies of the operands that are not f32 already and one f32 dQ
+//! accumulator: O(bh · len · dim), like the inputs, never `len²`.
 //!
-//! All products are one micro-tiled kernel ([`Gemm`]) written once over a
-//! small SIMD abstraction ([`Simd`]) and compiled for AVX-512 and AVX2 (picked
-//! at run time: the build's floor is x86-64-v3, the dev machines have
-//! AVX-512) and for plain Rust elsewhere. Half-precision inputs are converted
-//! to f32 once; all accumulation is f32.
+//! Every product is one micro-tiled kernel ([`Gemm`]) written once over a
+//! small SIMD abstraction ([`Simd`]) and compiled for AVX-512 and AVX2
+//! (picked at run time: the build's floor is x86-64-v3, the dev machines
+//! have AVX-512) and for plain Rust elsewhere; the softmax's exp is
+//! vectorised the same way. Half-precision inputs are converted to f32 once;
+//! all accumulation is f32.
+//!
+//! Parallelism: the forward has one task per (batch × head, query block);
+//! the backward one per (batch × head, run of key blocks), see
+//! [`blocks_per_task`].
 
 use std::borrow::Cow;
 
@@ -210,33 +215,26 @@ fn store<T: Float<Acc = f32>>(dst: &mut [T], src: &[f32]) {
     }
 }
 
-/// `x [bh, len, dim]` transposed per key block: `[bh, blocks, dim, BC]`,
-/// each block's columns (keys) zero-padded to `BC`. This is the right-hand
-/// operand of `Q Kᵀ` and `dO Vᵀ`, read a row of `BC` keys at a time.
-fn pack_transposed(x: &[f32], bh: usize, len: usize, dim: usize) -> Vec<f32> {
-    let blocks = len.div_ceil(BC);
-    let mut packed = vec![0.0f32; bh * blocks * dim * BC];
-    if packed.is_empty() {
-        return packed;
+/// `scale · x` for the `rows × dim` row-major `x`, transposed into `dst`
+/// (`dim × ld`, zero past `rows`): the right-hand operand of a product
+/// whose columns are `x`'s rows. Packed once per task, it is read by every
+/// tile of the task.
+fn pack_transposed<T: Float<Acc = f32>>(
+    x: &[T],
+    dim: usize,
+    scale: f32,
+    dst: &mut [f32],
+    ld: usize,
+) {
+    dst.fill(0.0);
+    for (r, row) in x.chunks_exact(dim).enumerate() {
+        for (e, v) in row.iter().enumerate() {
+            dst[e * ld + r] = scale * v.to_acc();
+        }
     }
-    packed
-        .par_chunks_mut(dim * BC)
-        .enumerate()
-        .for_each(|(t, dst)| {
-            let (b, jb) = (t / blocks, t % blocks);
-            let c0 = jb * BC;
-            let cols = BC.min(len - c0);
-            let src = &x[(b * len + c0) * dim..][..cols * dim];
-            for (c, row) in src.chunks_exact(dim).enumerate() {
-                for (dd, &val) in row.iter().enumerate() {
-                    dst[dd * BC + c] = val;
-                }
-            }
-        });
-    packed
 }
 
-/// What a score tile's rows see: causal limits and the additive mask.
+/// What a batch × head's queries see: causal limits and the additive mask.
 #[derive(Clone, Copy)]
 struct Visibility<'a> {
     causal: bool,
@@ -271,13 +269,18 @@ impl<'a> Visibility<'a> {
         }
     }
 
-    /// Query `i`'s mask values for the keys from `c0`.
+    /// Of the `rows` queries from `r0`, how many come before key `j` becomes
+    /// visible (0 without `causal`).
     #[inline(always)]
-    fn mask_row(&self, i: usize, c0: usize) -> Option<&'a [f32]> {
-        self.mask.map(|m| &m[i * self.kv_len + c0..])
+    fn hidden_before(&self, j: usize, r0: usize, rows: usize) -> usize {
+        if self.causal {
+            j.saturating_sub(r0).min(rows)
+        } else {
+            0
+        }
     }
 
-    /// The keys visible to the last of the rows below `r1`.
+    /// The keys visible to some query below `r1`.
     fn kv_end(&self, r1: usize) -> usize {
         if self.causal {
             r1.min(self.kv_len)
@@ -318,13 +321,12 @@ fn forward_with<T: Float<Acc = f32>>(
     if s.bh * s.q_len == 0 {
         return;
     }
-    let (q, v) = (to_f32(q), to_f32(v));
-    let kt = pack_transposed(&to_f32(k), s.bh, s.kv_len, s.head_dim);
+    let (k, v) = (to_f32(k), to_f32(v));
     let ops = ForwardOperands {
         s,
         scale: p.scale,
-        q: &q,
-        kt: &kt,
+        q,
+        k: &k,
         v: &v,
     };
     // One task per (batch × head, query block): independent rows of out.
@@ -345,21 +347,25 @@ fn forward_with<T: Float<Acc = f32>>(
         });
 }
 
-/// The f32 operands of the forward.
-struct ForwardOperands<'a> {
+/// The operands of the forward: `k` and `v` as f32; `q` is packed per task.
+struct ForwardOperands<'a, T> {
     s: AttentionShape,
     scale: f32,
-    q: &'a [f32],
-    /// `Kᵀ` per key block (see [`pack_transposed`]).
-    kt: &'a [f32],
+    q: &'a [T],
+    k: &'a [f32],
     v: &'a [f32],
 }
 
 /// One query block's forward: rows `r0..r0 + lse.len()` of batch × head `b`
 /// into `o` (f32, `[rows, v_dim]`) and `lse`.
+///
+/// It works on transposed scores `Sᵀ = K_j (scale · Q_i)ᵀ` (keys × queries):
+/// the packed `Qᵀ` is the task's own block, packed once, and K is read in
+/// place; the softmax statistics are then per column, which vectorises
+/// across queries without horizontal reductions.
 #[inline(always)]
-unsafe fn forward_block<S: Simd>(
-    ops: &ForwardOperands,
+unsafe fn forward_block<S: Simd, T: Float<Acc = f32>>(
+    ops: &ForwardOperands<T>,
     vis: &Visibility,
     b: usize,
     r0: usize,
@@ -374,160 +380,135 @@ unsafe fn forward_block<S: Simd>(
         ..
     } = ops.s;
     let rows = lse.len();
-    let mut scores = vec![0.0f32; rows * BC];
-    let mut max = vec![f32::NEG_INFINITY; rows];
-    let mut sum = vec![0.0f32; rows];
-    let mut alpha = vec![0.0f32; rows];
-    let q = &ops.q[(b * nq + r0) * d..][..rows * d];
-    let blocks = nk.div_ceil(BC);
-    for jb in 0..vis.kv_end(r0 + rows).div_ceil(BC) {
-        let c0 = jb * BC;
+    let mut qt = vec![0.0f32; d * BR];
+    pack_transposed(
+        &ops.q[(b * nq + r0) * d..][..rows * d],
+        d,
+        ops.scale,
+        &mut qt,
+        BR,
+    );
+    let mut st = vec![0.0f32; BC * BR];
+    let mut stats = ColumnStats::new();
+    for c0 in (0..vis.kv_end(r0 + rows)).step_by(BC) {
         let cols = BC.min(nk - c0);
-        // scores = Q_i K_jᵀ over all BC columns (the packed Kᵀ is zero-padded).
-        let kt = &ops.kt[(b * blocks + jb) * d * BC..][..d * BC];
-        S::gemm(&Gemm::rows(
-            rows,
-            BC,
-            d,
-            q,
-            d,
-            kt,
-            BC,
-            &mut scores,
-            BC,
-            Mode::Set,
-        ));
-        for (r, row) in scores.chunks_exact_mut(BC).enumerate() {
-            let i = r0 + r;
-            let seen = vis.visible(i, c0, cols);
-            alpha[r] = online_softmax_row::<S>(
-                row,
-                seen,
-                vis.mask_row(i, c0),
-                ops.scale,
-                &mut max[r],
-                &mut sum[r],
-            );
+        let st = &mut st[..cols * BR];
+        let k = &ops.k[(b * nk + c0) * d..][..cols * d];
+        S::gemm(&Gemm::rows(cols, BR, d, k, d, &qt, BR, st, BR, Mode::Set));
+        for (j, row) in st.chunks_exact_mut(BR).enumerate() {
+            if let Some(mask) = vis.mask {
+                let m = &mask[r0 * nk + c0 + j..];
+                for (r, x) in row[..rows].iter_mut().enumerate() {
+                    *x += m[r * nk];
+                }
+            }
+            row[..vis.hidden_before(c0 + j, r0, rows)].fill(f32::NEG_INFINITY);
         }
-        // O = diag(alpha) O + P V_j
+        stats.update::<S>(st);
+        // O = diag(alpha) O + P V_j, with P = (Sᵀ)ᵀ read by columns.
         let v = &ops.v[(b * nk + c0) * dv..][..cols * dv];
-        S::gemm(&Gemm::rows(
+        let alpha = &stats.alpha[..rows];
+        S::gemm(&Gemm::cols_of(
             rows,
             dv,
             cols,
-            &scores,
-            BC,
+            st,
+            BR,
             v,
             dv,
             o,
             dv,
-            Mode::ScaleAdd(&alpha),
+            Mode::ScaleAdd(alpha),
         ));
     }
     for (r, o_r) in o.chunks_exact_mut(dv).enumerate() {
-        let inv = if sum[r] > 0.0 { 1.0 / sum[r] } else { 0.0 };
+        let (max, sum) = (stats.max[r], stats.sum[r]);
+        let inv = if sum > 0.0 { 1.0 / sum } else { 0.0 };
         o_r.iter_mut().for_each(|x| *x *= inv);
-        lse[r] = if sum[r] > 0.0 {
-            max[r] + sum[r].ln()
+        lse[r] = if sum > 0.0 {
+            max + sum.ln()
         } else {
             f32::NEG_INFINITY
         };
     }
 }
 
-/// One row of the online softmax. `row` holds `BC` raw scores `q·k`, of
-/// which the first `seen` are visible. Leaves `e^{s - m'}` in the visible
-/// entries and 0 in the rest, where `s` is the scaled, masked score and
-/// `m'` the new running max; updates the running max and sum; returns the
-/// factor `e^{m - m'}` that rescales the row's earlier output.
-#[inline(always)]
-fn online_softmax_row<S: Simd>(
-    row: &mut [f32],
-    seen: usize,
-    mask: Option<&[f32]>,
-    scale: f32,
-    max: &mut f32,
-    sum: &mut f32,
-) -> f32 {
-    let (vis, hidden) = row.split_at_mut(seen);
-    hidden.fill(0.0);
-    let new_max = scale_mask_max(vis, scale, mask).max(*max);
-    if new_max == f32::NEG_INFINITY {
-        // Nothing visible yet: the output and sum stay 0 whatever alpha is.
-        vis.fill(0.0);
-        return 1.0;
-    }
-    let alpha = exp_f32(*max - new_max);
-    *sum = *sum * alpha + exp_sum(vis, new_max);
-    *max = new_max;
-    alpha
+/// The online softmax's running statistics of a query block, one column
+/// per query.
+struct ColumnStats {
+    /// The running max of each query's scores (−inf before any is seen).
+    max: [f32; BR],
+    /// The running sum of `e^{s − max}`.
+    sum: [f32; BR],
+    /// The factor `e^{max_old − max_new}` the last update rescaled by.
+    alpha: [f32; BR],
+    /// The max to subtract: `max`, or 0 where that is −inf (so that hidden
+    /// scores give e^{−inf} = 0 rather than NaN).
+    shift: [f32; BR],
+    /// Per-tile scratch: column sums of the new probabilities.
+    tile_sum: [f32; BR],
 }
 
-/// Lanes of the elementwise loops: accumulators of this many independent
-/// lanes vectorise (a single f32 accumulator would not, without
-/// reassociation).
-const EW: usize = 16;
+impl ColumnStats {
+    fn new() -> Self {
+        ColumnStats {
+            max: [f32::NEG_INFINITY; BR],
+            sum: [0.0; BR],
+            alpha: [0.0; BR],
+            shift: [0.0; BR],
+            tile_sum: [0.0; BR],
+        }
+    }
 
-/// `x ← scale·x + mask` over `x`; returns the max (−inf for none).
-#[inline(always)]
-fn scale_mask_max(x: &mut [f32], scale: f32, mask: Option<&[f32]>) -> f32 {
-    let mut m = [f32::NEG_INFINITY; EW];
-    let max = |m: f32, v: f32| if v > m { v } else { m };
-    match mask {
-        None => {
-            let mut chunks = x.chunks_exact_mut(EW);
-            for c in &mut chunks {
-                for l in 0..EW {
-                    c[l] *= scale;
-                    m[l] = max(m[l], c[l]);
-                }
-            }
-            for v in chunks.into_remainder() {
-                *v *= scale;
-                m[0] = max(m[0], *v);
+    /// Folds in a tile of scaled, masked scores `st` (keys × `BR` queries,
+    /// `-inf` where hidden), which it turns into `e^{s − max}`.
+    #[inline(always)]
+    unsafe fn update<S: Simd>(&mut self, st: &mut [f32]) {
+        let l = S::LANES;
+        let mut new_max = self.max;
+        for row in st.chunks_exact(BR) {
+            for v in (0..BR).step_by(l) {
+                let m = S::max(
+                    S::load(new_max.as_ptr().add(v)),
+                    S::load(row.as_ptr().add(v)),
+                );
+                S::store(new_max.as_mut_ptr().add(v), m);
             }
         }
-        Some(mask) => {
-            for (v, &a) in x.iter_mut().zip(mask) {
-                *v = *v * scale + a;
-                m[0] = max(m[0], *v);
+        for (r, &m) in new_max.iter().enumerate() {
+            let shift = if m == f32::NEG_INFINITY { 0.0 } else { m };
+            self.alpha[r] = exp_f32(self.max[r] - shift);
+            self.shift[r] = shift;
+        }
+        self.max = new_max;
+        self.tile_sum = [0.0; BR];
+        for row in st.chunks_exact_mut(BR) {
+            for v in (0..BR).step_by(l) {
+                let x = row.as_mut_ptr().add(v);
+                let p = S::exp(S::sub(S::load(x), S::load(self.shift.as_ptr().add(v))));
+                S::store(x, p);
+                let acc = self.tile_sum.as_mut_ptr().add(v);
+                S::store(acc, S::add(S::load(acc), p));
             }
         }
-    }
-    m.into_iter().fold(f32::NEG_INFINITY, max)
-}
-
-/// `x ← e^{x − shift}`; returns the sum of the new values.
-#[inline(always)]
-fn exp_sum(x: &mut [f32], shift: f32) -> f32 {
-    let mut s = [0.0f32; EW];
-    let mut chunks = x.chunks_exact_mut(EW);
-    for c in &mut chunks {
-        for l in 0..EW {
-            c[l] = exp_f32(c[l] - shift);
-            s[l] += c[l];
+        for r in 0..BR {
+            self.sum[r] = self.sum[r] * self.alpha[r] + self.tile_sum[r];
         }
     }
-    for v in chunks.into_remainder() {
-        *v = exp_f32(*v - shift);
-        s[0] += *v;
-    }
-    s.iter().sum()
 }
 
 // ---------------------------------------------------------------------------
 // Backward
 // ---------------------------------------------------------------------------
 
-/// The f32 operands of the backward.
-struct BackwardOperands<'a> {
+/// The operands of the backward: `q` and `d_out` as f32; `k` and `v` are
+/// packed per key block.
+struct BackwardOperands<'a, T> {
     s: AttentionShape,
     scale: f32,
     q: &'a [f32],
-    k: &'a [f32],
-    /// `Kᵀ` and `Vᵀ` per key block (see [`pack_transposed`]).
-    kt: &'a [f32],
-    vt: &'a [f32],
+    k: &'a [T],
+    v: &'a [T],
     d_out: &'a [f32],
     lse: &'a [f32],
     /// `D_i = Σ_d dO_id · O_id` per row.
@@ -536,14 +517,13 @@ struct BackwardOperands<'a> {
 
 /// Split of the backward: tasks own a run of key blocks of one batch × head
 /// and compute their dK, dV rows completely (no sharing), while dQ, which
-/// every key block adds to, goes into a per-task f32 partial summed at the
-/// end. With many batch × heads there is one task (and one partial) per
-/// batch × head, so nothing is recomputed and the extra memory is one f32
-/// dQ; with few (bh == 1), the key blocks split into enough tasks to keep
-/// every thread busy, at one partial dQ each. The alternative, a second pass
-/// over query blocks for dQ, would recompute P and dP: 4 more tile products
-/// on top of 5.
-/// Returns the key blocks per task.
+/// every key block adds to, goes into a per-task f32 accumulator summed at
+/// the end. With many batch × heads there is one task per batch × head
+/// (accumulating straight into an f32 dq), so nothing is recomputed; with
+/// few (bh == 1), the key blocks split into enough tasks to keep every
+/// thread busy, at one partial dQ each. The alternative, a second pass over
+/// query blocks for dQ, would recompute P and dP: 2 more tile products on
+/// top of 5. Returns the key blocks per task.
 fn blocks_per_task(bh: usize, key_blocks: usize) -> usize {
     let want_tasks = 4 * rayon::current_num_threads();
     let chunks = want_tasks.div_ceil(bh).clamp(1, key_blocks);
@@ -589,9 +569,7 @@ fn backward_with<T: Float<Acc = f32>>(
         dv.fill(zero);
         return;
     }
-    let (qf, kf, d_out_f) = (to_f32(q), to_f32(k), to_f32(d_out));
-    let kt = pack_transposed(&kf, s.bh, s.kv_len, s.head_dim);
-    let vt = pack_transposed(&to_f32(v), s.bh, s.kv_len, s.v_dim);
+    let (qf, d_out_f) = (to_f32(q), to_f32(d_out));
     let delta: Vec<f32> = out
         .par_chunks(s.v_dim)
         .zip(d_out.par_chunks(s.v_dim))
@@ -601,9 +579,8 @@ fn backward_with<T: Float<Acc = f32>>(
         s,
         scale: p.scale,
         q: &qf,
-        k: &kf,
-        kt: &kt,
-        vt: &vt,
+        k,
+        v,
         d_out: &d_out_f,
         lse,
         delta: &delta,
@@ -613,49 +590,66 @@ fn backward_with<T: Float<Acc = f32>>(
     let chunks = key_blocks.div_ceil(per_task);
     let chunk_keys = per_task * BC;
     let dq_len = s.q_len * s.head_dim;
-    let mut dq_parts = vec![0.0f32; s.bh * chunks * dq_len];
+    // dQ accumulators: dq itself when it is f32 and has one task per batch
+    // × head, else f32 partials summed below.
+    let direct = chunks == 1 && T::DTYPE == DType::F32;
+    let mut parts = Vec::new();
+    let acc: &mut [f32] = if direct {
+        let dq: &mut [f32] = bytemuck::cast_slice_mut(dq);
+        dq.fill(0.0);
+        dq
+    } else {
+        parts.resize(s.bh * chunks * dq_len, 0.0);
+        &mut parts
+    };
     dk.par_chunks_mut(s.kv_len * s.head_dim)
         .zip(dv.par_chunks_mut(s.kv_len * s.v_dim))
-        .zip(dq_parts.par_chunks_mut(chunks * dq_len))
+        .zip(acc.par_chunks_mut(chunks * dq_len))
         .enumerate()
-        .for_each(|(b, ((dk_b, dv_b), parts_b))| {
+        .for_each(|(b, ((dk_b, dv_b), acc_b))| {
             let vis = Visibility::new(p, mask.as_ref(), &s, b);
             dk_b.par_chunks_mut(chunk_keys * s.head_dim)
                 .zip(dv_b.par_chunks_mut(chunk_keys * s.v_dim))
-                .zip(parts_b.par_chunks_mut(dq_len))
+                .zip(acc_b.par_chunks_mut(dq_len))
                 .enumerate()
-                .for_each(|(g, ((dk_g, dv_g), dq_part))| {
+                .for_each(|(g, ((dk_g, dv_g), dq_acc))| {
                     let c0 = g * chunk_keys;
                     for (jb, (dk_j, dv_j)) in dk_g
                         .chunks_mut(BC * s.head_dim)
                         .zip(dv_g.chunks_mut(BC * s.v_dim))
                         .enumerate()
                     {
-                        isa.backward_block(&ops, &vis, b, c0 / BC + jb, dq_part, dk_j, dv_j);
+                        isa.backward_block(&ops, &vis, b, c0 + jb * BC, dq_acc, dk_j, dv_j);
                     }
                 });
         });
-    // dQ = the sum of the partials.
-    dq.par_chunks_mut(dq_len)
-        .zip(dq_parts.par_chunks(chunks * dq_len))
-        .for_each(|(dq_b, parts)| {
-            let mut acc = parts[..dq_len].to_vec();
-            for part in parts.chunks_exact(dq_len).skip(1) {
-                acc.iter_mut().zip(part).for_each(|(a, x)| *a += x);
-            }
-            store(dq_b, &acc);
-        });
+    if !direct {
+        dq.par_chunks_mut(dq_len)
+            .zip(parts.par_chunks(chunks * dq_len))
+            .for_each(|(dq_b, parts)| {
+                let mut sum = parts[..dq_len].to_vec();
+                for part in parts.chunks_exact(dq_len).skip(1) {
+                    sum.iter_mut().zip(part).for_each(|(a, x)| *a += x);
+                }
+                store(dq_b, &sum);
+            });
+    }
 }
 
-/// One key block's backward: key block `jb` of batch × head `b` against
-/// every query block that sees it; writes its dK and dV rows, adds to dQ.
+/// One key block's backward: keys `c0..` of batch × head `b` against every
+/// query block that sees them; writes their dK and dV rows, adds to dQ.
+///
+/// Works on scores `S = Q_i (scale · K_j)ᵀ` (queries × keys), so that the
+/// packed `Kᵀ` and `Vᵀ` are this block's own, packed once for all query
+/// blocks. `dS` is left unscaled: dQ uses `scale · K_j` and dK is scaled
+/// once at the end.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 unsafe fn backward_block<S: Simd, T: Float<Acc = f32>>(
-    ops: &BackwardOperands,
+    ops: &BackwardOperands<T>,
     vis: &Visibility,
     b: usize,
-    jb: usize,
+    c0: usize,
     dq: &mut [f32],
     dk_out: &mut [T],
     dv_out: &mut [T],
@@ -667,34 +661,40 @@ unsafe fn backward_block<S: Simd, T: Float<Acc = f32>>(
         v_dim: dv,
         ..
     } = ops.s;
-    let blocks = nk.div_ceil(BC);
-    let c0 = jb * BC;
     let cols = BC.min(nk - c0);
-    let kt = &ops.kt[(b * blocks + jb) * d * BC..][..d * BC];
-    let vt = &ops.vt[(b * blocks + jb) * dv * BC..][..dv * BC];
     let k = &ops.k[(b * nk + c0) * d..][..cols * d];
+    let v = &ops.v[(b * nk + c0) * dv..][..cols * dv];
+    let mut kt = vec![0.0f32; d * BC];
+    pack_transposed(k, d, ops.scale, &mut kt, BC);
+    let mut vt = vec![0.0f32; dv * BC];
+    pack_transposed(v, dv, 1.0, &mut vt, BC);
+    let k_scaled: Vec<f32> = k.iter().map(|x| ops.scale * x.to_acc()).collect();
     let mut p = vec![0.0f32; BR * BC];
     let mut ds = vec![0.0f32; BR * BC];
     let mut dk = vec![0.0f32; cols * d];
     let mut dv_acc = vec![0.0f32; cols * dv];
     // Causal: rows before c0 see none of these keys.
-    let first_block = if vis.causal { c0 / BR } else { 0 };
-    for r0 in (first_block * BR..nq).step_by(BR) {
+    let first = if vis.causal { c0 / BR * BR } else { 0 };
+    for r0 in (first..nq).step_by(BR) {
         let rows = BR.min(nq - r0);
         let (p, ds) = (&mut p[..rows * BC], &mut ds[..rows * BC]);
         let q = &ops.q[(b * nq + r0) * d..][..rows * d];
         let d_out = &ops.d_out[(b * nq + r0) * dv..][..rows * dv];
         let lse = &ops.lse[b * nq + r0..][..rows];
         let delta = &ops.delta[b * nq + r0..][..rows];
-        // P = exp(scale · Q_i K_jᵀ + mask − lse)
-        S::gemm(&Gemm::rows(rows, BC, d, q, d, kt, BC, p, BC, Mode::Set));
+        // P = exp(Q_i (scale K_j)ᵀ + mask − lse)
+        S::gemm(&Gemm::rows(rows, BC, d, q, d, &kt, BC, p, BC, Mode::Set));
         for (r, row) in p.chunks_exact_mut(BC).enumerate() {
             let i = r0 + r;
             let seen = vis.visible(i, c0, cols);
-            probabilities_row(row, seen, vis.mask_row(i, c0), ops.scale, lse[r]);
+            if let Some(mask) = vis.mask {
+                let m = &mask[i * nk + c0..][..seen];
+                row.iter_mut().zip(m).for_each(|(x, a)| *x += a);
+            }
+            probabilities_row::<S>(row, seen, lse[r]);
         }
         // dV_j += Pᵀ dO_i
-        S::gemm(&Gemm::cols(
+        S::gemm(&Gemm::cols_of(
             cols,
             dv,
             rows,
@@ -704,51 +704,83 @@ unsafe fn backward_block<S: Simd, T: Float<Acc = f32>>(
             dv,
             &mut dv_acc,
             dv,
+            Mode::Add,
         ));
-        // dS = scale · P ∘ (dO_i V_jᵀ − D)
+        // dS = P ∘ (dO_i V_jᵀ − D)
         S::gemm(&Gemm::rows(
             rows,
             BC,
             dv,
             d_out,
             dv,
-            vt,
+            &vt,
             BC,
             ds,
             BC,
             Mode::Set,
         ));
         for ((ds_r, p_r), &dl) in ds.chunks_exact_mut(BC).zip(p.chunks_exact(BC)).zip(delta) {
-            for (x, &pr) in ds_r.iter_mut().zip(p_r) {
-                *x = ops.scale * pr * (*x - dl);
-            }
+            softmax_grad_row::<S>(ds_r, p_r, dl);
         }
-        // dQ_i += dS K_j; dK_j += dSᵀ Q_i
+        // dQ_i += dS (scale K_j); dK_j += dSᵀ Q_i (scaled below)
         let dq_i = &mut dq[r0 * d..][..rows * d];
-        S::gemm(&Gemm::rows(rows, d, cols, ds, BC, k, d, dq_i, d, Mode::Add));
-        S::gemm(&Gemm::cols(cols, d, rows, ds, BC, q, d, &mut dk, d));
+        S::gemm(&Gemm::rows(
+            rows,
+            d,
+            cols,
+            ds,
+            BC,
+            &k_scaled,
+            d,
+            dq_i,
+            d,
+            Mode::Add,
+        ));
+        S::gemm(&Gemm::cols_of(
+            cols,
+            d,
+            rows,
+            ds,
+            BC,
+            q,
+            d,
+            &mut dk,
+            d,
+            Mode::Add,
+        ));
     }
+    dk.iter_mut().for_each(|x| *x *= ops.scale);
     store(dk_out, &dk);
     store(dv_out, &dv_acc);
 }
 
-/// One row of recomputed probabilities: `row` holds `BC` raw scores, the
-/// first `seen` visible; leaves `e^{scale·s + mask − lse}` there and 0 in the
+/// One row of recomputed probabilities: `row` holds `BC` scaled, masked
+/// scores, the first `seen` visible; leaves `e^{s − lse}` there and 0 in the
 /// rest (everywhere when `lse = -inf`: the row saw no key).
 #[inline(always)]
-fn probabilities_row(row: &mut [f32], seen: usize, mask: Option<&[f32]>, scale: f32, lse: f32) {
-    let (vis, hidden) = row.split_at_mut(seen);
-    hidden.fill(0.0);
+unsafe fn probabilities_row<S: Simd>(row: &mut [f32], seen: usize, lse: f32) {
     if lse == f32::NEG_INFINITY {
-        vis.fill(0.0);
+        row.fill(0.0);
         return;
     }
-    match mask {
-        None => vis.iter_mut().for_each(|x| *x = exp_f32(*x * scale - lse)),
-        Some(m) => vis
-            .iter_mut()
-            .zip(m)
-            .for_each(|(x, &a)| *x = exp_f32(*x * scale + a - lse)),
+    let shift = S::splat(lse);
+    for v in (0..BC).step_by(S::LANES) {
+        let x = row.as_mut_ptr().add(v);
+        S::store(x, S::exp(S::sub(S::load(x), shift)));
+    }
+    row[seen..].fill(0.0);
+}
+
+/// `ds ← p ∘ (ds − delta)`: the softmax's backward on one row of `BC`.
+#[inline(always)]
+unsafe fn softmax_grad_row<S: Simd>(ds: &mut [f32], p: &[f32], delta: f32) {
+    let delta = S::splat(delta);
+    for v in (0..BC).step_by(S::LANES) {
+        let x = ds.as_mut_ptr().add(v);
+        S::store(
+            x,
+            S::mul(S::load(p.as_ptr().add(v)), S::sub(S::load(x), delta)),
+        );
     }
 }
 
@@ -802,9 +834,9 @@ impl Isa {
         all
     }
 
-    fn forward_block(
+    fn forward_block<T: Float<Acc = f32>>(
         self,
-        ops: &ForwardOperands,
+        ops: &ForwardOperands<T>,
         vis: &Visibility,
         b: usize,
         r0: usize,
@@ -814,7 +846,7 @@ impl Isa {
         // SAFETY: `detect` (or `available`) found the instruction set.
         unsafe {
             match self {
-                Isa::Portable => forward_block::<Portable>(ops, vis, b, r0, o, lse),
+                Isa::Portable => forward_block::<Portable, T>(ops, vis, b, r0, o, lse),
                 #[cfg(target_arch = "x86_64")]
                 Isa::Avx2 => x86::forward_block_avx2(ops, vis, b, r0, o, lse),
                 #[cfg(target_arch = "x86_64")]
@@ -826,10 +858,10 @@ impl Isa {
     #[allow(clippy::too_many_arguments)]
     fn backward_block<T: Float<Acc = f32>>(
         self,
-        ops: &BackwardOperands,
+        ops: &BackwardOperands<T>,
         vis: &Visibility,
         b: usize,
-        jb: usize,
+        c0: usize,
         dq: &mut [f32],
         dk: &mut [T],
         dv: &mut [T],
@@ -837,11 +869,11 @@ impl Isa {
         // SAFETY: `detect` (or `available`) found the instruction set.
         unsafe {
             match self {
-                Isa::Portable => backward_block::<Portable, T>(ops, vis, b, jb, dq, dk, dv),
+                Isa::Portable => backward_block::<Portable, T>(ops, vis, b, c0, dq, dk, dv),
                 #[cfg(target_arch = "x86_64")]
-                Isa::Avx2 => x86::backward_block_avx2(ops, vis, b, jb, dq, dk, dv),
+                Isa::Avx2 => x86::backward_block_avx2(ops, vis, b, c0, dq, dk, dv),
                 #[cfg(target_arch = "x86_64")]
-                Isa::Avx512 => x86::backward_block_avx512(ops, vis, b, jb, dq, dk, dv),
+                Isa::Avx512 => x86::backward_block_avx512(ops, vis, b, c0, dq, dk, dv),
             }
         }
     }
@@ -899,9 +931,9 @@ impl<'a> Gemm<'a> {
         Self::checked(m, n, k, a, lda, 1, b, ldb, c, ldc, mode)
     }
 
-    /// `C += Aᵀ B` for a row-major `A` (`k × m`, `lda` apart).
+    /// `C ⊕= Aᵀ B` for a row-major `A` (`k × m`, `lda` apart).
     #[allow(clippy::too_many_arguments)]
-    fn cols(
+    fn cols_of(
         m: usize,
         n: usize,
         k: usize,
@@ -911,8 +943,9 @@ impl<'a> Gemm<'a> {
         ldb: usize,
         c: &'a mut [f32],
         ldc: usize,
+        mode: Mode<'a>,
     ) -> Self {
-        Self::checked(m, n, k, a, 1, lda, b, ldb, c, ldc, Mode::Add)
+        Self::checked(m, n, k, a, 1, lda, b, ldb, c, ldc, mode)
     }
 
     /// Bounds checks once per product, so that the micro-kernel's unchecked
@@ -982,6 +1015,13 @@ trait Simd: Copy {
     /// `a · b + c`
     unsafe fn fma(a: Self::V, b: Self::V, c: Self::V) -> Self::V;
     unsafe fn add(a: Self::V, b: Self::V) -> Self::V;
+    unsafe fn sub(a: Self::V, b: Self::V) -> Self::V;
+    unsafe fn mul(a: Self::V, b: Self::V) -> Self::V;
+    unsafe fn max(a: Self::V, b: Self::V) -> Self::V;
+    /// e^x to within a few ulp for x >= -87.3, and 0 below (flushing the
+    /// subnormal results: relative to anything a softmax adds them to, they
+    /// are nothing). Only ever called on `x <= ~0` here.
+    unsafe fn exp(x: Self::V) -> Self::V;
     /// The tile product with this instruction set's micro-tile shape.
     unsafe fn gemm(g: &Gemm);
 }
@@ -1077,6 +1117,19 @@ unsafe fn micro<S: Simd, const MR: usize, const NV: usize, const MASKED: bool>(
     }
 }
 
+/// `x ← e^x` (for the tests of [`Simd::exp`]; `x.len()` a multiple of
+/// the lanes).
+#[cfg(test)]
+#[inline(always)]
+unsafe fn exp_slice<S: Simd>(x: &mut [f32]) {
+    for c in x.chunks_exact_mut(S::LANES) {
+        S::store(c.as_mut_ptr(), S::exp(S::load(c.as_ptr())));
+    }
+}
+
+/// Below this, [`Simd::exp`] is 0 (e^-87.3 is the smallest normal f32).
+const EXP_MIN: f32 = -87.33654;
+
 /// Plain Rust vectors of 8 lanes, for targets without a dedicated path.
 #[derive(Clone, Copy)]
 struct Portable;
@@ -1112,6 +1165,18 @@ impl Simd for Portable {
     unsafe fn add(a: Self::V, b: Self::V) -> Self::V {
         std::array::from_fn(|i| a[i] + b[i])
     }
+    unsafe fn sub(a: Self::V, b: Self::V) -> Self::V {
+        std::array::from_fn(|i| a[i] - b[i])
+    }
+    unsafe fn mul(a: Self::V, b: Self::V) -> Self::V {
+        std::array::from_fn(|i| a[i] * b[i])
+    }
+    unsafe fn max(a: Self::V, b: Self::V) -> Self::V {
+        std::array::from_fn(|i| if b[i] > a[i] { b[i] } else { a[i] })
+    }
+    unsafe fn exp(x: Self::V) -> Self::V {
+        std::array::from_fn(|i| if x[i] < EXP_MIN { 0.0 } else { exp_f32(x[i]) })
+    }
     unsafe fn gemm(g: &Gemm) {
         gemm_tiled::<Self, 4, 2>(g)
     }
@@ -1128,6 +1193,22 @@ mod x86 {
     /// 8 lanes; micro-tiles 6 × 2 vectors: 12 accumulators of 16 registers.
     #[derive(Clone, Copy)]
     pub(super) struct Avx2;
+
+    // e^x as in `fastmath::exp_f32` (Cody-Waite reduction, Cephes' expf
+    // polynomial), with a single 2^n scaling: exact above EXP_MIN, where
+    // n >= -126 keeps 2^n normal.
+    const SHIFT: f32 = 12_582_912.0; // 1.5 · 2^23
+    const LN2_HI: f32 = 0.693_359_4;
+    const LN2_LO: f32 = -2.121_944_4e-4;
+    /// The polynomial P with e^r ≈ 1 + r + r² P(r), highest power first.
+    const EXP_POLY: [f32; 6] = [
+        1.987_569_1e-4,
+        1.398_199_9e-3,
+        8.333_452e-3,
+        4.166_579_6e-2,
+        1.666_666_5e-1,
+        0.5,
+    ];
 
     /// 16 lanes; micro-tiles 8 × 2 vectors: 16 accumulators of 32 registers,
     /// 10 loads per 16 FMAs (the FMA ports, not the loads, are the limit).
@@ -1176,6 +1257,39 @@ mod x86 {
             _mm256_add_ps(a, b)
         }
         #[inline(always)]
+        unsafe fn sub(a: __m256, b: __m256) -> __m256 {
+            _mm256_sub_ps(a, b)
+        }
+        #[inline(always)]
+        unsafe fn mul(a: __m256, b: __m256) -> __m256 {
+            _mm256_mul_ps(a, b)
+        }
+        #[inline(always)]
+        unsafe fn max(a: __m256, b: __m256) -> __m256 {
+            _mm256_max_ps(a, b)
+        }
+        #[inline(always)]
+        unsafe fn exp(x: __m256) -> __m256 {
+            let c = |v: f32| _mm256_set1_ps(v);
+            // n = round(x / ln 2) by the shifter trick; r = x - n ln 2.
+            let k = _mm256_fmadd_ps(x, c(std::f32::consts::LOG2_E), c(SHIFT));
+            let n = _mm256_sub_ps(k, c(SHIFT));
+            let r = _mm256_fnmadd_ps(n, c(LN2_HI), x);
+            let r = _mm256_fnmadd_ps(n, c(LN2_LO), r);
+            let mut p = c(EXP_POLY[0]);
+            for &coef in &EXP_POLY[1..] {
+                p = _mm256_fmadd_ps(p, r, c(coef));
+            }
+            let p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, c(1.0)));
+            let pow2 = _mm256_slli_epi32::<23>(_mm256_add_epi32(
+                _mm256_cvtps_epi32(n),
+                _mm256_set1_epi32(127),
+            ));
+            let y = _mm256_mul_ps(p, _mm256_castsi256_ps(pow2));
+            // Not-less-than keeps NaN lanes (NaN in, NaN out).
+            _mm256_and_ps(y, _mm256_cmp_ps::<_CMP_NLT_UQ>(x, c(EXP_MIN)))
+        }
+        #[inline(always)]
         unsafe fn gemm(g: &Gemm) {
             gemm_avx2(g)
         }
@@ -1222,6 +1336,37 @@ mod x86 {
             _mm512_add_ps(a, b)
         }
         #[inline(always)]
+        unsafe fn sub(a: __m512, b: __m512) -> __m512 {
+            _mm512_sub_ps(a, b)
+        }
+        #[inline(always)]
+        unsafe fn mul(a: __m512, b: __m512) -> __m512 {
+            _mm512_mul_ps(a, b)
+        }
+        #[inline(always)]
+        unsafe fn max(a: __m512, b: __m512) -> __m512 {
+            _mm512_max_ps(a, b)
+        }
+        #[inline(always)]
+        unsafe fn exp(x: __m512) -> __m512 {
+            let c = |v: f32| _mm512_set1_ps(v);
+            let k = _mm512_fmadd_ps(x, c(std::f32::consts::LOG2_E), c(SHIFT));
+            let n = _mm512_sub_ps(k, c(SHIFT));
+            let r = _mm512_fnmadd_ps(n, c(LN2_HI), x);
+            let r = _mm512_fnmadd_ps(n, c(LN2_LO), r);
+            let mut p = c(EXP_POLY[0]);
+            for &coef in &EXP_POLY[1..] {
+                p = _mm512_fmadd_ps(p, r, c(coef));
+            }
+            let p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, c(1.0)));
+            let pow2 = _mm512_slli_epi32::<23>(_mm512_add_epi32(
+                _mm512_cvtps_epi32(n),
+                _mm512_set1_epi32(127),
+            ));
+            let keep = _mm512_cmp_ps_mask::<_CMP_NLT_UQ>(x, c(EXP_MIN));
+            _mm512_maskz_mul_ps(keep, p, _mm512_castsi512_ps(pow2))
+        }
+        #[inline(always)]
         unsafe fn gemm(g: &Gemm) {
             gemm_avx512(g)
         }
@@ -1232,61 +1377,73 @@ mod x86 {
         gemm_tiled::<Avx2, 6, 2>(g)
     }
 
+    #[cfg(test)]
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn exp_slice_avx2(x: &mut [f32]) {
+        exp_slice::<Avx2>(x)
+    }
+
+    #[cfg(test)]
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn exp_slice_avx512(x: &mut [f32]) {
+        exp_slice::<Avx512>(x)
+    }
+
     #[target_feature(enable = "avx512f")]
     unsafe fn gemm_avx512(g: &Gemm) {
         gemm_tiled::<Avx512, 8, 2>(g)
     }
 
     #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn forward_block_avx2(
-        ops: &ForwardOperands,
+    pub(super) unsafe fn forward_block_avx2<T: Float<Acc = f32>>(
+        ops: &ForwardOperands<T>,
         vis: &Visibility,
         b: usize,
         r0: usize,
         o: &mut [f32],
         lse: &mut [f32],
     ) {
-        forward_block::<Avx2>(ops, vis, b, r0, o, lse)
+        forward_block::<Avx2, T>(ops, vis, b, r0, o, lse)
     }
 
     #[target_feature(enable = "avx512f")]
-    pub(super) unsafe fn forward_block_avx512(
-        ops: &ForwardOperands,
+    pub(super) unsafe fn forward_block_avx512<T: Float<Acc = f32>>(
+        ops: &ForwardOperands<T>,
         vis: &Visibility,
         b: usize,
         r0: usize,
         o: &mut [f32],
         lse: &mut [f32],
     ) {
-        forward_block::<Avx512>(ops, vis, b, r0, o, lse)
+        forward_block::<Avx512, T>(ops, vis, b, r0, o, lse)
     }
 
     #[target_feature(enable = "avx2,fma")]
     #[allow(clippy::too_many_arguments)]
     pub(super) unsafe fn backward_block_avx2<T: Float<Acc = f32>>(
-        ops: &BackwardOperands,
+        ops: &BackwardOperands<T>,
         vis: &Visibility,
         b: usize,
-        jb: usize,
+        c0: usize,
         dq: &mut [f32],
         dk: &mut [T],
         dv: &mut [T],
     ) {
-        backward_block::<Avx2, T>(ops, vis, b, jb, dq, dk, dv)
+        backward_block::<Avx2, T>(ops, vis, b, c0, dq, dk, dv)
     }
 
     #[target_feature(enable = "avx512f")]
     #[allow(clippy::too_many_arguments)]
     pub(super) unsafe fn backward_block_avx512<T: Float<Acc = f32>>(
-        ops: &BackwardOperands,
+        ops: &BackwardOperands<T>,
         vis: &Visibility,
         b: usize,
-        jb: usize,
+        c0: usize,
         dq: &mut [f32],
         dk: &mut [T],
         dv: &mut [T],
     ) {
-        backward_block::<Avx512, T>(ops, vis, b, jb, dq, dk, dv)
+        backward_block::<Avx512, T>(ops, vis, b, c0, dq, dk, dv)
     }
 }
 
@@ -1772,5 +1929,146 @@ mod tests {
             e.contains("mask has 13 elements") && e.contains("needs 12"),
             "{e}"
         );
+    }
+
+    /// Runs `f` on every instruction set the machine has.
+    fn each_isa(f: &dyn Fn(Isa)) {
+        for isa in Isa::available() {
+            f(isa)
+        }
+    }
+
+    impl Isa {
+        /// `Simd::exp` of each of `xs`.
+        fn exp(self, xs: &[f32]) -> Vec<f32> {
+            let mut out = xs.to_vec();
+            out.resize(xs.len().next_multiple_of(16), 0.0);
+            // SAFETY: available() found the instruction set.
+            unsafe {
+                match self {
+                    Isa::Portable => exp_slice::<Portable>(&mut out),
+                    #[cfg(target_arch = "x86_64")]
+                    Isa::Avx2 => x86::exp_slice_avx2(&mut out),
+                    #[cfg(target_arch = "x86_64")]
+                    Isa::Avx512 => x86::exp_slice_avx512(&mut out),
+                }
+            }
+            out.truncate(xs.len());
+            out
+        }
+
+        fn gemm(self, g: &Gemm) {
+            // SAFETY: available() found the instruction set.
+            unsafe {
+                match self {
+                    Isa::Portable => Portable::gemm(g),
+                    #[cfg(target_arch = "x86_64")]
+                    Isa::Avx2 => x86::Avx2::gemm(g),
+                    #[cfg(target_arch = "x86_64")]
+                    Isa::Avx512 => x86::Avx512::gemm(g),
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn vector_exp_is_accurate() {
+        // Against f64 exp over the range softmax uses (arguments <= ~0),
+        // within 2 ulp like fastmath::exp_f32; 0 below -87.34 (flushed
+        // subnormals) and for -inf; NaN stays NaN.
+        let xs: Vec<f32> = (0..=200_000)
+            .map(|i| -87.3 + 90.0 * i as f32 / 200_000.0)
+            .collect();
+        each_isa(&|isa| {
+            let got = isa.exp(&xs);
+            for (&x, &y) in xs.iter().zip(&got) {
+                let want = (x as f64).exp();
+                let ulps = (y as f64 - want).abs() / want / f32::EPSILON as f64;
+                assert!(
+                    ulps < 2.0,
+                    "{isa:?}: exp({x}) = {y}, want {want} ({ulps:.1} ulp)"
+                );
+            }
+            let edge = isa.exp(&[-87.4, -100.0, -1e30, f32::NEG_INFINITY, f32::NAN, 0.0]);
+            assert_eq!(&edge[..4], &[0.0; 4], "{isa:?}");
+            assert!(edge[4].is_nan() && edge[5] == 1.0, "{isa:?}: {edge:?}");
+        });
+    }
+
+    #[test]
+    fn tile_products_match_f64() {
+        // Sizes around the micro-tile shapes (rows 1..MR+1, columns across
+        // full and masked vectors), both A layouts and all three modes.
+        let mut rng = ChaCha8Rng::seed_from_u64(3);
+        let mut draw =
+            |n: usize| -> Vec<f32> { (0..n).map(|_| rng.random::<f32>() - 0.5).collect() };
+        for (m, n, k) in [
+            (1, 1, 1),
+            (5, 7, 3),
+            (9, 17, 33),
+            (13, 40, 64),
+            (8, 64, 5),
+            (17, 100, 20),
+        ] {
+            let (a, b, c0, s) = (
+                draw(m * k + k * m),
+                draw(k * (n + 3)),
+                draw(m * (n + 2)),
+                draw(m),
+            );
+            for transposed in [false, true] {
+                for mode in [Mode::Set, Mode::Add, Mode::ScaleAdd(&s)] {
+                    // A[r, kk] from a row-major m × k (or, transposed, k × m) buffer.
+                    let a_at = |r: usize, kk: usize| {
+                        if transposed {
+                            a[kk * m + r]
+                        } else {
+                            a[r * k + kk]
+                        }
+                    };
+                    let want: Vec<f64> = (0..m * n)
+                        .map(|i| {
+                            let (r, col) = (i / n, i % n);
+                            let dot: f64 = (0..k)
+                                .map(|kk| a_at(r, kk) as f64 * b[kk * (n + 3) + col] as f64)
+                                .sum();
+                            let old = c0[r * (n + 2) + col] as f64;
+                            match mode {
+                                Mode::Set => dot,
+                                Mode::Add => old + dot,
+                                Mode::ScaleAdd(s) => s[r] as f64 * old + dot,
+                            }
+                        })
+                        .collect();
+                    each_isa(&|isa| {
+                        let mut c = c0.clone();
+                        let g = if transposed {
+                            Gemm::cols_of(m, n, k, &a, m, &b, n + 3, &mut c, n + 2, mode)
+                        } else {
+                            Gemm::rows(m, n, k, &a, k, &b, n + 3, &mut c, n + 2, mode)
+                        };
+                        isa.gemm(&g);
+                        for r in 0..m {
+                            for col in 0..n + 2 {
+                                let (got, i) = (c[r * (n + 2) + col] as f64, r * (n + 2) + col);
+                                if col >= n {
+                                    // Past n: untouched (the masked stores).
+                                    assert_eq!(
+                                        got, c0[i] as f64,
+                                        "{isa:?} {m}x{n}x{k} wrote past n"
+                                    );
+                                    continue;
+                                }
+                                let w = want[r * n + col];
+                                assert!(
+                                    (got - w).abs() <= 1e-5 * (1.0 + w.abs()),
+                                    "{isa:?} {m}x{n}x{k} transposed={transposed}: C[{r},{col}] = {got}, want {w}"
+                                );
+                            }
+                        }
+                    });
+                }
+            }
+        }
     }
 }
