@@ -4,15 +4,24 @@
 //! pass) against eager ones (without it).
 
 use tessera::custom_op::flash_attention::FORWARD;
+use tessera::hints;
 use tessera::ir::{Graph, Op, TensorType};
 use tessera::nn::{MultiHeadAttention, ParamStore};
 use tessera::passes::{PassContext, PassManager};
-use tessera::seed_table::sdpa;
+use tessera::seed_table::{sdpa, SEED_HINT};
 use tessera::tensor::{trace, Generator};
 use tessera::{compile, DType, Tensor};
 
 /// The graph of `f` on f32 inputs of `shapes`, after the default passes.
 fn optimised(shapes: &[&[usize]], f: impl FnOnce(&[Tensor]) -> Tensor) -> Graph {
+    optimised_by(PassManager::default_pipeline(), shapes, f)
+}
+
+fn optimised_by(
+    passes: PassManager,
+    shapes: &[&[usize]],
+    f: impl FnOnce(&[Tensor]) -> Tensor,
+) -> Graph {
     let inputs: Vec<(String, TensorType)> = shapes
         .iter()
         .enumerate()
@@ -20,9 +29,7 @@ fn optimised(shapes: &[&[usize]], f: impl FnOnce(&[Tensor]) -> Tensor) -> Graph 
         .collect();
     let traced = trace::trace("attn", &inputs, |x| Ok(vec![("out".into(), f(x))])).unwrap();
     let mut graph = traced.graph;
-    PassManager::default_pipeline()
-        .run(&mut graph, &PassContext::default())
-        .unwrap();
+    passes.run(&mut graph, &PassContext::default()).unwrap();
     graph
 }
 
@@ -44,20 +51,30 @@ fn softmaxes(g: &Graph) -> usize {
         .count()
 }
 
+/// Each of the 64 slices becomes one op; `batch_attention` then merges
+/// them back into one, unless the seed's `strict` hint asks for slices.
 #[test]
 fn fires_on_the_naive_and_every_slice_of_the_sliced_seed_code() {
     let shape: &[usize] = &[4, 16, 8, 4];
+    let shapes = [shape, shape, shape];
     for causal in [false, true] {
         for slices in [1, 64] {
-            let g = optimised(&[shape, shape, shape], |x| {
-                sdpa(&x[0], &x[1], &x[2], causal, slices)
-            });
+            let f = |x: &[Tensor]| sdpa(&x[0], &x[1], &x[2], causal, slices);
+            let per_slice = PassManager::default_pipeline().without("batch_attention");
+            let g = optimised_by(per_slice, &shapes, f);
             assert_eq!(
                 flash_nodes(&g),
                 vec![causal; slices],
                 "causal {causal}, {slices} slices:\n{g}"
             );
             assert_eq!(softmaxes(&g), 0, "{g}");
+            assert_eq!(flash_nodes(&optimised(&shapes, f)), vec![causal]);
+            let hinted =
+                |x: &[Tensor]| hints::scope(SEED_HINT, || f(x)).expect("the seed hint is valid");
+            assert_eq!(
+                flash_nodes(&optimised(&shapes, hinted)),
+                vec![causal; slices]
+            );
         }
     }
 }
@@ -123,15 +140,24 @@ fn runs_the_op(artifacts: &[(String, String)]) -> bool {
 /// ~100 ulps of 1.
 const TOL: f64 = 2e-5;
 
+/// Naive, sliced (merged back into one op) and sliced under the seed's
+/// `strict` hint (one op per slice), causal or not.
 #[test]
 fn compiled_seed_attention_matches_eager_with_gradients() {
     let shape = [2, 4, 16, 8];
     let args: Vec<Tensor> = (0..3)
         .map(|i| randn(&shape, i).set_requires_grad(true))
         .collect();
+    let cases = [(1, false), (8, false), (8, true)];
     for causal in [false, true] {
-        for slices in [1, 8] {
-            let f = move |x: &[Tensor]| vec![sdpa(&x[0], &x[1], &x[2], causal, slices)];
+        for (slices, hinted) in cases {
+            let f = move |x: &[Tensor]| {
+                let out = || sdpa(&x[0], &x[1], &x[2], causal, slices);
+                match hinted {
+                    true => vec![hints::scope(SEED_HINT, out).unwrap()],
+                    false => vec![out()],
+                }
+            };
             let eager = value_and_grads(&f, &args, &args);
             let fused = compile(f);
             let compiled = value_and_grads(&|x| fused.call(x), &args, &args);
@@ -141,7 +167,10 @@ fn compiled_seed_attention_matches_eager_with_gradients() {
                 .zip(compiled.iter().zip(&eager))
             {
                 let d = max_diff(c, e);
-                assert!(d < TOL, "causal {causal}, {slices} slices, {name}: {d}");
+                assert!(
+                    d < TOL,
+                    "causal {causal}, {slices} slices, hinted {hinted}, {name}: {d}"
+                );
             }
             let plain = compile(f).fuse_attention(false);
             let _ = value_and_grads(&|x| plain.call(x), &args, &args);

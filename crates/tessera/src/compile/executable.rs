@@ -102,7 +102,7 @@ fn pipeline(options: &CompileOptions) -> PassManager {
     let passes = PassManager::default_pipeline();
     match options.fuse_attention {
         true => passes,
-        false => passes.without("attention"),
+        false => passes.without("attention").without("batch_attention"),
     }
 }
 

@@ -22,6 +22,7 @@
 //! | [`transpose_matmul`] | `matmul(permute(x), y)` → `matmul_t` with a transpose flag |
 //! | [`movement`] | composes permutes, reshapes, expands and slices; drops full slices |
 //! | [`attention`] | `softmax(q·kᵀ·scale [+ mask] [causal]) · v` → the flash attention op |
+//! | [`batch_attention`] | per-slice flash attention ops concatenated back → one op (not under `strict`) |
 //! | [`decompose`] | softmax, log_softmax, silu into primitives (only when asked) |
 //!
 //! # Floating-point honesty
@@ -38,6 +39,7 @@
 
 pub mod absorbing_elements;
 pub mod attention;
+pub mod batch_attention;
 pub mod broadcast_minimisation;
 pub mod constant_fold;
 pub mod constant_propagation;
@@ -151,6 +153,10 @@ pub const ALL: &[Pass] = &[
         run: attention::run,
     },
     Pass {
+        name: "batch_attention",
+        run: batch_attention::run,
+    },
+    Pass {
         name: "constant_propagation",
         run: constant_propagation::run,
     },
@@ -192,6 +198,7 @@ pub const DEFAULT_PIPELINE: &[&str] = &[
     "constant_fold",
     "cse",
     "attention",
+    "batch_attention",
     "constant_propagation",
     "node_reduction",
     "hoisting",
