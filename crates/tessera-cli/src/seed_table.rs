@@ -94,16 +94,16 @@ fn print_table(config: &SeedConfig, rows: &[SeedRow]) {
         config.reps
     );
     println!(
-        "| {:<34} | {:>12} | {:>10} | {:>11} | {:>11} |",
+        "| {:<40} | {:>12} | {:>10} | {:>11} | {:>11} |",
         "scenario", "working MB", "ms", "compile ms", "max |err|"
     );
     println!(
-        "|{:-<36}|{:->14}|{:->12}|{:->13}|{:->13}|",
+        "|{:-<42}|{:->14}|{:->12}|{:->13}|{:->13}|",
         "", "", "", "", ""
     );
     for r in rows {
         println!(
-            "| {:<34} | {:>12.1} | {:>10.2} | {:>11.1} | {:>11.2e} |",
+            "| {:<40} | {:>12.1} | {:>10.2} | {:>11.1} | {:>11.2e} |",
             r.scenario, r.working_mb, r.ms_median, r.compile_ms, r.max_abs_err
         );
     }

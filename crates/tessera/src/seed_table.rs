@@ -1,11 +1,13 @@
 //! The seed experiment (seeds/000_6388399522242122.txt): scaled dot-product
 //! attention written naively and sliced per batch×head, forward + backward,
-//! eager and compiled, with and without the user's context hint — working
-//! memory, time, compile time and error against an f64 reference.
+//! eager and compiled, with and without the user's context hint, with and
+//! without the attention pass, and the flash attention op called directly —
+//! working memory, time, compile time and error against an f64 reference.
 
 use std::time::Instant;
 
 use crate::compile::{compile, CompileStats};
+use crate::custom_op::flash_attention::{scaled_dot_product_attention, SdpaOptions};
 use crate::error::Result;
 use crate::hints;
 use crate::ir::DType;
@@ -202,14 +204,97 @@ fn measure(
     })
 }
 
-/// The scenarios, in the table's order.
-pub const SCENARIOS: [&str; 5] = [
-    "naive eager",
-    "sliced eager",
-    "sliced graph (compiled)",
-    "hinted sliced graph (compiled)",
-    "naive graph (compiled)",
+/// How a scenario runs the seed's attention.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Run {
+    /// `sdpa` in `slices` parts (1: naive), eagerly.
+    Eager { slices: Slices },
+    /// `sdpa` compiled, optionally under [`SEED_HINT`], with or without the
+    /// attention pass (`fused`).
+    Compiled {
+        slices: Slices,
+        hinted: bool,
+        fused: bool,
+    },
+    /// `scaled_dot_product_attention` (the flash attention op), eagerly.
+    FlashEager,
+}
+
+/// One slice or one per batch×head.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Slices {
+    One,
+    PerHead,
+}
+
+/// The scenarios, in the table's order. The first five are issue 5's and
+/// run without the attention pass; the next two turn it on.
+const RUNS: [(&str, Run); 8] = [
+    (
+        "naive eager",
+        Run::Eager {
+            slices: Slices::One,
+        },
+    ),
+    (
+        "sliced eager",
+        Run::Eager {
+            slices: Slices::PerHead,
+        },
+    ),
+    (
+        "sliced graph (compiled)",
+        Run::Compiled {
+            slices: Slices::PerHead,
+            hinted: false,
+            fused: false,
+        },
+    ),
+    (
+        "hinted sliced graph (compiled)",
+        Run::Compiled {
+            slices: Slices::PerHead,
+            hinted: true,
+            fused: false,
+        },
+    ),
+    (
+        "naive graph (compiled)",
+        Run::Compiled {
+            slices: Slices::One,
+            hinted: false,
+            fused: false,
+        },
+    ),
+    (
+        "fused attention (naive code, compiled)",
+        Run::Compiled {
+            slices: Slices::One,
+            hinted: false,
+            fused: true,
+        },
+    ),
+    (
+        "hinted sliced graph + fused attention",
+        Run::Compiled {
+            slices: Slices::PerHead,
+            hinted: true,
+            fused: true,
+        },
+    ),
+    ("flash attention op (eager)", Run::FlashEager),
 ];
+
+/// The scenarios' names, in the table's order.
+pub const SCENARIOS: [&str; 8] = {
+    let mut names = [""; 8];
+    let mut i = 0;
+    while i < RUNS.len() {
+        names[i] = RUNS[i].0;
+        i += 1;
+    }
+    names
+};
 
 /// The seed's hint: the forward in program order as group 0, the backward
 /// as group 1 (PySDPAHinted).
@@ -222,36 +307,52 @@ fn hinted_sdpa_fn(causal: bool, slices: usize) -> Forward {
     })
 }
 
+fn flash_fn(causal: bool) -> Forward {
+    Box::new(move |x: &[Tensor]| {
+        let options = SdpaOptions {
+            causal,
+            ..SdpaOptions::default()
+        };
+        vec![scaled_dot_product_attention(&x[0], &x[1], &x[2], options)]
+    })
+}
+
 /// Runs every scenario; `progress(i, name)` is called before scenario `i`.
 pub fn run(config: &SeedConfig, mut progress: impl FnMut(usize, &str)) -> Result<Vec<SeedRow>> {
     let problem = Problem::new(config)?;
-    let slices = config.shape[0] * config.shape[1];
+    let count = |slices| match slices {
+        Slices::One => 1,
+        Slices::PerHead => config.shape[0] * config.shape[1],
+    };
     let no_stats = || CompileStats::default();
     let mut rows = Vec::new();
-    for (i, &name) in SCENARIOS.iter().enumerate() {
+    for (i, &(name, how)) in RUNS.iter().enumerate() {
         progress(i, name);
-        let row = match i {
-            0 => measure(
+        let row = match how {
+            Run::Eager { slices } => measure(
                 name,
-                &*sdpa_fn(config.causal, 1),
+                &*sdpa_fn(config.causal, count(slices)),
                 &no_stats,
                 &problem,
                 config.reps,
             ),
-            1 => measure(
+            Run::FlashEager => measure(
                 name,
-                &*sdpa_fn(config.causal, slices),
+                &*flash_fn(config.causal),
                 &no_stats,
                 &problem,
                 config.reps,
             ),
-            _ => {
-                let forward = match i {
-                    2 => sdpa_fn(config.causal, slices),
-                    3 => hinted_sdpa_fn(config.causal, slices),
-                    _ => sdpa_fn(config.causal, 1),
+            Run::Compiled {
+                slices,
+                hinted,
+                fused,
+            } => {
+                let forward = match hinted {
+                    true => hinted_sdpa_fn(config.causal, count(slices)),
+                    false => sdpa_fn(config.causal, count(slices)),
                 };
-                let f = compile(forward).name(name);
+                let f = compile(forward).name(name).fuse_attention(fused);
                 measure(
                     name,
                     &|x: &[Tensor]| f.call(x),

@@ -38,7 +38,7 @@ impl Program {
                 scheduled: None,
             });
         }
-        PassManager::default_pipeline().run(&mut graph, &PassContext::default())?;
+        pipeline(options).run(&mut graph, &PassContext::default())?;
         let plan = fusion::fuse(&graph);
         let schedule_options = ScheduleOptions {
             strategy: options.schedule,
@@ -97,6 +97,15 @@ impl Program {
     }
 }
 
+/// The default backend's passes under `options`.
+fn pipeline(options: &CompileOptions) -> PassManager {
+    let passes = PassManager::default_pipeline();
+    match options.fuse_attention {
+        true => passes,
+        false => passes.without("attention").without("batch_attention"),
+    }
+}
+
 /// The backward half of an AOT-compiled function.
 struct BackwardGraph {
     program: Program,
@@ -129,7 +138,11 @@ impl Executable {
         let fused = options.backend == Backend::Default;
         let eager_autograd = options.backend == Backend::Eager;
         if fused {
-            PassManager::default_pipeline().run(&mut graph, &PassContext::default())?;
+            let ctx = PassContext {
+                grad_inputs: Some(wrt.clone()),
+                ..PassContext::default()
+            };
+            pipeline(options).run(&mut graph, &ctx)?;
         }
         let num_outputs = graph.outputs.len();
         let name = graph.name.clone();

@@ -68,6 +68,9 @@ pub struct CompileOptions {
     /// The most bytes a graph's intermediates may hold at once (default
     /// backend): the most parallel order that fits is chosen.
     pub memory_budget: Option<usize>,
+    /// Replace attention written with plain ops by the flash attention op
+    /// (the `attention` pass of the default backend; on by default).
+    pub fuse_attention: bool,
 }
 
 impl Default for CompileOptions {
@@ -80,6 +83,7 @@ impl Default for CompileOptions {
             partition: Partition::SaveAll,
             schedule: Strategy::Bfs,
             memory_budget: None,
+            fuse_attention: true,
         }
     }
 }
@@ -188,6 +192,13 @@ impl<F: Fn(&[Tensor]) -> Vec<Tensor>> Compiled<F> {
         self
     }
 
+    /// Whether attention written with plain ops becomes the flash
+    /// attention op (default on; see [`crate::passes::attention`]).
+    pub fn fuse_attention(mut self, on: bool) -> Self {
+        self.options.fuse_attention = on;
+        self
+    }
+
     /// A readable name for logs and dumps (default: file and line).
     pub fn name(mut self, name: &str) -> Self {
         self.name = name.to_string();
@@ -199,6 +210,18 @@ impl<F: Fn(&[Tensor]) -> Vec<Tensor>> Compiled<F> {
     }
 
     /// Why each recompile happened (`input 0, dim 0: expected 8, got 16`).
+    /// Every stage's artifact of the executable built last, as (file name,
+    /// text): the forward and backward graphs after the passes (`*.tir`),
+    /// their kernels, schedules and memory plans. Empty before the first
+    /// compile.
+    pub fn last_artifacts(&self) -> Vec<(String, String)> {
+        let state = self.state.lock().expect("compile cache");
+        state
+            .entries
+            .last()
+            .map_or_else(Vec::new, |entry| entry.exe.artifacts())
+    }
+
     pub fn recompile_reasons(&self) -> Vec<String> {
         self.state
             .lock()

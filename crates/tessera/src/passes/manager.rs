@@ -97,6 +97,12 @@ impl PassManager {
         Ok(PassManager::new(passes))
     }
 
+    /// This pipeline without the pass called `name` (as it is, if absent).
+    pub fn without(mut self, name: &str) -> PassManager {
+        self.passes.retain(|p| p.name != name);
+        self
+    }
+
     pub fn passes(&self) -> &[Pass] {
         &self.passes
     }
@@ -248,6 +254,9 @@ mod tests {
         assert_eq!(names, ["cse", "dce"]);
         let pm = PassManager::from_names("default,decompose").unwrap();
         assert_eq!(pm.passes().len(), DEFAULT_PIPELINE.len() + 1);
+        let without = PassManager::default_pipeline().without("attention");
+        assert_eq!(without.passes().len(), DEFAULT_PIPELINE.len() - 1);
+        assert!(without.passes().iter().all(|p| p.name != "attention"));
         let err = PassManager::from_names("cse,fold").unwrap_err().to_string();
         assert!(
             err.starts_with("unknown pass `fold`; the passes are default, movement,"),

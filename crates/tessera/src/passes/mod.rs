@@ -21,6 +21,8 @@
 //! | [`broadcast_minimisation`] | `(m1+s1)+(m2+s2)` → `(m1+m2)+(s1+s2)` for broadcast `s` |
 //! | [`transpose_matmul`] | `matmul(permute(x), y)` → `matmul_t` with a transpose flag |
 //! | [`movement`] | composes permutes, reshapes, expands and slices; drops full slices |
+//! | [`attention`] | `softmax(q·kᵀ·scale [+ mask] [causal]) · v` → the flash attention op |
+//! | [`batch_attention`] | per-slice flash attention ops concatenated back → one op (not under `strict`) |
 //! | [`decompose`] | softmax, log_softmax, silu into primitives (only when asked) |
 //!
 //! # Floating-point honesty
@@ -36,6 +38,8 @@
 //! primitives round differently) and runs only when a pipeline names it.
 
 pub mod absorbing_elements;
+pub mod attention;
+pub mod batch_attention;
 pub mod broadcast_minimisation;
 pub mod constant_fold;
 pub mod constant_propagation;
@@ -62,8 +66,10 @@ pub struct PassContext {
     /// Allows float rewrites that are exact in real arithmetic but round
     /// differently: reassociation (`(x+c1)+c2` → `x+(c1+c2)`), distribution
     /// (`x*a+x*b` → `x*(a+b)`), regrouping of broadcast operands, `n*x` for a
-    /// sum of more than 3 copies of `x`, and `x + 0.0` → `x` (which differs
-    /// only in the sign of a zero result: `-0.0 + 0.0` is `+0.0`). Results
+    /// sum of more than 3 copies of `x`, `x + 0.0` → `x` (which differs
+    /// only in the sign of a zero result: `-0.0 + 0.0` is `+0.0`), and the
+    /// flash attention op in place of attention's composite (its tiles sum
+    /// in another order). Results
     /// move by a few ulps of the terms involved; an intermediate that
     /// overflows in one order may stay finite in the other. On by default,
     /// as in TensorFlow's Grappler (its arithmetic optimizer hoists and
@@ -76,6 +82,11 @@ pub struct PassContext {
     /// The most elements a folded constant may have: larger results are
     /// left to run (a graph should not carry megabytes of literals).
     pub fold_limit: usize,
+    /// The positions of the graph inputs that gradients will be taken with
+    /// respect to; `None`: unknown, any may be. A rewrite into an op that
+    /// does not differentiate one of its operands (the attention mask)
+    /// only happens where that operand depends on none of them.
+    pub grad_inputs: Option<Vec<usize>>,
 }
 
 impl Default for PassContext {
@@ -84,6 +95,7 @@ impl Default for PassContext {
             allow_reassociation: true,
             unsafe_math: false,
             fold_limit: 4096,
+            grad_inputs: None,
         }
     }
 }
@@ -137,6 +149,14 @@ pub const ALL: &[Pass] = &[
         run: cse::run,
     },
     Pass {
+        name: "attention",
+        run: attention::run,
+    },
+    Pass {
+        name: "batch_attention",
+        run: batch_attention::run,
+    },
+    Pass {
         name: "constant_propagation",
         run: constant_propagation::run,
     },
@@ -167,13 +187,18 @@ pub const ALL: &[Pass] = &[
 ];
 
 /// The passes of [`PassManager::default_pipeline`]: all but `decompose`,
-/// which fusion asks for when it wants primitives.
+/// which fusion asks for when it wants primitives. `attention` runs after
+/// the clean-ups that put attention into the form it matches (permutes
+/// composed, constants folded and shared) and, like every pass here, before
+/// `decompose`, which would split the softmax it looks for.
 pub const DEFAULT_PIPELINE: &[&str] = &[
     "movement",
     "neutral_elements",
     "absorbing_elements",
     "constant_fold",
     "cse",
+    "attention",
+    "batch_attention",
     "constant_propagation",
     "node_reduction",
     "hoisting",
