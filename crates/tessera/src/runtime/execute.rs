@@ -137,6 +137,8 @@ pub(crate) fn inputs_device(graph: &Graph, inputs: &[&Tensor]) -> Result<Device>
     })
 }
 
+// `execute` after the device is known: the same arguments plus the device.
+#[allow(clippy::too_many_arguments)]
 fn execute_on(
     graph: &Graph,
     plan: &Plan,
@@ -416,10 +418,10 @@ fn run_members(
         let node = graph.node(m);
         // Scalar constants a group inlines are not among its reads.
         for &x in &node.inputs {
-            if !values.contains_key(&x) {
+            if let std::collections::hash_map::Entry::Vacant(slot) = values.entry(x) {
                 let constant = Tensor::apply(&graph.node(x).op, &[], Location::caller())
                     .map_err(|e| node_error(graph, x, e))?;
-                values.insert(x, constant);
+                slot.insert(constant);
             }
         }
         let inputs: Vec<&Tensor> = node.inputs.iter().map(|x| &values[x]).collect();
