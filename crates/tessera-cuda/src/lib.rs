@@ -21,6 +21,7 @@
 pub mod codegen;
 pub mod compiler;
 pub mod flash;
+mod flash_op;
 mod gpu;
 mod matmul;
 mod ops;
@@ -64,10 +65,16 @@ pub fn backend() -> Result<Arc<CudaBackend>> {
 /// Opens GPU 0 and registers it as `Device::Cuda`.
 pub fn register() -> Result<()> {
     let b = backend()?;
-    device::register(b)
+    device::register(b)?;
+    flash_op::register()
 }
 
 impl CudaBackend {
+    /// Waits for the work queued on the backend's stream.
+    pub(crate) fn synchronize_stream(&self) -> std::result::Result<(), String> {
+        self.gpu.synchronize()
+    }
+
     /// The GPU's name and architecture, e.g. `NVIDIA H100 80GB HBM3 (sm_90)`.
     pub fn describe(&self) -> String {
         format!(

@@ -1,0 +1,196 @@
+//! The CUDA kernel slot of tessera's flash attention custom ops: the
+//! `tessera::flash_attention` forward and `tessera::flash_attention_backward`
+//! run the tensor-core kernels of [`crate::flash`] on device tensors.
+//!
+//! The launcher queues on a cudarc stream of the device's primary context
+//! (the context the backend uses too, so device pointers are shared); the
+//! backend's stream is synchronised before the launch and the launcher's
+//! after it, which keeps the two streams in program order.
+
+use std::sync::{Arc, OnceLock};
+
+use cudarc::driver::{CudaContext, CudaStream};
+use tessera::custom_op::flash_attention::{BACKWARD, FORWARD};
+use tessera::custom_op::{self, Attrs, Backend};
+use tessera::error::{Error, ErrorKind, Result};
+use tessera::ir::DType;
+use tessera::runtime::device::DeviceStorage;
+use tessera::Tensor;
+
+use crate::flash::{self, BwdPtrs, FlashDType, FlashDims, FwdPtrs};
+use crate::CudaBackend;
+
+/// Fills the CUDA slots of the flash attention ops.
+pub(crate) fn register() -> Result<()> {
+    custom_op::lookup(FORWARD)?.set_kernel(Backend::Cuda, forward);
+    custom_op::lookup(BACKWARD)?.set_kernel(Backend::Cuda, backward);
+    Ok(())
+}
+
+fn err(op: &str, message: impl Into<String>) -> Error {
+    Error::op(ErrorKind::Device, op, message.into())
+}
+
+fn stream() -> Result<Arc<CudaStream>> {
+    static STREAM: OnceLock<std::result::Result<Arc<CudaStream>, String>> = OnceLock::new();
+    STREAM
+        .get_or_init(|| {
+            CudaContext::new(0)
+                .map(|ctx| ctx.default_stream())
+                .map_err(|e| format!("opening the primary context: {e:?}"))
+        })
+        .clone()
+        .map_err(|m| err(FORWARD, m))
+}
+
+fn params(attrs: &Attrs) -> Result<(bool, f32)> {
+    let causal = attrs.get("causal").and_then(|v| v.as_bool());
+    let scale = attrs.get("scale").and_then(|v| v.as_f64());
+    match (causal, scale) {
+        (Some(c), Some(s)) => Ok((c, s as f32)),
+        _ => Err(Error::op(
+            ErrorKind::Argument,
+            FORWARD,
+            "needs causal and scale attributes",
+        )),
+    }
+}
+
+fn dtype_of(t: &Tensor) -> Result<FlashDType> {
+    match t.dtype() {
+        DType::F32 => Ok(FlashDType::F32),
+        DType::F16 => Ok(FlashDType::F16),
+        DType::BF16 => Ok(FlashDType::BF16),
+        d => Err(Error::op(
+            ErrorKind::DType,
+            FORWARD,
+            format!("has no CUDA kernel for {d}"),
+        )),
+    }
+}
+
+/// `[B, H, L, D]` dims of q and k (rank-3 `[BH, L, D]` reads as B = 1).
+fn dims(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<FlashDims> {
+    let r = q.rank();
+    let d = q.shape()[r - 1];
+    if v.shape()[r - 1] != d {
+        return Err(Error::op(
+            ErrorKind::Unsupported,
+            FORWARD,
+            format!(
+                "the CUDA kernels need v's head dim equal to q's, got q {} and v {}",
+                q.ty(),
+                v.ty()
+            ),
+        ));
+    }
+    let lead = &q.shape()[..r - 2];
+    let (batch, heads) = match lead {
+        [] => (1, 1),
+        [h] => (1, *h),
+        [b, rest @ ..] => (*b, rest.iter().product()),
+    };
+    Ok(FlashDims {
+        batch,
+        heads,
+        q_len: q.shape()[r - 2],
+        kv_len: k.shape()[r - 2],
+        head_dim: d,
+    })
+}
+
+/// The address of a contiguous device tensor's first element.
+fn ptr(t: &Tensor) -> u64 {
+    t.device_storage().map_or(0, |s| s.ptr()) + (t.layout().offset * t.dtype().size_bytes()) as u64
+}
+
+fn empty(backend: &CudaBackend, dtype: DType, shape: &[usize]) -> Result<Tensor> {
+    let storage: DeviceStorage = backend.empty(dtype, shape.iter().product())?;
+    Ok(Tensor::from_device_storage(storage, shape))
+}
+
+/// Runs `launch` on the launcher's stream in order with the backend's.
+fn ordered(
+    backend: &CudaBackend,
+    op: &str,
+    launch: impl FnOnce(&CudaStream) -> std::result::Result<(), flash::FlashError>,
+) -> Result<()> {
+    backend.synchronize_stream().map_err(|m| err(op, m))?;
+    let s = stream()?;
+    launch(&s).map_err(|e| err(op, e.to_string()))?;
+    s.synchronize().map_err(|e| err(op, format!("{e:?}")))
+}
+
+fn forward(attrs: &Attrs, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
+    if inputs.len() > 3 {
+        return Err(Error::op(
+            ErrorKind::Unsupported,
+            FORWARD,
+            "the CUDA kernels take no additive mask (use causal, or the composite)",
+        ));
+    }
+    let (causal, scale) = params(attrs)?;
+    let backend = crate::backend()?;
+    let (q, k, v) = (
+        inputs[0].contiguous(),
+        inputs[1].contiguous(),
+        inputs[2].contiguous(),
+    );
+    let dims = dims(&q, &k, &v)?;
+    let r = q.rank();
+    let out = empty(&backend, q.dtype(), q.shape())?;
+    let lse = empty(&backend, DType::F32, &q.shape()[..r - 1])?;
+    let ptrs = FwdPtrs {
+        q: ptr(&q),
+        k: ptr(&k),
+        v: ptr(&v),
+        out: ptr(&out),
+        lse: ptr(&lse),
+    };
+    let dtype = dtype_of(&q)?;
+    // SAFETY: every pointer is a live contiguous device allocation of the
+    // size `dims` gives, kept alive by the tensors until the launch's stream
+    // is synchronised in `ordered`.
+    ordered(&backend, FORWARD, |s| unsafe {
+        flash::flash_forward(s, dtype, dims, causal, scale, ptrs)
+    })?;
+    Ok(vec![out, lse])
+}
+
+fn backward(attrs: &Attrs, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
+    if inputs.len() > 6 {
+        return Err(Error::op(
+            ErrorKind::Unsupported,
+            BACKWARD,
+            "the CUDA kernels take no additive mask",
+        ));
+    }
+    let (causal, scale) = params(attrs)?;
+    let backend = crate::backend()?;
+    let c: Vec<Tensor> = inputs.iter().map(|t| t.contiguous()).collect();
+    let (q, k, v, out, lse, d_out) = (&c[0], &c[1], &c[2], &c[3], &c[4], &c[5]);
+    let dims = dims(q, k, v)?;
+    let dtype = dtype_of(q)?;
+    let dq = empty(&backend, q.dtype(), q.shape())?;
+    let dk = empty(&backend, k.dtype(), k.shape())?;
+    let dv = empty(&backend, v.dtype(), v.shape())?;
+    let work_bytes = flash::backward_workspace_bytes(dtype, &dims);
+    let workspace = empty(&backend, DType::F32, &[work_bytes.div_ceil(4)])?;
+    let ptrs = BwdPtrs {
+        q: ptr(q),
+        k: ptr(k),
+        v: ptr(v),
+        out: ptr(out),
+        d_out: ptr(d_out),
+        lse: ptr(lse),
+        dq: ptr(&dq),
+        dk: ptr(&dk),
+        dv: ptr(&dv),
+        workspace: ptr(&workspace),
+    };
+    // SAFETY: as in `forward`; the workspace holds `backward_workspace_bytes`.
+    ordered(&backend, BACKWARD, |s| unsafe {
+        flash::flash_backward(s, dtype, dims, causal, scale, ptrs)
+    })?;
+    Ok(vec![dq, dk, dv])
+}
