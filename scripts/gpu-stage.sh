@@ -6,7 +6,8 @@
 set -euo pipefail
 dir=${1:-/work/main/.gpu/cuda}
 cd "$(dirname "$0")/.."
-cargo build --release -p tessera-cli -p tessera-cuda --examples
+cargo build --release -p tessera-cli
+cargo build --release -p tessera-cuda --examples
 mkdir -p "$dir/tests" "$dir/scripts/anchors"
 rm -f "$dir"/tests/*
 cp target/release/tessera target/release/examples/matmul_rate "$dir/"

@@ -137,6 +137,11 @@ fn forward(attrs: &Attrs, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
         inputs[2].contiguous(),
     );
     let dims = dims(&q, &k, &v)?;
+    let dtype = dtype_of(&q)?;
+    if let Err(why) = supported(&backend, dtype, &dims) {
+        log_fallback(&why);
+        return composite_forward(&q, &k, &v, causal, scale);
+    }
     let r = q.rank();
     let out = empty(&backend, q.dtype(), q.shape())?;
     let lse = empty(&backend, DType::F32, &q.shape()[..r - 1])?;
@@ -171,6 +176,10 @@ fn backward(attrs: &Attrs, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
     let (q, k, v, out, lse, d_out) = (&c[0], &c[1], &c[2], &c[3], &c[4], &c[5]);
     let dims = dims(q, k, v)?;
     let dtype = dtype_of(q)?;
+    if let Err(why) = supported(&backend, dtype, &dims) {
+        log_fallback(&why);
+        return composite_backward(q, k, v, out, lse, d_out, causal, scale);
+    }
     let dq = empty(&backend, q.dtype(), q.shape())?;
     let dk = empty(&backend, k.dtype(), k.shape())?;
     let dv = empty(&backend, v.dtype(), v.shape())?;
@@ -193,4 +202,99 @@ fn backward(attrs: &Attrs, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
         flash::flash_backward(s, dtype, dims, causal, scale, ptrs)
     })?;
     Ok(vec![dq, dk, dv])
+}
+
+/// Whether the tensor-core launcher has a kernel for this call.
+fn supported(
+    backend: &CudaBackend,
+    dtype: FlashDType,
+    dims: &FlashDims,
+) -> std::result::Result<(), String> {
+    let cc = backend.compute_capability();
+    flash::select(dtype, dims.head_dim, cc)
+        .map(|_| ())
+        .map_err(|e| e.to_string())
+}
+
+fn log_fallback(why: &str) {
+    tessera::logging::log("fusion", || {
+        format!("flash attention on cuda: {why}; running the composite (scores in memory)")
+    });
+}
+
+/// Scores `q·kᵀ·scale`, causal positions hidden, in f32.
+fn scores(q: &Tensor, k: &Tensor, causal: bool, scale: f32) -> Result<Tensor> {
+    let s = q
+        .try_cast(DType::F32)?
+        .try_matmul(&k.try_cast(DType::F32)?.try_transpose(-2, -1)?)?
+        * scale as f64;
+    if !causal {
+        return Ok(s);
+    }
+    let r = s.rank();
+    let (lq, lk) = (s.shape()[r - 2], s.shape()[r - 1]);
+    let keep = tessera::runtime::device::with_device(s.device(), || {
+        Tensor::ones(&[lq, lk], DType::F32)
+            .tril(0)
+            .cast(DType::Bool)
+    });
+    let hidden = Tensor::scalar(f64::NEG_INFINITY, DType::F32);
+    Tensor::try_where(&keep, &s, &hidden)
+}
+
+/// The forward with plain device ops, for calls the launcher has no kernel
+/// for: out and the log-sum-exp residual, as the kernel returns them.
+fn composite_forward(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    causal: bool,
+    scale: f32,
+) -> Result<Vec<Tensor>> {
+    let s = scores(q, k, causal, scale)?;
+    // lse = m + log Σ exp(s − m), m the row max (rows fully hidden by
+    // causality do not occur: row i always sees key 0).
+    let m = s.try_max(&[-1], true)?;
+    let lse = s
+        .try_sub(&m)?
+        .try_exp()?
+        .try_sum(&[-1], true)?
+        .try_log()?
+        .try_add(&m)?;
+    let lse = lse.try_squeeze(-1)?;
+    let p = s.try_softmax(-1)?;
+    let out = p
+        .try_matmul(&v.try_cast(DType::F32)?)?
+        .try_cast(q.dtype())?;
+    Ok(vec![out, lse])
+}
+
+/// The backward with plain device ops, recomputing P from the residual.
+#[allow(clippy::too_many_arguments)]
+fn composite_backward(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    out: &Tensor,
+    lse: &Tensor,
+    d_out: &Tensor,
+    causal: bool,
+    scale: f32,
+) -> Result<Vec<Tensor>> {
+    let f = |t: &Tensor| t.try_cast(DType::F32);
+    let (qf, kf, vf, of, gf) = (f(q)?, f(k)?, f(v)?, f(out)?, f(d_out)?);
+    let p = scores(q, k, causal, scale)?
+        .try_sub(&lse.try_unsqueeze(-1)?)?
+        .try_exp()?;
+    let dv = p.try_transpose(-2, -1)?.try_matmul(&gf)?;
+    let dp = gf.try_matmul(&vf.try_transpose(-2, -1)?)?;
+    let delta = gf.try_mul(&of)?.try_sum(&[-1], true)?;
+    let ds = p.try_mul(&dp.try_sub(&delta)?)? * scale as f64;
+    let dq = ds.try_matmul(&kf)?;
+    let dk = ds.try_transpose(-2, -1)?.try_matmul(&qf)?;
+    Ok(vec![
+        dq.try_cast(q.dtype())?,
+        dk.try_cast(k.dtype())?,
+        dv.try_cast(v.dtype())?,
+    ])
 }

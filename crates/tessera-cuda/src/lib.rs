@@ -70,6 +70,13 @@ pub fn register() -> Result<()> {
 }
 
 impl CudaBackend {
+    /// The device's compute capability, from its target (`sm_90` → (9, 0)).
+    pub(crate) fn compute_capability(&self) -> (i32, i32) {
+        let digits = self.gpu.target.trim_start_matches("sm_");
+        let (major, minor) = digits.split_at(digits.len().saturating_sub(1));
+        (major.parse().unwrap_or(0), minor.parse().unwrap_or(0))
+    }
+
     /// Waits for the work queued on the backend's stream.
     pub(crate) fn synchronize_stream(&self) -> std::result::Result<(), String> {
         self.gpu.synchronize()
