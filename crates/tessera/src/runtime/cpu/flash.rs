@@ -1018,9 +1018,10 @@ trait Simd: Copy {
     unsafe fn sub(a: Self::V, b: Self::V) -> Self::V;
     unsafe fn mul(a: Self::V, b: Self::V) -> Self::V;
     unsafe fn max(a: Self::V, b: Self::V) -> Self::V;
-    /// e^x to within a few ulp for x >= -87.3, and 0 below (flushing the
+    /// e^x within 2 ulp for -87.3 <= x <= 88.7, and 0 below (flushing the
     /// subnormal results: relative to anything a softmax adds them to, they
-    /// are nothing). Only ever called on `x <= ~0` here.
+    /// are nothing); NaN stays NaN. Above 88.7 the result is wrong (no
+    /// overflow handling): softmax only asks for x <= ~0.
     unsafe fn exp(x: Self::V) -> Self::V;
     /// The tile product with this instruction set's micro-tile shape.
     unsafe fn gemm(g: &Gemm);
@@ -1195,8 +1196,8 @@ mod x86 {
     pub(super) struct Avx2;
 
     // e^x as in `fastmath::exp_f32` (Cody-Waite reduction, Cephes' expf
-    // polynomial), with a single 2^n scaling: exact above EXP_MIN, where
-    // n >= -126 keeps 2^n normal.
+    // polynomial), with a single 2^n scaling, which is a normal float (n >=
+    // -126) above EXP_MIN.
     const SHIFT: f32 = 12_582_912.0; // 1.5 · 2^23
     const LN2_HI: f32 = 0.693_359_4;
     const LN2_LO: f32 = -2.121_944_4e-4;
