@@ -16,7 +16,11 @@
 //! reductions, softmax, matmul, reshape/permute/slice/cat/expand,
 //! constants) with the patterns the passes look for (`x+x+x`, constant
 //! chains, common factors, broadcast pairs, transposed matmul operands,
-//! identity views), some nodes carrying hints. A second test checks that
+//! identity views, attention whole or per slice), some nodes carrying
+//! hints. The attention pass does not fire on f64 graphs (the flash
+//! attention op computes in f32 and up), so it is checked by the f32
+//! comparison; causal attention has `-inf` scores, which the tameness
+//! filter below discards (`tests/attention_pass.rs` checks its values). A second test checks that
 //! every pass actually fires on these graphs.
 
 use std::collections::HashMap;
@@ -91,6 +95,8 @@ enum Step {
     BroadcastPair(usize, usize),
     /// an op on constants only: `exp(c1 op c2)`
     ConstExpr(u8, u8, u8),
+    /// `softmax(q·kᵀ·c [causal]) · v` (see [`Builder::attention`])
+    Attention(usize, usize, usize, u8),
 }
 
 fn step_strategy() -> impl Strategy<Value = Step> {
@@ -116,6 +122,7 @@ fn step_strategy() -> impl Strategy<Value = Step> {
         1 => (any::<bool>(), ix(), ix(), ix()).prop_map(|(s, x, a, c)| Step::Hoist(s, x, a, c)),
         1 => (ix(), ix()).prop_map(|(m, s)| Step::BroadcastPair(m, s)),
         1 => (b(), b(), b()).prop_map(|(o, k1, k2)| Step::ConstExpr(o, k1, k2)),
+        1 => (ix(), ix(), ix(), b()).prop_map(|(q, k, v, m)| Step::Attention(q, k, v, m)),
     ]
 }
 
@@ -391,7 +398,97 @@ impl Builder {
                 let r = self.add(Op::Binary(BinaryOp::Add), &[s2, m2])?;
                 self.add(Op::Binary(BinaryOp::Add), &[l, r])
             }
+            Step::Attention(q, k, v, mode) => self.attention(q, k, v, mode),
         }
+    }
+}
+
+impl Builder {
+    /// Attention as users write it, for the `attention` and
+    /// `batch_attention` passes. `mode` bits: 1 causal (`where(tril(ones),
+    /// s, -inf)`), 2 per slice of dim 0 (two halves, concatenated), 4 scale
+    /// by division, 8 scale `q` instead of the scores, 16/32 separate `k`/`v`
+    /// values (else `k = q`, `v = k`).
+    fn attention(&mut self, q: usize, k: usize, v: usize, mode: u8) -> Option<NodeId> {
+        // Per slice: the first rank-3 value with an even dim 0 from `q` on.
+        let sliceable = |b: &Builder, id: NodeId| {
+            let shape = b.shape(id);
+            shape.len() == 3 && shape[0] % 2 == 0
+        };
+        let q = match mode & 2 {
+            0 => self.pick(q),
+            _ => (0..self.pool.len())
+                .map(|i| self.pick(q + i))
+                .find(|&id| sliceable(self, id))?,
+        };
+        let k = if mode & 16 != 0 { self.pick(k) } else { q };
+        let v = if mode & 32 != 0 { self.pick(v) } else { k };
+        if mode & 2 == 0 {
+            return self.attend(q, k, v, mode);
+        }
+        let rows = self.shape(q)[0];
+        let mut halves = Vec::new();
+        for start in [0, rows / 2] {
+            let half = |b: &mut Builder, x: NodeId| {
+                let slice = Op::Slice {
+                    dim: 0,
+                    start,
+                    end: start + rows / 2,
+                    step: 1,
+                };
+                b.add(slice, &[x])
+            };
+            let (qh, kh, vh) = (half(self, q)?, half(self, k)?, half(self, v)?);
+            halves.push(self.attend(qh, kh, vh, mode)?);
+        }
+        self.add(Op::Cat { dim: 0 }, &halves)
+    }
+
+    fn attend(&mut self, q: NodeId, k: NodeId, v: NodeId, mode: u8) -> Option<NodeId> {
+        let (op, c) = match mode & 4 {
+            0 => (BinaryOp::Mul, 0.5),
+            _ => (BinaryOp::Div, 2.0),
+        };
+        let scale = |b: &mut Builder, x: NodeId| {
+            let c = b.add(
+                Op::Full {
+                    value: Scalar::Float(c),
+                    shape: Shape::scalar(),
+                    dtype: DType::F32,
+                },
+                &[],
+            )?;
+            b.add(Op::Binary(op), &[x, c])
+        };
+        let q = if mode & 8 != 0 { scale(self, q)? } else { q };
+        let kt = self.swap_last2(k)?;
+        let mut s = self.add(Op::MatMul, &[q, kt])?;
+        if mode & 8 == 0 {
+            s = scale(self, s)?;
+        }
+        let shape = self.shape(s);
+        let rank = shape.len();
+        if rank < 2 {
+            return None;
+        }
+        if mode & 1 != 0 {
+            let ones = Op::Full {
+                value: Scalar::Bool(true),
+                shape: Shape::from_concrete(&shape[rank - 2..]),
+                dtype: DType::Bool,
+            };
+            let ones = self.add(ones, &[])?;
+            let keep = self.add(Op::Tril { diagonal: 0 }, &[ones])?;
+            let hidden = Op::Full {
+                value: Scalar::Float(f64::NEG_INFINITY),
+                shape: Shape::scalar(),
+                dtype: DType::F32,
+            };
+            let hidden = self.add(hidden, &[])?;
+            s = self.add(Op::Where, &[keep, s, hidden])?;
+        }
+        let p = self.add(Op::Softmax { dim: rank - 1 }, &[s])?;
+        self.add(Op::MatMul, &[p, v])
     }
 }
 
@@ -640,6 +737,16 @@ fn every_pass_fires_on_generated_graphs() {
         let g = build(&strategy.new_tree(&mut runner).unwrap().current());
         for pass in passes::ALL {
             let mut h = g.clone();
+            // `batch_attention` merges what `attention` makes of live
+            // per-slice attention: run that first, every `cat` an output.
+            if pass.name == "batch_attention" {
+                for i in 0..h.len() {
+                    if matches!(h.nodes[i].op, Op::Cat { .. }) {
+                        h.add_output(format!("cat{i}"), NodeId(i as u32));
+                    }
+                }
+                passes::attention::run(&mut h, &unsafe_math).unwrap();
+            }
             if (pass.run)(&mut h, &unsafe_math).unwrap() {
                 *fired.entry(pass.name).or_default() += 1;
             }

@@ -26,12 +26,15 @@
 //! - `s = scores · c`, `c · scores` or `scores / c` with `c` a scalar
 //!   constant, and/or `q = q' · c` (how `nn::MultiHeadAttention` scales):
 //!   the op's `scale`; without any scale nothing matches;
-//! - `scores = matmul(q, permute(k))` with the permute swapping the last
-//!   two dims (after composition with other permutes: the op then reads `k`
-//!   through a new permute, a view), or `matmul_t(q, k) {transpose_b}`.
+//! - `scores = matmul(q, kᵀ)` where `kᵀ` is a permute that reads its
+//!   input's last two dims in reverse order (a transpose, possibly composed
+//!   with a permute of the batch dims, as `movement` leaves the heads of
+//!   `nn::MultiHeadAttention`: the op then reads `k` through a new permute,
+//!   a view), or `matmul_t(q, k) {transpose_b}` (after `transpose_matmul`).
 //!
 //! The scores, the scaled and masked scores and the probabilities must have
-//! no other reader (they vanish), `v` must not be transposed, every node the
+//! no other reader (they vanish), `v` must not be transposed (a permute
+//! reversing its last two dims, or `matmul_t`), every node the
 //! op absorbs must carry the final matmul's hints (no rewrite mixes hint
 //! groups), and the op's shape rules must accept the operands (f32, f16 or
 //! bf16, one rank, shared leading dims, head dims ≤ 256). The new node takes
@@ -92,7 +95,7 @@ struct Attention {
     mask: Option<MaskOperand>,
     causal: bool,
     scale: f64,
-    /// The nodes the op stands for, from the scores to the final matmul.
+    /// The nodes the op stands for (by id), for the hint check and the log.
     absorbed: Vec<NodeId>,
 }
 
