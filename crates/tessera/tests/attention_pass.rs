@@ -189,9 +189,9 @@ fn compiled_attention_module_matches_eager_with_parameter_gradients() {
         let mut leaves = vec![x.clone()];
         leaves.extend(store.parameters().iter().map(|p| p.get()));
         let f = |a: &[Tensor]| vec![attn.forward(&a[0])];
-        let eager = value_and_grads(&f, &[x.clone()], &leaves);
+        let eager = value_and_grads(&f, std::slice::from_ref(&x), &leaves);
         let fused = compile(f);
-        let compiled = value_and_grads(&|a| fused.call(a), &[x.clone()], &leaves);
+        let compiled = value_and_grads(&|a| fused.call(a), std::slice::from_ref(&x), &leaves);
         assert!(runs_the_op(&fused.last_artifacts()));
         for (i, (c, e)) in compiled.iter().zip(&eager).enumerate() {
             let d = max_diff(c, e);

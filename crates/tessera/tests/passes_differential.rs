@@ -413,7 +413,7 @@ impl Builder {
         // Per slice: the first rank-3 value with an even dim 0 from `q` on.
         let sliceable = |b: &Builder, id: NodeId| {
             let shape = b.shape(id);
-            shape.len() == 3 && shape[0] % 2 == 0
+            shape.len() == 3 && shape[0].is_multiple_of(2)
         };
         let q = match mode & 2 {
             0 => self.pick(q),
