@@ -10,7 +10,7 @@
 use std::sync::{Arc, OnceLock};
 
 use cudarc::driver::{CudaContext, CudaStream};
-use tessera::custom_op::flash_attention::{BACKWARD, FORWARD};
+use tessera::custom_op::flash_attention::{self, BACKWARD, FORWARD};
 use tessera::custom_op::{self, Attrs, Backend};
 use tessera::error::{Error, ErrorKind, Result};
 use tessera::ir::DType;
@@ -18,6 +18,7 @@ use tessera::runtime::device::DeviceStorage;
 use tessera::Tensor;
 
 use crate::flash::{self, BwdPtrs, FlashDType, FlashDims, FwdPtrs};
+use crate::ops::first as ptr;
 use crate::CudaBackend;
 
 /// Fills the CUDA slots of the flash attention ops.
@@ -44,16 +45,8 @@ fn stream() -> Result<Arc<CudaStream>> {
 }
 
 fn params(attrs: &Attrs) -> Result<(bool, f32)> {
-    let causal = attrs.get("causal").and_then(|v| v.as_bool());
-    let scale = attrs.get("scale").and_then(|v| v.as_f64());
-    match (causal, scale) {
-        (Some(c), Some(s)) => Ok((c, s as f32)),
-        _ => Err(Error::op(
-            ErrorKind::Argument,
-            FORWARD,
-            "needs causal and scale attributes",
-        )),
-    }
+    let p = flash_attention::params(attrs)?;
+    Ok((p.causal, p.scale))
 }
 
 fn dtype_of(t: &Tensor) -> Result<FlashDType> {
@@ -97,11 +90,6 @@ fn dims(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<FlashDims> {
         kv_len: k.shape()[r - 2],
         head_dim: d,
     })
-}
-
-/// The address of a contiguous device tensor's first element.
-fn ptr(t: &Tensor) -> u64 {
-    t.device_storage().map_or(0, |s| s.ptr()) + (t.layout().offset * t.dtype().size_bytes()) as u64
 }
 
 fn empty(backend: &CudaBackend, dtype: DType, shape: &[usize]) -> Result<Tensor> {

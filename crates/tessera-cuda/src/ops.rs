@@ -36,7 +36,7 @@ fn base(t: &Tensor) -> u64 {
 }
 
 /// The address of `t`'s first element (its layout's offset applied).
-fn first(t: &Tensor) -> u64 {
+pub(crate) fn first(t: &Tensor) -> u64 {
     base(t) + (t.layout().offset * t.dtype().size_bytes()) as u64
 }
 

@@ -56,7 +56,9 @@ pub fn attrs(causal: bool, scale: f64) -> Attrs {
     a
 }
 
-fn params(attrs: &Attrs) -> Result<AttentionParams> {
+/// The `causal` and `scale` attributes of a call (every backend reads
+/// them through here).
+pub fn params(attrs: &Attrs) -> Result<AttentionParams> {
     let causal = attrs.get("causal").and_then(|v| v.as_bool());
     let scale = attrs.get("scale").and_then(|v| v.as_f64());
     match (causal, scale) {
@@ -201,19 +203,7 @@ fn output<T: Element>(dtype: DType, shape: &[usize], fill: impl FnOnce(&mut [T])
     Tensor::from_storage(storage, shape)
 }
 
-fn contiguous_values<T: Element>(t: &Tensor) -> Result<Tensor> {
-    let t = t.try_contiguous()?;
-    t.contiguous_slice::<T>().ok_or_else(|| {
-        op_err!(
-            Verify,
-            FORWARD,
-            "a contiguous operand has no contiguous slice"
-        )
-    })?;
-    Ok(t)
-}
-
-/// The values of a tensor made contiguous by [`contiguous_values`].
+/// The values of a tensor made dense by `try_contiguous`.
 fn slice_of<T: Element>(t: &Tensor) -> &[T] {
     t.contiguous_slice::<T>().expect("made contiguous")
 }
@@ -243,10 +233,7 @@ fn forward_kernel(attrs: &Attrs, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
     let p = params(attrs)?;
     let (q, k, v) = (inputs[0], inputs[1], inputs[2]);
     let shape = attention_shape(q, k, v);
-    let mask = inputs
-        .get(3)
-        .map(|m| contiguous_values::<f32>(m))
-        .transpose()?;
+    let mask = inputs.get(3).map(|m| m.try_contiguous()).transpose()?;
     let mask_arg = mask.as_ref().map(|m| AdditiveMask {
         values: m.contiguous_slice::<f32>().expect("contiguous"),
         shared: m.rank() == 2,
@@ -255,7 +242,7 @@ fn forward_kernel(attrs: &Attrs, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
     let out_shape = [&q.shape()[..r - 1], &[shape.v_dim][..]].concat();
     let lse_shape = &q.shape()[..r - 1];
     with_float_type!(q.dtype(), T => {
-        let (q, k, v) = (contiguous_values::<T>(q)?, contiguous_values::<T>(k)?, contiguous_values::<T>(v)?);
+        let (q, k, v) = (q.try_contiguous()?, k.try_contiguous()?, v.try_contiguous()?);
         let (qs, ks, vs) = (slice_of::<T>(&q), slice_of::<T>(&k), slice_of::<T>(&v));
         let mut lse = Storage::new(DType::F32, shape.bh * shape.q_len);
         let out = output::<T>(q.dtype(), &out_shape, |out| {
@@ -271,17 +258,14 @@ fn backward_kernel(attrs: &Attrs, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
         inputs[0], inputs[1], inputs[2], inputs[3], inputs[4], inputs[5],
     );
     let shape = attention_shape(q, k, v);
-    let mask = inputs
-        .get(6)
-        .map(|m| contiguous_values::<f32>(m))
-        .transpose()?;
+    let mask = inputs.get(6).map(|m| m.try_contiguous()).transpose()?;
     let mask_arg = mask.as_ref().map(|m| AdditiveMask {
         values: m.contiguous_slice::<f32>().expect("contiguous"),
         shared: m.rank() == 2,
     });
-    let lse = contiguous_values::<f32>(lse)?;
+    let lse = lse.try_contiguous()?;
     with_float_type!(q.dtype(), T => {
-        let c = |t: &Tensor| contiguous_values::<T>(t);
+        let c = |t: &Tensor| t.try_contiguous();
         let (q, k, v, out, d_out) = (c(q)?, c(k)?, c(v)?, c(out)?, c(d_out)?);
         let s = slice_of::<T>;
         let mut dk = Storage::new(q.dtype(), k.numel());

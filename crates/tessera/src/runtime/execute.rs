@@ -125,7 +125,57 @@ fn execute(
     let refs: Vec<&Tensor> = inputs.iter().collect();
     let on = inputs_device(graph, &refs)?;
     device::with_device(on, || {
-        execute_on(graph, plan, steps, in_place, alone, slots, inputs, on)
+        // The arena and its slots are host memory: device kernels allocate
+        // through the device's own allocator.
+        let slots = |k: usize| if on == Device::Cpu { slots(k) } else { None };
+        let frees = frees_after_each_step(graph, plan, steps);
+        let mut values: Vec<Option<Tensor>> = vec![None; graph.len()];
+        for (&id, t) in graph.inputs.iter().zip(inputs) {
+            values[id.index()] = Some(t.clone());
+        }
+        // Device kernels queue on one stream: nothing to gain from threads.
+        let concurrent = !trace::is_active() && on == Device::Cpu;
+        let grad = autograd::is_grad_enabled();
+        for (step, free) in steps.iter().zip(&frees) {
+            let jobs: Vec<Job<'_>> = step
+                .iter()
+                .map(|&k| {
+                    let mut job =
+                        Job::gather(graph, k, &plan.kernels[k], &in_place(k), &mut values);
+                    job.planned = slots(k);
+                    job
+                })
+                .collect();
+            let concurrent = concurrent && jobs.len() > 1;
+            let (serial, parallel): (Vec<Job<'_>>, Vec<Job<'_>>) = jobs
+                .into_iter()
+                .partition(|job| !concurrent || alone(job.k));
+            let mut results: Vec<Result<Vec<(NodeId, Tensor)>>> =
+                serial.into_iter().map(|job| job.run(graph)).collect();
+            // Rayon's workers start with grad mode on: carry the caller's.
+            results.par_extend(parallel.into_par_iter().map(|job| match grad {
+                true => job.run(graph),
+                false => autograd::no_grad(|| job.run(graph)),
+            }));
+            for result in results {
+                for (id, t) in result? {
+                    values[id.index()] = Some(t);
+                }
+            }
+            for id in free {
+                values[id.index()] = None;
+            }
+        }
+        Ok(graph
+            .outputs
+            .iter()
+            .map(|o| {
+                (
+                    o.name.clone(),
+                    values[o.node.index()].clone().expect("outputs are kept"),
+                )
+            })
+            .collect())
     })
 }
 
@@ -135,70 +185,6 @@ pub(crate) fn inputs_device(graph: &Graph, inputs: &[&Tensor]) -> Result<Device>
     device::of_inputs("input", inputs).map_err(|e| {
         crate::error::Error::new(e.kind, format!("graph `{}`: {}", graph.name, e.message))
     })
-}
-
-// `execute` after the device is known: the same arguments plus the device.
-#[allow(clippy::too_many_arguments)]
-fn execute_on(
-    graph: &Graph,
-    plan: &Plan,
-    steps: &[Vec<usize>],
-    in_place: impl Fn(usize) -> Vec<(NodeId, NodeId)>,
-    alone: impl Fn(usize) -> bool,
-    slots: impl Fn(usize) -> Option<Planned>,
-    inputs: &[Tensor],
-    on: Device,
-) -> Result<Vec<(String, Tensor)>> {
-    // The arena and its slots are host memory: device kernels allocate
-    // through the device's own allocator.
-    let slots = |k: usize| if on == Device::Cpu { slots(k) } else { None };
-    let frees = frees_after_each_step(graph, plan, steps);
-    let mut values: Vec<Option<Tensor>> = vec![None; graph.len()];
-    for (&id, t) in graph.inputs.iter().zip(inputs) {
-        values[id.index()] = Some(t.clone());
-    }
-    // Device kernels queue on one stream: nothing to gain from threads.
-    let concurrent = !trace::is_active() && on == Device::Cpu;
-    let grad = autograd::is_grad_enabled();
-    for (step, free) in steps.iter().zip(&frees) {
-        let jobs: Vec<Job<'_>> = step
-            .iter()
-            .map(|&k| {
-                let mut job = Job::gather(graph, k, &plan.kernels[k], &in_place(k), &mut values);
-                job.planned = slots(k);
-                job
-            })
-            .collect();
-        let concurrent = concurrent && jobs.len() > 1;
-        let (serial, parallel): (Vec<Job<'_>>, Vec<Job<'_>>) = jobs
-            .into_iter()
-            .partition(|job| !concurrent || alone(job.k));
-        let mut results: Vec<Result<Vec<(NodeId, Tensor)>>> =
-            serial.into_iter().map(|job| job.run(graph)).collect();
-        // Rayon's workers start with grad mode on: carry the caller's.
-        results.par_extend(parallel.into_par_iter().map(|job| match grad {
-            true => job.run(graph),
-            false => autograd::no_grad(|| job.run(graph)),
-        }));
-        for result in results {
-            for (id, t) in result? {
-                values[id.index()] = Some(t);
-            }
-        }
-        for id in free {
-            values[id.index()] = None;
-        }
-    }
-    Ok(graph
-        .outputs
-        .iter()
-        .map(|o| {
-            (
-                o.name.clone(),
-                values[o.node.index()].clone().expect("outputs are kept"),
-            )
-        })
-        .collect())
 }
 
 /// A kernel's argument, gathered before the step runs.
