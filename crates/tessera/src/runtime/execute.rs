@@ -8,6 +8,7 @@ use std::panic::Location;
 
 use rayon::prelude::*;
 
+use super::autotune;
 use super::cpu::fused::{FusedInput, FusedKernel};
 use super::cpu::Storage;
 use super::interpret::{bind_symbols, node_error};
@@ -23,8 +24,19 @@ use crate::tensor::{trace, Tensor};
 /// `graph.inputs`, one kernel at a time in plan order, returning the named
 /// outputs.
 pub fn run_plan(graph: &Graph, plan: &Plan, inputs: &[Tensor]) -> Result<Vec<(String, Tensor)>> {
+    run_plan_with(graph, plan, inputs, false)
+}
+
+/// [`run_plan`], with fused kernels' block sizes autotuned when `tune`
+/// (see [`super::autotune`]).
+pub fn run_plan_with(
+    graph: &Graph,
+    plan: &Plan,
+    inputs: &[Tensor],
+    tune: bool,
+) -> Result<Vec<(String, Tensor)>> {
     let steps: Vec<Vec<usize>> = (0..plan.kernels.len()).map(|k| vec![k]).collect();
-    execute(graph, plan, &steps, |_| Vec::new(), |_| false, inputs)
+    execute(graph, plan, &steps, |_| Vec::new(), |_| false, inputs, tune)
 }
 
 /// Runs `plan` in `schedule`'s steps: the kernels of a step with several
@@ -41,6 +53,19 @@ pub fn run_scheduled(
     memory: &MemoryPlan,
     inputs: &[Tensor],
 ) -> Result<Vec<(String, Tensor)>> {
+    run_scheduled_with(graph, plan, schedule, memory, inputs, false)
+}
+
+/// [`run_scheduled`], with fused kernels' block sizes autotuned when `tune`
+/// (see [`super::autotune`]).
+pub fn run_scheduled_with(
+    graph: &Graph,
+    plan: &Plan,
+    schedule: &Schedule,
+    memory: &MemoryPlan,
+    inputs: &[Tensor],
+    tune: bool,
+) -> Result<Vec<(String, Tensor)>> {
     execute(
         graph,
         plan,
@@ -48,6 +73,7 @@ pub fn run_scheduled(
         |k| memory.in_place(k).collect(),
         |k| memory.scratch_bytes(k) > 0,
         inputs,
+        tune,
     )
 }
 
@@ -58,6 +84,7 @@ fn execute(
     in_place: impl Fn(usize) -> Vec<(NodeId, NodeId)>,
     alone: impl Fn(usize) -> bool,
     inputs: &[Tensor],
+    tune: bool,
 ) -> Result<Vec<(String, Tensor)>> {
     let given: Vec<Option<&Tensor>> = inputs.iter().map(Some).collect();
     bind_symbols(graph, &given)?;
@@ -78,11 +105,11 @@ fn execute(
             .into_iter()
             .partition(|job| !concurrent || alone(job.k));
         let mut results: Vec<Result<Vec<(NodeId, Tensor)>>> =
-            serial.into_iter().map(|job| job.run(graph)).collect();
+            serial.into_iter().map(|job| job.run(graph, tune)).collect();
         // Rayon's workers start with grad mode on: carry the caller's.
         results.par_extend(parallel.into_par_iter().map(|job| match grad {
-            true => job.run(graph),
-            false => autograd::no_grad(|| job.run(graph)),
+            true => job.run(graph, tune),
+            false => autograd::no_grad(|| job.run(graph, tune)),
         }));
         for result in results {
             for (id, t) in result? {
@@ -165,7 +192,7 @@ impl<'a> Job<'a> {
         Job { k, kernel, args }
     }
 
-    fn run(self, graph: &Graph) -> Result<Vec<(NodeId, Tensor)>> {
+    fn run(self, graph: &Graph, tune: bool) -> Result<Vec<(NodeId, Tensor)>> {
         match self.kernel {
             Kernel::Extern(id) => {
                 let node = graph.node(*id);
@@ -181,6 +208,22 @@ impl<'a> Job<'a> {
                     .map_err(|e| node_error(graph, *id, e))?;
                 Ok(vec![(*id, out)])
             }
+            Kernel::Epilogue {
+                matmul,
+                matmul_out,
+                kernel,
+                inputs,
+                outputs,
+                ..
+            } => run_epilogue(
+                graph,
+                (*matmul, *matmul_out),
+                kernel,
+                inputs,
+                outputs,
+                self.args,
+                tune,
+            ),
             Kernel::Rows {
                 kernel,
                 outputs,
@@ -206,16 +249,104 @@ impl<'a> Job<'a> {
                 members,
                 ..
             } => {
-                let outs =
-                    run_fused(kernel, self.args).map_err(|e| node_error(graph, members[0], e))?;
+                let outs = run_fused(kernel, self.args, tune)
+                    .map_err(|e| node_error(graph, members[0], e))?;
                 Ok(outputs.iter().copied().zip(outs).collect())
             }
         }
     }
 }
 
-/// Runs a fused kernel on its gathered arguments.
-fn run_fused(kernel: &FusedKernel, args: Vec<Arg>) -> Result<Vec<Tensor>> {
+/// Runs a matmul and its epilogue: the gemm writes a fresh buffer, which
+/// the epilogue then overwrites in place (one output of the matmul's dtype)
+/// unless the matmul's value is itself an output.
+fn run_epilogue(
+    graph: &Graph,
+    (matmul, matmul_out): (NodeId, bool),
+    kernel: &FusedKernel,
+    inputs: &[NodeId],
+    outputs: &[NodeId],
+    args: Vec<Arg>,
+    tune: bool,
+) -> Result<Vec<(NodeId, Tensor)>> {
+    let shared: Vec<Tensor> = args
+        .into_iter()
+        .map(|a| match a {
+            Arg::Shared(t) => t,
+            Arg::Donated(..) => unreachable!("epilogue inputs are not donated by the plan"),
+        })
+        .collect();
+    let node = graph.node(matmul);
+    let (operands, rest) = shared.split_at(node.inputs.len());
+    let operands: Vec<&Tensor> = operands.iter().collect();
+    let product = Tensor::apply(&node.op, &operands, Location::caller())
+        .map_err(|e| node_error(graph, matmul, e))?;
+    let mut results = Vec::with_capacity(outputs.len() + 1);
+    let target = (!matmul_out)
+        .then(|| {
+            kernel
+                .outputs
+                .iter()
+                .position(|&(_, d)| d == product.dtype())
+        })
+        .flatten();
+    let mut product = Some(product);
+    if matmul_out {
+        results.push((matmul, product.clone().expect("the product")));
+    }
+    let mut rest = rest.iter();
+    let mut fused_args = Vec::with_capacity(inputs.len());
+    for &x in inputs {
+        if x != matmul {
+            fused_args.push(Arg::Shared(rest.next().expect("an input").clone()));
+            continue;
+        }
+        let t = product.take().expect("the matmul is read once");
+        fused_args.push(match target {
+            Some(o) => match t.into_unique_storage() {
+                Ok(storage) => Arg::Donated(storage, o),
+                Err(t) => Arg::Shared(t),
+            },
+            None => Arg::Shared(t),
+        });
+    }
+    let outs = run_fused(kernel, fused_args, tune)
+        .map_err(|e| node_error(graph, outputs.first().copied().unwrap_or(matmul), e))?;
+    results.extend(outputs.iter().copied().zip(outs));
+    Ok(results)
+}
+
+/// The kernel with its autotuned block. Donated storages are read as
+/// tensors during the trials and donated again afterwards.
+fn tuned(kernel: &FusedKernel, args: Vec<Arg>) -> Result<(FusedKernel, Vec<Arg>)> {
+    let held: Vec<(Tensor, Option<usize>)> = args
+        .into_iter()
+        .map(|a| match a {
+            Arg::Shared(t) => (t, None),
+            Arg::Donated(s, o) => (Tensor::from_storage(s, &kernel.shape), Some(o)),
+        })
+        .collect();
+    let refs: Vec<&Tensor> = held.iter().map(|(t, _)| t).collect();
+    let kernel = autotune::tune(kernel, &refs)?;
+    let args = held
+        .into_iter()
+        .map(|(t, o)| match o {
+            None => Arg::Shared(t),
+            Some(o) => match t.into_unique_storage() {
+                Ok(s) => Arg::Donated(s, o),
+                Err(t) => Arg::Shared(t),
+            },
+        })
+        .collect();
+    Ok((kernel, args))
+}
+
+/// Runs a fused kernel on its gathered arguments (block autotuned when `tune`).
+fn run_fused(kernel: &FusedKernel, args: Vec<Arg>, tune: bool) -> Result<Vec<Tensor>> {
+    if tune {
+        let (kernel, args) = tuned(kernel, args)?;
+        return run_fused(&kernel, args, false);
+    }
     // The shared tensors must outlive the inputs that borrow them.
     let mut shared: Vec<Option<Tensor>> = Vec::with_capacity(args.len());
     let mut donated: Vec<Option<(Storage, usize)>> = Vec::with_capacity(args.len());

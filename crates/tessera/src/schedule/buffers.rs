@@ -123,6 +123,42 @@ impl BufferModel {
                 self.value_buffer[id.index()] = value.buffer;
                 values[id.index()] = Some(value);
             }
+            Kernel::Epilogue {
+                matmul,
+                matmul_out,
+                kernel: code,
+                outputs,
+                ..
+            } => {
+                // The gemm's own scratch, then its product: an output of the
+                // kernel when needed elsewhere, else overwritten by the first
+                // epilogue output of its dtype, else a temporary.
+                let n = graph.node(*matmul).inputs.len();
+                let shape = concrete(graph, *matmul)?;
+                let described: Vec<(&Layout, DType, usize)> = inputs[..n]
+                    .iter()
+                    .map(|v| (&v.layout, v.dtype, v.storage_numel))
+                    .collect();
+                let scratch = scratch_bytes(&graph.node(*matmul).op, &described, &shape);
+                if scratch > 0 {
+                    self.create(k, None, scratch);
+                }
+                let dtype = graph.node(*matmul).ty.dtype;
+                let absorbed = code.outputs.iter().any(|&(_, d)| d == dtype);
+                if *matmul_out {
+                    let value = self.new_value(graph, k, *matmul)?;
+                    self.value_buffer[matmul.index()] = value.buffer;
+                    values[matmul.index()] = Some(value);
+                } else if !absorbed {
+                    let numel: usize = shape.iter().product();
+                    self.create(k, None, numel * dtype.size_bytes());
+                }
+                for &o in outputs {
+                    let value = self.new_value(graph, k, o)?;
+                    self.value_buffer[o.index()] = value.buffer;
+                    values[o.index()] = Some(value);
+                }
+            }
             Kernel::Rows { outputs, .. } => {
                 for &o in outputs {
                     let value = self.new_value(graph, k, o)?;
