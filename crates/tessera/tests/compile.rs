@@ -51,7 +51,11 @@ fn a_new_shape_recompiles_with_its_reason() {
 
 #[test]
 fn past_the_recompile_limit_it_runs_eagerly() {
-    let f = compile(|x: &[Tensor]| vec![x[0].exp()]).recompile_limit(2);
+    // Static shapes: each new size recompiles (automatic dynamic dims
+    // would serve every size after the second from one executable).
+    let f = compile(|x: &[Tensor]| vec![x[0].exp()])
+        .recompile_limit(2)
+        .dynamic(Some(false));
     for n in 1..=6 {
         let x = randn(&[n], n as u64);
         assert_close(&f.call(std::slice::from_ref(&x))[0], &x.exp(), 1e-12);
@@ -140,4 +144,84 @@ fn gradients_through_compiled_graphs_match_eager() {
         assert_close(&x.grad().unwrap(), &gx, 1e-12);
         assert_close(&w.grad().unwrap(), &gw, 1e-12);
     }
+}
+
+/// Rows of softmax plus a broadcast bias, a sum, and a matmul with an
+/// epilogue: everything a size change touches.
+fn dyn_fn(x: &[Tensor]) -> Vec<Tensor> {
+    let h = (x[0].matmul(&x[1]) + &x[2]).relu() * 0.5;
+    vec![h.softmax(-1), (&x[0] * 2.0).sum(&[-1], true) + 1.0]
+}
+
+fn compiles_over_sizes(dynamic: Option<bool>) -> usize {
+    let f = compile(dyn_fn).dynamic(dynamic);
+    // (Sizes other than 8..64: with every dim symbolic, equal sizes share a
+    // symbol, so a coincidence such as n == 16 == w's width would be a
+    // different set of guards and recompile, as in torch.compile.)
+    let (w, b) = (randn(&[24, 10], 1), randn(&[10], 2));
+    for (i, n) in [8usize, 16, 32, 64].into_iter().enumerate() {
+        let args = [randn(&[n, 24], 10 + i as u64), w.clone(), b.clone()];
+        let got = f.call(&args);
+        let want = dyn_fn(&args);
+        for (g, e) in got.iter().zip(&want) {
+            assert_eq!(g.shape(), e.shape());
+            assert_close(g, e, 1e-12);
+        }
+    }
+    f.stats().compiles
+}
+
+#[test]
+fn automatic_dynamic_dims_serve_every_later_size_from_one_executable() {
+    assert_eq!(
+        compiles_over_sizes(None),
+        2,
+        "automatic: static, then symbolic"
+    );
+    assert_eq!(
+        compiles_over_sizes(Some(true)),
+        1,
+        "symbolic from the start"
+    );
+    assert_eq!(compiles_over_sizes(Some(false)), 4, "one per size");
+}
+
+#[test]
+fn a_size_the_graph_depends_on_still_recompiles() {
+    // The reshape bakes the size into the graph: it cannot be generalised,
+    // so every size compiles (and the answers stay right).
+    let f = compile(|x: &[Tensor]| vec![x[0].reshape(&[-1]) * 2.0]).dynamic(Some(true));
+    for n in [2usize, 3, 4] {
+        let x = randn(&[n, 5], n as u64);
+        assert_close(
+            &f.call(std::slice::from_ref(&x))[0],
+            &(x.reshape(&[-1]) * 2.0),
+            0.0,
+        );
+    }
+    assert_eq!(f.stats().compiles, 3);
+}
+
+#[test]
+fn max_autotune_keeps_the_results_bit_for_bit() {
+    let chain = |x: &[Tensor]| {
+        vec![(((&x[0] * 1.5 + 0.25).tanh() * &x[0] - 0.5).relu().sigmoid() * 2.0).maximum(&x[1])]
+    };
+    let mut g = Generator::new(4);
+    let args = [
+        Tensor::randn(&[300, 257], DType::F32, &mut g),
+        Tensor::randn(&[257], DType::F32, &mut g),
+    ];
+    let before = tessera::runtime::autotune::tuned_count();
+    let tuned = compile(chain).mode(Mode::MaxAutotune);
+    let plain = compile(chain);
+    let (a, b) = (tuned.call(&args), plain.call(&args));
+    assert!(
+        tessera::runtime::autotune::tuned_count() > before,
+        "a block was tuned and cached"
+    );
+    assert_eq!(a[0].to_f64_vec(), b[0].to_f64_vec());
+    assert_eq!(a[0].to_f64_vec(), chain(&args)[0].to_f64_vec());
+    // The second call reuses the cached choice: the same bits again.
+    assert_eq!(tuned.call(&args)[0].to_f64_vec(), b[0].to_f64_vec());
 }

@@ -276,3 +276,56 @@ fn fused_softmax_matches_an_f64_reference() {
         }
     }
 }
+
+#[test]
+fn a_matmul_with_bias_activation_and_scale_is_one_kernel_with_the_same_bits() {
+    let mut g = Generator::new(21);
+    let args = [
+        Tensor::randn(&[37, 24], DType::F32, &mut g),
+        Tensor::randn(&[24, 19], DType::F32, &mut g),
+        Tensor::randn(&[19], DType::F32, &mut g),
+    ];
+    let types: Vec<(String, tessera::ir::TensorType)> = ["x", "w", "b"]
+        .iter()
+        .zip(&args)
+        .map(|(n, t)| (n.to_string(), t.ty()))
+        .collect();
+    let traced = trace("mlp", &types, |a| {
+        let mm = a[0].matmul(&a[1]);
+        let y = (&mm + &a[2]).gelu() * 0.5;
+        // The product is needed again (an output), and a bool epilogue.
+        Ok(vec![
+            ("y".into(), y.clone()),
+            ("mm".into(), mm),
+            ("pos".into(), y.gt(0.1)),
+        ])
+    })
+    .unwrap();
+    let plan = fuse(&traced.graph);
+    let text = describe(&traced.graph, &plan);
+    assert!(text.starts_with("graph `mlp`: 7 ops -> 1 kernels\n  k0 matmul+epilogue [%3:matmul, %4:add, %5:gelu, %7:mul, %9:gt] reads 3 writes 3"), "{text}");
+    let want = run_graph(&traced.graph, &args).unwrap();
+    let got = run_plan(&traced.graph, &plan, &args).unwrap();
+    for ((name, w), (_, g)) in want.iter().zip(&got) {
+        assert_eq!(w.to_f64_vec(), g.to_f64_vec(), "{name}");
+    }
+    // Without the product as an output, the epilogue writes over it.
+    let traced = trace("mlp2", &types, |a| {
+        Ok(vec![("y".into(), (a[0].matmul(&a[1]) + &a[2]).relu())])
+    })
+    .unwrap();
+    let plan = fuse(&traced.graph);
+    assert!(
+        matches!(
+            &plan.kernels[..],
+            [Kernel::Epilogue {
+                matmul_out: false,
+                ..
+            }]
+        ),
+        "{plan:?}"
+    );
+    let want = run_graph(&traced.graph, &args).unwrap();
+    let got = run_plan(&traced.graph, &plan, &args).unwrap();
+    assert_eq!(want[0].1.to_f64_vec(), got[0].1.to_f64_vec());
+}

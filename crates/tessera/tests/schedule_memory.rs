@@ -126,8 +126,10 @@ fn sliced_attention_with_and_without_the_strict_hint() {
 /// Fused chains (in place), softmax of a transposed view (scratch), an
 /// output that is a view of an intermediate, a dead-end side output.
 fn mlp(a: &[Tensor]) -> Vec<Tensor> {
+    // The bias and gelu are the matmul's epilogue; the chain after the
+    // softmax over dim 0 (an extern kernel) overwrites its output in place.
     let h = (a[0].matmul(&a[1]) + &a[2]).gelu();
-    let g = (&h * 2.0).tanh() + 1.0;
+    let g = (&h.softmax(0) * 2.0).tanh() + 1.0;
     let p = g.t().softmax(-1);
     let flat = p.reshape(&[-1]);
     // Summed over dim 0: a sum along the last dim would take the chains

@@ -10,7 +10,7 @@ use crate::fusion::{self, Plan};
 use crate::ir::{Graph, NodeId};
 use crate::logging::log;
 use crate::passes::{PassContext, PassManager};
-use crate::runtime::execute::{run_plan, run_scheduled};
+use crate::runtime::execute::{run_plan_with, run_scheduled_with};
 use crate::runtime::interpret::run_graph;
 use crate::schedule::{self, ScheduleOptions, Scheduled};
 use crate::tensor::trace::Traced;
@@ -25,6 +25,8 @@ struct Program {
     /// `None` where the graph cannot be planned (symbolic shapes): then the
     /// kernels run in plan order.
     scheduled: Option<Arc<Scheduled>>,
+    /// Autotune fused kernels' block sizes (`mode=max-autotune`).
+    tune: bool,
 }
 
 impl Program {
@@ -36,6 +38,7 @@ impl Program {
                 graph: Arc::new(graph),
                 plan: None,
                 scheduled: None,
+                tune: false,
             });
         }
         pipeline(options).run(&mut graph, &PassContext::default())?;
@@ -60,15 +63,16 @@ impl Program {
             graph: Arc::new(graph),
             plan: Some(Arc::new(plan)),
             scheduled,
+            tune: options.mode == super::Mode::MaxAutotune,
         })
     }
 
     fn run(&self, args: &[Tensor]) -> Result<Vec<Tensor>> {
         let outs = match (&self.plan, &self.scheduled) {
             (Some(plan), Some(s)) => {
-                run_scheduled(&self.graph, plan, &s.schedule, &s.memory, args)?
+                run_scheduled_with(&self.graph, plan, &s.schedule, &s.memory, args, self.tune)?
             }
-            (Some(plan), None) => run_plan(&self.graph, plan, args)?,
+            (Some(plan), None) => run_plan_with(&self.graph, plan, args, self.tune)?,
             (None, _) => run_graph(&self.graph, args)?,
         };
         Ok(outs.into_iter().map(|(_, t)| t).collect())

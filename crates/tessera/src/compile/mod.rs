@@ -8,7 +8,13 @@
 //! is never served a stale executable. A miss on a known function is a
 //! recompile, logged with its reason. Past `recompile_limit` the function
 //! runs eagerly from then on, with one warning.
+//!
+//! Dynamic shapes (`dynamic`: `None` = automatic, `Some(true)` = every dim
+//! symbolic from the start, `Some(false)` = never): after a recompile caused
+//! by changed sizes, those dims become symbolic and the graph is generalised
+//! over them ([`dynamic`]), so one executable then serves every size.
 
+mod dynamic;
 mod executable;
 mod guards;
 
@@ -46,8 +52,9 @@ pub enum Mode {
     /// the function's graph depends only on its inputs' guards (no
     /// captured state that changes the ops), like CUDA-graph replay.
     ReduceOverhead,
-    /// Search kernel parameters; with no tunable kernels on this backend
-    /// yet it behaves as `Default` (logged once per compile).
+    /// Search kernel parameters (the block size of fused pointwise
+    /// kernels) by timing candidates on the real inputs at the first run,
+    /// keep the fastest, cached per kernel signature (log topic `autotune`).
     MaxAutotune,
 }
 
@@ -71,6 +78,9 @@ pub struct CompileOptions {
     /// Replace attention written with plain ops by the flash attention op
     /// (the `attention` pass of the default backend; on by default).
     pub fuse_attention: bool,
+    /// Dynamic dims: `None` automatic (after a size recompile), `Some(true)`
+    /// all dims from the start, `Some(false)` never.
+    pub dynamic: Option<bool>,
 }
 
 impl Default for CompileOptions {
@@ -84,6 +94,7 @@ impl Default for CompileOptions {
             schedule: Strategy::Bfs,
             memory_budget: None,
             fuse_attention: true,
+            dynamic: None,
         }
     }
 }
@@ -120,6 +131,8 @@ struct CacheState {
     fell_back: bool,
     /// Why each recompile happened, in order.
     recompile_reasons: Vec<String>,
+    /// The (input, dim) pairs made symbolic so far (automatic mode).
+    dynamic_dims: dynamic::DynamicDims,
 }
 
 /// A function compiled with [`compile`]; call it with [`Compiled::call`].
@@ -162,6 +175,13 @@ impl<F: Fn(&[Tensor]) -> Vec<Tensor>> Compiled<F> {
 
     pub fn fullgraph(mut self, on: bool) -> Self {
         self.options.fullgraph = on;
+        self
+    }
+
+    /// `None`: automatic dynamic dims; `Some(true)`: all dims symbolic from
+    /// the first compile; `Some(false)`: a recompile for every new size.
+    pub fn dynamic(mut self, dynamic: Option<bool>) -> Self {
+        self.options.dynamic = dynamic;
         self
     }
 
@@ -262,10 +282,15 @@ impl<F: Fn(&[Tensor]) -> Vec<Tensor>> Compiled<F> {
                 return Ok(out);
             }
         }
-        let key = structure_key(&traced.graph, &guards, &traced.lifted);
-        let exe = match self.lookup(key) {
+        let mut view = self.generalised(&traced, &guards);
+        let mut exe = self.lookup(view.key);
+        if exe.is_none() && self.widen_dynamic_dims(&guards) {
+            view = self.generalised(&traced, &guards);
+            exe = self.lookup(view.key);
+        }
+        let exe = match exe {
             Some(exe) => exe,
-            None => match self.compile_entry(key, &guards, &traced)? {
+            None => match self.compile_generalised(&view, &guards, &traced)? {
                 Some(exe) => exe,
                 None => return self.run_eagerly(inputs),
             },
@@ -328,6 +353,90 @@ impl<F: Fn(&[Tensor]) -> Vec<Tensor>> Compiled<F> {
         Ok(None)
     }
 
+    /// The trace as the cache sees it: generalised over the dynamic dims
+    /// (when there are any and the graph generalises), with its key.
+    fn generalised(&self, traced: &Traced, guards: &[InputGuard]) -> Generalised {
+        let dims = match self.options.dynamic {
+            Some(false) => dynamic::DynamicDims::new(),
+            Some(true) => dynamic::all_dims(guards),
+            None => self
+                .state
+                .lock()
+                .expect("compile cache")
+                .dynamic_dims
+                .clone(),
+        };
+        let general = traced
+            .breaks
+            .is_empty()
+            .then(|| dynamic::generalise(&traced.graph, guards, &dims))
+            .flatten();
+        match general {
+            Some((graph, masked)) => Generalised {
+                key: structure_key(&graph, &masked, &traced.lifted),
+                traced: Some(Traced {
+                    graph,
+                    lifted: traced.lifted.clone(),
+                    materialized: Vec::new(),
+                    breaks: Vec::new(),
+                }),
+            },
+            None => Generalised {
+                key: structure_key(&traced.graph, guards, &traced.lifted),
+                traced: None,
+            },
+        }
+    }
+
+    /// Compiles the generalised trace; if that fails to build (a pass or
+    /// the AOT partition needing concrete sizes), the concrete one.
+    fn compile_generalised(
+        &self,
+        view: &Generalised,
+        guards: &[InputGuard],
+        traced: &Traced,
+    ) -> Result<Option<Arc<Executable>>> {
+        let Some(general) = &view.traced else {
+            return self.compile_entry(view.key, guards, traced);
+        };
+        match self.compile_entry(view.key, guards, general) {
+            Err(e) => {
+                log("recompiles", || {
+                    format!(
+                        "{}: the symbolic graph does not build ({e}); compiling it for these sizes",
+                        self.name
+                    )
+                });
+                let key = structure_key(&traced.graph, guards, &traced.lifted);
+                self.compile_entry(key, guards, traced)
+            }
+            done => done,
+        }
+    }
+
+    /// Automatic mode, on a miss: the dims whose sizes changed since the
+    /// last compile become dynamic. Whether any new dim was added.
+    fn widen_dynamic_dims(&self, guards: &[InputGuard]) -> bool {
+        if self.options.dynamic.is_some() {
+            return false;
+        }
+        let mut state = self.state.lock().expect("compile cache");
+        let Some(last) = state.entries.last() else {
+            return false;
+        };
+        let changed = dynamic::changed_dims(&last.guards, guards);
+        let before = state.dynamic_dims.len();
+        state.dynamic_dims.extend(changed);
+        let widened = state.dynamic_dims.len() > before;
+        if widened {
+            let dims = state.dynamic_dims.clone();
+            log("recompiles", || {
+                format!("{}: dims now dynamic (input, dim): {dims:?}", self.name)
+            });
+        }
+        widened
+    }
+
     fn lookup(&self, key: u64) -> Option<Arc<Executable>> {
         let mut state = self.state.lock().expect("compile cache");
         let exe = state
@@ -388,14 +497,6 @@ impl<F: Fn(&[Tensor]) -> Vec<Tensor>> Compiled<F> {
             .enumerate()
             .filter_map(|(i, r)| r.then_some(i))
             .collect();
-        if self.options.mode == Mode::MaxAutotune {
-            log("output_code", || {
-                format!(
-                    "{}: max-autotune: no tunable kernels on the CPU backend yet",
-                    self.name
-                )
-            });
-        }
         let started = std::time::Instant::now();
         let exe = Arc::new(Executable::build(traced, wrt, &self.options)?);
         state.stats.compile_seconds += started.elapsed().as_secs_f64();
@@ -423,6 +524,13 @@ impl<F: Fn(&[Tensor]) -> Vec<Tensor>> Compiled<F> {
         self.state.lock().expect("compile cache").stats.eager_calls += 1;
         Ok((self.f)(inputs))
     }
+}
+
+/// A trace as the cache sees it.
+struct Generalised {
+    key: u64,
+    /// The generalised trace, when the dynamic dims generalise the graph.
+    traced: Option<Traced>,
 }
 
 /// Writes every stage's artifact into `tessera_debug/<name>_<n>/` and says

@@ -8,6 +8,9 @@
 //!    pointwise producers (prologue) and consumers (epilogue) as one
 //!    [`RowKernel`], evaluated row by row with the row in cache (softmax,
 //!    whole or decomposed, reads its input once and writes once);
+//! 3. matmul epilogues: a matmul's pointwise consumers of its shape (bias,
+//!    activation, scale) run in the same kernel, over the matmul's output
+//!    right after the gemm and in its buffer (no intermediate in memory).
 //!
 //! Every other node is an extern kernel run by the op dispatcher.
 //!
@@ -41,6 +44,19 @@ pub enum Kernel {
         inputs: Vec<NodeId>,
         outputs: Vec<NodeId>,
     },
+    /// A matmul followed by a pointwise epilogue over its output: the
+    /// epilogue reads the matmul's result (its input `matmul`) and, unless
+    /// the matmul's value is needed elsewhere (`matmul_out`), overwrites it.
+    Epilogue {
+        matmul: NodeId,
+        matmul_out: bool,
+        kernel: FusedKernel,
+        members: Vec<NodeId>,
+        /// The epilogue's inputs (the matmul among them).
+        inputs: Vec<NodeId>,
+        /// The epilogue's outputs (the matmul's value not among them).
+        outputs: Vec<NodeId>,
+    },
     /// One node through the op dispatcher.
     Extern(NodeId),
     /// A custom op's node, whose kernel also writes the `custom_output`
@@ -55,6 +71,11 @@ impl Kernel {
         match self {
             Kernel::Extern(id) | Kernel::Custom { node: id, .. } => graph.node(*id).inputs.clone(),
             Kernel::Fused { inputs, .. } | Kernel::Rows { inputs, .. } => inputs.clone(),
+            Kernel::Epilogue { matmul, inputs, .. } => {
+                let mut reads = graph.node(*matmul).inputs.clone();
+                reads.extend(inputs.iter().filter(|&x| x != matmul));
+                reads
+            }
         }
     }
 
@@ -66,6 +87,16 @@ impl Kernel {
             Kernel::Custom { node, outputs } => {
                 [*node].into_iter().chain(outputs.iter().copied()).collect()
             }
+            Kernel::Epilogue {
+                matmul,
+                matmul_out,
+                outputs,
+                ..
+            } => matmul_out
+                .then_some(*matmul)
+                .into_iter()
+                .chain(outputs.iter().copied())
+                .collect(),
         }
     }
 
@@ -73,7 +104,9 @@ impl Kernel {
     pub fn members(&self) -> &[NodeId] {
         match self {
             Kernel::Extern(id) | Kernel::Custom { node: id, .. } => std::slice::from_ref(id),
-            Kernel::Fused { members, .. } | Kernel::Rows { members, .. } => members,
+            Kernel::Fused { members, .. }
+            | Kernel::Rows { members, .. }
+            | Kernel::Epilogue { members, .. } => members,
         }
     }
 }
@@ -146,12 +179,23 @@ impl Domain {
 struct Group {
     domain: Domain,
     members: Vec<NodeId>,
+    /// A matmul whose epilogue the group is (its first member).
+    head: Option<NodeId>,
 }
 
 /// Which rounds run.
 #[derive(Clone, Copy, Debug, PartialEq)]
 struct Rounds {
     reductions: bool,
+    epilogues: bool,
+}
+
+/// A matmul whose output an epilogue may take: f32/f64, concrete.
+fn is_epilogue_head(graph: &Graph, id: NodeId) -> bool {
+    let node = graph.node(id);
+    matches!(node.op, Op::MatMul | Op::MatMulT { .. })
+        && matches!(node.ty.dtype, DType::F32 | DType::F64)
+        && shape_of(graph, id).is_some()
 }
 
 /// The grouping: groups, and kernel slots in order (`Ok(group)` or
@@ -214,8 +258,27 @@ pub fn fuse(graph: &Graph) -> Plan {
         .iter()
         .filter(|n| !matches!(n.op, Op::Input))
         .count();
-    let pointwise = group(graph, Rounds { reductions: false });
-    let rows = group(graph, Rounds { reductions: true });
+    let pointwise = group(
+        graph,
+        Rounds {
+            reductions: false,
+            epilogues: false,
+        },
+    );
+    let rows = group(
+        graph,
+        Rounds {
+            reductions: true,
+            epilogues: false,
+        },
+    );
+    let all = group(
+        graph,
+        Rounds {
+            reductions: true,
+            epilogues: true,
+        },
+    );
     log("fusion", || {
         let candidates = (0..graph.len())
             .filter(|&i| is_fusible(graph, NodeId(i as u32)))
@@ -238,7 +301,19 @@ pub fn fuse(graph: &Graph) -> Plan {
             rows.order.len(),
         )
     });
-    let plan = assemble(graph, &rows);
+    log("fusion", || {
+        let heads = (0..graph.len())
+            .filter(|&i| is_epilogue_head(graph, NodeId(i as u32)))
+            .count();
+        format!(
+            "graph `{}`: round 3 (matmul epilogues): {heads} candidates, {} epilogues; {} -> {} kernels\n",
+            graph.name,
+            all.groups.iter().filter(|g| g.head.is_some()).count(),
+            rows.order.len(),
+            all.order.len(),
+        )
+    });
+    let plan = assemble(graph, &all);
     log("fusion", || describe(graph, &plan));
     plan
 }
@@ -285,17 +360,43 @@ fn group(graph: &Graph, rounds: Rounds) -> Grouping {
             let takes = match &reduction {
                 Some((outer, len)) => {
                     let row = Domain::row_shapes(outer, *len).0;
-                    group.domain
-                        == Domain::Rows {
-                            outer: outer.clone(),
-                            len: *len,
-                        }
-                        || group.domain == Domain::Point(row)
+                    group.head.is_none()
+                        && (group.domain
+                            == Domain::Rows {
+                                outer: outer.clone(),
+                                len: *len,
+                            }
+                            || group.domain == Domain::Point(row))
                 }
                 None => point_joins(graph, group, id),
             };
             takes.then_some((k, g))
         });
+        // Round 3: a pointwise node that no group takes may start the
+        // epilogue of the matmul it reads (the newest kernel, of its shape).
+        let epilogue = match (joined, newest) {
+            (None, Some(k)) if rounds.epilogues && reduction.is_none() => match order[k] {
+                Err(mm)
+                    if is_epilogue_head(graph, mm)
+                        && shape_of(graph, mm) == shape_of(graph, id)
+                        && graph.node(mm).meta.hints == node.meta.hints =>
+                {
+                    Some((k, mm))
+                }
+                _ => None,
+            },
+            _ => None,
+        };
+        if let Some((k, mm)) = epilogue {
+            order[k] = Ok(groups.len());
+            groups.push(Group {
+                domain: Domain::Point(shape_of(graph, id).expect("concrete")),
+                members: vec![mm, id],
+                head: Some(mm),
+            });
+            kernel_of.insert(id, k);
+            continue;
+        }
         match joined {
             Some((k, g)) => {
                 if let Some((outer, len)) = &reduction {
@@ -317,6 +418,7 @@ fn group(graph: &Graph, rounds: Rounds) -> Grouping {
                 groups.push(Group {
                     domain,
                     members: vec![id],
+                    head: None,
                 });
             }
         }
@@ -460,6 +562,9 @@ fn build_steps(graph: &Graph, members: &[NodeId]) -> Steps {
 
 fn group_kernel(graph: &Graph, group: &Group, users: &HashSet<NodeId>) -> Kernel {
     let members = &group.members;
+    if let Some(mm) = group.head {
+        return epilogue_kernel(graph, group, mm, users);
+    }
     let b = build_steps(graph, members);
     let outputs: Vec<NodeId> = members
         .iter()
@@ -528,6 +633,35 @@ fn group_kernel(graph: &Graph, group: &Group, users: &HashSet<NodeId>) -> Kernel
     }
 }
 
+/// A matmul and its epilogue: the epilogue's steps load the matmul's value
+/// like any input.
+fn epilogue_kernel(graph: &Graph, group: &Group, mm: NodeId, users: &HashSet<NodeId>) -> Kernel {
+    let tail = &group.members[1..];
+    let b = build_steps(graph, tail);
+    let outputs: Vec<NodeId> = tail.iter().copied().filter(|m| users.contains(m)).collect();
+    let steps = b
+        .steps
+        .into_iter()
+        .map(|s| match s {
+            RowStep::Point(p) => p,
+            other => unreachable!("{other:?} in an epilogue"),
+        })
+        .collect();
+    let outs = outputs
+        .iter()
+        .map(|&o| (b.step_of[&o], graph.node(o).ty.dtype))
+        .collect();
+    let shape = shape_of(graph, mm).expect("concrete");
+    Kernel::Epilogue {
+        matmul: mm,
+        matmul_out: users.contains(&mm),
+        kernel: FusedKernel::new(shape, steps, outs, b.wide),
+        members: group.members.clone(),
+        inputs: b.inputs,
+        outputs,
+    }
+}
+
 /// The fusion log: what fused, and the node count before and after.
 pub fn describe(graph: &Graph, plan: &Plan) -> String {
     let mut text = String::new();
@@ -554,6 +688,12 @@ pub fn describe(graph: &Graph, plan: &Plan) -> String {
                 inputs,
                 outputs,
                 ..
+            }
+            | Kernel::Epilogue {
+                members,
+                inputs,
+                outputs,
+                ..
             } => {
                 let names: Vec<String> = members
                     .iter()
@@ -561,13 +701,16 @@ pub fn describe(graph: &Graph, plan: &Plan) -> String {
                     .collect();
                 let kind = match kernel {
                     Kernel::Rows { .. } => "rows",
+                    Kernel::Epilogue { .. } => "matmul+epilogue",
                     _ => "fused",
                 };
+                debug_assert!(inputs.len() <= kernel.reads(graph).len());
+                debug_assert!(outputs.len() <= kernel.writes().len());
                 text.push_str(&format!(
                     "  k{k} {kind} [{}] reads {} writes {}\n",
                     names.join(", "),
-                    inputs.len(),
-                    outputs.len()
+                    kernel.reads(graph).len(),
+                    kernel.writes().len()
                 ));
             }
             Kernel::Extern(id) => text.push_str(&format!(

@@ -11,6 +11,7 @@ use rayon::prelude::*;
 use std::cell::RefCell;
 use std::collections::HashMap;
 
+use super::autotune;
 use super::cpu::arena::{self, Arena, Block, Place, Slots};
 use super::cpu::fused::{FusedInput, FusedKernel};
 use super::cpu::Storage;
@@ -28,15 +29,25 @@ use crate::tensor::{trace, Tensor};
 /// `graph.inputs`, one kernel at a time in plan order, returning the named
 /// outputs.
 pub fn run_plan(graph: &Graph, plan: &Plan, inputs: &[Tensor]) -> Result<Vec<(String, Tensor)>> {
+    run_plan_with(graph, plan, inputs, false)
+}
+
+/// [`run_plan`], with fused kernels' block sizes autotuned when `tune`
+/// (see [`super::autotune`]).
+pub fn run_plan_with(
+    graph: &Graph,
+    plan: &Plan,
+    inputs: &[Tensor],
+    tune: bool,
+) -> Result<Vec<(String, Tensor)>> {
     let steps: Vec<Vec<usize>> = (0..plan.kernels.len()).map(|k| vec![k]).collect();
     execute(
         graph,
         plan,
         &steps,
-        |_| Vec::new(),
-        |_| false,
-        |_| None,
+        |_| KernelMemory::default(),
         inputs,
+        tune,
     )
 }
 
@@ -59,6 +70,19 @@ pub fn run_scheduled(
     schedule: &Schedule,
     memory: &MemoryPlan,
     inputs: &[Tensor],
+) -> Result<Vec<(String, Tensor)>> {
+    run_scheduled_with(graph, plan, schedule, memory, inputs, false)
+}
+
+/// [`run_scheduled`], with fused kernels' block sizes autotuned when `tune`
+/// (see [`super::autotune`]).
+pub fn run_scheduled_with(
+    graph: &Graph,
+    plan: &Plan,
+    schedule: &Schedule,
+    memory: &MemoryPlan,
+    inputs: &[Tensor],
+    tune: bool,
 ) -> Result<Vec<(String, Tensor)>> {
     let on_host = inputs.iter().all(|t| t.device() == Device::Cpu);
     let arena = Arena::new(if on_host { memory.arena_bytes } else { 0 });
@@ -99,25 +123,32 @@ pub fn run_scheduled(
             joins: memory.joins[k],
         })
     };
-    execute(
-        graph,
-        plan,
-        &schedule.steps,
-        |k| memory.in_place(k).collect(),
-        |k| memory.scratch_bytes(k) > 0,
-        slots,
-        inputs,
-    )
+    let kernel_memory = |k: usize| KernelMemory {
+        in_place: memory.in_place(k).collect(),
+        alone: memory.scratch_bytes(k) > 0,
+        planned: slots(k),
+    };
+    execute(graph, plan, &schedule.steps, kernel_memory, inputs, tune)
+}
+
+/// What the memory plan says about one kernel.
+#[derive(Default)]
+struct KernelMemory {
+    /// (input, output) pairs the kernel writes in place.
+    in_place: Vec<(NodeId, NodeId)>,
+    /// It needs scratch, so runs alone in its step.
+    alone: bool,
+    /// The places of the buffers it creates (host runs only).
+    planned: Option<Planned>,
 }
 
 fn execute(
     graph: &Graph,
     plan: &Plan,
     steps: &[Vec<usize>],
-    in_place: impl Fn(usize) -> Vec<(NodeId, NodeId)>,
-    alone: impl Fn(usize) -> bool,
-    slots: impl Fn(usize) -> Option<Planned>,
+    memory: impl Fn(usize) -> KernelMemory,
     inputs: &[Tensor],
+    tune: bool,
 ) -> Result<Vec<(String, Tensor)>> {
     let given: Vec<Option<&Tensor>> = inputs.iter().map(Some).collect();
     bind_symbols(graph, &given)?;
@@ -125,9 +156,6 @@ fn execute(
     let refs: Vec<&Tensor> = inputs.iter().collect();
     let on = inputs_device(graph, &refs)?;
     device::with_device(on, || {
-        // The arena and its slots are host memory: device kernels allocate
-        // through the device's own allocator.
-        let slots = |k: usize| if on == Device::Cpu { slots(k) } else { None };
         let frees = frees_after_each_step(graph, plan, steps);
         let mut values: Vec<Option<Tensor>> = vec![None; graph.len()];
         for (&id, t) in graph.inputs.iter().zip(inputs) {
@@ -137,25 +165,30 @@ fn execute(
         let concurrent = !trace::is_active() && on == Device::Cpu;
         let grad = autograd::is_grad_enabled();
         for (step, free) in steps.iter().zip(&frees) {
-            let jobs: Vec<Job<'_>> = step
+            let jobs: Vec<(Job<'_>, bool)> = step
                 .iter()
                 .map(|&k| {
+                    let mem = memory(k);
                     let mut job =
-                        Job::gather(graph, k, &plan.kernels[k], &in_place(k), &mut values);
-                    job.planned = slots(k);
-                    job
+                        Job::gather(graph, k, &plan.kernels[k], &mem.in_place, &mut values);
+                    // The arena and its slots are host memory: device
+                    // kernels allocate through the device's own allocator.
+                    job.planned = mem.planned.filter(|_| on == Device::Cpu);
+                    (job, mem.alone)
                 })
                 .collect();
             let concurrent = concurrent && jobs.len() > 1;
-            let (serial, parallel): (Vec<Job<'_>>, Vec<Job<'_>>) = jobs
+            let (serial, parallel): (Vec<_>, Vec<_>) = jobs
                 .into_iter()
-                .partition(|job| !concurrent || alone(job.k));
+                .partition(|(_, alone)| !concurrent || *alone);
+            let serial = serial.into_iter().map(|(job, _)| job);
+            let parallel: Vec<Job<'_>> = parallel.into_iter().map(|(job, _)| job).collect();
             let mut results: Vec<Result<Vec<(NodeId, Tensor)>>> =
-                serial.into_iter().map(|job| job.run(graph)).collect();
+                serial.map(|job| job.run(graph, tune)).collect();
             // Rayon's workers start with grad mode on: carry the caller's.
             results.par_extend(parallel.into_par_iter().map(|job| match grad {
-                true => job.run(graph),
-                false => autograd::no_grad(|| job.run(graph)),
+                true => job.run(graph, tune),
+                false => autograd::no_grad(|| job.run(graph, tune)),
             }));
             for result in results {
                 for (id, t) in result? {
@@ -197,7 +230,6 @@ enum Arg {
 
 /// A kernel with its arguments, ready to run on any thread.
 struct Job<'a> {
-    k: usize,
     kernel: &'a Kernel,
     args: Vec<Arg>,
     /// Where its allocations go (compiled runs with a memory plan).
@@ -254,18 +286,17 @@ impl<'a> Job<'a> {
             })
             .collect();
         Job {
-            k,
             kernel,
             args,
             planned: None,
         }
     }
 
-    fn run(mut self, graph: &Graph) -> Result<Vec<(NodeId, Tensor)>> {
+    fn run(mut self, graph: &Graph, tune: bool) -> Result<Vec<(NodeId, Tensor)>> {
         match self.planned.take() {
             Some(Planned { slots, joins: true }) => self.join(graph, slots),
-            Some(Planned { slots, .. }) => arena::planned(slots, || self.run_kernel(graph)),
-            None => self.run_kernel(graph),
+            Some(Planned { slots, .. }) => arena::planned(slots, || self.run_kernel(graph, tune)),
+            None => self.run_kernel(graph, tune),
         }
     }
 
@@ -299,13 +330,13 @@ impl<'a> Job<'a> {
                     graph.display_name(*id)
                 )
             });
-            return self.run_kernel(graph);
+            return self.run_kernel(graph, false);
         }
         let storage = super::cpu::Storage::in_region(ty.dtype, numel, region);
         Ok(vec![(*id, Tensor::from_storage(storage, &shape))])
     }
 
-    fn run_kernel(self, graph: &Graph) -> Result<Vec<(NodeId, Tensor)>> {
+    fn run_kernel(self, graph: &Graph, tune: bool) -> Result<Vec<(NodeId, Tensor)>> {
         match self.kernel {
             Kernel::Extern(id) => {
                 let node = graph.node(*id);
@@ -347,6 +378,22 @@ impl<'a> Job<'a> {
                 }
                 Ok(written)
             }
+            Kernel::Epilogue {
+                matmul,
+                matmul_out,
+                kernel,
+                inputs,
+                outputs,
+                ..
+            } => run_epilogue(
+                graph,
+                (*matmul, *matmul_out),
+                kernel,
+                inputs,
+                outputs,
+                self.args,
+                tune,
+            ),
             Kernel::Rows {
                 kernel,
                 outputs,
@@ -378,8 +425,8 @@ impl<'a> Job<'a> {
                 members,
                 ..
             } => {
-                let outs =
-                    run_fused(kernel, self.args).map_err(|e| node_error(graph, members[0], e))?;
+                let outs = run_fused(kernel, self.args, tune)
+                    .map_err(|e| node_error(graph, members[0], e))?;
                 Ok(outputs.iter().copied().zip(outs).collect())
             }
         }
@@ -418,8 +465,95 @@ fn run_members(
     Ok(outputs.iter().map(|&o| (o, values[&o].clone())).collect())
 }
 
-/// Runs a fused kernel on its gathered arguments, on their device.
-fn run_fused(kernel: &FusedKernel, args: Vec<Arg>) -> Result<Vec<Tensor>> {
+/// Runs a matmul and its epilogue: the gemm writes a fresh buffer, which
+/// the epilogue then overwrites in place (one output of the matmul's dtype)
+/// unless the matmul's value is itself an output.
+fn run_epilogue(
+    graph: &Graph,
+    (matmul, matmul_out): (NodeId, bool),
+    kernel: &FusedKernel,
+    inputs: &[NodeId],
+    outputs: &[NodeId],
+    args: Vec<Arg>,
+    tune: bool,
+) -> Result<Vec<(NodeId, Tensor)>> {
+    let shared: Vec<Tensor> = args
+        .into_iter()
+        .map(|a| match a {
+            Arg::Shared(t) => t,
+            Arg::Donated(..) => unreachable!("epilogue inputs are not donated by the plan"),
+        })
+        .collect();
+    let node = graph.node(matmul);
+    let (operands, rest) = shared.split_at(node.inputs.len());
+    let operands: Vec<&Tensor> = operands.iter().collect();
+    let dtype = node.ty.dtype;
+    let target = (!matmul_out)
+        .then(|| kernel.outputs.iter().position(|&(_, d)| d == dtype))
+        .flatten();
+    let gemm = || Tensor::apply(&node.op, &operands, Location::caller());
+    // A product that is neither an output nor overwritten by one is the
+    // kernel's scratch in the memory plan.
+    let product = match matmul_out || target.is_some() {
+        true => gemm(),
+        false => arena::scratch(gemm),
+    }
+    .map_err(|e| node_error(graph, matmul, e))?;
+    let mut results = Vec::with_capacity(outputs.len() + 1);
+    let mut product = Some(product);
+    if matmul_out {
+        results.push((matmul, product.clone().expect("the product")));
+    }
+    let mut rest = rest.iter();
+    let mut fused_args = Vec::with_capacity(inputs.len());
+    for &x in inputs {
+        if x != matmul {
+            fused_args.push(Arg::Shared(rest.next().expect("an input").clone()));
+            continue;
+        }
+        let t = product.take().expect("the matmul is read once");
+        fused_args.push(match target {
+            Some(o) => match t.into_unique_storage() {
+                Ok(storage) => Arg::Donated(storage, o),
+                Err(t) => Arg::Shared(t),
+            },
+            None => Arg::Shared(t),
+        });
+    }
+    let outs = run_fused(kernel, fused_args, tune)
+        .map_err(|e| node_error(graph, outputs.first().copied().unwrap_or(matmul), e))?;
+    results.extend(outputs.iter().copied().zip(outs));
+    Ok(results)
+}
+
+/// The kernel with its autotuned block. Donated storages are read as
+/// tensors during the trials and donated again afterwards.
+fn tuned(kernel: &FusedKernel, args: Vec<Arg>) -> Result<(FusedKernel, Vec<Arg>)> {
+    let held: Vec<(Tensor, Option<usize>)> = args
+        .into_iter()
+        .map(|a| match a {
+            Arg::Shared(t) => (t, None),
+            Arg::Donated(s, o) => (Tensor::from_storage(s, &kernel.shape), Some(o)),
+        })
+        .collect();
+    let refs: Vec<&Tensor> = held.iter().map(|(t, _)| t).collect();
+    let kernel = autotune::tune(kernel, &refs)?;
+    let args = held
+        .into_iter()
+        .map(|(t, o)| match o {
+            None => Arg::Shared(t),
+            Some(o) => match t.into_unique_storage() {
+                Ok(s) => Arg::Donated(s, o),
+                Err(t) => Arg::Shared(t),
+            },
+        })
+        .collect();
+    Ok((kernel, args))
+}
+
+/// Runs a fused kernel on its gathered arguments, on their device (block
+/// autotuned when `tune`, on the host).
+fn run_fused(kernel: &FusedKernel, args: Vec<Arg>, tune: bool) -> Result<Vec<Tensor>> {
     let on_device = args.iter().find_map(|a| match a {
         Arg::Shared(t) if t.device() != Device::Cpu => Some(t.device()),
         _ => None,
@@ -434,6 +568,10 @@ fn run_fused(kernel: &FusedKernel, args: Vec<Arg>) -> Result<Vec<Tensor>> {
             .collect();
         device::of_inputs("fused", &tensors)?;
         return device::backend(d)?.run_fused(kernel, &tensors);
+    }
+    if tune {
+        let (kernel, args) = tuned(kernel, args)?;
+        return run_fused(&kernel, args, false);
     }
     // The shared tensors must outlive the inputs that borrow them.
     let mut shared: Vec<Option<Tensor>> = Vec::with_capacity(args.len());

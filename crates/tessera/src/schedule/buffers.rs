@@ -191,6 +191,44 @@ impl BufferModel {
                     values[o.index()] = Some(value);
                 }
             }
+            Kernel::Epilogue {
+                matmul,
+                matmul_out,
+                kernel: code,
+                outputs,
+                ..
+            } => {
+                // The gemm's own scratch, then its product: an output of the
+                // kernel when needed elsewhere, else overwritten by the first
+                // epilogue output of its dtype, else the kernel's scratch
+                // (the executor runs such a gemm inside `arena::scratch`).
+                let n = graph.node(*matmul).inputs.len();
+                let shape = concrete(graph, *matmul)?;
+                let described: Vec<(&Layout, DType, usize)> = inputs[..n]
+                    .iter()
+                    .map(|v| (&v.layout, v.dtype, v.storage_numel))
+                    .collect();
+                let dtype = graph.node(*matmul).ty.dtype;
+                let absorbed = code.outputs.iter().any(|&(_, d)| d == dtype);
+                let mut scratch = scratch_bytes(&graph.node(*matmul).op, &described, &shape);
+                if !*matmul_out && !absorbed {
+                    let numel: usize = shape.iter().product();
+                    scratch = scratch.div_ceil(64) * 64 + numel * dtype.size_bytes();
+                }
+                if scratch > 0 {
+                    self.create(k, None, scratch);
+                }
+                if *matmul_out {
+                    let value = self.new_value(graph, k, *matmul)?;
+                    self.value_buffer[matmul.index()] = value.buffer;
+                    values[matmul.index()] = Some(value);
+                }
+                for &o in outputs {
+                    let value = self.new_value(graph, k, o)?;
+                    self.value_buffer[o.index()] = value.buffer;
+                    values[o.index()] = Some(value);
+                }
+            }
             Kernel::Fused {
                 kernel: code,
                 inputs: fused_inputs,
