@@ -240,3 +240,46 @@ fn a_shape_function_error_is_reported_at_trace_time_with_the_op_name() {
         "mylib::square_only: needs a square matrix, got f64[2,3]"
     );
 }
+
+/// `mylib::sincos_reversed(x)` = (sin x, cos x), its kernel making the
+/// second output before the first.
+fn sincos_reversed() -> Arc<CustomOp> {
+    static OP: OnceLock<Arc<CustomOp>> = OnceLock::new();
+    OP.get_or_init(|| {
+        CustomOp::builder("mylib::sincos_reversed")
+            .shape(|_, inputs| Ok(vec![inputs[0].clone(), inputs[0].clone()]))
+            .cpu(|_, inputs| {
+                let c = inputs[0].cos();
+                Ok(vec![inputs[0].sin(), c])
+            })
+            .register()
+            .expect("registers once")
+    })
+    .clone()
+}
+
+#[test]
+fn outputs_made_in_another_order_than_declared_keep_their_values_when_compiled() {
+    // sin dies at the first matmul while cos stays alive to the end; the
+    // plan puts the second matmul's output where sin was: if the kernel's
+    // first allocation (cos) took sin's arena slot, that matmul would
+    // overwrite it.
+    let body = |a: &[Tensor]| {
+        let [s, c] = sincos_reversed()
+            .call(Attrs::new(), &[&a[0]])
+            .unwrap()
+            .try_into()
+            .unwrap();
+        let w = &a[1];
+        let e = s.matmul(w).matmul(w).matmul(w);
+        vec![&e + &c]
+    };
+    let mut gen = Generator::new(3);
+    let args = [
+        Tensor::randn(&[64, 32], DType::F32, &mut gen),
+        Tensor::randn(&[32, 32], DType::F32, &mut gen) * 0.2,
+    ];
+    let want = body(&args);
+    let got = compile(body).call(&args);
+    assert_close(&got[0], &want[0], 1e-5);
+}

@@ -548,3 +548,33 @@ fn extract_ordered(
     g.verify()?;
     Ok(g)
 }
+
+/// Per input in `wrt`: whether a float output depends on it through ops
+/// that carry gradients, i.e. whether eager autograd would give it a
+/// gradient. (Passes may later simplify that dependency away, as
+/// `pow(x, 0)` → `1`; the input still gets a gradient, of zeros, as in
+/// eager mode.)
+pub fn reached_inputs(graph: &Graph, wrt: &[usize]) -> Vec<bool> {
+    let mut reached = vec![false; graph.len()];
+    let mut stack: Vec<NodeId> = graph
+        .outputs
+        .iter()
+        .map(|o| o.node)
+        .filter(|&id| graph.node(id).ty.dtype.is_float())
+        .collect();
+    while let Some(id) = stack.pop() {
+        if std::mem::replace(&mut reached[id.index()], true) {
+            continue;
+        }
+        let node = graph.node(id);
+        // Custom ops carry gradients through their registered backward.
+        let carries = super::rules::has_gradient(&node.op)
+            || matches!(node.op, Op::Custom(_) | Op::CustomOutput { .. });
+        if carries && node.ty.dtype.is_float() {
+            stack.extend(node.inputs.iter().copied());
+        }
+    }
+    wrt.iter()
+        .map(|&i| reached[graph.inputs[i].index()])
+        .collect()
+}

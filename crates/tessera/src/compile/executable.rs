@@ -115,6 +115,9 @@ struct BackwardGraph {
     program: Program,
     /// Which forward-graph inputs get gradients.
     wrt: Vec<usize>,
+    /// Per input of `wrt`: whether the outputs depend on it (the others
+    /// get no gradient, as in eager mode).
+    reached: Vec<bool>,
     /// Which outputs feed a tangent to the backward (the float ones).
     tangent_outputs: Vec<usize>,
 }
@@ -139,6 +142,8 @@ impl Executable {
     /// captured graph, then each graph that runs is fused and scheduled once.
     pub fn build(traced: &Traced, wrt: Vec<usize>, options: &CompileOptions) -> Result<Executable> {
         let mut graph = cut_at_breaks(traced)?;
+        // Decided on the captured graph, before passes simplify it.
+        let reached = autograd::aot::reached_inputs(&graph, &wrt);
         let fused = options.backend == Backend::Default;
         let eager_autograd = options.backend == Backend::Eager;
         if fused {
@@ -160,6 +165,7 @@ impl Executable {
             let backward = BackwardGraph {
                 program: Program::new(aot.backward, fused, options)?,
                 wrt,
+                reached,
                 tangent_outputs,
             };
             (Program::new(aot.forward, fused, options)?, Some(backward))
@@ -206,10 +212,12 @@ impl Executable {
         let wrt: Vec<&Tensor> = bwd.wrt.iter().map(|&i| &args[i]).collect();
         let program = bwd.program.clone();
         let tangent_outputs = bwd.tangent_outputs.clone();
+        let reached = bwd.reached.clone();
         let backward = move |grads: &[Tensor]| -> Result<Vec<Option<Tensor>>> {
             let mut feed = saved.clone();
             feed.extend(tangent_outputs.iter().map(|&i| grads[i].clone()));
-            Ok(program.run(&feed)?.into_iter().map(Some).collect())
+            let grads = program.run(&feed)?.into_iter().zip(&reached);
+            Ok(grads.map(|(g, &reached)| reached.then_some(g)).collect())
         };
         Ok(autograd::custom_function(
             &self.name,

@@ -344,6 +344,9 @@ fn query_and_key(
     absorbed: &mut Vec<NodeId>,
 ) -> Option<(NodeId, KeyOperand, Option<f64>)> {
     let node = g.node(id);
+    if !matches!(node.op, Op::MatMul | Op::MatMulT { .. }) {
+        return None;
+    }
     let (q, kt) = (node.inputs[0], node.inputs[1]);
     let k = match node.op {
         Op::MatMulT {

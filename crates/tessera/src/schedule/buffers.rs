@@ -103,11 +103,47 @@ impl BufferModel {
             }
         }
         for (k, kernel) in plan.kernels.iter().enumerate() {
+            if let Kernel::Custom { .. } = kernel {
+                model.plan_alike_outputs_of_equal_size(k);
+            }
+        }
+        for (k, kernel) in plan.kernels.iter().enumerate() {
             if let Kernel::Extern(id) = kernel {
                 model.join_in_place(graph, k, *id);
             }
         }
         Ok(model)
+    }
+
+    /// A custom op's kernel allocates its outputs in an order of its own,
+    /// and the arena gives each allocation the first unused slot of its
+    /// size (`runtime::cpu::arena`): outputs of equal size may land in each
+    /// other's slots. Planning them alike (the union of their readers,
+    /// pinned if one is) makes every landing safe.
+    fn plan_alike_outputs_of_equal_size(&mut self, k: usize) {
+        let outputs: Vec<usize> = self.created[k]
+            .iter()
+            .copied()
+            .filter(|&b| self.buffers[b].value.is_some())
+            .collect();
+        for &b in &outputs {
+            let alike: Vec<usize> = outputs
+                .iter()
+                .copied()
+                .filter(|&o| self.buffers[o].bytes == self.buffers[b].bytes)
+                .collect();
+            let pinned = alike.iter().any(|&o| self.buffers[o].pinned);
+            let mut readers: Vec<usize> = alike
+                .iter()
+                .flat_map(|&o| self.buffers[o].readers.clone())
+                .collect();
+            readers.sort_unstable();
+            readers.dedup();
+            for &o in &alike {
+                self.buffers[o].pinned = pinned;
+                self.buffers[o].readers = readers.clone();
+            }
+        }
     }
 
     /// Plans the inputs of cat `id` (kernel `k`) within its output, if they
