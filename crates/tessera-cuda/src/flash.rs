@@ -516,10 +516,45 @@ impl BwdLayout {
 }
 
 /// Bytes of f32 scratch [`flash_backward`] needs for `sel` at `dims` on a device of
-/// `sms` multiprocessors: Delta (one f32 per query row, padded to 256 bytes) and, for
-/// bf16/f16, the f32 dQ accumulator (and dK, dV ones when the backward is split).
+/// `sms` multiprocessors: for one launch group of batch x heads ([`backward_group`]),
+/// Delta (one f32 per query row, padded to 256 bytes) and, for bf16/f16, the f32 dQ
+/// accumulator (and dK, dV ones when the backward is split).
 pub fn backward_workspace_bytes_for(sel: &Selection, dims: &FlashDims, sms: u32) -> usize {
-    BwdLayout::new(sel, dims, sms).bytes()
+    // Groups of batch x heads reuse one workspace; the last, smaller group may split
+    // where the others do not.
+    let bh = dims.batch * dims.heads;
+    let group = backward_group(sel, dims);
+    [group, bh % group]
+        .into_iter()
+        .filter(|&n| n > 0)
+        .map(|n| {
+            let part = FlashDims {
+                batch: 1,
+                heads: n,
+                ..*dims
+            };
+            BwdLayout::new(sel, &part, sms).bytes()
+        })
+        .max()
+        .unwrap_or(0)
+}
+
+/// Bytes of f32 accumulators one backward launch group may use: a larger batch x heads
+/// runs in groups that reuse one workspace. At the seed's (8, 32, 2048, 128) the dQ
+/// accumulator would otherwise take 256 MB; groups of 32 heads take 32 MB and still
+/// fill an H200 (512 blocks a launch; 4 x 8 waves of 132 against 31.03 in one launch).
+pub const ACC_BUDGET: usize = 32 << 20;
+
+/// batch x heads per backward launch group (all of them when their accumulators fit in
+/// [`ACC_BUDGET`]).
+pub fn backward_group(sel: &Selection, dims: &FlashDims) -> usize {
+    let bh = dims.batch * dims.heads;
+    let per_bh = match sel.bwd {
+        BwdKernel::F32 => return bh.max(1),
+        BwdKernel::Mma { .. } => dims.q_len * sel.head_dim * 4,
+        BwdKernel::Wgmma => dims.q_len.div_ceil(TILE_ROWS) * TILE_ROWS * sel.head_dim * 4,
+    };
+    (ACC_BUDGET / per_bh.max(1)).clamp(1, bh.max(1))
 }
 
 /// Bytes of f32 scratch [`flash_forward`] needs: the split forward's partial outputs
@@ -932,13 +967,53 @@ pub unsafe fn flash_backward(
     check_dims(&dims, scale)?;
     let (cc, sms) = device_facts(q.ctx)?;
     let sel = select(dtype, dims.head_dim, cc)?;
-    let launches = backward_launches(&sel, &dims, sms)?;
+    backward_launches(&sel, &dims, sms)?; // shape errors before anything is queued
     let loaded = module_for(q.ctx, dtype, cc)?;
+    let (bh, group) = (dims.batch * dims.heads, backward_group(&sel, &dims));
+    let (q_row, k_row) = (dims.q_len * dims.head_dim, dims.kv_len * dims.head_dim);
+    let es = dtype.size();
+    for first in (0..bh).step_by(group.max(1)) {
+        let part = FlashDims {
+            batch: 1,
+            heads: group.min(bh - first),
+            ..dims
+        };
+        let at = |p: CUdeviceptr, per_bh: usize| p + (first * per_bh) as u64;
+        let part_ptrs = BwdPtrs {
+            q: at(ptrs.q, q_row * es),
+            k: at(ptrs.k, k_row * es),
+            v: at(ptrs.v, k_row * es),
+            out: at(ptrs.out, q_row * es),
+            d_out: at(ptrs.d_out, q_row * es),
+            lse: at(ptrs.lse, dims.q_len * 4),
+            dq: at(ptrs.dq, q_row * es),
+            dk: at(ptrs.dk, k_row * es),
+            dv: at(ptrs.dv, k_row * es),
+            workspace: ptrs.workspace,
+        };
+        enqueue_backward(q, &loaded, &sel, sms, part, causal, scale, part_ptrs)?;
+    }
+    Ok(())
+}
+
+/// The backward's launches for `dims` (one group of batch x heads), in stream order.
+#[allow(clippy::too_many_arguments)]
+fn enqueue_backward(
+    q: Queue<'_>,
+    loaded: &Loaded,
+    sel: &Selection,
+    sms: u32,
+    dims: FlashDims,
+    causal: bool,
+    scale: f32,
+    ptrs: BwdPtrs,
+) -> Result<()> {
+    let launches = backward_launches(sel, &dims, sms)?;
     let (nq, nk) = (dims.q_len as i32, dims.kv_len as i32);
     let scale_log2 = scale * std::f32::consts::LOG2_E;
     let causal = causal as i32;
     let rows = dims.rows() as i64;
-    let layout = BwdLayout::new(&sel, &dims, sms);
+    let layout = BwdLayout::new(sel, &dims, sms);
     let delta = ptrs.workspace;
     let dq_acc = ptrs.workspace + layout.acc as u64;
     let dk_acc = dq_acc + layout.dq_acc as u64;
@@ -949,11 +1024,11 @@ pub unsafe fn flash_backward(
     let p = &ptrs;
     for launch in &launches {
         match launch.step {
-            Step::PreF32 => run(q, &loaded, launch, &[&p.out, &p.d_out, &delta, &rows])?,
+            Step::PreF32 => run(q, loaded, launch, &[&p.out, &p.d_out, &delta, &rows])?,
             Step::Pre => {
                 let a: [&dyn KernelArg; 6] =
                     [&p.out, &p.d_out, &delta, &dq_acc, &acc_float4s, &rows];
-                run(q, &loaded, launch, &a)?
+                run(q, loaded, launch, &a)?
             }
             Step::DqF32 => {
                 let a: [&dyn KernelArg; 12] = [
@@ -970,7 +1045,7 @@ pub unsafe fn flash_backward(
                     &scale_log2,
                     &causal,
                 ];
-                run(q, &loaded, launch, &a)?
+                run(q, loaded, launch, &a)?
             }
             Step::DkvF32 => {
                 let a: [&dyn KernelArg; 13] = [
@@ -988,7 +1063,7 @@ pub unsafe fn flash_backward(
                     &scale_log2,
                     &causal,
                 ];
-                run(q, &loaded, launch, &a)?
+                run(q, loaded, launch, &a)?
             }
             Step::BackwardMma => {
                 let a: [&dyn KernelArg; 14] = [
@@ -1007,7 +1082,7 @@ pub unsafe fn flash_backward(
                     &scale_log2,
                     &causal,
                 ];
-                run(q, &loaded, launch, &a)?
+                run(q, loaded, launch, &a)?
             }
             Step::BackwardWgmma => {
                 let a: [&dyn KernelArg; 16] = [
@@ -1028,11 +1103,11 @@ pub unsafe fn flash_backward(
                     &scale_log2,
                     &causal,
                 ];
-                run(q, &loaded, launch, &a)?
+                run(q, loaded, launch, &a)?
             }
             Step::Post => {
                 let n = (dims.rows() * dims.head_dim) as i64;
-                run(q, &loaded, launch, &[&dq_acc, &p.dq, &n, &scale])?
+                run(q, loaded, launch, &[&dq_acc, &p.dq, &n, &scale])?
             }
             Step::PostTiled(g) => {
                 let (acc, dst, n, s) = match g {
@@ -1042,7 +1117,7 @@ pub unsafe fn flash_backward(
                 };
                 let float4s = (n.div_ceil(TILE_ROWS) * bh * 2048) as i64;
                 let n = n as i32;
-                run(q, &loaded, launch, &[acc, dst, &float4s, &n, s])?
+                run(q, loaded, launch, &[acc, dst, &float4s, &n, s])?
             }
             s => unreachable!("{s:?} is no backward step"),
         }
@@ -1228,7 +1303,35 @@ mod tests {
             backward_workspace_bytes_for(&select(t, d.head_dim, cc).unwrap(), d, SMS)
         };
         assert_eq!(ws(FlashDType::F32, HOPPER, &d), rows * 4);
-        assert_eq!(ws(FlashDType::BF16, HOPPER, &d), rows * 4 + rows * 128 * 4);
+        // bf16 at (8, 32, 2048, D 128): the backward runs in groups of 32 heads, each
+        // with Delta and 32 MB of dQ accumulator.
+        let sel = select(FlashDType::BF16, 128, HOPPER).unwrap();
+        assert_eq!(backward_group(&sel, &d), 32);
+        assert_eq!(
+            ws(FlashDType::BF16, HOPPER, &d),
+            32 * 2048 * 4 + 32 * 2048 * 128 * 4
+        );
+        // A remainder group that splits (1 head of a 33) needs the larger workspace.
+        let odd_heads = FlashDims {
+            heads: 33,
+            batch: 1,
+            ..d
+        };
+        assert_eq!(backward_group(&sel, &odd_heads), 32);
+        let one = FlashDims {
+            heads: 1,
+            batch: 1,
+            ..d
+        };
+        assert_eq!(
+            ws(FlashDType::BF16, HOPPER, &odd_heads),
+            ws(FlashDType::BF16, HOPPER, &FlashDims { heads: 32, ..one }).max(ws(
+                FlashDType::BF16,
+                HOPPER,
+                &one
+            ))
+        );
+        assert!(backward_splits(&sel, &one, SMS) > 1);
         // wgmma: dQ in whole 64-row tiles; mma.sync: row-major.
         let odd = FlashDims {
             q_len: 3,
