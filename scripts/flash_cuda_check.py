@@ -9,7 +9,9 @@ launches the kernels on torch tensors and compares them with
   * torch's own SDPA at (8, 32, 2048, 128) bf16 (and f64 on one batch of it);
 and times forward+backward at (8, 32, 2048, 128) bf16 next to
 torch.nn.functional.scaled_dot_product_attention forward+backward in the same run
-(CUDA events, warm-up, median of --reps).
+(CUDA events, warm-up, median of --reps), then one (1, 1, 2048, 128) slice with the
+split kernels (key tiles of the forward / query tiles of the backward spread over
+blockIdx.z) at several split counts.
 
 Tolerances (relative Frobenius error against f64):
   f32: 1e-4 for out, lse and gradients (CUDA-core f32; lands near 1e-6)

@@ -12,6 +12,14 @@
 //! by dtype, head dim and architecture ([`select`]); what is not covered is an error
 //! naming the dtype and head dim, never a launch.
 //!
+//! The launch plan also depends on the SM count: when batch x heads is too small to
+//! fill the GPU (one slice of a sliced graph), the wgmma kernels split their key or
+//! query tiles over `blockIdx.z` ([`forward_splits`], [`backward_splits`]); when it is
+//! large, the backward runs in groups of heads whose f32 accumulators fit in
+//! [`ACC_BUDGET`] ([`backward_group`]). Both need scratch from the caller
+//! ([`forward_workspace_bytes`], [`backward_workspace_bytes`]). Launches are queued on a
+//! [`Queue`] and nothing waits for them.
+//!
 //! Everything goes through cudarc's dynamic loading: the crate builds with no CUDA
 //! installed, and the first call checks for the driver and NVRTC and says which is
 //! missing.
