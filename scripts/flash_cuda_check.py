@@ -9,7 +9,9 @@ launches the kernels on torch tensors and compares them with
   * torch's own SDPA at (8, 32, 2048, 128) bf16 (and f64 on one batch of it);
 and times forward+backward at (8, 32, 2048, 128) bf16 next to
 torch.nn.functional.scaled_dot_product_attention forward+backward in the same run
-(CUDA events, warm-up, median of --reps).
+(CUDA events, warm-up, median of --reps), then one (1, 1, 2048, 128) slice with the
+split kernels (key tiles of the forward / query tiles of the backward spread over
+blockIdx.z) at several split counts.
 
 Tolerances (relative Frobenius error against f64):
   f32: 1e-4 for out, lse and gradients (CUDA-core f32; lands near 1e-6)
@@ -39,8 +41,8 @@ TN = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
 # Configurations the .cu instantiates: fwd (warps, key tile), bwd (warps, query tile) for
 # the mma.sync kernels; ("g4", 64) and ("wg", 64) for the sm_90a wgmma kernels
 # (4 warpgroups of 64 query rows; the wgmma backward has 2 warpgroups x 64 keys).
-FWD_CFGS = {64: [(4, 64)], 128: [("g4", 64), (4, 64)]}
-BWD_CFGS = {64: [(8, 64)], 128: [("wg", 64), (8, 32)]}
+FWD_CFGS = {64: [(4, 64)], 128: [("g4", 64), (4, 64), ("split", 3)]}
+BWD_CFGS = {64: [(8, 64)], 128: [("wg", 1), ("wg", 3), (8, 32)]}
 F32_DIMS = [32, 64, 96, 128, 160, 192, 224, 256]
 LOG2E = 1.4426950408889634
 
@@ -73,7 +75,7 @@ class Flash:
     def p(t):
         return np.uint64(t.data_ptr())
 
-    def fwd(self, q, k, v, causal, scale, cfg=None, out=None, lse=None):
+    def fwd(self, q, k, v, causal, scale, cfg=None, out=None, lse=None, part=None):
         B, H, nq, D = q.shape
         nk = k.shape[2]
         tn = TN[q.dtype]
@@ -89,6 +91,23 @@ class Flash:
                                np.int32(nq), np.int32(nk), sl, np.int32(causal)), shared_mem=smem)
         else:
             w, bc = cfg or FWD_CFGS[D][0]
+            if w == "split":  # wgmma g4 with the key tiles split over bc z blocks
+                qt = (nq + 63) // 64
+                if part is None:
+                    part = (torch.full((bc * B * H * qt * 64 * D,), float("nan"), device=q.device),
+                            torch.full((bc * B * H * nq * 2,), float("nan"), device=q.device))
+                o_part, ml = part
+                smem = (256 * D + 4 * 64 * D) * 2
+                self.fn(f"flash_fwd_wg_split_{tn}_d{D}", smem)(
+                    ((nq + 255) // 256, B * H, bc), (512,),
+                    (self.p(q), self.p(k), self.p(v), self.p(o_part), self.p(ml),
+                     np.int32(nq), np.int32(nk), sl, np.int32(causal)), shared_mem=smem)
+                n4 = B * H * qt * 2048
+                self.fn(f"flash_fwd_combine_{tn}_d{D}", 0)(
+                    ((n4 + 255) // 256,), (256,),
+                    (self.p(o_part), self.p(ml), self.p(out), self.p(lse), np.int32(bc),
+                     np.int32(B * H), np.int32(nq)))
+                return out, lse
             if isinstance(w, str):  # wgmma: w = "gN", N warpgroups of 64 rows
                 br, threads = 64 * int(w[1:]), 128 * int(w[1:])
                 smem = (br * D + 4 * bc * D) * 2
@@ -105,19 +124,30 @@ class Flash:
         return out, lse
 
     def bwd(self, q, k, v, out, dout, lse, causal, scale, cfg=None, bufs=None):
+        """cfg: ("wg", splits) for the wgmma kernel (splits > 1 splits the query range
+        over blockIdx.z), or
+        (warps, query tile) for mma.sync."""
         B, H, nq, D = q.shape
         nk = k.shape[2]
         tn = TN[q.dtype]
         rows = B * H * nq
+        w, br = cfg or (BWD_CFGS[D][0] if tn != "f32" else (None, 1))
+        wg = isinstance(w, str)
+        splits = br if wg else 1
+        qt, kt = (nq + 63) // 64, (nk + 63) // 64
+        acc_n = B * H * qt * 64 * D if wg else rows * D
+        if splits > 1:
+            acc_n += 2 * B * H * kt * 64 * D
         if bufs is None:
             dq = torch.full_like(q, float("nan"))
             dk = torch.full_like(k, float("nan"))
             dv = torch.full_like(v, float("nan"))
             delta = torch.full((B, H, nq), float("nan"), device=q.device, dtype=torch.float32)
-            ws = None if tn == "f32" else torch.full((rows * D,), float("nan"), device=q.device,
+            ws = None if tn == "f32" else torch.full((acc_n,), float("nan"), device=q.device,
                                                      dtype=torch.float32)
         else:
             dq, dk, dv, delta, ws = bufs
+            assert tn == "f32" or ws.numel() >= acc_n
         s, sl = np.float32(scale), np.float32(scale * LOG2E)
         if tn == "f32":
             self.fn(f"flash_bwd_pre_f32_d{D}", 0)(
@@ -134,19 +164,37 @@ class Flash:
                 (self.p(q), self.p(k), self.p(v), self.p(dout), self.p(lse), self.p(delta),
                  self.p(dk), self.p(dv), np.int32(nq), np.int32(nk), s, sl, np.int32(causal)),
                 shared_mem=smem)
+            return dq, dk, dv
+        self.fn(f"flash_bwd_pre_{tn}_d{D}", 0)(
+            ((rows + 7) // 8,), (256,), (self.p(out), self.p(dout), self.p(delta),
+                                         self.p(ws), np.int64(acc_n // 4), np.int64(rows)))
+        ptr = ws.data_ptr()
+        dq_acc = np.uint64(ptr)
+        dk_acc = np.uint64(ptr + 4 * B * H * qt * 64 * D)
+        dv_acc = np.uint64(ptr + 4 * (B * H * qt * 64 * D + B * H * kt * 64 * D))
+        if wg:
+            bc, threads = 128, 256
+            smem = (2 * bc * D + 4 * 64 * D + bc * 64) * 2 + 16 * 64
+            name = f"flash_bwd_wg_{tn}_d{D}"
+            nblk = (nk + bc - 1) // bc
+            if nk > 0:
+                self.fn(name, smem)(
+                    (nblk, B * H, splits), (threads,),
+                    (self.p(q), self.p(k), self.p(v), self.p(dout), self.p(lse), self.p(delta),
+                     dq_acc, self.p(dk), self.p(dv), dk_acc, dv_acc, np.int32(nq), np.int32(nk),
+                     s, sl, np.int32(causal)), shared_mem=smem)
+            post = self.fn(f"flash_bwd_post_wg_{tn}", 0)
+            jobs = [(dq_acc, dq, nq, qt, s)]
+            if splits > 1:
+                jobs += [(dk_acc, dk, nk, kt, s), (dv_acc, dv, nk, kt, np.float32(1.0))]
+            for acc, dst, n_rows, tiles, sc in jobs:
+                n4 = B * H * tiles * 2048
+                post(((n4 + 255) // 256,), (256,), (acc, self.p(dst), np.int64(n4),
+                                                     np.int32(n_rows), sc))
         else:
-            w, br = cfg or BWD_CFGS[D][0]
-            self.fn(f"flash_bwd_pre_{tn}_d{D}", 0)(
-                ((rows + 7) // 8,), (256,), (self.p(out), self.p(dout), self.p(delta),
-                                             self.p(ws), np.int64(rows)))
-            if w == "wg":
-                bc, threads = 128, 256
-                smem = (2 * bc * D + 4 * br * D + bc * br) * 2 + 16 * br
-                name = f"flash_bwd_wg_{tn}_d{D}"
-            else:
-                bc, threads = 16 * w, 32 * w
-                smem = (2 * bc * (D + 8) + 4 * br * (D + 8) + bc * (br + 8)) * 2 + 16 * br
-                name = f"flash_bwd_{tn}_d{D}_w{w}_r{br}"
+            bc, threads = 16 * w, 32 * w
+            smem = (2 * bc * (D + 8) + 4 * br * (D + 8) + bc * (br + 8)) * 2 + 16 * br
+            name = f"flash_bwd_{tn}_d{D}_w{w}_r{br}"
             nblk = (nk + bc - 1) // bc
             if nk > 0:
                 self.fn(name, smem)(
@@ -305,7 +353,7 @@ def timings(fl, reps, results):
     lse = torch.empty(B, H, N, device="cuda", dtype=torch.float32)
     bufs = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
             torch.empty(B, H, N, device="cuda", dtype=torch.float32),
-            torch.empty(B * H * N * D, device="cuda", dtype=torch.float32))
+            torch.empty(3 * B * H * N * D, device="cuda", dtype=torch.float32))
 
     qt, kt, vt = (t.clone().requires_grad_() for t in (q, k, v))
 
@@ -321,20 +369,22 @@ def timings(fl, reps, results):
             f"({flops / fdiv / t_torch[0] / 1e9:.0f} TFLOP/s)")
         results.append(dict(what="torch_sdpa", causal=causal, ms=t_torch))
         # Each forward and each backward configuration alone, then the best pair together.
+        # (The split configurations are for small batch x heads: timed in small_bh_timings.)
         t_fwd = {}
-        for fc in FWD_CFGS[D]:
+        for fc in (c for c in FWD_CFGS[D] if c[0] != "split"):
             t_fwd[fc] = median_ms(lambda: fl.fwd(q, k, v, causal, scale, fc, out, lse), reps)
             log(f"tessera fwd{fc} causal={causal}: {t_fwd[fc]:.3f} ms "
                 f"({flops / 3.5 / fdiv / t_fwd[fc] / 1e9:.0f} TFLOP/s)")
         fl.fwd(q, k, v, causal, scale, None, out, lse)
         t_bwd = {}
-        for bc in BWD_CFGS[D]:
+        for bc in (c for c in BWD_CFGS[D] if not isinstance(c[0], str) or c[1] == 1):
             t_bwd[bc] = median_ms(lambda: fl.bwd(q, k, v, out, dout, lse, causal, scale, bc, bufs), reps)
             log(f"tessera bwd{bc} causal={causal}: {t_bwd[bc]:.3f} ms "
                 f"({flops * 2.5 / 3.5 / fdiv / t_bwd[bc] / 1e9:.0f} TFLOP/s)")
         fc = min(t_fwd, key=t_fwd.get)
-        bc = min((b for b in BWD_CFGS[D]), key=t_bwd.get)
-        for pair in ((fc, bc), (FWD_CFGS[D][0], BWD_CFGS[D][0]), ((4, 64), (8, 32))):
+        bc = min(t_bwd, key=t_bwd.get)
+        pairs = [(fc, bc), (("g4", 64), ("wg", 1)), ((4, 64), (8, 32))]
+        for pair in dict.fromkeys(pairs):
             def step():
                 fl.fwd(q, k, v, causal, scale, pair[0], out, lse)
                 fl.bwd(q, k, v, out, dout, lse, causal, scale, pair[1], bufs)
@@ -360,12 +410,51 @@ def timings(fl, reps, results):
         results.append(dict(what="torch_sdpa_again", causal=causal, ms=t_torch2))
 
 
+def small_bh_timings(fl, reps, results):
+    """One (1, 1, 2048, 128) bf16 slice, the shape of the hinted sliced graph's per-slice
+    flash calls: each backward configuration (query splits fill more SMs) next to torch's
+    SDPA at the same shape."""
+    B, H, N, D = 1, 1, 2048, 128
+    scale = 1 / math.sqrt(D)
+    torch.manual_seed(2)
+    q, k, v, dout = (torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    out = torch.empty_like(q)
+    lse = torch.empty(B, H, N, device="cuda", dtype=torch.float32)
+    bufs = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
+            torch.empty(B, H, N, device="cuda", dtype=torch.float32),
+            torch.empty(3 * B * H * N * D, device="cuda", dtype=torch.float32))
+    qt, kt, vt = (t.clone().requires_grad_() for t in (q, k, v))
+
+    def torch_step(causal):
+        o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+        o.backward(dout)
+        qt.grad = kt.grad = vt.grad = None
+
+    for causal in (False, True):
+        t_torch = median_ms(lambda: torch_step(causal), reps)
+        t_fwd = median_ms(lambda: fl.fwd(q, k, v, causal, scale, None, out, lse), reps)
+        line = f"slice (1,1,2048,128) causal={causal}: torch SDPA fwd+bwd {t_torch:.4f} ms, tessera fwd {t_fwd:.4f}"
+        part = (torch.empty(16 * N * D, device="cuda"), torch.empty(16 * N * 2, device="cuda"))
+        for fc in [("split", 4), ("split", 8), ("split", 16)]:
+            t = median_ms(lambda: fl.fwd(q, k, v, causal, scale, fc, out, lse, part), reps)
+            line += f", fwd{fc} {t:.4f}"
+            results.append(dict(what="slice_fwd", causal=causal, cfg=fc, ms=t))
+        for bc in [("wg", 1), ("wg", 4), ("wg", 8), ("wg", 16)]:
+            t = median_ms(lambda: fl.bwd(q, k, v, out, dout, lse, causal, scale, bc, bufs), reps)
+            line += f", bwd{bc} {t:.4f}"
+            results.append(dict(what="slice_bwd", causal=causal, cfg=bc, ms=t))
+        results.append(dict(what="slice", causal=causal, torch_ms=t_torch, fwd_ms=t_fwd))
+        log(line)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--cu", default=DEFAULT_CU)
     ap.add_argument("--out", default=None)
     ap.add_argument("--sanitize", action="store_true", help="tiny shapes only (for compute-sanitizer)")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--sanitize-dtypes", default="bf16,f16,f32",
+                    help="dtypes the --sanitize run covers (racecheck is slow)")
     ap.add_argument("--profile", action="store_true", help="one fwd+bwd at (8, 32, 2048, 128)")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--no-time", action="store_true")
@@ -383,11 +472,16 @@ def main():
         return 0
     if args.sanitize:
         failures = []
-        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        want = args.sanitize_dtypes.split(",")
+        for dtype in (t for t in (torch.bfloat16, torch.float16, torch.float32) if TN[t] in want):
             for D in (64, 128):
                 for causal in (False, True):
-                    check_case(fl, dtype, (1, 2, 70, 45, D), causal, 0.2, failures=failures)
-                    check_case(fl, dtype, (1, 1, 33, 150, D), causal, 0.2, failures=failures)
+                    cfgs = BWD_CFGS[D] if dtype != torch.float32 else [None]
+                    fcs = FWD_CFGS[D] if dtype != torch.float32 else [None]
+                    for n, bc in enumerate(cfgs):
+                        fc = fcs[n % len(fcs)]
+                        check_case(fl, dtype, (1, 2, 70, 45, D), causal, 0.2, fc, bc, failures)
+                        check_case(fl, dtype, (1, 1, 33, 150, D), causal, 0.2, fc, bc, failures)
         log("SANITIZE-RUN", "FAILURES: " + ", ".join(failures) if failures else "all ok")
         return 1 if failures else 0
     failures = small_checks(fl, args.quick)
@@ -395,6 +489,7 @@ def main():
     results = []
     if not args.no_time:
         timings(fl, args.reps, results)
+        small_bh_timings(fl, args.reps, results)
     if args.out:
         with open(os.path.join(args.out, "flash_results.json"), "w") as f:
             json.dump(dict(failures=failures, timings=results, device=torch.cuda.get_device_name()), f)

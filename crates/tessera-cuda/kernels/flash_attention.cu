@@ -11,28 +11,32 @@
 //   flash_fwd_wg_<t>_d128_g4_c64    sm_90a (Hopper): wgmma, 4 warpgroups x 64 query rows,
 //                                   key tiles of 64; S = Q K^T with both operands read
 //                                   from shared memory, O += P V with P from registers.
+//   flash_fwd_wg_split_<t>_d128     the same with each query block's key tiles split over
+//   flash_fwd_combine_<t>_d128      blockIdx.z (for small batch x heads, which would
+//                                   leave most SMs idle), then the merge of the partials.
 //   flash_bwd_wg_<t>_d128           sm_90a: FlashAttention-2 backward on wgmma; a block
 //                                   owns 128 keys (2 warpgroups x 64), keeps dK and dV in
 //                                   registers and walks query tiles of 64 rows,
-//                                   recomputing P from the logsumexp.
+//                                   recomputing P from the logsumexp. gridDim.z > 1
+//                                   splits the query tiles (small batch x heads); dK and
+//                                   dV then go through f32 workspaces too.
+//   flash_bwd_post_wg_<t>           fragment-tiled f32 workspace -> dQ (dK, dV) in T.
 //   flash_fwd_<t>_d<D>_w<W>_c<BC>   sm_80+: mma.sync m16n8k16 (f32 accumulation), W warps
 //                                   each own 16 query rows, key tiles of BC rows.
 //   flash_bwd_<t>_d<D>_w<W>_r<BR>   sm_80+: the same backward on mma.sync, 16*W keys per
 //                                   block, query tiles of BR rows.
-//   flash_bwd_pre_<t>_d<D>          Delta_i = rowsum(dO * O) in f32, and zeroes the dQ
-//                                   workspace rows (bf16/f16 only).
-//   flash_bwd_post_<t>              dQ = scale * workspace, converted to bf16/f16.
+//   flash_bwd_pre_<t>_d<D>          Delta_i = rowsum(dO * O) in f32, and zeroes the f32
+//                                   workspace the backward adds into (bf16/f16 only).
+//   flash_bwd_post_<t>              dQ = scale * workspace (row-major), for mma.sync.
 //   flash_*_f32_d<D>                f32 on CUDA cores: one warp per row, the other
 //                                   operand streamed through shared memory 32 rows at a
 //                                   time (each lane owns one of those rows for the dot
 //                                   products). D a multiple of 32 up to 256.
 // dQ (bf16/f16) is accumulated in an f32 workspace with vector atomics (red.global.add
 // .v2/.v4.f32) by every key block rather than by a separate dQ pass, which would
-// recompute S and dP (two of the five products) a second time. Measured on an H200 at
-// (8, 32, 2048, 128): the atomics cost ~1.4 ms of the 4.6 ms backward; v4 instead of v2
-// reductions, deferring them past the next fence, a bulk-copy reduction
-// (cp.reduce.async.bulk) and summing cluster pairs through distributed shared memory
-// first were all tried and none was faster (BENCHMARKS.md).
+// recompute S and dP (two of the five products) a second time. The wgmma backward adds
+// whole 512-byte runs per warp instruction (a fragment-tiled workspace, see bwd_wg):
+// 4.04 ms instead of 4.5 ms at (8, 32, 2048, 128) on an H200 (BENCHMARKS.md, NOTES.md).
 //
 // Only headers NVRTC ships are used; there is no host code here.
 
@@ -389,27 +393,28 @@ struct BwdCfg {
   static constexpr int SMEM_BYTES_TAIL = 4 * BR * 4;
 };
 
-// Delta_i = sum_d dO[i,d] * O[i,d] (f32), one warp per row; also zeroes the dQ
-// workspace row when there is one.
+// Delta_i = sum_d dO[i,d] * O[i,d] (f32), one warp per row; also zeroes the f32
+// workspace the backward adds into (acc_n4 float4s from acc; grid-stride, so any size).
 template <typename T, int D>
 __device__ __forceinline__ void bwd_pre(const T* __restrict__ O, const T* __restrict__ dO,
-                                        float* __restrict__ Delta, float* __restrict__ dq_acc,
-                                        long long rows) {
+                                        float* __restrict__ Delta, float* __restrict__ acc,
+                                        long long acc_n4, long long rows) {
+  const long long nthreads = (long long)gridDim.x * blockDim.x;
+  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < acc_n4; i += nthreads)
+    reinterpret_cast<float4*>(acc)[i] = make_float4(0.f, 0.f, 0.f, 0.f);
   long long row = (long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
   int lane = threadIdx.x % 32;
   if (row >= rows) return;
   const T* o = O + row * D;
   const T* g = dO + row * D;
-  float acc = 0.f;
+  float acc_d = 0.f;
   for (int d = lane * 2; d < D; d += 64) {
     float2 a = Mma<T>::unpack(*reinterpret_cast<const u32*>(o + d));
     float2 b = Mma<T>::unpack(*reinterpret_cast<const u32*>(g + d));
-    acc += a.x * b.x + a.y * b.y;
+    acc_d += a.x * b.x + a.y * b.y;
   }
-  acc = warp_sum(acc);
-  if (lane == 0) Delta[row] = acc;
-  if (dq_acc != nullptr)
-    for (int d = lane; d < D; d += 32) dq_acc[row * D + d] = 0.f;
+  acc_d = warp_sum(acc_d);
+  if (lane == 0) Delta[row] = acc_d;
 }
 
 template <typename T>
@@ -421,6 +426,29 @@ __device__ __forceinline__ void bwd_post(const float* __restrict__ dq_acc, T* __
   u32 lo = Mma<T>::pack(v.x * scale, v.y * scale);
   u32 hi = Mma<T>::pack(v.z * scale, v.w * scale);
   *reinterpret_cast<uint2*>(dQ + i) = make_uint2(lo, hi);
+}
+
+// Fragment-tiled f32 accumulator (64-row tiles of 128 columns, see bwd_wg) -> row-major
+// [bh][n_rows][128] of T, times scale. One thread per float4: rows r and r + 8, two
+// adjacent columns.
+template <typename T>
+__device__ __forceinline__ void bwd_post_wg(const float* __restrict__ acc, T* __restrict__ out,
+                                            long long n4, int n_rows, float scale) {
+  const long long f = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (f >= n4) return;
+  const int lane = f % 32, c8 = (f / 32) % 16, warp = (f / 512) % 4;
+  const long long tile = f / 2048;
+  const int tiles = (n_rows + 63) / 64;
+  const long long bh = tile / tiles;
+  const int r = (int)(tile % tiles) * 64 + warp * 16 + lane / 4;
+  const int c = c8 * 8 + 2 * (lane % 4);
+  const float4 v = reinterpret_cast<const float4*>(acc)[f];
+  T* ob = out + bh * n_rows * 128;
+  if (r < n_rows)
+    *reinterpret_cast<u32*>(ob + (size_t)r * 128 + c) = Mma<T>::pack(v.x * scale, v.y * scale);
+  if (r + 8 < n_rows)
+    *reinterpret_cast<u32*>(ob + (size_t)(r + 8) * 128 + c) =
+        Mma<T>::pack(v.z * scale, v.w * scale);
 }
 
 template <typename T, int D, int W, int BR>
@@ -677,6 +705,7 @@ __device__ __forceinline__ void wg_commit() {
 __device__ __forceinline__ void wg_wait_all() {
   asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
 }
+
 // Generic-proxy writes to shared memory (st.shared, cp.async) become visible to the
 // tensor cores' async proxy only after this fence in the writing thread (then a barrier).
 __device__ __forceinline__ void fence_proxy_async() {
@@ -743,6 +772,21 @@ __device__ __forceinline__ void wg_rs_n128(Tag<__half>, float (&d)[64], const u3
       "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, {%64,%65,%66,%67}, %68, p, 1, 1, %70;\n}\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d), "n"(TB));
+}
+
+// f32 partial results that several blocks produce (the backward's dQ always, its dK
+// and dV and the forward's O when a launch splits the work over blockIdx.z) use a "fragment-tiled" layout instead of row-major:
+// the rows are cut into tiles of 64, each tile is 64 x 128 f32 = 32 KB contiguous, and
+// inside a tile the float4 of (warp w, 8-column group c8, lane) -- the four accumulator
+// values a wgmma lane holds for rows 16w + lane/4 (+8) and columns 8 c8 + 2 (lane%4)
+// (+1) -- sits at float4 index (16 w + c8) * 32 + lane. A warp's reduction then covers
+// 512 contiguous bytes (four whole 128-byte lines) instead of 16 rows x 32 bytes, and a
+// conversion back (flash_bwd_post_wg, flash_fwd_combine) reads it coalesced.
+__device__ __forceinline__ size_t frag_tile_f4(int warp, int c8, int lane) {
+  return ((size_t)(warp * 16 + c8) * 32 + lane) * 4;
+}
+__device__ __forceinline__ void red_add_f4(float* p, const float* v) {
+  red_add_v4(p, v[0], v[1], v[2], v[3]);
 }
 
 // Copy rows [row0, row0 + ROWS) of a row-major [n_rows, C] matrix into a core-matrix
@@ -817,10 +861,15 @@ __device__ __forceinline__ void wg_softmax_step(float (&s)[BC / 2], float (&o)[D
 }
 
 // Forward: NWG warpgroups of 64 query rows each share K/V tiles of BC keys (D = 128).
-template <typename T, int NWG, int BC>
+// SPLIT: the z blocks of a query block split its key tiles, each writes unnormalised
+// partial results, and flash_fwd_combine merges them (fills the GPU when batch x heads
+// is small). A separate instantiation: the 128-register budget of the plain kernel has
+// no room for the split's bookkeeping.
+template <typename T, int NWG, int BC, bool SPLIT>
 __device__ __forceinline__ void fwd_wg(const T* __restrict__ Q, const T* __restrict__ K,
                                        const T* __restrict__ V, T* __restrict__ O,
-                                       float* __restrict__ LSE, int nq, int nk,
+                                       float* __restrict__ LSE, float* __restrict__ o_part,
+                                       float2* __restrict__ ml_part, int nq, int nk,
                                        float scale_log2, int causal) {
   constexpr int D = 128, BR = 64 * NWG, THREADS = 128 * NWG;
   constexpr u32 ROWG = (D / 8) * 128;  // bytes between 8-row groups of a [.][D] tile
@@ -836,12 +885,18 @@ __device__ __forceinline__ void fwd_wg(const T* __restrict__ Q, const T* __restr
   const T* Kb = K + bh * nk * D;
   const T* Vb = V + bh * nk * D;
   const int kv_end = causal ? min(nk, q0 + BR) : nk;
-  const int n_tiles = (kv_end + BC - 1) / BC;
+  // Key tiles [j_begin, j_end): all of them, or this z block's share.
+  int j_begin = 0, j_end = (kv_end + BC - 1) / BC;
+  if constexpr (SPLIT) {
+    const int per = (j_end + gridDim.z - 1) / gridDim.z;
+    j_begin = min(j_end, (int)blockIdx.z * per);
+    j_end = min(j_end, j_begin + per);
+  }
 
   load_tile_cm<T, BR, D, THREADS>(sQ, Q + bh * nq * D, q0, nq, tid);
-  if (n_tiles > 0) {
-    load_tile_cm<T, BC, D, THREADS>(sK, Kb, 0, nk, tid);
-    load_tile_cm<T, BC, D, THREADS>(sV, Vb, 0, nk, tid);
+  if (j_begin < j_end) {
+    load_tile_cm<T, BC, D, THREADS>(sK, Kb, j_begin * BC, nk, tid);
+    load_tile_cm<T, BC, D, THREADS>(sV, Vb, j_begin * BC, nk, tid);
   }
   cp_async_commit();
 
@@ -853,18 +908,18 @@ __device__ __forceinline__ void fwd_wg(const T* __restrict__ Q, const T* __restr
   const int row_a = q0 + wg * 64 + warp * 16 + lane / 4;
   const T* qw = sQ + wg * 64 * D;  // this warpgroup's 64 rows (8 row groups)
 
-  for (int j = 0; j < n_tiles; ++j) {
+  for (int j = j_begin; j < j_end; ++j) {
+    const int b = (j - j_begin) & 1;
     cp_async_wait_all();
     fence_proxy_async();
     __syncthreads();
-    if (j + 1 < n_tiles) {
-      const int nb = (j + 1) & 1;
-      load_tile_cm<T, BC, D, THREADS>(sK + nb * BC * D, Kb, (j + 1) * BC, nk, tid);
-      load_tile_cm<T, BC, D, THREADS>(sV + nb * BC * D, Vb, (j + 1) * BC, nk, tid);
+    if (j + 1 < j_end) {
+      load_tile_cm<T, BC, D, THREADS>(sK + (b ^ 1) * BC * D, Kb, (j + 1) * BC, nk, tid);
+      load_tile_cm<T, BC, D, THREADS>(sV + (b ^ 1) * BC * D, Vb, (j + 1) * BC, nk, tid);
     }
     cp_async_commit();
-    const T* kt = sK + (j & 1) * BC * D;
-    const T* vt = sV + (j & 1) * BC * D;
+    const T* kt = sK + b * BC * D;
+    const T* vt = sV + b * BC * D;
 
     float s[BC / 2];
     wg_fence();
@@ -905,6 +960,26 @@ __device__ __forceinline__ void fwd_wg(const T* __restrict__ Q, const T* __restr
     reg_fence(o);
   }
 
+  if constexpr (SPLIT) {
+    // This split's unnormalised O (fragment-tiled, per (split, bh) the 64-row tiles of
+    // the query rows) and each row's running max (log2 domain) and sum.
+    const int q_tiles = (nq + 63) / 64;
+    if (q0 + wg * 64 >= nq) return;
+    const size_t part = (size_t)blockIdx.z * gridDim.y + bh;
+    float* op = o_part + (part * q_tiles + q0 / 64 + wg) * (64 * D);
+#pragma unroll
+    for (int c8 = 0; c8 < D / 8; ++c8)
+      *reinterpret_cast<float4*>(op + frag_tile_f4(warp, c8, lane)) =
+          make_float4(o[4 * c8], o[4 * c8 + 1], o[4 * c8 + 2], o[4 * c8 + 3]);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const float l = quad_sum(l_run[r]);
+      const int row = row_a + r * 8;
+      if (lane % 4 == 0 && row < nq) ml_part[part * nq + row] = make_float2(m_run[r], l);
+    }
+    return;
+  }
+
   T* Ob = O + bh * nq * D;
   float* Lb = LSE + bh * nq;
 #pragma unroll
@@ -924,39 +999,66 @@ __device__ __forceinline__ void fwd_wg(const T* __restrict__ Q, const T* __restr
 }
 
 
-// Backward (D = 128): 2 warpgroups x 64 keys per block, query tiles of 64 rows.
-// Adds a warpgroup's 64 x 64 dQ accumulator tile (queries q0.., columns 64*wg..) to the
-// f32 workspace. Lanes t and t^1 swap halves first so that each lane adds four adjacent
-// columns of one row with one v4 reduction.
-__device__ __forceinline__ void dq_atomic_add(const float (&dq)[32], float* dqb, int q0, int nq,
-                                              int wg, int warp, int lane) {
-  const int qa = q0 + warp * 16 + lane / 4;
-  const bool odd = lane & 1;
-  const int q = odd ? qa + 8 : qa;
-  const int col = wg * 64 + 2 * ((lane % 4) & ~1);
+// Merges the split forward's partial results: per row M = max_z m_z,
+// L = sum_z l_z 2^(m_z - M), O = sum_z O_z 2^(m_z - M) / L, lse = (M + log2 L) ln 2.
+// One thread per float4 of the fragment-tiled partials (rows r and r + 8, two columns).
+template <typename T>
+__device__ __forceinline__ void fwd_combine(const float* __restrict__ o_part,
+                                            const float2* __restrict__ ml_part,
+                                            T* __restrict__ O, float* __restrict__ LSE,
+                                            int splits, int bh_count, int nq) {
+  constexpr int D = 128;
+  const int q_tiles = (nq + 63) / 64;
+  const long long n4 = (long long)bh_count * q_tiles * 2048;
+  const long long f = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (f >= n4) return;
+  const int lane = f % 32, c8 = (f / 32) % 16, warp = (f / 512) % 4;
+  const long long tile = f / 2048;
+  const long long bh = tile / q_tiles;
+  const int r0 = (int)(tile % q_tiles) * 64 + warp * 16 + lane / 4;
+  const int c = c8 * 8 + 2 * (lane % 4);
+  const size_t plane4 = (size_t)bh_count * q_tiles * 2048;  // float4s per split
 #pragma unroll
-  for (int nt = 0; nt < 8; ++nt) {
-    const float a0 = dq[4 * nt], a1 = dq[4 * nt + 1], b0 = dq[4 * nt + 2], b1 = dq[4 * nt + 3];
-    const float r0 = __shfl_xor_sync(0xffffffffu, odd ? a0 : b0, 1);
-    const float r1 = __shfl_xor_sync(0xffffffffu, odd ? a1 : b1, 1);
-    if (q < nq) {
-      float* p = dqb + (size_t)q * 128 + col + nt * 8;
-      if (odd) red_add_v4(p, r0, r1, b0, b1);
-      else red_add_v4(p, a0, a1, r0, r1);
+  for (int h = 0; h < 2; ++h) {
+    const int r = r0 + 8 * h;
+    if (r >= nq) continue;
+    float mx = -TF_INF;
+    for (int z = 0; z < splits; ++z) mx = fmaxf(mx, ml_part[((size_t)z * bh_count + bh) * nq + r].x);
+    const float m_use = mx == -TF_INF ? 0.f : mx;
+    float l = 0.f, a = 0.f, b = 0.f;
+    for (int z = 0; z < splits; ++z) {
+      const float2 ml = ml_part[((size_t)z * bh_count + bh) * nq + r];
+      const float w = fast_exp2(ml.x - m_use);
+      const float4 v = reinterpret_cast<const float4*>(o_part)[z * plane4 + f];
+      l += ml.y * w;
+      a += (h ? v.z : v.x) * w;
+      b += (h ? v.w : v.y) * w;
     }
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    *reinterpret_cast<u32*>(O + (bh * nq + r) * D + c) = Mma<T>::pack(a * inv, b * inv);
+    if (c == 0) LSE[bh * nq + r] = l > 0.f ? (mx + log2f(l)) * TF_LN2 : -TF_INF;
   }
 }
 
+// Backward (D = 128): 2 warpgroups x 64 keys per block, query tiles of 64 rows.
+
+// Each query tile's dQ goes to the f32 workspace with red.global.add.v4.f32, fragment-
+// tiled (above). Tried and slower (BENCHMARKS.md, NOTES.md): row-major v2/v4 reductions
+// (16 rows x 32 B per warp instruction), and staging the tile in shared memory for one
+// cp.reduce.async.bulk per tile (4.17 vs 4.03 ms at (8, 32, 2048, 128)); issuing the dQ
+// product before dV/dK and reducing while those run was no faster (4.04).
 template <typename T>
 __device__ __forceinline__ void bwd_wg(const T* __restrict__ Q, const T* __restrict__ K,
                                        const T* __restrict__ V, const T* __restrict__ dO,
                                        const float* __restrict__ LSE,
                                        const float* __restrict__ Delta,
                                        float* __restrict__ dq_acc, T* __restrict__ dK,
-                                       T* __restrict__ dV, int nq, int nk, float scale,
+                                       T* __restrict__ dV, float* __restrict__ dk_acc,
+                                       float* __restrict__ dv_acc, int nq, int nk, float scale,
                                        float scale_log2, int causal) {
   constexpr int D = 128, BC = 128, BR = 64, THREADS = 256;
-  constexpr u32 ROWG = (D / 8) * 128;   // row-group step of a [.][D] tile, bytes
+  constexpr int TILE = BR * D;           // floats per fragment tile
+  constexpr u32 ROWG = (D / 8) * 128;    // row-group step of a [.][D] tile, bytes
   constexpr u32 SROWG = (BR / 8) * 128;  // row-group step of the dS^T tile [BC][BR]
   extern __shared__ __align__(128) unsigned char smem_raw[];
   T* sK = reinterpret_cast<T*>(smem_raw);
@@ -974,9 +1076,18 @@ __device__ __forceinline__ void bwd_wg(const T* __restrict__ Q, const T* __restr
   const T* dOb = dO + bh * nq * D;
   const float* Lb = LSE + bh * nq;
   const float* Db = Delta + bh * nq;
-  float* dqb = dq_acc + bh * nq * D;
-  const int i_begin = causal ? (k0 / BR) : 0;
-  const int i_end = (nq + BR - 1) / BR;
+  const int q_tiles = (nq + BR - 1) / BR;
+  float* dqb = dq_acc + bh * q_tiles * TILE;
+  // Under causal masking queries before k0 see none of this block's keys. With
+  // gridDim.z > 1 the query tiles are split evenly among the z blocks of a key block
+  // (fills the GPU when batch x heads is small); dK and dV then go to f32 workspaces.
+  int i_begin = causal ? (k0 / BR) : 0;
+  int i_end = q_tiles;
+  if (gridDim.z > 1) {
+    const int per = (i_end - i_begin + gridDim.z - 1) / gridDim.z;
+    i_begin = min(i_end, i_begin + (int)blockIdx.z * per);
+    i_end = min(i_end, i_begin + per);
+  }
 
   load_tile_cm<T, BC, D, THREADS>(sK, K + bh * nk * D, k0, nk, tid);
   load_tile_cm<T, BC, D, THREADS>(sV, V + bh * nk * D, k0, nk, tid);
@@ -1070,36 +1181,58 @@ __device__ __forceinline__ void bwd_wg(const T* __restrict__ Q, const T* __restr
         sa[kk][x] = Mma<T>::pack(dp[8 * kk + 2 * x], dp[8 * kk + 2 * x + 1]);
       }
     }
-    reg_fence(dv);
-    reg_fence(dk);
-    wg_fence();
-#pragma unroll
-    for (int kk = 0; kk < BR / 16; ++kk) {
-      wg_rs_n128<1>(Tag<T>(), dv, pa[kk], gmma_desc(gt + kk * 2 * (ROWG / 2), ROWG, 128), 1);
-      wg_rs_n128<1>(Tag<T>(), dk, sa[kk], gmma_desc(qt + kk * 2 * (ROWG / 2), ROWG, 128), 1);
-    }
-    wg_commit();
-    fence_proxy_async();  // dS^T stores -> async proxy
-    // dV/dK stay in flight across the barrier and the dQ issue; one wait covers both.
-    __syncthreads();
-
     // dQ_i += dS K: warpgroup wg takes d columns [64 wg, 64 wg + 64). A = dS read
     // M-major from the dS^T tile, B = K (k = key, n = d) read N-major.
     float dq[32];
-    wg_fence();
+    auto issue_dq = [&]() {
 #pragma unroll
-    for (int kk = 0; kk < BC / 16; ++kk) {
-      wg_ss_n64<1, 1>(Tag<T>(), dq, gmma_desc(sdS + kk * 2 * (SROWG / 2), SROWG, 128),
-                      gmma_desc(sK + kk * 2 * (ROWG / 2) + wg * 8 * 64, ROWG, 128), kk);
-    }
-    wg_commit();
+      for (int kk = 0; kk < BC / 16; ++kk)
+        wg_ss_n64<1, 1>(Tag<T>(), dq, gmma_desc(sdS + kk * 2 * (SROWG / 2), SROWG, 128),
+                        gmma_desc(sK + kk * 2 * (ROWG / 2) + wg * 8 * 64, ROWG, 128), kk);
+      wg_commit();
+    };
+    auto issue_dkv = [&]() {
+#pragma unroll
+      for (int kk = 0; kk < BR / 16; ++kk) {
+        wg_rs_n128<1>(Tag<T>(), dv, pa[kk], gmma_desc(gt + kk * 2 * (ROWG / 2), ROWG, 128), 1);
+        wg_rs_n128<1>(Tag<T>(), dk, sa[kk], gmma_desc(qt + kk * 2 * (ROWG / 2), ROWG, 128), 1);
+      }
+      wg_commit();
+    };
+    reg_fence(dv);
+    reg_fence(dk);
+    wg_fence();
+    issue_dkv();
+    fence_proxy_async();  // dS^T stores -> async proxy
+    // dV/dK stay in flight across the barrier and the dQ issue; one wait covers all.
+    __syncthreads();
+    wg_fence();
+    issue_dq();
     wg_wait_all();
     reg_fence(dq);
     reg_fence(dv);
     reg_fence(dk);
-    dq_atomic_add(dq, dqb, qrow0, nq, wg, warp, lane);
+    float* dst = dqb + (size_t)i * TILE;
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+      red_add_f4(dst + frag_tile_f4(warp, wg * 8 + nt, lane), &dq[4 * nt]);
   }
-
+  if (gridDim.z > 1) {
+    // Partial sums over this block's share of the queries: add them up in f32 (a
+    // warpgroup whose 64 keys all lie past nk has no tile in the workspace).
+    if (i_end > i_begin && k0 + wg * 64 < nk) {
+      const int k_tiles = (nk + 63) / 64;
+      const size_t t = bh * k_tiles + (k0 / 64 + wg);
+      float* ka = dk_acc + t * TILE;
+      float* va = dv_acc + t * TILE;
+#pragma unroll
+      for (int c8 = 0; c8 < 16; ++c8) {
+        red_add_f4(ka + frag_tile_f4(warp, c8, lane), &dk[4 * c8]);
+        red_add_f4(va + frag_tile_f4(warp, c8, lane), &dv[4 * c8]);
+      }
+    }
+    return;
+  }
   T* dKb = dK + bh * nk * D;
   T* dVb = dV + bh * nk * D;
 #pragma unroll
@@ -1349,14 +1482,16 @@ __device__ __forceinline__ void bwd_pre_f32(const float* __restrict__ O,
 // Entry points. Shared memory sizes (bytes) the launcher must pass, per family:
 //   fwd mma.sync:  (16W*(D+8) + 4*BC*(D+8)) * 2
 //   bwd mma.sync:  (2*16W*(D+8) + 4*BR*(D+8) + 16W*(BR+8)) * 2 + 16*BR
-//   fwd wgmma g4:  (256*128 + 4*64*128) * 2 = 131072
+//   fwd wgmma g4:  (256*128 + 4*64*128) * 2 = 131072 (split too)
 //   bwd wgmma:     (2*128*128 + 4*64*128 + 128*64) * 2 + 16*64 = 148480
 //   fwd f32:       (2*32*(D+1) + 8*D) * 4
 //   dq f32:        (2*32*(D+1) + 16*D) * 4
 //   dkv f32:       (2*32*(D+1) + 16*D + 64) * 4
-// Grids: fwd (ceil(nq/rows per block), B*H) with 16W (mma.sync) or 256 (wgmma g4) rows;
-// bwd (ceil(nk/keys per block), B*H) with 16W or 128 keys; f32 (ceil(n/8), B*H), 256
-// threads; pre: one warp per row, 256 threads; post: 4 elements per thread, 256 threads.
+// Grids: fwd (ceil(nq/rows per block), B*H) with 16W (mma.sync) or 256 (wgmma g4) rows,
+// times the split count in z for the split forward; bwd (ceil(nk/keys per block), B*H)
+// with 16W or 128 keys, wgmma times its split count in z; f32 (ceil(n/8), B*H), 256
+// threads; pre: one warp per row, 256 threads; post: 4 elements per thread, post_wg and
+// combine: one float4 of a 64 x 128 fragment tile per thread, 256 threads.
 // ---------------------------------------------------------------------------------
 
 #define TF_FWD_TC(TN, T, D, W, BC)                                                        \
@@ -1378,10 +1513,10 @@ __device__ __forceinline__ void bwd_pre_f32(const float* __restrict__ O,
   }
 
 #define TF_PRE(TN, T, D)                                                                  \
-  extern "C" __global__ void flash_bwd_pre_##TN##_d##D(const T* o, const T* d_o,          \
-                                                       float* delta, float* dq_acc,       \
-                                                       long long rows) {                  \
-    tessera_flash::bwd_pre<T, D>(o, d_o, delta, dq_acc, rows);                            \
+  extern "C" __global__ void flash_bwd_pre_##TN##_d##D(                                 \
+      const T* o, const T* d_o, float* delta, float* acc, long long acc_n4,               \
+      long long rows) {                                                                   \
+    tessera_flash::bwd_pre<T, D>(o, d_o, delta, acc, acc_n4, rows);                       \
   }
 
 #define TF_F32(D)                                                                         \
@@ -1447,14 +1582,30 @@ TF_F32(256)
   extern "C" __global__ void __launch_bounds__(512, 1)                                    \
       flash_fwd_wg_##TN##_d128_g4_c64(const T* q, const T* k, const T* v, T* o, float* lse, \
                                       int nq, int nk, float scale_log2, int causal) {     \
-    tessera_flash::fwd_wg<T, 4, 64>(q, k, v, o, lse, nq, nk, scale_log2, causal);         \
+    tessera_flash::fwd_wg<T, 4, 64, false>(q, k, v, o, lse, nullptr, nullptr, nq, nk,     \
+                                           scale_log2, causal);                           \
+  }                                                                                       \
+  extern "C" __global__ void __launch_bounds__(512, 1) flash_fwd_wg_split_##TN##_d128(    \
+      const T* q, const T* k, const T* v, float* o_part, float2* ml_part, int nq, int nk, \
+      float scale_log2, int causal) {                                                     \
+    tessera_flash::fwd_wg<T, 4, 64, true>(q, k, v, nullptr, nullptr, o_part, ml_part, nq, \
+                                          nk, scale_log2, causal);                        \
+  }                                                                                       \
+  extern "C" __global__ void flash_fwd_combine_##TN##_d128(                               \
+      const float* o_part, const float2* ml_part, T* o, float* lse, int splits,           \
+      int bh_count, int nq) {                                                             \
+    tessera_flash::fwd_combine<T>(o_part, ml_part, o, lse, splits, bh_count, nq);         \
   }                                                                                       \
   extern "C" __global__ void __launch_bounds__(256) flash_bwd_wg_##TN##_d128(             \
       const T* q, const T* k, const T* v, const T* d_o, const float* lse,                 \
-      const float* delta, float* dq_acc, T* dk, T* dv, int nq, int nk, float scale,       \
-      float scale_log2, int causal) {                                                     \
-    tessera_flash::bwd_wg<T>(q, k, v, d_o, lse, delta, dq_acc, dk, dv, nq, nk, scale,     \
-                             scale_log2, causal);                                         \
+      const float* delta, float* dq_acc, T* dk, T* dv, float* dk_acc, float* dv_acc,      \
+      int nq, int nk, float scale, float scale_log2, int causal) {                        \
+    tessera_flash::bwd_wg<T>(q, k, v, d_o, lse, delta, dq_acc, dk, dv, dk_acc, dv_acc, nq, \
+                             nk, scale, scale_log2, causal);                              \
+  }                                                                                       \
+  extern "C" __global__ void flash_bwd_post_wg_##TN(const float* acc, T* out, long long n4, \
+                                                    int n_rows, float scale) {            \
+    tessera_flash::bwd_post_wg<T>(acc, out, n4, n_rows, scale);                           \
   }
 #if !defined(TF_SKIP_BF16)
 TF_WG(bf16, __nv_bfloat16)

@@ -12,6 +12,14 @@
 //! by dtype, head dim and architecture ([`select`]); what is not covered is an error
 //! naming the dtype and head dim, never a launch.
 //!
+//! The launch plan also depends on the SM count: when batch x heads is too small to
+//! fill the GPU (one slice of a sliced graph), the wgmma kernels split their key or
+//! query tiles over `blockIdx.z` ([`forward_splits`], [`backward_splits`]); when it is
+//! large, the backward runs in groups of heads whose f32 accumulators fit in
+//! [`ACC_BUDGET`] ([`backward_group`]). Both need scratch from the caller
+//! ([`forward_workspace_bytes`], [`backward_workspace_bytes`]). Launches are queued on a
+//! [`Queue`] and nothing waits for them.
+//!
 //! Everything goes through cudarc's dynamic loading: the crate builds with no CUDA
 //! installed, and the first call checks for the driver and NVRTC and says which is
 //! missing.
@@ -21,10 +29,10 @@ use std::ffi::{c_char, CString};
 use std::fmt;
 use std::sync::{Arc, Mutex, OnceLock};
 
-use cudarc::driver::sys::{CUdeviceptr, CUfunction_attribute_enum};
-use cudarc::driver::{
-    CudaContext, CudaFunction, CudaModule, CudaStream, LaunchConfig, PushKernelArg,
-};
+use std::ffi::c_void;
+
+use cudarc::driver::sys::{CUdevice_attribute, CUdeviceptr, CUfunction_attribute_enum, CUstream};
+use cudarc::driver::{result, CudaContext, CudaFunction, CudaModule, CudaStream};
 use cudarc::nvrtc::{result as nvrtc, sys as nvrtc_sys, Ptx};
 
 /// The kernels' CUDA C source.
@@ -219,9 +227,45 @@ pub fn select(dtype: FlashDType, head_dim: usize, cc: (i32, i32)) -> Result<Sele
     })
 }
 
+/// What a launch computes; decides its argument list.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Step {
+    /// The forward writing out and lse.
+    Forward,
+    /// The split wgmma forward writing partial results into the forward workspace.
+    ForwardSplit,
+    /// Merges the split forward's partials into out and lse.
+    Combine,
+    /// Delta, and zeroes the backward's f32 accumulators (bf16/f16).
+    Pre,
+    /// Delta (f32).
+    PreF32,
+    /// The mma.sync backward (dQ into the row-major accumulator, dK and dV written).
+    BackwardMma,
+    /// The wgmma backward (dQ into the fragment-tiled accumulator; dK and dV written,
+    /// or into their accumulators when split).
+    BackwardWgmma,
+    /// f32: dQ, and dK with dV.
+    DqF32,
+    DkvF32,
+    /// Row-major f32 dQ accumulator to dq.
+    Post,
+    /// Fragment-tiled f32 accumulator to dq, dk or dv.
+    PostTiled(Grad),
+}
+
+/// Which gradient a [`Step::PostTiled`] converts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Grad {
+    Q,
+    K,
+    V,
+}
+
 /// One kernel launch: entry point, grid, block and dynamic shared memory.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Launch {
+    pub step: Step,
     pub name: String,
     pub grid: (u32, u32, u32),
     pub block: u32,
@@ -233,95 +277,200 @@ fn blocks(n: usize, per_block: usize) -> Result<u32> {
         .map_err(|_| FlashError::Shape(format!("{n} rows need more than 2^32 blocks")))
 }
 
-/// The forward launch for `sel` at `dims`. Shared memory sizes follow the table at the
-/// end of the .cu file.
-pub fn forward_launch(sel: &Selection, dims: &FlashDims) -> Result<Launch> {
+/// Rows per fragment tile of the wgmma kernels' f32 workspaces (64 x 128 f32, 32 KB).
+const TILE_ROWS: usize = 64;
+const WG_FWD_ROWS: usize = 256;
+const WG_BWD_KEYS: usize = 128;
+const WG_FWD_SMEM: u32 = (256 * 128 + 4 * 64 * 128) * 2;
+const WG_BWD_SMEM: u32 = (2 * 128 * 128 + 4 * 64 * 128 + 128 * 64) * 2 + 16 * 64;
+
+/// How many z blocks split the wgmma forward's key tiles: when the query blocks fill
+/// less than half of the `sms` multiprocessors, enough splits for about half of them
+/// (each split then costs its partial results and the merge: at (1, 1, 2048, 128) on
+/// an H200, 8 splits took 0.044 ms, 16 took 0.050, none 0.106), keeping at least two
+/// key tiles per split.
+pub fn forward_splits(sel: &Selection, dims: &FlashDims, sms: u32) -> usize {
+    if sel.fwd != FwdKernel::Wgmma {
+        return 1;
+    }
+    let blocks = dims.q_len.div_ceil(WG_FWD_ROWS) * dims.batch * dims.heads;
+    let by_sms = sms as usize / (2 * blocks.max(1));
+    let by_tiles = dims.kv_len.div_ceil(64) / 2;
+    let s = by_sms.min(by_tiles);
+    if s >= 2 {
+        s
+    } else {
+        1
+    }
+}
+
+/// How many z blocks split the wgmma backward's query tiles: enough for the key blocks
+/// to cover the `sms` multiprocessors about once, keeping at least two query tiles per
+/// split (at (1, 1, 2048, 128) on an H200: 8 splits 0.062 ms, 4 0.071, 16 0.070, none
+/// 0.152).
+pub fn backward_splits(sel: &Selection, dims: &FlashDims, sms: u32) -> usize {
+    if sel.bwd != BwdKernel::Wgmma {
+        return 1;
+    }
+    let blocks = dims.kv_len.div_ceil(WG_BWD_KEYS) * dims.batch * dims.heads;
+    let by_sms = sms as usize / blocks.max(1);
+    let by_tiles = dims.q_len.div_ceil(TILE_ROWS) / 2;
+    let s = by_sms.min(by_tiles);
+    if s >= 2 {
+        s
+    } else {
+        1
+    }
+}
+
+/// The forward launches for `sel` at `dims` on a device of `sms` multiprocessors.
+/// Shared memory sizes follow the table at the end of the .cu file.
+pub fn forward_launches(sel: &Selection, dims: &FlashDims, sms: u32) -> Result<Vec<Launch>> {
     let d = sel.head_dim;
     let t = sel.dtype.name();
     let bh = bh_dim(dims)?;
+    let launch = |step, name, grid, block, smem| Launch {
+        step,
+        name,
+        grid,
+        block,
+        smem,
+    };
     Ok(match sel.fwd {
-        FwdKernel::Wgmma => Launch {
-            name: format!("flash_fwd_wg_{t}_d{d}_g4_c64"),
-            grid: (blocks(dims.q_len, 256)?, bh, 1),
-            block: 512,
-            smem: ((256 * d + 4 * 64 * d) * 2) as u32,
-        },
-        FwdKernel::Mma { warps, key_tile } => {
-            let (w, c) = (warps as usize, key_tile as usize);
-            Launch {
-                name: format!("flash_fwd_{t}_d{d}_w{w}_c{c}"),
-                grid: (blocks(dims.q_len, 16 * w)?, bh, 1),
-                block: 32 * warps,
-                smem: ((16 * w * (d + 8) + 4 * c * (d + 8)) * 2) as u32,
+        FwdKernel::Wgmma => {
+            let qb = blocks(dims.q_len, WG_FWD_ROWS)?;
+            let splits = forward_splits(sel, dims, sms);
+            if splits == 1 {
+                vec![launch(
+                    Step::Forward,
+                    format!("flash_fwd_wg_{t}_d{d}_g4_c64"),
+                    (qb, bh, 1),
+                    512,
+                    WG_FWD_SMEM,
+                )]
+            } else {
+                let tiles = dims.q_len.div_ceil(TILE_ROWS) * bh as usize;
+                vec![
+                    launch(
+                        Step::ForwardSplit,
+                        format!("flash_fwd_wg_split_{t}_d{d}"),
+                        (qb, bh, splits as u32),
+                        512,
+                        WG_FWD_SMEM,
+                    ),
+                    launch(
+                        Step::Combine,
+                        format!("flash_fwd_combine_{t}_d{d}"),
+                        (blocks(tiles * 2048, 256)?, 1, 1),
+                        256,
+                        0,
+                    ),
+                ]
             }
         }
-        FwdKernel::F32 => Launch {
-            name: format!("flash_fwd_f32_d{d}"),
-            grid: (blocks(dims.q_len, 8)?, bh, 1),
-            block: 256,
-            smem: ((2 * 32 * (d + 1) + 8 * d) * 4) as u32,
-        },
+        FwdKernel::Mma { warps, key_tile } => {
+            let (w, c) = (warps as usize, key_tile as usize);
+            vec![launch(
+                Step::Forward,
+                format!("flash_fwd_{t}_d{d}_w{w}_c{c}"),
+                (blocks(dims.q_len, 16 * w)?, bh, 1),
+                32 * warps,
+                ((16 * w * (d + 8) + 4 * c * (d + 8)) * 2) as u32,
+            )]
+        }
+        FwdKernel::F32 => vec![launch(
+            Step::Forward,
+            format!("flash_fwd_f32_d{d}"),
+            (blocks(dims.q_len, 8)?, bh, 1),
+            256,
+            ((2 * 32 * (d + 1) + 8 * d) * 4) as u32,
+        )],
     })
 }
 
-/// The backward launches in order: Delta (and zeroed dQ workspace), the main kernel(s),
-/// and for bf16/f16 the dQ conversion.
-pub fn backward_launches(sel: &Selection, dims: &FlashDims) -> Result<Vec<Launch>> {
+/// The backward launches in order: Delta (and zeroed accumulators), the main kernel(s),
+/// and for bf16/f16 the conversion of the f32 accumulators.
+pub fn backward_launches(sel: &Selection, dims: &FlashDims, sms: u32) -> Result<Vec<Launch>> {
     let d = sel.head_dim;
     let t = sel.dtype.name();
     let bh = bh_dim(dims)?;
     let rows = dims.rows();
-    let pre = Launch {
-        name: format!("flash_bwd_pre_{t}_d{d}"),
-        grid: (blocks(rows, 8)?, 1, 1),
+    let pre_grid = (blocks(rows, 8)?, 1, 1);
+    let pre = |step, name| Launch {
+        step,
+        name,
+        grid: pre_grid,
         block: 256,
         smem: 0,
     };
-    let mut out = vec![pre];
-    match sel.bwd {
-        BwdKernel::F32 => {
-            out.push(Launch {
+    Ok(match sel.bwd {
+        BwdKernel::F32 => vec![
+            pre(Step::PreF32, format!("flash_bwd_pre_f32_d{d}")),
+            Launch {
+                step: Step::DqF32,
                 name: format!("flash_bwd_dq_f32_d{d}"),
                 grid: (blocks(dims.q_len, 8)?, bh, 1),
                 block: 256,
                 smem: ((2 * 32 * (d + 1) + 16 * d) * 4) as u32,
-            });
-            out.push(Launch {
+            },
+            Launch {
+                step: Step::DkvF32,
                 name: format!("flash_bwd_dkv_f32_d{d}"),
                 grid: (blocks(dims.kv_len, 8)?, bh, 1),
                 block: 256,
                 smem: ((2 * 32 * (d + 1) + 16 * d + 64) * 4) as u32,
-            });
-        }
-        BwdKernel::Wgmma | BwdKernel::Mma { .. } => {
-            out.push(match sel.bwd {
-                BwdKernel::Wgmma => Launch {
-                    name: format!("flash_bwd_wg_{t}_d{d}"),
-                    grid: (blocks(dims.kv_len, 128)?, bh, 1),
-                    block: 256,
-                    smem: ((2 * 128 * d + 4 * 64 * d + 128 * 64) * 2 + 16 * 64) as u32,
+            },
+        ],
+        BwdKernel::Mma { warps, q_tile } => {
+            let (w, r) = (warps as usize, q_tile as usize);
+            vec![
+                pre(Step::Pre, format!("flash_bwd_pre_{t}_d{d}")),
+                Launch {
+                    step: Step::BackwardMma,
+                    name: format!("flash_bwd_{t}_d{d}_w{w}_r{r}"),
+                    grid: (blocks(dims.kv_len, 16 * w)?, bh, 1),
+                    block: 32 * warps,
+                    smem: ((2 * 16 * w * (d + 8) + 4 * r * (d + 8) + 16 * w * (r + 8)) * 2 + 16 * r)
+                        as u32,
                 },
-                BwdKernel::Mma { warps, q_tile } => {
-                    let (w, r) = (warps as usize, q_tile as usize);
-                    Launch {
-                        name: format!("flash_bwd_{t}_d{d}_w{w}_r{r}"),
-                        grid: (blocks(dims.kv_len, 16 * w)?, bh, 1),
-                        block: 32 * warps,
-                        smem: ((2 * 16 * w * (d + 8) + 4 * r * (d + 8) + 16 * w * (r + 8)) * 2
-                            + 16 * r) as u32,
-                    }
-                }
-                BwdKernel::F32 => unreachable!("handled above"),
-            });
-            out.push(Launch {
-                name: format!("flash_bwd_post_{t}"),
-                grid: (blocks(rows * d / 4, 256)?, 1, 1),
-                block: 256,
-                smem: 0,
-            });
+                Launch {
+                    step: Step::Post,
+                    name: format!("flash_bwd_post_{t}"),
+                    grid: (blocks(rows * d / 4, 256)?, 1, 1),
+                    block: 256,
+                    smem: 0,
+                },
+            ]
         }
-    }
-    Ok(out)
+        BwdKernel::Wgmma => {
+            let splits = backward_splits(sel, dims, sms);
+            let mut out = vec![
+                pre(Step::Pre, format!("flash_bwd_pre_{t}_d{d}")),
+                Launch {
+                    step: Step::BackwardWgmma,
+                    name: format!("flash_bwd_wg_{t}_d{d}"),
+                    grid: (blocks(dims.kv_len, WG_BWD_KEYS)?, bh, splits as u32),
+                    block: 256,
+                    smem: WG_BWD_SMEM,
+                },
+            ];
+            let mut grads = vec![(Grad::Q, dims.q_len)];
+            if splits > 1 {
+                grads.extend([(Grad::K, dims.kv_len), (Grad::V, dims.kv_len)]);
+            }
+            for (g, n) in grads {
+                let float4s = n.div_ceil(TILE_ROWS) * bh as usize * 2048;
+                out.push(Launch {
+                    step: Step::PostTiled(g),
+                    name: format!("flash_bwd_post_wg_{t}"),
+                    grid: (blocks(float4s, 256)?, 1, 1),
+                    block: 256,
+                    smem: 0,
+                });
+            }
+            out
+        }
+    })
 }
 
 fn bh_dim(dims: &FlashDims) -> Result<u32> {
@@ -335,15 +484,96 @@ fn bh_dim(dims: &FlashDims) -> Result<u32> {
     Ok(bh as u32)
 }
 
-/// Bytes of f32 scratch [`flash_backward`] needs: Delta (one f32 per query row, padded
-/// to 256 bytes) and, for bf16/f16, the f32 dQ accumulator.
-pub fn backward_workspace_bytes(dtype: FlashDType, dims: &FlashDims) -> usize {
-    let delta = (dims.rows() * 4).div_ceil(256) * 256;
-    let acc = match dtype {
-        FlashDType::F32 => 0,
-        _ => dims.rows() * dims.head_dim * 4,
+/// Byte offsets of the parts of the backward's workspace.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct BwdLayout {
+    /// f32 Delta per query row at 0; the f32 accumulators from `acc` on: dQ, then (a
+    /// split wgmma backward) dK and dV of `kv_acc` bytes each.
+    acc: usize,
+    dq_acc: usize,
+    kv_acc: usize,
+}
+
+impl BwdLayout {
+    fn new(sel: &Selection, dims: &FlashDims, sms: u32) -> BwdLayout {
+        let bh = dims.batch * dims.heads;
+        let d = sel.head_dim;
+        let acc = (dims.rows() * 4).div_ceil(256) * 256;
+        let tiled = |n: usize| n.div_ceil(TILE_ROWS) * TILE_ROWS * bh * d * 4;
+        let (dq_acc, kv_acc) = match sel.bwd {
+            BwdKernel::F32 => (0, 0),
+            BwdKernel::Mma { .. } => (dims.rows() * d * 4, 0),
+            BwdKernel::Wgmma => {
+                let split = backward_splits(sel, dims, sms) > 1;
+                (
+                    tiled(dims.q_len),
+                    if split { tiled(dims.kv_len) } else { 0 },
+                )
+            }
+        };
+        BwdLayout {
+            acc,
+            dq_acc,
+            kv_acc,
+        }
+    }
+
+    fn bytes(&self) -> usize {
+        self.acc + self.dq_acc + 2 * self.kv_acc
+    }
+}
+
+/// Bytes of f32 scratch [`flash_backward`] needs for `sel` at `dims` on a device of
+/// `sms` multiprocessors: for one launch group of batch x heads ([`backward_group`]),
+/// Delta (one f32 per query row, padded to 256 bytes) and, for bf16/f16, the f32 dQ
+/// accumulator (and dK, dV ones when the backward is split).
+pub fn backward_workspace_bytes_for(sel: &Selection, dims: &FlashDims, sms: u32) -> usize {
+    // Groups of batch x heads reuse one workspace; the last, smaller group may split
+    // where the others do not.
+    let bh = dims.batch * dims.heads;
+    let group = backward_group(sel, dims);
+    [group, bh % group]
+        .into_iter()
+        .filter(|&n| n > 0)
+        .map(|n| {
+            let part = FlashDims {
+                batch: 1,
+                heads: n,
+                ..*dims
+            };
+            BwdLayout::new(sel, &part, sms).bytes()
+        })
+        .max()
+        .unwrap_or(0)
+}
+
+/// Bytes of f32 accumulators one backward launch group may use: a larger batch x heads
+/// runs in groups that reuse one workspace. At the seed's (8, 32, 2048, 128) the dQ
+/// accumulator would otherwise take 256 MB; groups of 32 heads take 32 MB and still
+/// fill an H200 (512 blocks a launch; 4 x 8 waves of 132 against 31.03 in one launch).
+pub const ACC_BUDGET: usize = 32 << 20;
+
+/// batch x heads per backward launch group (all of them when their accumulators fit in
+/// [`ACC_BUDGET`]).
+pub fn backward_group(sel: &Selection, dims: &FlashDims) -> usize {
+    let bh = dims.batch * dims.heads;
+    let per_bh = match sel.bwd {
+        BwdKernel::F32 => return bh.max(1),
+        BwdKernel::Mma { .. } => dims.q_len * sel.head_dim * 4,
+        BwdKernel::Wgmma => dims.q_len.div_ceil(TILE_ROWS) * TILE_ROWS * sel.head_dim * 4,
     };
-    delta + acc
+    (ACC_BUDGET / per_bh.max(1)).clamp(1, bh.max(1))
+}
+
+/// Bytes of f32 scratch [`flash_forward`] needs: the split forward's partial outputs
+/// (fragment-tiled f32) and per-row (max, sum) pairs; 0 when it does not split.
+pub fn forward_workspace_bytes_for(sel: &Selection, dims: &FlashDims, sms: u32) -> usize {
+    let (splits, bh) = (forward_splits(sel, dims, sms), dims.batch * dims.heads);
+    if splits == 1 {
+        return 0;
+    }
+    let part = dims.q_len.div_ceil(TILE_ROWS) * TILE_ROWS * bh * sel.head_dim * 4;
+    splits * (part + bh * dims.q_len * 8)
 }
 
 fn check_dims(dims: &FlashDims, scale: f32) -> Result<()> {
@@ -514,18 +744,69 @@ fn function(loaded: &Loaded, launch: &Launch) -> Result<CudaFunction> {
     Ok(f)
 }
 
-fn device_ready(stream: &CudaStream) -> Result<(i32, i32)> {
-    stream
-        .context()
-        .compute_capability()
-        .map_err(|e| device_err("reading the compute capability", e))
-}
-
 // ---------------------------------------------------------------------------------------
 // Entry points
 // ---------------------------------------------------------------------------------------
 
-/// Device pointers of a forward call (all on `stream`'s context, contiguous).
+/// Where the kernels are queued: a context and one of its streams, given raw so that a
+/// stream the caller created outside cudarc (the CUDA backend's own) serves as well as a
+/// cudarc one. The stream must belong to `ctx`.
+#[derive(Clone, Copy)]
+pub struct Queue<'a> {
+    pub ctx: &'a Arc<CudaContext>,
+    pub stream: CUstream,
+}
+
+impl<'a> From<&'a Arc<CudaStream>> for Queue<'a> {
+    fn from(s: &'a Arc<CudaStream>) -> Queue<'a> {
+        Queue {
+            ctx: s.context(),
+            stream: s.cu_stream(),
+        }
+    }
+}
+
+/// The device facts the launch plan depends on: compute capability and SM count.
+fn device_facts(ctx: &CudaContext) -> Result<((i32, i32), u32)> {
+    let cc = ctx
+        .compute_capability()
+        .map_err(|e| device_err("reading the compute capability", e))?;
+    let sms = ctx
+        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+        .map_err(|e| device_err("reading the multiprocessor count", e))?;
+    Ok((cc, sms.max(1) as u32))
+}
+
+/// Bytes of scratch [`flash_forward`] needs on `ctx`'s device (0 unless the forward is
+/// split over the key tiles, which it is when batch x heads is too small to fill it).
+pub fn forward_workspace_bytes(
+    ctx: &CudaContext,
+    dtype: FlashDType,
+    dims: &FlashDims,
+) -> Result<usize> {
+    let (cc, sms) = device_facts(ctx)?;
+    Ok(forward_workspace_bytes_for(
+        &select(dtype, dims.head_dim, cc)?,
+        dims,
+        sms,
+    ))
+}
+
+/// Bytes of scratch [`flash_backward`] needs on `ctx`'s device.
+pub fn backward_workspace_bytes(
+    ctx: &CudaContext,
+    dtype: FlashDType,
+    dims: &FlashDims,
+) -> Result<usize> {
+    let (cc, sms) = device_facts(ctx)?;
+    Ok(backward_workspace_bytes_for(
+        &select(dtype, dims.head_dim, cc)?,
+        dims,
+        sms,
+    ))
+}
+
+/// Device pointers of a forward call (all on the queue's context, contiguous).
 #[derive(Clone, Copy, Debug)]
 pub struct FwdPtrs {
     /// `[B, H, q_len, D]` of `dtype`.
@@ -538,6 +819,8 @@ pub struct FwdPtrs {
     pub out: CUdeviceptr,
     /// `[B, H, q_len]` f32, written (natural-log logsumexp of each scaled score row).
     pub lse: CUdeviceptr,
+    /// Scratch of [`forward_workspace_bytes`] bytes, 256-byte aligned (unused when 0).
+    pub workspace: CUdeviceptr,
 }
 
 /// Device pointers of a backward call.
@@ -560,66 +843,57 @@ pub struct BwdPtrs {
     pub workspace: CUdeviceptr,
 }
 
-fn run(
-    stream: &CudaStream,
-    loaded: &Loaded,
-    launch: &Launch,
-    args: &[&dyn KernelArg],
-) -> Result<()> {
+/// A kernel argument: the driver takes a pointer to each argument's value.
+trait KernelArg {
+    fn param(&self) -> *mut c_void;
+}
+macro_rules! kernel_arg {
+    ($($t:ty),*) => {$(
+        impl KernelArg for $t {
+            fn param(&self) -> *mut c_void {
+                self as *const $t as *mut c_void
+            }
+        }
+    )*};
+}
+kernel_arg!(u64, i32, i64, f32);
+
+fn run(q: Queue<'_>, loaded: &Loaded, launch: &Launch, args: &[&dyn KernelArg]) -> Result<()> {
     if launch.grid.0 == 0 || launch.grid.1 == 0 {
         return Ok(()); // nothing to do (an empty sequence)
     }
     let f = function(loaded, launch)?;
-    let mut b = stream.launch_builder(&f);
-    for a in args {
-        a.push(&mut b);
-    }
-    let cfg = LaunchConfig {
-        grid_dim: launch.grid,
-        block_dim: (launch.block, 1, 1),
-        shared_mem_bytes: launch.smem,
-    };
+    let mut params: Vec<*mut c_void> = args.iter().map(|a| a.param()).collect();
+    q.ctx
+        .bind_to_thread()
+        .map_err(|e| device_err("binding the context", e))?;
     // SAFETY: the argument list matches the kernel's signature (checked by the names
-    // and orders in this file against the .cu), and the caller of the public entry
-    // points vouches for the pointers.
-    unsafe { b.launch(cfg) }.map_err(|e| device_err(&format!("launching {}", launch.name), e))?;
-    Ok(())
-}
-
-/// A kernel argument of one of the types the kernels take.
-trait KernelArg {
-    fn push<'a>(&'a self, b: &mut cudarc::driver::LaunchArgs<'a>);
-}
-impl KernelArg for u64 {
-    fn push<'a>(&'a self, b: &mut cudarc::driver::LaunchArgs<'a>) {
-        b.arg(self);
+    // and orders in this file against the .cu; the values outlive the call, which
+    // copies them), the stream belongs to the function's context, and the caller of
+    // the public entry points vouches for the pointers.
+    unsafe {
+        result::launch_kernel(
+            f.cu_function(),
+            launch.grid,
+            (launch.block, 1, 1),
+            launch.smem,
+            q.stream,
+            &mut params,
+        )
     }
-}
-impl KernelArg for i32 {
-    fn push<'a>(&'a self, b: &mut cudarc::driver::LaunchArgs<'a>) {
-        b.arg(self);
-    }
-}
-impl KernelArg for i64 {
-    fn push<'a>(&'a self, b: &mut cudarc::driver::LaunchArgs<'a>) {
-        b.arg(self);
-    }
-}
-impl KernelArg for f32 {
-    fn push<'a>(&'a self, b: &mut cudarc::driver::LaunchArgs<'a>) {
-        b.arg(self);
-    }
+    .map_err(|e| device_err(&format!("launching {}", launch.name), e))
 }
 
 /// Attention forward: `out = softmax(scale * q k^T [+ causal mask]) v` and
-/// `lse = logsumexp(scale * q k^T [+ mask])` per query row, enqueued on `stream`.
+/// `lse = logsumexp(scale * q k^T [+ mask])` per query row, enqueued on the queue's
+/// stream (nothing waits for it).
 ///
 /// # Safety
-/// Every pointer in `ptrs` must be a live device allocation on `stream`'s context of at
-/// least the size its field documents for `dims` and `dtype`, contiguous, and not be
+/// Every pointer in `ptrs` must be a live device allocation on the queue's context of
+/// at least the size its field documents for `dims` and `dtype`, contiguous, and not be
 /// freed or written by other work until the enqueued kernels finish.
 pub unsafe fn flash_forward(
-    stream: &CudaStream,
+    q: Queue<'_>,
     dtype: FlashDType,
     dims: FlashDims,
     causal: bool,
@@ -627,42 +901,71 @@ pub unsafe fn flash_forward(
     ptrs: FwdPtrs,
 ) -> Result<()> {
     check_dims(&dims, scale)?;
-    let cc = device_ready(stream)?;
+    let (cc, sms) = device_facts(q.ctx)?;
     let sel = select(dtype, dims.head_dim, cc)?;
-    let launch = forward_launch(&sel, &dims)?;
+    let launches = forward_launches(&sel, &dims, sms)?;
     if dims.q_len == 0 {
         return Ok(());
     }
-    let loaded = module_for(stream.context(), dtype, cc)?;
+    let loaded = module_for(q.ctx, dtype, cc)?;
     let (nq, nk) = (dims.q_len as i32, dims.kv_len as i32);
     let scale_log2 = scale * std::f32::consts::LOG2_E;
     let causal = causal as i32;
-    run(
-        stream,
-        &loaded,
-        &launch,
-        &[
-            &ptrs.q,
-            &ptrs.k,
-            &ptrs.v,
-            &ptrs.out,
-            &ptrs.lse,
-            &nq,
-            &nk,
-            &scale_log2,
-            &causal,
-        ],
-    )
+    let splits = forward_splits(&sel, &dims, sms) as i32;
+    let bh = (dims.batch * dims.heads) as i32;
+    let o_part = ptrs.workspace;
+    let ml_part = ptrs.workspace
+        + (dims.q_len.div_ceil(TILE_ROWS) * TILE_ROWS * bh as usize * dims.head_dim * 4) as u64
+            * splits as u64;
+    let p = &ptrs;
+    for launch in &launches {
+        match launch.step {
+            Step::Forward => {
+                let a: [&dyn KernelArg; 9] = [
+                    &p.q,
+                    &p.k,
+                    &p.v,
+                    &p.out,
+                    &p.lse,
+                    &nq,
+                    &nk,
+                    &scale_log2,
+                    &causal,
+                ];
+                run(q, &loaded, launch, &a)?
+            }
+            Step::ForwardSplit => {
+                let a: [&dyn KernelArg; 9] = [
+                    &p.q,
+                    &p.k,
+                    &p.v,
+                    &o_part,
+                    &ml_part,
+                    &nq,
+                    &nk,
+                    &scale_log2,
+                    &causal,
+                ];
+                run(q, &loaded, launch, &a)?
+            }
+            Step::Combine => {
+                let a: [&dyn KernelArg; 7] = [&o_part, &ml_part, &p.out, &p.lse, &splits, &bh, &nq];
+                run(q, &loaded, launch, &a)?
+            }
+            s => unreachable!("{s:?} is no forward step"),
+        }
+    }
+    Ok(())
 }
 
 /// Attention backward (FlashAttention-2): from q, k, v, the forward's out and lse, and
-/// d_out, writes dq, dk, dv; enqueued on `stream`.
+/// d_out, writes dq, dk, dv; enqueued on the queue's stream (nothing waits for it).
 ///
 /// # Safety
 /// As for [`flash_forward`], for every pointer in `ptrs`; `workspace` must hold
 /// [`backward_workspace_bytes`] bytes.
 pub unsafe fn flash_backward(
-    stream: &CudaStream,
+    q: Queue<'_>,
     dtype: FlashDType,
     dims: FlashDims,
     causal: bool,
@@ -670,82 +973,161 @@ pub unsafe fn flash_backward(
     ptrs: BwdPtrs,
 ) -> Result<()> {
     check_dims(&dims, scale)?;
-    let cc = device_ready(stream)?;
+    let (cc, sms) = device_facts(q.ctx)?;
     let sel = select(dtype, dims.head_dim, cc)?;
-    let launches = backward_launches(&sel, &dims)?;
-    let loaded = module_for(stream.context(), dtype, cc)?;
+    backward_launches(&sel, &dims, sms)?; // shape errors before anything is queued
+    let loaded = module_for(q.ctx, dtype, cc)?;
+    let (bh, group) = (dims.batch * dims.heads, backward_group(&sel, &dims));
+    let (q_row, k_row) = (dims.q_len * dims.head_dim, dims.kv_len * dims.head_dim);
+    let es = dtype.size();
+    for first in (0..bh).step_by(group.max(1)) {
+        let part = FlashDims {
+            batch: 1,
+            heads: group.min(bh - first),
+            ..dims
+        };
+        let at = |p: CUdeviceptr, per_bh: usize| p + (first * per_bh) as u64;
+        let part_ptrs = BwdPtrs {
+            q: at(ptrs.q, q_row * es),
+            k: at(ptrs.k, k_row * es),
+            v: at(ptrs.v, k_row * es),
+            out: at(ptrs.out, q_row * es),
+            d_out: at(ptrs.d_out, q_row * es),
+            lse: at(ptrs.lse, dims.q_len * 4),
+            dq: at(ptrs.dq, q_row * es),
+            dk: at(ptrs.dk, k_row * es),
+            dv: at(ptrs.dv, k_row * es),
+            workspace: ptrs.workspace,
+        };
+        enqueue_backward(q, &loaded, &sel, sms, part, causal, scale, part_ptrs)?;
+    }
+    Ok(())
+}
+
+/// The backward's launches for `dims` (one group of batch x heads), in stream order.
+#[allow(clippy::too_many_arguments)]
+fn enqueue_backward(
+    q: Queue<'_>,
+    loaded: &Loaded,
+    sel: &Selection,
+    sms: u32,
+    dims: FlashDims,
+    causal: bool,
+    scale: f32,
+    ptrs: BwdPtrs,
+) -> Result<()> {
+    let launches = backward_launches(sel, &dims, sms)?;
     let (nq, nk) = (dims.q_len as i32, dims.kv_len as i32);
     let scale_log2 = scale * std::f32::consts::LOG2_E;
     let causal = causal as i32;
     let rows = dims.rows() as i64;
+    let layout = BwdLayout::new(sel, &dims, sms);
     let delta = ptrs.workspace;
-    let dq_acc = ptrs.workspace + ((dims.rows() * 4).div_ceil(256) * 256) as u64;
+    let dq_acc = ptrs.workspace + layout.acc as u64;
+    let dk_acc = dq_acc + layout.dq_acc as u64;
+    let dv_acc = dk_acc + layout.kv_acc as u64;
+    let acc_float4s = ((layout.dq_acc + 2 * layout.kv_acc) / 16) as i64;
+    let bh = dims.batch * dims.heads;
+    let one = 1.0f32;
     let p = &ptrs;
     for launch in &launches {
-        let name = launch.name.as_str();
-        if name.starts_with("flash_bwd_pre_f32") {
-            run(stream, &loaded, launch, &[&p.out, &p.d_out, &delta, &rows])?;
-        } else if name.starts_with("flash_bwd_pre_") {
-            run(
-                stream,
-                &loaded,
-                launch,
-                &[&p.out, &p.d_out, &delta, &dq_acc, &rows],
-            )?;
-        } else if name.starts_with("flash_bwd_dq_f32") {
-            let a: [&dyn KernelArg; 12] = [
-                &p.q,
-                &p.k,
-                &p.v,
-                &p.d_out,
-                &p.lse,
-                &delta,
-                &p.dq,
-                &nq,
-                &nk,
-                &scale,
-                &scale_log2,
-                &causal,
-            ];
-            run(stream, &loaded, launch, &a)?;
-        } else if name.starts_with("flash_bwd_dkv_f32") {
-            let a: [&dyn KernelArg; 13] = [
-                &p.q,
-                &p.k,
-                &p.v,
-                &p.d_out,
-                &p.lse,
-                &delta,
-                &p.dk,
-                &p.dv,
-                &nq,
-                &nk,
-                &scale,
-                &scale_log2,
-                &causal,
-            ];
-            run(stream, &loaded, launch, &a)?;
-        } else if name.starts_with("flash_bwd_post_") {
-            let n = (dims.rows() * dims.head_dim) as i64;
-            run(stream, &loaded, launch, &[&dq_acc, &p.dq, &n, &scale])?;
-        } else {
-            let a: [&dyn KernelArg; 14] = [
-                &p.q,
-                &p.k,
-                &p.v,
-                &p.d_out,
-                &p.lse,
-                &delta,
-                &dq_acc,
-                &p.dk,
-                &p.dv,
-                &nq,
-                &nk,
-                &scale,
-                &scale_log2,
-                &causal,
-            ];
-            run(stream, &loaded, launch, &a)?;
+        match launch.step {
+            Step::PreF32 => run(q, loaded, launch, &[&p.out, &p.d_out, &delta, &rows])?,
+            Step::Pre => {
+                let a: [&dyn KernelArg; 6] =
+                    [&p.out, &p.d_out, &delta, &dq_acc, &acc_float4s, &rows];
+                run(q, loaded, launch, &a)?
+            }
+            Step::DqF32 => {
+                let a: [&dyn KernelArg; 12] = [
+                    &p.q,
+                    &p.k,
+                    &p.v,
+                    &p.d_out,
+                    &p.lse,
+                    &delta,
+                    &p.dq,
+                    &nq,
+                    &nk,
+                    &scale,
+                    &scale_log2,
+                    &causal,
+                ];
+                run(q, loaded, launch, &a)?
+            }
+            Step::DkvF32 => {
+                let a: [&dyn KernelArg; 13] = [
+                    &p.q,
+                    &p.k,
+                    &p.v,
+                    &p.d_out,
+                    &p.lse,
+                    &delta,
+                    &p.dk,
+                    &p.dv,
+                    &nq,
+                    &nk,
+                    &scale,
+                    &scale_log2,
+                    &causal,
+                ];
+                run(q, loaded, launch, &a)?
+            }
+            Step::BackwardMma => {
+                let a: [&dyn KernelArg; 14] = [
+                    &p.q,
+                    &p.k,
+                    &p.v,
+                    &p.d_out,
+                    &p.lse,
+                    &delta,
+                    &dq_acc,
+                    &p.dk,
+                    &p.dv,
+                    &nq,
+                    &nk,
+                    &scale,
+                    &scale_log2,
+                    &causal,
+                ];
+                run(q, loaded, launch, &a)?
+            }
+            Step::BackwardWgmma => {
+                let a: [&dyn KernelArg; 16] = [
+                    &p.q,
+                    &p.k,
+                    &p.v,
+                    &p.d_out,
+                    &p.lse,
+                    &delta,
+                    &dq_acc,
+                    &p.dk,
+                    &p.dv,
+                    &dk_acc,
+                    &dv_acc,
+                    &nq,
+                    &nk,
+                    &scale,
+                    &scale_log2,
+                    &causal,
+                ];
+                run(q, loaded, launch, &a)?
+            }
+            Step::Post => {
+                let n = (dims.rows() * dims.head_dim) as i64;
+                run(q, loaded, launch, &[&dq_acc, &p.dq, &n, &scale])?
+            }
+            Step::PostTiled(g) => {
+                let (acc, dst, n, s) = match g {
+                    Grad::Q => (&dq_acc, &p.dq, dims.q_len, &scale),
+                    Grad::K => (&dk_acc, &p.dk, dims.kv_len, &scale),
+                    Grad::V => (&dv_acc, &p.dv, dims.kv_len, &one),
+                };
+                let float4s = (n.div_ceil(TILE_ROWS) * bh * 2048) as i64;
+                let n = n as i32;
+                run(q, loaded, launch, &[acc, dst, &float4s, &n, s])?
+            }
+            s => unreachable!("{s:?} is no backward step"),
         }
     }
     Ok(())
@@ -768,42 +1150,113 @@ mod tests {
         }
     }
 
+    /// The H200's multiprocessor count.
+    const SMS: u32 = 132;
+
+    fn names(launches: &[Launch]) -> Vec<&str> {
+        launches.iter().map(|l| l.name.as_str()).collect()
+    }
+
     #[test]
     fn hopper_bf16_d128_uses_the_wgmma_kernels() {
         let sel = select(FlashDType::BF16, 128, HOPPER).unwrap();
         assert_eq!((sel.fwd, sel.bwd), (FwdKernel::Wgmma, BwdKernel::Wgmma));
-        let f = forward_launch(&sel, &dims(128)).unwrap();
-        assert_eq!(f.name, "flash_fwd_wg_bf16_d128_g4_c64");
-        assert_eq!((f.grid, f.block, f.smem), ((8, 256, 1), 512, 131_072));
-        let b = backward_launches(&sel, &dims(128)).unwrap();
-        let names: Vec<&str> = b.iter().map(|l| l.name.as_str()).collect();
+        let f = forward_launches(&sel, &dims(128), SMS).unwrap();
+        assert_eq!(names(&f), ["flash_fwd_wg_bf16_d128_g4_c64"]);
         assert_eq!(
-            names,
+            (f[0].grid, f[0].block, f[0].smem),
+            ((8, 256, 1), 512, 131_072)
+        );
+        let b = backward_launches(&sel, &dims(128), SMS).unwrap();
+        assert_eq!(
+            names(&b),
             [
                 "flash_bwd_pre_bf16_d128",
                 "flash_bwd_wg_bf16_d128",
-                "flash_bwd_post_bf16"
+                "flash_bwd_post_wg_bf16"
             ]
         );
         assert_eq!((b[1].grid, b[1].smem), ((8, 256, 1), 148_480)); // ceil(1000 / 128) = 8
         assert_eq!(b[0].grid.0 as usize, (8 * 32 * 2048usize).div_ceil(8));
+        // One thread per float4 of the 32 x 256 fragment tiles of dQ.
+        assert_eq!(b[2].grid.0 as usize, 32 * 256 * 2048 / 256);
+        assert_eq!(forward_workspace_bytes_for(&sel, &dims(128), SMS), 0);
+    }
+
+    #[test]
+    fn small_batch_times_heads_splits_the_wgmma_kernels() {
+        let sel = select(FlashDType::BF16, 128, HOPPER).unwrap();
+        // One (1, 1, 2048, 128) slice: 8 query blocks of 256, 16 key blocks of 128.
+        let slice = FlashDims {
+            batch: 1,
+            heads: 1,
+            q_len: 2048,
+            kv_len: 2048,
+            head_dim: 128,
+        };
+        assert_eq!(forward_splits(&sel, &slice, SMS), 8); // 132 / (2 * 8)
+        assert_eq!(backward_splits(&sel, &slice, SMS), 8); // 132 / 16
+        let f = forward_launches(&sel, &slice, SMS).unwrap();
+        assert_eq!(
+            names(&f),
+            [
+                "flash_fwd_wg_split_bf16_d128",
+                "flash_fwd_combine_bf16_d128"
+            ]
+        );
+        assert_eq!(f[0].grid, (8, 1, 8));
+        assert_eq!(f[1].grid, (32 * 2048 / 256, 1, 1));
+        let b = backward_launches(&sel, &slice, SMS).unwrap();
+        assert_eq!(b[1].grid, (16, 1, 8));
+        let posts: Vec<Step> = b[2..].iter().map(|l| l.step).collect();
+        assert_eq!(
+            posts,
+            [
+                Step::PostTiled(Grad::Q),
+                Step::PostTiled(Grad::K),
+                Step::PostTiled(Grad::V)
+            ]
+        );
+        // Partials: 8 splits x (2048 x 128 f32 + 2048 (max, sum) pairs).
+        assert_eq!(
+            forward_workspace_bytes_for(&sel, &slice, SMS),
+            8 * (2048 * 128 * 4 + 2048 * 8)
+        );
+        // Delta, then dQ, dK and dV accumulators.
+        assert_eq!(
+            backward_workspace_bytes_for(&sel, &slice, SMS),
+            2048 * 4 + 3 * 2048 * 128 * 4
+        );
+        // Too few key tiles to split: a 100-key sequence stays whole.
+        let short = FlashDims {
+            kv_len: 100,
+            q_len: 100,
+            ..slice
+        };
+        assert_eq!(forward_splits(&sel, &short, SMS), 1);
+        assert_eq!(backward_splits(&sel, &short, SMS), 1);
+        // Other kernel families never split.
+        let mma = select(FlashDType::BF16, 64, HOPPER).unwrap();
+        assert_eq!(forward_splits(&mma, &slice, SMS), 1);
+        assert_eq!(backward_splits(&mma, &slice, SMS), 1);
     }
 
     #[test]
     fn other_devices_and_head_dims_use_mma_sync() {
         let sel = select(FlashDType::F16, 128, AMPERE).unwrap();
-        let f = forward_launch(&sel, &dims(128)).unwrap();
+        let f = &forward_launches(&sel, &dims(128), SMS).unwrap()[0];
         assert_eq!(f.name, "flash_fwd_f16_d128_w4_c64");
         assert_eq!(f.smem, (64 * 136 + 4 * 64 * 136) * 2);
-        let b = backward_launches(&sel, &dims(128)).unwrap();
+        let b = backward_launches(&sel, &dims(128), SMS).unwrap();
         assert_eq!(b[1].name, "flash_bwd_f16_d128_w8_r32");
         assert_eq!(
             b[1].smem,
             (2 * 128 * 136 + 4 * 32 * 136 + 128 * 40) * 2 + 16 * 32
         );
         assert_eq!(b[1].grid.0, 8);
+        assert_eq!(b[2].name, "flash_bwd_post_f16");
         let sel = select(FlashDType::BF16, 64, HOPPER).unwrap();
-        let b = backward_launches(&sel, &dims(64)).unwrap();
+        let b = backward_launches(&sel, &dims(64), SMS).unwrap();
         assert_eq!(b[1].name, "flash_bwd_bf16_d64_w8_r64");
     }
 
@@ -811,7 +1264,7 @@ mod tests {
     fn f32_covers_multiples_of_32_up_to_256() {
         for d in (32..=256).step_by(32) {
             let sel = select(FlashDType::F32, d, HOPPER).unwrap();
-            let b = backward_launches(&sel, &dims(d)).unwrap();
+            let b = backward_launches(&sel, &dims(d), SMS).unwrap();
             assert_eq!(b.len(), 3);
             assert_eq!(b[2].name, format!("flash_bwd_dkv_f32_d{d}"));
         }
@@ -845,7 +1298,7 @@ mod tests {
             ..dims(64)
         };
         let sel = select(FlashDType::F16, 64, HOPPER).unwrap();
-        let e = forward_launch(&sel, &huge).unwrap_err();
+        let e = forward_launches(&sel, &huge, SMS).unwrap_err();
         assert!(e.to_string().contains("300 x 256 = 76800"), "{e}");
         assert!(check_dims(&dims(64), f32::NAN).is_err());
     }
@@ -854,21 +1307,49 @@ mod tests {
     fn workspace_holds_delta_and_the_f32_dq_accumulator() {
         let d = dims(128);
         let rows = 8 * 32 * 2048;
-        assert_eq!(backward_workspace_bytes(FlashDType::F32, &d), rows * 4);
+        let ws = |t, cc, d: &FlashDims| {
+            backward_workspace_bytes_for(&select(t, d.head_dim, cc).unwrap(), d, SMS)
+        };
+        assert_eq!(ws(FlashDType::F32, HOPPER, &d), rows * 4);
+        // bf16 at (8, 32, 2048, D 128): the backward runs in groups of 32 heads, each
+        // with Delta and 32 MB of dQ accumulator.
+        let sel = select(FlashDType::BF16, 128, HOPPER).unwrap();
+        assert_eq!(backward_group(&sel, &d), 32);
         assert_eq!(
-            backward_workspace_bytes(FlashDType::BF16, &d),
-            rows * 4 + rows * 128 * 4
+            ws(FlashDType::BF16, HOPPER, &d),
+            32 * 2048 * 4 + 32 * 2048 * 128 * 4
         );
+        // A remainder group that splits (1 head of a 33) needs the larger workspace.
+        let odd_heads = FlashDims {
+            heads: 33,
+            batch: 1,
+            ..d
+        };
+        assert_eq!(backward_group(&sel, &odd_heads), 32);
+        let one = FlashDims {
+            heads: 1,
+            batch: 1,
+            ..d
+        };
+        assert_eq!(
+            ws(FlashDType::BF16, HOPPER, &odd_heads),
+            ws(FlashDType::BF16, HOPPER, &FlashDims { heads: 32, ..one }).max(ws(
+                FlashDType::BF16,
+                HOPPER,
+                &one
+            ))
+        );
+        assert!(backward_splits(&sel, &one, SMS) > 1);
+        // wgmma: dQ in whole 64-row tiles; mma.sync: row-major.
         let odd = FlashDims {
             q_len: 3,
             batch: 1,
             heads: 1,
+            kv_len: 1000,
             ..d
         };
-        assert_eq!(
-            backward_workspace_bytes(FlashDType::F16, &odd),
-            256 + 3 * 128 * 4
-        );
+        assert_eq!(ws(FlashDType::F16, HOPPER, &odd), 256 + 64 * 128 * 4);
+        assert_eq!(ws(FlashDType::F16, AMPERE, &odd), 256 + 3 * 128 * 4);
     }
 
     #[test]
@@ -895,8 +1376,8 @@ mod tests {
         let probe = FlashDims {
             batch: 1,
             heads: 1,
-            q_len: 5,
-            kv_len: 7,
+            q_len: 500,
+            kv_len: 700,
             head_dim: 0,
         };
         for (target, cc) in [("compute_90a", HOPPER), ("compute_80", AMPERE)] {
@@ -913,13 +1394,17 @@ mod tests {
                         head_dim: d,
                         ..probe
                     };
-                    let mut names = vec![forward_launch(&sel, &dims).unwrap().name];
-                    names.extend(
-                        backward_launches(&sel, &dims)
-                            .unwrap()
-                            .into_iter()
-                            .map(|l| l.name),
-                    );
+                    // A whole plan, and one split both ways (sm count 1000).
+                    let mut names = Vec::new();
+                    for sms in [1, 1000] {
+                        names.extend(
+                            forward_launches(&sel, &dims, sms)
+                                .unwrap()
+                                .into_iter()
+                                .chain(backward_launches(&sel, &dims, sms).unwrap())
+                                .map(|l| l.name),
+                        );
+                    }
                     for name in names {
                         assert!(
                             ptx.contains(&format!(".entry {name}(")),

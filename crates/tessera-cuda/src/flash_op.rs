@@ -2,14 +2,16 @@
 //! `tessera::flash_attention` forward and `tessera::flash_attention_backward`
 //! run the tensor-core kernels of [`crate::flash`] on device tensors.
 //!
-//! The launcher queues on a cudarc stream of the device's primary context
-//! (the context the backend uses too, so device pointers are shared); the
-//! backend's stream is synchronised before the launch and the launcher's
-//! after it, which keeps the two streams in program order.
+//! The kernels go onto the backend's own stream, in order with every other
+//! kernel and with the caching allocator's reuse of blocks (see `gpu`), so a
+//! call neither waits for the GPU nor makes it wait: the 256 per-slice calls
+//! of a sliced graph used to synchronise twice each. The module is loaded
+//! through cudarc into the device's primary context, the one the backend
+//! retains too, so pointers and stream are shared.
 
 use std::sync::{Arc, OnceLock};
 
-use cudarc::driver::{CudaContext, CudaStream};
+use cudarc::driver::CudaContext;
 use tessera::custom_op::flash_attention::{self, BACKWARD, FORWARD};
 use tessera::custom_op::{self, Attrs, Backend};
 use tessera::error::{Error, ErrorKind, Result};
@@ -17,7 +19,7 @@ use tessera::ir::DType;
 use tessera::runtime::device::DeviceStorage;
 use tessera::Tensor;
 
-use crate::flash::{self, BwdPtrs, FlashDType, FlashDims, FwdPtrs};
+use crate::flash::{self, BwdPtrs, FlashDType, FlashDims, FwdPtrs, Queue};
 use crate::ops::first as ptr;
 use crate::CudaBackend;
 
@@ -32,16 +34,14 @@ fn err(op: &str, message: impl Into<String>) -> Error {
     Error::op(ErrorKind::Device, op, message.into())
 }
 
-fn stream() -> Result<Arc<CudaStream>> {
-    static STREAM: OnceLock<std::result::Result<Arc<CudaStream>, String>> = OnceLock::new();
-    STREAM
-        .get_or_init(|| {
-            CudaContext::new(0)
-                .map(|ctx| ctx.default_stream())
-                .map_err(|e| format!("opening the primary context: {e:?}"))
-        })
-        .clone()
-        .map_err(|m| err(FORWARD, m))
+/// cudarc's handle on the primary context (loads and caches the module).
+fn context() -> Result<Arc<CudaContext>> {
+    static CTX: OnceLock<std::result::Result<Arc<CudaContext>, String>> = OnceLock::new();
+    CTX.get_or_init(|| {
+        CudaContext::new(0).map_err(|e| format!("opening the primary context: {e:?}"))
+    })
+    .clone()
+    .map_err(|m| err(FORWARD, m))
 }
 
 fn params(attrs: &Attrs) -> Result<(bool, f32)> {
@@ -97,16 +97,34 @@ fn empty(backend: &CudaBackend, dtype: DType, shape: &[usize]) -> Result<Tensor>
     Ok(Tensor::from_device_storage(storage, shape))
 }
 
-/// Runs `launch` on the launcher's stream in order with the backend's.
-fn ordered(
+/// Queues `launch` on the backend's stream.
+fn on_backend_stream(
     backend: &CudaBackend,
     op: &str,
-    launch: impl FnOnce(&CudaStream) -> std::result::Result<(), flash::FlashError>,
+    launch: impl FnOnce(Queue<'_>) -> std::result::Result<(), flash::FlashError>,
 ) -> Result<()> {
-    backend.synchronize_stream().map_err(|m| err(op, m))?;
-    let s = stream()?;
-    launch(&s).map_err(|e| err(op, e.to_string()))?;
-    s.synchronize().map_err(|e| err(op, format!("{e:?}")))
+    let ctx = context()?;
+    let queue = Queue {
+        ctx: &ctx,
+        stream: backend.gpu.stream(),
+    };
+    launch(queue).map_err(|e| err(op, e.to_string()))
+}
+
+/// `t` itself when already dense row-major (the kernels take its first element's
+/// address), else a contiguous copy. `contiguous()` always copies: at the seed's
+/// shape that was nine 128 MB copies per forward + backward.
+fn dense(t: &Tensor) -> Tensor {
+    if t.is_contiguous() {
+        t.clone()
+    } else {
+        t.contiguous()
+    }
+}
+
+/// A scratch tensor of at least `bytes` bytes (f32 elements).
+fn scratch(backend: &CudaBackend, bytes: usize) -> Result<Tensor> {
+    empty(backend, DType::F32, &[bytes.div_ceil(4)])
 }
 
 fn forward(attrs: &Attrs, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
@@ -119,11 +137,7 @@ fn forward(attrs: &Attrs, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
     }
     let (causal, scale) = params(attrs)?;
     let backend = crate::backend()?;
-    let (q, k, v) = (
-        inputs[0].contiguous(),
-        inputs[1].contiguous(),
-        inputs[2].contiguous(),
-    );
+    let (q, k, v) = (dense(inputs[0]), dense(inputs[1]), dense(inputs[2]));
     let dims = dims(&q, &k, &v)?;
     let dtype = dtype_of(&q)?;
     if let Err(why) = supported(&backend, dtype, &dims) {
@@ -133,19 +147,22 @@ fn forward(attrs: &Attrs, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
     let r = q.rank();
     let out = empty(&backend, q.dtype(), q.shape())?;
     let lse = empty(&backend, DType::F32, &q.shape()[..r - 1])?;
+    let work_bytes = flash::forward_workspace_bytes(&*context()?, dtype, &dims)
+        .map_err(|e| err(FORWARD, e.to_string()))?;
+    let workspace = scratch(&backend, work_bytes)?;
     let ptrs = FwdPtrs {
         q: ptr(&q),
         k: ptr(&k),
         v: ptr(&v),
         out: ptr(&out),
         lse: ptr(&lse),
+        workspace: ptr(&workspace),
     };
-    let dtype = dtype_of(&q)?;
     // SAFETY: every pointer is a live contiguous device allocation of the
-    // size `dims` gives, kept alive by the tensors until the launch's stream
-    // is synchronised in `ordered`.
-    ordered(&backend, FORWARD, |s| unsafe {
-        flash::flash_forward(s, dtype, dims, causal, scale, ptrs)
+    // size `dims` gives; blocks freed after this returns are reused only by
+    // work queued behind these kernels on the same stream.
+    on_backend_stream(&backend, FORWARD, |q| unsafe {
+        flash::flash_forward(q, dtype, dims, causal, scale, ptrs)
     })?;
     Ok(vec![out, lse])
 }
@@ -160,7 +177,7 @@ fn backward(attrs: &Attrs, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
     }
     let (causal, scale) = params(attrs)?;
     let backend = crate::backend()?;
-    let c: Vec<Tensor> = inputs.iter().map(|t| t.contiguous()).collect();
+    let c: Vec<Tensor> = inputs.iter().map(|t| dense(t)).collect();
     let (q, k, v, out, lse, d_out) = (&c[0], &c[1], &c[2], &c[3], &c[4], &c[5]);
     let dims = dims(q, k, v)?;
     let dtype = dtype_of(q)?;
@@ -171,8 +188,9 @@ fn backward(attrs: &Attrs, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
     let dq = empty(&backend, q.dtype(), q.shape())?;
     let dk = empty(&backend, k.dtype(), k.shape())?;
     let dv = empty(&backend, v.dtype(), v.shape())?;
-    let work_bytes = flash::backward_workspace_bytes(dtype, &dims);
-    let workspace = empty(&backend, DType::F32, &[work_bytes.div_ceil(4)])?;
+    let work_bytes = flash::backward_workspace_bytes(&*context()?, dtype, &dims)
+        .map_err(|e| err(BACKWARD, e.to_string()))?;
+    let workspace = scratch(&backend, work_bytes)?;
     let ptrs = BwdPtrs {
         q: ptr(q),
         k: ptr(k),
@@ -186,8 +204,8 @@ fn backward(attrs: &Attrs, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
         workspace: ptr(&workspace),
     };
     // SAFETY: as in `forward`; the workspace holds `backward_workspace_bytes`.
-    ordered(&backend, BACKWARD, |s| unsafe {
-        flash::flash_backward(s, dtype, dims, causal, scale, ptrs)
+    on_backend_stream(&backend, BACKWARD, |q| unsafe {
+        flash::flash_backward(q, dtype, dims, causal, scale, ptrs)
     })?;
     Ok(vec![dq, dk, dv])
 }

@@ -77,11 +77,6 @@ impl CudaBackend {
         (major.parse().unwrap_or(0), minor.parse().unwrap_or(0))
     }
 
-    /// Waits for the work queued on the backend's stream.
-    pub(crate) fn synchronize_stream(&self) -> std::result::Result<(), String> {
-        self.gpu.synchronize()
-    }
-
     /// The GPU's name and architecture, e.g. `NVIDIA H100 80GB HBM3 (sm_90)`.
     pub fn describe(&self) -> String {
         format!(

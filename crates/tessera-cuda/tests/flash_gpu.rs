@@ -8,8 +8,8 @@
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr};
 use std::sync::Arc;
 use tessera_cuda::flash::{
-    backward_workspace_bytes, flash_backward, flash_forward, BwdPtrs, FlashDType, FlashDims,
-    FwdPtrs,
+    backward_workspace_bytes, flash_backward, flash_forward, forward_workspace_bytes, BwdPtrs,
+    FlashDType, FlashDims, FwdPtrs, Queue,
 };
 
 fn gpu() -> Option<(Arc<CudaContext>, Arc<CudaStream>)> {
@@ -242,17 +242,26 @@ fn check(
         Buf::poisoned(stream, dtype, bh * nk * hd),
         Buf::poisoned(stream, dtype, bh * nk * hd),
     );
+    let ctx = stream.context();
     let ws = Buf::poisoned(
         stream,
         FlashDType::F32,
-        backward_workspace_bytes(dtype, &d) / 4,
+        backward_workspace_bytes(ctx, dtype, &d).unwrap() / 4,
+    );
+    let fwd_ws = Buf::poisoned(
+        stream,
+        FlashDType::F32,
+        forward_workspace_bytes(ctx, dtype, &d)
+            .unwrap()
+            .div_ceil(4)
+            .max(1),
     );
     let p = |b: &Buf| b.ptr(stream);
     // SAFETY: every buffer above is live on this stream's context with the sizes the
     // launcher documents for `d`.
     unsafe {
         flash_forward(
-            stream,
+            Queue::from(stream),
             dtype,
             d,
             causal,
@@ -263,11 +272,12 @@ fn check(
                 v: p(&v),
                 out: p(&out),
                 lse: p(&lse),
+                workspace: p(&fwd_ws),
             },
         )
         .unwrap();
         flash_backward(
-            stream,
+            Queue::from(stream),
             dtype,
             d,
             causal,
@@ -337,6 +347,24 @@ fn flash_attention_matches_an_f64_reference_on_the_gpu() {
             }
         }
     }
+    // The wgmma kernels (Hopper, bf16/f16, head dim 128) both ways: split over blockIdx.z
+    // (1 x 2 heads of 1000 x 700 leave an H100/H200 mostly idle) and whole; 400 heads of
+    // 130 queries also run the backward in two groups (341 + 59: ACC_BUDGET).
+    for dtype in [FlashDType::BF16, FlashDType::F16] {
+        for (batch, heads, q_len, kv_len) in [(1, 2, 1000, 700), (4, 100, 130, 77)] {
+            for causal in [false, true] {
+                let d = FlashDims {
+                    batch,
+                    heads,
+                    q_len,
+                    kv_len,
+                    head_dim: 128,
+                };
+                failures.extend(check(&stream, dtype, d, causal, seed));
+                seed += 10;
+            }
+        }
+    }
     assert!(failures.is_empty(), "{failures:#?}");
 }
 
@@ -356,8 +384,10 @@ fn unsupported_head_dim_is_an_error_before_any_launch() {
         v: 0,
         out: 0,
         lse: 0,
+        workspace: 0,
     };
     // SAFETY: the call fails in selection, before anything touches the (null) pointers.
-    let e = unsafe { flash_forward(&stream, FlashDType::BF16, d, false, 1.0, ptrs) }.unwrap_err();
+    let e = unsafe { flash_forward(Queue::from(&stream), FlashDType::BF16, d, false, 1.0, ptrs) }
+        .unwrap_err();
     assert!(e.to_string().contains("head dim 80 with bf16"), "{e}");
 }
