@@ -113,7 +113,8 @@ fn exp_reduced(k: f32, r: f32) -> f32 {
 }
 
 /// tanh: Cephes' tanhf odd polynomial below 0.625, else
-/// `1 - 2 / (e^{2|x|} + 1)` with x's sign.
+/// `1 - 2f / (1 + f)` with f = e^{-2|x|} and x's sign (an exp of a
+/// non-positive argument needs no overflow branch).
 #[inline(always)]
 pub(crate) fn tanh_f32(x: f32) -> f32 {
     let a = x.abs();
@@ -124,7 +125,8 @@ pub(crate) fn tanh_f32(x: f32) -> f32 {
             * s
             * x
             + x;
-    let big = (1.0 - 2.0 / (exp_f32(2.0 * a) + 1.0)).copysign(x);
+    let f = exp_nonpositive_f32(-2.0 * a);
+    let big = (1.0 - 2.0 * f / (1.0 + f)).copysign(x);
     if a < 0.625 {
         small
     } else {

@@ -23,7 +23,7 @@ use super::copy::{self, PAR_THRESHOLD};
 use super::element::num_like::AccFloat;
 use super::element::{Element, Float};
 use super::fastmath::exp_nonpositive_f32;
-use super::stream::{prefetch, stream_copy, STREAM_MIN_BYTES};
+use super::stream::{prefetch, stream_copy, stream_min_bytes};
 use super::Storage;
 use crate::error::{op_err, Result};
 use crate::ir::{ArgReduceOp, DType, ReduceOp};
@@ -696,7 +696,7 @@ where
         len * inner
     };
     let parallel = dst.len() >= PAR_THRESHOLD && dst.len() > per_task;
-    let stream = std::mem::size_of_val(dst) >= STREAM_MIN_BYTES;
+    let stream = std::mem::size_of_val(dst) >= stream_min_bytes();
     for_chunks(dst, per_task, parallel, |c, out| {
         let src = &src[c * per_task..][..out.len()];
         if inner == 1 {
@@ -960,6 +960,50 @@ where
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn streamed_softmax_rows_match_an_f64_reference() {
+        // Enough rows that the output is streamed (through the scratch row)
+        // and rows are prefetched; rows of odd length, with -inf, a NaN,
+        // all -inf, and a huge spread.
+        let len = 4099;
+        let min = 1 << 20;
+        let rows = min / (4 * len) + 3;
+        let mut xs: Vec<f32> = (0..rows * len)
+            .map(|i| ((i * 7919) % 3001) as f32 / 100.0 - 15.0)
+            .collect();
+        xs[len + 5] = f32::NEG_INFINITY;
+        xs[2 * len + 7] = f32::NAN;
+        xs[3 * len..4 * len].fill(f32::NEG_INFINITY);
+        xs[4 * len + 1] = 1e30;
+        let x = Tensor::from_vec(xs.clone(), &[rows, len]);
+        for log in [false, true] {
+            let run = || softmax(&x, 1, log).unwrap();
+            let got = super::super::stream::with_stream_min_bytes(min, run)
+                .to_vec::<f32>()
+                .unwrap();
+            for r in (0..rows).filter(|r| r % 97 < 6) {
+                let row = &xs[r * len..(r + 1) * len];
+                let out = &got[r * len..(r + 1) * len];
+                if r == 2 || r == 3 {
+                    assert!(out.iter().all(|v| v.is_nan()), "row {r}: NaN everywhere");
+                    continue;
+                }
+                let max = row.iter().fold(f64::NEG_INFINITY, |m, &v| m.max(v as f64));
+                let sum: f64 = row.iter().map(|&v| (v as f64 - max).exp()).sum();
+                for (&v, &o) in row.iter().zip(out) {
+                    let want = if log {
+                        (v as f64 - max) - sum.ln()
+                    } else {
+                        (v as f64 - max).exp() / sum
+                    };
+                    let tol = 1e-6 * (1.0 + want.abs());
+                    let ok = (o as f64 - want).abs() <= tol || (o == want as f32);
+                    assert!(ok, "row {r} log {log}: {o} vs {want}");
+                }
+            }
+        }
+    }
+
     use half::{bf16, f16};
 
     use super::*;

@@ -9,10 +9,62 @@
 //! stalls on each load unless the next block is already on its way:
 //! prefetching it while the current one is computed overlaps the two.
 
-/// Outputs at least this large are written with non-temporal stores: far
-/// beyond the L2 caches, so the values would be evicted before anyone
-/// reads them anyway.
-pub(crate) const STREAM_MIN_BYTES: usize = 16 << 20;
+/// Outputs at least this large are written with non-temporal stores: half
+/// the last-level cache (read once from sysfs on Linux; at least 16 MiB,
+/// the default elsewhere). A smaller output is better left in that cache
+/// for its consumer, and a larger one would be evicted before anyone reads
+/// it anyway.
+pub(crate) fn stream_min_bytes() -> usize {
+    #[cfg(test)]
+    if let Some(bytes) = TEST_MIN_BYTES.with(|b| b.get()) {
+        return bytes;
+    }
+    static BYTES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *BYTES.get_or_init(|| {
+        last_level_cache_bytes().map_or(DEFAULT_MIN_BYTES, |b| (b / 2).max(DEFAULT_MIN_BYTES))
+    })
+}
+
+const DEFAULT_MIN_BYTES: usize = 16 << 20;
+
+/// The size of CPU 0's highest-level cache, from
+/// `/sys/devices/system/cpu/cpu0/cache/index*/{level,size}` (`266240K`).
+fn last_level_cache_bytes() -> Option<usize> {
+    let caches = std::fs::read_dir("/sys/devices/system/cpu/cpu0/cache").ok()?;
+    let read = |dir: &std::path::Path, file: &str| std::fs::read_to_string(dir.join(file)).ok();
+    caches
+        .filter_map(|entry| {
+            let dir = entry.ok()?.path();
+            let level: u32 = read(&dir, "level")?.trim().parse().ok()?;
+            let size = read(&dir, "size")?;
+            let size = size.trim();
+            let (digits, unit) = size.split_at(size.find(|c: char| !c.is_ascii_digit())?);
+            let scale = match unit {
+                "K" => 1 << 10,
+                "M" => 1 << 20,
+                "G" => 1 << 30,
+                _ => return None,
+            };
+            Some((level, digits.parse::<usize>().ok()? * scale))
+        })
+        .max()
+        .map(|(_, bytes)| bytes)
+}
+
+#[cfg(test)]
+thread_local! {
+    static TEST_MIN_BYTES: std::cell::Cell<Option<usize>> = const { std::cell::Cell::new(None) };
+}
+
+/// Runs `f` with [`stream_min_bytes`] at `bytes` on this thread (where the
+/// kernels decide), so tests reach the streaming paths at modest sizes.
+#[cfg(test)]
+pub(crate) fn with_stream_min_bytes<R>(bytes: usize, f: impl FnOnce() -> R) -> R {
+    TEST_MIN_BYTES.with(|b| b.set(Some(bytes)));
+    let out = f();
+    TEST_MIN_BYTES.with(|b| b.set(None));
+    out
+}
 
 /// Asks for the cache lines of `bytes` bytes at `ptr` to be loaded into
 /// L1. A hint only: any address is allowed (nothing is read or faulted).
@@ -97,5 +149,8 @@ mod tests {
         }
         // Prefetch is only a hint, of any address.
         prefetch(std::ptr::null(), 4096);
+        // The threshold: half a last-level cache, never below 16 MiB.
+        assert!(stream_min_bytes() >= DEFAULT_MIN_BYTES);
+        assert_eq!(with_stream_min_bytes(1 << 20, stream_min_bytes), 1 << 20);
     }
 }
