@@ -14,6 +14,11 @@
 //!
 //! Sizes 0 and 1 stay concrete (broadcasting and empty tensors behave
 //! differently), as in torch.compile.
+//!
+//! Fusion needs concrete shapes too: the symbolic executable fuses its
+//! graph once per binding of the sizes it is called with, and keeps each
+//! plan (`SizedPlans` in `executable.rs`), so every size runs fused
+//! without a retrace or a recompile.
 
 use std::collections::{BTreeSet, HashMap};
 

@@ -1,7 +1,7 @@
 //! What a compile produces: the graph(s) to run and how to hook them into
 //! autograd.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use super::{Backend, CompileOptions};
 use crate::autograd::{self, aot_autograd};
@@ -11,7 +11,7 @@ use crate::ir::{Graph, NodeId};
 use crate::logging::log;
 use crate::passes::{PassContext, PassManager};
 use crate::runtime::execute::{run_plan_with, run_scheduled_with};
-use crate::runtime::interpret::run_graph;
+use crate::runtime::interpret::{bind_symbols, concretise, run_graph};
 use crate::schedule::{self, ScheduleOptions, Scheduled};
 use crate::tensor::trace::Traced;
 use crate::tensor::Tensor;
@@ -21,34 +21,28 @@ use crate::tensor::Tensor;
 #[derive(Clone)]
 struct Program {
     graph: Arc<Graph>,
-    plan: Option<Arc<Plan>>,
-    /// `None` where the graph cannot be planned (symbolic shapes): then the
-    /// kernels run in plan order.
-    scheduled: Option<Arc<Scheduled>>,
+    lowered: Option<Arc<Lowered>>,
+    /// For a graph with symbolic shapes (automatic dynamic shapes), whose
+    /// own plan cannot fuse: the plan of each binding of its sizes seen.
+    sized: Option<Arc<SizedPlans>>,
     /// Autotune fused kernels' block sizes (`mode=max-autotune`).
     tune: bool,
 }
 
-impl Program {
-    /// For the default backend (`optimized`): the pass pipeline, fusion,
-    /// then the schedule.
-    fn new(mut graph: Graph, optimized: bool, options: &CompileOptions) -> Result<Program> {
-        if !optimized {
-            return Ok(Program {
-                graph: Arc::new(graph),
-                plan: None,
-                scheduled: None,
-                tune: false,
-            });
-        }
-        pipeline(options).run(&mut graph, &PassContext::default())?;
+/// A graph's fused kernels, their schedule and memory plan.
+struct Lowered {
+    graph: Arc<Graph>,
+    plan: Plan,
+    /// `None` where the graph cannot be planned (symbolic shapes): then the
+    /// kernels run in plan order.
+    scheduled: Option<Scheduled>,
+}
+
+impl Lowered {
+    fn new(graph: Graph, options: &ScheduleOptions) -> Lowered {
         let plan = fusion::fuse(&graph);
-        let schedule_options = ScheduleOptions {
-            strategy: options.schedule,
-            memory_budget: options.memory_budget,
-        };
-        let scheduled = match schedule::build(&graph, &plan, &schedule_options) {
-            Ok(s) => Some(Arc::new(s)),
+        let scheduled = match schedule::build(&graph, &plan, options) {
+            Ok(s) => Some(s),
             Err(e) => {
                 log("schedule", || {
                     format!(
@@ -59,42 +53,155 @@ impl Program {
                 None
             }
         };
+        Lowered {
+            graph: Arc::new(graph),
+            plan,
+            scheduled,
+        }
+    }
+
+    fn run(&self, args: &[Tensor], tune: bool) -> Result<Vec<(String, Tensor)>> {
+        let (graph, plan) = (&self.graph, &self.plan);
+        match &self.scheduled {
+            Some(s) => run_scheduled_with(graph, plan, &s.schedule, &s.memory, args, tune),
+            None => run_plan_with(graph, plan, args, tune),
+        }
+    }
+
+    /// The kernel list, schedule and memory plan as (file suffix, text).
+    fn artifacts(&self, prefix: &str) -> Vec<(String, String)> {
+        let (graph, plan) = (&self.graph, &self.plan);
+        let mut out = vec![(
+            format!("{prefix}.kernels.txt"),
+            fusion::describe(graph, plan),
+        )];
+        if let Some(s) = &self.scheduled {
+            out.push((
+                format!("{prefix}.schedule.txt"),
+                schedule::describe(graph, plan, &s.schedule, &s.memory),
+            ));
+            out.push((format!("{prefix}.memory.txt"), s.memory.describe(graph)));
+        }
+        out
+    }
+}
+
+/// The sizes of a symbolic graph's symbols at one call, by symbol name.
+type Binding = Vec<(Arc<str>, usize)>;
+
+/// Fusion needs concrete shapes, so a symbolic graph is fused once per
+/// binding of its sizes, at the first call with that binding, and the plan
+/// kept: one executable still serves every size (no retrace, no
+/// recompile), and each size runs fused.
+struct SizedPlans {
+    options: ScheduleOptions,
+    plans: Mutex<Vec<(Binding, Arc<Lowered>)>>,
+}
+
+/// Bindings kept per symbolic graph; further sizes run its unfused plan.
+const MAX_BINDINGS: usize = 32;
+
+impl SizedPlans {
+    /// The plan for `args`' sizes: cached, or built now; `None` once
+    /// [`MAX_BINDINGS`] are kept.
+    fn at(&self, graph: &Graph, args: &[Tensor]) -> Result<Option<Arc<Lowered>>> {
+        let given: Vec<Option<&Tensor>> = args.iter().map(Some).collect();
+        let mut binding: Binding = bind_symbols(graph, &given)?.into_iter().collect();
+        binding.sort();
+        let mut plans = self.plans.lock().expect("sized plans");
+        if let Some((_, lowered)) = plans.iter().find(|(b, _)| *b == binding) {
+            return Ok(Some(lowered.clone()));
+        }
+        let sizes = describe_binding(&binding);
+        if plans.len() >= MAX_BINDINGS {
+            log("fusion", || {
+                format!(
+                    "graph `{}` at {sizes}: {MAX_BINDINGS} sizes already fused; this one runs unfused",
+                    graph.name
+                )
+            });
+            return Ok(None);
+        }
+        let symbols = binding.iter().cloned().collect();
+        let lowered = Arc::new(Lowered::new(concretise(graph, &symbols)?, &self.options));
+        log("fusion", || {
+            format!(
+                "graph `{}` fused at {sizes} ({} kernels), kept for later calls of these sizes",
+                graph.name,
+                lowered.plan.kernels.len()
+            )
+        });
+        plans.push((binding, lowered.clone()));
+        Ok(Some(lowered))
+    }
+}
+
+/// `s0=32,s1=8`.
+fn describe_binding(binding: &Binding) -> String {
+    let parts: Vec<String> = binding.iter().map(|(s, n)| format!("{s}={n}")).collect();
+    parts.join(",")
+}
+
+impl Program {
+    /// For the default backend (`optimized`): the pass pipeline, fusion,
+    /// then the schedule.
+    fn new(mut graph: Graph, optimized: bool, options: &CompileOptions) -> Result<Program> {
+        if !optimized {
+            return Ok(Program {
+                graph: Arc::new(graph),
+                lowered: None,
+                sized: None,
+                tune: false,
+            });
+        }
+        pipeline(options).run(&mut graph, &PassContext::default())?;
+        let schedule_options = ScheduleOptions {
+            strategy: options.schedule,
+            memory_budget: options.memory_budget,
+        };
+        let symbolic = graph
+            .nodes
+            .iter()
+            .any(|n| n.ty.shape.as_concrete().is_none());
+        let sized = symbolic.then(|| {
+            Arc::new(SizedPlans {
+                options: schedule_options,
+                plans: Mutex::new(Vec::new()),
+            })
+        });
+        let lowered = Lowered::new(graph.clone(), &schedule_options);
         Ok(Program {
             graph: Arc::new(graph),
-            plan: Some(Arc::new(plan)),
-            scheduled,
+            lowered: Some(Arc::new(lowered)),
+            sized,
             tune: options.mode == super::Mode::MaxAutotune,
         })
     }
 
     fn run(&self, args: &[Tensor]) -> Result<Vec<Tensor>> {
-        let outs = match (&self.plan, &self.scheduled) {
-            (Some(plan), Some(s)) => {
-                run_scheduled_with(&self.graph, plan, &s.schedule, &s.memory, args, self.tune)?
-            }
-            (Some(plan), None) => run_plan_with(&self.graph, plan, args, self.tune)?,
-            (None, _) => run_graph(&self.graph, args)?,
+        let at_size = match &self.sized {
+            Some(sized) => sized.at(&self.graph, args)?,
+            None => None,
+        };
+        let outs = match at_size.as_ref().or(self.lowered.as_ref()) {
+            Some(lowered) => lowered.run(args, self.tune)?,
+            None => run_graph(&self.graph, args)?,
         };
         Ok(outs.into_iter().map(|(_, t)| t).collect())
     }
 
-    /// The kernel list, schedule and memory plan as (file suffix, text).
+    /// The graph, its kernel list, schedule and memory plan as (file
+    /// suffix, text); for a symbolic graph also the kernels of each size
+    /// fused so far (`{prefix}.s0=32.kernels.txt`).
     fn artifacts(&self, prefix: &str) -> Vec<(String, String)> {
         let mut out = vec![(format!("{prefix}.tir"), self.graph.to_string())];
-        if let Some(plan) = &self.plan {
-            out.push((
-                format!("{prefix}.kernels.txt"),
-                fusion::describe(&self.graph, plan),
-            ));
-            if let Some(s) = &self.scheduled {
-                out.push((
-                    format!("{prefix}.schedule.txt"),
-                    schedule::describe(&self.graph, plan, &s.schedule, &s.memory),
-                ));
-                out.push((
-                    format!("{prefix}.memory.txt"),
-                    s.memory.describe(&self.graph),
-                ));
+        if let Some(lowered) = &self.lowered {
+            out.extend(lowered.artifacts(prefix));
+        }
+        if let Some(sized) = &self.sized {
+            for (binding, lowered) in sized.plans.lock().expect("sized plans").iter() {
+                let at = format!("{prefix}.{}", describe_binding(binding));
+                out.extend(lowered.artifacts(&at));
             }
         }
         out

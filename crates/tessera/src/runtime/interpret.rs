@@ -315,6 +315,22 @@ fn eval_custom(
     Ok(outs)
 }
 
+/// `graph` with `symbols` substituted: every node's type and shape
+/// attribute concrete (a symbolic program at one binding of its sizes).
+pub(crate) fn concretise(graph: &Graph, symbols: &Symbols) -> Result<Graph> {
+    let mut g = graph.clone();
+    for (i, node) in g.nodes.iter_mut().enumerate() {
+        let id = NodeId(i as u32);
+        let fixed = concrete_op(&node.op, symbols).map_err(|e| node_error(graph, id, e))?;
+        if let Cow::Owned(op) = fixed {
+            node.op = op;
+        }
+        let sizes = eval_shape(&node.ty.shape, symbols).map_err(|e| node_error(graph, id, e))?;
+        node.ty.shape = Shape::from_concrete(&sizes);
+    }
+    Ok(g)
+}
+
 /// `op` with its symbolic shape attribute (if any) evaluated.
 fn concrete_op<'a>(op: &'a Op, symbols: &Symbols) -> Result<Cow<'a, Op>> {
     let fix = |s: &Shape| eval_shape(s, symbols).map(|d| Shape::from_concrete(&d));

@@ -19,7 +19,7 @@ use rayon::prelude::*;
 use super::copy::{copy_strided, PAR_THRESHOLD};
 use super::element::num_like::AccFloat;
 use super::element::{Element, Float};
-use super::fastmath::{erfc_f32, exp_f32, tanh_f32};
+use super::fastmath::{erfc_f32, exp_f32, exp_nonpositive_f32, tanh_f32};
 use super::Storage;
 use crate::error::{op_err, Result};
 use crate::ir::{BinaryOp, CompareOp, DType, UnaryOp};
@@ -157,12 +157,27 @@ super::fastmath::avx512_dispatch! {
     pub(crate) fn unary_into<A: Transcendental>(op: UnaryOp, src: &[A], dst: &mut [A]) => unary_into_body
 }
 
+/// Elements per unrolled chunk of [`unary_into`]: 4 AVX-512 vectors whose
+/// independent dependency chains (exp's polynomial, a division) are
+/// interleaved, so the core overlaps their latencies.
+const UNARY_CHUNK: usize = 64;
+
 #[inline(always)]
 fn unary_into_body<A: Transcendental>(op: UnaryOp, src: &[A], dst: &mut [A]) {
-    with_unary_fn!(op, A, f => dst.iter_mut().zip(src).for_each(
-        #[inline(always)]
-        |(d, &v)| *d = f(v)
-    ))
+    with_unary_fn!(op, A, f => {
+        let mut d = dst.chunks_exact_mut(UNARY_CHUNK);
+        let mut s = src.chunks_exact(UNARY_CHUNK);
+        for (dc, sc) in (&mut d).zip(&mut s) {
+            dc.iter_mut().zip(sc).for_each(
+                #[inline(always)]
+                |(d, &v)| *d = f(v),
+            );
+        }
+        d.into_remainder().iter_mut().zip(s.remainder()).for_each(
+            #[inline(always)]
+            |(d, &v)| *d = f(v),
+        )
+    })
 }
 
 /// `1 / (1 + e^-v)` without overflow: with `e = e^-|v|` (never above 1) it
@@ -170,7 +185,7 @@ fn unary_into_body<A: Transcendental>(op: UnaryOp, src: &[A], dst: &mut [A]) {
 /// computed and one selected, which keeps the loop vectorisable.
 #[inline(always)]
 fn sigmoid<A: Transcendental>(v: A) -> A {
-    let e = (-v.abs()).exp_();
+    let e = (-v.abs()).exp_nonpositive_();
     let s = A::ONE / (A::ONE + e);
     if v >= A::ZERO {
         s
@@ -186,6 +201,9 @@ fn sigmoid<A: Transcendental>(v: A) -> A {
 /// names apart from `AccFloat`'s libm-backed `exp` and `tanh`.)
 pub(crate) trait Transcendental: AccFloat {
     fn exp_(self) -> Self;
+    /// e^x for x <= 0 (or NaN): no overflow to handle.
+    fn exp_nonpositive_(self) -> Self;
+
     fn tanh_(self) -> Self;
     /// The complementary error function 1 - erf(x).
     fn erfc_(self) -> Self;
@@ -196,6 +214,11 @@ impl Transcendental for f64 {
     fn exp_(self) -> f64 {
         self.exp()
     }
+    #[inline(always)]
+    fn exp_nonpositive_(self) -> f64 {
+        self.exp()
+    }
+
     #[inline(always)]
     fn tanh_(self) -> f64 {
         self.tanh()
@@ -211,6 +234,11 @@ impl Transcendental for f32 {
     fn exp_(self) -> f32 {
         exp_f32(self)
     }
+    #[inline(always)]
+    fn exp_nonpositive_(self) -> f32 {
+        exp_nonpositive_f32(self)
+    }
+
     #[inline(always)]
     fn tanh_(self) -> f32 {
         tanh_f32(self)
@@ -460,20 +488,35 @@ fn float_binary<T: Float>(op: BinaryOp, a: &Tensor, b: &Tensor, shape: &[usize])
     with_binary_fn!(op, T::Acc, f => lift2::<T>(a, b, shape, f))
 }
 
-/// Applies binary `op` over blocks: `dst[i] = op(xs[i], ys[i])`.
-pub(crate) fn binary_into<A: AccFloat>(op: BinaryOp, xs: &[A], ys: &[A], dst: &mut [A]) {
+super::fastmath::avx512_dispatch! {
+    /// Applies binary `op` over blocks: `dst[i] = op(xs[i], ys[i])`.
+    pub(crate) fn binary_into<A: AccFloat>(op: BinaryOp, xs: &[A], ys: &[A], dst: &mut [A]) => binary_into_body
+}
+
+super::fastmath::avx512_dispatch! {
+    /// `dst[i] = op(xs[i], c)`: a binary op with a constant right operand.
+    pub(crate) fn binary_const_into<A: AccFloat>(op: BinaryOp, xs: &[A], c: A, dst: &mut [A]) => binary_const_into_body
+}
+
+super::fastmath::avx512_dispatch! {
+    /// `dst[i] = op(c, ys[i])`: a binary op with a constant left operand.
+    pub(crate) fn const_binary_into<A: AccFloat>(op: BinaryOp, c: A, ys: &[A], dst: &mut [A]) => const_binary_into_body
+}
+
+#[inline(always)]
+fn binary_into_body<A: AccFloat>(op: BinaryOp, xs: &[A], ys: &[A], dst: &mut [A]) {
     with_binary_fn!(op, A, f => {
         dst.iter_mut().zip(xs).zip(ys).for_each(|((d, &x), &y)| *d = f(x, y))
     })
 }
 
-/// `dst[i] = op(xs[i], c)`: a binary op with a constant right operand.
-pub(crate) fn binary_const_into<A: AccFloat>(op: BinaryOp, xs: &[A], c: A, dst: &mut [A]) {
+#[inline(always)]
+fn binary_const_into_body<A: AccFloat>(op: BinaryOp, xs: &[A], c: A, dst: &mut [A]) {
     with_binary_fn!(op, A, f => dst.iter_mut().zip(xs).for_each(|(d, &x)| *d = f(x, c)))
 }
 
-/// `dst[i] = op(c, ys[i])`: a binary op with a constant left operand.
-pub(crate) fn const_binary_into<A: AccFloat>(op: BinaryOp, c: A, ys: &[A], dst: &mut [A]) {
+#[inline(always)]
+fn const_binary_into_body<A: AccFloat>(op: BinaryOp, c: A, ys: &[A], dst: &mut [A]) {
     with_binary_fn!(op, A, f => dst.iter_mut().zip(ys).for_each(|(d, &y)| *d = f(c, y)))
 }
 

@@ -50,14 +50,15 @@ pub(crate) fn exp_f32(x: f32) -> f32 {
     exp2_f32(x, 0.0)
 }
 
+// Adding 1.5·2^23 rounds to an integer, which lands in the low mantissa bits.
+const SHIFT: f32 = 12_582_912.0;
+const LN2_HI: f32 = 0.693_359_4; // = 355/512: n·LN2_HI is exact
+const LN2_LO: f32 = -2.121_944_4e-4;
+
 /// e^(hi + lo) for a `hi` that is exact and a small `lo`, without rounding
 /// their sum: the reduction subtracts n·ln2 from `hi` first.
 #[inline(always)]
 fn exp2_f32(hi: f32, lo: f32) -> f32 {
-    // Adding 1.5·2^23 rounds to an integer, which lands in the low mantissa bits.
-    const SHIFT: f32 = 12_582_912.0;
-    const LN2_HI: f32 = 0.693_359_4; // = 355/512: n·LN2_HI is exact
-    const LN2_LO: f32 = -2.121_944_4e-4;
     let x = hi + lo;
     // Fused multiply-adds (x86-64-v3 has FMA): fewer instructions and one
     // rounding per step. `mul_add` is exact by definition, so every build
@@ -67,7 +68,37 @@ fn exp2_f32(hi: f32, lo: f32) -> f32 {
         .mul_add(std::f32::consts::LOG2_E, SHIFT);
     let n = k - SHIFT;
     let r = (-n).mul_add(LN2_HI, hi) + lo;
-    let r = (-n).mul_add(LN2_LO, r);
+    let y = exp_reduced(k, (-n).mul_add(LN2_LO, r));
+    if x > 88.722_84 {
+        f32::INFINITY
+    } else if x < -103.972_08 {
+        0.0
+    } else {
+        y
+    }
+}
+
+/// e^x for x <= 0 (or NaN): what softmax needs after subtracting the max.
+/// The same reduction and polynomial as [`exp_f32`] (equal bits down to
+/// -103.97), without its range branches: nothing overflows, and with x
+/// clamped at -150 the scaling itself rounds results below half the
+/// smallest subnormal to 0 (e^-inf too).
+#[inline(always)]
+pub(crate) fn exp_nonpositive_f32(x: f32) -> f32 {
+    // `<` rather than `max`, so NaN stays NaN.
+    let x = if x < -150.0 { -150.0 } else { x };
+    let k = x.mul_add(std::f32::consts::LOG2_E, SHIFT);
+    let n = k - SHIFT;
+    let r = (-n).mul_add(LN2_HI, x);
+    exp_reduced(k, (-n).mul_add(LN2_LO, r))
+}
+
+/// e^r · 2^n for the reduced argument r (|r| <= ln2/2), with n held in the
+/// low mantissa bits of k = n + SHIFT: Cephes' expf polynomial, then the
+/// scaling by 2^n in two steps (the first exact) so that subnormal results
+/// round once.
+#[inline(always)]
+fn exp_reduced(k: f32, r: f32) -> f32 {
     let q = 1.987_569_1e-4f32
         .mul_add(r, 1.398_199_9e-3)
         .mul_add(r, 8.333_452e-3)
@@ -78,18 +109,12 @@ fn exp2_f32(hi: f32, lo: f32) -> f32 {
     let ni = (k.to_bits() as i32).wrapping_sub(0x4B40_0000);
     let (n1, n2) = (ni >> 1, ni.wrapping_sub(ni >> 1));
     let pow2 = |e: i32| f32::from_bits((e.wrapping_add(127) as u32) << 23);
-    let y = p * pow2(n1) * pow2(n2);
-    if x > 88.722_84 {
-        f32::INFINITY
-    } else if x < -103.972_08 {
-        0.0
-    } else {
-        y
-    }
+    p * pow2(n1) * pow2(n2)
 }
 
 /// tanh: Cephes' tanhf odd polynomial below 0.625, else
-/// `1 - 2 / (e^{2|x|} + 1)` with x's sign.
+/// `1 - 2f / (1 + f)` with f = e^{-2|x|} and x's sign (an exp of a
+/// non-positive argument needs no overflow branch).
 #[inline(always)]
 pub(crate) fn tanh_f32(x: f32) -> f32 {
     let a = x.abs();
@@ -100,7 +125,8 @@ pub(crate) fn tanh_f32(x: f32) -> f32 {
             * s
             * x
             + x;
-    let big = (1.0 - 2.0 / (exp_f32(2.0 * a) + 1.0)).copysign(x);
+    let f = exp_nonpositive_f32(-2.0 * a);
+    let big = (1.0 - 2.0 * f / (1.0 + f)).copysign(x);
     if a < 0.625 {
         small
     } else {
@@ -182,5 +208,37 @@ mod tests {
         );
         assert_eq!((tanh_f32(50.0), tanh_f32(-50.0)), (1.0, -1.0));
         assert_eq!((erfc_f32(-20.0), erfc_f32(20.0)), (2.0, 0.0));
+    }
+
+    #[test]
+    fn the_nonpositive_exp_is_exp_where_both_apply_and_exact_at_the_ends() {
+        for i in 0..=400_000 {
+            let x = -103.97 * i as f32 / 400_000.0;
+            assert_eq!(
+                exp_nonpositive_f32(x).to_bits(),
+                exp_f32(x).to_bits(),
+                "{x}"
+            );
+        }
+        // Below: e^x rounded to the nearest subnormal step, 0 beyond half a step.
+        for x in [
+            -103.5f32,
+            -103.8,
+            -104.0,
+            -110.0,
+            -150.0,
+            -1e4,
+            f32::NEG_INFINITY,
+        ] {
+            let (got, want) = (exp_nonpositive_f32(x) as f64, (x as f64).exp());
+            assert!(
+                (got - want).abs() <= 0.5 * 1.401298464324817e-45,
+                "{x}: {got}"
+            );
+        }
+        assert_eq!(exp_nonpositive_f32(f32::NEG_INFINITY), 0.0);
+        assert!(exp_nonpositive_f32(f32::NAN).is_nan());
+        let ulps = worst_ulps(-87.0, 0.0, 200_000, exp_nonpositive_f32, f64::exp);
+        assert!(ulps < 2.0, "{ulps} ulp");
     }
 }

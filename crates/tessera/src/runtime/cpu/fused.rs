@@ -8,7 +8,11 @@
 //! that are reused once their value is dead, and the block is sized so that
 //! all live slots stay in L1: the kernel is then bound by memory, not by
 //! the cache traffic between steps. A binary op with a constant operand
-//! reads the constant as a scalar. Every step computes exactly what the
+//! reads the constant as a scalar (such constants take no slot). A dense
+//! input of the compute type is read where it is (no copy into a slot),
+//! the next block's part of it prefetched while this one is computed, and
+//! outputs far larger than the caches are written with non-temporal stores
+//! (`super::stream`). Every step computes exactly what the
 //! eager kernel of its op computes (the same functions), so results are
 //! bit-identical to op-by-op evaluation in the compute type.
 
@@ -18,6 +22,7 @@ use super::element::num_like::AccFloat;
 use super::elementwise::{
     binary_const_into, binary_into, const_binary_into, unary_into, Transcendental,
 };
+use super::stream::{prefetch, stream_copy, stream_min_bytes};
 use super::{Element, Storage};
 use crate::error::{op_err, Result};
 use crate::ir::{BinaryOp, CompareOp, DType, UnaryOp};
@@ -92,11 +97,34 @@ impl Step {
 struct Registers {
     slot: Vec<usize>,
     count: usize,
+    /// The constants read as blocks: their slots are filled once per task.
+    filled: Vec<bool>,
+}
+
+/// The operands step `i` reads as blocks (a binary op's constant operand
+/// is read as a scalar instead; see `FusedKernel::eval_block`).
+fn block_operands(steps: &[Step], i: usize) -> Vec<usize> {
+    let is_const = |j: usize| matches!(steps[j], Step::Const(_));
+    match steps[i] {
+        Step::Binary(_, a, b) => match (is_const(a), is_const(b)) {
+            (_, true) => vec![a],
+            (true, false) => vec![b],
+            (false, false) => vec![a, b],
+        },
+        ref step => step.operands(),
+    }
 }
 
 impl Registers {
     fn allocate(steps: &[Step], outputs: &[(usize, DType)]) -> Registers {
         let n = steps.len();
+        // Constants read as blocks somewhere get a slot, filled once.
+        let mut block_const = vec![false; n];
+        for i in 0..n {
+            for a in block_operands(steps, i) {
+                block_const[a] |= matches!(steps[a], Step::Const(_));
+            }
+        }
         // The last step reading each value; its own index when none does.
         let mut last: Vec<usize> = (0..n).collect();
         for (i, step) in steps.iter().enumerate() {
@@ -114,9 +142,10 @@ impl Registers {
         }
         let (mut slot, mut free, mut count) = (vec![0; n], Vec::new(), 0);
         // Constants first: their slots are filled before any block runs, so
-        // no other value may ever use them.
-        for (i, step) in steps.iter().enumerate() {
-            if matches!(step, Step::Const(_)) {
+        // no other value may ever use them. (The others keep slot 0, never
+        // read as a block.)
+        for i in 0..n {
+            if block_const[i] {
                 slot[i] = count;
                 count += 1;
             }
@@ -137,7 +166,11 @@ impl Registers {
             done.dedup();
             free.extend(done.into_iter().filter(|&a| last[a] == i).map(|a| slot[a]));
         }
-        Registers { slot, count }
+        Registers {
+            slot,
+            count,
+            filled: block_const,
+        }
     }
 }
 
@@ -234,11 +267,17 @@ impl FusedKernel {
         let bs = self.block.max(64);
         let regs = Registers::allocate(&self.steps, &self.outputs);
         let blocks = numel.div_ceil(bs);
+        // Addresses (as integers, so the closure is Sync) of direct inputs.
+        let direct: Vec<Option<usize>> = sources
+            .iter()
+            .map(|s| s.direct::<A>().map(|p| p as usize))
+            .collect();
+        let stream = numel * std::mem::size_of::<A>() >= stream_min_bytes();
         let run_blocks = |range: std::ops::Range<usize>| {
-            let mut file = vec![A::ZERO; regs.count * bs];
+            let mut file = vec![A::ZERO; regs.count.max(1) * bs];
             // Constants are filled once per task, not once per block.
             for (i, step) in self.steps.iter().enumerate() {
-                if let Step::Const(c) = *step {
+                if let (&Step::Const(c), true) = (step, regs.filled[i]) {
                     let r = regs.slot[i] * bs;
                     file[r..r + bs].fill(A::from_f64(c));
                 }
@@ -246,12 +285,13 @@ impl FusedKernel {
             for b in range {
                 let start = b * bs;
                 let len = bs.min(numel - start);
-                self.eval_block(&sources, &sinks, &regs, &mut file, bs, start, len);
+                let block = Block { bs, start, len };
+                self.eval_block(&sources, &direct, &sinks, &regs, &mut file, block);
                 for (&(step, _), sink) in self.outputs.iter().zip(&sinks) {
                     let r = regs.slot[step] * bs;
                     // SAFETY: each block writes its own disjoint range of every
                     // output, after it has loaded that range of every input.
-                    unsafe { sink.store(start, &file[r..r + len]) };
+                    unsafe { sink.store(start, &file[r..r + len], stream) };
                 }
             }
         };
@@ -297,22 +337,32 @@ impl FusedKernel {
         (sources, outs)
     }
 
-    /// Evaluates every step over elements `start..start+len` into the
-    /// register `file` (slots of `bs` elements).
-    #[allow(clippy::too_many_arguments)]
+    /// Evaluates every step over elements `start..start+len` of `block`
+    /// into the register `file` (slots of `bs` elements); a load from an
+    /// input with a `direct` address is that memory itself.
     fn eval_block<A: Transcendental>(
         &self,
         sources: &[Source<'_>],
+        direct: &[Option<usize>],
         sinks: &[Sink],
         regs: &Registers,
         file: &mut [A],
-        bs: usize,
-        start: usize,
-        len: usize,
+        block: Block,
     ) {
+        let Block { bs, start, len } = block;
         let base = file.as_mut_ptr();
         let slots = file.len() / bs;
         let reg = |j: usize| {
+            if let Step::Load(k) = self.steps[j] {
+                if let Some(p) = direct[k] {
+                    let p = p as *const A;
+                    // SAFETY: a direct source holds the kernel's elements
+                    // densely, `start..start+len` among them; nothing
+                    // writes it while the block runs (a donated input is
+                    // never direct: its output is stored after the block).
+                    return unsafe { std::slice::from_raw_parts(p.add(start), len) };
+                }
+            }
             debug_assert!(regs.slot[j] < slots);
             // SAFETY: slot j is in the file; no step writes it while it is read
             // (a step's destination slot differs from its operands').
@@ -322,11 +372,25 @@ impl FusedKernel {
             Step::Const(c) => Some(A::from_f64(c)),
             _ => None,
         };
+        // The next block's direct inputs are fetched while this one is
+        // computed, a share before each step: all at once would stall on
+        // the cache's few outstanding misses. (A hint: past the end is
+        // harmless.)
+        let size = std::mem::size_of::<A>();
+        let share = (bs * size).div_ceil(self.steps.len()).next_multiple_of(64);
         for (i, step) in self.steps.iter().enumerate() {
+            for &p in direct.iter().flatten() {
+                let next = p + (start + bs) * size + i * share;
+                prefetch(
+                    next as *const u8,
+                    share.min((bs * size).saturating_sub(i * share)),
+                );
+            }
             debug_assert!(regs.slot[i] < slots);
             // SAFETY: as above; this slot is not among the step's operands'.
             let dst = unsafe { std::slice::from_raw_parts_mut(base.add(regs.slot[i] * bs), len) };
             match *step {
+                Step::Load(k) if direct[k].is_some() => {} // read where it is
                 Step::Load(k) => match &sources[k] {
                     Source::Shared(t, layout) => load(t, layout, start, dst),
                     // SAFETY: this task owns `start..start+len` of the sink,
@@ -418,6 +482,31 @@ enum Source<'a> {
     Output(usize),
 }
 
+impl Source<'_> {
+    /// The address of element 0 of a shared input that holds the kernel's
+    /// elements densely in the compute type `A`: blocks read it in place.
+    fn direct<A: AccFloat>(&self) -> Option<*const A> {
+        let Source::Shared(t, layout) = self else {
+            return None;
+        };
+        let range = layout.contiguous_range()?;
+        with_dtype!(t.dtype(), T => {
+            if !same_repr::<T, A>() {
+                return None;
+            }
+            Some(t.storage().as_slice::<T>()[range.start..].as_ptr() as *const A)
+        })
+    }
+}
+
+/// The elements one block covers: `start..start+len`, in slots of `bs`.
+#[derive(Clone, Copy)]
+struct Block {
+    bs: usize,
+    start: usize,
+    len: usize,
+}
+
 /// Where one output goes: its storage's bytes and dtype.
 struct Sink {
     ptr: *mut u8,
@@ -446,13 +535,19 @@ impl Sink {
         })
     }
 
+    /// Writes `vals` at `start`, with non-temporal stores if `stream`.
+    ///
     /// # Safety
     /// `start..start+vals.len()` is in bounds and written by no other task.
-    unsafe fn store<A: AccFloat>(&self, start: usize, vals: &[A]) {
+    unsafe fn store<A: AccFloat>(&self, start: usize, vals: &[A], stream: bool) {
         with_dtype!(self.dtype, T => {
             if same_repr::<T, A>() {
                 let dst = std::slice::from_raw_parts_mut((self.ptr as *mut A).add(start), vals.len());
-                dst.copy_from_slice(vals);
+                if stream {
+                    stream_copy(dst, vals);
+                } else {
+                    dst.copy_from_slice(vals);
+                }
                 return;
             }
             let dst = std::slice::from_raw_parts_mut((self.ptr as *mut T).add(start), vals.len());
@@ -577,6 +672,39 @@ mod tests {
             k.block = block;
             assert_eq!(k.run(&[&x]).unwrap()[0].to_f64_vec(), want, "block {block}");
         }
+    }
+
+    #[test]
+    fn inputs_read_in_place_and_streamed_outputs_give_the_eager_bits() {
+        // Past the streaming threshold: x a view at an offset (read in
+        // place), w broadcast (loaded), the output stored non-temporally;
+        // and an f64 output of the same values (converted, not streamed).
+        let min = 1 << 20;
+        let n = min / 4 + 1037;
+        let all: Vec<f32> = (0..n + 3)
+            .map(|i| ((i * 7919) % 2000) as f32 / 500.0 - 2.0)
+            .collect();
+        let x = Tensor::from_vec(all, &[n + 3]).narrow(0, 3, n);
+        let w = Tensor::from_vec(vec![0.75f32], &[1]);
+        let k = FusedKernel::new(
+            vec![n],
+            vec![
+                Step::Load(0),
+                Step::Unary(UnaryOp::Sigmoid, 0),
+                Step::Load(1),
+                Step::Binary(BinaryOp::Mul, 1, 2),
+                Step::Const(0.5),
+                Step::Binary(BinaryOp::Sub, 3, 4),
+                Step::Unary(UnaryOp::Tanh, 5),
+                Step::Binary(BinaryOp::Add, 6, 0),
+            ],
+            vec![(7, DType::F32), (7, DType::F64)],
+            false,
+        );
+        let got = super::super::stream::with_stream_min_bytes(min, || k.run(&[&x, &w]).unwrap());
+        let want = ((x.sigmoid() * &w - 0.5).tanh() + &x).to_f64_vec();
+        assert_eq!(got[0].to_f64_vec(), want);
+        assert_eq!(got[1].to_f64_vec(), want);
     }
 
     #[test]

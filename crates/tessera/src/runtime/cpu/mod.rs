@@ -16,6 +16,7 @@ mod reduce;
 pub mod rows;
 mod scatter;
 mod storage;
+mod stream;
 
 pub use alloc::{empty_cache, memory_stats, reset_peak, MemoryStats};
 pub use element::{Element, Float};

@@ -22,7 +22,8 @@ use rayon::prelude::*;
 use super::copy::{self, PAR_THRESHOLD};
 use super::element::num_like::AccFloat;
 use super::element::{Element, Float};
-use super::fastmath::exp_f32;
+use super::fastmath::exp_nonpositive_f32;
+use super::stream::{prefetch, stream_copy, stream_min_bytes};
 use super::Storage;
 use crate::error::{op_err, Result};
 use crate::ir::{ArgReduceOp, DType, ReduceOp};
@@ -634,8 +635,9 @@ fn arg_best<A: Arith>(mut line: impl Iterator<Item = A>, better: fn(A, A) -> boo
     at
 }
 
-/// An `exp` for softmax. f32 gets a branch-free polynomial the compiler can
-/// vectorise (libm's `expf` is an opaque call); f64 keeps `f64::exp`.
+/// An `exp` for softmax, of arguments `x - max <= 0` (or NaN). f32 gets a
+/// branch-free polynomial the compiler can vectorise (libm's `expf` is an
+/// opaque call); f64 keeps `f64::exp`.
 pub(crate) trait SoftmaxExp: AccFloat + Arith {
     fn softmax_exp(self) -> Self;
 }
@@ -650,7 +652,7 @@ impl SoftmaxExp for f64 {
 impl SoftmaxExp for f32 {
     #[inline(always)]
     fn softmax_exp(self) -> f32 {
-        exp_f32(self)
+        exp_nonpositive_f32(self)
     }
 }
 
@@ -694,12 +696,18 @@ where
         len * inner
     };
     let parallel = dst.len() >= PAR_THRESHOLD && dst.len() > per_task;
+    let stream = std::mem::size_of_val(dst) >= stream_min_bytes();
     for_chunks(dst, per_task, parallel, |c, out| {
         let src = &src[c * per_task..][..out.len()];
         if inner == 1 {
-            let mut scratch = Vec::with_capacity(len);
-            for (x, o) in src.chunks(len).zip(out.chunks_mut(len)) {
-                softmax_line(x, o, log, &mut scratch);
+            let mut scratch = Vec::with_capacity(2 * len);
+            let rows = out.len() / len;
+            for (r, (x, o)) in src.chunks(len).zip(out.chunks_mut(len)).enumerate() {
+                let io = RowIo {
+                    stream,
+                    prefetch_next: r + 1 < rows,
+                };
+                softmax_line(x, o, log, &mut scratch, io);
             }
         } else {
             softmax_lines(src, out, inner, log);
@@ -709,19 +717,25 @@ where
 
 /// One contiguous line of `T`, through [`softmax_row`] in `T::Acc` (via
 /// `scratch` unless `T` is its own `Acc`).
-fn softmax_line<T: Float>(x: &[T], out: &mut [T], log: bool, scratch: &mut Vec<T::Acc>)
+fn softmax_line<T: Float>(x: &[T], out: &mut [T], log: bool, scratch: &mut Vec<T::Acc>, io: RowIo)
 where
     T::Acc: SoftmaxExp,
 {
-    if let (Some(x), Some(out)) = (as_acc::<T>(x), as_acc_mut::<T>(out)) {
-        return softmax_row(x, out, log);
-    }
     let n = x.len();
+    if let (Some(x), Some(out)) = (as_acc::<T>(x), as_acc_mut::<T>(out)) {
+        // Only a streamed row uses the scratch (any contents will do).
+        if io.stream && scratch.len() < n {
+            scratch.resize(n, <T::Acc as Arith>::ZERO);
+        }
+        return softmax_row(x, out, log, scratch, io);
+    }
     scratch.clear();
     scratch.extend(x.iter().map(|v| v.to_acc()));
     scratch.resize(2 * n, <T::Acc as Arith>::ZERO);
     let (src, dst) = scratch.split_at_mut(n);
-    softmax_row(src, dst, log);
+    // The row is converted, so no longer where the next one follows; and
+    // the conversion below writes the output anyway.
+    softmax_row(src, dst, log, &mut [], RowIo::default());
     for (o, &v) in out.iter_mut().zip(dst.iter()) {
         *o = T::from_acc(v);
     }
@@ -742,37 +756,148 @@ fn as_acc_mut<T: Float>(xs: &mut [T]) -> Option<&mut [T::Acc]> {
         })
 }
 
+/// How a softmax row meets memory (the values are the same either way).
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct RowIo {
+    /// Write the output with non-temporal stores (from a scratch row): the
+    /// output is far larger than the caches.
+    pub stream: bool,
+    /// The next row to be processed follows this one in memory: prefetch it
+    /// while this one is computed.
+    pub prefetch_next: bool,
+}
+
+/// Lanes of the softmax row sweeps: independent accumulators (4 AVX-512 or
+/// 8 AVX2 registers of f32) and the stride of the per-chunk prefetch. The
+/// fold order is fixed by this number alone, so every vector width gives
+/// the same bits.
+const SOFTMAX_LANES: usize = 64;
+
 /// softmax (or log_softmax) of one contiguous row, in the accumulation
 /// type: the kernel both eager softmax and the fused row kernels run, so
-/// their results agree bit for bit. Three sweeps over a row that is in
-/// cache: the max; exp(x - max) written to `out` and summed; the scale
-/// (a multiply by 1/sum) or the log shift.
-pub(crate) fn softmax_row<A: SoftmaxExp>(x: &[A], out: &mut [A], log: bool) {
-    softmax_row_dispatch(x, out, log)
+/// their results agree bit for bit. The row is read from memory once (the
+/// max), then swept in cache: exp(x - max) summed (and kept for softmax),
+/// then the output written once, scaled by 1/sum or shifted by ln(sum).
+/// With `io.stream`, `scratch` (at least the row's length) holds the
+/// values before their non-temporal store, so the output's lines are never
+/// read; otherwise `scratch` is not used.
+pub(crate) fn softmax_row<A: SoftmaxExp>(
+    x: &[A],
+    out: &mut [A],
+    log: bool,
+    scratch: &mut [A],
+    io: RowIo,
+) {
+    let n = x.len();
+    if io.stream && scratch.len() >= n {
+        softmax_row_dispatch(x, &mut scratch[..n], log, io.prefetch_next);
+        stream_copy(out, &scratch[..n]);
+    } else {
+        softmax_row_dispatch(x, out, log, io.prefetch_next);
+    }
 }
 
 super::fastmath::avx512_dispatch! {
-    fn softmax_row_dispatch<A: SoftmaxExp>(x: &[A], out: &mut [A], log: bool) => softmax_row_body
+    fn softmax_row_dispatch<A: SoftmaxExp>(x: &[A], out: &mut [A], log: bool, prefetch_next: bool) => softmax_row_body
 }
 
 #[inline(always)]
-fn softmax_row_body<A: SoftmaxExp>(x: &[A], out: &mut [A], log: bool) {
-    let max = row_fold(x, A::LOWEST, A::max_nan);
-    for (e, &v) in out.iter_mut().zip(x) {
-        *e = (v - max).softmax_exp();
-    }
-    let sum = row_fold(out, <A as Arith>::ZERO, Arith::add);
+fn softmax_row_body<A: SoftmaxExp>(x: &[A], out: &mut [A], log: bool, prefetch_next: bool) {
+    let max = row_max(x);
+    let next = prefetch_next.then(|| x.as_ptr().wrapping_add(x.len()));
     if log {
-        let ln_sum = sum.ln();
+        let ln_sum = exp_sum(x, max, None, next).ln();
         for (o, &v) in out.iter_mut().zip(x) {
             *o = (v - max) - ln_sum;
         }
     } else {
-        let scale = <A as AccFloat>::ONE / sum;
+        let scale = <A as AccFloat>::ONE / exp_sum(x, max, Some(out), next);
         for o in out.iter_mut() {
             *o = *o * scale;
         }
     }
+}
+
+/// The max of a row by plain compares, NaN ignored: a NaN anywhere makes
+/// the sum of exps NaN, hence the whole softmax row, as a NaN max would.
+#[inline(always)]
+fn row_max<A: SoftmaxExp>(x: &[A]) -> A {
+    let mut lanes = [<A as Arith>::LOWEST; SOFTMAX_LANES];
+    let mut chunks = x.chunks_exact(SOFTMAX_LANES);
+    for c in &mut chunks {
+        for (m, &v) in lanes.iter_mut().zip(c) {
+            *m = if v > *m { v } else { *m };
+        }
+    }
+    let mut m = chunks
+        .remainder()
+        .iter()
+        .fold(<A as Arith>::LOWEST, |m, &v| if v > m { v } else { m });
+    for &l in &lanes {
+        m = if l > m { l } else { m };
+    }
+    m
+}
+
+/// The sum of exp(x - max) over a row, each value also stored in `out`
+/// when given; prefetches the row at `next` as it goes.
+#[inline(always)]
+fn exp_sum<A: SoftmaxExp>(x: &[A], max: A, out: Option<&mut [A]>, next: Option<*const A>) -> A {
+    let zero = <A as Arith>::ZERO;
+    let mut lanes = [zero; SOFTMAX_LANES];
+    let whole = x.len() / SOFTMAX_LANES * SOFTMAX_LANES;
+    let chunk_bytes = SOFTMAX_LANES * std::mem::size_of::<A>();
+    let fetch = |i: usize| {
+        if let Some(next) = next {
+            prefetch(
+                next.wrapping_add(i * SOFTMAX_LANES) as *const u8,
+                chunk_bytes,
+            );
+        }
+    };
+    // Two loops rather than a test per chunk, so that each vectorises.
+    let chunks = x[..whole].chunks_exact(SOFTMAX_LANES).enumerate();
+    let mut sum = zero;
+    match out {
+        Some(out) => {
+            for ((i, c), o) in chunks.zip(out.chunks_exact_mut(SOFTMAX_LANES)) {
+                fetch(i);
+                for ((l, d), &v) in lanes.iter_mut().zip(o).zip(c) {
+                    let e = (v - max).softmax_exp();
+                    *d = e;
+                    *l = *l + e;
+                }
+            }
+            for (d, &v) in out[whole..].iter_mut().zip(&x[whole..]) {
+                *d = (v - max).softmax_exp();
+                sum = sum + *d;
+            }
+        }
+        None => {
+            for (i, c) in chunks {
+                fetch(i);
+                for (l, &v) in lanes.iter_mut().zip(c) {
+                    *l = *l + (v - max).softmax_exp();
+                }
+            }
+            for &v in &x[whole..] {
+                sum = sum + (v - max).softmax_exp();
+            }
+        }
+    }
+    if let Some(next) = next {
+        let tail = (x.len() - whole) * std::mem::size_of::<A>();
+        prefetch(next.wrapping_add(whole) as *const u8, tail);
+    }
+    // A fixed pairwise tree over the lanes.
+    let mut w = SOFTMAX_LANES;
+    while w > 1 {
+        w /= 2;
+        for i in 0..w {
+            lanes[i] = lanes[i] + lanes[i + w];
+        }
+    }
+    lanes[0] + sum
 }
 
 /// A contiguous row's fold: [`fold_row`] up to [`ROW_MAX`] elements, the
@@ -835,6 +960,50 @@ where
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn streamed_softmax_rows_match_an_f64_reference() {
+        // Enough rows that the output is streamed (through the scratch row)
+        // and rows are prefetched; rows of odd length, with -inf, a NaN,
+        // all -inf, and a huge spread.
+        let len = 4099;
+        let min = 1 << 20;
+        let rows = min / (4 * len) + 3;
+        let mut xs: Vec<f32> = (0..rows * len)
+            .map(|i| ((i * 7919) % 3001) as f32 / 100.0 - 15.0)
+            .collect();
+        xs[len + 5] = f32::NEG_INFINITY;
+        xs[2 * len + 7] = f32::NAN;
+        xs[3 * len..4 * len].fill(f32::NEG_INFINITY);
+        xs[4 * len + 1] = 1e30;
+        let x = Tensor::from_vec(xs.clone(), &[rows, len]);
+        for log in [false, true] {
+            let run = || softmax(&x, 1, log).unwrap();
+            let got = super::super::stream::with_stream_min_bytes(min, run)
+                .to_vec::<f32>()
+                .unwrap();
+            for r in (0..rows).filter(|r| r % 97 < 6) {
+                let row = &xs[r * len..(r + 1) * len];
+                let out = &got[r * len..(r + 1) * len];
+                if r == 2 || r == 3 {
+                    assert!(out.iter().all(|v| v.is_nan()), "row {r}: NaN everywhere");
+                    continue;
+                }
+                let max = row.iter().fold(f64::NEG_INFINITY, |m, &v| m.max(v as f64));
+                let sum: f64 = row.iter().map(|&v| (v as f64 - max).exp()).sum();
+                for (&v, &o) in row.iter().zip(out) {
+                    let want = if log {
+                        (v as f64 - max) - sum.ln()
+                    } else {
+                        (v as f64 - max).exp() / sum
+                    };
+                    let tol = 1e-6 * (1.0 + want.abs());
+                    let ok = (o as f64 - want).abs() <= tol || (o == want as f32);
+                    assert!(ok, "row {r} log {log}: {o} vs {want}");
+                }
+            }
+        }
+    }
+
     use half::{bf16, f16};
 
     use super::*;

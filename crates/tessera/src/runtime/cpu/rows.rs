@@ -19,7 +19,8 @@ use super::elementwise::{
     binary_const_into, binary_into, const_binary_into, unary_into, Transcendental,
 };
 use super::fused::{compare_block, load, round_block, Step};
-use super::reduce::{reduce_row, softmax_row, Arith, SoftmaxExp, ROW_MAX};
+use super::reduce::{reduce_row, softmax_row, Arith, RowIo, SoftmaxExp, ROW_MAX};
+use super::stream::stream_min_bytes;
 use super::{Element, Storage};
 use crate::error::{op_err, Result};
 use crate::ir::{DType, ReduceOp};
@@ -122,13 +123,24 @@ impl RowKernel {
         let slots = Slots::allocate(self);
         let per_task = (super::copy::PAR_THRESHOLD / self.len.max(1)).max(1);
         let direct = Direct::find::<A>(self, sources, &sinks);
+        // Rows written straight into outputs far larger than the caches
+        // are stored non-temporally (softmax, through a scratch row).
+        let bytes: usize = outs.iter().map(|s| s.as_bytes().len()).sum();
+        let stream = bytes >= stream_min_bytes();
+        let softmax = self
+            .steps
+            .iter()
+            .any(|s| matches!(s, RowStep::Softmax { .. }));
         let run = |range: std::ops::Range<usize>| {
             let mut file = vec![<A as AccFloat>::ZERO; slots.count * self.len];
             let mut scalars = vec![<A as AccFloat>::ZERO; self.steps.len()];
             let mut at = vec![std::ptr::null_mut::<A>(); self.steps.len()];
+            let scratch_len = if stream && softmax { self.len } else { 0 };
+            let mut scratch = vec![<A as AccFloat>::ZERO; scratch_len];
             for r in range {
                 direct.place_row(r, self.len, &slots, &mut file, &mut at);
-                self.eval_row(r, sources, &direct.input, &at, &mut scalars);
+                let io = (&direct, stream, &mut scratch[..]);
+                self.eval_row(r, sources, io, &at, &mut scalars);
                 self.store_row(r, &sinks, &direct, &at, &scalars);
             }
         };
@@ -147,15 +159,18 @@ impl RowKernel {
     }
 
     /// Evaluates row `r`: row step `i` lives at `at[i]` (a register slot,
-    /// or the input or output memory itself, see [`Direct`]).
+    /// or the input or output memory itself, see [`Direct`]). `io`: where
+    /// the values live, whether outputs in memory are streamed, and the
+    /// scratch row a streamed softmax needs.
     fn eval_row<A: Transcendental + SoftmaxExp>(
         &self,
         r: usize,
         sources: &[Source<'_>],
-        in_place: &[bool],
+        io: (&Direct, bool, &mut [A]),
         at: &[*mut A],
         scalars: &mut [A],
     ) {
+        let (direct, stream, scratch) = io;
         let len = self.len;
         let row = |j: usize| {
             // SAFETY: `at[j]` holds `len` elements (see `Direct::place_row`),
@@ -167,14 +182,21 @@ impl RowKernel {
                 scalars[i] = self.eval_scalar(step, r, sources, scalars, &row);
                 continue;
             }
-            if in_place[i] {
+            if direct.input[i] {
                 continue; // an input read where it is
             }
             // SAFETY: as above; this step's place is none of its operands'.
             let dst = unsafe { std::slice::from_raw_parts_mut(at[i], len) };
             match step {
                 RowStep::Point(p) => self.eval_point(p, r, sources, dst, &row, scalars),
-                RowStep::Softmax { log, arg } => softmax_row(row(*arg), dst, *log),
+                RowStep::Softmax { log, arg } => {
+                    let io = RowIo {
+                        stream: stream && direct.in_output[i],
+                        // Input rows read in place follow one another.
+                        prefetch_next: direct.input[*arg],
+                    };
+                    softmax_row(row(*arg), dst, *log, scratch, io)
+                }
                 RowStep::Reduce(..) => unreachable!("reductions are scalar values"),
             }
         }
@@ -305,6 +327,8 @@ struct Direct {
     input: Vec<bool>,
     /// Per output: written in place by its step (nothing to store).
     output: Vec<bool>,
+    /// Per step: computed straight into an output's memory.
+    in_output: Vec<bool>,
 }
 
 impl Direct {
@@ -324,18 +348,21 @@ impl Direct {
         }
         let input: Vec<bool> = base.iter().map(Option::is_some).collect();
         let mut output = vec![false; k.outputs.len()];
+        let mut in_output = vec![false; k.steps.len()];
         for (o, &(s, dtype, _)) in k.outputs.iter().enumerate() {
             // An output step computed once into the buffer (a step that is
             // two outputs is stored for the second).
             if k.is_row[s] && same(dtype) && base[s].is_none() {
                 base[s] = Some(sinks.0[o].0 as usize);
                 output[o] = true;
+                in_output[s] = true;
             }
         }
         Direct {
             base,
             input,
             output,
+            in_output,
         }
     }
 
@@ -457,6 +484,38 @@ impl Slots {
 mod tests {
     use super::*;
     use crate::ir::BinaryOp;
+
+    #[test]
+    fn a_streamed_softmax_row_kernel_gives_the_eager_bits() {
+        // The input read in place with the next row prefetched, the output
+        // written in place through the scratch row with non-temporal stores.
+        let (rows, len) = (300, 1000);
+        let xs: Vec<f32> = (0..rows * len)
+            .map(|i| ((i * 7919) % 1013) as f32 * 0.02 - 10.0)
+            .collect();
+        let x = Tensor::from_vec(xs, &[rows, len]);
+        for log in [false, true] {
+            let k = RowKernel {
+                outer: vec![rows],
+                len,
+                steps: vec![
+                    RowStep::Point(Step::Load(0)),
+                    RowStep::Softmax { log, arg: 0 },
+                ],
+                is_row: vec![true, true],
+                outputs: vec![(1, DType::F32, vec![rows, len])],
+                wide: false,
+            };
+            let run = || k.run(&[&x]).unwrap();
+            let got = super::super::stream::with_stream_min_bytes(1 << 20, run);
+            let eager = if log {
+                x.log_softmax(-1)
+            } else {
+                x.softmax(-1)
+            };
+            assert_eq!(got[0].to_f64_vec(), eager.to_f64_vec(), "log {log}");
+        }
+    }
 
     #[test]
     fn decomposed_softmax_in_one_row_kernel_matches_the_softmax_kernel() {
