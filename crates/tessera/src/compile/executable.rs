@@ -12,6 +12,7 @@ use crate::logging::log;
 use crate::passes::{PassContext, PassManager};
 use crate::runtime::execute::{run_plan_with, run_scheduled_with};
 use crate::runtime::interpret::run_graph;
+use crate::runtime::replay::{ReplayStats, Replayer};
 use crate::schedule::{self, ScheduleOptions, Scheduled};
 use crate::tensor::trace::Traced;
 use crate::tensor::Tensor;
@@ -27,6 +28,8 @@ struct Program {
     scheduled: Option<Arc<Scheduled>>,
     /// Autotune fused kernels' block sizes (`mode=max-autotune`).
     tune: bool,
+    /// Device graphs of its runs (`mode=reduce-overhead`).
+    replay: Option<Arc<Replayer>>,
 }
 
 impl Program {
@@ -39,6 +42,7 @@ impl Program {
                 plan: None,
                 scheduled: None,
                 tune: false,
+                replay: None,
             });
         }
         pipeline(options).run(&mut graph, &PassContext::default())?;
@@ -64,10 +68,27 @@ impl Program {
             plan: Some(Arc::new(plan)),
             scheduled,
             tune: options.mode == super::Mode::MaxAutotune,
+            replay: (options.mode == super::Mode::ReduceOverhead)
+                .then(|| Arc::new(Replayer::new())),
         })
     }
 
+    /// Runs the program: replayed from a device graph under
+    /// `mode=reduce-overhead` (see `runtime::replay`), else kernel by kernel.
     fn run(&self, args: &[Tensor]) -> Result<Vec<Tensor>> {
+        match &self.replay {
+            Some(replayer) => replayer.run(args, |a| self.run_kernels(a)),
+            None => self.run_kernels(args),
+        }
+    }
+
+    fn replay_stats(&self) -> ReplayStats {
+        self.replay
+            .as_ref()
+            .map_or_else(ReplayStats::default, |r| r.stats())
+    }
+
+    fn run_kernels(&self, args: &[Tensor]) -> Result<Vec<Tensor>> {
         let outs = match (&self.plan, &self.scheduled) {
             (Some(plan), Some(s)) => {
                 run_scheduled_with(&self.graph, plan, &s.schedule, &s.memory, args, self.tune)?
@@ -183,6 +204,20 @@ impl Executable {
             out.extend(bwd.program.artifacts("backward"));
         }
         out
+    }
+
+    /// What the device-graph replayers of its forward and backward did
+    /// (`mode=reduce-overhead`), summed.
+    pub fn replay_stats(&self) -> ReplayStats {
+        let mut s = self.forward.replay_stats();
+        if let Some(bwd) = &self.backward {
+            let b = bwd.program.replay_stats();
+            s.normal_runs += b.normal_runs;
+            s.recordings += b.recordings;
+            s.replays += b.replays;
+            s.fallbacks += b.fallbacks;
+        }
+        s
     }
 
     pub(super) fn has_lifted(&self) -> bool {
