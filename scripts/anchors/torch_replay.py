@@ -59,6 +59,18 @@ def bench(name, f, inputs, n):
     print(json.dumps(dict(who="torch", case=name, mode="cuda-graph", ms_per_call=round(timed(replay, n), 4))))
 
 
+def bandwidth(n=1 << 26, reps=20):
+    # The peer of executor_bench's pointwise rows: a + b, exp(a), a copy.
+    for dtype, name in ((torch.float32, "f32"), (torch.bfloat16, "bf16")):
+        a, b = torch.randn(n, device="cuda", dtype=dtype), torch.randn(n, device="cuda", dtype=dtype)
+        dst = torch.empty_like(a)
+        size = n * a.element_size()
+        add, exp, copy = timed(lambda: a + b, reps), timed(lambda: torch.exp(a), reps), timed(lambda: dst.copy_(a), reps)
+        print(json.dumps(dict(who="torch", case=f"pointwise {name} 2^26", add_ms=round(add, 4), add_gbs=round(3 * size / add / 1e6),
+                              exp_ms=round(exp, 4), exp_gbs=round(2 * size / exp / 1e6), copy_ms=round(copy, 4), copy_gbs=round(2 * size / copy / 1e6))))
+
+
+bandwidth()
 g = torch.Generator(device="cuda").manual_seed(0)
 mk = lambda *s, dtype=torch.float32: torch.randn(*s, device="cuda", dtype=dtype, generator=g)
 bench("mlp f32 64x128x96", mlp, [mk(64, 128), mk(128, 96), mk(96)], reps)

@@ -87,11 +87,49 @@ fn bench(
     Ok(())
 }
 
+/// Eager pointwise kernels on 2^26 elements against a device copy: GB/s
+/// counting each input read once and the output written once (the copy:
+/// bytes read + written). `TESSERA_CUDA_PACK=0` measures the
+/// element-by-element path.
+fn bandwidth(reps: usize) -> tessera::Result<()> {
+    let n = 1usize << 26;
+    let backend = device::backend(Device::Cuda)?;
+    for dtype in [DType::F32, DType::BF16] {
+        let a = randn(&[n], dtype, 40)?;
+        let b = randn(&[n], dtype, 41)?;
+        let bytes = (n * dtype.size_bytes()) as f64;
+        let add = time(reps, || {
+            let _ = &a + &b;
+        })?;
+        let exp = time(reps, || {
+            let _ = a.exp();
+        })?;
+        let dst = backend.alloc(dtype, n)?;
+        let src = a.device_storage().expect("on the device").clone();
+        let copy = time(reps, || backend.copy(&dst, &src).expect("a copy"))?;
+        let gbs = |moved: f64, ms: f64| moved / ms / 1e6;
+        let pack = std::env::var("TESSERA_CUDA_PACK").unwrap_or_else(|_| "1".into());
+        println!(
+            "{{\"who\": \"tessera\", \"case\": \"pointwise {dtype} 2^26\", \"pack\": {pack}, \
+             \"add_ms\": {add:.4}, \"add_gbs\": {:.0}, \"exp_ms\": {exp:.4}, \"exp_gbs\": {:.0}, \
+             \"copy_ms\": {copy:.4}, \"copy_gbs\": {:.0}}}",
+            gbs(3.0 * bytes, add),
+            gbs(2.0 * bytes, exp),
+            gbs(2.0 * bytes, copy)
+        );
+    }
+    Ok(())
+}
+
 fn main() -> tessera::Result<()> {
     let reps: usize = std::env::args()
         .nth(1)
         .map_or(200, |s| s.parse().expect("a count"));
     tessera_cuda::register()?;
+    bandwidth(20)?;
+    if std::env::args().nth(2).as_deref() == Some("bandwidth") {
+        return Ok(());
+    }
     let mlp_inputs = [
         randn(&[64, 128], DType::F32, 1)?,
         randn(&[128, 96], DType::F32, 2)?,

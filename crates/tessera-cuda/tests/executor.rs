@@ -146,6 +146,7 @@ fn the_device_arena_peaks_where_the_plan_says() {
             sliced,
         ),
     ];
+    let mut arenas = 0;
     for (name, host, f) in cases {
         let graph = traced(name, &host, f);
         let on: Vec<Tensor> = host.iter().map(cuda).collect();
@@ -161,18 +162,28 @@ fn the_device_arena_peaks_where_the_plan_says() {
             assert!(s.memory.arena_bytes > 0, "{name}: nothing planned");
             let (outs, peak) = measured(&graph, &plan, &s, &on);
             assert_eq!(
+                bits(&outs),
+                bits(&reference),
+                "{name} {}: values differ from the kernel-by-kernel run",
+                strategy.name()
+            );
+            // A plan with the CPU's scratch runs without an arena on the
+            // GPU (`execute::run_scheduled`): only the values are checked.
+            if s.memory.buffers.iter().any(|b| b.value.is_none()) {
+                eprintln!(
+                    "{name} {}: CPU scratch in the plan, no arena",
+                    strategy.name()
+                );
+                continue;
+            }
+            arenas += 1;
+            assert_eq!(
                 peak,
                 s.memory.run_peak_bytes(),
                 "{name} {}: measured {peak} device bytes, predicted {}\n{}",
                 strategy.name(),
                 s.memory.run_peak_bytes(),
                 s.memory.describe(&graph)
-            );
-            assert_eq!(
-                bits(&outs),
-                bits(&reference),
-                "{name} {}: values differ from the kernel-by-kernel run",
-                strategy.name()
             );
             eprintln!(
                 "{name} {}: peak {peak} bytes = arena {} + escaping {}",
@@ -182,6 +193,10 @@ fn the_device_arena_peaks_where_the_plan_says() {
             );
         }
     }
+    assert!(
+        arenas >= 3,
+        "the f32 attention graph runs in an arena in every order"
+    );
 }
 
 #[test]

@@ -269,6 +269,7 @@ fn device_runs_place_buffers_in_one_arena_and_peak_as_planned() {
             qkv.clone(),
         ),
     ];
+    let mut arenas = 0;
     for (graph, host) in cases {
         let plan = tessera::fusion::fuse(&graph);
         let reference: Vec<Tensor> = run_plan(&graph, &plan, &host)
@@ -282,6 +283,19 @@ fn device_runs_place_buffers_in_one_arena_and_peak_as_planned() {
             let (outs, peak) = measured(&graph, &plan, &s, &on);
             assert!(outs.iter().all(|t| t.device() == Device::Cuda));
             assert_eq!(
+                bits(&outs),
+                bits(&reference),
+                "{} {}",
+                graph.name,
+                strategy.name()
+            );
+            // A plan with the CPU's scratch runs without an arena on a
+            // device (`execute::run_scheduled`).
+            if s.memory.buffers.iter().any(|b| b.value.is_none()) {
+                continue;
+            }
+            arenas += 1;
+            assert_eq!(
                 peak,
                 s.memory.run_peak_bytes(),
                 "{} {}: measured {peak}, predicted {}\n{}",
@@ -290,15 +304,12 @@ fn device_runs_place_buffers_in_one_arena_and_peak_as_planned() {
                 s.memory.run_peak_bytes(),
                 s.memory.describe(&graph)
             );
-            assert_eq!(
-                bits(&outs),
-                bits(&reference),
-                "{} {}",
-                graph.name,
-                strategy.name()
-            );
         }
     }
+    assert!(
+        arenas >= 3,
+        "the attention graph runs in an arena in every order"
+    );
 }
 
 #[test]

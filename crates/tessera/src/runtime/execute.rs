@@ -86,6 +86,22 @@ pub fn run_scheduled_with(
 ) -> Result<Vec<(String, Tensor)>> {
     let refs: Vec<&Tensor> = inputs.iter().collect();
     let on = inputs_device(graph, &refs)?;
+    if on != Device::Cpu && !fits_device(memory) {
+        log("memory", || {
+            format!(
+                "graph `{}` on {on}: the plan reserves the CPU kernels' scratch, which the \
+                 device's kernels do not use; no arena, buffers from the device's allocator",
+                graph.name
+            )
+        });
+        let unplanned = |k: usize| -> Result<KernelMemory> {
+            Ok(KernelMemory {
+                in_place: memory.in_place(k).collect(),
+                ..KernelMemory::default()
+            })
+        };
+        return execute(graph, plan, &schedule.steps, unplanned, inputs, tune);
+    }
     // On a device the arena and blocks are device memory (see `cpu::arena`).
     let arena = Arena::on(on, memory.arena_bytes)?;
     let mut created = vec![Vec::new(); plan.kernels.len()];
@@ -167,7 +183,8 @@ fn execute(
         for (&id, t) in graph.inputs.iter().zip(inputs) {
             values[id.index()] = Some(t.clone());
         }
-        // Device kernels queue on one stream: nothing to gain from threads.
+        // Device kernels are queued from this thread: a step's kernels go
+        // to the device's lanes (streams) instead of threads.
         let concurrent = !trace::is_active() && on == Device::Cpu;
         let grad = autograd::is_grad_enabled();
         let lanes = match on {
@@ -222,6 +239,16 @@ fn execute(
             })
             .collect())
     })
+}
+
+/// Whether a device run follows `memory` as planned: the plan's scratch is
+/// the CPU kernels' (f32 copies of half-precision matmul operands, copies of
+/// strided rows), which the device's kernels do not make, so an arena with
+/// it would hold bytes nobody uses (4 GiB for the seed's bf16 attention);
+/// such plans run on the device's caching allocator instead, in place
+/// where planned. The planner has one scratch model, the CPU's.
+fn fits_device(memory: &MemoryPlan) -> bool {
+    memory.buffers.iter().all(|b| b.value.is_some())
 }
 
 /// What a kernel computed: (value, tensor) pairs.

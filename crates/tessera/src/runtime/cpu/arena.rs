@@ -15,7 +15,8 @@
 //! allocation that no slot matches also goes to the pool (the measured peak
 //! then differs from the predicted one, which the planner tests catch).
 //!
-//! On a device (a compiled run whose inputs live on a GPU) the arena and
+//! On a device (a compiled run whose inputs live on a GPU, with a plan
+//! that reserves no CPU scratch: see `execute::run_scheduled`) the arena and
 //! the blocks are device memory from the backend's allocator, counted once
 //! by its accounting as on the host; the backend asks [`take_device`] when
 //! it allocates, and a planned allocation becomes a [`DeviceRegion`]. Host
