@@ -7,7 +7,7 @@ use std::time::Duration;
 use anyhow::{anyhow, Result};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
-use tessera::train::{train, Decay, Progress, TrainConfig, TrainReport};
+use tessera::train::{train_on, Decay, Progress, TrainConfig, TrainReport};
 
 /// The defaults of every flag: one place, the library's.
 fn defaults() -> TrainConfig {
@@ -74,6 +74,9 @@ pub struct TrainArgs {
     /// (created if missing).
     #[arg(long, value_name = "DIR", default_value = "train-out")]
     out_dir: PathBuf,
+    /// cpu or cuda: where the model, the optimizer state and every step run.
+    #[arg(long, default_value = "cpu")]
+    device: String,
 }
 
 impl TrainArgs {
@@ -107,10 +110,11 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     let config = args.config();
     // Bad flags fail here, before any output or training.
     config.validate()?;
+    let device = crate::device::open(&args.device)?;
     let c = &config;
     println!(
         "reversing {}-digit strings: TransformerLM d_model {}, {} heads, {} layers, d_ff {}; \
-         {} steps of batch {}, lr {} ({} decay, warmup {}), seed {}",
+         {} steps of batch {}, lr {} ({} decay, warmup {}), seed {}, on {device}",
         c.digits,
         c.d_model,
         c.n_heads,
@@ -125,7 +129,7 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     );
     let bar = progress_bar(c.steps as u64);
     let mut last_accuracy = None;
-    let report = train(&config, |p| {
+    let report = train_on(&config, device, |p| {
         if let Some(e) = p.eval {
             last_accuracy = Some(e.accuracy.exact_match);
             bar.suspend(|| println!("{}", eval_line(p)));

@@ -1,9 +1,19 @@
-//! The GPU: its context and stream, the caching allocator with tessera's
-//! live/peak accounting, host<->device copies and kernel launches.
+//! The GPU: its context and streams, the caching allocator with tessera's
+//! live/peak accounting, host<->device copies, kernel launches, and the
+//! capture of queued work into CUDA graphs.
 //!
-//! All work goes to one stream, in order. That is what makes the cache
-//! safe without events: a block freed while a queued kernel still reads it
-//! is handed out again only to work queued after that kernel.
+//! Work goes to the current lane's stream; lane 0, the main stream, unless
+//! the executor spreads a step over lanes ([`Gpu::fork`] .. [`Gpu::join`],
+//! events for the dependencies). On one stream the cache is safe without
+//! events: a block freed while a queued kernel still reads it is handed out
+//! again only to work queued after that kernel. Between a fork and its join
+//! the blocks freed are held back and cached only at the join, after which
+//! every lane's work is ordered before anything queued later.
+//!
+//! While work is captured ([`Gpu::begin_capture`]), blocks freed go to the
+//! capture's own pool, from which the capture's allocations are served
+//! first; the graph keeps them (its replays write them) and gives them back
+//! to the cache when dropped.
 
 use std::cell::Cell;
 use std::collections::HashMap;
@@ -37,6 +47,37 @@ const ROUND: usize = 512;
 struct Pool {
     free: HashMap<usize, Vec<u64>>,
     cached: usize,
+    /// Between a fork and its join: blocks freed, (rounded size, address).
+    held: Option<Vec<(usize, u64)>>,
+    /// While capturing: the capture's free blocks.
+    capture: Option<HashMap<usize, Vec<u64>>>,
+}
+
+impl Pool {
+    /// Where a free block goes: held back during a step on several lanes,
+    /// the capture's pool while capturing, else the cache.
+    fn put(&mut self, cap: usize, ptr: u64) {
+        if let Some(held) = &mut self.held {
+            held.push((cap, ptr));
+        } else if let Some(capture) = &mut self.capture {
+            capture.entry(cap).or_default().push(ptr);
+        } else {
+            self.cached += cap;
+            self.free.entry(cap).or_default().push(ptr);
+        }
+    }
+
+    /// A free block of rounded size `cap`: the capture's first.
+    fn get(&mut self, cap: usize) -> Option<u64> {
+        if let Some(p) = self.capture.as_mut().and_then(|c| c.get_mut(&cap)?.pop()) {
+            return Some(p);
+        }
+        let p = self.free.get_mut(&cap).and_then(Vec::pop);
+        if p.is_some() {
+            self.cached -= cap;
+        }
+        p
+    }
 }
 
 /// Device memory accounting and the cache of free blocks.
@@ -52,10 +93,20 @@ struct SendPtr<T>(T);
 unsafe impl<T> Send for SendPtr<T> {}
 unsafe impl<T> Sync for SendPtr<T> {}
 
-/// The device, one context and one stream.
+/// Lanes (streams) a step may use unless `TESSERA_CUDA_LANES` says.
+const DEFAULT_LANES: usize = 4;
+
+/// The device, one context, its lanes.
 pub struct Gpu {
     context: SendPtr<sys::CUcontext>,
-    stream: SendPtr<sys::CUstream>,
+    /// Lane i's stream; lane 0 is the main stream.
+    streams: Vec<SendPtr<sys::CUstream>>,
+    /// Lane i's event, recorded at forks (lane 0) and joins (the others).
+    events: Vec<SendPtr<sys::CUevent>>,
+    /// The lane work goes to now.
+    lane: AtomicUsize,
+    /// The lanes of the step in progress (0: none).
+    forked: AtomicUsize,
     /// `sm_90` on Hopper.
     pub target: String,
     pub sms: u32,
@@ -99,11 +150,27 @@ impl Gpu {
         let context =
             unsafe { cu::primary_ctx::retain(dev) }.map_err(|e| driver_error("context", e))?;
         unsafe { cu::ctx::set_current(context) }.map_err(|e| driver_error("context", e))?;
-        let stream = cu::stream::create(cu::stream::StreamKind::NonBlocking)
-            .map_err(|e| driver_error("stream creation", e))?;
+        let lanes = std::env::var("TESSERA_CUDA_LANES")
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+            .unwrap_or(DEFAULT_LANES)
+            .clamp(1, 16);
+        let mut streams = Vec::with_capacity(lanes);
+        let mut events = Vec::with_capacity(lanes);
+        for _ in 0..lanes {
+            let stream = cu::stream::create(cu::stream::StreamKind::NonBlocking)
+                .map_err(|e| driver_error("stream creation", e))?;
+            let event = cu::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+                .map_err(|e| driver_error("event creation", e))?;
+            streams.push(SendPtr(stream));
+            events.push(SendPtr(event));
+        }
         let gpu = Gpu {
             context: SendPtr(context),
-            stream: SendPtr(stream),
+            streams,
+            events,
+            lane: AtomicUsize::new(0),
+            forked: AtomicUsize::new(0),
             target: format!("sm_{major}{minor}"),
             sms: sms as u32,
             name,
@@ -129,8 +196,137 @@ impl Gpu {
         }
     }
 
+    /// The stream of the current lane.
     pub fn stream(&self) -> sys::CUstream {
-        self.stream.0
+        self.streams[self.lane()].0
+    }
+
+    /// The current lane.
+    pub fn lane(&self) -> usize {
+        self.lane.load(Ordering::Relaxed)
+    }
+
+    pub fn lanes(&self) -> usize {
+        self.streams.len()
+    }
+
+    /// Starts a step on `lanes` lanes (at most [`Gpu::lanes`]): every lane
+    /// waits for the main stream's work so far; freed blocks are held back
+    /// until [`Gpu::join`].
+    pub fn fork(&self, lanes: usize) -> Result<(), String> {
+        self.bind();
+        let lanes = lanes.clamp(1, self.lanes());
+        let main = self.streams[0].0;
+        // SAFETY: streams and events live as long as the process.
+        unsafe {
+            cu::event::record(self.events[0].0, main)
+                .map_err(|e| driver_error("event record", e))?;
+            for s in &self.streams[1..lanes] {
+                cu::stream::wait_event(
+                    s.0,
+                    self.events[0].0,
+                    sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+                )
+                .map_err(|e| driver_error("stream wait", e))?;
+            }
+        }
+        self.alloc
+            .pool
+            .lock()
+            .expect("pool poisoned")
+            .held
+            .get_or_insert_with(Vec::new);
+        self.forked.store(lanes, Ordering::Relaxed);
+        self.lane.store(0, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Sends the work queued from now on to `lane` of the forked step.
+    pub fn set_lane(&self, lane: usize) {
+        let forked = self.forked.load(Ordering::Relaxed).max(1);
+        self.lane.store(lane % forked, Ordering::Relaxed);
+    }
+
+    /// Ends a step: the main stream waits for every lane; the blocks freed
+    /// during the step become reusable (by work that is now ordered after
+    /// all of the step's).
+    pub fn join(&self) -> Result<(), String> {
+        self.bind();
+        let lanes = self.forked.swap(0, Ordering::Relaxed);
+        self.lane.store(0, Ordering::Relaxed);
+        let main = self.streams[0].0;
+        let mut result = Ok(());
+        for (s, e) in self.streams.iter().zip(&self.events).take(lanes).skip(1) {
+            // SAFETY: as in `fork`.
+            let r = unsafe {
+                cu::event::record(e.0, s.0).and_then(|_| {
+                    cu::stream::wait_event(
+                        main,
+                        e.0,
+                        sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+                    )
+                })
+            };
+            if let Err(err) = r {
+                result = Err(driver_error("joining the lanes", err));
+            }
+        }
+        let mut pool = self.alloc.pool.lock().expect("pool poisoned");
+        for (cap, ptr) in pool.held.take().unwrap_or_default() {
+            pool.put(cap, ptr);
+        }
+        result
+    }
+
+    /// Starts capturing the main stream's work (and the lanes that join
+    /// it) instead of running it; the capture's allocations get a pool of
+    /// their own.
+    pub fn begin_capture(&self) -> Result<(), String> {
+        self.bind();
+        self.alloc.pool.lock().expect("pool poisoned").capture = Some(HashMap::new());
+        // Relaxed: allocating (cuMemAlloc) while capturing is allowed.
+        let r = unsafe {
+            cu::stream::begin_capture(
+                self.streams[0].0,
+                sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED,
+            )
+        };
+        r.map_err(|e| {
+            self.alloc.pool.lock().expect("pool poisoned").capture = None;
+            driver_error("stream capture", e)
+        })
+    }
+
+    /// Ends the capture: the instantiated graph, which owns the blocks of
+    /// the capture's pool; an error when the capture was invalidated (a
+    /// synchronisation or a copy to the host while capturing).
+    pub fn end_capture(&self) -> Result<CudaGraph, String> {
+        self.bind();
+        // SAFETY: the main stream is live; its capture began in begin_capture.
+        let graph = unsafe { cu::stream::end_capture(self.streams[0].0) };
+        let blocks: Vec<(usize, u64)> = {
+            let mut pool = self.alloc.pool.lock().expect("pool poisoned");
+            let capture = pool.capture.take().unwrap_or_default();
+            capture
+                .into_iter()
+                .flat_map(|(cap, ptrs)| ptrs.into_iter().map(move |p| (cap, p)))
+                .collect()
+        };
+        // Dropped on an error: the blocks go back to the cache.
+        let mut captured = CudaGraph {
+            exec: SendPtr(std::ptr::null_mut()),
+            stream: SendPtr(self.streams[0].0),
+            blocks,
+            alloc: self.alloc.clone(),
+        };
+        let graph = graph.map_err(|e| driver_error("stream capture", e))?;
+        // SAFETY: a graph just captured; the executable copies what it needs.
+        let exec = unsafe { cu::graph::instantiate(graph, sys::CUgraphInstantiate_flags(0)) };
+        unsafe {
+            let _ = cu::graph::destroy(graph);
+        }
+        captured.exec = SendPtr(exec.map_err(|e| driver_error("graph instantiation", e))?);
+        Ok(captured)
     }
 
     /// A block of at least `bytes` (one byte for empty tensors): from the
@@ -139,14 +335,7 @@ impl Gpu {
     pub fn alloc(&self, bytes: usize) -> Result<CudaMemory, String> {
         self.bind();
         let cap = bytes.max(1).div_ceil(ROUND) * ROUND;
-        let cached = {
-            let mut pool = self.alloc.pool.lock().expect("pool poisoned");
-            let p = pool.free.get_mut(&cap).and_then(Vec::pop);
-            if p.is_some() {
-                pool.cached -= cap;
-            }
-            p
-        };
+        let cached = self.alloc.pool.lock().expect("pool poisoned").get(cap);
         let ptr = match cached {
             Some(p) => p,
             None => match unsafe { cu::malloc_sync(cap) } {
@@ -222,6 +411,7 @@ impl Gpu {
         self.alloc.peak.store(live, Ordering::Relaxed);
     }
 
+    /// Waits for the current lane's work (and what it waits for).
     pub fn synchronize(&self) -> Result<(), String> {
         self.bind();
         unsafe { cu::stream::synchronize(self.stream()) }
@@ -336,8 +526,44 @@ impl Drop for CudaMemory {
     fn drop(&mut self) {
         self.alloc.live.fetch_sub(self.len, Ordering::Relaxed);
         if let Ok(mut pool) = self.alloc.pool.lock() {
-            pool.cached += self.cap;
-            pool.free.entry(self.cap).or_default().push(self.ptr);
+            pool.put(self.cap, self.ptr);
+        }
+    }
+}
+
+/// Captured work, instantiated: replays queue it on the main stream. It
+/// owns the blocks its capture freed (its replays write them).
+pub struct CudaGraph {
+    exec: SendPtr<sys::CUgraphExec>,
+    stream: SendPtr<sys::CUstream>,
+    blocks: Vec<(usize, u64)>,
+    alloc: Arc<Allocator>,
+}
+
+impl CudaGraph {
+    /// Queues the captured work once more.
+    pub fn replay(&self) -> Result<(), String> {
+        // SAFETY: a live executable graph and stream.
+        unsafe { cu::graph::launch(self.exec.0, self.stream.0) }
+            .map_err(|e| driver_error("graph launch", e))
+    }
+}
+
+impl Drop for CudaGraph {
+    fn drop(&mut self) {
+        if !self.exec.0.is_null() {
+            // SAFETY: instantiated in end_capture; a replay in flight is
+            // freed by the driver when it completes.
+            unsafe {
+                let _ = cu::graph::exec_destroy(self.exec.0);
+            }
+        }
+        // Work queued later on the main stream runs after the replays.
+        if let Ok(mut pool) = self.alloc.pool.lock() {
+            for (cap, ptr) in self.blocks.drain(..) {
+                pool.cached += cap;
+                pool.free.entry(cap).or_default().push(ptr);
+            }
         }
     }
 }

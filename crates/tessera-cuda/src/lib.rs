@@ -33,7 +33,7 @@ use tessera::error::{Error, ErrorKind, Result};
 use tessera::ir::{DType, Op};
 use tessera::runtime::cpu::fused::FusedKernel;
 use tessera::runtime::cpu::{MemoryStats, Storage};
-use tessera::runtime::device::{self, Backend, Device, DeviceStorage};
+use tessera::runtime::device::{self, Backend, Device, DeviceGraph, DeviceStorage};
 use tessera::Tensor;
 
 pub use matmul::Epilogue;
@@ -165,7 +165,17 @@ impl Backend for CudaBackend {
 
     fn run_fused(&self, kernel: &FusedKernel, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
         let name = || format!("fused[{} steps]", kernel.steps.len());
-        profile::timed(self, name, inputs, || self.fused(kernel, inputs))
+        profile::timed(self, name, inputs, || self.fused(kernel, inputs, &[]))
+    }
+
+    fn run_fused_into(
+        &self,
+        kernel: &FusedKernel,
+        inputs: &[&Tensor],
+        donated: &[(usize, usize)],
+    ) -> Result<Vec<Tensor>> {
+        let name = || format!("fused[{} steps]", kernel.steps.len());
+        profile::timed(self, name, inputs, || self.fused(kernel, inputs, donated))
     }
 
     fn synchronize(&self) -> Result<()> {
@@ -184,5 +194,60 @@ impl Backend for CudaBackend {
 
     fn empty_cache(&self) {
         self.gpu.empty_cache()
+    }
+
+    fn copy(&self, dst: &DeviceStorage, src: &DeviceStorage) -> Result<()> {
+        if dst.size_bytes() != src.size_bytes() {
+            return Err(Error::new(
+                ErrorKind::Argument,
+                format!(
+                    "device copy of {} bytes into {} bytes",
+                    src.size_bytes(),
+                    dst.size_bytes()
+                ),
+            ));
+        }
+        self.gpu
+            .copy(dst.ptr(), src.ptr(), src.size_bytes())
+            .map_err(device_error)
+    }
+
+    fn lanes(&self) -> usize {
+        self.gpu.lanes()
+    }
+
+    fn fork(&self, lanes: usize) -> Result<()> {
+        self.gpu.fork(lanes).map_err(device_error)
+    }
+
+    fn lane(&self, lane: usize) -> Result<()> {
+        self.gpu.set_lane(lane);
+        Ok(())
+    }
+
+    fn join(&self) -> Result<()> {
+        self.gpu.join().map_err(device_error)
+    }
+
+    fn begin_capture(&self) -> Result<()> {
+        self.gpu.begin_capture().map_err(device_error)
+    }
+
+    fn end_capture(&self) -> Result<Box<dyn DeviceGraph>> {
+        let graph = self.gpu.end_capture().map_err(device_error)?;
+        Ok(Box::new(Graph(graph)))
+    }
+}
+
+fn device_error(message: String) -> Error {
+    Error::new(ErrorKind::Device, message)
+}
+
+/// A captured CUDA graph as the runtime sees it.
+struct Graph(gpu::CudaGraph);
+
+impl DeviceGraph for Graph {
+    fn replay(&self) -> Result<()> {
+        self.0.replay().map_err(device_error)
     }
 }

@@ -107,7 +107,9 @@ struct Plan {
 
 struct Handles {
     handle: lt_sys::cublasLtHandle_t,
-    workspace: u64,
+    /// By lane (the workspaces live as long as the process; they are not
+    /// tensors, so they stay out of the accounting).
+    workspaces: Vec<u64>,
     plans: HashMap<Key, Plan>,
 }
 
@@ -182,16 +184,20 @@ impl Blas {
         let mut guard = self.inner.lock().expect("cuBLASLt poisoned");
         if guard.is_none() {
             let handle = lt::create_handle().map_err(|e| blas_error("handle creation", e))?;
-            // The workspace lives as long as the process; it is not a tensor,
-            // so it stays out of the accounting.
-            let workspace = gpu.alloc_unaccounted(WORKSPACE)?;
             *guard = Some(Handles {
                 handle,
-                workspace,
+                workspaces: Vec::new(),
                 plans: HashMap::new(),
             });
         }
         let h = guard.as_mut().expect("opened above");
+        // One workspace per lane: products on different lanes may run at
+        // the same time.
+        let lane = gpu.lane();
+        while h.workspaces.len() <= lane {
+            h.workspaces.push(gpu.alloc_unaccounted(WORKSPACE)?);
+        }
+        let workspace = h.workspaces[lane];
         let key = Key {
             dtype,
             batch,
@@ -243,7 +249,7 @@ impl Blas {
                 c as *mut c_void,
                 plan.layouts[2],
                 &plan.algo,
-                h.workspace as *mut c_void,
+                workspace as *mut c_void,
                 WORKSPACE,
                 gpu.stream() as lt_sys::cudaStream_t,
             )

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use tessera::error::{Error, ErrorKind, Result};
 use tessera::ir::{DType, Op};
 use tessera::runtime::cpu::fused::{FusedKernel, Step};
-use tessera::runtime::cpu::{self, Storage};
+use tessera::runtime::cpu::{self, arena, Storage};
 use tessera::runtime::device::{Device, DeviceStorage};
 use tessera::tensor::layout::contiguous_strides;
 use tessera::tensor::{Layout, Tensor};
@@ -20,6 +20,20 @@ use crate::codegen::rows;
 use crate::codegen::Compute;
 use crate::matmul::{Epilogue, Mat};
 use crate::CudaBackend;
+
+/// The memory of a storage that an output overwrites: the output keeps
+/// the storage alive and counts no bytes of its own.
+struct Over(Arc<DeviceStorage>);
+
+impl tessera::runtime::device::DeviceMemory for Over {
+    fn ptr(&self) -> u64 {
+        self.0.ptr()
+    }
+
+    fn len(&self) -> usize {
+        self.0.size_bytes()
+    }
+}
 
 /// A device failure about `op`.
 pub fn device_err(op: &str, message: impl Into<String>) -> Error {
@@ -41,11 +55,22 @@ pub(crate) fn first(t: &Tensor) -> u64 {
 }
 
 impl CudaBackend {
-    /// A new contiguous device tensor's storage.
+    /// A new contiguous device tensor's storage: at its planned place in
+    /// a compiled run's arena (see `tessera::runtime::cpu::arena`), else
+    /// from the caching allocator.
     pub(crate) fn empty(&self, dtype: DType, numel: usize) -> Result<DeviceStorage> {
+        let bytes = numel * dtype.size_bytes();
+        if let Some(region) = arena::take_device(bytes) {
+            return Ok(DeviceStorage::new(
+                Device::Cuda,
+                dtype,
+                numel,
+                Box::new(region),
+            ));
+        }
         let mem = self
             .gpu
-            .alloc(numel * dtype.size_bytes())
+            .alloc(bytes)
             .map_err(|m| Error::new(ErrorKind::Device, m))?;
         Ok(DeviceStorage::new(
             Device::Cuda,
@@ -82,11 +107,48 @@ impl CudaBackend {
         shape: &[usize],
         compute: Compute,
     ) -> Result<Vec<Tensor>> {
+        self.pointwise_into(op, steps, inputs, outputs, shape, compute, &[])
+    }
+
+    /// [`Self::pointwise`], output `o` written over input `i`'s storage for
+    /// each `(i, o)` of `donated` that fits (see `Backend::run_fused_into`).
+    /// Each thread reads its element of every input before it writes that
+    /// element of the outputs, so an output may overwrite an input of its
+    /// own shape and dense layout.
+    #[allow(clippy::too_many_arguments)]
+    fn pointwise_into(
+        &self,
+        op: &str,
+        steps: &[Step],
+        inputs: &[&Tensor],
+        outputs: &[(usize, DType)],
+        shape: &[usize],
+        compute: Compute,
+        donated: &[(usize, usize)],
+    ) -> Result<Vec<Tensor>> {
         let numel: usize = shape.iter().product();
         let operands: Vec<Operand> = inputs.iter().map(|t| self.operand(t, shape)).collect();
         let storages: Vec<DeviceStorage> = outputs
             .iter()
-            .map(|&(_, d)| self.empty(d, numel))
+            .enumerate()
+            .map(|(o, &(_, d))| {
+                let over = donated
+                    .iter()
+                    .find(|&&(_, out)| out == o)
+                    .and_then(|&(i, _)| {
+                        let x = inputs[i];
+                        let s = x.device_storage()?;
+                        let fits = x.dtype() == d
+                            && x.shape() == shape
+                            && x.is_contiguous()
+                            && x.layout().offset == 0
+                            && s.numel() == numel;
+                        fits.then(|| {
+                            DeviceStorage::new(Device::Cuda, d, numel, Box::new(Over(s.clone())))
+                        })
+                    });
+                over.map_or_else(|| self.empty(d, numel), Ok)
+            })
             .collect::<Result<_>>()?;
         let outs: Vec<Output> = outputs
             .iter()
@@ -227,7 +289,8 @@ impl CudaBackend {
                     self.launch(name, &launch)?;
                 } else {
                     let n_out: usize = shape.iter().product();
-                    let tmp = self.empty(rows::accumulator(x.dtype()), n_out * parts)?;
+                    // The partial results: the kernel's scratch.
+                    let tmp = arena::scratch(|| self.empty(rows::accumulator(x.dtype()), n_out * parts))?;
                     let (first, second, _) = rows::reduce_in_parts(
                         *r, x.dtype(), x.layout(), dims, dtype, parts, base(&x), tmp.ptr(), out.ptr(), sms,
                     );
@@ -321,20 +384,27 @@ impl CudaBackend {
         }
     }
 
-    /// Runs a fused kernel of the fusion plan.
-    pub(crate) fn fused(&self, kernel: &FusedKernel, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
+    /// Runs a fused kernel of the fusion plan (outputs over the `donated`
+    /// inputs' storages, see `Backend::run_fused_into`).
+    pub(crate) fn fused(
+        &self,
+        kernel: &FusedKernel,
+        inputs: &[&Tensor],
+        donated: &[(usize, usize)],
+    ) -> Result<Vec<Tensor>> {
         let compute = if kernel.wide {
             Compute::F64
         } else {
             Compute::F32
         };
-        self.pointwise(
+        self.pointwise_into(
             "fused",
             &kernel.steps,
             inputs,
             &kernel.outputs,
             &kernel.shape,
             compute,
+            donated,
         )
     }
 

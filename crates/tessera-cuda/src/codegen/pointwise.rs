@@ -97,9 +97,72 @@ pub fn pointwise(
         no1 = at_least_one(no),
         nc1 = at_least_one(nc),
     ));
+    let vector = vector_width(&buffers, outputs, n, any_strided);
     src.push_str(&format!(
-        "extern \"C\" __global__ void __launch_bounds__(256) {ENTRY}(Args a) {{\n\
-         for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < a.n; i += (long long)gridDim.x * blockDim.x) {{\n"
+        "extern \"C\" __global__ void __launch_bounds__(256) {ENTRY}(Args a) {{\n"
+    ));
+    let body = |load_at: &dyn Fn(usize) -> (String, String),
+                store_at: &dyn Fn(usize) -> String|
+     -> Result<String, String> {
+        step_lines(
+            steps,
+            &buffers,
+            compute,
+            &const_of_step,
+            outputs,
+            load_at,
+            store_at,
+        )
+    };
+    let tail_start = if vector > 1 {
+        // Packs of `vector` elements per thread: one 16-byte access per
+        // 16 bytes of every buffer (all contiguous and 16-byte aligned).
+        for (b, (_, d, _, _)) in buffers.iter().enumerate() {
+            src.push_str(&format!(
+                "struct __align__(16) PI{b} {{ {} v[{vector}]; }};\n",
+                c_type(*d)
+            ));
+        }
+        for (o, out) in outputs.iter().enumerate() {
+            src.push_str(&format!(
+                "struct __align__(16) PO{o} {{ {} v[{vector}]; }};\n",
+                c_type(out.dtype)
+            ));
+        }
+        src.push_str(&format!(
+            "long long nv = a.n / {vector};\n\
+             for (long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x; j < nv; j += (long long)gridDim.x * blockDim.x) {{\n"
+        ));
+        for (b, (_, d, _, _)) in buffers.iter().enumerate() {
+            src.push_str(&format!(
+                "PI{b} x{b} = ((const PI{b}*)((const {t}*)a.in[{b}] + a.ioff[{b}]))[j];\n",
+                t = c_type(*d)
+            ));
+        }
+        for o in 0..outputs.len() {
+            src.push_str(&format!("PO{o} y{o};\n"));
+        }
+        src.push_str(&format!(
+            "#pragma unroll\nfor (int e = 0; e < {vector}; e++) {{\n"
+        ));
+        src.push_str(&body(&|b| (format!("x{b}.v"), "e".to_string()), &|o| {
+            format!("y{o}.v[e]")
+        })?);
+        src.push_str("}\n");
+        for (o, out) in outputs.iter().enumerate() {
+            src.push_str(&format!(
+                "((PO{o}*)(({t}*)a.out[{o}] + a.ooff[{o}]))[j] = y{o};\n",
+                t = c_type(out.dtype)
+            ));
+        }
+        src.push_str("}\n");
+        format!("nv * {vector} + ")
+    } else {
+        String::new()
+    };
+    // Element by element: every layout, and the tail of the packed path.
+    src.push_str(&format!(
+        "for (long long i = {tail_start}(long long)blockIdx.x * blockDim.x + threadIdx.x; i < a.n; i += (long long)gridDim.x * blockDim.x) {{\n"
     ));
     // Offsets of every buffer input (by position among buffers) and output.
     let mut targets = Vec::new();
@@ -122,40 +185,10 @@ pub fn pointwise(
     if any_strided {
         src.push_str(&decompose("i", "shape", rank, &targets, false, idx));
     }
-    let buffer_pos = |k: usize| buffers.iter().position(|b| b.0 == k);
-    let acc = compute.c_type();
-    for (s, step) in steps.iter().enumerate() {
-        let expr = match *step {
-            Step::Load(k) => match buffer_pos(k) {
-                Some(b) => load(
-                    buffers[b].1,
-                    compute,
-                    &format!("a.in[{b}]"),
-                    &format!("io{b}"),
-                ),
-                None => format!("({acc})a.c[{}]", const_of_step[s].expect("a scalar")),
-            },
-            Step::Const(_) => format!("({acc})a.c[{}]", const_of_step[s].expect("a const")),
-            Step::Unary(op, x) => unary(op, compute, &format!("v{x}"))?,
-            Step::Binary(op, x, y) => binary(op, compute, &format!("v{x}"), &format!("v{y}"))?,
-            Step::Compare(op, x, y) => {
-                format!(
-                    "(({}) ? ({acc})1 : ({acc})0)",
-                    compare(op, &format!("v{x}"), &format!("v{y}"))
-                )
-            }
-            Step::Where(c, x, y) => format!("((v{c} != ({acc})0) ? v{x} : v{y})"),
-            Step::Round(d, x) => round(d, compute, &format!("v{x}"))?,
-        };
-        src.push_str(&format!("{acc} v{s} = {expr};\n"));
-    }
-    for (o, out) in outputs.iter().enumerate() {
-        src.push_str(&format!(
-            "(({}*)a.out[{o}])[oo{o}] = {};\n",
-            c_type(out.dtype),
-            convert(out.dtype, compute, &format!("v{}", out.step))
-        ));
-    }
+    src.push_str(&body(
+        &|b| (format!("a.in[{b}]"), format!("io{b}")),
+        &|o| format!("(({}*)a.out[{o}])[oo{o}]", c_type(outputs[o].dtype)),
+    )?);
     src.push_str("}\n}\n");
 
     let mut args = Words::default();
@@ -191,9 +224,96 @@ pub fn pointwise(
     Ok(Launch {
         source: src,
         args,
-        grid: grid_for(n, 256, sms),
+        grid: grid_for(n.div_ceil(vector), 256, sms),
         block: 256,
     })
+}
+
+/// Elements per thread of the packed path: 16 bytes of the narrowest dtype
+/// (4 f32, 8 bf16/f16, 2 f64), when every buffer is contiguous, starts
+/// 16-byte aligned and there is at least one whole pack; else 1 (element
+/// by element).
+fn vector_width(
+    buffers: &[(usize, DType, &Layout, u64)],
+    outputs: &[Output],
+    n: usize,
+    any_strided: bool,
+) -> usize {
+    let starts = buffers
+        .iter()
+        .map(|&(_, d, l, p)| (d, p + (l.offset * d.size_bytes()) as u64))
+        .chain(outputs.iter().map(|o| {
+            (
+                o.dtype,
+                o.ptr + (o.layout.offset * o.dtype.size_bytes()) as u64,
+            )
+        }));
+    let mut narrowest = 16;
+    for (d, start) in starts {
+        if start % 16 != 0 {
+            return 1;
+        }
+        narrowest = narrowest.min(d.size_bytes());
+    }
+    let v = 16 / narrowest;
+    if any_strided || v < 2 || n < v || !packing() {
+        return 1;
+    }
+    v
+}
+
+/// `TESSERA_CUDA_PACK=0` turns the packed path off (to measure it).
+fn packing() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("TESSERA_CUDA_PACK").map_or(true, |v| v != "0"))
+}
+
+/// The computation of one element: every step a register, then every
+/// output stored. `load_at(b)` gives buffer `b`'s (pointer, index) and
+/// `store_at(o)` output `o`'s lvalue.
+fn step_lines(
+    steps: &[Step],
+    buffers: &[(usize, DType, &Layout, u64)],
+    compute: Compute,
+    const_of_step: &[Option<usize>],
+    outputs: &[Output],
+    load_at: &dyn Fn(usize) -> (String, String),
+    store_at: &dyn Fn(usize) -> String,
+) -> Result<String, String> {
+    let buffer_pos = |k: usize| buffers.iter().position(|b| b.0 == k);
+    let acc = compute.c_type();
+    let mut src = String::new();
+    for (s, step) in steps.iter().enumerate() {
+        let expr = match *step {
+            Step::Load(k) => match buffer_pos(k) {
+                Some(b) => {
+                    let (ptr, at) = load_at(b);
+                    load(buffers[b].1, compute, &ptr, &at)
+                }
+                None => format!("({acc})a.c[{}]", const_of_step[s].expect("a scalar")),
+            },
+            Step::Const(_) => format!("({acc})a.c[{}]", const_of_step[s].expect("a const")),
+            Step::Unary(op, x) => unary(op, compute, &format!("v{x}"))?,
+            Step::Binary(op, x, y) => binary(op, compute, &format!("v{x}"), &format!("v{y}"))?,
+            Step::Compare(op, x, y) => {
+                format!(
+                    "(({}) ? ({acc})1 : ({acc})0)",
+                    compare(op, &format!("v{x}"), &format!("v{y}"))
+                )
+            }
+            Step::Where(c, x, y) => format!("((v{c} != ({acc})0) ? v{x} : v{y})"),
+            Step::Round(d, x) => round(d, compute, &format!("v{x}"))?,
+        };
+        src.push_str(&format!("{acc} v{s} = {expr};\n"));
+    }
+    for (o, out) in outputs.iter().enumerate() {
+        src.push_str(&format!(
+            "{} = {};\n",
+            store_at(o),
+            convert(out.dtype, compute, &format!("v{}", out.step))
+        ));
+    }
+    Ok(src)
 }
 
 /// `name` for double, `namef` for float.
@@ -435,6 +555,52 @@ mod tests {
         .unwrap();
         assert_eq!(a.source, b.source);
         assert_ne!(a.args, b.args);
+    }
+
+    #[test]
+    fn aligned_contiguous_kernels_move_16_byte_packs_and_others_do_not() {
+        let steps = [Step::Load(0), Step::Unary(UnaryOp::Exp, 0)];
+        let run = |dtype: DType, out_ptr: u64, layout: Layout, n: usize| {
+            let x = buffer(dtype, layout.clone());
+            let y = Output {
+                step: 1,
+                dtype,
+                ptr: out_ptr,
+                layout: Layout::contiguous(&[n]),
+            };
+            pointwise(&steps, &[x], &[y], &[n], Compute::F32, 132).unwrap()
+        };
+        // 4 f32 or 8 bf16 per thread, then the element-by-element tail.
+        let f = run(DType::F32, 0x2000, Layout::contiguous(&[1030]), 1030);
+        assert!(
+            f.source
+                .contains("struct __align__(16) PI0 { float v[4]; };"),
+            "{}",
+            f.source
+        );
+        assert!(
+            f.source.contains("for (long long i = nv * 4 + "),
+            "{}",
+            f.source
+        );
+        let h = run(DType::BF16, 0x2000, Layout::contiguous(&[1030]), 1030);
+        assert!(
+            h.source.contains("PO0 { __nv_bfloat16 v[8]; };"),
+            "{}",
+            h.source
+        );
+        // A misaligned output, a strided input, or too few elements: none.
+        let odd = run(DType::F32, 0x2004, Layout::contiguous(&[1030]), 1030);
+        let strided = run(
+            DType::F32,
+            0x2000,
+            Layout::contiguous(&[1030]).sliced(0, 0, 515, 2),
+            515,
+        );
+        let short = run(DType::F32, 0x2000, Layout::contiguous(&[3]), 3);
+        for l in [odd, strided, short] {
+            assert!(!l.source.contains("PI0"), "{}", l.source);
+        }
     }
 
     #[test]

@@ -12,6 +12,7 @@ use crate::logging::log;
 use crate::passes::{PassContext, PassManager};
 use crate::runtime::execute::{run_plan_with, run_scheduled_with};
 use crate::runtime::interpret::{bind_symbols, concretise, run_graph};
+use crate::runtime::replay::{ReplayStats, Replayer};
 use crate::schedule::{self, ScheduleOptions, Scheduled};
 use crate::tensor::trace::Traced;
 use crate::tensor::Tensor;
@@ -27,6 +28,8 @@ struct Program {
     sized: Option<Arc<SizedPlans>>,
     /// Autotune fused kernels' block sizes (`mode=max-autotune`).
     tune: bool,
+    /// Device graphs of its runs (`mode=reduce-overhead`).
+    replay: Option<Arc<Replayer>>,
 }
 
 /// A graph's fused kernels, their schedule and memory plan.
@@ -152,6 +155,7 @@ impl Program {
                 lowered: None,
                 sized: None,
                 tune: false,
+                replay: None,
             });
         }
         pipeline(options).run(&mut graph, &PassContext::default())?;
@@ -175,10 +179,27 @@ impl Program {
             lowered: Some(Arc::new(lowered)),
             sized,
             tune: options.mode == super::Mode::MaxAutotune,
+            replay: (options.mode == super::Mode::ReduceOverhead)
+                .then(|| Arc::new(Replayer::new())),
         })
     }
 
+    /// Runs the program: replayed from a device graph under
+    /// `mode=reduce-overhead` (see `runtime::replay`), else kernel by kernel.
     fn run(&self, args: &[Tensor]) -> Result<Vec<Tensor>> {
+        match &self.replay {
+            Some(replayer) => replayer.run(args, |a| self.run_kernels(a)),
+            None => self.run_kernels(args),
+        }
+    }
+
+    fn replay_stats(&self) -> ReplayStats {
+        self.replay
+            .as_ref()
+            .map_or_else(ReplayStats::default, |r| r.stats())
+    }
+
+    fn run_kernels(&self, args: &[Tensor]) -> Result<Vec<Tensor>> {
         let at_size = match &self.sized {
             Some(sized) => sized.at(&self.graph, args)?,
             None => None,
@@ -296,6 +317,16 @@ impl Executable {
             out.extend(bwd.program.artifacts("backward"));
         }
         out
+    }
+
+    /// What the device-graph replayers of its forward and backward did
+    /// (`mode=reduce-overhead`), summed.
+    pub fn replay_stats(&self) -> ReplayStats {
+        let mut s = self.forward.replay_stats();
+        if let Some(bwd) = &self.backward {
+            s += bwd.program.replay_stats();
+        }
+        s
     }
 
     pub(super) fn has_lifted(&self) -> bool {

@@ -229,7 +229,17 @@ impl<F: Fn(&[Tensor]) -> Vec<Tensor>> Compiled<F> {
         self.state.lock().expect("compile cache").stats
     }
 
-    /// Why each recompile happened (`input 0, dim 0: expected 8, got 16`).
+    /// What the device-graph replay of `mode=reduce-overhead` did, over
+    /// every executable of the cache (see `runtime::replay`).
+    pub fn replay_stats(&self) -> crate::runtime::replay::ReplayStats {
+        let state = self.state.lock().expect("compile cache");
+        let mut sum = crate::runtime::replay::ReplayStats::default();
+        for entry in &state.entries {
+            sum += entry.exe.replay_stats();
+        }
+        sum
+    }
+
     /// Every stage's artifact of the executable built last, as (file name,
     /// text): the forward and backward graphs after the passes (`*.tir`),
     /// their kernels, schedules and memory plans. Empty before the first
@@ -242,6 +252,7 @@ impl<F: Fn(&[Tensor]) -> Vec<Tensor>> Compiled<F> {
             .map_or_else(Vec::new, |entry| entry.exe.artifacts())
     }
 
+    /// Why each recompile happened (`input 0, dim 0: expected 8, got 16`).
     pub fn recompile_reasons(&self) -> Vec<String> {
         self.state
             .lock()

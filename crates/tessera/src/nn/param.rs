@@ -12,6 +12,7 @@ use std::sync::{Arc, RwLock};
 
 use crate::error::{Error, ErrorKind, Result, SourceLoc};
 use crate::ir::{DType, TensorType};
+use crate::runtime::device::Device;
 use crate::tensor::{Generator, Tensor};
 
 /// A named, shared, replaceable trainable tensor. Clones share the slot.
@@ -238,11 +239,12 @@ impl ParamStore {
 
     /// Writes every parameter to a safetensors file under its name.
     pub fn save_safetensors(&self, path: impl AsRef<Path>) -> Result<()> {
+        // Device parameters are written from a host copy.
         let values: Vec<(String, Tensor)> = self
             .params
             .iter()
-            .map(|p| (p.name().to_string(), p.get()))
-            .collect();
+            .map(|p| Ok((p.name().to_string(), p.get().to(Device::Cpu)?)))
+            .collect::<Result<_>>()?;
         let named: Vec<(&str, &Tensor)> = values.iter().map(|(n, t)| (n.as_str(), t)).collect();
         crate::io::save_safetensors(path, &named)
     }

@@ -135,6 +135,21 @@ pub trait Backend: Send + Sync {
     /// numbered by its loads.
     fn run_fused(&self, kernel: &FusedKernel, inputs: &[&Tensor]) -> Result<Vec<Tensor>>;
 
+    /// [`Backend::run_fused`], where each `(input, output)` of `donated`
+    /// says that output `output` may be written over input `input`'s
+    /// storage (a dense buffer of the output's shape and dtype that nothing
+    /// else holds: the memory plan's in-place writes). The output then
+    /// keeps that storage; it allocates nothing.
+    fn run_fused_into(
+        &self,
+        kernel: &FusedKernel,
+        inputs: &[&Tensor],
+        donated: &[(usize, usize)],
+    ) -> Result<Vec<Tensor>> {
+        let _ = donated;
+        self.run_fused(kernel, inputs)
+    }
+
     /// Waits for all work queued on the device.
     fn synchronize(&self) -> Result<()>;
 
@@ -146,6 +161,65 @@ pub trait Backend: Send + Sync {
 
     /// Gives cached free blocks back to the driver.
     fn empty_cache(&self);
+
+    /// Queues a copy of `src`'s bytes into `dst` (same size) on the device.
+    fn copy(&self, dst: &DeviceStorage, src: &DeviceStorage) -> Result<()> {
+        let _ = (dst, src);
+        Err(unsupported(self.device(), "device-to-device copies"))
+    }
+
+    /// How many streams (lanes) the kernels of one schedule step may be
+    /// spread over; 1 runs everything in order on one stream.
+    fn lanes(&self) -> usize {
+        1
+    }
+
+    /// Starts a step on `lanes` lanes: each lane waits for the work queued
+    /// so far. Lane 0 is the main stream. The executor then sends each
+    /// kernel to a lane with [`Backend::lane`] and ends with
+    /// [`Backend::join`].
+    fn fork(&self, lanes: usize) -> Result<()> {
+        let _ = lanes;
+        Ok(())
+    }
+
+    /// The work queued from now on goes to lane `lane`.
+    fn lane(&self, lane: usize) -> Result<()> {
+        let _ = lane;
+        Ok(())
+    }
+
+    /// Ends a step: the main stream waits for every lane, and work goes to
+    /// it again. Memory freed during the step is reused only after this.
+    fn join(&self) -> Result<()> {
+        Ok(())
+    }
+
+    /// Starts recording the work queued from now on into a [`DeviceGraph`]
+    /// instead of running it (CUDA stream capture).
+    fn begin_capture(&self) -> Result<()> {
+        Err(unsupported(self.device(), "graph capture"))
+    }
+
+    /// Ends the recording that [`Backend::begin_capture`] started; an error
+    /// when something recorded cannot be captured (a host synchronisation,
+    /// a copy to the host), which also ends the recording.
+    fn end_capture(&self) -> Result<Box<dyn DeviceGraph>> {
+        Err(unsupported(self.device(), "graph capture"))
+    }
+}
+
+/// Recorded device work that can be queued again with the same buffers.
+pub trait DeviceGraph: Send + Sync {
+    /// Queues the recorded work once more.
+    fn replay(&self) -> Result<()>;
+}
+
+fn unsupported(device: Device, what: &str) -> Error {
+    Error::new(
+        ErrorKind::Unsupported,
+        format!("the `{device}` backend has no {what}"),
+    )
 }
 
 static CUDA: RwLock<Option<Arc<dyn Backend>>> = RwLock::new(None);

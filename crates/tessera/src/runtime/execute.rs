@@ -12,10 +12,10 @@ use std::cell::RefCell;
 use std::collections::HashMap;
 
 use super::autotune;
-use super::cpu::arena::{self, Arena, Block, Place, Slots};
+use super::cpu::arena::{self, Arena, Block, Place, Slots, Taken};
 use super::cpu::fused::{FusedInput, FusedKernel};
 use super::cpu::Storage;
-use super::device::{self, Device};
+use super::device::{self, Device, DeviceStorage};
 use super::interpret::{bind_symbols, node_error};
 use crate::autograd;
 use crate::error::Result;
@@ -45,7 +45,7 @@ pub fn run_plan_with(
         graph,
         plan,
         &steps,
-        |_| KernelMemory::default(),
+        |_| Ok(KernelMemory::default()),
         inputs,
         tune,
     )
@@ -84,8 +84,26 @@ pub fn run_scheduled_with(
     inputs: &[Tensor],
     tune: bool,
 ) -> Result<Vec<(String, Tensor)>> {
-    let on_host = inputs.iter().all(|t| t.device() == Device::Cpu);
-    let arena = Arena::new(if on_host { memory.arena_bytes } else { 0 });
+    let refs: Vec<&Tensor> = inputs.iter().collect();
+    let on = inputs_device(graph, &refs)?;
+    if on != Device::Cpu && !fits_device(memory) {
+        log("memory", || {
+            format!(
+                "graph `{}` on {on}: the plan reserves the CPU kernels' scratch, which the \
+                 device's kernels do not use; no arena, buffers from the device's allocator",
+                graph.name
+            )
+        });
+        let unplanned = |k: usize| -> Result<KernelMemory> {
+            Ok(KernelMemory {
+                in_place: memory.in_place(k).collect(),
+                ..KernelMemory::default()
+            })
+        };
+        return execute(graph, plan, &schedule.steps, unplanned, inputs, tune);
+    }
+    // On a device the arena and blocks are device memory (see `cpu::arena`).
+    let arena = Arena::on(on, memory.arena_bytes)?;
     let mut created = vec![Vec::new(); plan.kernels.len()];
     for (i, buffer) in memory.buffers.iter().enumerate() {
         created[buffer.kernel].push(i);
@@ -93,21 +111,23 @@ pub fn run_scheduled_with(
     // The escaping outputs of cats in place, by buffer: allocated with
     // their first piece.
     let blocks: RefCell<HashMap<usize, Block>> = RefCell::new(HashMap::new());
-    let block = |b: usize| {
+    let block = |b: usize| -> Result<Block> {
         let mut blocks = blocks.borrow_mut();
-        let block = blocks
-            .entry(b)
-            .or_insert_with(|| Block::new(memory.buffers[b].bytes));
-        block.clone()
+        if let Some(block) = blocks.get(&b) {
+            return Ok(block.clone());
+        }
+        let block = Block::on(on, memory.buffers[b].bytes)?;
+        blocks.insert(b, block.clone());
+        Ok(block)
     };
-    let slots = |k: usize| {
+    let slots = |k: usize| -> Result<Planned> {
         let mut slots = arena.slots();
         for &i in &created[k] {
             let b = &memory.buffers[i];
             let place = match (b.within, b.escapes) {
                 (_, false) => Place::Arena(b.offset),
-                (Some((parent, at)), true) => Place::Block(block(parent), at),
-                (None, true) if memory.joins[k] => Place::Block(block(i), 0),
+                (Some((parent, at)), true) => Place::Block(block(parent)?, at),
+                (None, true) if memory.joins[k] => Place::Block(block(i)?, 0),
                 (None, true) => Place::Pool,
             };
             match (b.value, b.reuses) {
@@ -118,15 +138,17 @@ pub fn run_scheduled_with(
                 (Some(_), Some(_)) => {}
             }
         }
-        Some(Planned {
+        Ok(Planned {
             slots,
             joins: memory.joins[k],
         })
     };
-    let kernel_memory = |k: usize| KernelMemory {
-        in_place: memory.in_place(k).collect(),
-        alone: memory.scratch_bytes(k) > 0,
-        planned: slots(k),
+    let kernel_memory = |k: usize| -> Result<KernelMemory> {
+        Ok(KernelMemory {
+            in_place: memory.in_place(k).collect(),
+            alone: memory.scratch_bytes(k) > 0,
+            planned: Some(slots(k)?),
+        })
     };
     execute(graph, plan, &schedule.steps, kernel_memory, inputs, tune)
 }
@@ -138,7 +160,7 @@ struct KernelMemory {
     in_place: Vec<(NodeId, NodeId)>,
     /// It needs scratch, so runs alone in its step.
     alone: bool,
-    /// The places of the buffers it creates (host runs only).
+    /// The places of the buffers it creates (compiled runs with a plan).
     planned: Option<Planned>,
 }
 
@@ -146,7 +168,7 @@ fn execute(
     graph: &Graph,
     plan: &Plan,
     steps: &[Vec<usize>],
-    memory: impl Fn(usize) -> KernelMemory,
+    memory: impl Fn(usize) -> Result<KernelMemory>,
     inputs: &[Tensor],
     tune: bool,
 ) -> Result<Vec<(String, Tensor)>> {
@@ -161,30 +183,37 @@ fn execute(
         for (&id, t) in graph.inputs.iter().zip(inputs) {
             values[id.index()] = Some(t.clone());
         }
-        // Device kernels queue on one stream: nothing to gain from threads.
+        // Device kernels are queued from this thread: a step's kernels go
+        // to the device's lanes (streams) instead of threads.
         let concurrent = !trace::is_active() && on == Device::Cpu;
         let grad = autograd::is_grad_enabled();
+        let lanes = match on {
+            Device::Cpu => 1,
+            d => device::backend(d)?.lanes(),
+        };
         for (step, free) in steps.iter().zip(&frees) {
             let jobs: Vec<(Job<'_>, bool)> = step
                 .iter()
                 .map(|&k| {
-                    let mem = memory(k);
+                    let mem = memory(k)?;
                     let mut job =
                         Job::gather(graph, k, &plan.kernels[k], &mem.in_place, &mut values);
-                    // The arena and its slots are host memory: device
-                    // kernels allocate through the device's own allocator.
-                    job.planned = mem.planned.filter(|_| on == Device::Cpu);
-                    (job, mem.alone)
+                    job.planned = mem
+                        .planned
+                        .filter(|_| on == Device::Cpu || placed_on_device(graph, &plan.kernels[k]));
+                    Ok((job, mem.alone))
                 })
-                .collect();
+                .collect::<Result<_>>()?;
             let concurrent = concurrent && jobs.len() > 1;
             let (serial, parallel): (Vec<_>, Vec<_>) = jobs
                 .into_iter()
                 .partition(|(_, alone)| !concurrent || *alone);
-            let serial = serial.into_iter().map(|(job, _)| job);
+            let serial: Vec<Job<'_>> = serial.into_iter().map(|(job, _)| job).collect();
             let parallel: Vec<Job<'_>> = parallel.into_iter().map(|(job, _)| job).collect();
-            let mut results: Vec<Result<Vec<(NodeId, Tensor)>>> =
-                serial.map(|job| job.run(graph, tune)).collect();
+            let mut results = match lanes.min(serial.len()) {
+                0 | 1 => serial.into_iter().map(|job| job.run(graph, tune)).collect(),
+                n => on_lanes(on, n, serial, graph, tune)?,
+            };
             // Rayon's workers start with grad mode on: carry the caller's.
             results.par_extend(parallel.into_par_iter().map(|job| match grad {
                 true => job.run(graph, tune),
@@ -212,6 +241,72 @@ fn execute(
     })
 }
 
+/// Whether a device run follows `memory` as planned: the plan's scratch is
+/// the CPU kernels' (f32 copies of half-precision matmul operands, copies of
+/// strided rows), which the device's kernels do not make, so an arena with
+/// it would hold bytes nobody uses (4 GiB for the seed's bf16 attention);
+/// such plans run on the device's caching allocator instead, in place
+/// where planned. The planner has one scratch model, the CPU's.
+fn fits_device(memory: &MemoryPlan) -> bool {
+    memory.buffers.iter().all(|b| b.value.is_some())
+}
+
+/// What a kernel computed: (value, tensor) pairs.
+type KernelResult = Result<Vec<(NodeId, Tensor)>>;
+
+/// Whether a kernel's allocations on a device may take their planned
+/// places. Slots are matched by size in allocation order, so a kernel that
+/// allocates temporaries before outputs of the same size could put an
+/// output in another output's place (with another lifetime): custom ops
+/// (their device code allocates as it likes) and row groups with two
+/// outputs of one size (run op by op on a device) allocate from the pool
+/// instead. Their outputs then count beside the arena.
+fn placed_on_device(graph: &Graph, kernel: &Kernel) -> bool {
+    match kernel {
+        Kernel::Custom { .. } => false,
+        Kernel::Rows { outputs, .. } => {
+            let mut sizes: Vec<usize> = outputs
+                .iter()
+                .map(|&o| {
+                    let ty = &graph.node(o).ty;
+                    let numel: usize = ty.shape.as_concrete().map_or(0, |s| s.iter().product());
+                    numel * ty.dtype.size_bytes()
+                })
+                .collect();
+            sizes.sort_unstable();
+            sizes.windows(2).all(|w| w[0] != w[1])
+        }
+        _ => true,
+    }
+}
+
+/// Runs the kernels of one step on `lanes` streams of `device`, kernel i
+/// on lane i mod `lanes` (a `bfs` level's kernels are independent); the
+/// step ends with every lane joined, also when a kernel failed.
+fn on_lanes(
+    device: Device,
+    lanes: usize,
+    jobs: Vec<Job<'_>>,
+    graph: &Graph,
+    tune: bool,
+) -> Result<Vec<KernelResult>> {
+    let backend = device::backend(device)?;
+    backend.fork(lanes)?;
+    let results: Vec<KernelResult> = jobs
+        .into_iter()
+        .enumerate()
+        .map(|(i, job)| {
+            backend.lane(i % lanes)?;
+            job.run(graph, tune)
+        })
+        .collect();
+    // A kernel's own error says more than the join's that may follow it.
+    match backend.join() {
+        Err(e) if results.iter().all(Result::is_ok) => Err(e),
+        _ => Ok(results),
+    }
+}
+
 /// The device of a program's inputs (scalars on the host go with any);
 /// inputs on different devices are an error naming the program.
 pub(crate) fn inputs_device(graph: &Graph, inputs: &[&Tensor]) -> Result<Device> {
@@ -220,12 +315,36 @@ pub(crate) fn inputs_device(graph: &Graph, inputs: &[&Tensor]) -> Result<Device>
     })
 }
 
+/// The device of a cat's inputs (all on one device: the executor's).
+fn on_device(args: &[Arg]) -> Device {
+    args.iter()
+        .find_map(|a| match a {
+            Arg::Shared(t) if t.device() != Device::Cpu => Some(t.device()),
+            _ => None,
+        })
+        .unwrap_or(Device::Cpu)
+}
+
 /// A kernel's argument, gathered before the step runs.
 enum Arg {
     Shared(Tensor),
     /// The storage of an input read for the last time, which the fused
     /// kernel's output `.1` overwrites.
     Donated(Storage, usize),
+    /// The same on a device: a tensor nothing else holds, whose storage
+    /// output `.1` overwrites.
+    DonatedOnDevice(Tensor, usize),
+}
+
+impl Arg {
+    /// A tensor argument (donated ones are not tensors).
+    fn tensor(&self, what: &str) -> &Tensor {
+        match self {
+            Arg::Shared(t) => t,
+            Arg::DonatedOnDevice(t, _) => t,
+            Arg::Donated(..) => unreachable!("{what} never write host storage in place"),
+        }
+    }
 }
 
 /// A kernel with its arguments, ready to run on any thread.
@@ -264,14 +383,17 @@ impl<'a> Job<'a> {
                     return Arg::Shared(values[x.index()].clone().expect("computed before use"));
                 };
                 let t = values[x.index()].take().expect("computed before use");
+                let output = || {
+                    writes
+                        .iter()
+                        .position(|&w| w == out)
+                        .expect("an output of the kernel")
+                };
+                if t.is_unique_device() {
+                    return Arg::DonatedOnDevice(t, output());
+                }
                 match t.into_unique_storage() {
-                    Ok(storage) => {
-                        let output = writes
-                            .iter()
-                            .position(|&w| w == out)
-                            .expect("an output of the kernel");
-                        Arg::Donated(storage, output)
-                    }
+                    Ok(storage) => Arg::Donated(storage, output()),
                     Err(t) => {
                         log("memory", || {
                             format!(
@@ -313,15 +435,18 @@ impl<'a> Job<'a> {
         let region = slots
             .take_value(numel * ty.dtype.size_bytes())
             .expect("internal error: the output of a cat in place has a place");
-        let mut at = region.as_ptr() as usize;
+        let mut at = region.addr();
         let mut in_place = true;
         for arg in &self.args {
             let Arg::Shared(t) = arg else {
                 unreachable!("cats never write in place")
             };
-            let bytes = t.storage().as_bytes();
-            in_place &= t.layout().offset == 0 && bytes.as_ptr() as usize == at;
-            at += t.numel() * t.dtype().size_bytes();
+            let start = match t.device_storage() {
+                Some(s) => s.ptr(),
+                None => t.storage().as_bytes().as_ptr() as u64,
+            };
+            in_place &= t.layout().offset == 0 && start == at;
+            at += (t.numel() * t.dtype().size_bytes()) as u64;
         }
         if !in_place {
             log("memory", || {
@@ -332,8 +457,18 @@ impl<'a> Job<'a> {
             });
             return self.run_kernel(graph, false);
         }
-        let storage = super::cpu::Storage::in_region(ty.dtype, numel, region);
-        Ok(vec![(*id, Tensor::from_storage(storage, &shape))])
+        let out = match region {
+            Taken::Host(region) => {
+                let storage = super::cpu::Storage::in_region(ty.dtype, numel, region);
+                Tensor::from_storage(storage, &shape)
+            }
+            Taken::Device(region) => {
+                let storage =
+                    DeviceStorage::new(on_device(&self.args), ty.dtype, numel, Box::new(region));
+                Tensor::from_device_storage(storage, &shape)
+            }
+        };
+        Ok(vec![(*id, out)])
     }
 
     fn run_kernel(self, graph: &Graph, tune: bool) -> Result<Vec<(NodeId, Tensor)>> {
@@ -343,10 +478,7 @@ impl<'a> Job<'a> {
                 let args: Vec<&Tensor> = self
                     .args
                     .iter()
-                    .map(|a| match a {
-                        Arg::Shared(t) => t,
-                        Arg::Donated(..) => unreachable!("extern kernels never write in place"),
-                    })
+                    .map(|a| a.tensor("extern kernels"))
                     .collect();
                 let out = Tensor::apply(&node.op, &args, Location::caller())
                     .map_err(|e| node_error(graph, *id, e))?;
@@ -360,10 +492,7 @@ impl<'a> Job<'a> {
                 let args: Vec<&Tensor> = self
                     .args
                     .iter()
-                    .map(|a| match a {
-                        Arg::Shared(t) => t,
-                        Arg::Donated(..) => unreachable!("custom kernels never write in place"),
-                    })
+                    .map(|a| a.tensor("custom kernels"))
                     .collect();
                 let outs = trace::with_origin(&n.meta, || {
                     crate::custom_op::apply(call, &args, Location::caller())
@@ -400,14 +529,8 @@ impl<'a> Job<'a> {
                 members,
                 ..
             } => {
-                let args: Vec<&Tensor> = self
-                    .args
-                    .iter()
-                    .map(|a| match a {
-                        Arg::Shared(t) => t,
-                        Arg::Donated(..) => unreachable!("row kernels never write in place"),
-                    })
-                    .collect();
+                let args: Vec<&Tensor> =
+                    self.args.iter().map(|a| a.tensor("row kernels")).collect();
                 if args.iter().any(|t| t.device() != Device::Cpu) {
                     // Row kernels are CPU code; on a device their ops run
                     // one by one through the device's own kernels.
@@ -458,8 +581,14 @@ fn run_members(
             }
         }
         let inputs: Vec<&Tensor> = node.inputs.iter().map(|x| &values[x]).collect();
-        let out = Tensor::apply(&node.op, &inputs, Location::caller())
-            .map_err(|e| node_error(graph, m, e))?;
+        let apply = || Tensor::apply(&node.op, &inputs, Location::caller());
+        // Only the group's outputs are planned buffers; what its members
+        // make on the way comes from the pool.
+        let out = match outputs.contains(&m) {
+            true => apply(),
+            false => arena::unplanned(apply),
+        }
+        .map_err(|e| node_error(graph, m, e))?;
         values.insert(m, out);
     }
     Ok(outputs.iter().map(|&o| (o, values[&o].clone())).collect())
@@ -480,7 +609,7 @@ fn run_epilogue(
     let shared: Vec<Tensor> = args
         .into_iter()
         .map(|a| match a {
-            Arg::Shared(t) => t,
+            Arg::Shared(t) | Arg::DonatedOnDevice(t, _) => t,
             Arg::Donated(..) => unreachable!("epilogue inputs are not donated by the plan"),
         })
         .collect();
@@ -513,6 +642,7 @@ fn run_epilogue(
         }
         let t = product.take().expect("the matmul is read once");
         fused_args.push(match target {
+            Some(o) if t.is_unique_device() => Arg::DonatedOnDevice(t, o),
             Some(o) => match t.into_unique_storage() {
                 Ok(storage) => Arg::Donated(storage, o),
                 Err(t) => Arg::Shared(t),
@@ -532,7 +662,7 @@ fn tuned(kernel: &FusedKernel, args: Vec<Arg>) -> Result<(FusedKernel, Vec<Arg>)
     let held: Vec<(Tensor, Option<usize>)> = args
         .into_iter()
         .map(|a| match a {
-            Arg::Shared(t) => (t, None),
+            Arg::Shared(t) | Arg::DonatedOnDevice(t, _) => (t, None),
             Arg::Donated(s, o) => (Tensor::from_storage(s, &kernel.shape), Some(o)),
         })
         .collect();
@@ -555,19 +685,23 @@ fn tuned(kernel: &FusedKernel, args: Vec<Arg>) -> Result<(FusedKernel, Vec<Arg>)
 /// autotuned when `tune`, on the host).
 fn run_fused(kernel: &FusedKernel, args: Vec<Arg>, tune: bool) -> Result<Vec<Tensor>> {
     let on_device = args.iter().find_map(|a| match a {
-        Arg::Shared(t) if t.device() != Device::Cpu => Some(t.device()),
+        Arg::Shared(t) | Arg::DonatedOnDevice(t, _) if t.device() != Device::Cpu => {
+            Some(t.device())
+        }
         _ => None,
     });
     if let Some(d) = on_device {
-        let tensors: Vec<&Tensor> = args
+        let tensors: Vec<&Tensor> = args.iter().map(|a| a.tensor("device kernels")).collect();
+        let donated: Vec<(usize, usize)> = args
             .iter()
-            .map(|a| match a {
-                Arg::Shared(t) => t,
-                Arg::Donated(..) => unreachable!("device storage is never donated"),
+            .enumerate()
+            .filter_map(|(i, a)| match a {
+                Arg::DonatedOnDevice(_, o) => Some((i, *o)),
+                _ => None,
             })
             .collect();
         device::of_inputs("fused", &tensors)?;
-        return device::backend(d)?.run_fused(kernel, &tensors);
+        return device::backend(d)?.run_fused_into(kernel, &tensors, &donated);
     }
     if tune {
         let (kernel, args) = tuned(kernel, args)?;
@@ -578,7 +712,8 @@ fn run_fused(kernel: &FusedKernel, args: Vec<Arg>, tune: bool) -> Result<Vec<Ten
     let mut donated: Vec<Option<(Storage, usize)>> = Vec::with_capacity(args.len());
     for arg in args {
         match arg {
-            Arg::Shared(t) => {
+            // A host kernel: nothing is on a device.
+            Arg::Shared(t) | Arg::DonatedOnDevice(t, _) => {
                 shared.push(Some(t));
                 donated.push(None);
             }

@@ -6,3 +6,4 @@ pub mod cpu;
 pub mod device;
 pub mod execute;
 pub mod interpret;
+pub mod replay;

@@ -121,6 +121,21 @@ impl Tensor {
         Arc::as_ptr(&self.0) as usize
     }
 
+    /// Whether this is a device tensor that no other handle or view shares
+    /// and that covers its storage densely: a buffer a device kernel may
+    /// overwrite (the device's in-place reuse; see `Backend::run_fused_into`).
+    pub(crate) fn is_unique_device(&self) -> bool {
+        match &self.0.data {
+            Data::Device(s) => {
+                Arc::strong_count(&self.0) == 1
+                    && Arc::strong_count(s) == 1
+                    && self.0.autograd.is_none()
+                    && cpu::copy::is_dense(&self.0.layout, s.numel())
+            }
+            Data::Host(_) | Data::Traced(_) => false,
+        }
+    }
+
     /// The storage of a host tensor that no other handle or view shares and
     /// that it covers densely, taken by value so a kernel may overwrite it
     /// (in-place reuse); the tensor back otherwise.

@@ -78,13 +78,16 @@ pub fn score(predicted: &[i64], expected: &[i64], n: usize) -> Accuracy {
 }
 
 /// Decodes every string of `set` greedily with `logits` and scores the
-/// outputs against the reversals.
+/// outputs against the reversals. The prompts go to the current device
+/// (`runtime::device::current`).
 pub fn evaluate(
     task: &ReversalTask,
     set: &[Digits],
     logits: impl FnMut(&Tensor) -> Result<Tensor>,
 ) -> Result<Accuracy> {
-    let outputs = greedy_decode(&task.prompts(set), task.digits, logits)?;
+    // On the current device (`train_on` runs there).
+    let prompts = task.prompts(set).to(crate::runtime::device::current())?;
+    let outputs = greedy_decode(&prompts, task.digits, logits)?;
     let expected: Vec<i64> = set.iter().flat_map(|d| answer(d)).collect();
     Ok(score(&outputs.to_vec::<i64>()?, &expected, task.digits))
 }

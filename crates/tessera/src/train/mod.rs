@@ -41,6 +41,7 @@ pub use task::{ReversalTask, IGNORE_INDEX, SEP, VOCAB};
 use crate::error::{Error, Result};
 use crate::nn::{try_cross_entropy, ParamStore, TransformerLM};
 use crate::optim::{clip_grad_norm, AdamW, AdamWConfig, Optimizer};
+use crate::runtime::device::{self, Device};
 use crate::tensor::Generator;
 use task::{Batch, Digits, Sampler};
 
@@ -64,6 +65,9 @@ pub struct Progress {
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct TrainReport {
     pub config: TrainConfig,
+    /// Where it ran (`cpu`, `cuda`).
+    #[serde(default)]
+    pub device: String,
     pub num_parameters: usize,
     /// The training loss of every step.
     pub losses: Vec<f64>,
@@ -83,7 +87,28 @@ pub struct TrainReport {
 /// Trains a model as `config` says, calling `progress` after every step.
 /// Errors on an invalid config (every problem listed) and on failing to
 /// write the checkpoint or the plot.
-pub fn train(config: &TrainConfig, mut progress: impl FnMut(&Progress)) -> Result<TrainReport> {
+pub fn train(config: &TrainConfig, progress: impl FnMut(&Progress)) -> Result<TrainReport> {
+    train_on(config, Device::Cpu, progress)
+}
+
+/// [`train`] on `device`: the parameters are created there (drawn on the
+/// host from the same seeds, so they start equal to the CPU's), the
+/// optimizer state and every step's work stay there, and each batch and
+/// the held-out prompts are copied up. The loss and the accuracy are read
+/// back each step.
+pub fn train_on(
+    config: &TrainConfig,
+    device: Device,
+    progress: impl FnMut(&Progress),
+) -> Result<TrainReport> {
+    device::with_device(device, || train_here(config, device, progress))
+}
+
+fn train_here(
+    config: &TrainConfig,
+    device: Device,
+    mut progress: impl FnMut(&Progress),
+) -> Result<TrainReport> {
     config.validate()?;
     let start = Instant::now();
     let task = config.task();
@@ -102,6 +127,10 @@ pub fn train(config: &TrainConfig, mut progress: impl FnMut(&Progress)) -> Resul
         let t0 = Instant::now();
         opt.set_lr(lr);
         let batch = sampler.next_batch(config.batch);
+        let batch = Batch {
+            inputs: batch.inputs.to(device)?,
+            targets: batch.targets.to(device)?,
+        };
         let loss = train_step(&model, &store, &mut opt, &batch, config.grad_clip)?;
         train_time += t0.elapsed();
         losses.push(loss);
@@ -131,6 +160,7 @@ pub fn train(config: &TrainConfig, mut progress: impl FnMut(&Progress)) -> Resul
     let final_accuracy = evals.last().map_or(0.0, |e| e.accuracy.exact_match);
     Ok(TrainReport {
         config: config.clone(),
+        device: device.name().to_string(),
         num_parameters: store.num_parameters(),
         tokens_per_s: tokens_per_s(config, config.steps, train_time),
         ms_per_step: train_time.as_secs_f64() * 1e3 / config.steps as f64,

@@ -15,6 +15,14 @@
 //! allocation that no slot matches also goes to the pool (the measured peak
 //! then differs from the predicted one, which the planner tests catch).
 //!
+//! On a device (a compiled run whose inputs live on a GPU, with a plan
+//! that reserves no CPU scratch: see `execute::run_scheduled`) the arena and
+//! the blocks are device memory from the backend's allocator, counted once
+//! by its accounting as on the host; the backend asks [`take_device`] when
+//! it allocates, and a planned allocation becomes a [`DeviceRegion`]. Host
+//! allocations made while a device kernel runs (values drawn on the host
+//! and copied up, index checks) never take a device slot, nor the reverse.
+//!
 //! The hook is thread-local and stacked: while a kernel waits inside a
 //! rayon join, its thread may run another kernel of the same step, which
 //! installs its own slots and restores the first kernel's when it returns.
@@ -23,15 +31,48 @@ use std::cell::RefCell;
 use std::sync::Arc;
 
 use super::alloc::RawBuffer;
+use crate::error::Result;
+use crate::ir::DType;
+use crate::runtime::device::{self, Device, DeviceMemory, DeviceStorage};
+
+/// The memory of an arena or a block: host bytes from the pool, or device
+/// bytes from the device backend's allocator.
+#[derive(Clone)]
+enum Memory {
+    Host(Arc<RawBuffer>),
+    Device(Arc<DeviceStorage>),
+}
+
+impl Memory {
+    fn on(device: Device, bytes: usize) -> Result<Memory> {
+        Ok(match device {
+            Device::Cpu => Memory::Host(Arc::new(RawBuffer::new(bytes))),
+            // Bool: one byte per element.
+            d => Memory::Device(Arc::new(device::backend(d)?.alloc(DType::Bool, bytes)?)),
+        })
+    }
+
+    fn len(&self) -> usize {
+        match self {
+            Memory::Host(b) => b.len(),
+            Memory::Device(s) => s.size_bytes(),
+        }
+    }
+}
 
 /// One run's arena: a block from the pool, counted once by the allocator's
 /// accounting; the storages placed in it keep it alive.
 #[derive(Clone)]
-pub struct Arena(Arc<RawBuffer>);
+pub struct Arena(Memory);
 
 impl Arena {
     pub fn new(bytes: usize) -> Arena {
-        Arena(Arc::new(RawBuffer::new(bytes)))
+        Arena(Memory::Host(Arc::new(RawBuffer::new(bytes))))
+    }
+
+    /// An arena of `bytes` on `device` (out of memory is an error).
+    pub fn on(device: Device, bytes: usize) -> Result<Arena> {
+        Memory::on(device, bytes).map(Arena)
     }
 
     /// The slots of one kernel's buffers, built with [`Slots::value`] and
@@ -41,16 +82,51 @@ impl Arena {
             arena: self.0.clone(),
             scratch: None,
             in_scratch: false,
+            paused: false,
             values: Vec::new(),
         }
     }
 }
 
-/// `len` bytes at `offset` in an arena.
+/// `len` bytes at `offset` in a host arena.
 pub(crate) struct Region {
     arena: Arc<RawBuffer>,
     offset: usize,
     len: usize,
+}
+
+/// `len` bytes at `offset` in a device arena or block: the memory of a
+/// device storage placed by the plan (keeps the arena alive).
+pub struct DeviceRegion {
+    block: Arc<DeviceStorage>,
+    offset: usize,
+    len: usize,
+}
+
+impl DeviceMemory for DeviceRegion {
+    fn ptr(&self) -> u64 {
+        self.block.ptr() + self.offset as u64
+    }
+
+    fn len(&self) -> usize {
+        self.len
+    }
+}
+
+/// A planned place taken without allocating (see [`Slots::take_value`]).
+pub(crate) enum Taken {
+    Host(Region),
+    Device(DeviceRegion),
+}
+
+impl Taken {
+    /// The address of its first byte (host or device).
+    pub(crate) fn addr(&self) -> u64 {
+        match self {
+            Taken::Host(r) => r.as_ptr() as u64,
+            Taken::Device(r) => r.ptr(),
+        }
+    }
 }
 
 impl Region {
@@ -66,11 +142,13 @@ impl Region {
 
 /// Where one kernel's allocations go.
 pub struct Slots {
-    arena: Arc<RawBuffer>,
+    arena: Memory,
     /// (offset, bytes, bytes handed out): scratch is handed out in pieces.
     scratch: Option<(usize, usize, usize)>,
     /// Inside [`scratch`]: allocations are the kernel's scratch.
     in_scratch: bool,
+    /// Inside [`unplanned`]: allocations go to the pool.
+    paused: bool,
     /// (bytes, place, taken).
     values: Vec<(usize, Place, bool)>,
 }
@@ -90,11 +168,16 @@ pub enum Place {
 /// A block from the pool that regions share: the output of a cat in place
 /// that escapes the run, allocated when its first piece is made.
 #[derive(Clone)]
-pub struct Block(Arc<RawBuffer>);
+pub struct Block(Memory);
 
 impl Block {
     pub fn new(bytes: usize) -> Block {
-        Block(Arc::new(RawBuffer::new(bytes)))
+        Block(Memory::Host(Arc::new(RawBuffer::new(bytes))))
+    }
+
+    /// A block of `bytes` on `device` (out of memory is an error).
+    pub fn on(device: Device, bytes: usize) -> Result<Block> {
+        Memory::on(device, bytes).map(Block)
     }
 }
 
@@ -113,16 +196,27 @@ impl Slots {
 
     /// The place of the kernel's value of `len` bytes, taken without
     /// allocating (a cat in place takes its output this way).
-    pub(crate) fn take_value(&mut self, len: usize) -> Option<Region> {
+    pub(crate) fn take_value(&mut self, len: usize) -> Option<Taken> {
         let was = std::mem::replace(&mut self.in_scratch, false);
-        let region = self.take(len);
+        let region = self.take(len).map(|(memory, offset, len)| match memory {
+            Memory::Host(arena) => Taken::Host(Region { arena, offset, len }),
+            Memory::Device(block) => Taken::Device(DeviceRegion { block, offset, len }),
+        });
         self.in_scratch = was;
         region
     }
 
-    /// The place of an allocation of `len` bytes: a region, or `None` for
-    /// the pool.
-    fn take(&mut self, len: usize) -> Option<Region> {
+    /// Whether the slots are host memory (else device memory).
+    fn on_host(&self) -> bool {
+        matches!(self.arena, Memory::Host(_))
+    }
+
+    /// The place of an allocation of `len` bytes: (memory, offset, len), or
+    /// `None` for the pool.
+    fn take(&mut self, len: usize) -> Option<(Memory, usize, usize)> {
+        if self.paused {
+            return None;
+        }
         if self.in_scratch {
             let (offset, bytes, used) = self.scratch.as_mut()?;
             let start = used.div_ceil(ALIGN) * ALIGN;
@@ -145,22 +239,18 @@ impl Slots {
         }
     }
 
-    fn region(&self, offset: usize, len: usize) -> Region {
+    fn region(&self, offset: usize, len: usize) -> (Memory, usize, usize) {
         region_of(&self.arena, offset, len)
     }
 }
 
-fn region_of(block: &Arc<RawBuffer>, offset: usize, len: usize) -> Region {
+fn region_of(block: &Memory, offset: usize, len: usize) -> (Memory, usize, usize) {
     assert!(
         offset + len <= block.len(),
         "internal error: a planned buffer ({len} bytes at {offset}) outside its block ({} bytes)",
         block.len()
     );
-    Region {
-        arena: block.clone(),
-        offset,
-        len,
-    }
+    (block.clone(), offset, len)
 }
 
 thread_local! {
@@ -181,8 +271,9 @@ pub fn planned<R>(slots: Slots, f: impl FnOnce() -> R) -> R {
 }
 
 /// Runs `f`, a kernel's computation of its scratch: what it allocates on
-/// this thread is the kernel's planned scratch.
-pub(crate) fn scratch<R>(f: impl FnOnce() -> R) -> R {
+/// this thread is the kernel's planned scratch (what does not fit goes to
+/// the pool). Device backends wrap their kernels' temporaries in it too.
+pub fn scratch<R>(f: impl FnOnce() -> R) -> R {
     let set = |on: bool| {
         PLANNED.with(|p| {
             p.borrow_mut()
@@ -198,8 +289,48 @@ pub(crate) fn scratch<R>(f: impl FnOnce() -> R) -> R {
     r
 }
 
-/// The planned place of an allocation of `len` bytes made now on this
-/// thread, if a kernel with slots is running on it.
+/// Runs `f` with the running kernel's slots set aside: what it allocates
+/// on this thread comes from the pool (the intermediates of a group that
+/// runs op by op, which the plan does not know).
+pub(crate) fn unplanned<R>(f: impl FnOnce() -> R) -> R {
+    let set = |on: bool| {
+        PLANNED.with(|p| {
+            p.borrow_mut()
+                .last_mut()
+                .map(|s| std::mem::replace(&mut s.paused, on))
+        })
+    };
+    let before = set(true);
+    let r = f();
+    if let Some(before) = before {
+        set(before);
+    }
+    r
+}
+
+/// The planned place of a host allocation of `len` bytes made now on this
+/// thread, if a kernel with host slots is running on it.
 pub(crate) fn take(len: usize) -> Option<Region> {
-    PLANNED.with(|p| p.borrow_mut().last_mut().and_then(|s| s.take(len)))
+    PLANNED.with(|p| {
+        let mut p = p.borrow_mut();
+        let slots = p.last_mut().filter(|s| s.on_host())?;
+        match slots.take(len)? {
+            (Memory::Host(arena), offset, len) => Some(Region { arena, offset, len }),
+            (Memory::Device(_), ..) => unreachable!("host slots place in host memory"),
+        }
+    })
+}
+
+/// The planned place of a device allocation of `len` bytes made now on
+/// this thread, if a kernel with device slots is running on it: what a
+/// device backend's allocator calls first.
+pub fn take_device(len: usize) -> Option<DeviceRegion> {
+    PLANNED.with(|p| {
+        let mut p = p.borrow_mut();
+        let slots = p.last_mut().filter(|s| !s.on_host())?;
+        match slots.take(len)? {
+            (Memory::Device(block), offset, len) => Some(DeviceRegion { block, offset, len }),
+            (Memory::Host(_), ..) => unreachable!("device slots place in device memory"),
+        }
+    })
 }
