@@ -11,8 +11,8 @@ use tessera::tensor::Layout;
 use tessera::DType;
 
 use super::{
-    at_least_one, c_type, convert, decompose, grid_for, index_type, load, padded, prelude, Compute,
-    Launch, Words, ENTRY,
+    aligned, at_least_one, c_type, convert, decompose, grid_for, index_type, load, padded, prelude,
+    vector_width, widen, Compute, Launch, Words, ENTRY,
 };
 
 /// One input of a pointwise kernel.
@@ -48,6 +48,20 @@ pub fn pointwise(
     shape: &[usize],
     compute: Compute,
     sms: u32,
+) -> Result<Launch, String> {
+    pointwise_block(steps, inputs, outputs, shape, compute, sms, None)
+}
+
+/// [`pointwise`] with `block` threads per block (a tuner's choice;
+/// `None`: [`DEFAULT_BLOCK`]).
+pub fn pointwise_block(
+    steps: &[Step],
+    inputs: &[Operand],
+    outputs: &[Output],
+    shape: &[usize],
+    compute: Compute,
+    sms: u32,
+    block: Option<u32>,
 ) -> Result<Launch, String> {
     let n: usize = shape.iter().product();
     let rank = shape.len().max(1);
@@ -97,9 +111,28 @@ pub fn pointwise(
         no1 = at_least_one(no),
         nc1 = at_least_one(nc),
     ));
+    let body = Body {
+        steps,
+        buffers: &buffers,
+        outputs,
+        const_of_step: &const_of_step,
+        compute,
+    };
+    let block = block.unwrap_or(DEFAULT_BLOCK);
     src.push_str(&format!(
-        "extern \"C\" __global__ void __launch_bounds__(256) {ENTRY}(Args a) {{\n\
-         for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < a.n; i += (long long)gridDim.x * blockDim.x) {{\n"
+        "extern \"C\" __global__ void __launch_bounds__({block}) {ENTRY}(Args a) {{\n\
+         const long long stride = (long long)gridDim.x * blockDim.x;\n"
+    ));
+    let vec = vector_plan(&buffers, outputs, compute);
+    let start = match vec {
+        Some(v) => {
+            src.push_str(&body.vectorised(v));
+            format!("a.n / {v} * {v} + ")
+        }
+        None => String::new(),
+    };
+    src.push_str(&format!(
+        "for (long long i = {start}(long long)blockIdx.x * blockDim.x + threadIdx.x; i < a.n; i += stride) {{\n"
     ));
     // Offsets of every buffer input (by position among buffers) and output.
     let mut targets = Vec::new();
@@ -122,40 +155,22 @@ pub fn pointwise(
     if any_strided {
         src.push_str(&decompose("i", "shape", rank, &targets, false, idx));
     }
-    let buffer_pos = |k: usize| buffers.iter().position(|b| b.0 == k);
-    let acc = compute.c_type();
-    for (s, step) in steps.iter().enumerate() {
-        let expr = match *step {
-            Step::Load(k) => match buffer_pos(k) {
-                Some(b) => load(
-                    buffers[b].1,
-                    compute,
-                    &format!("a.in[{b}]"),
-                    &format!("io{b}"),
-                ),
-                None => format!("({acc})a.c[{}]", const_of_step[s].expect("a scalar")),
-            },
-            Step::Const(_) => format!("({acc})a.c[{}]", const_of_step[s].expect("a const")),
-            Step::Unary(op, x) => unary(op, compute, &format!("v{x}"))?,
-            Step::Binary(op, x, y) => binary(op, compute, &format!("v{x}"), &format!("v{y}"))?,
-            Step::Compare(op, x, y) => {
-                format!(
-                    "(({}) ? ({acc})1 : ({acc})0)",
-                    compare(op, &format!("v{x}"), &format!("v{y}"))
-                )
-            }
-            Step::Where(c, x, y) => format!("((v{c} != ({acc})0) ? v{x} : v{y})"),
-            Step::Round(d, x) => round(d, compute, &format!("v{x}"))?,
-        };
-        src.push_str(&format!("{acc} v{s} = {expr};\n"));
-    }
-    for (o, out) in outputs.iter().enumerate() {
-        src.push_str(&format!(
-            "(({}*)a.out[{o}])[oo{o}] = {};\n",
-            c_type(out.dtype),
-            convert(out.dtype, compute, &format!("v{}", out.step))
-        ));
-    }
+    src.push_str(&body.steps(
+        |b| {
+            load(
+                buffers[b].1,
+                compute,
+                &format!("a.in[{b}]"),
+                &format!("io{b}"),
+            )
+        },
+        |o, value| {
+            format!(
+                "(({}*)a.out[{o}])[oo{o}] = {value};\n",
+                c_type(outputs[o].dtype)
+            )
+        },
+    )?);
     src.push_str("}\n}\n");
 
     let mut args = Words::default();
@@ -188,12 +203,156 @@ pub fn pointwise(
         args.ptr(o.ptr);
     }
     args.zeros(at_least_one(no) - no);
+    let per_thread = vec.unwrap_or(1);
     Ok(Launch {
         source: src,
         args,
-        grid: grid_for(n, 256, sms),
-        block: 256,
+        grid: grid_for(n.div_ceil(per_thread), block, sms),
+        block,
     })
+}
+
+/// Threads per block when no tuned size is given.
+pub const DEFAULT_BLOCK: u32 = 256;
+
+/// Elements per thread of the vectorised loop, when it applies: every
+/// input contiguous or a broadcast scalar (all strides 0), every output
+/// contiguous, all 2- or 4-byte floats computed in f32, and every
+/// non-scalar address on a whole access. Otherwise the scalar loop alone.
+fn vector_plan(
+    buffers: &[(usize, DType, &Layout, u64)],
+    outputs: &[Output],
+    compute: Compute,
+) -> Option<usize> {
+    if compute != Compute::F32 {
+        return None;
+    }
+    let streamed: Vec<(DType, &Layout, u64)> = buffers
+        .iter()
+        .filter(|(_, _, l, _)| !is_scalar(l))
+        .map(|&(_, d, l, p)| (d, l, p))
+        .chain(outputs.iter().map(|o| (o.dtype, &o.layout, o.ptr)))
+        .collect();
+    let all: Vec<DType> = buffers
+        .iter()
+        .map(|b| b.1)
+        .chain(streamed.iter().map(|s| s.0))
+        .collect();
+    let vec = vector_width(&all)?;
+    streamed
+        .iter()
+        .all(|(d, l, p)| {
+            l.is_contiguous() && aligned(p + (l.offset * d.size_bytes()) as u64, *d, vec)
+        })
+        .then_some(vec)
+}
+
+/// A buffer every element of the kernel reads at the same address.
+fn is_scalar(l: &Layout) -> bool {
+    l.strides.iter().all(|&s| s == 0)
+}
+
+/// What the step list needs to be written out as C, in either loop.
+struct Body<'a> {
+    steps: &'a [Step],
+    buffers: &'a [(usize, DType, &'a Layout, u64)],
+    outputs: &'a [Output],
+    const_of_step: &'a [Option<usize>],
+    compute: Compute,
+}
+
+impl Body<'_> {
+    /// The steps as C statements, buffer `b` read by `read(b)` and output
+    /// `o` written by `write(o, value)` (value already of its dtype).
+    fn steps(
+        &self,
+        read: impl Fn(usize) -> String,
+        write: impl Fn(usize, String) -> String,
+    ) -> Result<String, String> {
+        let compute = self.compute;
+        let acc = compute.c_type();
+        let buffer_pos = |k: usize| self.buffers.iter().position(|b| b.0 == k);
+        let mut src = String::new();
+        for (s, step) in self.steps.iter().enumerate() {
+            let expr = match *step {
+                Step::Load(k) => match buffer_pos(k) {
+                    Some(b) => read(b),
+                    None => format!("({acc})a.c[{}]", self.const_of_step[s].expect("a scalar")),
+                },
+                Step::Const(_) => {
+                    format!("({acc})a.c[{}]", self.const_of_step[s].expect("a const"))
+                }
+                Step::Unary(op, x) => unary(op, compute, &format!("v{x}"))?,
+                Step::Binary(op, x, y) => binary(op, compute, &format!("v{x}"), &format!("v{y}"))?,
+                Step::Compare(op, x, y) => {
+                    format!(
+                        "(({}) ? ({acc})1 : ({acc})0)",
+                        compare(op, &format!("v{x}"), &format!("v{y}"))
+                    )
+                }
+                Step::Where(c, x, y) => format!("((v{c} != ({acc})0) ? v{x} : v{y})"),
+                Step::Round(d, x) => round(d, compute, &format!("v{x}"))?,
+            };
+            src.push_str(&format!("{acc} v{s} = {expr};\n"));
+        }
+        for (o, out) in self.outputs.iter().enumerate() {
+            src.push_str(&write(
+                o,
+                convert(out.dtype, compute, &format!("v{}", out.step)),
+            ));
+        }
+        Ok(src)
+    }
+
+    /// The grid-stride loop over whole `vec`-element accesses: one 16-byte
+    /// load per streamed input and one store per output, the steps unrolled
+    /// over the `vec` lanes. The scalar loop after it takes the tail.
+    fn vectorised(&self, vec: usize) -> String {
+        let mut src = format!(
+            "for (long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x; t < a.n / {vec}; t += stride) {{\n\
+             const long long i = t * {vec};\n"
+        );
+        for (b, (_, d, l, _)) in self.buffers.iter().enumerate() {
+            if !is_scalar(l) {
+                let ct = c_type(*d);
+                src.push_str(&format!(
+                    "const Pack<{ct}, {vec}> p{b} = *(const Pack<{ct}, {vec}>*)((const {ct}*)a.in[{b}] + a.ioff[{b}] + i);\n"
+                ));
+            }
+        }
+        for (o, out) in self.outputs.iter().enumerate() {
+            src.push_str(&format!("Pack<{}, {vec}> q{o};\n", c_type(out.dtype)));
+        }
+        let body = self
+            .steps(
+                |b| {
+                    let (_, d, l, _) = self.buffers[b];
+                    if is_scalar(l) {
+                        load(
+                            d,
+                            self.compute,
+                            &format!("a.in[{b}]"),
+                            &format!("a.ioff[{b}]"),
+                        )
+                    } else {
+                        widen(d, self.compute, &format!("p{b}.v[k]"))
+                    }
+                },
+                |o, value| format!("q{o}.v[k] = {value};\n"),
+            )
+            .expect("the scalar loop was generated from the same steps");
+        src.push_str(&format!(
+            "#pragma unroll\nfor (int k = 0; k < {vec}; ++k) {{\n{body}}}\n"
+        ));
+        for (o, out) in self.outputs.iter().enumerate() {
+            let ct = c_type(out.dtype);
+            src.push_str(&format!(
+                "*(Pack<{ct}, {vec}>*)(({ct}*)a.out[{o}] + a.ooff[{o}] + i) = q{o};\n"
+            ));
+        }
+        src.push_str("}\n");
+        src
+    }
 }
 
 /// `name` for double, `namef` for float.
@@ -435,6 +594,91 @@ mod tests {
         .unwrap();
         assert_eq!(a.source, b.source);
         assert_ne!(a.args, b.args);
+    }
+
+    #[test]
+    fn contiguous_aligned_floats_take_16_byte_packs_with_a_scalar_tail() {
+        // y = x * s (s a broadcast bf16 buffer), x bf16, y bf16: 8 a pack.
+        let shape = [3, 7];
+        let x = buffer(DType::BF16, Layout::contiguous(&shape));
+        let s = buffer(DType::BF16, Layout::contiguous(&[1]).expanded(&shape));
+        let steps = [
+            Step::Load(0),
+            Step::Load(1),
+            Step::Binary(BinaryOp::Mul, 0, 1),
+        ];
+        let y = |ptr, dtype| Output {
+            step: 2,
+            dtype,
+            ptr,
+            layout: Layout::contiguous(&shape),
+        };
+        let l = pointwise(
+            &steps,
+            &[x.clone(), s.clone()],
+            &[y(0x2000, DType::BF16)],
+            &shape,
+            Compute::F32,
+            132,
+        )
+        .unwrap();
+        let src = &l.source;
+        assert!(src.contains("t < a.n / 8;"), "{src}");
+        assert!(
+            src.contains("const Pack<__nv_bfloat16, 8> p0 = *(const Pack<__nv_bfloat16, 8>*)"),
+            "{src}"
+        );
+        assert!(
+            !src.contains("p1 ="),
+            "a broadcast scalar is no stream:\n{src}"
+        );
+        assert!(
+            src.contains("((const __nv_bfloat16*)a.in[1])[a.ioff[1]]"),
+            "{src}"
+        );
+        assert!(src.contains("q0.v[k] = __float2bfloat16_rn"), "{src}");
+        // The tail: the scalar loop starts after the last whole pack.
+        assert!(src.contains("long long i = a.n / 8 * 8 + "), "{src}");
+        // An f32 output makes it 4 a pack; an odd address, the scalar loop.
+        let mixed = pointwise(
+            &steps,
+            &[x.clone(), s.clone()],
+            &[y(0x2000, DType::F32)],
+            &shape,
+            Compute::F32,
+            132,
+        )
+        .unwrap();
+        assert!(mixed.source.contains("t < a.n / 4;"), "{}", mixed.source);
+        let odd = pointwise(
+            &steps,
+            &[x, s],
+            &[y(0x2002, DType::BF16)],
+            &shape,
+            Compute::F32,
+            132,
+        )
+        .unwrap();
+        assert!(!odd.source.contains("Pack<__nv"), "{}", odd.source);
+        // Same words either way: the host side packs one struct.
+        assert_eq!(l.args.0.len(), odd.args.0.len());
+    }
+
+    #[test]
+    fn a_tuned_block_size_is_the_launch_bound_and_sizes_the_grid() {
+        let shape = [1 << 20];
+        let x = buffer(DType::F32, Layout::contiguous(&shape));
+        let y = Output {
+            step: 1,
+            dtype: DType::F32,
+            ptr: 0x2000,
+            layout: Layout::contiguous(&shape),
+        };
+        let steps = [Step::Load(0), Step::Unary(UnaryOp::Exp, 0)];
+        let l = pointwise_block(&steps, &[x], &[y], &shape, Compute::F32, 132, Some(512)).unwrap();
+        assert!(l.source.contains("__launch_bounds__(512)"), "{}", l.source);
+        // 2^20 elements, 4 a thread, 512 a block: 512 blocks, under 32 a SM.
+        assert_eq!((l.block, l.grid), (512, 512));
     }
 
     #[test]
