@@ -1,6 +1,6 @@
 //! Bandwidth of generated kernels on the GPU: an elementwise exp (one
 //! read, one write), an add (two reads, one write), a fused-style chain
-//! `relu(x * 2 + y)` as eager ops, and a last-dim softmax, on N elements
+//! `relu(x * 2 + y)` as eager ops, a last-dim softmax and sum, on N elements
 //! (default 64 Mi; softmax over rows of 4096). 3 warm-ups, then 20 runs
 //! between two synchronizations, as scripts/anchors/torch_rows_rate.py
 //! times PyTorch. GB/s counts bytes read plus bytes written once.
@@ -51,5 +51,6 @@ fn main() -> tessera::Result<()> {
         ((&x * 2.0) + &y).relu()
     })?;
     time("softmax(-1)", dtype, 2.0 * b, || x.softmax(-1))?;
+    time("sum(-1)", dtype, b, || x.sum(&[-1], false))?;
     Ok(())
 }

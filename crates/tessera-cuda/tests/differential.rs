@@ -193,7 +193,8 @@ fn reductions_softmax_and_arg_reductions() {
 
 /// The vectorised paths: pointwise chains on 16-byte packs with a scalar
 /// tail (and a broadcast scalar buffer), softmax rows kept in registers (a
-/// warp per row, a block per row), rows with -inf and NaN.
+/// warp per row, a block per row), row reductions on packs, rows with -inf
+/// and NaN.
 #[test]
 fn vectorised_pointwise_and_softmax_rows() {
     if !gpu() {
@@ -210,6 +211,10 @@ fn vectorised_pointwise_and_softmax_rows() {
                     x.exp(),
                     x.softmax(-1),
                     x.log_softmax(-1),
+                    x.sum(&[-1], false),
+                    x.mean(&[-1], true),
+                    x.max(&[-1], false),
+                    x.min(&[-1], false),
                 ]
             });
         }

@@ -267,6 +267,14 @@ fn vectorised() -> Vec<Launch> {
         assert!(l.source.contains("Pack<"), "{}", l.source);
         v.push(l);
     }
+    // Row reductions on packs, every op.
+    for d in [DType::F32, DType::BF16, DType::F16] {
+        for op in ReduceOp::ALL {
+            let l = reduce(op, d, &Layout::contiguous(&[3, 4096]), &[1], d, 0, 0, 132);
+            assert!(l.source.contains("Pack<"), "{}", l.source);
+            v.push(l);
+        }
+    }
     // Softmax rows in registers: a warp per row and a block per row, every
     // 2/4-byte float, softmax and log_softmax.
     for d in [DType::F32, DType::BF16, DType::F16] {

@@ -270,6 +270,21 @@ fn reduce_impl(
         convert(out_dtype, compute, &finish)
     );
     let columns = parts == 1 && split.columns();
+    // A whole contiguous row on 16-byte accesses: each thread reads packs.
+    let inner = match packed_row(dtype, split, parts, x) {
+        Some(vec) => {
+            let ct = c_type(dtype);
+            let lane = super::widen(dtype, compute, "p.v[e]");
+            format!(
+                "for (long long j = (long long)threadIdx.x * {vec}; j < a.n_red; j += (long long)blockDim.x * {vec}) {{\n\
+                 const Pack<{ct}, {vec}> p = *(const Pack<{ct}, {vec}>*)((const {ct}*)a.x + base + j);\n\
+                 #pragma unroll\nfor (int e = 0; e < {vec}; ++e) {{ ACC v = {lane}; acc = COMBINE(acc, v); }} }}\n"
+            )
+        }
+        None => format!(
+            "for (long long j = lo + threadIdx.x; j < hi; j += blockDim.x) {{ long long off = base;\n{red}ACC v = {value}; acc = COMBINE(acc, v); }}\n"
+        ),
+    };
     if columns {
         src.push_str(&format!(
             "extern \"C\" __global__ void {ENTRY}(Args a) {{\n\
@@ -286,7 +301,7 @@ fn reduce_impl(
              long long o = w / a.parts, p = w - o * a.parts;\n\
              long long lo = p * chunk, hi = lo + chunk < a.n_red ? lo + chunk : a.n_red;\n\
              long long base = a.off;\n{kept}ACC acc = IDENTITY;\n\
-             for (long long j = lo + threadIdx.x; j < hi; j += blockDim.x) {{ long long off = base;\n{red}ACC v = {value}; acc = COMBINE(acc, v); }}\n\
+             {inner}\
              acc = block_all(acc);\nif (threadIdx.x == 0) {{ {store} }}\n}}\n}}\n"
         ));
     }
@@ -306,6 +321,25 @@ fn reduce_impl(
         grid,
         block,
     }
+}
+
+/// Elements per 16-byte access when each output's reduced elements are one
+/// contiguous run (a single reduced dim of stride 1, no cut into parts),
+/// of whole accesses, at aligned addresses; `None` otherwise.
+fn packed_row(dtype: DType, split: &Split, parts: usize, x: u64) -> Option<usize> {
+    let vec = super::vector_width(&[dtype])?;
+    let size = dtype.size_bytes();
+    let ok = parts == 1
+        && split.red_shape.len() == 1
+        && split.red_strides[0] == 1
+        && split.n_red().is_multiple_of(vec)
+        && super::aligned(x + (split.offset * size) as u64, dtype, vec)
+        && split
+            .kept_shape
+            .iter()
+            .zip(&split.kept_strides)
+            .all(|(&n, &st)| n == 1 || st.is_multiple_of(vec));
+    ok.then_some(vec)
 }
 
 /// The index of the max/min along `dim` (first on ties; NaN counts as the
@@ -687,6 +721,37 @@ mod tests {
         );
         assert!(!cols.source.contains("block_all(acc);"), "{}", cols.source);
         assert_eq!(cols.block, 256);
+    }
+
+    #[test]
+    fn a_contiguous_aligned_row_is_read_in_16_byte_packs() {
+        let l = Layout::contiguous(&[64, 4096]);
+        let sum = |layout: &Layout, x| {
+            reduce(
+                ReduceOp::Sum,
+                DType::BF16,
+                layout,
+                &[1],
+                DType::BF16,
+                x,
+                2,
+                132,
+            )
+        };
+        let packed = sum(&l, 0x1000);
+        assert!(
+            packed.source.contains("const Pack<__nv_bfloat16, 8> p = "),
+            "{}",
+            packed.source
+        );
+        // An odd address or an odd row length: element by element.
+        assert!(!sum(&l, 0x1002).source.contains("Pack<__nv"));
+        assert!(!sum(&Layout::contiguous(&[64, 4095]), 0x1000)
+            .source
+            .contains("Pack<__nv"));
+        // f64 has no pack: element by element.
+        let f64_sum = reduce(ReduceOp::Sum, DType::F64, &l, &[1], DType::F64, 0, 2, 132);
+        assert!(!f64_sum.source.contains("Pack<double"));
     }
 
     #[test]
