@@ -8,7 +8,12 @@
 //! reduced elements, then a shuffle tree) when the reduced elements are
 //! adjacent in memory or many; a thread per output when the outputs are
 //! adjacent and the reduced elements are not (a column sum), so that a
-//! warp's loads stay coalesced.
+//! warp's loads stay coalesced. A block-per-output row that is one
+//! contiguous aligned run is read in 16-byte packs.
+//!
+//! Softmax over a contiguous last dim that fits in registers reads its row
+//! once ([`softmax_rows`]: a warp per row for short rows, a block for long
+//! ones); any other softmax takes the two-pass online kernel.
 
 use tessera::ir::{ArgReduceOp, ReduceOp};
 use tessera::tensor::Layout;
