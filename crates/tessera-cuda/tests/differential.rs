@@ -191,6 +191,44 @@ fn reductions_softmax_and_arg_reductions() {
     });
 }
 
+/// The vectorised paths: pointwise chains on 16-byte packs with a scalar
+/// tail (and a broadcast scalar buffer), softmax rows kept in registers (a
+/// warp per row, a block per row), row reductions on packs, rows with -inf
+/// and NaN.
+#[test]
+fn vectorised_pointwise_and_softmax_rows() {
+    if !gpu() {
+        return;
+    }
+    for d in [DType::F32, DType::BF16, DType::F16] {
+        for shape in [[3usize, 1001], [8, 256], [4, 4096], [2, 8192]] {
+            let x = randn(&shape, d, 7);
+            let y = randn(&[1], d, 8);
+            both("packed chain", &[x.clone(), y], true, |a| {
+                let (x, y) = (&a[0], &a[1]);
+                vec![
+                    ((x * 2.0) + y).relu(),
+                    x.exp(),
+                    x.softmax(-1),
+                    x.log_softmax(-1),
+                    x.sum(&[-1], false),
+                    x.mean(&[-1], true),
+                    x.max(&[-1], false),
+                    x.min(&[-1], false),
+                ]
+            });
+        }
+        let mut v = randn(&[4, 256], DType::F64, 9).to_f64_vec();
+        v[0] = f64::NEG_INFINITY;
+        v[256..512].fill(f64::NEG_INFINITY);
+        v[600] = f64::NAN;
+        let x = Tensor::from_vec(v, &[4, 256]).cast(d);
+        both("rows with -inf and NaN", &[x], true, |a| {
+            vec![a[0].softmax(-1), a[0].log_softmax(-1)]
+        });
+    }
+}
+
 #[test]
 fn matmul_batched_transposed_broadcast_and_vectors() {
     if !gpu() {

@@ -10,7 +10,7 @@ use tessera::runtime::cpu::fused::Step;
 use tessera::tensor::Layout;
 use tessera::DType;
 use tessera_cuda::codegen::index::{indexed, triangle, Indexed, Strided};
-use tessera_cuda::codegen::pointwise::{pointwise, Operand, Output};
+use tessera_cuda::codegen::pointwise::{pointwise, pointwise_block, Operand, Output};
 use tessera_cuda::codegen::rows::{arg_reduce, reduce, reduce_in_parts, softmax};
 use tessera_cuda::codegen::{Compute, Launch};
 use tessera_cuda::compiler::compile_uncached;
@@ -231,6 +231,62 @@ fn indexing() -> Vec<Launch> {
     v
 }
 
+/// The vectorised pointwise loop (contiguous, aligned, 2/4-byte floats):
+/// 16-byte packs of each dtype, a mixed-width pair, a broadcast scalar
+/// buffer, every unary op and a tuned block size.
+fn vectorised() -> Vec<Launch> {
+    let shape = [4, 1000];
+    let l = Layout::contiguous(&shape);
+    let scalar = Layout::contiguous(&[1]).expanded(&shape);
+    let mut v = Vec::new();
+    for (a, b) in [
+        (DType::F32, DType::F32),
+        (DType::BF16, DType::BF16),
+        (DType::F16, DType::F16),
+        (DType::BF16, DType::F32),
+        (DType::F16, DType::BF16),
+    ] {
+        let ins = [buffer(a, l.clone()), buffer(b, scalar.clone())];
+        let mut steps = vec![Step::Load(0), Step::Load(1)];
+        let mut last = 0;
+        for u in UnaryOp::ALL {
+            steps.push(Step::Unary(u, last));
+            last = steps.len() - 1;
+        }
+        steps.push(Step::Binary(BinaryOp::Maximum, last, 1));
+        let l = pointwise_block(
+            &steps,
+            &ins,
+            &[out(steps.len() - 1, b, &shape), out(last, a, &shape)],
+            &shape,
+            Compute::F32,
+            132,
+            Some(1024),
+        )
+        .unwrap();
+        assert!(l.source.contains("Pack<"), "{}", l.source);
+        v.push(l);
+    }
+    // Row reductions on packs, every op.
+    for d in [DType::F32, DType::BF16, DType::F16] {
+        for op in ReduceOp::ALL {
+            let l = reduce(op, d, &Layout::contiguous(&[3, 4096]), &[1], d, 0, 0, 132);
+            assert!(l.source.contains("Pack<"), "{}", l.source);
+            v.push(l);
+        }
+    }
+    // Softmax rows in registers: a warp per row and a block per row, every
+    // 2/4-byte float, softmax and log_softmax.
+    for d in [DType::F32, DType::BF16, DType::F16] {
+        for (len, log) in [(256, false), (4096, true), (4096, false)] {
+            let l = softmax(d, &Layout::contiguous(&[3, len]), 1, log, 0, 0, 132);
+            assert!(l.source.contains("row_all<true>"), "{}", l.source);
+            v.push(l);
+        }
+    }
+    v
+}
+
 #[test]
 fn every_template_compiles_to_ptx() {
     if !enabled() {
@@ -241,6 +297,7 @@ fn every_template_compiles_to_ptx() {
         integer_and_conversions(),
         reductions(),
         indexing(),
+        vectorised(),
     ]
     .into_iter()
     .flatten()

@@ -66,7 +66,16 @@ pub fn c_type(dtype: DType) -> &'static str {
 /// Element `off` of `ptr` (a `const void*` expression) of `dtype`,
 /// converted to the compute type.
 pub fn load(dtype: DType, compute: Compute, ptr: &str, off: &str) -> String {
-    let raw = format!("((const {}*){ptr})[{off}]", c_type(dtype));
+    widen(
+        dtype,
+        compute,
+        &format!("((const {}*){ptr})[{off}]", c_type(dtype)),
+    )
+}
+
+/// `raw` (an expression of `dtype`'s storage type) converted to the
+/// compute type.
+pub fn widen(dtype: DType, compute: Compute, raw: &str) -> String {
     let acc = compute.c_type();
     match dtype {
         DType::F16 => format!("({acc})__half2float({raw})"),
@@ -96,7 +105,34 @@ pub fn prelude(dtypes: &[DType]) -> String {
         s.push_str("#include <cuda_fp16.h>\n#include <cuda_bf16.h>\n");
     }
     s.push_str("#define TS_INF __int_as_float(0x7f800000)\n");
+    s.push_str(PACK);
     s
+}
+
+/// `V` elements of `T` moved as one 16-byte (or 8-byte) access: the
+/// vectorised kernels load and store through it, indexing `v` only with
+/// unrolled constants so that it stays in registers.
+const PACK: &str =
+    "template <typename T, int V> struct __align__(sizeof(T) * V) Pack { T v[V]; };\n";
+
+/// Elements per 16-byte access for the vectorised kernels, if every dtype
+/// is a 2- or 4-byte float (4 per access when any is f32, else 8).
+pub fn vector_width(dtypes: &[DType]) -> Option<usize> {
+    let mut widest = 0;
+    for d in dtypes {
+        match d {
+            DType::F32 => widest = 4,
+            DType::F16 | DType::BF16 => widest = widest.max(2),
+            _ => return None,
+        }
+    }
+    (widest > 0).then(|| 16 / widest)
+}
+
+/// Whether element 0 at `ptr` (a byte address) of `dtype` starts a whole
+/// `vec`-element access.
+pub fn aligned(ptr: u64, dtype: DType, vec: usize) -> bool {
+    ptr.is_multiple_of((dtype.size_bytes() * vec) as u64)
 }
 
 /// Code that splits the linear index `lin` over `shape` (an array field of

@@ -4,6 +4,12 @@
 //! inputs read through their own (broadcast, strided) layouts, outputs
 //! written through theirs. Eager elementwise ops, casts, copies and `cat`
 //! are one-step instances of the same kernel.
+//!
+//! When every streamed operand is contiguous, aligned and a 2- or 4-byte
+//! float, a first loop moves 16-byte packs (4 f32 or 8 bf16/f16 elements a
+//! thread per iteration; the steps unrolled over the pack) and the scalar
+//! loop takes only the tail: one 16-byte access instead of 4–8 narrow
+//! ones is what gets these kernels to the copy rate (BENCHMARKS.md).
 
 use tessera::ir::{BinaryOp, CompareOp, UnaryOp};
 use tessera::runtime::cpu::fused::Step;
@@ -11,8 +17,8 @@ use tessera::tensor::Layout;
 use tessera::DType;
 
 use super::{
-    at_least_one, c_type, convert, decompose, grid_for, index_type, load, padded, prelude, Compute,
-    Launch, Words, ENTRY,
+    aligned, at_least_one, c_type, convert, decompose, grid_for, index_type, load, padded, prelude,
+    vector_width, widen, Compute, Launch, Words, ENTRY,
 };
 
 /// One input of a pointwise kernel.
@@ -48,6 +54,20 @@ pub fn pointwise(
     shape: &[usize],
     compute: Compute,
     sms: u32,
+) -> Result<Launch, String> {
+    pointwise_block(steps, inputs, outputs, shape, compute, sms, None)
+}
+
+/// [`pointwise`] with `block` threads per block (a tuner's choice;
+/// `None`: [`DEFAULT_BLOCK`]).
+pub fn pointwise_block(
+    steps: &[Step],
+    inputs: &[Operand],
+    outputs: &[Output],
+    shape: &[usize],
+    compute: Compute,
+    sms: u32,
+    block: Option<u32>,
 ) -> Result<Launch, String> {
     let n: usize = shape.iter().product();
     let rank = shape.len().max(1);
@@ -97,72 +117,28 @@ pub fn pointwise(
         no1 = at_least_one(no),
         nc1 = at_least_one(nc),
     ));
-    let vector = vector_width(&buffers, outputs, n, any_strided);
+    let body = Body {
+        steps,
+        buffers: &buffers,
+        outputs,
+        const_of_step: &const_of_step,
+        compute,
+    };
+    let block = block.unwrap_or(DEFAULT_BLOCK);
     src.push_str(&format!(
-        "extern \"C\" __global__ void __launch_bounds__(256) {ENTRY}(Args a) {{\n"
+        "extern \"C\" __global__ void __launch_bounds__({block}) {ENTRY}(Args a) {{\n\
+         const long long stride = (long long)gridDim.x * blockDim.x;\n"
     ));
-    let body = |load_at: &dyn Fn(usize) -> (String, String),
-                store_at: &dyn Fn(usize) -> String|
-     -> Result<String, String> {
-        step_lines(
-            steps,
-            &buffers,
-            compute,
-            &const_of_step,
-            outputs,
-            load_at,
-            store_at,
-        )
+    let vec = vector_plan(&buffers, outputs, compute);
+    let start = match vec {
+        Some(v) => {
+            src.push_str(&body.vectorised(v));
+            format!("a.n / {v} * {v} + ")
+        }
+        None => String::new(),
     };
-    let tail_start = if vector > 1 {
-        // Packs of `vector` elements per thread: one 16-byte access per
-        // 16 bytes of every buffer (all contiguous and 16-byte aligned).
-        for (b, (_, d, _, _)) in buffers.iter().enumerate() {
-            src.push_str(&format!(
-                "struct __align__(16) PI{b} {{ {} v[{vector}]; }};\n",
-                c_type(*d)
-            ));
-        }
-        for (o, out) in outputs.iter().enumerate() {
-            src.push_str(&format!(
-                "struct __align__(16) PO{o} {{ {} v[{vector}]; }};\n",
-                c_type(out.dtype)
-            ));
-        }
-        src.push_str(&format!(
-            "long long nv = a.n / {vector};\n\
-             for (long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x; j < nv; j += (long long)gridDim.x * blockDim.x) {{\n"
-        ));
-        for (b, (_, d, _, _)) in buffers.iter().enumerate() {
-            src.push_str(&format!(
-                "PI{b} x{b} = ((const PI{b}*)((const {t}*)a.in[{b}] + a.ioff[{b}]))[j];\n",
-                t = c_type(*d)
-            ));
-        }
-        for o in 0..outputs.len() {
-            src.push_str(&format!("PO{o} y{o};\n"));
-        }
-        src.push_str(&format!(
-            "#pragma unroll\nfor (int e = 0; e < {vector}; e++) {{\n"
-        ));
-        src.push_str(&body(&|b| (format!("x{b}.v"), "e".to_string()), &|o| {
-            format!("y{o}.v[e]")
-        })?);
-        src.push_str("}\n");
-        for (o, out) in outputs.iter().enumerate() {
-            src.push_str(&format!(
-                "((PO{o}*)(({t}*)a.out[{o}] + a.ooff[{o}]))[j] = y{o};\n",
-                t = c_type(out.dtype)
-            ));
-        }
-        src.push_str("}\n");
-        format!("nv * {vector} + ")
-    } else {
-        String::new()
-    };
-    // Element by element: every layout, and the tail of the packed path.
     src.push_str(&format!(
-        "for (long long i = {tail_start}(long long)blockIdx.x * blockDim.x + threadIdx.x; i < a.n; i += (long long)gridDim.x * blockDim.x) {{\n"
+        "for (long long i = {start}(long long)blockIdx.x * blockDim.x + threadIdx.x; i < a.n; i += stride) {{\n"
     ));
     // Offsets of every buffer input (by position among buffers) and output.
     let mut targets = Vec::new();
@@ -185,9 +161,21 @@ pub fn pointwise(
     if any_strided {
         src.push_str(&decompose("i", "shape", rank, &targets, false, idx));
     }
-    src.push_str(&body(
-        &|b| (format!("a.in[{b}]"), format!("io{b}")),
-        &|o| format!("(({}*)a.out[{o}])[oo{o}]", c_type(outputs[o].dtype)),
+    src.push_str(&body.steps(
+        |b| {
+            load(
+                buffers[b].1,
+                compute,
+                &format!("a.in[{b}]"),
+                &format!("io{b}"),
+            )
+        },
+        |o, value| {
+            format!(
+                "(({}*)a.out[{o}])[oo{o}] = {value};\n",
+                c_type(outputs[o].dtype)
+            )
+        },
     )?);
     src.push_str("}\n}\n");
 
@@ -221,99 +209,156 @@ pub fn pointwise(
         args.ptr(o.ptr);
     }
     args.zeros(at_least_one(no) - no);
+    let per_thread = vec.unwrap_or(1);
     Ok(Launch {
         source: src,
         args,
-        grid: grid_for(n.div_ceil(vector), 256, sms),
-        block: 256,
+        grid: grid_for(n.div_ceil(per_thread), block, sms),
+        block,
     })
 }
 
-/// Elements per thread of the packed path: 16 bytes of the narrowest dtype
-/// (4 f32, 8 bf16/f16, 2 f64), when every buffer is contiguous, starts
-/// 16-byte aligned and there is at least one whole pack; else 1 (element
-/// by element).
-fn vector_width(
+/// Threads per block when no tuned size is given.
+pub const DEFAULT_BLOCK: u32 = 256;
+
+/// Elements per thread of the vectorised loop, when it applies: every
+/// input contiguous or a broadcast scalar (all strides 0), every output
+/// contiguous, all 2- or 4-byte floats computed in f32, and every
+/// non-scalar address on a whole access. Otherwise the scalar loop alone.
+fn vector_plan(
     buffers: &[(usize, DType, &Layout, u64)],
     outputs: &[Output],
-    n: usize,
-    any_strided: bool,
-) -> usize {
-    let starts = buffers
-        .iter()
-        .map(|&(_, d, l, p)| (d, p + (l.offset * d.size_bytes()) as u64))
-        .chain(outputs.iter().map(|o| {
-            (
-                o.dtype,
-                o.ptr + (o.layout.offset * o.dtype.size_bytes()) as u64,
-            )
-        }));
-    let mut narrowest = 16;
-    for (d, start) in starts {
-        if start % 16 != 0 {
-            return 1;
-        }
-        narrowest = narrowest.min(d.size_bytes());
-    }
-    let v = 16 / narrowest;
-    if any_strided || v < 2 || n < v || !packing() {
-        return 1;
-    }
-    v
-}
-
-/// `TESSERA_CUDA_PACK=0` turns the packed path off (to measure it).
-fn packing() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("TESSERA_CUDA_PACK").map_or(true, |v| v != "0"))
-}
-
-/// The computation of one element: every step a register, then every
-/// output stored. `load_at(b)` gives buffer `b`'s (pointer, index) and
-/// `store_at(o)` output `o`'s lvalue.
-fn step_lines(
-    steps: &[Step],
-    buffers: &[(usize, DType, &Layout, u64)],
     compute: Compute,
-    const_of_step: &[Option<usize>],
-    outputs: &[Output],
-    load_at: &dyn Fn(usize) -> (String, String),
-    store_at: &dyn Fn(usize) -> String,
-) -> Result<String, String> {
-    let buffer_pos = |k: usize| buffers.iter().position(|b| b.0 == k);
-    let acc = compute.c_type();
-    let mut src = String::new();
-    for (s, step) in steps.iter().enumerate() {
-        let expr = match *step {
-            Step::Load(k) => match buffer_pos(k) {
-                Some(b) => {
-                    let (ptr, at) = load_at(b);
-                    load(buffers[b].1, compute, &ptr, &at)
+) -> Option<usize> {
+    if compute != Compute::F32 {
+        return None;
+    }
+    let streamed: Vec<(DType, &Layout, u64)> = buffers
+        .iter()
+        .filter(|(_, _, l, _)| !is_scalar(l))
+        .map(|&(_, d, l, p)| (d, l, p))
+        .chain(outputs.iter().map(|o| (o.dtype, &o.layout, o.ptr)))
+        .collect();
+    let all: Vec<DType> = buffers
+        .iter()
+        .map(|b| b.1)
+        .chain(streamed.iter().map(|s| s.0))
+        .collect();
+    let vec = vector_width(&all)?;
+    streamed
+        .iter()
+        .all(|(d, l, p)| {
+            l.is_contiguous() && aligned(p + (l.offset * d.size_bytes()) as u64, *d, vec)
+        })
+        .then_some(vec)
+}
+
+/// A buffer every element of the kernel reads at the same address.
+fn is_scalar(l: &Layout) -> bool {
+    l.strides.iter().all(|&s| s == 0)
+}
+
+/// What the step list needs to be written out as C, in either loop.
+struct Body<'a> {
+    steps: &'a [Step],
+    buffers: &'a [(usize, DType, &'a Layout, u64)],
+    outputs: &'a [Output],
+    const_of_step: &'a [Option<usize>],
+    compute: Compute,
+}
+
+impl Body<'_> {
+    /// The steps as C statements, buffer `b` read by `read(b)` and output
+    /// `o` written by `write(o, value)` (value already of its dtype).
+    fn steps(
+        &self,
+        read: impl Fn(usize) -> String,
+        write: impl Fn(usize, String) -> String,
+    ) -> Result<String, String> {
+        let compute = self.compute;
+        let acc = compute.c_type();
+        let buffer_pos = |k: usize| self.buffers.iter().position(|b| b.0 == k);
+        let mut src = String::new();
+        for (s, step) in self.steps.iter().enumerate() {
+            let expr = match *step {
+                Step::Load(k) => match buffer_pos(k) {
+                    Some(b) => read(b),
+                    None => format!("({acc})a.c[{}]", self.const_of_step[s].expect("a scalar")),
+                },
+                Step::Const(_) => {
+                    format!("({acc})a.c[{}]", self.const_of_step[s].expect("a const"))
                 }
-                None => format!("({acc})a.c[{}]", const_of_step[s].expect("a scalar")),
-            },
-            Step::Const(_) => format!("({acc})a.c[{}]", const_of_step[s].expect("a const")),
-            Step::Unary(op, x) => unary(op, compute, &format!("v{x}"))?,
-            Step::Binary(op, x, y) => binary(op, compute, &format!("v{x}"), &format!("v{y}"))?,
-            Step::Compare(op, x, y) => {
-                format!(
-                    "(({}) ? ({acc})1 : ({acc})0)",
-                    compare(op, &format!("v{x}"), &format!("v{y}"))
-                )
+                Step::Unary(op, x) => unary(op, compute, &format!("v{x}"))?,
+                Step::Binary(op, x, y) => binary(op, compute, &format!("v{x}"), &format!("v{y}"))?,
+                Step::Compare(op, x, y) => {
+                    format!(
+                        "(({}) ? ({acc})1 : ({acc})0)",
+                        compare(op, &format!("v{x}"), &format!("v{y}"))
+                    )
+                }
+                Step::Where(c, x, y) => format!("((v{c} != ({acc})0) ? v{x} : v{y})"),
+                Step::Round(d, x) => round(d, compute, &format!("v{x}"))?,
+            };
+            src.push_str(&format!("{acc} v{s} = {expr};\n"));
+        }
+        for (o, out) in self.outputs.iter().enumerate() {
+            src.push_str(&write(
+                o,
+                convert(out.dtype, compute, &format!("v{}", out.step)),
+            ));
+        }
+        Ok(src)
+    }
+
+    /// The grid-stride loop over whole `vec`-element accesses: one 16-byte
+    /// load per streamed input and one store per output, the steps unrolled
+    /// over the `vec` lanes. The scalar loop after it takes the tail.
+    fn vectorised(&self, vec: usize) -> String {
+        let mut src = format!(
+            "for (long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x; t < a.n / {vec}; t += stride) {{\n\
+             const long long i = t * {vec};\n"
+        );
+        for (b, (_, d, l, _)) in self.buffers.iter().enumerate() {
+            if !is_scalar(l) {
+                let ct = c_type(*d);
+                src.push_str(&format!(
+                    "const Pack<{ct}, {vec}> p{b} = *(const Pack<{ct}, {vec}>*)((const {ct}*)a.in[{b}] + a.ioff[{b}] + i);\n"
+                ));
             }
-            Step::Where(c, x, y) => format!("((v{c} != ({acc})0) ? v{x} : v{y})"),
-            Step::Round(d, x) => round(d, compute, &format!("v{x}"))?,
-        };
-        src.push_str(&format!("{acc} v{s} = {expr};\n"));
-    }
-    for (o, out) in outputs.iter().enumerate() {
+        }
+        for (o, out) in self.outputs.iter().enumerate() {
+            src.push_str(&format!("Pack<{}, {vec}> q{o};\n", c_type(out.dtype)));
+        }
+        let body = self
+            .steps(
+                |b| {
+                    let (_, d, l, _) = self.buffers[b];
+                    if is_scalar(l) {
+                        load(
+                            d,
+                            self.compute,
+                            &format!("a.in[{b}]"),
+                            &format!("a.ioff[{b}]"),
+                        )
+                    } else {
+                        widen(d, self.compute, &format!("p{b}.v[k]"))
+                    }
+                },
+                |o, value| format!("q{o}.v[k] = {value};\n"),
+            )
+            .expect("the scalar loop was generated from the same steps");
         src.push_str(&format!(
-            "{} = {};\n",
-            store_at(o),
-            convert(out.dtype, compute, &format!("v{}", out.step))
+            "#pragma unroll\nfor (int k = 0; k < {vec}; ++k) {{\n{body}}}\n"
         ));
+        for (o, out) in self.outputs.iter().enumerate() {
+            let ct = c_type(out.dtype);
+            src.push_str(&format!(
+                "*(Pack<{ct}, {vec}>*)(({ct}*)a.out[{o}] + a.ooff[{o}] + i) = q{o};\n"
+            ));
+        }
+        src.push_str("}\n");
+        src
     }
-    Ok(src)
 }
 
 /// `name` for double, `namef` for float.
@@ -558,49 +603,88 @@ mod tests {
     }
 
     #[test]
-    fn aligned_contiguous_kernels_move_16_byte_packs_and_others_do_not() {
-        let steps = [Step::Load(0), Step::Unary(UnaryOp::Exp, 0)];
-        let run = |dtype: DType, out_ptr: u64, layout: Layout, n: usize| {
-            let x = buffer(dtype, layout.clone());
-            let y = Output {
-                step: 1,
-                dtype,
-                ptr: out_ptr,
-                layout: Layout::contiguous(&[n]),
-            };
-            pointwise(&steps, &[x], &[y], &[n], Compute::F32, 132).unwrap()
+    fn contiguous_aligned_floats_take_16_byte_packs_with_a_scalar_tail() {
+        // y = x * s (s a broadcast bf16 buffer), x bf16, y bf16: 8 a pack.
+        let shape = [3, 7];
+        let x = buffer(DType::BF16, Layout::contiguous(&shape));
+        let s = buffer(DType::BF16, Layout::contiguous(&[1]).expanded(&shape));
+        let steps = [
+            Step::Load(0),
+            Step::Load(1),
+            Step::Binary(BinaryOp::Mul, 0, 1),
+        ];
+        let y = |ptr, dtype| Output {
+            step: 2,
+            dtype,
+            ptr,
+            layout: Layout::contiguous(&shape),
         };
-        // 4 f32 or 8 bf16 per thread, then the element-by-element tail.
-        let f = run(DType::F32, 0x2000, Layout::contiguous(&[1030]), 1030);
+        let l = pointwise(
+            &steps,
+            &[x.clone(), s.clone()],
+            &[y(0x2000, DType::BF16)],
+            &shape,
+            Compute::F32,
+            132,
+        )
+        .unwrap();
+        let src = &l.source;
+        assert!(src.contains("t < a.n / 8;"), "{src}");
         assert!(
-            f.source
-                .contains("struct __align__(16) PI0 { float v[4]; };"),
-            "{}",
-            f.source
+            src.contains("const Pack<__nv_bfloat16, 8> p0 = *(const Pack<__nv_bfloat16, 8>*)"),
+            "{src}"
         );
         assert!(
-            f.source.contains("for (long long i = nv * 4 + "),
-            "{}",
-            f.source
+            !src.contains("p1 ="),
+            "a broadcast scalar is no stream:\n{src}"
         );
-        let h = run(DType::BF16, 0x2000, Layout::contiguous(&[1030]), 1030);
         assert!(
-            h.source.contains("PO0 { __nv_bfloat16 v[8]; };"),
-            "{}",
-            h.source
+            src.contains("((const __nv_bfloat16*)a.in[1])[a.ioff[1]]"),
+            "{src}"
         );
-        // A misaligned output, a strided input, or too few elements: none.
-        let odd = run(DType::F32, 0x2004, Layout::contiguous(&[1030]), 1030);
-        let strided = run(
-            DType::F32,
-            0x2000,
-            Layout::contiguous(&[1030]).sliced(0, 0, 515, 2),
-            515,
-        );
-        let short = run(DType::F32, 0x2000, Layout::contiguous(&[3]), 3);
-        for l in [odd, strided, short] {
-            assert!(!l.source.contains("PI0"), "{}", l.source);
-        }
+        assert!(src.contains("q0.v[k] = __float2bfloat16_rn"), "{src}");
+        // The tail: the scalar loop starts after the last whole pack.
+        assert!(src.contains("long long i = a.n / 8 * 8 + "), "{src}");
+        // An f32 output makes it 4 a pack; an odd address, the scalar loop.
+        let mixed = pointwise(
+            &steps,
+            &[x.clone(), s.clone()],
+            &[y(0x2000, DType::F32)],
+            &shape,
+            Compute::F32,
+            132,
+        )
+        .unwrap();
+        assert!(mixed.source.contains("t < a.n / 4;"), "{}", mixed.source);
+        let odd = pointwise(
+            &steps,
+            &[x, s],
+            &[y(0x2002, DType::BF16)],
+            &shape,
+            Compute::F32,
+            132,
+        )
+        .unwrap();
+        assert!(!odd.source.contains("Pack<__nv"), "{}", odd.source);
+        // Same words either way: the host side packs one struct.
+        assert_eq!(l.args.0.len(), odd.args.0.len());
+    }
+
+    #[test]
+    fn a_tuned_block_size_is_the_launch_bound_and_sizes_the_grid() {
+        let shape = [1 << 20];
+        let x = buffer(DType::F32, Layout::contiguous(&shape));
+        let y = Output {
+            step: 1,
+            dtype: DType::F32,
+            ptr: 0x2000,
+            layout: Layout::contiguous(&shape),
+        };
+        let steps = [Step::Load(0), Step::Unary(UnaryOp::Exp, 0)];
+        let l = pointwise_block(&steps, &[x], &[y], &shape, Compute::F32, 132, Some(512)).unwrap();
+        assert!(l.source.contains("__launch_bounds__(512)"), "{}", l.source);
+        // 2^20 elements, 4 a thread, 512 a block: 512 blocks, under 32 a SM.
+        assert_eq!((l.block, l.grid), (512, 512));
     }
 
     #[test]

@@ -8,7 +8,12 @@
 //! reduced elements, then a shuffle tree) when the reduced elements are
 //! adjacent in memory or many; a thread per output when the outputs are
 //! adjacent and the reduced elements are not (a column sum), so that a
-//! warp's loads stay coalesced.
+//! warp's loads stay coalesced. A block-per-output row that is one
+//! contiguous aligned run is read in 16-byte packs.
+//!
+//! Softmax over a contiguous last dim that fits in registers reads its row
+//! once ([`softmax_rows`]: a warp per row for short rows, a block for long
+//! ones); any other softmax takes the two-pass online kernel.
 
 use tessera::ir::{ArgReduceOp, ReduceOp};
 use tessera::tensor::Layout;
@@ -270,6 +275,21 @@ fn reduce_impl(
         convert(out_dtype, compute, &finish)
     );
     let columns = parts == 1 && split.columns();
+    // A whole contiguous row on 16-byte accesses: each thread reads packs.
+    let inner = match packed_row(dtype, split, parts, x) {
+        Some(vec) => {
+            let ct = c_type(dtype);
+            let lane = super::widen(dtype, compute, "p.v[e]");
+            format!(
+                "for (long long j = (long long)threadIdx.x * {vec}; j < a.n_red; j += (long long)blockDim.x * {vec}) {{\n\
+                 const Pack<{ct}, {vec}> p = *(const Pack<{ct}, {vec}>*)((const {ct}*)a.x + base + j);\n\
+                 #pragma unroll\nfor (int e = 0; e < {vec}; ++e) {{ ACC v = {lane}; acc = COMBINE(acc, v); }} }}\n"
+            )
+        }
+        None => format!(
+            "for (long long j = lo + threadIdx.x; j < hi; j += blockDim.x) {{ long long off = base;\n{red}ACC v = {value}; acc = COMBINE(acc, v); }}\n"
+        ),
+    };
     if columns {
         src.push_str(&format!(
             "extern \"C\" __global__ void {ENTRY}(Args a) {{\n\
@@ -286,7 +306,7 @@ fn reduce_impl(
              long long o = w / a.parts, p = w - o * a.parts;\n\
              long long lo = p * chunk, hi = lo + chunk < a.n_red ? lo + chunk : a.n_red;\n\
              long long base = a.off;\n{kept}ACC acc = IDENTITY;\n\
-             for (long long j = lo + threadIdx.x; j < hi; j += blockDim.x) {{ long long off = base;\n{red}ACC v = {value}; acc = COMBINE(acc, v); }}\n\
+             {inner}\
              acc = block_all(acc);\nif (threadIdx.x == 0) {{ {store} }}\n}}\n}}\n"
         ));
     }
@@ -306,6 +326,25 @@ fn reduce_impl(
         grid,
         block,
     }
+}
+
+/// Elements per 16-byte access when each output's reduced elements are one
+/// contiguous run (a single reduced dim of stride 1, no cut into parts),
+/// of whole accesses, at aligned addresses; `None` otherwise.
+fn packed_row(dtype: DType, split: &Split, parts: usize, x: u64) -> Option<usize> {
+    let vec = super::vector_width(&[dtype])?;
+    let size = dtype.size_bytes();
+    let ok = parts == 1
+        && split.red_shape.len() == 1
+        && split.red_strides[0] == 1
+        && split.n_red().is_multiple_of(vec)
+        && super::aligned(x + (split.offset * size) as u64, dtype, vec)
+        && split
+            .kept_shape
+            .iter()
+            .zip(&split.kept_strides)
+            .all(|(&n, &st)| n == 1 || st.is_multiple_of(vec));
+    ok.then_some(vec)
 }
 
 /// The index of the max/min along `dim` (first on ties; NaN counts as the
@@ -376,8 +415,10 @@ pub fn arg_reduce(
     }
 }
 
-/// Softmax (or log_softmax) along `dim`: a block per row, one pass for the
-/// running max and sum (online softmax), one to write.
+/// Softmax (or log_softmax) along `dim`. A contiguous row on whole
+/// 16-byte accesses that fits in registers takes [`softmax_rows`] (one
+/// read); any other row a block per row, one pass for the running max and
+/// sum (online softmax), one to write.
 pub fn softmax(
     dtype: DType,
     layout: &Layout,
@@ -387,6 +428,9 @@ pub fn softmax(
     y: u64,
     sms: u32,
 ) -> Launch {
+    if let Some(plan) = row_plan(dtype, layout, dim, x, y, None) {
+        return softmax_rows(plan, dtype, layout, dim, log, x, y, sms);
+    }
     let split = Split::new(layout, &[dim]);
     let out = Split::new(&Layout::contiguous(&layout.shape), &[dim]);
     let compute = Compute::of(dtype);
@@ -470,6 +514,184 @@ pub fn softmax(
     }
 }
 
+/// Vectors each thread keeps in registers at most (rows longer than
+/// `8 × block × vec` take the two-pass kernel).
+const ROW_ITEMS_MAX: usize = 8;
+
+/// The register-resident plan of a softmax row: `vec` elements per 16-byte
+/// access, `threads` per row (32: a warp per row, 8 rows a block; more: a
+/// block per row), `items` accesses per thread.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RowPlan {
+    pub vec: usize,
+    pub threads: usize,
+    pub items: usize,
+}
+
+/// The plan for rows of `len` read with `layout` along `dim` from `x`, or
+/// `None` when the row is not contiguous, not on whole 16-byte accesses, or
+/// too long to keep in registers. `threads`: a tuner's choice of
+/// threads per row (any power of two from 32 to 1024);
+/// `None`: about four accesses a thread.
+pub fn row_plan(
+    dtype: DType,
+    layout: &Layout,
+    dim: usize,
+    x: u64,
+    y: u64,
+    threads: Option<usize>,
+) -> Option<RowPlan> {
+    let vec = super::vector_width(&[dtype])?;
+    let split = Split::new(layout, &[dim]);
+    let len = split.n_red();
+    let size = dtype.size_bytes();
+    // The output is contiguous in the input's shape: its row is
+    // contiguous only when `dim` is the last dim of more than one element.
+    let out_row = Layout::contiguous(&layout.shape).strides[dim];
+    let on_packs = split.red_strides[0] == 1
+        && out_row == 1
+        && len.is_multiple_of(vec)
+        && super::aligned(x + (split.offset * size) as u64, dtype, vec)
+        && super::aligned(y, dtype, vec)
+        && split
+            .kept_shape
+            .iter()
+            .zip(&split.kept_strides)
+            .all(|(&n, &s)| n == 1 || s.is_multiple_of(vec));
+    if !on_packs || len == 0 {
+        return None;
+    }
+    let packs = len / vec;
+    let threads = threads.unwrap_or_else(|| packs.div_ceil(4).next_power_of_two().clamp(32, 1024));
+    let items = packs.div_ceil(threads);
+    (items <= ROW_ITEMS_MAX).then_some(RowPlan {
+        vec,
+        threads,
+        items,
+    })
+}
+
+/// Threads per block of a row plan: a block per row, or 8 warps (8 rows)
+/// when a warp takes a row (the block reduction assumes one row a block).
+fn row_block(plan: RowPlan) -> usize {
+    if plan.threads <= 32 {
+        256
+    } else {
+        plan.threads
+    }
+}
+
+/// Softmax along a contiguous last dim with the row in registers: one read
+/// of the row (16-byte packs), a max and a sum over the registers, shuffle
+/// (and for a block, shared-memory) reductions, one write.
+#[allow(clippy::too_many_arguments)]
+pub fn softmax_rows(
+    plan: RowPlan,
+    dtype: DType,
+    layout: &Layout,
+    dim: usize,
+    log: bool,
+    x: u64,
+    y: u64,
+    sms: u32,
+) -> Launch {
+    let split = Split::new(layout, &[dim]);
+    let out = Split::new(&Layout::contiguous(&layout.shape), &[dim]);
+    let compute = Compute::F32;
+    let k = split.kept_shape.len().max(1);
+    let mut args = Words::default();
+    args.int(split.n_out() as i64)
+        .int(split.n_red() as i64)
+        .int(split.offset as i64)
+        .ints(padded(&split.kept_shape, k, 1))
+        .ints(padded(&split.kept_strides, k, 0))
+        .ints(padded(&out.kept_strides, k, 0))
+        .int(1)
+        .int(1)
+        .ptr(x)
+        .ptr(y);
+    let RowPlan {
+        vec,
+        threads,
+        items,
+    } = plan;
+    let block = row_block(plan);
+    let ct = c_type(dtype);
+    let kept = decompose(
+        "o",
+        "kshape",
+        k,
+        &[
+            ("base".into(), "kstr".into()),
+            ("obase".into(), "ostr".into()),
+        ],
+        false,
+        index_type(split.n_out()),
+    );
+    let value = super::widen(dtype, compute, "p.v[e]");
+    let result = if log {
+        "r[it * V + e] - m - logf(s)"
+    } else {
+        "expf(r[it * V + e] - m) / s"
+    };
+    let store = convert(dtype, compute, result);
+    let mut src = prelude(&[dtype]);
+    src.push_str(&format!(
+        "#define V {vec}\n#define IT {items}\n#define TPR {threads}\n\
+         struct Args {{ long long rows; long long len; long long off; long long kshape[{k}]; long long kstr[{k}]; long long ostr[{k}]; \
+         long long sd; long long osd; const void* x; void* y; }};\n\
+         // max (NaN wins) or sum over the TPR threads of a row, handed to each.\n\
+         template <bool MAX> __device__ __forceinline__ float row_all(float v, float* sh) {{\n\
+           #pragma unroll\n\
+           for (int d = 16; d > 0; d >>= 1) {{ float w = __shfl_xor_sync(0xffffffffu, v, d); v = MAX ? ((w > v || w != w) ? w : v) : v + w; }}\n\
+           if (TPR > 32) {{\n\
+             __syncthreads();\n\
+             if ((threadIdx.x & 31) == 0) sh[threadIdx.x >> 5] = v;\n\
+             __syncthreads();\n\
+             v = sh[0];\n\
+             for (int w = 1; w < TPR / 32; ++w) {{ float u = sh[w]; v = MAX ? ((u > v || u != u) ? u : v) : v + u; }}\n\
+           }}\n\
+           return v;\n}}\n\
+         extern \"C\" __global__ void __launch_bounds__({block}) {ENTRY}(Args a) {{\n\
+         __shared__ float sh[32];\n\
+         const int lane = threadIdx.x % TPR, rpb = blockDim.x / TPR;\n\
+         for (long long o = (long long)blockIdx.x * rpb + threadIdx.x / TPR; o < a.rows; o += (long long)gridDim.x * rpb) {{\n\
+         long long base = a.off, obase = 0;\n{kept}\
+         float r[IT * V];\n\
+         #pragma unroll\n\
+         for (int it = 0; it < IT; ++it) {{\n\
+           long long j = ((long long)it * TPR + lane) * V;\n\
+           if (j < a.len) {{ const Pack<{ct}, V> p = *(const Pack<{ct}, V>*)((const {ct}*)a.x + base + j);\n\
+             #pragma unroll\n for (int e = 0; e < V; ++e) r[it * V + e] = {value}; }}\n\
+           else {{\n #pragma unroll\n for (int e = 0; e < V; ++e) r[it * V + e] = -TS_INF; }}\n\
+         }}\n\
+         float m = -TS_INF;\n\
+         #pragma unroll\n\
+         for (int e = 0; e < IT * V; ++e) m = (r[e] > m || r[e] != r[e]) ? r[e] : m;\n\
+         m = row_all<true>(m, sh);\n\
+         float s = 0.f;\n\
+         #pragma unroll\n\
+         for (int e = 0; e < IT * V; ++e) s += r[e] == -TS_INF ? 0.f : expf(r[e] - m);\n\
+         s = row_all<false>(s, sh);\n\
+         #pragma unroll\n\
+         for (int it = 0; it < IT; ++it) {{\n\
+           long long j = ((long long)it * TPR + lane) * V;\n\
+           if (j < a.len) {{ Pack<{ct}, V> q;\n\
+             #pragma unroll\n for (int e = 0; e < V; ++e) q.v[e] = {store};\n\
+             *(Pack<{ct}, V>*)(({ct}*)a.y + obase + j) = q; }}\n\
+         }}\n\
+         }}\n}}\n"
+    ));
+    let rpb = block / threads;
+    let grid = split.n_out().div_ceil(rpb).min(sms as usize * 64).max(1) as u32;
+    Launch {
+        source: src,
+        args,
+        grid,
+        block: block as u32,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -504,6 +726,37 @@ mod tests {
         );
         assert!(!cols.source.contains("block_all(acc);"), "{}", cols.source);
         assert_eq!(cols.block, 256);
+    }
+
+    #[test]
+    fn a_contiguous_aligned_row_is_read_in_16_byte_packs() {
+        let l = Layout::contiguous(&[64, 4096]);
+        let sum = |layout: &Layout, x| {
+            reduce(
+                ReduceOp::Sum,
+                DType::BF16,
+                layout,
+                &[1],
+                DType::BF16,
+                x,
+                2,
+                132,
+            )
+        };
+        let packed = sum(&l, 0x1000);
+        assert!(
+            packed.source.contains("const Pack<__nv_bfloat16, 8> p = "),
+            "{}",
+            packed.source
+        );
+        // An odd address or an odd row length: element by element.
+        assert!(!sum(&l, 0x1002).source.contains("Pack<__nv"));
+        assert!(!sum(&Layout::contiguous(&[64, 4095]), 0x1000)
+            .source
+            .contains("Pack<__nv"));
+        // f64 has no pack: element by element.
+        let f64_sum = reduce(ReduceOp::Sum, DType::F64, &l, &[1], DType::F64, 0, 2, 132);
+        assert!(!f64_sum.source.contains("Pack<double"));
     }
 
     #[test]
@@ -558,6 +811,70 @@ mod tests {
         assert!(second.source.contains("__float2bfloat16_rn"));
         // Many outputs: no cut.
         assert_eq!(parts_for(&Layout::contiguous(&[4096, 512]), &[1], 132), 1);
+    }
+
+    #[test]
+    fn a_contiguous_row_stays_in_registers_a_warp_or_a_block_per_row() {
+        // bf16 rows of 4096: 512 packs of 8, 128 threads x 4 packs.
+        let l = Layout::contiguous(&[64, 4096]);
+        let plan = row_plan(DType::BF16, &l, 1, 0x1000, 0x2000, None).unwrap();
+        assert_eq!(
+            plan,
+            RowPlan {
+                vec: 8,
+                threads: 128,
+                items: 4
+            }
+        );
+        let k = softmax(DType::BF16, &l, 1, false, 0x1000, 0x2000, 132);
+        assert!(k.source.contains("#define IT 4"), "{}", k.source);
+        assert!(
+            k.source.contains("const Pack<__nv_bfloat16, V> p"),
+            "{}",
+            k.source
+        );
+        assert_eq!((k.block, k.grid), (128, 64));
+        // Short f32 rows: a warp per row, 8 rows a block.
+        let short = Layout::contiguous(&[1000, 256]);
+        let plan = row_plan(DType::F32, &short, 1, 0, 0, None).unwrap();
+        assert_eq!(
+            plan,
+            RowPlan {
+                vec: 4,
+                threads: 32,
+                items: 2
+            }
+        );
+        let k = softmax(DType::F32, &short, 1, true, 0, 0, 132);
+        assert_eq!((k.block, k.grid), (256, 125));
+        assert!(k.source.contains("- m - logf(s)"), "{}", k.source);
+        // Not on whole packs (odd length, odd address, a strided row, a
+        // row too long for registers): the two-pass kernel.
+        let odd = Layout::contiguous(&[4, 4095]);
+        assert!(row_plan(DType::F32, &odd, 1, 0, 0, None).is_none());
+        assert!(row_plan(DType::F32, &l, 1, 0x1004, 0, None).is_none());
+        let col = Layout::contiguous(&[4096, 64]);
+        assert!(row_plan(DType::F32, &col, 0, 0, 0, None).is_none());
+        // A transposed input whose dim 0 is contiguous in memory: the
+        // output's row is strided, so not this kernel.
+        let t = Layout::contiguous(&[6, 33, 40]).permuted(&[2, 1, 0]);
+        assert!(row_plan(DType::F32, &t, 0, 0, 0, None).is_none());
+        let long = Layout::contiguous(&[2, 1 << 16]);
+        assert!(row_plan(DType::F32, &long, 1, 0, 0, None).is_none());
+        assert!(!softmax(DType::F32, &long, 1, false, 0, 0, 132)
+            .source
+            .contains("Pack<float"));
+        // A tuned thread count changes the items each thread keeps.
+        let tuned = row_plan(
+            DType::F32,
+            &Layout::contiguous(&[8, 4096]),
+            1,
+            0,
+            0,
+            Some(1024),
+        )
+        .unwrap();
+        assert_eq!(tuned.items, 1);
     }
 
     #[test]
