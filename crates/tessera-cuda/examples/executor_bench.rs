@@ -89,8 +89,7 @@ fn bench(
 
 /// Eager pointwise kernels on 2^26 elements against a device copy: GB/s
 /// counting each input read once and the output written once (the copy:
-/// bytes read + written). `TESSERA_CUDA_PACK=0` measures the
-/// element-by-element path.
+/// bytes read + written).
 fn bandwidth(reps: usize) -> tessera::Result<()> {
     let n = 1usize << 26;
     let backend = device::backend(Device::Cuda)?;
@@ -108,9 +107,8 @@ fn bandwidth(reps: usize) -> tessera::Result<()> {
         let src = a.device_storage().expect("on the device").clone();
         let copy = time(reps, || backend.copy(&dst, &src).expect("a copy"))?;
         let gbs = |moved: f64, ms: f64| moved / ms / 1e6;
-        let pack = std::env::var("TESSERA_CUDA_PACK").unwrap_or_else(|_| "1".into());
         println!(
-            "{{\"who\": \"tessera\", \"case\": \"pointwise {dtype} 2^26\", \"pack\": {pack}, \
+            "{{\"who\": \"tessera\", \"case\": \"pointwise {dtype} 2^26\", \
              \"add_ms\": {add:.4}, \"add_gbs\": {:.0}, \"exp_ms\": {exp:.4}, \"exp_gbs\": {:.0}, \
              \"copy_ms\": {copy:.4}, \"copy_gbs\": {:.0}}}",
             gbs(3.0 * bytes, add),
