@@ -10,8 +10,8 @@
 //! path ([`thin_storage`]): flash attention's register micro-tiles over
 //! 32-column panels of `B`, packed 16 KiB at a time on the stack when
 //! `B`'s rows are not contiguous. gemm packs both operands for every call,
-//! which at these sizes costs as much as the product; on AVX-512 the
-//! micro-tiles run the six attention products ~1.5× faster (BENCHMARKS.md).
+//! which at these sizes costs as much as the product (BENCHMARKS.md has the
+//! six attention products next to PyTorch's).
 
 use rayon::prelude::*;
 
@@ -247,9 +247,12 @@ fn thin_storage(plan: &Plan, a: &Storage, b: &Storage) -> Storage {
 }
 
 /// Rows per task: whole matrices when the batch alone gives every thread a
-/// few tasks, else blocks (a multiple of 8 rows, at least 32) that do.
+/// few tasks, else blocks (a multiple of 8 rows, at least 32) that do. Each
+/// task packs the `B` panels it uses (when `B`'s rows are strided), a cost
+/// of one scalar copy per `rows` vector FMAs: then only one task per thread.
 fn rows_per_task(plan: &Plan) -> usize {
-    let wanted = 4 * rayon::current_num_threads();
+    let threads = rayon::current_num_threads();
+    let wanted = if plan.b_cs == 1 { 4 * threads } else { threads };
     let per_matrix = wanted.div_ceil(plan.batch().max(1));
     plan.m
         .div_ceil(per_matrix)
@@ -267,15 +270,11 @@ fn thin_block(plan: &Plan, a: &[f32], b: &[f32], rows: usize, dst: &mut [f32]) {
         let kc = PANEL_K.min(k - k0);
         for c0 in (0..n).step_by(PANEL_COLS) {
             let nc = PANEL_COLS.min(n - c0);
-            let at = |kk: usize, j: usize| (k0 + kk) * plan.b_rs + (c0 + j) * plan.b_cs;
+            let first = k0 * plan.b_rs + c0 * plan.b_cs;
             let (bp, ldb): (&[f32], usize) = if plan.b_cs == 1 {
-                (&b[at(0, 0)..], plan.b_rs)
+                (&b[first..], plan.b_rs)
             } else {
-                for kk in 0..kc {
-                    for j in 0..nc {
-                        panel[kk * nc + j] = b[at(kk, j)];
-                    }
-                }
+                pack_panel(&b[first..], (plan.b_rs, plan.b_cs), kc, nc, &mut panel);
                 (&panel[..kc * nc], nc)
             };
             super::flash::tile_product(
@@ -290,6 +289,26 @@ fn thin_block(plan: &Plan, a: &[f32], b: &[f32], rows: usize, dst: &mut [f32]) {
                 n,
                 k0 > 0,
             );
+        }
+    }
+}
+
+/// `panel (kc × nc, row-major) = B[..kc, ..nc]` for `B[kk, j] = b[kk·rs +
+/// j·cs]`, walking `b` along its unit stride when it has one (a transposed
+/// `B`'s columns are contiguous: `kᵀ` in `q·kᵀ`).
+fn pack_panel(b: &[f32], (rs, cs): (usize, usize), kc: usize, nc: usize, panel: &mut [f32]) {
+    let panel = &mut panel[..kc * nc];
+    if rs == 1 {
+        for (j, col) in (0..nc).map(|j| (j, &b[j * cs..])) {
+            for (kk, &x) in col[..kc].iter().enumerate() {
+                panel[kk * nc + j] = x;
+            }
+        }
+    } else {
+        for (kk, row) in panel.chunks_exact_mut(nc).enumerate() {
+            for (j, p) in row.iter_mut().enumerate() {
+                *p = b[kk * rs + j * cs];
+            }
         }
     }
 }
@@ -553,8 +572,8 @@ mod tests {
     /// panels), both; inner dims across panel passes (k = 300: 128 + 128 +
     /// 44), widths with masked tails and several panels (n = 19, 45, 70),
     /// rows not a multiple of the micro-tile (m = 37), a batch of one (row
-    /// blocks as tasks) and of many (whole matrices as tasks), and a batch
-    /// broadcast on one side.
+    /// blocks as tasks) and of many (whole matrices as tasks), a right side
+    /// with no unit stride, and a batch broadcast on one side.
     #[test]
     fn thin_products_in_every_layout() {
         let shapes = [(37, 300, 19), (64, 64, 70), (130, 45, 256), (16, 8, 16)];
@@ -590,6 +609,22 @@ mod tests {
                 }
             }
         }
+        // A right side with no unit stride (every other column of a wider
+        // matrix): packed element by element.
+        let (m, k, n) = (24, 40, 20);
+        let (a, wide) = (values(m * k, 80), values(k * 2 * n, 81));
+        let b: Vec<f64> = (0..k * n)
+            .map(|i| wide[(i / n) * 2 * n + 2 * (i % n)])
+            .collect();
+        let base = f32_tensor(&wide, &[k, 2 * n]);
+        let strided = Layout {
+            shape: vec![k, n],
+            strides: vec![2 * n, 2],
+            offset: 0,
+        };
+        let y = Tensor::from_parts(base.storage().clone(), strided);
+        let got = run(&f32_tensor(&a, &[m, k]), &y, &[m, n]);
+        assert_close(&got.to_f64_vec(), &naive(&a, &b, m, k, n), 1e-5);
         // [3, m, k] @ [k, n] with the left side transposed (not foldable
         // into one tall product): the right matrix is every batch's.
         let (m, k, n) = (40, 24, 33);
