@@ -27,6 +27,9 @@ pub struct SeedTableArgs {
     /// One JSON object per scenario instead of a table.
     #[arg(long)]
     json: bool,
+    /// Only the scenarios whose name contains this text (e.g. "naive graph").
+    #[arg(long)]
+    only: Option<String>,
 }
 
 fn parse_shape(s: &str) -> Result<[usize; 4], String> {
@@ -56,6 +59,7 @@ pub fn seed_table(args: &SeedTableArgs) -> Result<()> {
         reps: args.reps.max(1),
         seed: 0,
         device,
+        only: args.only.clone(),
     };
     let bar = ProgressBar::new(seed_table::SCENARIOS.len() as u64);
     bar.set_style(ProgressStyle::with_template(

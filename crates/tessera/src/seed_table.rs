@@ -27,6 +27,9 @@ pub struct SeedConfig {
     /// Where every tensor of every scenario lives (working memory is
     /// measured by that device's accounting).
     pub device: Device,
+    /// Only the scenarios whose name contains this (all when `None`): one
+    /// row at a time for a profiler.
+    pub only: Option<String>,
 }
 
 impl Default for SeedConfig {
@@ -38,6 +41,7 @@ impl Default for SeedConfig {
             reps: 5,
             seed: 0,
             device: Device::Cpu,
+            only: None,
         }
     }
 }
@@ -317,7 +321,8 @@ fn flash_fn(causal: bool) -> Forward {
     })
 }
 
-/// Runs every scenario; `progress(i, name)` is called before scenario `i`.
+/// Runs every scenario (or those [`SeedConfig::only`] names);
+/// `progress(i, name)` is called before scenario `i`.
 pub fn run(config: &SeedConfig, mut progress: impl FnMut(usize, &str)) -> Result<Vec<SeedRow>> {
     let problem = Problem::new(config)?;
     let count = |slices| match slices {
@@ -326,7 +331,13 @@ pub fn run(config: &SeedConfig, mut progress: impl FnMut(usize, &str)) -> Result
     };
     let no_stats = || CompileStats::default();
     let mut rows = Vec::new();
-    for (i, &(name, how)) in RUNS.iter().enumerate() {
+    let chosen = |name: &str| {
+        config
+            .only
+            .as_ref()
+            .is_none_or(|o| name.contains(o.as_str()))
+    };
+    for (i, &(name, how)) in RUNS.iter().enumerate().filter(|(_, r)| chosen(r.0)) {
         progress(i, name);
         let row = match how {
             Run::Eager { slices } => measure(

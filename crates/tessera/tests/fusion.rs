@@ -329,3 +329,44 @@ fn a_matmul_with_bias_activation_and_scale_is_one_kernel_with_the_same_bits() {
     let got = run_plan(&traced.graph, &plan, &args).unwrap();
     assert_eq!(want[0].1.to_f64_vec(), got[0].1.to_f64_vec());
 }
+
+/// Softmax's backward right after a matmul (`dP = dO·Vᵀ`, then `dS = P ⊙
+/// (dP − rowsum(dP ⊙ P))`): the product's first consumer stays in the row
+/// kernel, which reads `dP` anyway, instead of becoming the matmul's
+/// epilogue, which would write `dP ⊙ P` out in full next to `dP`.
+#[test]
+fn a_row_kernels_first_op_is_not_taken_as_a_matmul_epilogue() {
+    let mut g = Generator::new(22);
+    let args = [
+        Tensor::randn(&[3, 6, 8], DType::F32, &mut g),
+        Tensor::randn(&[3, 20, 8], DType::F32, &mut g),
+        Tensor::randn(&[3, 6, 20], DType::F32, &mut g),
+    ];
+    let types: Vec<(String, tessera::ir::TensorType)> = ["d_out", "v", "p"]
+        .iter()
+        .zip(&args)
+        .map(|(n, t)| (n.to_string(), t.ty()))
+        .collect();
+    let traced = trace("softmax_backward", &types, |a| {
+        let dp = a[0].matmul(&a[1].transpose(-2, -1));
+        let ds = &a[2] * &(&dp - &(&dp * &a[2]).sum(&[2], true));
+        Ok(vec![("ds".into(), ds)])
+    })
+    .unwrap();
+    let plan = fuse(&traced.graph);
+    let text = describe(&traced.graph, &plan);
+    assert!(
+        !text.contains("epilogue")
+            && text.contains("rows [%5:mul, %6:sum, %7:sub, %8:mul] reads 2 writes 1"),
+        "{text}"
+    );
+    let want = run_graph(&traced.graph, &args).unwrap();
+    let got = run_plan(&traced.graph, &plan, &args).unwrap();
+    let (w, g) = (want[0].1.to_f64_vec(), got[0].1.to_f64_vec());
+    assert!(
+        w.iter()
+            .zip(&g)
+            .all(|(a, b)| (a - b).abs() <= 1e-5 * (1.0 + a.abs())),
+        "fused and unfused differ"
+    );
+}

@@ -272,12 +272,13 @@ pub fn fuse(graph: &Graph) -> Plan {
             epilogues: false,
         },
     );
-    let all = group(
+    let all = group_with(
         graph,
         Rounds {
             reductions: true,
             epilogues: true,
         },
+        &in_row_kernels(&rows),
     );
     log("fusion", || {
         let candidates = (0..graph.len())
@@ -319,6 +320,24 @@ pub fn fuse(graph: &Graph) -> Plan {
 }
 
 fn group(graph: &Graph, rounds: Rounds) -> Grouping {
+    group_with(graph, rounds, &HashSet::new())
+}
+
+/// The nodes that round 2 put into row kernels with others: round 3 leaves
+/// them there. Started as a matmul's epilogue instead, such a node would
+/// be written out in full for the row kernel to read back (and the product
+/// too, when the row kernel reads it as well, as softmax's backward does),
+/// where the row kernel computes it from the product it reads anyway.
+fn in_row_kernels(rows: &Grouping) -> HashSet<NodeId> {
+    rows.groups
+        .iter()
+        .filter(|g| matches!(g.domain, Domain::Rows { .. }) && g.members.len() > 1)
+        .flat_map(|g| g.members.iter().copied())
+        .collect()
+}
+
+/// [`group`], where round 3 starts no epilogue with a node of `in_rows`.
+fn group_with(graph: &Graph, rounds: Rounds, in_rows: &HashSet<NodeId>) -> Grouping {
     let mut kernel_of: HashMap<NodeId, usize> = HashMap::new();
     let mut groups: Vec<Group> = Vec::new();
     let mut order: Vec<Result<usize, NodeId>> = Vec::new();
@@ -375,16 +394,20 @@ fn group(graph: &Graph, rounds: Rounds) -> Grouping {
         // Round 3: a pointwise node that no group takes may start the
         // epilogue of the matmul it reads (the newest kernel, of its shape).
         let epilogue = match (joined, newest) {
-            (None, Some(k)) if rounds.epilogues && reduction.is_none() => match order[k] {
-                Err(mm)
-                    if is_epilogue_head(graph, mm)
-                        && shape_of(graph, mm) == shape_of(graph, id)
-                        && graph.node(mm).meta.hints == node.meta.hints =>
-                {
-                    Some((k, mm))
+            (None, Some(k))
+                if rounds.epilogues && reduction.is_none() && !in_rows.contains(&id) =>
+            {
+                match order[k] {
+                    Err(mm)
+                        if is_epilogue_head(graph, mm)
+                            && shape_of(graph, mm) == shape_of(graph, id)
+                            && graph.node(mm).meta.hints == node.meta.hints =>
+                    {
+                        Some((k, mm))
+                    }
+                    _ => None,
                 }
-                _ => None,
-            },
+            }
             _ => None,
         };
         if let Some((k, mm)) = epilogue {

@@ -19,7 +19,7 @@
 //! | [`hoisting`] | `x*a + x*b` → `x*(a+b)` |
 //! | [`node_reduction`] | `x+x+x` → `3*x` |
 //! | [`broadcast_minimisation`] | `(m1+s1)+(m2+s2)` → `(m1+m2)+(s1+s2)` for broadcast `s` |
-//! | [`transpose_matmul`] | `matmul(permute(x), y)` → `matmul_t` with a transpose flag |
+//! | [`transpose_matmul`] | `matmul(permute(x), y)` → `matmul_t` with a transpose flag; `permute(matmul(a, b))` → `matmul_t(b, a)` |
 //! | [`movement`] | composes permutes, reshapes, expands and slices; drops full slices |
 //! | [`attention`] | `softmax(q·kᵀ·scale [+ mask] [causal]) · v` → the flash attention op |
 //! | [`batch_attention`] | per-slice flash attention ops concatenated back → one op (not under `strict`) |

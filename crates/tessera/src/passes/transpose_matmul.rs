@@ -4,17 +4,28 @@
 //! permute node goes. A transposed operand of a `matmul_t` toggles its flag
 //! back, and a `matmul_t` with no flag left is a plain `matmul`.
 //!
-//! Exact: the product is the same, element by element. The permute must
-//! share the matmul's hints (they are merged into one node); a permute that
-//! has other readers stays for them.
+//! A transposed product is written transposed: `permute(matmul_t(a, b))`
+//! swapping the last two dims becomes `matmul_t(b, a)` with both flags
+//! flipped and swapped (`(A·B)ᵀ = Bᵀ·Aᵀ`), when the permute is the product's
+//! only reader. The result is then a dense row-major buffer instead of a
+//! strided view, so a `reshape` or `cat` of it (the gradient of `k` in
+//! attention, `(qᵀ·dS)ᵀ`) need not copy it: the memory planner can write
+//! it straight into its place in the joined buffer.
+//!
+//! Exact: the product is the same, element by element (the same terms; only
+//! gemm's summation order may follow the new layout, as
+//! [`PassContext::exact`] allows). The permute must share the matmul's
+//! hints (they are merged into one node); a permute that has other readers
+//! stays for them, and a product with other readers is not duplicated.
 
 use super::pattern::same_hints;
-use super::rewrite::Replacements;
+use super::rewrite::{use_counts, Replacements};
 use super::PassContext;
 use crate::error::Result;
 use crate::ir::{Graph, NodeId, Op};
 
 pub fn run(graph: &mut Graph, _ctx: &PassContext) -> Result<bool> {
+    let uses = use_counts(graph);
     let mut r = Replacements::new();
     for i in 0..graph.len() {
         let id = NodeId(i as u32);
@@ -23,9 +34,41 @@ pub fn run(graph: &mut Graph, _ctx: &PassContext) -> Result<bool> {
             if op != node.op || operands[..] != node.inputs[..] {
                 r.replace_with(graph, id, op, &operands)?;
             }
+        } else if let Some((op, operands)) = transposed_product(graph, id, &uses) {
+            r.replace_with(graph, id, op, &operands)?;
         }
     }
     r.apply(graph)
+}
+
+/// `id` as one product when it is a permute swapping the last two dims of a
+/// matmul read by nothing else: `(op(a)·op(b))ᵀ = op(b)ᵀ·op(a)ᵀ`.
+fn transposed_product(g: &Graph, id: NodeId, uses: &[usize]) -> Option<(Op, [NodeId; 2])> {
+    let product = swapped_last2(g, id)?;
+    let node = g.node(product);
+    let [ta, tb] = match node.op {
+        Op::MatMul => [false, false],
+        Op::MatMulT {
+            transpose_a,
+            transpose_b,
+        } => [transpose_a, transpose_b],
+        _ => return None,
+    };
+    let (a, b) = (node.inputs[0], node.inputs[1]);
+    // A 1-D operand is promoted on one side only: its product has no
+    // transposed twin of the same form.
+    let matrices = [a, b].iter().all(|&x| g.node(x).ty.rank() >= 2);
+    if !matrices || uses[product.index()] != 1 || !same_hints(g, &[id, product]) {
+        return None;
+    }
+    let op = match [!tb, !ta] {
+        [false, false] => Op::MatMul,
+        [transpose_a, transpose_b] => Op::MatMulT {
+            transpose_a,
+            transpose_b,
+        },
+    };
+    Some((op, [b, a]))
 }
 
 /// The matmul node `id` with the transposes of its operands folded into
@@ -109,6 +152,59 @@ mod tests {
 }
 ";
         assert_rewrites(run, &PassContext::exact(), before, after);
+    }
+
+    /// A transposed product becomes the product of the transposed operands
+    /// (flags flipped and swapped), whatever the product's flags were.
+    #[test]
+    fn writes_transposed_products_transposed() {
+        let before = "graph g(%q, %ds, %a, %b) {
+  %q = input : f32[2,8,4]
+  %ds = input : f32[2,8,8]
+  %a = input : f32[3,4]
+  %b = input : f32[4,5]
+  %dkt = matmul_t(%q, %ds) {transpose_a=true, transpose_b=false} : f32[2,4,8]
+  %dk = permute(%dkt) {perm=[0,2,1]} : f32[2,8,4]  # attn.rs:4:9
+  %ab = matmul(%a, %b) : f32[3,5]
+  %abt = permute(%ab) {perm=[1,0]} : f32[5,3]
+  %flat = reshape(%dk) {shape=[64]} : f32[64]
+  return %flat as dk, %abt as abt
+}";
+        let after = "graph g(%q, %ds, %a, %b) {
+  %q = input : f32[2,8,4]
+  %ds = input : f32[2,8,8]
+  %a = input : f32[3,4]
+  %b = input : f32[4,5]
+  %dk = matmul_t(%ds, %q) {transpose_a=true, transpose_b=false} : f32[2,8,4]  # attn.rs:4:9
+  %abt = matmul_t(%b, %a) {transpose_a=true, transpose_b=true} : f32[5,3]
+  %flat = reshape(%dk) {shape=[64]} : f32[64]
+  return %flat as dk, %abt as abt
+}
+";
+        assert_rewrites(run, &PassContext::exact(), before, after);
+    }
+
+    /// A product read by something else too, one in another hint group, one
+    /// with a 1-D operand and a permute that is not a swap of the last two
+    /// dims stay.
+    #[test]
+    fn leaves_products_it_would_duplicate_or_cannot_transpose() {
+        let before = r#"graph g(%x, %y, %z) {
+  %x = input : f32[2,3,4]
+  %y = input : f32[2,4,3]
+  %z = input : f32[4]
+  %shared = matmul(%x, %y) : f32[2,3,3]
+  %t1 = permute(%shared) {perm=[0,2,1]} : f32[2,3,3]
+  %s = add(%shared, %t1) : f32[2,3,3]
+  %other = matmul(%y, %x) : f32[2,4,4]
+  %t2 = permute(%other) {perm=[0,2,1]} : f32[2,4,4]  hints={"group_id":1}
+  %vec = matmul(%x, %z) : f32[2,3]
+  %t3 = permute(%vec) {perm=[1,0]} : f32[3,2]
+  %batch = matmul(%y, %x) : f32[2,4,4]
+  %t4 = permute(%batch) {perm=[1,0,2]} : f32[4,2,4]
+  return %s as s, %t2 as t2, %t3 as t3, %t4 as t4
+}"#;
+        assert_unchanged(run, &PassContext::default(), before);
     }
 
     /// Permutes that are not a swap of the last two dims, a 1-D operand and

@@ -61,7 +61,8 @@ pub enum Step {
     BinaryConst(u8, usize, u8, bool),
     Reduce(u8, usize, u8, bool),
     Softmax(bool, usize, u8),
-    /// matmul with 0–2 operands transposed by a permute first
+    /// matmul with 0–2 operands transposed by a permute first, and its
+    /// result transposed by one after (mode bits 1, 2 and 4)
     MatMul(usize, usize, u8),
     Permute(usize, u8),
     Reshape(usize, u8),
@@ -258,7 +259,11 @@ impl Builder {
                 if mode & 2 != 0 {
                     y = self.swap_last2(y)?;
                 }
-                self.add(Op::MatMul, &[x, y])
+                let product = self.add(Op::MatMul, &[x, y])?;
+                match mode & 4 != 0 {
+                    true => self.swap_last2(product),
+                    false => Some(product),
+                }
             }
             Step::Permute(a, p) => {
                 let x = self.pick(a);

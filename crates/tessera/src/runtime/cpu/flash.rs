@@ -785,6 +785,50 @@ unsafe fn softmax_grad_row<S: Simd>(ds: &mut [f32], p: &[f32], delta: f32) {
 }
 
 // ---------------------------------------------------------------------------
+// The tile product for plain matmuls
+// ---------------------------------------------------------------------------
+
+/// Whether this machine runs [`tile_product`] with SIMD micro-tiles (AVX2
+/// or AVX-512); without, the matmul kernel keeps to the gemm crate.
+pub(super) fn simd_tiles() -> bool {
+    Isa::detect() != Isa::Portable
+}
+
+/// `C (m × n) = A · B`, or `C += A · B` when `accumulate`, f32, by the
+/// micro-kernel of flash attention's tiles, on the best instruction set the
+/// machine has. `A[r, kk] = a[r·a_rs + kk·a_cs]` (any strides); `B`'s rows
+/// are contiguous, `ldb` apart; `C`'s rows `ldc` apart. It does not pack
+/// or block: the caller (`matmul`'s thin path) hands it `B` panels that
+/// stay in L1.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn tile_product(
+    m: usize,
+    n: usize,
+    k: usize,
+    a: &[f32],
+    (a_rs, a_cs): (usize, usize),
+    b: &[f32],
+    ldb: usize,
+    c: &mut [f32],
+    ldc: usize,
+    accumulate: bool,
+) {
+    let mode = if accumulate { Mode::Add } else { Mode::Set };
+    let g = Gemm::checked(m, n, k, a, a_rs, a_cs, b, ldb, c, ldc, mode);
+    // SAFETY: `detect` found the instruction set; `checked` bounds-checked
+    // the operands against the product's extents.
+    unsafe {
+        match Isa::detect() {
+            Isa::Portable => Portable::gemm(&g),
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => x86::gemm_avx2(&g),
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => x86::gemm_avx512(&g),
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
 // Instruction sets
 // ---------------------------------------------------------------------------
 
@@ -1374,7 +1418,7 @@ mod x86 {
     }
 
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn gemm_avx2(g: &Gemm) {
+    pub(super) unsafe fn gemm_avx2(g: &Gemm) {
         gemm_tiled::<Avx2, 6, 2>(g)
     }
 
@@ -1391,7 +1435,7 @@ mod x86 {
     }
 
     #[target_feature(enable = "avx512f")]
-    unsafe fn gemm_avx512(g: &Gemm) {
+    pub(super) unsafe fn gemm_avx512(g: &Gemm) {
         gemm_tiled::<Avx512, 8, 2>(g)
     }
 

@@ -4,6 +4,14 @@
 //! for both operands: transposed and sliced views are multiplied in place,
 //! and a broadcast batch dim is just a repeated base offset. Nothing is
 //! copied on the f32/f64/f16 path except the output being written.
+//!
+//! Thin f32 products (a short inner dim or a narrow result: attention's
+//! `q·kᵀ`, `p·v` and their gradients, whose head dim is 64) take another
+//! path ([`thin_storage`]): flash attention's register micro-tiles over
+//! 32-column panels of `B`, packed 16 KiB at a time on the stack when
+//! `B`'s rows are not contiguous. gemm packs both operands for every call,
+//! which at these sizes costs as much as the product (BENCHMARKS.md has the
+//! six attention products next to PyTorch's).
 
 use rayon::prelude::*;
 
@@ -26,6 +34,7 @@ const TASK_WORK: usize = 1 << 16;
 pub fn matmul(a: &Tensor, b: &Tensor, out_shape: &[usize]) -> Result<Tensor> {
     let plan = Plan::new(a.layout(), b.layout(), out_shape);
     let out = match a.dtype() {
+        DType::F32 if is_thin(&plan) => thin_storage(&plan, a.storage(), b.storage()),
         DType::F32 => gemm_storage::<f32>(&plan, a.storage(), b.storage()),
         DType::F64 => gemm_storage::<f64>(&plan, a.storage(), b.storage()),
         DType::F16 => return Ok(matmul_via_f32::<half::f16>(a, b, out_shape)),
@@ -184,6 +193,125 @@ trait GemmElement: Element {}
 impl GemmElement for f32 {}
 impl GemmElement for f64 {}
 impl GemmElement for half::f16 {}
+
+/// Columns of `B` per panel (two AVX-512 vectors: one micro-tile's width)
+/// and rows of `B` per pass over the result: a panel is 16 KiB, in L1.
+const PANEL_COLS: usize = 32;
+const PANEL_K: usize = 128;
+
+/// Whether `plan` is a thin f32 product for [`thin_storage`]: an inner dim
+/// or a result width of at most 256 (one that gemm's packing does not pay
+/// for), and at least a micro-tile's worth of rows and columns.
+fn is_thin(plan: &Plan) -> bool {
+    plan.m >= 16
+        && plan.n >= 16
+        && plan.k > 0
+        && plan.k.min(plan.n) <= 256
+        && super::flash::simd_tiles()
+}
+
+/// `plan`'s f32 product by flash attention's micro-tiles: tasks are
+/// (batch, block of rows) pairs spread over rayon; each walks `B` in
+/// `PANEL_K × PANEL_COLS` panels and multiplies its rows of `A` by each.
+fn thin_storage(plan: &Plan, a: &Storage, b: &Storage) -> Storage {
+    let (m, n) = (plan.m, plan.n);
+    let mut out = Storage::new(DType::F32, plan.batch() * m * n);
+    let (a, b) = (a.as_slice::<f32>(), b.as_slice::<f32>());
+    let rows = rows_per_task(plan);
+    let block = |i: usize, r0: usize, dst: &mut [f32]| {
+        let (a_off, b_off) = plan.offsets(i);
+        let r1 = (r0 + rows).min(m);
+        thin_block(
+            plan,
+            &a[a_off + r0 * plan.a_rs..],
+            &b[b_off..],
+            r1 - r0,
+            dst,
+        );
+    };
+    let dst = out.as_mut_slice::<f32>();
+    if plan.batch() * m * n * plan.k < TASK_WORK {
+        for (i, mat) in dst.chunks_mut(m * n).enumerate() {
+            for (j, d) in mat.chunks_mut(rows * n).enumerate() {
+                block(i, j * rows, d);
+            }
+        }
+    } else {
+        dst.par_chunks_mut(m * n).enumerate().for_each(|(i, mat)| {
+            mat.par_chunks_mut(rows * n)
+                .enumerate()
+                .for_each(|(j, d)| block(i, j * rows, d))
+        });
+    }
+    out
+}
+
+/// Rows per task: whole matrices when the batch alone gives every thread a
+/// few tasks, else blocks (a multiple of 8 rows, at least 32) that do. Each
+/// task packs the `B` panels it uses (when `B`'s rows are strided), a cost
+/// of one scalar copy per `rows` vector FMAs: then only one task per thread.
+fn rows_per_task(plan: &Plan) -> usize {
+    let threads = rayon::current_num_threads();
+    let wanted = if plan.b_cs == 1 { 4 * threads } else { threads };
+    let per_matrix = wanted.div_ceil(plan.batch().max(1));
+    plan.m
+        .div_ceil(per_matrix)
+        .next_multiple_of(8)
+        .max(32)
+        .min(plan.m)
+}
+
+/// `dst (rows × n) = A (rows × k) · B (k × n)`, `a` and `b` starting at the
+/// block's first row of `A` and at `B`.
+fn thin_block(plan: &Plan, a: &[f32], b: &[f32], rows: usize, dst: &mut [f32]) {
+    let (n, k) = (plan.n, plan.k);
+    let mut panel = [0f32; PANEL_K * PANEL_COLS];
+    for k0 in (0..k).step_by(PANEL_K) {
+        let kc = PANEL_K.min(k - k0);
+        for c0 in (0..n).step_by(PANEL_COLS) {
+            let nc = PANEL_COLS.min(n - c0);
+            let first = k0 * plan.b_rs + c0 * plan.b_cs;
+            let (bp, ldb): (&[f32], usize) = if plan.b_cs == 1 {
+                (&b[first..], plan.b_rs)
+            } else {
+                pack_panel(&b[first..], (plan.b_rs, plan.b_cs), kc, nc, &mut panel);
+                (&panel[..kc * nc], nc)
+            };
+            super::flash::tile_product(
+                rows,
+                nc,
+                kc,
+                &a[k0 * plan.a_cs..],
+                (plan.a_rs, plan.a_cs),
+                bp,
+                ldb,
+                &mut dst[c0..],
+                n,
+                k0 > 0,
+            );
+        }
+    }
+}
+
+/// `panel (kc × nc, row-major) = B[..kc, ..nc]` for `B[kk, j] = b[kk·rs +
+/// j·cs]`, walking `b` along its unit stride when it has one (a transposed
+/// `B`'s columns are contiguous: `kᵀ` in `q·kᵀ`).
+fn pack_panel(b: &[f32], (rs, cs): (usize, usize), kc: usize, nc: usize, panel: &mut [f32]) {
+    let panel = &mut panel[..kc * nc];
+    if rs == 1 {
+        for (j, col) in (0..nc).map(|j| (j, &b[j * cs..])) {
+            for (kk, &x) in col[..kc].iter().enumerate() {
+                panel[kk * nc + j] = x;
+            }
+        }
+    } else {
+        for (kk, row) in panel.chunks_exact_mut(nc).enumerate() {
+            for (j, p) in row.iter_mut().enumerate() {
+                *p = b[kk * rs + j * cs];
+            }
+        }
+    }
+}
 
 /// The output storage of `plan` for a float type gemm supports.
 fn gemm_storage<T: GemmElement>(plan: &Plan, a: &Storage, b: &Storage) -> Storage {
@@ -437,6 +565,79 @@ mod tests {
             let b64 = Tensor::from_vec(b.clone(), &[k, n]);
             assert_close(&run(&a64, &b64, &[m, n]).to_f64_vec(), &want, 1e-12);
         }
+    }
+
+    /// The thin path (flash's micro-tiles) on the attention products'
+    /// layouts against f64: plain, `A` transposed, `B` transposed (packed
+    /// panels), both; inner dims across panel passes (k = 300: 128 + 128 +
+    /// 44), widths with masked tails and several panels (n = 19, 45, 70),
+    /// rows not a multiple of the micro-tile (m = 37), a batch of one (row
+    /// blocks as tasks) and of many (whole matrices as tasks), a right side
+    /// with no unit stride, and a batch broadcast on one side.
+    #[test]
+    fn thin_products_in_every_layout() {
+        let shapes = [(37, 300, 19), (64, 64, 70), (130, 45, 256), (16, 8, 16)];
+        for (case, &(m, k, n)) in shapes.iter().enumerate() {
+            for batch in [1, 9] {
+                let plan = Plan::new(
+                    &Layout::contiguous(&[batch, m, k]),
+                    &Layout::contiguous(&[batch, k, n]),
+                    &[batch, m, n],
+                );
+                assert!(
+                    is_thin(&plan) || !super::super::flash::simd_tiles(),
+                    "{m}x{k}x{n}"
+                );
+                let seed = 10 * case as u64 + batch as u64;
+                let (a, b) = (values(batch * m * k, seed), values(batch * k * n, seed + 1));
+                let want: Vec<f64> = (0..batch)
+                    .flat_map(|i| {
+                        naive(&a[i * m * k..][..m * k], &b[i * k * n..][..k * n], m, k, n)
+                    })
+                    .collect();
+                for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
+                    let x = match ta {
+                        true => transposed_view(&a, &[batch, m, k]),
+                        false => f32_tensor(&a, &[batch, m, k]),
+                    };
+                    let y = match tb {
+                        true => transposed_view(&b, &[batch, k, n]),
+                        false => f32_tensor(&b, &[batch, k, n]),
+                    };
+                    let got = run(&x, &y, &[batch, m, n]);
+                    assert_close(&got.to_f64_vec(), &want, 1e-5);
+                }
+            }
+        }
+        // A right side with no unit stride (every other column of a wider
+        // matrix): packed element by element.
+        let (m, k, n) = (24, 40, 20);
+        let (a, wide) = (values(m * k, 80), values(k * 2 * n, 81));
+        let b: Vec<f64> = (0..k * n)
+            .map(|i| wide[(i / n) * 2 * n + 2 * (i % n)])
+            .collect();
+        let base = f32_tensor(&wide, &[k, 2 * n]);
+        let strided = Layout {
+            shape: vec![k, n],
+            strides: vec![2 * n, 2],
+            offset: 0,
+        };
+        let y = Tensor::from_parts(base.storage().clone(), strided);
+        let got = run(&f32_tensor(&a, &[m, k]), &y, &[m, n]);
+        assert_close(&got.to_f64_vec(), &naive(&a, &b, m, k, n), 1e-5);
+        // [3, m, k] @ [k, n] with the left side transposed (not foldable
+        // into one tall product): the right matrix is every batch's.
+        let (m, k, n) = (40, 24, 33);
+        let (a, b) = (values(3 * m * k, 90), values(k * n, 91));
+        let got = run(
+            &transposed_view(&a, &[3, m, k]),
+            &f32_tensor(&b, &[k, n]),
+            &[3, m, n],
+        );
+        let want: Vec<f64> = (0..3)
+            .flat_map(|i| naive(&a[i * m * k..][..m * k], &b, m, k, n))
+            .collect();
+        assert_close(&got.to_f64_vec(), &want, 1e-5);
     }
 
     #[test]
