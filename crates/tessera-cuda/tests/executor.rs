@@ -167,9 +167,10 @@ fn the_device_arena_peaks_where_the_plan_says() {
                 "{name} {}: values differ from the kernel-by-kernel run",
                 strategy.name()
             );
-            // A plan with the CPU's scratch runs without an arena on the
-            // GPU (`execute::run_scheduled`): only the values are checked.
-            if s.memory.buffers.iter().any(|b| b.value.is_none()) {
+            // A plan the device cannot take exactly (CPU scratch, row
+            // kernels) runs without an arena on the GPU
+            // (`execute::device_arena_unfit`): only the values are checked.
+            if tessera::runtime::execute::device_arena_unfit(&plan, &s.memory).is_some() {
                 eprintln!(
                     "{name} {}: CPU scratch in the plan, no arena",
                     strategy.name()

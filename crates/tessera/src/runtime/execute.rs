@@ -86,11 +86,10 @@ pub fn run_scheduled_with(
 ) -> Result<Vec<(String, Tensor)>> {
     let refs: Vec<&Tensor> = inputs.iter().collect();
     let on = inputs_device(graph, &refs)?;
-    if on != Device::Cpu && !fits_device(memory) {
+    if let (false, Some(why)) = (on == Device::Cpu, device_arena_unfit(plan, memory)) {
         log("memory", || {
             format!(
-                "graph `{}` on {on}: the plan reserves the CPU kernels' scratch, which the \
-                 device's kernels do not use; no arena, buffers from the device's allocator",
+                "graph `{}` on {on}: {why}; no arena, buffers from the device's allocator",
                 graph.name
             )
         });
@@ -247,8 +246,27 @@ fn execute(
 /// it would hold bytes nobody uses (4 GiB for the seed's bf16 attention);
 /// such plans run on the device's caching allocator instead, in place
 /// where planned. The planner has one scratch model, the CPU's.
-fn fits_device(memory: &MemoryPlan) -> bool {
-    memory.buffers.iter().all(|b| b.value.is_some())
+/// Why a device run cannot take the memory plan's arena, if it cannot:
+/// the plan models the CPU's kernels, so it is exact on a device only
+/// without CPU scratch (the device's kernels use none) and without row
+/// kernels (a device runs their ops one by one, with intermediates the
+/// plan does not hold).
+pub fn device_arena_unfit(plan: &Plan, memory: &MemoryPlan) -> Option<&'static str> {
+    if memory.buffers.iter().any(|b| b.value.is_none()) {
+        return Some(
+            "the plan reserves the CPU kernels' scratch, which the device's kernels do not use",
+        );
+    }
+    if plan
+        .kernels
+        .iter()
+        .any(|k| matches!(k, Kernel::Rows { .. }))
+    {
+        return Some(
+            "its row kernels run op by op on the device, with intermediates the plan does not hold",
+        );
+    }
+    None
 }
 
 /// What a kernel computed: (value, tensor) pairs.
@@ -575,8 +593,13 @@ fn run_members(
         // Scalar constants a group inlines are not among its reads.
         for &x in &node.inputs {
             if let std::collections::hash_map::Entry::Vacant(slot) = values.entry(x) {
-                let constant = Tensor::apply(&graph.node(x).op, &[], Location::caller())
-                    .map_err(|e| node_error(graph, x, e))?;
+                // On the host: a host scalar goes with tensors of any
+                // device, and allocates nothing the memory plan does not
+                // know of on the device.
+                let constant = device::with_device(Device::Cpu, || {
+                    Tensor::apply(&graph.node(x).op, &[], Location::caller())
+                })
+                .map_err(|e| node_error(graph, x, e))?;
                 slot.insert(constant);
             }
         }
