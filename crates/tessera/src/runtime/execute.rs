@@ -593,13 +593,8 @@ fn run_members(
         // Scalar constants a group inlines are not among its reads.
         for &x in &node.inputs {
             if let std::collections::hash_map::Entry::Vacant(slot) = values.entry(x) {
-                // On the host: a host scalar goes with tensors of any
-                // device, and allocates nothing the memory plan does not
-                // know of on the device.
-                let constant = device::with_device(Device::Cpu, || {
-                    Tensor::apply(&graph.node(x).op, &[], Location::caller())
-                })
-                .map_err(|e| node_error(graph, x, e))?;
+                let constant = Tensor::apply(&graph.node(x).op, &[], Location::caller())
+                    .map_err(|e| node_error(graph, x, e))?;
                 slot.insert(constant);
             }
         }
