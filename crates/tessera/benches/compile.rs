@@ -39,6 +39,11 @@ fn bench_chain(c: &mut Criterion) {
     group.bench_function("eager", |b| b.iter(|| chain(std::slice::from_ref(&x))));
     let f = compile(chain);
     group.bench_function("compiled", |b| b.iter(|| f.call(std::slice::from_ref(&x))));
+    // Block sizes searched on the first call and kept (`mode=max-autotune`).
+    let tuned = compile(chain).mode(tessera::compile::Mode::MaxAutotune);
+    group.bench_function("compiled max-autotune", |b| {
+        b.iter(|| tuned.call(std::slice::from_ref(&x)))
+    });
     group.bench_function("arith eager", |b| {
         b.iter(|| arith_chain(std::slice::from_ref(&x)))
     });
