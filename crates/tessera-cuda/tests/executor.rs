@@ -6,6 +6,10 @@
 //! `TESSERA_CUDA_TESTS=1` (on a GPU machine, by `scripts/gpu-check.sh`);
 //! there a missing GPU is a failure, not a skip.
 
+#[path = "../../tessera/tests/schedule_util/mod.rs"]
+mod schedule_util;
+
+use schedule_util::chain;
 use std::sync::{Mutex, MutexGuard, Once};
 
 use tessera::compile::{Compiled, Mode};
@@ -124,14 +128,6 @@ fn measured(graph: &Graph, plan: &Plan, s: &Scheduled, inputs: &[Tensor]) -> (Ve
     device::synchronize(Device::Cuda).unwrap();
     let peak = device::memory_stats(Device::Cuda).unwrap().peak_bytes - before;
     (outs.into_iter().map(|(_, t)| t).collect(), peak)
-}
-
-/// Matmuls with an epilogue, a pointwise chain and views: no row kernel,
-/// no CPU scratch (f32), so the device takes its plan's arena exactly.
-fn chain(a: &[Tensor]) -> Vec<Tensor> {
-    let h = (a[0].matmul(&a[1]) + &a[2]).gelu();
-    let g = (&h * 2.0).tanh() + 1.0;
-    vec![g.t().matmul(&h), g.reshape(&[-1])]
 }
 
 #[test]

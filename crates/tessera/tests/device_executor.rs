@@ -14,7 +14,7 @@ mod schedule_util;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
-use schedule_util::{planned, sliced_attention, traced};
+use schedule_util::{chain, planned, sliced_attention, traced};
 use tessera::compile::Mode;
 use tessera::fusion::Plan;
 use tessera::ir::{DType, Graph, Op};
@@ -253,14 +253,6 @@ fn mlp(a: &[Tensor]) -> Vec<Tensor> {
     let g = (&h.softmax(0) * 2.0).tanh() + 1.0;
     let p = g.t().softmax(-1);
     vec![p.reshape(&[-1]), (g.exp() - 1.0).sum(&[0], false)]
-}
-
-/// Matmuls with an epilogue, a pointwise chain and views: no row kernel,
-/// no CPU scratch, so a device takes its plan's arena exactly.
-fn chain(a: &[Tensor]) -> Vec<Tensor> {
-    let h = (a[0].matmul(&a[1]) + &a[2]).gelu();
-    let g = (&h * 2.0).tanh() + 1.0;
-    vec![g.t().matmul(&h), g.reshape(&[-1])]
 }
 
 #[test]

@@ -1,5 +1,6 @@
-//! Shared by `schedule.rs` and `schedule_memory.rs`: the seed's sliced
-//! attention and the path from a traced function to a schedule.
+//! Shared by `schedule.rs`, `schedule_memory.rs`, `device_executor.rs` and
+//! tessera-cuda's `executor.rs`: the seed's sliced attention, a chain graph
+//! and the path from a traced function to a schedule.
 #![allow(dead_code)]
 
 use tessera::fusion::{fuse, Plan};
@@ -129,4 +130,12 @@ pub fn random_graph(codes: &[u8], hinted: &[bool], n: usize) -> Graph {
         outs.push(v);
         outs
     })
+}
+
+/// Matmuls with an epilogue, a pointwise chain and views: no row kernel,
+/// no CPU scratch (f32), so a device takes its plan's arena exactly.
+pub fn chain(a: &[Tensor]) -> Vec<Tensor> {
+    let h = (a[0].matmul(&a[1]) + &a[2]).gelu();
+    let g = (&h * 2.0).tanh() + 1.0;
+    vec![g.t().matmul(&h), g.reshape(&[-1])]
 }
