@@ -283,3 +283,29 @@ fn outputs_made_in_another_order_than_declared_keep_their_values_when_compiled()
     let got = compile(body).call(&args);
     assert_close(&got[0], &want[0], 1e-5);
 }
+
+#[test]
+fn outputs_made_in_another_order_than_declared_are_not_overwritten_in_place() {
+    // `u = s * c` could be written in place of `s`; but `s` really sits in
+    // the slot planned for `c`, which the plan hands to the first matmul's
+    // output once `c` dies: that matmul would write over `u`, its operand
+    // and the epilogue's.
+    let body = |a: &[Tensor]| {
+        let [s, c] = sincos_reversed()
+            .call(Attrs::new(), &[&a[0]])
+            .unwrap()
+            .try_into()
+            .unwrap();
+        let u = &s * &c;
+        let w = u.matmul(&a[1]);
+        vec![&w.matmul(&a[1]) + &u]
+    };
+    let mut gen = Generator::new(5);
+    let args = [
+        Tensor::randn(&[64, 32], DType::F32, &mut gen),
+        Tensor::randn(&[32, 32], DType::F32, &mut gen) * 0.2,
+    ];
+    let want = body(&args);
+    let got = compile(body).call(&args);
+    assert_close(&got[0], &want[0], 1e-5);
+}

@@ -464,6 +464,16 @@ fn pow_at_a_zero_base() {
     assert_close(&b.grad().unwrap(), &[0.0, 8.0 * 2f64.ln()], "d/db");
 }
 
+/// d/da a^0 is 0 everywhere, also at a = 0 where b·a^(b-1) is 0·inf
+/// (torch's convention), not NaN.
+#[test]
+fn pow_with_a_zero_exponent() {
+    let a = Tensor::from_vec(vec![0.0, 2.0, -3.0], &[3]).set_requires_grad(true);
+    let b = Tensor::from_vec(vec![0.0, -0.0, 0.0], &[3]).set_requires_grad(true);
+    a.pow(&b).sum(&[], false).backward();
+    assert_close(&a.grad().unwrap(), &[0.0, 0.0, 0.0], "d/da");
+}
+
 #[test]
 fn where_with_broadcasting() {
     let mut r = Rng::new(4);

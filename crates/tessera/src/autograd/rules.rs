@@ -226,10 +226,14 @@ fn binary(
         BinaryOp::Mul => (g * b, g * a),
         BinaryOp::Div => (g / b, -(g * &(y / b))),
         BinaryOp::Pow => {
-            let da = g * &(b * &a.try_pow(b - 1.0)?);
+            // d/da a^b = b·a^(b-1), taken as 0 where b == 0 (a^0 is the
+            // constant 1, even at a == 0 where the formula gives 0·inf; as
+            // torch does).
+            let slope = b * &a.try_pow(b - 1.0)?;
+            let zero = Tensor::zeros(&[], a.dtype());
+            let da = g * &Tensor::try_where(&b.try_eq(0.0)?, &zero, &slope)?;
             // d/db a^b = a^b·ln a, taken as 0 where a == 0 (as torch does).
-            let log_a =
-                Tensor::try_where(&a.try_eq(0.0)?, &Tensor::zeros(&[], a.dtype()), &a.log())?;
+            let log_a = Tensor::try_where(&a.try_eq(0.0)?, &zero, &a.log())?;
             (da, g * &(y * &log_a))
         }
         BinaryOp::Maximum | BinaryOp::Minimum => {

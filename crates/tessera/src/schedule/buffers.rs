@@ -119,7 +119,11 @@ impl BufferModel {
     /// and the arena gives each allocation the first unused slot of its
     /// size (`runtime::cpu::arena`): outputs of equal size may land in each
     /// other's slots. Planning them alike (the union of their readers,
-    /// pinned if one is) makes every landing safe.
+    /// pinned if one is) makes every landing safe for their own lifetimes.
+    /// None of them is written in place by a later kernel: the value written
+    /// there would live on at whichever slot its donor really got, past the
+    /// lifetime the plan gave that slot (a later kernel's buffer would then
+    /// share its bytes).
     fn plan_alike_outputs_of_equal_size(&mut self, k: usize) {
         let outputs: Vec<usize> = self.created[k]
             .iter()
@@ -142,6 +146,11 @@ impl BufferModel {
             for &o in &alike {
                 self.buffers[o].pinned = pinned;
                 self.buffers[o].readers = readers.clone();
+            }
+            if alike.len() > 1 {
+                for candidates in &mut self.in_place {
+                    candidates.retain(|c| !alike.contains(&c.buffer));
+                }
             }
         }
     }
