@@ -8,9 +8,15 @@
 //
 // Kernels (extern "C" entry points at the bottom; the launcher in src/flash.rs picks one
 // by dtype, head dim and architecture):
-//   flash_fwd_wg_<t>_d128_g4_c64    sm_90a (Hopper): wgmma, 4 warpgroups x 64 query rows,
-//                                   key tiles of 64; S = Q K^T with both operands read
-//                                   from shared memory, O += P V with P from registers.
+//   flash_fwd_wg_<t>_d128_ring      sm_90a (Hopper): wgmma, 4 warpgroups x 64 query rows,
+//                                   key tiles of 64 in a 4-stage shared-memory ring under
+//                                   mbarriers (the default); S = Q K^T with both operands
+//                                   read from shared memory, O += P V with P from
+//                                   registers. _ring_t: the warpgroups also take turns
+//                                   issuing S (named barriers).
+//   flash_fwd_wg_<t>_d128_g4_c64    the same tiles with two K/V buffers and a block
+//                                   barrier per key tile (1.57 vs 1.27 ms, NOTES.md).
+//                                   max-autotune times the three.
 //   flash_fwd_wg_split_<t>_d128     the same with each query block's key tiles split over
 //   flash_fwd_combine_<t>_d128      blockIdx.z (for small batch x heads, which would
 //                                   leave most SMs idle), then the merge of the partials.
@@ -715,9 +721,9 @@ __device__ __forceinline__ void fence_proxy_async() {
 // Named barriers 1.. order the warpgroups' MMA issues ("turns", FlashAttention-3's
 // ping-pong): warpgroup w issues its products only after warpgroup w-1 issued its own,
 // so the tensor cores finish them one warpgroup after another and each warpgroup's
-// softmax runs while the next one's products are on the tensor cores. Without the
-// order all warpgroups' products interleave, finish together, and the tensor cores
-// sit idle through everyone's softmax at once. Barrier 0 is __syncthreads.
+// softmax can run while the next one's products are on the tensor cores. Used by the
+// ring forward's _t variant; with a block barrier per tile (g4, the backward) turns
+// were slower (NOTES.md). Barrier 0 is __syncthreads.
 __device__ __forceinline__ void turn_wait(int wg) {
   asm volatile("bar.sync %0, 256;\n" ::"r"(1 + wg) : "memory");
 }
@@ -896,7 +902,7 @@ __device__ __forceinline__ void wg_softmax_step(float (&s)[BC / 2], float (&o)[D
 // partial results, and flash_fwd_combine merges them (fills the GPU when batch x heads
 // is small). A separate instantiation: the 128-register budget of the plain kernel has
 // no room for the split's bookkeeping.
-template <typename T, int NWG, int BC, bool SPLIT, bool TURNS = false>
+template <typename T, int NWG, int BC, bool SPLIT>
 __device__ __forceinline__ void fwd_wg(const T* __restrict__ Q, const T* __restrict__ K,
                                        const T* __restrict__ V, T* __restrict__ O,
                                        float* __restrict__ LSE, float* __restrict__ o_part,
@@ -953,9 +959,6 @@ __device__ __forceinline__ void fwd_wg(const T* __restrict__ Q, const T* __restr
     const T* vt = sV + b * BC * D;
 
     float s[BC / 2];
-    // Turns: warpgroup 0 waits for the last one's issue of the previous tile (none
-    // before the first tile; the last warpgroup passes none after the last tile).
-    if (TURNS && !(wg == 0 && j == j_begin)) turn_wait(wg);
     wg_fence();
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
@@ -966,7 +969,6 @@ __device__ __forceinline__ void fwd_wg(const T* __restrict__ Q, const T* __restr
       else wg_ss_n128<0, 0>(Tag<T>(), s, da, db, kk);
     }
     wg_commit();
-    if (TURNS && !(wg == NWG - 1 && j == j_end - 1)) turn_pass((wg + 1) % NWG);
     wg_wait_all();
     reg_fence(s);
 
@@ -1209,7 +1211,7 @@ __device__ __forceinline__ void fwd_combine(const float* __restrict__ o_part,
 // (16 rows x 32 B per warp instruction), and staging the tile in shared memory for one
 // cp.reduce.async.bulk per tile (4.17 vs 4.03 ms at (8, 32, 2048, 128)); issuing the dQ
 // product before dV/dK and reducing while those run was no faster (4.04).
-template <typename T, bool TURNS = false>
+template <typename T>
 __device__ __forceinline__ void bwd_wg(const T* __restrict__ Q, const T* __restrict__ K,
                                        const T* __restrict__ V, const T* __restrict__ dO,
                                        const float* __restrict__ LSE,
@@ -1289,9 +1291,6 @@ __device__ __forceinline__ void bwd_wg(const T* __restrict__ Q, const T* __restr
 
     // S^T = K Q^T, dP^T = V dO^T (this warpgroup's 64 keys x 64 queries).
     float s[BR / 2], dp[BR / 2];
-    // Turns (see turn_wait): warpgroup 1's S/dP products queue behind warpgroup 0's,
-    // so warpgroup 0's elementwise work overlaps them.
-    if (TURNS && !(wg == 0 && i == i_begin)) turn_wait(wg);
     wg_fence();
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
@@ -1301,7 +1300,6 @@ __device__ __forceinline__ void bwd_wg(const T* __restrict__ Q, const T* __restr
                       gmma_desc(gt + kk * 128, 128, ROWG), kk);
     }
     wg_commit();
-    if (TURNS && !(wg == 1 && i == i_end - 1)) turn_pass(wg ^ 1);
     wg_wait_all();
     reg_fence(s);
     reg_fence(dp);
@@ -1751,13 +1749,6 @@ TF_F32(256)
     tessera_flash::fwd_wg<T, 4, 64, false>(q, k, v, o, lse, nullptr, nullptr, nq, nk,     \
                                            scale_log2, causal);                           \
   }                                                                                       \
-  extern "C" __global__ void __launch_bounds__(512, 1)                                    \
-      flash_fwd_wg_##TN##_d128_g4_c64_t(const T* q, const T* k, const T* v, T* o,           \
-                                        float* lse, int nq, int nk, float scale_log2,       \
-                                        int causal) {                                       \
-    tessera_flash::fwd_wg<T, 4, 64, false, true>(q, k, v, o, lse, nullptr, nullptr, nq, nk, \
-                                                 scale_log2, causal);                       \
-  }                                                                                       \
   extern "C" __global__ void __launch_bounds__(512, 1) flash_fwd_wg_##TN##_d128_ring(     \
       const T* q, const T* k, const T* v, T* o, float* lse, int nq, int nk,               \
       float scale_log2, int causal) {                                                     \
@@ -1785,13 +1776,6 @@ TF_F32(256)
       int nq, int nk, float scale, float scale_log2, int causal) {                        \
     tessera_flash::bwd_wg<T>(q, k, v, d_o, lse, delta, dq_acc, dk, dv, dk_acc, dv_acc, nq, \
                              nk, scale, scale_log2, causal);                              \
-  }                                                                                       \
-  extern "C" __global__ void __launch_bounds__(256) flash_bwd_wg_##TN##_d128_t(          \
-      const T* q, const T* k, const T* v, const T* d_o, const float* lse,                 \
-      const float* delta, float* dq_acc, T* dk, T* dv, float* dk_acc, float* dv_acc,      \
-      int nq, int nk, float scale, float scale_log2, int causal) {                        \
-    tessera_flash::bwd_wg<T, true>(q, k, v, d_o, lse, delta, dq_acc, dk, dv, dk_acc, dv_acc, \
-                                   nq, nk, scale, scale_log2, causal);                    \
   }                                                                                       \
   extern "C" __global__ void flash_bwd_post_wg_##TN(const float* acc, T* out, long long n4, \
                                                     int n_rows, float scale) {            \
