@@ -21,6 +21,11 @@ use crate::codegen::Compute;
 use crate::matmul::{Epilogue, Mat};
 use crate::{autotune, CudaBackend};
 
+/// Builds a pointwise launch writing `outputs` with a block size (`None`:
+/// the generator's default).
+type MakeLaunch<'a> =
+    dyn Fn(&[Output], Option<u32>) -> std::result::Result<crate::codegen::Launch, String> + 'a;
+
 /// The memory of a storage that an output overwrites: the output keeps
 /// the storage alive and counts no bytes of its own.
 struct Over(Arc<DeviceStorage>);
@@ -228,10 +233,7 @@ impl CudaBackend {
         default: &crate::codegen::Launch,
         shape: &[usize],
         outs: &[Output],
-        make: &dyn Fn(
-            &[Output],
-            Option<u32>,
-        ) -> std::result::Result<crate::codegen::Launch, String>,
+        make: &MakeLaunch<'_>,
     ) -> Result<Option<u32>> {
         if !tessera::runtime::autotune::device_tuning() {
             return Ok(None);
