@@ -462,7 +462,6 @@ impl CudaBackend {
         }
     }
 
-    /// `x` on the device (a host scalar is copied up).
     /// The softmax launch: the generator's default, or under `max-autotune`
     /// the register-row plan with the tuned threads per row (the trials
     /// write `y`, which the launch overwrites anyway).
@@ -476,6 +475,10 @@ impl CudaBackend {
     ) -> Result<crate::codegen::Launch> {
         let (dtype, layout, sms) = (x.dtype(), x.layout(), self.gpu.sms);
         let default = rows::softmax(dtype, layout, dim, log, base(x), y, sms);
+        // Only a register-row softmax has a threads-per-row choice.
+        if rows::row_plan(dtype, layout, dim, base(x), y, None).is_none() {
+            return Ok(default);
+        }
         let plan = |t| rows::row_plan(dtype, layout, dim, base(x), y, Some(t));
         let candidates: Vec<usize> = rows::THREAD_CANDIDATES
             .into_iter()
@@ -483,15 +486,13 @@ impl CudaBackend {
             .collect();
         let rows_of =
             |t| plan(t).map(|p| rows::softmax_rows(p, dtype, layout, dim, log, base(x), y, sms));
-        if rows::row_plan(dtype, layout, dim, base(x), y, None).is_none() {
-            return Ok(default);
-        }
         let chosen = self.tuned_choice(op, &default, &layout.shape, &candidates, |t| {
             rows_of(t).ok_or_else(|| format!("no row plan of {t} threads"))
         })?;
         Ok(chosen.and_then(rows_of).unwrap_or(default))
     }
 
+    /// `x` on the device (a host scalar is copied up).
     fn on_device(&self, x: &Tensor) -> Result<Tensor> {
         match x.device() {
             Device::Cuda => Ok(x.clone()),
