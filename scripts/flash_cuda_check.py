@@ -41,7 +41,10 @@ TN = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
 # Configurations the .cu instantiates: fwd (warps, key tile), bwd (warps, query tile) for
 # the mma.sync kernels; ("g4", 64) and ("wg", 64) for the sm_90a wgmma kernels
 # (4 warpgroups of 64 query rows; the wgmma backward has 2 warpgroups x 64 keys).
-FWD_CFGS = {64: [(4, 64)], 128: [("g4", 64), (4, 64), ("split", 3)]}
+# "ring"/"ringt": the forward whose K/V tiles go through a 4-stage mbarrier ring (ringt:
+# its warpgroups also take turns issuing their products, see turn_wait in the .cu).
+# (The "turns" variants of g4 and of the backward, 1.76 / 4.48 ms, were dropped: NOTES.md.)
+FWD_CFGS = {64: [(4, 64)], 128: [("g4", 64), ("ring", 64), ("ringt", 64), (4, 64), ("split", 3)]}
 BWD_CFGS = {64: [(8, 64)], 128: [("wg", 1), ("wg", 3), (8, 32)]}
 F32_DIMS = [32, 64, 96, 128, 160, 192, 224, 256]
 LOG2E = 1.4426950408889634
@@ -108,7 +111,11 @@ class Flash:
                     (self.p(o_part), self.p(ml), self.p(out), self.p(lse), np.int32(bc),
                      np.int32(B * H), np.int32(nq)))
                 return out, lse
-            if isinstance(w, str):  # wgmma: w = "gN", N warpgroups of 64 rows
+            if w in ("ring", "ringt"):
+                br, threads = 256, 512
+                smem = (br * D + 8 * 64 * D) * 2 + 64
+                name = f"flash_fwd_wg_{tn}_d{D}_ring" + ("_t" if w == "ringt" else "")
+            elif isinstance(w, str):  # wgmma: w = "gN", N warpgroups of 64 rows
                 br, threads = 64 * int(w[1:]), 128 * int(w[1:])
                 smem = (br * D + 4 * bc * D) * 2
                 name = f"flash_fwd_wg_{tn}_d{D}_{w}_c{bc}"
@@ -368,6 +375,15 @@ def timings(fl, reps, results):
         log(f"torch SDPA fwd+bwd causal={causal}: {t_torch[0]:.3f} / {t_torch[1]:.3f} ms "
             f"({flops / fdiv / t_torch[0] / 1e9:.0f} TFLOP/s)")
         results.append(dict(what="torch_sdpa", causal=causal, ms=t_torch))
+        # torch's forward (autograd on, so it keeps its logsumexp like tessera's) and its
+        # backward alone, to say which half of tessera's step is behind.
+        t_tf = median_ms(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal), reps)
+        o_keep = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+        t_tb = median_ms(lambda: torch.autograd.grad(o_keep, (qt, kt, vt), dout, retain_graph=True),
+                         reps)
+        del o_keep
+        log(f"torch SDPA fwd alone causal={causal}: {t_tf:.3f} ms, bwd alone: {t_tb:.3f} ms")
+        results.append(dict(what="torch_sdpa_parts", causal=causal, fwd_ms=t_tf, bwd_ms=t_tb))
         # Each forward and each backward configuration alone, then the best pair together.
         # (The split configurations are for small batch x heads: timed in small_bh_timings.)
         t_fwd = {}
@@ -383,7 +399,8 @@ def timings(fl, reps, results):
                 f"({flops * 2.5 / 3.5 / fdiv / t_bwd[bc] / 1e9:.0f} TFLOP/s)")
         fc = min(t_fwd, key=t_fwd.get)
         bc = min(t_bwd, key=t_bwd.get)
-        pairs = [(fc, bc), (("g4", 64), ("wg", 1)), ((4, 64), (8, 32))]
+        pairs = [(fc, bc), (("g4", 64), ("wg", 1)), (("ring", 64), ("wg", 1)),
+                 (("ringt", 64), ("wg", 1))]
         for pair in dict.fromkeys(pairs):
             def step():
                 fl.fwd(q, k, v, causal, scale, pair[0], out, lse)

@@ -8,9 +8,15 @@
 //
 // Kernels (extern "C" entry points at the bottom; the launcher in src/flash.rs picks one
 // by dtype, head dim and architecture):
-//   flash_fwd_wg_<t>_d128_g4_c64    sm_90a (Hopper): wgmma, 4 warpgroups x 64 query rows,
-//                                   key tiles of 64; S = Q K^T with both operands read
-//                                   from shared memory, O += P V with P from registers.
+//   flash_fwd_wg_<t>_d128_ring      sm_90a (Hopper): wgmma, 4 warpgroups x 64 query rows,
+//                                   key tiles of 64 in a 4-stage shared-memory ring under
+//                                   mbarriers (the default); S = Q K^T with both operands
+//                                   read from shared memory, O += P V with P from
+//                                   registers. _ring_t: the warpgroups also take turns
+//                                   issuing S (named barriers).
+//   flash_fwd_wg_<t>_d128_g4_c64    the same tiles with two K/V buffers and a block
+//                                   barrier per key tile (1.57 vs 1.27 ms, NOTES.md).
+//                                   max-autotune times the three.
 //   flash_fwd_wg_split_<t>_d128     the same with each query block's key tiles split over
 //   flash_fwd_combine_<t>_d128      blockIdx.z (for small batch x heads, which would
 //                                   leave most SMs idle), then the merge of the partials.
@@ -712,6 +718,37 @@ __device__ __forceinline__ void fence_proxy_async() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
+// Named barriers 1.. order the warpgroups' MMA issues ("turns", FlashAttention-3's
+// ping-pong): warpgroup w issues its products only after warpgroup w-1 issued its own,
+// so the tensor cores finish them one warpgroup after another and each warpgroup's
+// softmax can run while the next one's products are on the tensor cores. Used by the
+// ring forward's _t variant; with a block barrier per tile (g4, the backward) turns
+// were slower (NOTES.md). Barrier 0 is __syncthreads.
+__device__ __forceinline__ void turn_wait(int wg) {
+  asm volatile("bar.sync %0, 256;\n" ::"r"(1 + wg) : "memory");
+}
+__device__ __forceinline__ void turn_pass(int next_wg) {
+  asm volatile("bar.arrive %0, 256;\n" ::"r"(1 + next_wg) : "memory");
+}
+
+// mbarriers in shared memory (the forward's K/V ring): init with an arrival count, one
+// arrive per thread, wait for the completion of the phase of the given parity.
+__device__ __forceinline__ void mbar_init(unsigned long long* b, u32 count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(b)), "r"(count)
+               : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(unsigned long long* b) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(b)) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(unsigned long long* b, u32 parity) {
+  asm volatile(
+      "{\n.reg .pred P;\nTF_MBAR_WAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 P, [%0], %1;\n"
+      "@!P bra TF_MBAR_WAIT;\n}\n" ::"r"(smem_addr(b)),
+      "r"(parity)
+      : "memory");
+}
+
 // Keep the accumulator registers from being reordered across the asynchronous MMA.
 template <int N>
 __device__ __forceinline__ void reg_fence(float (&d)[N]) {
@@ -998,6 +1035,133 @@ __device__ __forceinline__ void fwd_wg(const T* __restrict__ Q, const T* __restr
   }
 }
 
+
+// Forward with a 4-stage K/V ring guarded by mbarriers instead of a block barrier per
+// key tile (4 warpgroups x 64 query rows, key tiles of 64, D = 128): a warpgroup waits
+// only for the tile it needs (full[stage]: every thread's copies landed) and a stage is
+// refilled once every thread is done with it (empty[stage]), so warpgroups may drift up
+// to two tiles apart and one's softmax overlaps another's products. TURNS adds the
+// issue order of turn_wait on top. Every thread copies a share of every tile (cp.async),
+// waits for its own share one tile ahead of use and then arrives on full.
+template <typename T, bool TURNS>
+__device__ __forceinline__ void fwd_wg_ring(const T* __restrict__ Q, const T* __restrict__ K,
+                                            const T* __restrict__ V, T* __restrict__ O,
+                                            float* __restrict__ LSE, int nq, int nk,
+                                            float scale_log2, int causal) {
+  constexpr int D = 128, NWG = 4, BC = 64, NS = 4, BR = 64 * NWG, THREADS = 128 * NWG;
+  constexpr u32 ROWG = (D / 8) * 128;
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  T* sQ = reinterpret_cast<T*>(smem_raw);
+  T* sK = sQ + BR * D;       // [NS][BC][D]
+  T* sV = sK + NS * BC * D;  // [NS][BC][D]
+  unsigned long long* full = reinterpret_cast<unsigned long long*>(sV + NS * BC * D);
+  unsigned long long* empty = full + NS;
+
+  const int tid = threadIdx.x, wg = tid / 128, warp = (tid % 128) / 32, lane = tid % 32;
+  const int qb = gridDim.x - 1 - blockIdx.x;
+  const size_t bh = blockIdx.y;
+  const int q0 = qb * BR;
+  const T* Kb = K + bh * nk * D;
+  const T* Vb = V + bh * nk * D;
+  const int kv_end = causal ? min(nk, q0 + BR) : nk;
+  const int n_tiles = (kv_end + BC - 1) / BC;
+  if (tid == 0) {
+#pragma unroll
+    for (int st = 0; st < NS; ++st) {
+      mbar_init(full + st, THREADS);
+      mbar_init(empty + st, THREADS);
+    }
+  }
+  auto load_kv = [&](int t) {
+    const int st = t % NS;
+    load_tile_cm<T, BC, D, THREADS>(sK + st * BC * D, Kb, t * BC, nk, tid);
+    load_tile_cm<T, BC, D, THREADS>(sV + st * BC * D, Vb, t * BC, nk, tid);
+  };
+  load_tile_cm<T, BR, D, THREADS>(sQ, Q + bh * nq * D, q0, nq, tid);
+  if (n_tiles > 0) load_kv(0);
+  cp_async_commit();
+  if (n_tiles > 1) load_kv(1);
+  cp_async_commit();
+  __syncthreads();  // the barrier inits
+  cp_async_wait_one();  // this thread's share of Q and tile 0
+  fence_proxy_async();
+  if (n_tiles > 0) mbar_arrive(full);
+
+  float o[D / 2];
+#pragma unroll
+  for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
+  float m_run[2] = {-TF_INF, -TF_INF};
+  float l_run[2] = {0.f, 0.f};
+  const int row_a = q0 + wg * 64 + warp * 16 + lane / 4;
+  const T* qw = sQ + wg * 64 * D;
+
+  for (int j = 0; j < n_tiles; ++j) {
+    const int st = j % NS;
+    mbar_wait(full + st, (j / NS) & 1);
+    const T* kt = sK + st * BC * D;
+    const T* vt = sV + st * BC * D;
+
+    float s[BC / 2];
+    if (TURNS && !(wg == 0 && j == 0)) turn_wait(wg);
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk)
+      wg_ss_n64<0, 0>(Tag<T>(), s, gmma_desc(qw + kk * 128, 128, ROWG),
+                      gmma_desc(kt + kk * 128, 128, ROWG), kk);
+    wg_commit();
+    if (TURNS && !(wg == NWG - 1 && j == n_tiles - 1)) turn_pass((wg + 1) % NWG);
+
+    // While S is on the tensor cores: refill the stage tile j - 2 used with tile j + 2,
+    // and publish this thread's share of tile j + 1 (copied since the last iteration).
+    if (j + 2 < n_tiles) {
+      if (j >= 2) mbar_wait(empty + (j + 2) % NS, ((j - 2) / NS) & 1);
+      load_kv(j + 2);
+    }
+    cp_async_commit();
+    cp_async_wait_one();
+    fence_proxy_async();
+    if (j + 1 < n_tiles) mbar_arrive(full + (j + 1) % NS);
+
+    wg_wait_all();
+    reg_fence(s);
+    wg_softmax_step<BC, D>(s, o, m_run, l_run, j * BC, nk, q0, row_a, lane, scale_log2, causal);
+
+    u32 pa[BC / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < BC / 16; ++kk) {
+      pa[kk][0] = Mma<T>::pack(s[8 * kk + 0], s[8 * kk + 1]);
+      pa[kk][1] = Mma<T>::pack(s[8 * kk + 2], s[8 * kk + 3]);
+      pa[kk][2] = Mma<T>::pack(s[8 * kk + 4], s[8 * kk + 5]);
+      pa[kk][3] = Mma<T>::pack(s[8 * kk + 6], s[8 * kk + 7]);
+    }
+    reg_fence(o);
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < BC / 16; ++kk)
+      wg_rs_n128<1>(Tag<T>(), o, pa[kk], gmma_desc(vt + kk * 2 * (ROWG / 2), ROWG, 128), 1);
+    wg_commit();
+    wg_wait_all();
+    reg_fence(o);
+    mbar_arrive(empty + st);
+  }
+
+  T* Ob = O + bh * nq * D;
+  float* Lb = LSE + bh * nq;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const float l = quad_sum(l_run[r]);
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    const int row = row_a + r * 8;
+    if (row < nq) {
+#pragma unroll
+      for (int dn = 0; dn < D / 8; ++dn) {
+        const u32 v = Mma<T>::pack(o[4 * dn + 2 * r] * inv, o[4 * dn + 2 * r + 1] * inv);
+        *reinterpret_cast<u32*>(Ob + (size_t)row * D + dn * 8 + 2 * (lane % 4)) = v;
+      }
+      if (lane % 4 == 0) Lb[row] = l > 0.f ? (m_run[r] + log2f(l)) * TF_LN2 : -TF_INF;
+    }
+  }
+}
 
 // Merges the split forward's partial results: per row M = max_z m_z,
 // L = sum_z l_z 2^(m_z - M), O = sum_z O_z 2^(m_z - M) / L, lse = (M + log2 L) ln 2.
@@ -1584,6 +1748,16 @@ TF_F32(256)
                                       int nq, int nk, float scale_log2, int causal) {     \
     tessera_flash::fwd_wg<T, 4, 64, false>(q, k, v, o, lse, nullptr, nullptr, nq, nk,     \
                                            scale_log2, causal);                           \
+  }                                                                                       \
+  extern "C" __global__ void __launch_bounds__(512, 1) flash_fwd_wg_##TN##_d128_ring(     \
+      const T* q, const T* k, const T* v, T* o, float* lse, int nq, int nk,               \
+      float scale_log2, int causal) {                                                     \
+    tessera_flash::fwd_wg_ring<T, false>(q, k, v, o, lse, nq, nk, scale_log2, causal);    \
+  }                                                                                       \
+  extern "C" __global__ void __launch_bounds__(512, 1) flash_fwd_wg_##TN##_d128_ring_t(   \
+      const T* q, const T* k, const T* v, T* o, float* lse, int nq, int nk,               \
+      float scale_log2, int causal) {                                                     \
+    tessera_flash::fwd_wg_ring<T, true>(q, k, v, o, lse, nq, nk, scale_log2, causal);     \
   }                                                                                       \
   extern "C" __global__ void __launch_bounds__(512, 1) flash_fwd_wg_split_##TN##_d128(    \
       const T* q, const T* k, const T* v, float* o_part, float2* ml_part, int nq, int nk, \

@@ -131,11 +131,48 @@ fn device_err(what: &str, e: impl fmt::Debug) -> FlashError {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FwdKernel {
     /// sm_90a wgmma, 4 warpgroups x 64 query rows, key tiles of 64 (head dim 128).
-    Wgmma,
+    Wgmma(WgFwd),
     /// mma.sync: `warps` warps x 16 query rows, key tiles of `key_tile`.
     Mma { warps: u32, key_tile: u32 },
     /// CUDA cores, one warp per query row.
     F32,
+}
+
+/// How the wgmma forward's warpgroups share the K/V tiles (same tiles, same
+/// arithmetic, same results). At (8, 32, 2048, 128) bf16 on an H200 the ring
+/// took 1.27 ms, the ring with turns 1.29 and the barrier version 1.57
+/// (BENCHMARKS.md); `max-autotune` times all three.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum WgFwd {
+    /// A 4-stage K/V ring under mbarriers: warpgroups drift up to two tiles.
+    Ring,
+    /// The ring, warpgroups also taking turns to issue their products.
+    RingTurns,
+    /// Two K/V buffers and a block barrier per key tile.
+    Barrier,
+}
+
+impl WgFwd {
+    /// Every variant, the default first.
+    pub const ALL: [WgFwd; 3] = [WgFwd::Ring, WgFwd::RingTurns, WgFwd::Barrier];
+
+    /// The entry point's suffix after `flash_fwd_wg_<t>_d128`.
+    fn suffix(self) -> &'static str {
+        match self {
+            WgFwd::Ring => "_ring",
+            WgFwd::RingTurns => "_ring_t",
+            WgFwd::Barrier => "_g4_c64",
+        }
+    }
+
+    /// Dynamic shared memory: Q (256 rows) and the K/V stages (2 for the barrier
+    /// version, 4 for the ring plus its 8 mbarriers).
+    fn smem(self) -> u32 {
+        match self {
+            WgFwd::Barrier => WG_FWD_SMEM,
+            WgFwd::Ring | WgFwd::RingTurns => (256 * 128 + 8 * 64 * 128) * 2 + 64,
+        }
+    }
 }
 
 /// Backward kernel families.
@@ -189,7 +226,7 @@ pub fn select(dtype: FlashDType, head_dim: usize, cc: (i32, i32)) -> Result<Sele
             (FwdKernel::F32, BwdKernel::F32)
         }
         FlashDType::F16 | FlashDType::BF16 => match (head_dim, cc == (9, 0)) {
-            (128, true) => (FwdKernel::Wgmma, BwdKernel::Wgmma),
+            (128, true) => (FwdKernel::Wgmma(WgFwd::Ring), BwdKernel::Wgmma),
             (128, false) => (
                 FwdKernel::Mma {
                     warps: 4,
@@ -290,7 +327,7 @@ const WG_BWD_SMEM: u32 = (2 * 128 * 128 + 4 * 64 * 128 + 128 * 64) * 2 + 16 * 64
 /// an H200, 8 splits took 0.044 ms, 16 took 0.050, none 0.106), keeping at least two
 /// key tiles per split.
 pub fn forward_splits(sel: &Selection, dims: &FlashDims, sms: u32) -> usize {
-    if sel.fwd != FwdKernel::Wgmma {
+    if !matches!(sel.fwd, FwdKernel::Wgmma(_)) {
         return 1;
     }
     let blocks = dims.q_len.div_ceil(WG_FWD_ROWS) * dims.batch * dims.heads;
@@ -337,16 +374,16 @@ pub fn forward_launches(sel: &Selection, dims: &FlashDims, sms: u32) -> Result<V
         smem,
     };
     Ok(match sel.fwd {
-        FwdKernel::Wgmma => {
+        FwdKernel::Wgmma(variant) => {
             let qb = blocks(dims.q_len, WG_FWD_ROWS)?;
             let splits = forward_splits(sel, dims, sms);
             if splits == 1 {
                 vec![launch(
                     Step::Forward,
-                    format!("flash_fwd_wg_{t}_d{d}_g4_c64"),
+                    format!("flash_fwd_wg_{t}_d{d}{}", variant.suffix()),
                     (qb, bh, 1),
                     512,
-                    WG_FWD_SMEM,
+                    variant.smem(),
                 )]
             } else {
                 let tiles = dims.q_len.div_ceil(TILE_ROWS) * bh as usize;
@@ -900,9 +937,47 @@ pub unsafe fn flash_forward(
     scale: f32,
     ptrs: FwdPtrs,
 ) -> Result<()> {
+    flash_forward_variant(q, dtype, dims, causal, scale, ptrs, None)
+}
+
+/// The wgmma forward variants a call at `dims` can take (a tuner times them):
+/// none but the default when another kernel family or the split forward runs.
+pub fn forward_variants(
+    dtype: FlashDType,
+    dims: &FlashDims,
+    cc: (i32, i32),
+    sms: u32,
+) -> Vec<WgFwd> {
+    match select(dtype, dims.head_dim, cc) {
+        Ok(sel)
+            if matches!(sel.fwd, FwdKernel::Wgmma(_)) && forward_splits(&sel, dims, sms) == 1 =>
+        {
+            WgFwd::ALL.to_vec()
+        }
+        _ => Vec::new(),
+    }
+}
+
+/// [`flash_forward`] with the wgmma forward's `variant` (`None`: the default;
+/// ignored where another kernel family runs).
+///
+/// # Safety
+/// As for [`flash_forward`].
+pub unsafe fn flash_forward_variant(
+    q: Queue<'_>,
+    dtype: FlashDType,
+    dims: FlashDims,
+    causal: bool,
+    scale: f32,
+    ptrs: FwdPtrs,
+    variant: Option<WgFwd>,
+) -> Result<()> {
     check_dims(&dims, scale)?;
     let (cc, sms) = device_facts(q.ctx)?;
-    let sel = select(dtype, dims.head_dim, cc)?;
+    let mut sel = select(dtype, dims.head_dim, cc)?;
+    if let (Some(v), FwdKernel::Wgmma(_)) = (variant, sel.fwd) {
+        sel.fwd = FwdKernel::Wgmma(v);
+    }
     let launches = forward_launches(&sel, &dims, sms)?;
     if dims.q_len == 0 {
         return Ok(());
@@ -1160,13 +1235,47 @@ mod tests {
     #[test]
     fn hopper_bf16_d128_uses_the_wgmma_kernels() {
         let sel = select(FlashDType::BF16, 128, HOPPER).unwrap();
-        assert_eq!((sel.fwd, sel.bwd), (FwdKernel::Wgmma, BwdKernel::Wgmma));
+        assert_eq!(
+            (sel.fwd, sel.bwd),
+            (FwdKernel::Wgmma(WgFwd::Ring), BwdKernel::Wgmma)
+        );
         let f = forward_launches(&sel, &dims(128), SMS).unwrap();
-        assert_eq!(names(&f), ["flash_fwd_wg_bf16_d128_g4_c64"]);
+        assert_eq!(names(&f), ["flash_fwd_wg_bf16_d128_ring"]);
+        // Q (256 x 128), 4 stages of K and V (64 x 128 each), 8 mbarriers.
         assert_eq!(
             (f[0].grid, f[0].block, f[0].smem),
-            ((8, 256, 1), 512, 131_072)
+            ((8, 256, 1), 512, 196_672)
         );
+        let variant = |v| {
+            let sel = Selection {
+                fwd: FwdKernel::Wgmma(v),
+                ..sel
+            };
+            let l = forward_launches(&sel, &dims(128), SMS).unwrap().remove(0);
+            (l.name, l.smem)
+        };
+        assert_eq!(
+            variant(WgFwd::RingTurns),
+            ("flash_fwd_wg_bf16_d128_ring_t".to_string(), 196_672)
+        );
+        assert_eq!(
+            variant(WgFwd::Barrier),
+            ("flash_fwd_wg_bf16_d128_g4_c64".to_string(), 131_072)
+        );
+        // The tuner's choices: all three where the forward runs unsplit, none
+        // where it splits (one slice) or another family runs.
+        assert_eq!(
+            forward_variants(FlashDType::BF16, &dims(128), HOPPER, SMS),
+            WgFwd::ALL
+        );
+        let slice = FlashDims {
+            batch: 1,
+            heads: 1,
+            ..dims(128)
+        };
+        assert!(forward_variants(FlashDType::BF16, &slice, HOPPER, SMS).is_empty());
+        assert!(forward_variants(FlashDType::BF16, &dims(128), AMPERE, SMS).is_empty());
+        assert!(forward_variants(FlashDType::F32, &dims(128), HOPPER, SMS).is_empty());
         let b = backward_launches(&sel, &dims(128), SMS).unwrap();
         assert_eq!(
             names(&b),
@@ -1394,7 +1503,8 @@ mod tests {
                         head_dim: d,
                         ..probe
                     };
-                    // A whole plan, and one split both ways (sm count 1000).
+                    // A whole plan, and one split both ways (sm count 1000), with
+                    // every forward variant max-autotune may pick.
                     let mut names = Vec::new();
                     for sms in [1, 1000] {
                         names.extend(
@@ -1404,6 +1514,18 @@ mod tests {
                                 .chain(backward_launches(&sel, &dims, sms).unwrap())
                                 .map(|l| l.name),
                         );
+                        for v in forward_variants(dtype, &dims, cc, sms) {
+                            let sel = Selection {
+                                fwd: FwdKernel::Wgmma(v),
+                                ..sel
+                            };
+                            names.extend(
+                                forward_launches(&sel, &dims, sms)
+                                    .unwrap()
+                                    .into_iter()
+                                    .map(|l| l.name),
+                            );
+                        }
                     }
                     for name in names {
                         assert!(

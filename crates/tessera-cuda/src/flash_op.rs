@@ -158,13 +158,70 @@ fn forward(attrs: &Attrs, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
         lse: ptr(&lse),
         workspace: ptr(&workspace),
     };
+    let variant = tuned_variant(&backend, dtype, &dims, causal, scale, &ptrs)?;
     // SAFETY: every pointer is a live contiguous device allocation of the
     // size `dims` gives; blocks freed after this returns are reused only by
     // work queued behind these kernels on the same stream.
     on_backend_stream(&backend, FORWARD, |q| unsafe {
-        flash::flash_forward(q, dtype, dims, causal, scale, ptrs)
+        flash::flash_forward_variant(q, dtype, dims, causal, scale, ptrs, variant)
     })?;
     Ok(vec![out, lse])
+}
+
+/// Under a `max-autotune` run, the fastest wgmma forward variant for this
+/// call's dtype, shape and causality on this device: cached (memory and
+/// disk, keyed by the kernels' source too), or timed once (see
+/// `crate::autotune`). The trials write out and lse, which the call
+/// overwrites anyway. `None` outside such runs or where there is no choice.
+fn tuned_variant(
+    backend: &CudaBackend,
+    dtype: FlashDType,
+    dims: &FlashDims,
+    causal: bool,
+    scale: f32,
+    ptrs: &FwdPtrs,
+) -> Result<Option<flash::WgFwd>> {
+    if !tessera::runtime::autotune::device_tuning() {
+        return Ok(None);
+    }
+    let variants =
+        flash::forward_variants(dtype, dims, backend.compute_capability(), backend.gpu.sms);
+    if variants.len() < 2 {
+        return Ok(None);
+    }
+    static SOURCE_HASH: OnceLock<String> = OnceLock::new();
+    let source = SOURCE_HASH.get_or_init(|| crate::compiler::source_hash(flash::SOURCE, ""));
+    let shape = format!("{} {dims:?} causal={causal}", dtype.name());
+    let key = crate::autotune::key(source, &shape, &backend.gpu.name);
+    let labels: Vec<String> = variants.iter().map(|v| format!("{v:?}")).collect();
+    let ctx = context()?;
+    let stream = backend.gpu.stream();
+    let i = crate::autotune::Tuner::global()
+        .choose(
+            &format!("flash attention forward {shape}"),
+            &key,
+            &labels,
+            |i| {
+                crate::gpu::time_on_stream(stream, crate::autotune::REPS, || {
+                    let queue = Queue { ctx: &ctx, stream };
+                    // SAFETY: as for the call itself (same pointers and sizes).
+                    unsafe {
+                        flash::flash_forward_variant(
+                            queue,
+                            dtype,
+                            *dims,
+                            causal,
+                            scale,
+                            *ptrs,
+                            Some(variants[i]),
+                        )
+                    }
+                    .map_err(|e| e.to_string())
+                })
+            },
+        )
+        .map_err(|m| err(FORWARD, m))?;
+    Ok(Some(variants[i]))
 }
 
 fn backward(attrs: &Attrs, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {

@@ -504,6 +504,41 @@ impl Gpu {
     }
 }
 
+/// Mean seconds per call of `enqueue` (which queues work on `stream`), over
+/// `reps` calls after one warm-up, measured with events on the stream (the
+/// autotuner's clock).
+pub fn time_on_stream(
+    stream: sys::CUstream,
+    reps: usize,
+    mut enqueue: impl FnMut() -> Result<(), String>,
+) -> Result<f64, String> {
+    let event = || {
+        cu::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT)
+            .map_err(|e| driver_error("event creation", e))
+    };
+    let (start, end) = (event()?, event()?);
+    let timed = (|| {
+        enqueue()?;
+        // SAFETY: both events and the stream are live; the events are
+        // destroyed only after the synchronisation below.
+        unsafe { cu::event::record(start, stream) }.map_err(|e| driver_error("event", e))?;
+        for _ in 0..reps.max(1) {
+            enqueue()?;
+        }
+        unsafe {
+            cu::event::record(end, stream).map_err(|e| driver_error("event", e))?;
+            cu::event::synchronize(end).map_err(|e| driver_error("event", e))?;
+            cu::event::elapsed(start, end).map_err(|e| driver_error("event timing", e))
+        }
+    })();
+    // SAFETY: nothing waits on the events any more.
+    unsafe {
+        let _ = cu::event::destroy(start);
+        let _ = cu::event::destroy(end);
+    }
+    Ok(timed? as f64 * 1e-3 / reps.max(1) as f64)
+}
+
 /// A block of device memory; dropping it returns the block to the cache.
 pub struct CudaMemory {
     ptr: u64,

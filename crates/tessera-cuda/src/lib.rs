@@ -18,6 +18,7 @@
 //! CUDA installed, and every entry point checks for the driver and
 //! libraries first and reports their absence as an error.
 
+pub mod autotune;
 pub mod codegen;
 pub mod compiler;
 pub mod flash;

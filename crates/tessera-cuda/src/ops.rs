@@ -19,7 +19,12 @@ use crate::codegen::pointwise::{self, Operand, Output};
 use crate::codegen::rows;
 use crate::codegen::Compute;
 use crate::matmul::{Epilogue, Mat};
-use crate::CudaBackend;
+use crate::{autotune, CudaBackend};
+
+/// Builds a pointwise launch writing `outputs` with a block size (`None`:
+/// the generator's default).
+type MakeLaunch<'a> =
+    dyn Fn(&[Output], Option<u32>) -> std::result::Result<crate::codegen::Launch, String> + 'a;
 
 /// The memory of a storage that an output overwrites: the output keeps
 /// the storage alive and counts no bytes of its own.
@@ -82,6 +87,39 @@ impl CudaBackend {
 
     fn launch(&self, op: &str, launch: &crate::codegen::Launch) -> Result<()> {
         self.gpu.launch(launch).map_err(|m| device_err(op, m))
+    }
+
+    /// Under a `max-autotune` run (see `tessera::runtime::autotune`), the
+    /// block choice among `candidates` for the kernel whose default launch
+    /// is `default`: cached, or timed once on the device with `trial(c)`,
+    /// a launch of candidate `c` that writes only what it may overwrite
+    /// any number of times. `None` outside such runs.
+    fn tuned_choice<C: Copy + ToString>(
+        &self,
+        op: &str,
+        default: &crate::codegen::Launch,
+        shape: &[usize],
+        candidates: &[C],
+        trial: impl Fn(C) -> std::result::Result<crate::codegen::Launch, String>,
+    ) -> Result<Option<C>> {
+        if !tessera::runtime::autotune::device_tuning() || candidates.len() < 2 {
+            return Ok(None);
+        }
+        let key = autotune::key(&default.source, &format!("{shape:?}"), &self.gpu.name);
+        let labels: Vec<String> = candidates.iter().map(ToString::to_string).collect();
+        let what = format!(
+            "{op} {shape:?} (block of {} threads by default)",
+            default.block
+        );
+        let i = autotune::Tuner::global()
+            .choose(&what, &key, &labels, |i| {
+                let launch = trial(candidates[i])?;
+                crate::gpu::time_on_stream(self.gpu.stream(), autotune::REPS, || {
+                    self.gpu.launch(&launch)
+                })
+            })
+            .map_err(|m| device_err(op, m))?;
+        Ok(Some(candidates[i]))
     }
 
     /// A pointwise operand: a device tensor through its broadcast layout,
@@ -161,15 +199,63 @@ impl CudaBackend {
             })
             .collect();
         if numel > 0 {
-            let launch =
-                pointwise::pointwise(steps, &operands, &outs, shape, compute, self.gpu.sms)
-                    .map_err(|m| unsupported(op, m))?;
+            let make = |outs: &[Output], block| {
+                pointwise::pointwise_block(
+                    steps,
+                    &operands,
+                    outs,
+                    shape,
+                    compute,
+                    self.gpu.sms,
+                    block,
+                )
+            };
+            let default = make(&outs, None).map_err(|m| unsupported(op, m))?;
+            let block = self.tune_pointwise(op, &default, shape, &outs, &make)?;
+            let launch = match block {
+                Some(b) => make(&outs, Some(b)).map_err(|m| unsupported(op, m))?,
+                None => default,
+            };
             self.launch(op, &launch)?;
         }
         Ok(storages
             .into_iter()
             .map(|s| Tensor::from_device_storage(s, shape))
             .collect())
+    }
+
+    /// The tuned block of a pointwise kernel (see [`Self::tuned_choice`]).
+    /// The trials write scratch outputs: an output may overwrite an input,
+    /// and running such a kernel twice would change the input.
+    fn tune_pointwise(
+        &self,
+        op: &str,
+        default: &crate::codegen::Launch,
+        shape: &[usize],
+        outs: &[Output],
+        make: &MakeLaunch<'_>,
+    ) -> Result<Option<u32>> {
+        if !tessera::runtime::autotune::device_tuning() {
+            return Ok(None);
+        }
+        let numel: usize = shape.iter().product();
+        // From the allocator, never from a planned arena's places.
+        let scratch: Vec<_> = outs
+            .iter()
+            .map(|o| self.gpu.alloc(numel * o.dtype.size_bytes()))
+            .collect::<std::result::Result<_, String>>()
+            .map_err(|m| device_err(op, m))?;
+        let trial_outs: Vec<Output> = outs
+            .iter()
+            .zip(&scratch)
+            .map(|(o, s)| Output {
+                ptr: tessera::runtime::device::DeviceMemory::ptr(s),
+                ..o.clone()
+            })
+            .collect();
+        self.tuned_choice(op, default, shape, &pointwise::BLOCK_CANDIDATES, |b| {
+            make(&trial_outs, Some(b))
+        })
     }
 
     /// Copies `x` (any layout, on the device) into `dst` written through
@@ -313,7 +399,7 @@ impl CudaBackend {
                 let out = self.empty(dtype, x.numel())?;
                 if x.numel() > 0 {
                     let log = matches!(op, Op::LogSoftmax { .. });
-                    let launch = rows::softmax(x.dtype(), x.layout(), *dim, log, base(&x), out.ptr(), self.gpu.sms);
+                    let launch = self.softmax_launch(name, &x, *dim, log, out.ptr())?;
                     self.launch(name, &launch)?;
                 }
                 Ok(Tensor::from_device_storage(out, shape))
@@ -374,6 +460,36 @@ impl CudaBackend {
                 "reached the built-in CUDA kernels; a custom op runs the kernel registered for `cuda`",
             )),
         }
+    }
+
+    /// The softmax launch: the generator's default, or under `max-autotune`
+    /// the register-row plan with the tuned threads per row (the trials
+    /// write `y`, which the launch overwrites anyway).
+    fn softmax_launch(
+        &self,
+        op: &str,
+        x: &Tensor,
+        dim: usize,
+        log: bool,
+        y: u64,
+    ) -> Result<crate::codegen::Launch> {
+        let (dtype, layout, sms) = (x.dtype(), x.layout(), self.gpu.sms);
+        let default = rows::softmax(dtype, layout, dim, log, base(x), y, sms);
+        // Only a register-row softmax has a threads-per-row choice.
+        if rows::row_plan(dtype, layout, dim, base(x), y, None).is_none() {
+            return Ok(default);
+        }
+        let plan = |t| rows::row_plan(dtype, layout, dim, base(x), y, Some(t));
+        let candidates: Vec<usize> = rows::THREAD_CANDIDATES
+            .into_iter()
+            .filter(|&t| plan(t).is_some())
+            .collect();
+        let rows_of =
+            |t| plan(t).map(|p| rows::softmax_rows(p, dtype, layout, dim, log, base(x), y, sms));
+        let chosen = self.tuned_choice(op, &default, &layout.shape, &candidates, |t| {
+            rows_of(t).ok_or_else(|| format!("no row plan of {t} threads"))
+        })?;
+        Ok(chosen.and_then(rows_of).unwrap_or(default))
     }
 
     /// `x` on the device (a host scalar is copied up).

@@ -8,8 +8,8 @@
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr};
 use std::sync::Arc;
 use tessera_cuda::flash::{
-    backward_workspace_bytes, flash_backward, flash_forward, forward_workspace_bytes, BwdPtrs,
-    FlashDType, FlashDims, FwdPtrs, Queue,
+    backward_workspace_bytes, flash_backward, flash_forward, flash_forward_variant,
+    forward_workspace_bytes, BwdPtrs, FlashDType, FlashDims, FwdPtrs, Queue, WgFwd,
 };
 
 fn gpu() -> Option<(Arc<CudaContext>, Arc<CudaStream>)> {
@@ -228,6 +228,7 @@ fn check(
     d: FlashDims,
     causal: bool,
     seed: u64,
+    variant: Option<WgFwd>,
 ) -> Vec<String> {
     let scale = 1.0 / (d.head_dim as f64).sqrt();
     let (bh, nq, nk, hd) = (d.batch * d.heads, d.q_len, d.kv_len, d.head_dim);
@@ -260,7 +261,7 @@ fn check(
     // SAFETY: every buffer above is live on this stream's context with the sizes the
     // launcher documents for `d`.
     unsafe {
-        flash_forward(
+        flash_forward_variant(
             Queue::from(stream),
             dtype,
             d,
@@ -274,6 +275,7 @@ fn check(
                 lse: p(&lse),
                 workspace: p(&fwd_ws),
             },
+            variant,
         )
         .unwrap();
         flash_backward(
@@ -311,10 +313,12 @@ fn check(
         ("dk", rel(&dk.download(stream, dtype), &r.dk)),
         ("dv", rel(&dv.download(stream, dtype), &r.dv)),
     ];
-    println!("{dtype:?} {d:?} causal={causal}: {errs:?}");
+    println!("{dtype:?} {d:?} causal={causal} {variant:?}: {errs:?}");
     errs.iter()
         .filter(|(_, e)| e.is_nan() || *e > tol)
-        .map(|(n, e)| format!("{dtype:?} {d:?} causal={causal}: {n} error {e:.2e} > {tol:.0e}"))
+        .map(|(n, e)| {
+            format!("{dtype:?} {d:?} causal={causal} {variant:?}: {n} error {e:.2e} > {tol:.0e}")
+        })
         .collect()
 }
 
@@ -341,7 +345,7 @@ fn flash_attention_matches_an_f64_reference_on_the_gpu() {
                         kv_len,
                         head_dim,
                     };
-                    failures.extend(check(&stream, dtype, d, causal, seed));
+                    failures.extend(check(&stream, dtype, d, causal, seed, None));
                     seed += 10;
                 }
             }
@@ -360,9 +364,31 @@ fn flash_attention_matches_an_f64_reference_on_the_gpu() {
                     kv_len,
                     head_dim: 128,
                 };
-                failures.extend(check(&stream, dtype, d, causal, seed));
+                failures.extend(check(&stream, dtype, d, causal, seed, None));
                 seed += 10;
             }
+        }
+    }
+    // Every variant of the unsplit wgmma forward (what max-autotune chooses among):
+    // 80 blocks of 256 queries over 9 key tiles go round the ring's 4 stages twice.
+    for variant in WgFwd::ALL {
+        for causal in [false, true] {
+            let d = FlashDims {
+                batch: 2,
+                heads: 40,
+                q_len: 130,
+                kv_len: 530,
+                head_dim: 128,
+            };
+            failures.extend(check(
+                &stream,
+                FlashDType::BF16,
+                d,
+                causal,
+                seed,
+                Some(variant),
+            ));
+            seed += 10;
         }
     }
     assert!(failures.is_empty(), "{failures:#?}");

@@ -220,6 +220,8 @@ pub fn pointwise_block(
 
 /// Threads per block when no tuned size is given.
 pub const DEFAULT_BLOCK: u32 = 256;
+/// The blocks `max-autotune` times.
+pub const BLOCK_CANDIDATES: [u32; 4] = [128, 256, 512, 1024];
 
 /// Elements per thread of the vectorised loop, when it applies: every
 /// input contiguous or a broadcast scalar (all strides 0), every output

@@ -514,6 +514,10 @@ pub fn softmax(
     }
 }
 
+/// Threads per row `max-autotune` times for a register-row plan (those
+/// whose plan fits).
+pub const THREAD_CANDIDATES: [usize; 6] = [32, 64, 128, 256, 512, 1024];
+
 /// Vectors each thread keeps in registers at most (rows longer than
 /// `8 × block × vec` take the two-pass kernel).
 const ROW_ITEMS_MAX: usize = 8;

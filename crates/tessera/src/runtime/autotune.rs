@@ -5,7 +5,12 @@
 //! later runs and later compiles of the same kernel reuse it. Log topic
 //! `autotune`. A block size changes only how the work is cut, never the
 //! arithmetic: results are the same bits whatever is chosen.
+//!
+//! On a device the kernels are the backend's own: a max-autotune run marks
+//! the thread that queues them ([`device_tuning`]) and the backend tunes
+//! and caches its launches itself (tessera-cuda's `autotune`).
 
+use std::cell::Cell;
 use std::collections::hash_map::DefaultHasher;
 use std::collections::HashMap;
 use std::hash::{Hash, Hasher};
@@ -98,4 +103,47 @@ pub fn tune(kernel: &FusedKernel, inputs: &[&Tensor]) -> Result<FusedKernel> {
     }
     tuned.block = block;
     Ok(tuned)
+}
+
+thread_local! {
+    static DEVICE_TUNING: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Whether device kernels queued from this thread now belong to a
+/// `max-autotune` run (device backends then tune their launches).
+pub fn device_tuning() -> bool {
+    DEVICE_TUNING.with(Cell::get)
+}
+
+/// Runs `f` with [`device_tuning`] set to `on` on this thread, restoring
+/// the previous setting afterwards (also when `f` panics).
+pub fn with_device_tuning<R>(on: bool, f: impl FnOnce() -> R) -> R {
+    struct Restore(bool);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            DEVICE_TUNING.with(|t| t.set(self.0));
+        }
+    }
+    let _restore = Restore(DEVICE_TUNING.with(|t| t.replace(on)));
+    f()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn device_tuning_is_scoped_to_the_thread_and_the_call() {
+        assert!(!device_tuning());
+        with_device_tuning(true, || {
+            assert!(device_tuning());
+            // Another thread queues no kernels of this run.
+            assert!(!std::thread::spawn(device_tuning).join().unwrap());
+            with_device_tuning(false, || assert!(!device_tuning()));
+            assert!(device_tuning());
+        });
+        assert!(!device_tuning());
+        let _ = std::panic::catch_unwind(|| with_device_tuning(true, || panic!("boom")));
+        assert!(!device_tuning());
+    }
 }
