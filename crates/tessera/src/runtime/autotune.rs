@@ -115,17 +115,21 @@ pub fn device_tuning() -> bool {
     DEVICE_TUNING.with(Cell::get)
 }
 
-/// Runs `f` with [`device_tuning`] set to `on` on this thread, restoring
-/// the previous setting afterwards (also when `f` panics).
-pub fn with_device_tuning<R>(on: bool, f: impl FnOnce() -> R) -> R {
-    struct Restore(bool);
-    impl Drop for Restore {
-        fn drop(&mut self) {
-            DEVICE_TUNING.with(|t| t.set(self.0));
-        }
+/// Sets [`device_tuning`] on this thread while alive; dropping it (also
+/// in a panic's unwinding) restores the previous setting.
+#[must_use = "the setting lasts while the guard lives"]
+pub struct DeviceTuning(bool);
+
+impl DeviceTuning {
+    pub fn set(on: bool) -> DeviceTuning {
+        DeviceTuning(DEVICE_TUNING.with(|t| t.replace(on)))
     }
-    let _restore = Restore(DEVICE_TUNING.with(|t| t.replace(on)));
-    f()
+}
+
+impl Drop for DeviceTuning {
+    fn drop(&mut self) {
+        DEVICE_TUNING.with(|t| t.set(self.0));
+    }
 }
 
 #[cfg(test)]
@@ -135,15 +139,22 @@ mod tests {
     #[test]
     fn device_tuning_is_scoped_to_the_thread_and_the_call() {
         assert!(!device_tuning());
-        with_device_tuning(true, || {
+        {
+            let _on = DeviceTuning::set(true);
             assert!(device_tuning());
             // Another thread queues no kernels of this run.
             assert!(!std::thread::spawn(device_tuning).join().unwrap());
-            with_device_tuning(false, || assert!(!device_tuning()));
+            {
+                let _off = DeviceTuning::set(false);
+                assert!(!device_tuning());
+            }
             assert!(device_tuning());
-        });
+        }
         assert!(!device_tuning());
-        let _ = std::panic::catch_unwind(|| with_device_tuning(true, || panic!("boom")));
+        let _ = std::panic::catch_unwind(|| {
+            let _on = DeviceTuning::set(true);
+            panic!("boom")
+        });
         assert!(!device_tuning());
     }
 }

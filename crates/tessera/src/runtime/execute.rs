@@ -177,70 +177,68 @@ fn execute(
     let refs: Vec<&Tensor> = inputs.iter().collect();
     let on = inputs_device(graph, &refs)?;
     // A device backend tunes the launches queued from this thread.
-    let device_tune = tune && on != Device::Cpu;
-    autotune::with_device_tuning(device_tune, || {
-        device::with_device(on, || {
-            let frees = frees_after_each_step(graph, plan, steps);
-            let mut values: Vec<Option<Tensor>> = vec![None; graph.len()];
-            for (&id, t) in graph.inputs.iter().zip(inputs) {
-                values[id.index()] = Some(t.clone());
-            }
-            // Device kernels are queued from this thread: a step's kernels go
-            // to the device's lanes (streams) instead of threads.
-            let concurrent = !trace::is_active() && on == Device::Cpu;
-            let grad = autograd::is_grad_enabled();
-            let lanes = match on {
-                Device::Cpu => 1,
-                d => device::backend(d)?.lanes(),
-            };
-            for (step, free) in steps.iter().zip(&frees) {
-                let jobs: Vec<(Job<'_>, bool)> = step
-                    .iter()
-                    .map(|&k| {
-                        let mem = memory(k)?;
-                        let mut job =
-                            Job::gather(graph, k, &plan.kernels[k], &mem.in_place, &mut values);
-                        job.planned = mem.planned.filter(|_| {
-                            on == Device::Cpu || placed_on_device(graph, &plan.kernels[k])
-                        });
-                        Ok((job, mem.alone))
-                    })
-                    .collect::<Result<_>>()?;
-                let concurrent = concurrent && jobs.len() > 1;
-                let (serial, parallel): (Vec<_>, Vec<_>) = jobs
-                    .into_iter()
-                    .partition(|(_, alone)| !concurrent || *alone);
-                let serial: Vec<Job<'_>> = serial.into_iter().map(|(job, _)| job).collect();
-                let parallel: Vec<Job<'_>> = parallel.into_iter().map(|(job, _)| job).collect();
-                let mut results = match lanes.min(serial.len()) {
-                    0 | 1 => serial.into_iter().map(|job| job.run(graph, tune)).collect(),
-                    n => on_lanes(on, n, serial, graph, tune)?,
-                };
-                // Rayon's workers start with grad mode on: carry the caller's.
-                results.par_extend(parallel.into_par_iter().map(|job| match grad {
-                    true => job.run(graph, tune),
-                    false => autograd::no_grad(|| job.run(graph, tune)),
-                }));
-                for result in results {
-                    for (id, t) in result? {
-                        values[id.index()] = Some(t);
-                    }
-                }
-                for id in free {
-                    values[id.index()] = None;
-                }
-            }
-            Ok(graph
-                .outputs
+    let _tuning = autotune::DeviceTuning::set(tune && on != Device::Cpu);
+    device::with_device(on, || {
+        let frees = frees_after_each_step(graph, plan, steps);
+        let mut values: Vec<Option<Tensor>> = vec![None; graph.len()];
+        for (&id, t) in graph.inputs.iter().zip(inputs) {
+            values[id.index()] = Some(t.clone());
+        }
+        // Device kernels are queued from this thread: a step's kernels go
+        // to the device's lanes (streams) instead of threads.
+        let concurrent = !trace::is_active() && on == Device::Cpu;
+        let grad = autograd::is_grad_enabled();
+        let lanes = match on {
+            Device::Cpu => 1,
+            d => device::backend(d)?.lanes(),
+        };
+        for (step, free) in steps.iter().zip(&frees) {
+            let jobs: Vec<(Job<'_>, bool)> = step
                 .iter()
-                .map(|o| {
-                    (
-                        o.name.clone(),
-                        values[o.node.index()].clone().expect("outputs are kept"),
-                    )
+                .map(|&k| {
+                    let mem = memory(k)?;
+                    let mut job =
+                        Job::gather(graph, k, &plan.kernels[k], &mem.in_place, &mut values);
+                    job.planned = mem
+                        .planned
+                        .filter(|_| on == Device::Cpu || placed_on_device(graph, &plan.kernels[k]));
+                    Ok((job, mem.alone))
                 })
-                .collect())
-        })
+                .collect::<Result<_>>()?;
+            let concurrent = concurrent && jobs.len() > 1;
+            let (serial, parallel): (Vec<_>, Vec<_>) = jobs
+                .into_iter()
+                .partition(|(_, alone)| !concurrent || *alone);
+            let serial: Vec<Job<'_>> = serial.into_iter().map(|(job, _)| job).collect();
+            let parallel: Vec<Job<'_>> = parallel.into_iter().map(|(job, _)| job).collect();
+            let mut results = match lanes.min(serial.len()) {
+                0 | 1 => serial.into_iter().map(|job| job.run(graph, tune)).collect(),
+                n => on_lanes(on, n, serial, graph, tune)?,
+            };
+            // Rayon's workers start with grad mode on: carry the caller's.
+            results.par_extend(parallel.into_par_iter().map(|job| match grad {
+                true => job.run(graph, tune),
+                false => autograd::no_grad(|| job.run(graph, tune)),
+            }));
+            for result in results {
+                for (id, t) in result? {
+                    values[id.index()] = Some(t);
+                }
+            }
+            for id in free {
+                values[id.index()] = None;
+            }
+        }
+        Ok(graph
+            .outputs
+            .iter()
+            .map(|o| {
+                (
+                    o.name.clone(),
+                    values[o.node.index()].clone().expect("outputs are kept"),
+                )
+            })
+            .collect())
     })
 }
 
