@@ -3,7 +3,8 @@
 #   1. the CUDA test suite (differential tests against the CPU);
 #   2. tessera seed-table --device cuda --dtype bf16 --shape 8,32,2048,128 --json;
 #   3. PyTorch's seed table from the same run (scripts/anchors/torch_seed_table_gpu.py);
-#   4. cuBLASLt bf16 8192³ through tessera next to torch.matmul.
+#   4. cuBLASLt bf16 8192³ through tessera next to torch.matmul;
+#   5. compute-sanitizer (memcheck, racecheck) over the flash kernels' test.
 #
 # usage: scripts/gpu-check.sh OUTDIR
 # With cargo on the machine the tests and binaries are built here. Without
@@ -11,7 +12,8 @@
 # prebuilt binaries: tessera, matmul_rate and the test executables under
 # tests/ (scripts/gpu-stage.sh makes one).
 # Budget switches passed to the PyTorch anchor: ANCHOR_DTYPES,
-# ANCHOR_SKIP_SLICED_COMPILE (see the script); SEED_REPS (default 5).
+# ANCHOR_SKIP_SLICED_COMPILE (see the script); SEED_REPS (default 5);
+# SANITIZER_TIMEOUT (seconds per tool, default 240).
 set -uo pipefail
 out=${1:?usage: scripts/gpu-check.sh OUTDIR}
 mkdir -p "$out"
@@ -51,4 +53,17 @@ step "PyTorch seed table (same machine, same run)"
 PYTHONUNBUFFERED=1 python3 scripts/anchors/torch_seed_table_gpu.py 8 32 2048 128 \
   > "$out/seed_table_torch.txt" 2>&1 || status=1
 grep '^{"scenario' "$out/seed_table_torch.txt" | tee -a "$out/summary.txt"
+
+step "compute-sanitizer on the flash kernels (memcheck, racecheck)"
+flash_test=$(ls "$bin"/tests/flash_gpu-* "$bin"/deps/flash_gpu-* 2>/dev/null | grep -v '\.d$' | head -1)
+sanitizer=/usr/local/cuda/bin/compute-sanitizer
+for tool in memcheck racecheck; do
+  if [ -z "$flash_test" ] || [ ! -x "$sanitizer" ]; then
+    echo "FAILED: no flash test executable or no compute-sanitizer" | tee -a "$out/summary.txt"; status=1; break
+  fi
+  timeout "${SANITIZER_TIMEOUT:-240}" "$sanitizer" --tool "$tool" --error-exitcode 1 \
+    "$flash_test" --test-threads=1 > "$out/sanitizer_$tool.txt" 2>&1 \
+    || { echo "FAILED: $tool (see sanitizer_$tool.txt)" | tee -a "$out/summary.txt"; status=1; }
+  grep -E "ERROR SUMMARY|RACECHECK SUMMARY|^test result" "$out/sanitizer_$tool.txt" | tee -a "$out/summary.txt"
+done
 exit $status
