@@ -307,21 +307,20 @@ mod avx512 {
 
     /// 1 / d correctly rounded, for d in [1, 2] (or NaN): `vrcp14ps`
     /// (relative error below 2^-14), a Newton step to within an ulp, and
-    /// Markstein's final step y + y·(1 - d·y), whose fused evaluation
-    /// rounds to the nearest (checked against division for every d), except
-    /// at d = 2 - 2^-23 (all significand bits set, the theorem's exception):
-    /// there y = 1/2 makes the step an exact tie that rounds to even, just
-    /// below the true 1/d, which is set directly.
+    /// Markstein's final step y + y·(1 - d·y), whose fused evaluation rounds
+    /// to the nearest (checked against division for every d). The Newton
+    /// step is biased up by 2^-26 (relative, more than its own error of
+    /// ~2^-28): from below, the final step meets an exact tie at
+    /// d = 2 - 2^-23 (y = 1/2, the theorem's all-ones exception) and rounds
+    /// it to even, under the true 1/d; from above it does not.
     #[inline(always)]
     pub(super) unsafe fn recip_1_2(d: __m512) -> __m512 {
-        const ALL_ONES: f32 = 1.999_999_9; // 2 - 2^-23
-        const ITS_RECIPROCAL: f32 = 0.500_000_06; // 1/2 + 2^-24
+        const BIAS: f32 = 1.0 / (1u32 << 26) as f32;
         let one = splat(1.0);
         let y = _mm512_rcp14_ps(d);
-        let y = _mm512_fmadd_ps(y, _mm512_fnmadd_ps(d, y, one), y);
-        let y = _mm512_fmadd_ps(y, _mm512_fnmadd_ps(d, y, one), y);
-        let tie = _mm512_cmp_ps_mask::<_CMP_EQ_OQ>(d, splat(ALL_ONES));
-        _mm512_mask_mov_ps(y, tie, splat(ITS_RECIPROCAL))
+        let e = _mm512_add_ps(_mm512_fnmadd_ps(d, y, one), splat(BIAS));
+        let y = _mm512_fmadd_ps(y, e, y);
+        _mm512_fmadd_ps(y, _mm512_fnmadd_ps(d, y, one), y)
     }
 
     impl Lanes for Tanh {
