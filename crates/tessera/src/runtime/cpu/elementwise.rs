@@ -19,7 +19,7 @@ use rayon::prelude::*;
 use super::copy::{copy_strided, PAR_THRESHOLD};
 use super::element::num_like::AccFloat;
 use super::element::{Element, Float};
-use super::fastmath::{erfc_f32, exp_f32, exp_nonpositive_f32, tanh_f32};
+use super::fastmath::{erfc_f32, exp_f32, exp_nonpositive_f32, tanh_f32, unary_simd_f32};
 use super::Storage;
 use crate::error::{op_err, Result};
 use crate::ir::{BinaryOp, CompareOp, DType, UnaryOp};
@@ -164,6 +164,9 @@ const UNARY_CHUNK: usize = 64;
 
 #[inline(always)]
 fn unary_into_body<A: Transcendental>(op: UnaryOp, src: &[A], dst: &mut [A]) {
+    if A::unary_simd(op, src, dst) {
+        return;
+    }
     with_unary_fn!(op, A, f => {
         let mut d = dst.chunks_exact_mut(UNARY_CHUNK);
         let mut s = src.chunks_exact(UNARY_CHUNK);
@@ -181,10 +184,12 @@ fn unary_into_body<A: Transcendental>(op: UnaryOp, src: &[A], dst: &mut [A]) {
 }
 
 /// `1 / (1 + e^-v)` without overflow: with `e = e^-|v|` (never above 1) it
-/// is `1 / (1 + e)` for v >= 0 and `e / (1 + e)` below. Both sides are
-/// computed and one selected, which keeps the loop vectorisable.
+/// is `1 / (1 + e)` for v >= 0 and `e / (1 + e)` (as `e · (1 / (1 + e))`)
+/// below. Both sides are computed and one selected, which keeps the loop
+/// vectorisable. For f32 blocks `fastmath`'s AVX-512 kernel computes the
+/// same bits (its reciprocal is the correctly rounded one).
 #[inline(always)]
-fn sigmoid<A: Transcendental>(v: A) -> A {
+pub(crate) fn sigmoid<A: Transcendental>(v: A) -> A {
     let e = (-v.abs()).exp_nonpositive_();
     let s = A::ONE / (A::ONE + e);
     if v >= A::ZERO {
@@ -207,6 +212,15 @@ pub(crate) trait Transcendental: AccFloat {
     fn tanh_(self) -> Self;
     /// The complementary error function 1 - erf(x).
     fn erfc_(self) -> Self;
+
+    /// Applies `op` to a block with an explicit SIMD kernel where there is
+    /// one for this type and CPU (giving the bits of the scalar function);
+    /// false, with nothing written, where there is none.
+    #[inline(always)]
+    fn unary_simd(op: UnaryOp, src: &[Self], dst: &mut [Self]) -> bool {
+        let _ = (op, src, dst);
+        false
+    }
 }
 
 impl Transcendental for f64 {
@@ -246,6 +260,10 @@ impl Transcendental for f32 {
     #[inline(always)]
     fn erfc_(self) -> f32 {
         erfc_f32(self)
+    }
+    #[inline(always)]
+    fn unary_simd(op: UnaryOp, src: &[f32], dst: &mut [f32]) -> bool {
+        unary_simd_f32(op, src, dst)
     }
 }
 
