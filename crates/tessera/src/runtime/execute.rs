@@ -814,3 +814,28 @@ fn frees_after_each_step(graph: &Graph, plan: &Plan, steps: &[Vec<usize>]) -> Ve
     }
     frees
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_loop_runs_on_a_pool_worker_in_the_callers_grad_mode() {
+        let probe = || {
+            on_pool_worker(|| {
+                (
+                    rayon::current_thread_index().is_some(),
+                    autograd::is_grad_enabled(),
+                )
+            })
+        };
+        assert_eq!(probe(), (true, true));
+        assert_eq!(autograd::no_grad(probe), (true, false));
+        // Called on a worker already, it runs right there.
+        let (caller, inner) = rayon::scope(|_| {
+            let caller = std::thread::current().id();
+            (caller, on_pool_worker(|| std::thread::current().id()))
+        });
+        assert_eq!(caller, inner);
+    }
+}
