@@ -8,8 +8,8 @@ use std::panic::Location;
 
 use rayon::prelude::*;
 
-use std::cell::RefCell;
 use std::collections::HashMap;
+use std::sync::Mutex;
 
 use super::autotune;
 use super::cpu::arena::{self, Arena, Block, Place, Slots, Taken};
@@ -109,9 +109,11 @@ pub fn run_scheduled_with(
     }
     // The escaping outputs of cats in place, by buffer: allocated with
     // their first piece.
-    let blocks: RefCell<HashMap<usize, Block>> = RefCell::new(HashMap::new());
+    // A Mutex so that the executor may run on a pool worker (only that
+    // one thread takes it).
+    let blocks: Mutex<HashMap<usize, Block>> = Mutex::new(HashMap::new());
     let block = |b: usize| -> Result<Block> {
-        let mut blocks = blocks.borrow_mut();
+        let mut blocks = blocks.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(block) = blocks.get(&b) {
             return Ok(block.clone());
         }
@@ -163,11 +165,48 @@ struct KernelMemory {
     planned: Option<Planned>,
 }
 
+/// Runs `steps` of `plan`. On the host the loop itself runs on a rayon
+/// worker (see [`on_pool_worker`]), except under a trace, whose tensors
+/// belong to this thread.
 fn execute(
     graph: &Graph,
     plan: &Plan,
     steps: &[Vec<usize>],
-    memory: impl Fn(usize) -> Result<KernelMemory>,
+    memory: impl Fn(usize) -> Result<KernelMemory> + Sync,
+    inputs: &[Tensor],
+    tune: bool,
+) -> Result<Vec<(String, Tensor)>> {
+    let refs: Vec<&Tensor> = inputs.iter().collect();
+    let here = || execute_here(graph, plan, steps, &memory, inputs, tune);
+    match !trace::is_active() && inputs_device(graph, &refs)? == Device::Cpu {
+        true => on_pool_worker(here),
+        false => here(),
+    }
+}
+
+/// Runs `f` on a rayon worker, in the caller's grad mode. A strict or dfs
+/// order runs hundreds of small parallel kernels one after another: called
+/// from outside the pool, each would hand its work to the pool and sleep
+/// until woken (a futex round trip per kernel: 94k context switches for
+/// the hinted seed table row, 4.7k on a worker); on a worker it does its
+/// share itself and goes straight on to the next kernel.
+fn on_pool_worker<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+    if rayon::current_thread_index().is_some() {
+        return f();
+    }
+    let grad = autograd::is_grad_enabled();
+    // Rayon's workers run with grad mode on (as the steps' jobs below).
+    rayon::scope(|_| match grad {
+        true => f(),
+        false => autograd::no_grad(f),
+    })
+}
+
+fn execute_here(
+    graph: &Graph,
+    plan: &Plan,
+    steps: &[Vec<usize>],
+    memory: &(impl Fn(usize) -> Result<KernelMemory> + Sync),
     inputs: &[Tensor],
     tune: bool,
 ) -> Result<Vec<(String, Tensor)>> {
@@ -776,4 +815,29 @@ fn frees_after_each_step(graph: &Graph, plan: &Plan, steps: &[Vec<usize>]) -> Ve
         }
     }
     frees
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_loop_runs_on_a_pool_worker_in_the_callers_grad_mode() {
+        let probe = || {
+            on_pool_worker(|| {
+                (
+                    rayon::current_thread_index().is_some(),
+                    autograd::is_grad_enabled(),
+                )
+            })
+        };
+        assert_eq!(probe(), (true, true));
+        assert_eq!(autograd::no_grad(probe), (true, false));
+        // Called on a worker already, it runs right there.
+        let (caller, inner) = rayon::scope(|_| {
+            let caller = std::thread::current().id();
+            (caller, on_pool_worker(|| std::thread::current().id()))
+        });
+        assert_eq!(caller, inner);
+    }
 }
