@@ -11,7 +11,9 @@
 //! plan expected a view).
 //!
 //! Cat in place: when every input of a `cat` is a whole dense buffer that
-//! a kernel of this executable makes, that only the cat reads, and the cat
+//! a kernel of this executable makes, that only the cat reads (and that
+//! escapes only if the output does: a forward's per-slice results saved
+//! for its backward, next to their concatenation), and the cat
 //! joins them along a dim with only size-1 dims before it (so each input is
 //! one contiguous byte range of the output), each input buffer is planned
 //! *within* the cat's output buffer, at its range: its producer writes
@@ -103,47 +105,11 @@ impl BufferModel {
             }
         }
         for (k, kernel) in plan.kernels.iter().enumerate() {
-            if let Kernel::Custom { .. } = kernel {
-                model.plan_alike_outputs_of_equal_size(k);
-            }
-        }
-        for (k, kernel) in plan.kernels.iter().enumerate() {
             if let Kernel::Extern(id) = kernel {
                 model.join_in_place(graph, k, *id);
             }
         }
         Ok(model)
-    }
-
-    /// A custom op's kernel allocates its outputs in an order of its own,
-    /// and the arena gives each allocation the first unused slot of its
-    /// size (`runtime::cpu::arena`): outputs of equal size may land in each
-    /// other's slots. Planning them alike (the union of their readers,
-    /// pinned if one is) makes every landing safe.
-    fn plan_alike_outputs_of_equal_size(&mut self, k: usize) {
-        let outputs: Vec<usize> = self.created[k]
-            .iter()
-            .copied()
-            .filter(|&b| self.buffers[b].value.is_some())
-            .collect();
-        for &b in &outputs {
-            let alike: Vec<usize> = outputs
-                .iter()
-                .copied()
-                .filter(|&o| self.buffers[o].bytes == self.buffers[b].bytes)
-                .collect();
-            let pinned = alike.iter().any(|&o| self.buffers[o].pinned);
-            let mut readers: Vec<usize> = alike
-                .iter()
-                .flat_map(|&o| self.buffers[o].readers.clone())
-                .collect();
-            readers.sort_unstable();
-            readers.dedup();
-            for &o in &alike {
-                self.buffers[o].pinned = pinned;
-                self.buffers[o].readers = readers.clone();
-            }
-        }
     }
 
     /// Plans the inputs of cat `id` (kernel `k`) within its output, if they
@@ -160,6 +126,7 @@ impl BufferModel {
         if shape[..dim].iter().product::<usize>() != 1 || self.buffers[out].value != Some(id) {
             return;
         }
+        let out_pinned = self.buffers[out].pinned;
         let mut pieces = Vec::new();
         let mut offset = 0;
         for &x in &node.inputs {
@@ -168,8 +135,11 @@ impl BufferModel {
             };
             let buffer = &self.buffers[b];
             let whole = buffer.value == Some(x) && buffer.within.is_none();
+            // A piece that escapes (a saved value) may be a view of the
+            // output only when the output escapes too: no escaping value
+            // may sit in the arena.
             if !whole
-                || buffer.pinned
+                || (buffer.pinned && !out_pinned)
                 || buffer.readers != [k]
                 || pieces.iter().any(|&(p, _)| p == b)
             {
