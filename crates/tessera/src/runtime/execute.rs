@@ -276,13 +276,14 @@ type KernelResult = Result<Vec<(NodeId, Tensor)>>;
 /// Whether a kernel's allocations on a device may take their planned
 /// places. Slots are matched by size in allocation order, so a kernel that
 /// allocates temporaries before outputs of the same size could put an
-/// output in another output's place (with another lifetime): custom ops
-/// (their device code allocates as it likes) and row groups with two
-/// outputs of one size (run op by op on a device) allocate from the pool
-/// instead. Their outputs then count beside the arena.
+/// output in another output's place (with another lifetime). Custom ops
+/// (their device code allocates as it likes) take their places, and an
+/// output found in another's is moved to the pool ([`rehome`]); row groups
+/// with two outputs of one size (run op by op on a device) allocate from
+/// the pool instead, their outputs counted beside the arena.
 fn placed_on_device(graph: &Graph, kernel: &Kernel) -> bool {
     match kernel {
-        Kernel::Custom { .. } => false,
+        Kernel::Custom { .. } => true,
         Kernel::Rows { outputs, .. } => {
             let mut sizes: Vec<usize> = outputs
                 .iter()
