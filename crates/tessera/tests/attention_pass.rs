@@ -52,7 +52,8 @@ fn softmaxes(g: &Graph) -> usize {
 }
 
 /// Each of the 64 slices becomes one op; `batch_attention` then merges
-/// them back into one, unless the seed's `strict` hint asks for slices.
+/// them back into one, under the seed's `strict` hint too (one call holds
+/// no more than the slices at their `cat`: see `passes::batch_attention`).
 #[test]
 fn fires_on_the_naive_and_every_slice_of_the_sliced_seed_code() {
     let shape: &[usize] = &[4, 16, 8, 4];
@@ -71,13 +72,52 @@ fn fires_on_the_naive_and_every_slice_of_the_sliced_seed_code() {
             assert_eq!(flash_nodes(&optimised(&shapes, f)), vec![causal]);
             let hinted =
                 |x: &[Tensor]| hints::scope(SEED_HINT, || f(x)).expect("the seed hint is valid");
-            assert_eq!(
-                flash_nodes(&optimised(&shapes, hinted)),
-                vec![causal; slices]
-            );
+            assert_eq!(flash_nodes(&optimised(&shapes, hinted)), vec![causal]);
         }
     }
 }
+
+/// The seed's sliced attention with slice `i` under `hint_of(i)`, the
+/// split and the concatenation under `hint_of(0)`.
+fn sliced_under(x: &[Tensor], slices: usize, hint_of: &dyn Fn(usize) -> String) -> Tensor {
+    let scale = 1.0 / (x[0].shape()[3] as f64).sqrt();
+    let split =
+        |t: &Tensor| hints::scope(&hint_of(0), || t.flatten(0, 1).tensor_split(slices, 0)).unwrap();
+    let (qs, ks, vs) = (split(&x[0]), split(&x[1]), split(&x[2]));
+    let outs: Vec<Tensor> = (0..slices)
+        .map(|i| {
+            hints::scope(&hint_of(i), || {
+                (qs[i].matmul(&ks[i].transpose(-2, -1)) * scale)
+                    .softmax(-1)
+                    .matmul(&vs[i])
+            })
+            .unwrap()
+        })
+        .collect();
+    let refs: Vec<&Tensor> = outs.iter().collect();
+    hints::scope(&hint_of(0), || Tensor::cat(&refs, 0)).unwrap()
+}
+
+/// Under `strict` hints, slices of two groups stay one op per slice, and
+/// so do those of one group under a memory budget one call would exceed.
+#[test]
+fn strict_slices_of_two_groups_or_over_a_budget_stay_per_slice() {
+    let shape: &[usize] = &[2, 4, 8, 4];
+    let shapes = [shape, shape, shape];
+    let two_groups = |i: usize| format!(r#"{{"order": "strict", "group_id": {}}}"#, i % 2);
+    let g = optimised(&shapes, |x| sliced_under(x, 8, &two_groups));
+    assert_eq!(flash_nodes(&g), vec![false; 8], "{g}");
+    let one_group = |_| r#"{"order": "strict", "group_id": 0}"#.to_string();
+    let g = optimised(&shapes, |x| sliced_under(x, 8, &one_group));
+    assert_eq!(flash_nodes(&g), vec![false], "{g}");
+    let g = optimised(&shapes, |x| sliced_under(x, 8, &|_| TIGHT.to_string()));
+    assert_eq!(flash_nodes(&g), vec![false; 8], "{g}");
+}
+
+/// The seed's hint with a memory budget (1 byte) that one call over every
+/// slice exceeds: `batch_attention` keeps the slices.
+const TIGHT: &str =
+    r#"{"order": "strict", "group_id": 0, "backward_group_id": 1, "memory_budget_mb": 0.000001}"#;
 
 fn attention_module(causal: bool) -> MultiHeadAttention {
     let mut store = ParamStore::new();
@@ -141,7 +181,7 @@ fn runs_the_op(artifacts: &[(String, String)]) -> bool {
 const TOL: f64 = 2e-5;
 
 /// Naive, sliced (merged back into one op) and sliced under the seed's
-/// `strict` hint (one op per slice), causal or not.
+/// `strict` hint (merged too), causal or not.
 #[test]
 fn compiled_seed_attention_matches_eager_with_gradients() {
     let shape = [2, 4, 16, 8];
@@ -175,6 +215,42 @@ fn compiled_seed_attention_matches_eager_with_gradients() {
             let plain = compile(f).fuse_attention(false);
             let _ = value_and_grads(&|x| plain.call(x), &args, &args);
             assert!(!runs_the_op(&plain.last_artifacts()));
+        }
+    }
+}
+
+/// The flash attention ops in a compiled function's last forward.
+fn forward_flash_ops(artifacts: &[(String, String)]) -> usize {
+    artifacts
+        .iter()
+        .find(|(n, _)| n == "forward.tir")
+        .map_or(0, |(_, t)| t.matches(&format!(r#"op="{FORWARD}""#)).count())
+}
+
+/// Differential: the seed's hinted sliced code merged into one call equals
+/// the same code kept per slice (by a budget one call exceeds), output and
+/// gradients, causal or not. The op computes each row from the same
+/// operands whatever the batch, so the results are identical.
+#[test]
+fn merged_strict_slices_equal_the_per_slice_graph() {
+    let shape = [2, 4, 16, 8];
+    let args: Vec<Tensor> = (0..3)
+        .map(|i| randn(&shape, 10 + i).set_requires_grad(true))
+        .collect();
+    for causal in [false, true] {
+        let under = |hint: &'static str| {
+            move |x: &[Tensor]| {
+                vec![hints::scope(hint, || sdpa(&x[0], &x[1], &x[2], causal, 8)).unwrap()]
+            }
+        };
+        let merged = compile(under(SEED_HINT));
+        let per_slice = compile(under(TIGHT));
+        let a = value_and_grads(&|x| merged.call(x), &args, &args);
+        let b = value_and_grads(&|x| per_slice.call(x), &args, &args);
+        assert_eq!(forward_flash_ops(&merged.last_artifacts()), 1);
+        assert_eq!(forward_flash_ops(&per_slice.last_artifacts()), 8);
+        for (name, (x, y)) in ["out", "dq", "dk", "dv"].iter().zip(a.iter().zip(&b)) {
+            assert_eq!(max_diff(x, y), 0.0, "causal {causal}, {name}");
         }
     }
 }

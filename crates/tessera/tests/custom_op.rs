@@ -67,6 +67,55 @@ fn sincos() -> Arc<CustomOp> {
     .clone()
 }
 
+/// `mylib::cossin_late(x)` = (sin x, cos x), its kernel allocating cos
+/// first: in a compiled run cos takes the place planned for sin.
+fn cossin_late() -> Arc<CustomOp> {
+    static OP: OnceLock<Arc<CustomOp>> = OnceLock::new();
+    OP.get_or_init(|| {
+        CustomOp::builder("mylib::cossin_late")
+            .shape(|_, inputs| Ok(vec![inputs[0].clone(), inputs[0].clone()]))
+            .cpu(|_, inputs| {
+                let c = inputs[0].cos();
+                Ok(vec![inputs[0].sin(), c])
+            })
+            .register()
+            .expect("registers once")
+    })
+    .clone()
+}
+
+/// sin dies at once, and values of its size are made while cos lives on:
+/// the plan reuses sin's place, where the kernel put cos.
+fn short_sin_long_cos(x: &[Tensor]) -> Vec<Tensor> {
+    let [s, c] = cossin_late()
+        .call(Attrs::new(), &[&x[0]])
+        .unwrap()
+        .try_into()
+        .unwrap();
+    let a = (s * 2.0).exp();
+    let b = (&a * &a).tanh() + &a;
+    vec![b * c]
+}
+
+/// A custom kernel that allocates its equal-size outputs out of the plan's
+/// order still computes right when compiled (the executor moves an output
+/// that took another's place to the pool), in every order.
+#[test]
+fn outputs_allocated_out_of_order_keep_their_values() {
+    let x = randn(&[64], 4);
+    let want = {
+        let a = (x.sin() * 2.0).exp();
+        ((&a * &a).tanh() + &a) * x.cos()
+    };
+    for strategy in ["bfs", "dfs", "strict"] {
+        let strategy = tessera::schedule::Strategy::from_name(strategy).unwrap();
+        let f = compile(short_sin_long_cos).schedule(strategy);
+        for _ in 0..2 {
+            assert_close(&f.call(std::slice::from_ref(&x))[0], &want, 1e-12);
+        }
+    }
+}
+
 /// `mylib::no_backward(x)` = 2x, with no backward registered.
 fn no_backward() -> Arc<CustomOp> {
     static OP: OnceLock<Arc<CustomOp>> = OnceLock::new();

@@ -203,7 +203,19 @@ fn output<T: Element>(dtype: DType, shape: &[usize], fill: impl FnOnce(&mut [T])
     Tensor::from_storage(storage, shape)
 }
 
-/// The values of a tensor made dense by `try_contiguous`.
+/// `t` when its elements are row-major (a view at an offset included:
+/// the per-slice operands of the seed's sliced code), else a row-major
+/// copy. `try_contiguous` would copy every view that does not start its
+/// storage, and in a compiled run such a copy takes the planned place of
+/// an output of its size (`cpu::arena`).
+fn row_major(t: &Tensor) -> Result<Tensor> {
+    match t.is_contiguous() {
+        true => Ok(t.clone()),
+        false => t.try_contiguous(),
+    }
+}
+
+/// The values of a tensor made row-major by [`row_major`].
 fn slice_of<T: Element>(t: &Tensor) -> &[T] {
     t.contiguous_slice::<T>().expect("made contiguous")
 }
@@ -233,7 +245,7 @@ fn forward_kernel(attrs: &Attrs, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
     let p = params(attrs)?;
     let (q, k, v) = (inputs[0], inputs[1], inputs[2]);
     let shape = attention_shape(q, k, v);
-    let mask = inputs.get(3).map(|m| m.try_contiguous()).transpose()?;
+    let mask = inputs.get(3).copied().map(row_major).transpose()?;
     let mask_arg = mask.as_ref().map(|m| AdditiveMask {
         values: m.contiguous_slice::<f32>().expect("contiguous"),
         shared: m.rank() == 2,
@@ -242,7 +254,7 @@ fn forward_kernel(attrs: &Attrs, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
     let out_shape = [&q.shape()[..r - 1], &[shape.v_dim][..]].concat();
     let lse_shape = &q.shape()[..r - 1];
     with_float_type!(q.dtype(), T => {
-        let (q, k, v) = (q.try_contiguous()?, k.try_contiguous()?, v.try_contiguous()?);
+        let (q, k, v) = (row_major(q)?, row_major(k)?, row_major(v)?);
         let (qs, ks, vs) = (slice_of::<T>(&q), slice_of::<T>(&k), slice_of::<T>(&v));
         let mut lse = Storage::new(DType::F32, shape.bh * shape.q_len);
         let out = output::<T>(q.dtype(), &out_shape, |out| {
@@ -258,35 +270,40 @@ fn backward_kernel(attrs: &Attrs, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
         inputs[0], inputs[1], inputs[2], inputs[3], inputs[4], inputs[5],
     );
     let shape = attention_shape(q, k, v);
-    let mask = inputs.get(6).map(|m| m.try_contiguous()).transpose()?;
+    let mask = inputs.get(6).copied().map(row_major).transpose()?;
     let mask_arg = mask.as_ref().map(|m| AdditiveMask {
         values: m.contiguous_slice::<f32>().expect("contiguous"),
         shared: m.rank() == 2,
     });
-    let lse = lse.try_contiguous()?;
+    let lse = row_major(lse)?;
     with_float_type!(q.dtype(), T => {
-        let c = |t: &Tensor| t.try_contiguous();
+        let c = row_major;
         let (q, k, v, out, d_out) = (c(q)?, c(k)?, c(v)?, c(out)?, c(d_out)?);
         let s = slice_of::<T>;
+        // Allocated in output order (dq, dk, dv), so that a compiled run
+        // finds each where its memory plan put it (`cpu::arena`).
+        let mut dq = Storage::new(q.dtype(), q.numel());
         let mut dk = Storage::new(q.dtype(), k.numel());
         let mut dv = Storage::new(q.dtype(), v.numel());
-        let dq = output::<T>(q.dtype(), q.shape(), |dq| {
-            flash_backward(
-                &shape,
-                &p,
-                s(&q),
-                s(&k),
-                s(&v),
-                mask_arg,
-                s(&out),
-                lse.contiguous_slice::<f32>().expect("contiguous"),
-                s(&d_out),
-                dq,
-                dk.as_mut_slice::<T>(),
-                dv.as_mut_slice::<T>(),
-            )
-        });
-        Ok(vec![dq, Tensor::from_storage(dk, k.shape()), Tensor::from_storage(dv, v.shape())])
+        flash_backward(
+            &shape,
+            &p,
+            s(&q),
+            s(&k),
+            s(&v),
+            mask_arg,
+            s(&out),
+            lse.contiguous_slice::<f32>().expect("contiguous"),
+            s(&d_out),
+            dq.as_mut_slice::<T>(),
+            dk.as_mut_slice::<T>(),
+            dv.as_mut_slice::<T>(),
+        );
+        Ok(vec![
+            Tensor::from_storage(dq, q.shape()),
+            Tensor::from_storage(dk, k.shape()),
+            Tensor::from_storage(dv, v.shape()),
+        ])
     })
 }
 

@@ -13,11 +13,31 @@
 //! all with the same attributes, each operand of part `i` a step-1 slice
 //! along that dim of one shared tensor, the slices in order and covering it
 //! whole (a mask, if any, the same `[Lq, Lk]` node in every part). The
-//! `cat`, the parts and the slices must carry the same hints, and those
-//! hints must not ask for `strict` order: slicing under a `strict` hint is
-//! the user asking for one slice at a time, which a merge would undo. The
-//! new op takes the `cat`'s name, call site and hints. Each merge is logged
-//! under `TESSERA_LOGS=fusion`.
+//! `cat`, the parts and the slices must carry the same hints (so slices of
+//! two groups, or of one group and no group, never merge). The new op takes
+//! the `cat`'s name, call site and hints. Each merge is logged under
+//! `TESSERA_LOGS=fusion`.
+//!
+//! Under a `strict` order or a `memory_budget_mb` hint the merge must also
+//! keep the hint's memory intent: slicing under such a hint is the user
+//! bounding memory, and one flash call over every slice needs no
+//! `[Lq, Lk]` scores either, only O(1) f32 statistics per query row, so it
+//! bounds memory as well while running as one launch. The pass estimates
+//! the bytes live at once, forward or backward, for the graph it sees
+//! ([`MemoryEstimate`]):
+//! - per slice, one slice at a time: at the `cat`, every part (output and
+//!   saved row statistics; in the backward the q, k and v gradient parts)
+//!   next to the concatenation, plus one slice's statistics;
+//! - merged: the results once, plus the whole call's statistics
+//!   (8 bytes a query row: 4 MiB at the seed's (8, 32, 2048, 128)).
+//!
+//! It merges when the merged estimate is at most the per-slice one and
+//! within the budget, if any, and otherwise keeps the slices; the decision
+//! and both figures are logged under `TESSERA_LOGS=fusion,schedule`. (The
+//! memory planner may later place each part within the concatenation, a
+//! cat in place: the per-slice schedule then holds one slice's statistics
+//! beyond the results, and the merge trades the whole call's statistics,
+//! O(N) bytes per head, for one launch instead of one per slice.)
 //!
 //! Exact: each output row is computed from the same operands by the same
 //! kernel; only the split of the work among threads changes.
@@ -29,7 +49,7 @@ use crate::custom_op::flash_attention::FORWARD;
 use crate::custom_op::CustomCall;
 use crate::error::Result;
 use crate::hints::{Hint, HintMap, Order};
-use crate::ir::{Dim, Graph, NodeId, Op};
+use crate::ir::{Dim, Graph, NodeId, Op, TensorType};
 use crate::logging::log;
 
 pub fn run(graph: &mut Graph, _ctx: &PassContext) -> Result<bool> {
@@ -37,10 +57,20 @@ pub fn run(graph: &mut Graph, _ctx: &PassContext) -> Result<bool> {
     let mut r = Replacements::new();
     for i in 0..graph.len() {
         let id = NodeId(i as u32);
-        if let Some((call, operands)) = merged(graph, &uses, id) {
-            log("fusion", || describe(graph, id, &operands));
-            r.replace_with(graph, id, Op::Custom(call), &operands)?;
+        let Some((call, operands)) = merged(graph, &uses, id) else {
+            continue;
+        };
+        if let Some(intent) = MemoryIntent::of(&graph.node(id).meta.hints) {
+            let estimate = MemoryEstimate::new(graph, id, &operands);
+            let merge = estimate.keeps(&intent);
+            log("fusion", || estimate.describe(graph, id, &intent, merge));
+            log("schedule", || estimate.describe(graph, id, &intent, merge));
+            if !merge {
+                continue;
+            }
         }
+        log("fusion", || describe(graph, id, &operands));
+        r.replace_with(graph, id, Op::Custom(call), &operands)?;
     }
     r.apply(graph)
 }
@@ -74,12 +104,107 @@ fn merged(g: &Graph, uses: &[usize], id: NodeId) -> Option<(CustomCall, Vec<Node
         };
         operands.push(whole);
     }
-    if !same_hints(g, &absorbed) || is_strict(&node.meta.hints) {
+    if !same_hints(g, &absorbed) {
         return None;
     }
     let types: Vec<_> = operands.iter().map(|&x| g.node(x).ty.clone()).collect();
     let out = call.infer(&types).ok()?;
     (out[0] == node.ty).then_some((call, operands))
+}
+
+/// What a hint asks of memory: one slice at a time (`strict`) and/or a
+/// budget. `None`: no memory intent, the merge is free.
+struct MemoryIntent {
+    strict: bool,
+    budget: Option<usize>,
+}
+
+impl MemoryIntent {
+    fn of(hints: &Option<HintMap>) -> Option<MemoryIntent> {
+        let map = hints.as_ref()?;
+        // A hint the scheduler cannot read is kept as written: no merge
+        // that could undo what it meant (nothing fits a budget of 0).
+        let Ok((hint, _)) = Hint::from_map(map) else {
+            return Some(MemoryIntent {
+                strict: true,
+                budget: Some(0),
+            });
+        };
+        let strict = hint.order == Some(Order::Strict);
+        let budget = hint.memory_budget_bytes();
+        (strict || budget.is_some()).then_some(MemoryIntent { strict, budget })
+    }
+}
+
+/// Bytes live at once, forward or backward, with the slices kept and with
+/// them merged (see the module docs).
+struct MemoryEstimate {
+    slices: usize,
+    per_slice: usize,
+    merged: usize,
+}
+
+/// f32 statistics per query row: the forward's log-sum-exp (saved for the
+/// backward) and the backward's `rowsum(dO ∘ O)`.
+const ROW_STATISTICS_BYTES: usize = 8;
+
+impl MemoryEstimate {
+    /// For the `cat` node `cat` whose parts compute attention on
+    /// `operands` (q, k, v[, mask]) merged.
+    fn new(g: &Graph, cat: NodeId, operands: &[NodeId]) -> MemoryEstimate {
+        let bytes = |ty: &TensorType| {
+            ty.shape
+                .as_concrete()
+                .map_or(0, |s| s.iter().product::<usize>() * ty.dtype.size_bytes())
+        };
+        let out = &g.node(cat).ty;
+        let rows = out
+            .shape
+            .as_concrete()
+            .map_or(0, |s| s[..s.len() - 1].iter().product::<usize>());
+        let slices = g.node(cat).inputs.len();
+        // Forward: the output and its saved statistics; backward: the
+        // gradients of q, k and v.
+        let forward = bytes(out) + rows * 4;
+        let backward: usize = operands[..3].iter().map(|&x| bytes(&g.node(x).ty)).sum();
+        let results = forward.max(backward);
+        let statistics = rows * ROW_STATISTICS_BYTES;
+        MemoryEstimate {
+            slices,
+            per_slice: 2 * results + statistics / slices.max(1),
+            merged: results + statistics,
+        }
+    }
+
+    fn keeps(&self, intent: &MemoryIntent) -> bool {
+        self.merged <= self.per_slice && intent.budget.is_none_or(|b| self.merged <= b)
+    }
+
+    fn describe(&self, g: &Graph, cat: NodeId, intent: &MemoryIntent, merge: bool) -> String {
+        let node = g.node(cat);
+        let at = node
+            .meta
+            .location
+            .as_ref()
+            .map_or(String::new(), |l| format!(" at {l}"));
+        let hint = match (intent.strict, intent.budget) {
+            (true, Some(b)) => format!("strict order, memory budget {b} bytes"),
+            (true, None) => "strict order".to_string(),
+            (false, Some(b)) => format!("memory budget {b} bytes"),
+            (false, None) => unreachable!("an intent has one of the two"),
+        };
+        let verdict = match merge {
+            true => "merged: one call holds no more",
+            false => "kept per slice: one call would hold more",
+        };
+        format!(
+            "batch_attention: {} = cat of {} {FORWARD} ops{at} under {hint}: estimated peak {} bytes per slice (parts and result at the cat, one slice's row statistics), {} bytes as one call (result, every row's statistics); {verdict}",
+            g.display_name(cat),
+            self.slices,
+            self.per_slice,
+            self.merged,
+        )
+    }
 }
 
 /// The call of `id` when it is a flash attention node.
@@ -119,13 +244,6 @@ fn whole_of_slices(g: &Graph, slices: &[NodeId], dim: usize) -> Option<NodeId> {
 fn shared_mask(g: &Graph, masks: &[NodeId]) -> Option<NodeId> {
     let m = masks[0];
     (masks.iter().all(|&x| x == m) && g.node(m).ty.rank() == 2).then_some(m)
-}
-
-/// Whether the hints ask for program order.
-fn is_strict(hints: &Option<HintMap>) -> bool {
-    hints.as_ref().is_some_and(|map| {
-        Hint::from_map(map).map_or(true, |(hint, _)| hint.order == Some(Order::Strict))
-    })
 }
 
 fn describe(g: &Graph, id: NodeId, operands: &[NodeId]) -> String {
@@ -201,12 +319,69 @@ mod tests {
         );
     }
 
+    /// Under a `strict` hint of one group the slices merge (one call holds
+    /// no more than the slices at their `cat`), the hints kept on the op.
     #[test]
-    fn strict_hints_out_of_order_slices_and_other_readers_stay() {
+    fn strict_slices_of_one_group_merge_keeping_their_hints() {
+        let hints = r#"  hints={"group_id":0,"order":"strict"}"#;
+        let after = r#"graph g(%q, %k, %v) {
+  %q = input : f32[2,4,8]
+  %k = input : f32[2,4,8]
+  %v = input : f32[2,4,8]
+  %o = custom(%q, %k, %v) {op="tessera::flash_attention", attrs="{\"causal\":true,\"scale\":0.5}"} : f32[2,4,8]  hints={"group_id":0,"order":"strict"}  # attn.rs:12:5
+  return %o as o
+}
+"#;
+        assert_rewrites(run, &PassContext::default(), &sliced(hints, 1), after);
+    }
+
+    /// The estimate at `[2, 4, 8]` f32 (8 query rows): results 768 bytes
+    /// (the three gradients), statistics 64: 832 bytes as one call, 1568
+    /// per slice. A budget below 832 bytes keeps the slices, one above
+    /// merges them.
+    #[test]
+    fn a_memory_budget_the_merged_call_exceeds_keeps_the_slices() {
         let ctx = PassContext::default();
-        assert_unchanged(run, &ctx, &sliced(r#"  hints={"order":"strict"}"#, 1));
+        let g = crate::ir::text::parse(&sliced("", 1)).unwrap();
+        let cat = g.outputs[0].node;
+        let estimate = super::MemoryEstimate::new(&g, cat, &g.inputs);
+        assert_eq!((estimate.merged, estimate.per_slice), (832, 1568));
+        // 0.0007 MiB = 734 bytes; 0.001 MiB = 1048 bytes.
+        let tight = r#"  hints={"memory_budget_mb":0.0007,"order":"strict"}"#;
+        assert_unchanged(run, &ctx, &sliced(tight, 1));
+        let roomy = r#"  hints={"memory_budget_mb":0.001,"order":"strict"}"#;
+        let (changed, text) = crate::passes::testing::rewrite(run, &ctx, &sliced(roomy, 1));
+        assert!(changed && text.contains("custom(%q, %k, %v)"), "{text}");
+    }
+
+    /// Slices of two groups (or of a group and none, or under different
+    /// orders) never merge, strict or not.
+    #[test]
+    fn slices_of_different_groups_or_hints_never_merge() {
+        let ctx = PassContext::default();
+        for (a, b) in [
+            (r#"  hints={"group_id":0}"#, r#"  hints={"group_id":1}"#),
+            (
+                r#"  hints={"group_id":0,"order":"strict"}"#,
+                r#"  hints={"group_id":1,"order":"strict"}"#,
+            ),
+            (r#"  hints={"group_id":0,"order":"strict"}"#, ""),
+            (
+                r#"  hints={"group_id":0,"order":"strict"}"#,
+                r#"  hints={"group_id":0,"order":"dfs"}"#,
+            ),
+        ] {
+            assert_unchanged(run, &ctx, &sliced_with(a, b, 1));
+        }
+    }
+
+    #[test]
+    fn out_of_order_slices_and_other_readers_stay() {
+        let ctx = PassContext::default();
         // q's slices overlap: not the whole of q.
         assert_unchanged(run, &ctx, &sliced("", 0));
+        let strict = r#"  hints={"order":"strict"}"#;
+        assert_unchanged(run, &ctx, &sliced(strict, 0));
         let read_twice = sliced("", 1).replace("return %o as o", "return %o as o, %a as a");
         assert_unchanged(run, &ctx, &read_twice);
         let other_attrs = sliced("", 1).replacen(r#"\"causal\":true"#, r#"\"causal\":false"#, 1);

@@ -22,7 +22,7 @@
 //! | [`transpose_matmul`] | `matmul(permute(x), y)` → `matmul_t` with a transpose flag; `permute(matmul(a, b))` → `matmul_t(b, a)` |
 //! | [`movement`] | composes permutes, reshapes, expands and slices; drops full slices |
 //! | [`attention`] | `softmax(q·kᵀ·scale [+ mask] [causal]) · v` → the flash attention op |
-//! | [`batch_attention`] | per-slice flash attention ops concatenated back → one op (not under `strict`) |
+//! | [`batch_attention`] | per-slice flash attention ops concatenated back → one op (under `strict` or a budget only when its memory estimate allows) |
 //! | [`decompose`] | softmax, log_softmax, silu into primitives (only when asked) |
 //!
 //! # Floating-point honesty

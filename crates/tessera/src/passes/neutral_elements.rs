@@ -2,7 +2,9 @@
 //!
 //! `x*1`, `1*x`, `x/1`, `pow(x, 1)`, `x-0`, `x+(-0.0)`; `reshape`, `expand`
 //! and `cast` to the input's own type; `permute` by the identity; a
-//! `contiguous` of a `contiguous`. All are exact, NaN and infinities
+//! `contiguous` of a `contiguous`; a `cat` of one part (the seed's sliced
+//! attention in one slice: the copy would keep a second full-size value
+//! live next to its part, which a backward saves). All are exact, NaN and infinities
 //! included. `x + 0.0` → `x` is exact except for the sign of a zero result
 //! (`-0.0 + 0.0` is `+0.0`), so on floats it needs
 //! [`PassContext::allow_reassociation`], as does `x - (-0.0)`; on integers
@@ -42,6 +44,7 @@ fn neutral_operand(g: &Graph, id: NodeId, ctx: &PassContext) -> Option<NodeId> {
         Op::Reshape(_) | Op::Expand(_) | Op::Cast(_) if same(x) => Some(x),
         Op::Permute(perm) if perm.iter().enumerate().all(|(i, &p)| i == p) => Some(x),
         Op::Contiguous if g.node(x).op == Op::Contiguous => Some(x),
+        Op::Cat { .. } if node.inputs.len() == 1 => Some(x),
         _ => None,
     }
 }
@@ -92,9 +95,10 @@ mod tests {
   %i = cast(%h) {dtype=f32} : f32[2,3]
   %j = contiguous(%i) : f32[2,3]
   %k = contiguous(%j) : f32[2,3]
+  %one_part = cat(%k) {dim=0} : f32[2,3]
   %iz = full {value=0, shape=[], dtype=i64} : i64[]
   %m = add(%iz, %n) : i64[3]
-  return %k as k, %m as m
+  return %one_part as k, %m as m
 }";
         let after = "graph g(%x, %n) {
   %x = input : f32[2,3]
@@ -143,7 +147,8 @@ mod tests {
   %r = reshape(%x) {shape=[5,1]} : f32[5,1]
   %p = permute(%r) {perm=[1,0]} : f32[1,5]
   %ct = contiguous(%p) : f32[1,5]
-  return %a as a, %b as b, %c as c, %d as d, %e as e, %f as f, %ct as ct
+  %two = cat(%x, %x) {dim=0} : f32[10]
+  return %a as a, %b as b, %c as c, %d as d, %e as e, %f as f, %ct as ct, %two as two
 }";
         assert_unchanged(run, &PassContext::default(), before);
     }

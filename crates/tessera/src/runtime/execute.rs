@@ -9,7 +9,7 @@ use std::panic::Location;
 use rayon::prelude::*;
 
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use super::autotune;
 use super::cpu::arena::{self, Arena, Block, Place, Slots, Taken};
@@ -323,13 +323,14 @@ type KernelResult = Result<Vec<(NodeId, Tensor)>>;
 /// Whether a kernel's allocations on a device may take their planned
 /// places. Slots are matched by size in allocation order, so a kernel that
 /// allocates temporaries before outputs of the same size could put an
-/// output in another output's place (with another lifetime): custom ops
-/// (their device code allocates as it likes) and row groups with two
-/// outputs of one size (run op by op on a device) allocate from the pool
-/// instead. Their outputs then count beside the arena.
+/// output in another output's place (with another lifetime). Custom ops
+/// (their device code allocates as it likes) take their places, and an
+/// output found in another's is moved to the pool ([`rehome`]); row groups
+/// with two outputs of one size (run op by op on a device) allocate from
+/// the pool instead, their outputs counted beside the arena.
 fn placed_on_device(graph: &Graph, kernel: &Kernel) -> bool {
     match kernel {
-        Kernel::Custom { .. } => false,
+        Kernel::Custom { .. } => true,
         Kernel::Rows { outputs, .. } => {
             let mut sizes: Vec<usize> = outputs
                 .iter()
@@ -483,7 +484,14 @@ impl<'a> Job<'a> {
     fn run(mut self, graph: &Graph, tune: bool) -> Result<Vec<(NodeId, Tensor)>> {
         match self.planned.take() {
             Some(Planned { slots, joins: true }) => self.join(graph, slots),
-            Some(Planned { slots, .. }) => arena::planned(slots, || self.run_kernel(graph, tune)),
+            Some(Planned { slots, .. }) => {
+                let (kernel, places) = (self.kernel, slots.value_addrs());
+                let written = arena::planned(slots, || self.run_kernel(graph, tune))?;
+                match kernel {
+                    Kernel::Custom { .. } => rehome(graph, written, &places),
+                    _ => Ok(written),
+                }
+            }
             None => self.run_kernel(graph, tune),
         }
     }
@@ -658,6 +666,69 @@ fn run_members(
         values.insert(m, out);
     }
     Ok(outputs.iter().map(|&o| (o, values[&o].clone())).collect())
+}
+
+/// A custom kernel's outputs, each where the plan put it or in the pool.
+///
+/// A custom op allocates its outputs in an order of its own, and each
+/// allocation takes the first untaken planned slot of its size
+/// (`cpu::arena`): outputs of equal size may land in each other's slots,
+/// where a slot's place is reused when the plan's value of that slot dies,
+/// not when the value that landed there does. Such an output is copied to
+/// the pool (and logged), so no value outlives its place; an output in the
+/// pool is safe wherever the plan meant it to be. `places` are the slots'
+/// addresses in the kernel's write order (as `written`), from
+/// [`Slots::value_addrs`].
+fn rehome(
+    graph: &Graph,
+    written: Vec<(NodeId, Tensor)>,
+    places: &[Option<u64>],
+) -> Result<Vec<(NodeId, Tensor)>> {
+    written
+        .into_iter()
+        .enumerate()
+        .map(|(i, (id, t))| {
+            let at = storage_addr(&t);
+            let elsewhere = places.get(i).copied().flatten() != Some(at);
+            if !(elsewhere && places.contains(&Some(at))) {
+                return Ok((id, t));
+            }
+            log("memory", || {
+                format!(
+                    "{}: its kernel allocated it in the place planned for another output; copied to the pool",
+                    graph.display_name(id)
+                )
+            });
+            Ok((id, arena::unplanned(|| fresh_copy(&t))?))
+        })
+        .collect()
+}
+
+/// The address of the first byte of `t`'s storage (host or device).
+fn storage_addr(t: &Tensor) -> u64 {
+    match t.device_storage() {
+        Some(s) => s.ptr(),
+        None => t.storage().as_bytes().as_ptr() as u64,
+    }
+}
+
+/// A copy of `t`'s whole storage in a new allocation, with `t`'s layout.
+fn fresh_copy(t: &Tensor) -> Result<Tensor> {
+    let layout = t.layout().clone();
+    match t.device_storage() {
+        Some(src) => {
+            let backend = device::backend(t.device())?;
+            let dst = backend.alloc(src.dtype(), src.numel())?;
+            backend.copy(&dst, src)?;
+            Ok(Tensor::from_device_parts(Arc::new(dst), layout))
+        }
+        None => {
+            let src = t.storage();
+            let mut dst = Storage::new(t.dtype(), src.numel());
+            dst.as_bytes_mut().copy_from_slice(src.as_bytes());
+            Ok(Tensor::from_parts(Arc::new(dst), layout))
+        }
+    }
 }
 
 /// Runs a matmul and its epilogue: the gemm writes a fresh buffer, which

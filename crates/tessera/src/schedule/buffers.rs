@@ -104,7 +104,7 @@ impl BufferModel {
         }
         for (k, kernel) in plan.kernels.iter().enumerate() {
             if let Kernel::Custom { .. } = kernel {
-                model.plan_alike_outputs_of_equal_size(k);
+                model.never_overwrite_outputs_of_equal_size(k);
             }
         }
         for (k, kernel) in plan.kernels.iter().enumerate() {
@@ -115,43 +115,32 @@ impl BufferModel {
         Ok(model)
     }
 
-    /// A custom op's kernel allocates its outputs in an order of its own,
-    /// and the arena gives each allocation the first unused slot of its
-    /// size (`runtime::cpu::arena`): outputs of equal size may land in each
-    /// other's slots. Planning them alike (the union of their readers,
-    /// pinned if one is) makes every landing safe for their own lifetimes.
-    /// None of them is written in place by a later kernel: the value written
-    /// there would live on at whichever slot its donor really got, past the
-    /// lifetime the plan gave that slot (a later kernel's buffer would then
-    /// share its bytes).
-    fn plan_alike_outputs_of_equal_size(&mut self, k: usize) {
+    /// A custom op's kernel allocates its outputs in an order of its own:
+    /// outputs of equal size may land in each other's arena slots (the
+    /// executor then moves such an output to the pool). None of them is
+    /// written in place by a later kernel: the value written there would
+    /// live on wherever its donor really is, past the lifetime the plan gave
+    /// that place (found by the gradient proptest of compile_differential.rs).
+    fn never_overwrite_outputs_of_equal_size(&mut self, k: usize) {
         let outputs: Vec<usize> = self.created[k]
             .iter()
             .copied()
             .filter(|&b| self.buffers[b].value.is_some())
             .collect();
-        for &b in &outputs {
-            let alike: Vec<usize> = outputs
-                .iter()
-                .copied()
-                .filter(|&o| self.buffers[o].bytes == self.buffers[b].bytes)
-                .collect();
-            let pinned = alike.iter().any(|&o| self.buffers[o].pinned);
-            let mut readers: Vec<usize> = alike
-                .iter()
-                .flat_map(|&o| self.buffers[o].readers.clone())
-                .collect();
-            readers.sort_unstable();
-            readers.dedup();
-            for &o in &alike {
-                self.buffers[o].pinned = pinned;
-                self.buffers[o].readers = readers.clone();
-            }
-            if alike.len() > 1 {
-                for candidates in &mut self.in_place {
-                    candidates.retain(|c| !alike.contains(&c.buffer));
-                }
-            }
+        let alike: Vec<usize> = outputs
+            .iter()
+            .copied()
+            .filter(|&b| {
+                let bytes = self.buffers[b].bytes;
+                outputs
+                    .iter()
+                    .filter(|&&o| self.buffers[o].bytes == bytes)
+                    .count()
+                    > 1
+            })
+            .collect();
+        for candidates in &mut self.in_place {
+            candidates.retain(|c| !alike.contains(&c.buffer));
         }
     }
 

@@ -58,6 +58,14 @@ impl Memory {
             Memory::Device(s) => s.size_bytes(),
         }
     }
+
+    /// The address of its first byte (host or device).
+    fn addr(&self) -> u64 {
+        match self {
+            Memory::Host(b) => b.as_ptr() as u64,
+            Memory::Device(s) => s.ptr(),
+        }
+    }
 }
 
 /// One run's arena: a block from the pool, counted once by the allocator's
@@ -204,6 +212,22 @@ impl Slots {
         });
         self.in_scratch = was;
         region
+    }
+
+    /// The address each value slot hands out, in the order they were
+    /// added (`None`: the pool). An allocation takes the first untaken slot
+    /// of its size, so a kernel that allocates its equal-size outputs in
+    /// another order than the plan's gets them in each other's slots: the
+    /// executor compares against these (see `execute::Job::rehome`).
+    pub(crate) fn value_addrs(&self) -> Vec<Option<u64>> {
+        self.values
+            .iter()
+            .map(|(_, place, _)| match place {
+                Place::Arena(offset) => Some(self.arena.addr() + *offset as u64),
+                Place::Block(block, offset) => Some(block.0.addr() + *offset as u64),
+                Place::Pool => None,
+            })
+            .collect()
     }
 
     /// Whether the slots are host memory (else device memory).
