@@ -33,6 +33,7 @@ use std::sync::{Arc, OnceLock};
 use tessera::error::{Error, ErrorKind, Result};
 use tessera::ir::{DType, Op};
 use tessera::runtime::cpu::fused::FusedKernel;
+use tessera::runtime::cpu::rows::RowKernel;
 use tessera::runtime::cpu::{MemoryStats, Storage};
 use tessera::runtime::device::{self, Backend, Device, DeviceGraph, DeviceStorage};
 use tessera::Tensor;
@@ -177,6 +178,15 @@ impl Backend for CudaBackend {
     ) -> Result<Vec<Tensor>> {
         let name = || format!("fused[{} steps]", kernel.steps.len());
         profile::timed(self, name, inputs, || self.fused(kernel, inputs, donated))
+    }
+
+    fn row_kernel_refusal(&self, kernel: &RowKernel) -> Option<String> {
+        codegen::fused_rows::refusal(kernel)
+    }
+
+    fn run_rows(&self, kernel: &RowKernel, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
+        let name = || format!("rows[{} steps]", kernel.steps.len());
+        profile::timed(self, name, inputs, || self.rows(kernel, inputs))
     }
 
     fn synchronize(&self) -> Result<()> {

@@ -9,6 +9,7 @@ use std::sync::Arc;
 use tessera::error::{Error, ErrorKind, Result};
 use tessera::ir::{DType, Op};
 use tessera::runtime::cpu::fused::{FusedKernel, Step};
+use tessera::runtime::cpu::rows::RowKernel;
 use tessera::runtime::cpu::{self, arena, Storage};
 use tessera::runtime::device::{Device, DeviceStorage};
 use tessera::tensor::layout::contiguous_strides;
@@ -16,8 +17,8 @@ use tessera::tensor::{Layout, Tensor};
 
 use crate::codegen::index::{self, Indexed, Strided};
 use crate::codegen::pointwise::{self, Operand, Output};
-use crate::codegen::rows;
 use crate::codegen::Compute;
+use crate::codegen::{fused_rows, rows};
 use crate::matmul::{Epilogue, Mat};
 use crate::{autotune, CudaBackend};
 
@@ -522,6 +523,46 @@ impl CudaBackend {
             compute,
             donated,
         )
+    }
+
+    /// Runs a fused row kernel of the fusion plan as one generated kernel
+    /// (see `codegen::fused_rows`), its outputs allocated in the kernel's
+    /// output order (the memory plan's).
+    pub(crate) fn rows(&self, kernel: &RowKernel, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
+        let op = "fused_rows";
+        let full: Vec<usize> = kernel.outer.iter().copied().chain([kernel.len]).collect();
+        let mut operands = Vec::with_capacity(inputs.len());
+        for (i, t) in inputs.iter().enumerate() {
+            let fits = t.rank() <= full.len()
+                && t.shape()
+                    .iter()
+                    .rev()
+                    .zip(full.iter().rev())
+                    .all(|(&a, &b)| a == b || a == 1);
+            if !fits {
+                return Err(Error::op(
+                    ErrorKind::Shape,
+                    op,
+                    format!("input {i} {} does not broadcast to {full:?}", t.ty()),
+                ));
+            }
+            operands.push(self.operand(t, &full));
+        }
+        let storages: Vec<(DeviceStorage, &Vec<usize>)> = kernel
+            .outputs
+            .iter()
+            .map(|(_, dtype, shape)| Ok((self.empty(*dtype, shape.iter().product())?, shape)))
+            .collect::<Result<_>>()?;
+        if full.iter().product::<usize>() > 0 {
+            let ptrs: Vec<u64> = storages.iter().map(|(s, _)| s.ptr()).collect();
+            let launch = fused_rows::fused_rows(kernel, &operands, &ptrs, self.gpu.sms)
+                .map_err(|m| unsupported(op, m))?;
+            self.launch(op, &launch)?;
+        }
+        Ok(storages
+            .into_iter()
+            .map(|(s, shape)| Tensor::from_device_storage(s, shape))
+            .collect())
     }
 
     /// `a·b` (either transposed) into a new tensor of `shape`, with an

@@ -173,9 +173,11 @@ fn the_device_arena_peaks_where_the_plan_says() {
                 strategy.name()
             );
             // A plan the device cannot take exactly (CPU scratch, row
-            // kernels) runs without an arena on the GPU
+            // kernels the GPU refuses) runs without an arena on the GPU
             // (`execute::device_arena_unfit`): only the values are checked.
-            if tessera::runtime::execute::device_arena_unfit(&plan, &s.memory).is_some() {
+            if tessera::runtime::execute::device_arena_unfit(&plan, &s.memory, Device::Cuda)
+                .is_some()
+            {
                 eprintln!(
                     "{name} {}: CPU scratch in the plan, no arena",
                     strategy.name()

@@ -7,8 +7,10 @@
 
 use tessera::ir::{ArgReduceOp, BinaryOp, CompareOp, ReduceOp, UnaryOp};
 use tessera::runtime::cpu::fused::Step;
+use tessera::runtime::cpu::rows::{RowKernel, RowStep, MAX_ROW};
 use tessera::tensor::Layout;
 use tessera::DType;
+use tessera_cuda::codegen::fused_rows::fused_rows;
 use tessera_cuda::codegen::index::{indexed, triangle, Indexed, Strided};
 use tessera_cuda::codegen::pointwise::{pointwise, pointwise_block, Operand, Output};
 use tessera_cuda::codegen::rows::{arg_reduce, reduce, reduce_in_parts, softmax};
@@ -280,9 +282,97 @@ fn vectorised() -> Vec<Launch> {
     for d in [DType::F32, DType::BF16, DType::F16] {
         for (len, log) in [(256, false), (4096, true), (4096, false)] {
             let l = softmax(d, &Layout::contiguous(&[3, len]), 1, log, 0, 0, 132);
-            assert!(l.source.contains("row_all<true>"), "{}", l.source);
+            assert!(l.source.contains("row_all<ROW_MAX>"), "{}", l.source);
             v.push(l);
         }
+    }
+    v
+}
+
+/// Fused row kernels: every reduction and softmax over a row computed
+/// from a strided f32/f64/f16/bf16 input, a per-row scalar and a host
+/// scalar, with row and scalar outputs of every float dtype and a bool;
+/// softmax backward on packs; a warp per row, a block per row, the
+/// longest row and an odd length.
+fn row_kernels() -> Vec<Launch> {
+    let mut v = Vec::new();
+    for d in FLOATS {
+        for (outer, len) in [(vec![2, 3], 40), (vec![5], MAX_ROW), (vec![], 45)] {
+            let full: Vec<usize> = outer.iter().copied().chain([len]).collect();
+            let t: Vec<usize> = full.iter().rev().copied().collect();
+            let perm: Vec<usize> = (0..full.len()).rev().collect();
+            let x = buffer(d, Layout::contiguous(&t).permuted(&perm));
+            let scalar_shape: Vec<usize> = outer.iter().copied().chain([1]).collect();
+            let per_row = buffer(d, Layout::contiguous(&scalar_shape).expanded(&full));
+            let mut steps = vec![
+                RowStep::Point(Step::Load(0)),
+                RowStep::Point(Step::Load(1)),
+                RowStep::Point(Step::Load(2)),
+                RowStep::Point(Step::Binary(BinaryOp::Mul, 0, 2)),
+                RowStep::Point(Step::Binary(BinaryOp::Sub, 3, 1)),
+            ];
+            let mut is_row = vec![true, false, false, true, true];
+            for op in ReduceOp::ALL {
+                steps.push(RowStep::Reduce(op, 4));
+                is_row.push(false);
+            }
+            for log in [false, true] {
+                steps.push(RowStep::Softmax { log, arg: 4 });
+                is_row.push(true);
+            }
+            let sm = steps.len() - 1;
+            steps.push(RowStep::Point(Step::Compare(CompareOp::Gt, sm, 5)));
+            is_row.push(true);
+            steps.push(RowStep::Point(Step::Round(d, sm)));
+            is_row.push(true);
+            let mut outputs: Vec<(usize, DType, Vec<usize>)> = (5..10)
+                .map(|s| (s, FLOATS[s % 4], scalar_shape.clone()))
+                .collect();
+            outputs.push((sm, d, full.clone()));
+            outputs.push((sm + 1, DType::Bool, full.clone()));
+            outputs.push((sm + 2, DType::BF16, full.clone()));
+            let k = RowKernel {
+                outer: outer.clone(),
+                len,
+                steps,
+                is_row,
+                outputs,
+                wide: d == DType::F64,
+            };
+            let ptrs = vec![0x1000; k.outputs.len()];
+            v.push(fused_rows(&k, &[x, per_row, Operand::Scalar(0.5)], &ptrs, 132).unwrap());
+        }
+    }
+    // Softmax backward on packs: p * (dp - sum(dp * p)), bf16 and f32.
+    for d in [DType::BF16, DType::F32, DType::F16] {
+        let full = [64, 2048];
+        let k = RowKernel {
+            outer: vec![64],
+            len: 2048,
+            steps: vec![
+                RowStep::Point(Step::Load(0)),
+                RowStep::Point(Step::Load(1)),
+                RowStep::Point(Step::Binary(BinaryOp::Mul, 1, 0)),
+                RowStep::Reduce(ReduceOp::Sum, 2),
+                RowStep::Point(Step::Binary(BinaryOp::Sub, 1, 3)),
+                RowStep::Point(Step::Binary(BinaryOp::Mul, 0, 4)),
+            ],
+            is_row: vec![true, true, true, false, true, true],
+            outputs: vec![(5, d, full.to_vec())],
+            wide: false,
+        };
+        let l = fused_rows(
+            &k,
+            &[
+                buffer(d, Layout::contiguous(&full)),
+                buffer(d, Layout::contiguous(&full)),
+            ],
+            &[0x2000],
+            132,
+        )
+        .unwrap();
+        assert!(l.source.contains("Pack<"), "{}", l.source);
+        v.push(l);
     }
     v
 }
@@ -298,6 +388,7 @@ fn every_template_compiles_to_ptx() {
         reductions(),
         indexing(),
         vectorised(),
+        row_kernels(),
     ]
     .into_iter()
     .flatten()

@@ -292,7 +292,9 @@ fn device_runs_place_buffers_in_one_arena_and_peak_as_planned() {
             );
             // A plan the device cannot take exactly (CPU scratch, row
             // kernels) runs without an arena (`execute::device_arena_unfit`).
-            if tessera::runtime::execute::device_arena_unfit(&plan, &s.memory).is_some() {
+            if tessera::runtime::execute::device_arena_unfit(&plan, &s.memory, Device::Cuda)
+                .is_some()
+            {
                 continue;
             }
             arenas += 1;

@@ -290,16 +290,7 @@ impl Body<'_> {
                 Step::Const(_) => {
                     format!("({acc})a.c[{}]", self.const_of_step[s].expect("a const"))
                 }
-                Step::Unary(op, x) => unary(op, compute, &format!("v{x}"))?,
-                Step::Binary(op, x, y) => binary(op, compute, &format!("v{x}"), &format!("v{y}"))?,
-                Step::Compare(op, x, y) => {
-                    format!(
-                        "(({}) ? ({acc})1 : ({acc})0)",
-                        compare(op, &format!("v{x}"), &format!("v{y}"))
-                    )
-                }
-                Step::Where(c, x, y) => format!("((v{c} != ({acc})0) ? v{x} : v{y})"),
-                Step::Round(d, x) => round(d, compute, &format!("v{x}"))?,
+                _ => point_expr(step, compute, |x| format!("v{x}"))?,
             };
             src.push_str(&format!("{acc} v{s} = {expr};\n"));
         }
@@ -363,8 +354,35 @@ impl Body<'_> {
     }
 }
 
+/// The C expression of an arithmetic step (not a load or a constant, which
+/// depend on where the kernel keeps its inputs), operand `x` written as
+/// `arg(x)`; every generated kernel computes steps through this one
+/// function, so a step means the same in each.
+pub(crate) fn point_expr(
+    step: &Step,
+    compute: Compute,
+    arg: impl Fn(usize) -> String,
+) -> Result<String, String> {
+    let acc = compute.c_type();
+    Ok(match *step {
+        Step::Unary(op, x) => unary(op, compute, &arg(x))?,
+        Step::Binary(op, x, y) => binary(op, compute, &arg(x), &arg(y))?,
+        Step::Compare(op, x, y) => {
+            format!(
+                "(({}) ? ({acc})1 : ({acc})0)",
+                compare(op, &arg(x), &arg(y))
+            )
+        }
+        Step::Where(c, x, y) => format!("(({} != ({acc})0) ? {} : {})", arg(c), arg(x), arg(y)),
+        Step::Round(d, x) => round(d, compute, &arg(x))?,
+        Step::Load(_) | Step::Const(_) => {
+            unreachable!("loads and constants are the caller's to write")
+        }
+    })
+}
+
 /// `name` for double, `namef` for float.
-fn f(name: &str, compute: Compute) -> String {
+pub(crate) fn f(name: &str, compute: Compute) -> String {
     match compute {
         Compute::F32 => format!("{name}f"),
         _ => name.to_string(),

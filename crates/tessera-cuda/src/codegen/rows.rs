@@ -514,6 +514,36 @@ pub fn softmax(
     }
 }
 
+/// One value per thread combined over the `TPR` threads of a row (`TPR` a
+/// `#define`: 32 for a warp per row, more for a block per row), the result
+/// handed to every one of them: `row_all<ROW_SUM | ROW_MAX | ROW_MIN |
+/// ROW_PROD>(v, sh)`, `sh` 32 entries of shared memory of `v`'s type (used
+/// by block rows). Max and min propagate NaN, as the CPU's do. Each thread
+/// ends with the same bits (the block step reads the warps' results in one
+/// order), so every thread of a row computes on the same scalars.
+pub const ROW_ALL: &str = r#"
+#define ROW_SUM 0
+#define ROW_MAX 1
+#define ROW_MIN 2
+#define ROW_PROD 3
+template <int OP, typename T> __device__ __forceinline__ T row_combine(T v, T w) {
+  return OP == ROW_SUM ? v + w : OP == ROW_PROD ? v * w
+       : OP == ROW_MAX ? ((w > v || w != w) ? w : v) : ((w < v || w != w) ? w : v);
+}
+template <int OP, typename T> __device__ __forceinline__ T row_all(T v, T* sh) {
+  #pragma unroll
+  for (int d = 16; d > 0; d >>= 1) v = row_combine<OP>(v, __shfl_xor_sync(0xffffffffu, v, d));
+  if (TPR > 32) {
+    __syncthreads();
+    if ((threadIdx.x & 31) == 0) sh[threadIdx.x >> 5] = v;
+    __syncthreads();
+    v = sh[0];
+    for (int w = 1; w < TPR / 32; ++w) v = row_combine<OP>(v, sh[w]);
+  }
+  return v;
+}
+"#;
+
 /// Threads per row `max-autotune` times for a register-row plan (those
 /// whose plan fits).
 pub const THREAD_CANDIDATES: [usize; 6] = [32, 64, 128, 256, 512, 1024];
@@ -565,23 +595,32 @@ pub fn row_plan(
     if !on_packs || len == 0 {
         return None;
     }
-    let packs = len / vec;
-    let threads = threads.unwrap_or_else(|| packs.div_ceil(4).next_power_of_two().clamp(32, 1024));
-    let items = packs.div_ceil(threads);
-    (items <= ROW_ITEMS_MAX).then_some(RowPlan {
-        vec,
-        threads,
-        items,
-    })
+    let plan = RowPlan::of(len / vec, vec, threads);
+    (plan.items <= ROW_ITEMS_MAX).then_some(plan)
 }
 
-/// Threads per block of a row plan: a block per row, or 8 warps (8 rows)
-/// when a warp takes a row (the block reduction assumes one row a block).
-fn row_block(plan: RowPlan) -> usize {
-    if plan.threads <= 32 {
-        256
-    } else {
-        plan.threads
+impl RowPlan {
+    /// Rows of `packs` accesses of `vec` elements: `threads` per row
+    /// (`None`: about four accesses a thread, 32 to 1024), and the accesses
+    /// each thread keeps.
+    pub fn of(packs: usize, vec: usize, threads: Option<usize>) -> RowPlan {
+        let threads =
+            threads.unwrap_or_else(|| packs.div_ceil(4).next_power_of_two().clamp(32, 1024));
+        RowPlan {
+            vec,
+            threads,
+            items: packs.div_ceil(threads).max(1),
+        }
+    }
+
+    /// Threads per block: a block per row, or 8 warps (8 rows) when a warp
+    /// takes a row (the block reduction assumes one row a block).
+    pub fn block(self) -> usize {
+        if self.threads <= 32 {
+            256
+        } else {
+            self.threads
+        }
     }
 }
 
@@ -619,7 +658,7 @@ pub fn softmax_rows(
         threads,
         items,
     } = plan;
-    let block = row_block(plan);
+    let block = plan.block();
     let ct = c_type(dtype);
     let kept = decompose(
         "o",
@@ -644,18 +683,7 @@ pub fn softmax_rows(
         "#define V {vec}\n#define IT {items}\n#define TPR {threads}\n\
          struct Args {{ long long rows; long long len; long long off; long long kshape[{k}]; long long kstr[{k}]; long long ostr[{k}]; \
          long long sd; long long osd; const void* x; void* y; }};\n\
-         // max (NaN wins) or sum over the TPR threads of a row, handed to each.\n\
-         template <bool MAX> __device__ __forceinline__ float row_all(float v, float* sh) {{\n\
-           #pragma unroll\n\
-           for (int d = 16; d > 0; d >>= 1) {{ float w = __shfl_xor_sync(0xffffffffu, v, d); v = MAX ? ((w > v || w != w) ? w : v) : v + w; }}\n\
-           if (TPR > 32) {{\n\
-             __syncthreads();\n\
-             if ((threadIdx.x & 31) == 0) sh[threadIdx.x >> 5] = v;\n\
-             __syncthreads();\n\
-             v = sh[0];\n\
-             for (int w = 1; w < TPR / 32; ++w) {{ float u = sh[w]; v = MAX ? ((u > v || u != u) ? u : v) : v + u; }}\n\
-           }}\n\
-           return v;\n}}\n\
+         {ROW_ALL}\
          extern \"C\" __global__ void __launch_bounds__({block}) {ENTRY}(Args a) {{\n\
          __shared__ float sh[32];\n\
          const int lane = threadIdx.x % TPR, rpb = blockDim.x / TPR;\n\
@@ -672,11 +700,11 @@ pub fn softmax_rows(
          float m = -TS_INF;\n\
          #pragma unroll\n\
          for (int e = 0; e < IT * V; ++e) m = (r[e] > m || r[e] != r[e]) ? r[e] : m;\n\
-         m = row_all<true>(m, sh);\n\
+         m = row_all<ROW_MAX>(m, sh);\n\
          float s = 0.f;\n\
          #pragma unroll\n\
          for (int e = 0; e < IT * V; ++e) s += r[e] == -TS_INF ? 0.f : expf(r[e] - m);\n\
-         s = row_all<false>(s, sh);\n\
+         s = row_all<ROW_SUM>(s, sh);\n\
          #pragma unroll\n\
          for (int it = 0; it < IT; ++it) {{\n\
            long long j = ((long long)it * TPR + lane) * V;\n\

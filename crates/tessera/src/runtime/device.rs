@@ -13,6 +13,7 @@ use std::fmt;
 use std::sync::{Arc, RwLock};
 
 use super::cpu::fused::FusedKernel;
+use super::cpu::rows::RowKernel;
 use super::cpu::{MemoryStats, Storage};
 use crate::error::{Error, ErrorKind, Result};
 use crate::ir::{DType, Op};
@@ -148,6 +149,27 @@ pub trait Backend: Send + Sync {
     ) -> Result<Vec<Tensor>> {
         let _ = donated;
         self.run_fused(kernel, inputs)
+    }
+
+    /// Why this backend does not run `kernel` as one kernel, if it does not
+    /// (the executor then runs the group's ops one by one through
+    /// [`Backend::eval`], with intermediates the memory plan does not hold,
+    /// and logs this reason under `fusion`).
+    fn row_kernel_refusal(&self, kernel: &RowKernel) -> Option<String> {
+        let _ = kernel;
+        Some(format!(
+            "the `{}` backend has no row kernels",
+            self.device()
+        ))
+    }
+
+    /// Runs a fused row kernel (see [`RowKernel`]) that
+    /// [`Backend::row_kernel_refusal`] takes; `inputs` as numbered by its
+    /// loads, each broadcastable to `outer ++ [len]`. Its outputs are
+    /// allocated in `kernel.outputs` order (the memory plan's order).
+    fn run_rows(&self, kernel: &RowKernel, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
+        let _ = (kernel, inputs);
+        Err(unsupported(self.device(), "row kernels"))
     }
 
     /// Waits for all work queued on the device.

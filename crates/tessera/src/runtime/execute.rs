@@ -14,6 +14,7 @@ use std::sync::{Arc, Mutex};
 use super::autotune;
 use super::cpu::arena::{self, Arena, Block, Place, Slots, Taken};
 use super::cpu::fused::{FusedInput, FusedKernel};
+use super::cpu::rows::RowKernel;
 use super::cpu::Storage;
 use super::device::{self, Device, DeviceStorage};
 use super::interpret::{bind_symbols, node_error};
@@ -86,7 +87,7 @@ pub fn run_scheduled_with(
 ) -> Result<Vec<(String, Tensor)>> {
     let refs: Vec<&Tensor> = inputs.iter().collect();
     let on = inputs_device(graph, &refs)?;
-    if let (false, Some(why)) = (on == Device::Cpu, device_arena_unfit(plan, memory)) {
+    if let Some(why) = device_arena_unfit(plan, memory, on) {
         log("memory", || {
             format!(
                 "graph `{}` on {on}: {why}; no arena, buffers from the device's allocator",
@@ -245,9 +246,9 @@ fn execute_here(
                     let mem = memory(k)?;
                     let mut job =
                         Job::gather(graph, k, &plan.kernels[k], &mem.in_place, &mut values);
-                    job.planned = mem
-                        .planned
-                        .filter(|_| on == Device::Cpu || placed_on_device(graph, &plan.kernels[k]));
+                    job.planned = mem.planned.filter(|_| {
+                        on == Device::Cpu || placed_on_device(graph, &plan.kernels[k], on)
+                    });
                     Ok((job, mem.alone))
                 })
                 .collect::<Result<_>>()?;
@@ -288,33 +289,44 @@ fn execute_here(
     })
 }
 
-/// Whether a device run follows `memory` as planned: the plan's scratch is
-/// the CPU kernels' (f32 copies of half-precision matmul operands, copies of
-/// strided rows), which the device's kernels do not make, so an arena with
-/// it would hold bytes nobody uses (4 GiB for the seed's bf16 attention);
-/// such plans run on the device's caching allocator instead, in place
-/// where planned. The planner has one scratch model, the CPU's.
-/// Why a device run cannot take the memory plan's arena, if it cannot:
-/// the plan models the CPU's kernels, so it is exact on a device only
-/// without CPU scratch (the device's kernels use none) and without row
-/// kernels (a device runs their ops one by one, with intermediates the
-/// plan does not hold).
-pub fn device_arena_unfit(plan: &Plan, memory: &MemoryPlan) -> Option<&'static str> {
+/// Why a run on device `on` cannot take the memory plan's arena, if it
+/// cannot (never on the CPU). The plan models the CPU's kernels, so it is
+/// exact on a device only
+/// - without CPU scratch: the plan's scratch is the CPU kernels' (f32
+///   copies of half-precision matmul operands, copies of strided rows),
+///   which the device's kernels do not make, so an arena with it would hold
+///   bytes nobody uses (4 GiB for the seed's bf16 attention);
+/// - with every row kernel run as one kernel by the device (one it refuses
+///   runs op by op, with intermediates the plan does not hold).
+///
+/// Such plans run on the device's caching allocator instead, in place
+/// where planned.
+pub fn device_arena_unfit(plan: &Plan, memory: &MemoryPlan, on: Device) -> Option<String> {
+    if on == Device::Cpu {
+        return None;
+    }
     if memory.buffers.iter().any(|b| b.value.is_none()) {
         return Some(
-            "the plan reserves the CPU kernels' scratch, which the device's kernels do not use",
+            "the plan reserves the CPU kernels' scratch, which the device's kernels do not use"
+                .into(),
         );
     }
-    if plan
-        .kernels
-        .iter()
-        .any(|k| matches!(k, Kernel::Rows { .. }))
-    {
-        return Some(
-            "its row kernels run op by op on the device, with intermediates the plan does not hold",
-        );
+    plan.kernels.iter().find_map(|k| match k {
+        Kernel::Rows { kernel, .. } => row_refusal(on, kernel).map(|why| {
+            format!(
+                "a row kernel runs op by op on the device ({why}), with intermediates the plan does not hold"
+            )
+        }),
+        _ => None,
+    })
+}
+
+/// Why device `on` does not run `kernel` as one kernel, if it does not.
+fn row_refusal(on: Device, kernel: &RowKernel) -> Option<String> {
+    match device::backend(on) {
+        Ok(backend) => backend.row_kernel_refusal(kernel),
+        Err(e) => Some(e.message),
     }
-    None
 }
 
 /// What a kernel computed: (value, tensor) pairs.
@@ -326,11 +338,13 @@ type KernelResult = Result<Vec<(NodeId, Tensor)>>;
 /// output in another output's place (with another lifetime). Custom ops
 /// (their device code allocates as it likes) take their places, and an
 /// output found in another's is moved to the pool ([`rehome`]); row groups
-/// with two outputs of one size (run op by op on a device) allocate from
-/// the pool instead, their outputs counted beside the arena.
-fn placed_on_device(graph: &Graph, kernel: &Kernel) -> bool {
+/// the device runs as one kernel allocate their outputs in the plan's
+/// order; those it runs op by op with two outputs of one size allocate
+/// from the pool instead, their outputs counted beside the arena.
+fn placed_on_device(graph: &Graph, kernel: &Kernel, on: Device) -> bool {
     match kernel {
         Kernel::Custom { .. } => true,
+        Kernel::Rows { kernel, .. } if row_refusal(on, kernel).is_none() => true,
         Kernel::Rows { outputs, .. } => {
             let mut sizes: Vec<usize> = outputs
                 .iter()
@@ -605,9 +619,22 @@ impl<'a> Job<'a> {
             } => {
                 let args: Vec<&Tensor> =
                     self.args.iter().map(|a| a.tensor("row kernels")).collect();
-                if args.iter().any(|t| t.device() != Device::Cpu) {
-                    // Row kernels are CPU code; on a device their ops run
-                    // one by one through the device's own kernels.
+                if let Some(on) = args.iter().map(|t| t.device()).find(|&d| d != Device::Cpu) {
+                    let backend = device::backend(on)?;
+                    let Some(why) = backend.row_kernel_refusal(kernel) else {
+                        let outs = backend
+                            .run_rows(kernel, &args)
+                            .map_err(|e| node_error(graph, members[0], e))?;
+                        return Ok(outputs.iter().copied().zip(outs).collect());
+                    };
+                    // What the device does not take runs one op at a time
+                    // through its own kernels.
+                    log("fusion", || {
+                        format!(
+                            "row kernel of {} on {on}: op by op ({why})",
+                            graph.display_name(members[0])
+                        )
+                    });
                     let reads = self.kernel.reads(graph);
                     return run_members(graph, members, &reads, &args, outputs);
                 }
