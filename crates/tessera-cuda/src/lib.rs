@@ -6,7 +6,9 @@
 //! their kernels here when their inputs live here.
 //!
 //! - [`codegen`]: CUDA C for every kernel (pointwise from the fusion plan's
-//!   step lists, reductions, softmax, indexing), plain strings;
+//!   step lists, the fusion plan's row kernels — reductions and softmax with
+//!   their pointwise producers and consumers — as one kernel each,
+//!   reductions, softmax, indexing), plain strings;
 //! - [`compiler`]: NVRTC for the device's architecture, cached by source
 //!   hash in memory and on disk; `TESSERA_LOGS=output_code` prints sources;
 //! - `gpu`: context, stream, caching allocator (live/peak accounting,

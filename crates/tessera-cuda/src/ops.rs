@@ -555,8 +555,27 @@ impl CudaBackend {
             .collect::<Result<_>>()?;
         if full.iter().product::<usize>() > 0 {
             let ptrs: Vec<u64> = storages.iter().map(|(s, _)| s.ptr()).collect();
-            let launch = fused_rows::fused_rows(kernel, &operands, &ptrs, self.gpu.sms)
-                .map_err(|m| unsupported(op, m))?;
+            let make = |threads| {
+                fused_rows::fused_rows_threads(kernel, &operands, &ptrs, self.gpu.sms, threads)
+            };
+            let default = make(None).map_err(|m| unsupported(op, m))?;
+            // Under max-autotune, the threads a row; the trials write the
+            // outputs, new buffers that no input shares. (Outside it no
+            // candidate is generated: a run has hundreds of row kernels.)
+            let chosen = match tessera::runtime::autotune::device_tuning() {
+                true => {
+                    let candidates: Vec<usize> = rows::THREAD_CANDIDATES
+                        .into_iter()
+                        .filter(|&t| make(Some(t)).is_ok())
+                        .collect();
+                    self.tuned_choice(op, &default, &full, &candidates, |t| make(Some(t)))?
+                }
+                false => None,
+            };
+            let launch = match chosen {
+                Some(t) => make(Some(t)).map_err(|m| unsupported(op, m))?,
+                None => default,
+            };
             self.launch(op, &launch)?;
         }
         Ok(storages

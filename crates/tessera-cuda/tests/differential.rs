@@ -481,3 +481,136 @@ fn devices_do_not_mix_and_memory_is_accounted() {
         "{e}"
     );
 }
+
+/// The graph of `f` on inputs like `args` after the default passes (the
+/// attention pass off), and its fusion plan, which must hold a row kernel.
+fn row_graph(
+    name: &str,
+    args: &[Tensor],
+    f: &dyn Fn(&[Tensor]) -> Vec<Tensor>,
+) -> (tessera::ir::Graph, tessera::fusion::Plan) {
+    use tessera::passes::{PassContext, PassManager};
+    let types: Vec<(String, tessera::ir::TensorType)> = args
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (format!("in{i}"), t.ty()))
+        .collect();
+    let traced = tessera::tensor::trace::trace(name, &types, |a| {
+        Ok(f(a)
+            .into_iter()
+            .enumerate()
+            .map(|(i, t)| (format!("out{i}"), t))
+            .collect())
+    })
+    .unwrap();
+    let mut graph = traced.graph;
+    PassManager::default_pipeline()
+        .without("attention")
+        .run(&mut graph, &PassContext::default())
+        .unwrap();
+    let plan = tessera::fusion::fuse(&graph);
+    let rows = plan
+        .kernels
+        .iter()
+        .filter(|k| matches!(k, tessera::fusion::Kernel::Rows { .. }))
+        .count();
+    assert!(rows > 0, "{name}: no row kernel in\n{graph}");
+    (graph, plan)
+}
+
+/// `f`'s fusion plan run on the GPU (its row kernels as generated kernels)
+/// against the same plan on the CPU (the CPU row kernel).
+fn rows_both(name: &str, inputs: &[Tensor], f: &dyn Fn(&[Tensor]) -> Vec<Tensor>) {
+    let (graph, plan) = row_graph(name, inputs, f);
+    let run = |args: &[Tensor]| -> Vec<Tensor> {
+        tessera::runtime::execute::run_plan(&graph, &plan, args)
+            .unwrap_or_else(|e| panic!("{name}: {e}"))
+            .into_iter()
+            .map(|(_, t)| t)
+            .collect()
+    };
+    let cpu = run(inputs);
+    let on: Vec<Tensor> = inputs.iter().map(cuda).collect();
+    let gpu = run(&on);
+    for (i, (g, c)) in gpu.iter().zip(&cpu).enumerate() {
+        close(&format!("{name} output {i}"), g, c, tol(c.dtype(), true));
+    }
+}
+
+/// Half-precision inputs computed in f32 (row groups reduce f32/f64) and
+/// rounded back, as models do.
+fn up(x: &Tensor) -> Tensor {
+    match x.dtype() {
+        DType::F16 | DType::BF16 => x.cast(DType::F32),
+        _ => x.clone(),
+    }
+}
+
+fn down(y: Tensor, like: &Tensor) -> Tensor {
+    y.cast(like.dtype())
+}
+
+#[test]
+fn fused_row_kernels_match_the_cpu() {
+    if !gpu() {
+        return;
+    }
+    // Odd, warp-sized, block-sized and the longest rows.
+    let shapes: [&[usize]; 4] = [&[3, 5, 45], &[40, 96], &[4, 2048], &[2, 16384]];
+    for d in FLOATS {
+        for (si, &shape) in shapes.iter().enumerate() {
+            let len = *shape.last().unwrap();
+            let seed = 100 + si as u64 * 10;
+            let x = randn(shape, d, seed);
+            let what = |w: &str| format!("{w} {d} {shape:?}");
+            // Softmax decomposed: max, sub, exp, sum, div (and the sum out).
+            rows_both(
+                &what("softmax decomposed"),
+                std::slice::from_ref(&x),
+                &|a| {
+                    let x = up(&a[0]);
+                    let e = (&x - &x.max(&[-1], true)).exp();
+                    let s = e.sum(&[-1], true);
+                    vec![down(&e / &s, &a[0]), s]
+                },
+            );
+            // Softmax backward: p * (dp - sum(dp * p)).
+            let p = randn(shape, d, seed + 1).softmax(-1);
+            let dp = randn(shape, d, seed + 2);
+            rows_both(&what("softmax backward"), &[p, dp], &|a| {
+                let (p, dp) = (up(&a[0]), up(&a[1]));
+                let s = (&dp * &p).sum(&[-1], true);
+                vec![down(&p * &(&dp - &s), &a[0])]
+            });
+            // Layer norm with a weight and bias broadcast over the rows.
+            let w = randn(&[len], d, seed + 3);
+            let b = randn(&[len], d, seed + 4);
+            rows_both(&what("layer norm"), &[x.clone(), w, b], &|a| {
+                let (x, w, b) = (up(&a[0]), up(&a[1]), up(&a[2]));
+                let xc = &x - &x.mean(&[-1], true);
+                let var = (&xc * &xc).mean(&[-1], true);
+                let y = &(&xc * &(var + 1e-5).rsqrt()) * &w + &b;
+                vec![down(y, &a[0])]
+            });
+        }
+        // Views and per-row scalars: a transposed input, a [rows, 1]
+        // input, a constant; softmax, log_softmax and every reduction.
+        let (rows, len) = (24, 333);
+        let xt = randn(&[len, rows], d, 7);
+        let c = randn(&[rows, 1], d, 8);
+        rows_both(&format!("views and scalars {d}"), &[xt, c], &|a| {
+            let x = up(&a[0]).transpose(0, 1);
+            let z = (&x - &up(&a[1])) * 0.5;
+            let near_one = &z * 0.01 + 1.0;
+            vec![
+                down(z.softmax(-1), &a[0]),
+                down(z.log_softmax(-1) * 2.0, &a[0]),
+                z.max(&[-1], false),
+                z.min(&[-1], true),
+                near_one.prod(&[-1], true),
+                (&z - &z.mean(&[-1], true)).exp().sum(&[-1], false),
+                z.gt(z.mean(&[-1], true)),
+            ]
+        });
+    }
+}

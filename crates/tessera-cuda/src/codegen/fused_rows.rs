@@ -74,6 +74,24 @@ pub fn fused_rows(
     outputs: &[u64],
     sms: u32,
 ) -> Result<Launch, String> {
+    fused_rows_threads(kernel, inputs, outputs, sms, None)
+}
+
+/// Accesses a thread keeps per row value at most, for a tuner's thread
+/// count (the default plan keeps at most 16, at 1024 threads a row).
+const ITEMS_MAX: usize = 16;
+
+/// [`fused_rows`] with `threads` per row (a tuner's choice among
+/// [`super::rows::THREAD_CANDIDATES`]; `None`: about four accesses a
+/// thread). A choice that would keep more than 16 accesses a thread per row
+/// value is refused.
+pub fn fused_rows_threads(
+    kernel: &RowKernel,
+    inputs: &[Operand],
+    outputs: &[u64],
+    sms: u32,
+    threads: Option<usize>,
+) -> Result<Launch, String> {
     if let Some(why) = refusal(kernel) {
         return Err(why);
     }
@@ -120,7 +138,13 @@ pub fn fused_rows(
             _ => Place::Computed,
         });
     }
-    let plan = schedule(kernel, &buffers, &place);
+    let plan = schedule(kernel, &buffers, &place, threads);
+    if threads.is_some() && plan.items > ITEMS_MAX {
+        return Err(format!(
+            "{} threads a row keep {} accesses a thread (at most {ITEMS_MAX})",
+            plan.threads, plan.items
+        ));
+    }
     let packed = |b: usize| {
         let (d, l, p) = buffers[b];
         plan.vec > 1 && on_packs(d, l, p, plan.vec)
@@ -315,7 +339,12 @@ enum Place {
 /// else one element an access. Rows that are not on packs (a strided,
 /// misaligned or non-float input, a bool output, an output at an odd
 /// address) are read and written element by element at those positions.
-fn schedule(kernel: &RowKernel, buffers: &[(DType, &Layout, u64)], place: &[Place]) -> RowPlan {
+fn schedule(
+    kernel: &RowKernel,
+    buffers: &[(DType, &Layout, u64)],
+    place: &[Place],
+    threads: Option<usize>,
+) -> RowPlan {
     let packable = |d: DType| vector_width(&[d]).is_some();
     let mut streams: Vec<DType> = Vec::new();
     for (s, p) in place.iter().enumerate() {
@@ -337,7 +366,7 @@ fn schedule(kernel: &RowKernel, buffers: &[(DType, &Layout, u64)], place: &[Plac
             .unwrap_or(1),
         _ => 1,
     };
-    RowPlan::of(kernel.len.div_ceil(vec), vec, None)
+    RowPlan::of(kernel.len.div_ceil(vec), vec, threads)
 }
 
 /// Whether a row input of `dtype` through `layout` at `ptr` is read in
@@ -586,6 +615,32 @@ mod tests {
             l.source
         );
         assert!(l.source.contains("exp(v0[k] - m6)"), "{}", l.source);
+    }
+
+    #[test]
+    fn a_tuned_thread_count_reshapes_the_rows_within_the_register_limit() {
+        let k = decomposed_softmax(&[64], 2048, DType::F32);
+        let x = buffer(DType::F32, Layout::contiguous(&[64, 2048]));
+        let with = |t| fused_rows_threads(&k, std::slice::from_ref(&x), &[8, 16], 132, Some(t));
+        // 512 packs of 4: 1024 threads keep 1 each, 32 keep 16.
+        let wide = with(1024).unwrap();
+        assert!(
+            wide.source.contains("#define IT 1\n#define TPR 1024"),
+            "{}",
+            wide.source
+        );
+        assert_eq!((wide.block, wide.grid), (1024, 64));
+        let warp = with(32).unwrap();
+        assert!(
+            warp.source.contains("#define IT 16\n#define TPR 32"),
+            "{}",
+            warp.source
+        );
+        assert_eq!((warp.block, warp.grid), (256, 8));
+        let long = decomposed_softmax(&[2], MAX_ROW, DType::F32);
+        let x = buffer(DType::F32, Layout::contiguous(&[2, MAX_ROW]));
+        let e = fused_rows_threads(&long, &[x], &[8, 16], 132, Some(64)).unwrap_err();
+        assert!(e.contains("64 accesses a thread"), "{e}");
     }
 
     #[test]
