@@ -45,6 +45,8 @@ TN = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
 # its warpgroups also take turns issuing their products, see turn_wait in the .cu).
 # (The "turns" variants of g4 and of the backward, 1.76 / 4.48 ms, were dropped: NOTES.md.)
 FWD_CFGS = {64: [(4, 64)], 128: [("g4", 64), ("ring", 64), ("ringt", 64), (4, 64), ("split", 3)]}
+# (The backward's ring variants of session 4 -- with S and dP waited separately, with
+# the dQ product deferred to the next iteration -- were dropped: NOTES.md.)
 BWD_CFGS = {64: [(8, 64)], 128: [("wg", 1), ("wg", 3), (8, 32)]}
 F32_DIMS = [32, 64, 96, 128, 160, 192, 224, 256]
 LOG2E = 1.4426950408889634
@@ -181,7 +183,8 @@ class Flash:
         dv_acc = np.uint64(ptr + 4 * (B * H * qt * 64 * D + B * H * kt * 64 * D))
         if wg:
             bc, threads = 128, 256
-            smem = (2 * bc * D + 4 * 64 * D + bc * 64) * 2 + 16 * 64
+            # K, V, 3 ring stages of Q/dO, 2 dS^T buffers, 3 stages of lse/Delta, 5 mbarriers
+            smem = (2 * bc * D + 6 * 64 * D + 2 * bc * 64) * 2 + 6 * 64 * 4 + 5 * 8
             name = f"flash_bwd_wg_{tn}_d{D}"
             nblk = (nk + bc - 1) // bc
             if nk > 0:
@@ -397,6 +400,21 @@ def timings(fl, reps, results):
             t_bwd[bc] = median_ms(lambda: fl.bwd(q, k, v, out, dout, lse, causal, scale, bc, bufs), reps)
             log(f"tessera bwd{bc} causal={causal}: {t_bwd[bc]:.3f} ms "
                 f"({flops * 2.5 / 3.5 / fdiv / t_bwd[bc] / 1e9:.0f} TFLOP/s)")
+        if not causal:
+            # The wgmma backward's two memory-bound launches alone (Delta + zeroing the dQ
+            # workspace; workspace -> dQ), to say how much of its time is outside the
+            # main kernel.
+            rows, n4 = B * H * N, B * H * (N // 64) * 2048
+            dq_, _, _, delta_, ws_ = bufs
+            p = Flash.p
+            pre = fl.fn(f"flash_bwd_pre_bf16_d{D}", 0)
+            post = fl.fn("flash_bwd_post_wg_bf16", 0)
+            t_pre = median_ms(lambda: pre(((rows + 7) // 8,), (256,), (
+                p(out), p(dout), p(delta_), p(ws_), np.int64(n4), np.int64(rows))), reps)
+            t_post = median_ms(lambda: post(((n4 + 255) // 256,), (256,), (
+                p(ws_), p(dq_), np.int64(n4), np.int32(N), np.float32(scale))), reps)
+            log(f"tessera bwd parts: pre (Delta + zero) {t_pre:.3f} ms, post (dQ) {t_post:.3f} ms")
+            results.append(dict(what="bwd_parts", pre_ms=t_pre, post_ms=t_post))
         fc = min(t_fwd, key=t_fwd.get)
         bc = min(t_bwd, key=t_bwd.get)
         pairs = [(fc, bc), (("g4", 64), ("wg", 1)), (("ring", 64), ("wg", 1)),

@@ -22,7 +22,8 @@
 //                                   leave most SMs idle), then the merge of the partials.
 //   flash_bwd_wg_<t>_d128           sm_90a: FlashAttention-2 backward on wgmma; a block
 //                                   owns 128 keys (2 warpgroups x 64), keeps dK and dV in
-//                                   registers and walks query tiles of 64 rows,
+//                                   registers and walks query tiles of 64 rows (a 3-stage
+//                                   Q/dO ring under mbarriers, no block barrier per tile),
 //                                   recomputing P from the logsumexp. gridDim.z > 1
 //                                   splits the query tiles (small batch x heads); dK and
 //                                   dV then go through f32 workspaces too.
@@ -1204,195 +1205,30 @@ __device__ __forceinline__ void fwd_combine(const float* __restrict__ o_part,
   }
 }
 
-// Backward (D = 128): 2 warpgroups x 64 keys per block, query tiles of 64 rows.
-
-// Each query tile's dQ goes to the f32 workspace with red.global.add.v4.f32, fragment-
-// tiled (above). Tried and slower (BENCHMARKS.md, NOTES.md): row-major v2/v4 reductions
-// (16 rows x 32 B per warp instruction), and staging the tile in shared memory for one
-// cp.reduce.async.bulk per tile (4.17 vs 4.03 ms at (8, 32, 2048, 128)); issuing the dQ
-// product before dV/dK and reducing while those run was no faster (4.04).
+// The backward's epilogue: dK (times scale) and dV of this warpgroup's 64 keys, straight
+// to T, or with gridDim.z > 1 (query tiles split over z blocks) added into the f32
+// fragment-tiled workspaces (a warpgroup whose keys all lie past nk, or a block that
+// had no query tile, adds nothing).
 template <typename T>
-__device__ __forceinline__ void bwd_wg(const T* __restrict__ Q, const T* __restrict__ K,
-                                       const T* __restrict__ V, const T* __restrict__ dO,
-                                       const float* __restrict__ LSE,
-                                       const float* __restrict__ Delta,
-                                       float* __restrict__ dq_acc, T* __restrict__ dK,
-                                       T* __restrict__ dV, float* __restrict__ dk_acc,
-                                       float* __restrict__ dv_acc, int nq, int nk, float scale,
-                                       float scale_log2, int causal) {
-  constexpr int D = 128, BC = 128, BR = 64, THREADS = 256;
-  constexpr int TILE = BR * D;           // floats per fragment tile
-  constexpr u32 ROWG = (D / 8) * 128;    // row-group step of a [.][D] tile, bytes
-  constexpr u32 SROWG = (BR / 8) * 128;  // row-group step of the dS^T tile [BC][BR]
-  extern __shared__ __align__(128) unsigned char smem_raw[];
-  T* sK = reinterpret_cast<T*>(smem_raw);
-  T* sV = sK + BC * D;
-  T* sQ = sV + BC * D;        // [2][BR][D]
-  T* sdO = sQ + 2 * BR * D;   // [2][BR][D]
-  T* sdS = sdO + 2 * BR * D;  // [BC][BR], dS^T
-  float* sL = reinterpret_cast<float*>(sdS + BC * BR);
-  float* sDl = sL + 2 * BR;
-
-  const int tid = threadIdx.x, wg = tid / 128, warp = (tid % 128) / 32, lane = tid % 32;
-  const int k0 = blockIdx.x * BC;
-  const size_t bh = blockIdx.y;
-  const T* Qb = Q + bh * nq * D;
-  const T* dOb = dO + bh * nq * D;
-  const float* Lb = LSE + bh * nq;
-  const float* Db = Delta + bh * nq;
-  const int q_tiles = (nq + BR - 1) / BR;
-  float* dqb = dq_acc + bh * q_tiles * TILE;
-  // Under causal masking queries before k0 see none of this block's keys. With
-  // gridDim.z > 1 the query tiles are split evenly among the z blocks of a key block
-  // (fills the GPU when batch x heads is small); dK and dV then go to f32 workspaces.
-  int i_begin = causal ? (k0 / BR) : 0;
-  int i_end = q_tiles;
+__device__ __forceinline__ void bwd_wg_store_dkv(const float (&dk)[64], const float (&dv)[64],
+                                                 T* __restrict__ dK, T* __restrict__ dV,
+                                                 float* __restrict__ dk_acc,
+                                                 float* __restrict__ dv_acc, size_t bh, int k0,
+                                                 int key_a, int nk, int wg, int warp, int lane,
+                                                 bool had_tiles, float scale) {
+  constexpr int D = 128, TILE = 64 * D;
   if (gridDim.z > 1) {
-    const int per = (i_end - i_begin + gridDim.z - 1) / gridDim.z;
-    i_begin = min(i_end, i_begin + (int)blockIdx.z * per);
-    i_end = min(i_end, i_begin + per);
-  }
-
-  load_tile_cm<T, BC, D, THREADS>(sK, K + bh * nk * D, k0, nk, tid);
-  load_tile_cm<T, BC, D, THREADS>(sV, V + bh * nk * D, k0, nk, tid);
-  auto stage_q = [&](int i, int buf) {
-    load_tile_cm<T, BR, D, THREADS>(sQ + buf * BR * D, Qb, i * BR, nq, tid);
-    load_tile_cm<T, BR, D, THREADS>(sdO + buf * BR * D, dOb, i * BR, nq, tid);
-    if (tid < BR) {
-      // Asynchronous like the tiles: a plain load here would stall the whole block on
-      // L2 latency every iteration. Rows past the end read 0 and are masked below.
-      const int q = i * BR + tid;
-      cp_async4(sL + buf * BR + tid, Lb + (q < nq ? q : 0), q < nq);
-      cp_async4(sDl + buf * BR + tid, Db + (q < nq ? q : 0), q < nq);
-    }
-  };
-  if (i_begin < i_end) stage_q(i_begin, 0);
-  cp_async_commit();
-
-  float dk[D / 2], dv[D / 2];
-#pragma unroll
-  for (int i = 0; i < D / 2; ++i) dk[i] = dv[i] = 0.f;
-  const int key_a = k0 + wg * 64 + warp * 16 + lane / 4;
-  const T* kw = sK + wg * 64 * D;
-  const T* vw = sV + wg * 64 * D;
-
-  for (int i = i_begin; i < i_end; ++i) {
-    const int buf = (i - i_begin) & 1;
-    cp_async_wait_all();
-    fence_proxy_async();
-    __syncthreads();
-    if (i + 1 < i_end) stage_q(i + 1, buf ^ 1);
-    cp_async_commit();
-    const T* qt = sQ + buf * BR * D;
-    const T* gt = sdO + buf * BR * D;
-    const float* lt = sL + buf * BR;
-    const float* dt = sDl + buf * BR;
-    const int qrow0 = i * BR;
-
-    // S^T = K Q^T, dP^T = V dO^T (this warpgroup's 64 keys x 64 queries).
-    float s[BR / 2], dp[BR / 2];
-    wg_fence();
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      wg_ss_n64<0, 0>(Tag<T>(), s, gmma_desc(kw + kk * 128, 128, ROWG),
-                      gmma_desc(qt + kk * 128, 128, ROWG), kk);
-      wg_ss_n64<0, 0>(Tag<T>(), dp, gmma_desc(vw + kk * 128, 128, ROWG),
-                      gmma_desc(gt + kk * 128, 128, ROWG), kk);
-    }
-    wg_commit();
-    wg_wait_all();
-    reg_fence(s);
-    reg_fence(dp);
-
-    const bool need_mask =
-        (k0 + BC > nk) || (qrow0 + BR > nq) || (causal && k0 + BC - 1 > qrow0);
-#pragma unroll
-    for (int nt = 0; nt < BR / 8; ++nt) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int qc = nt * 8 + 2 * (lane % 4) + (e & 1);
-        float p = fast_exp2(s[4 * nt + e] * scale_log2 - lt[qc] * TF_LOG2E);
-        if (need_mask) {
-          const int key = key_a + (e >> 1) * 8;
-          if (key >= nk || qrow0 + qc >= nq || (causal && key > qrow0 + qc)) p = 0.f;
-        }
-        s[4 * nt + e] = p;
-        dp[4 * nt + e] = p * (dp[4 * nt + e] - dt[qc]);
-      }
-    }
-
-    // dS^T into its core-matrix tile for the dQ product.
-    {
-      const int kl = wg * 64 + warp * 16 + lane / 4;  // key row within the block
-#pragma unroll
-      for (int nt = 0; nt < BR / 8; ++nt)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int kr = kl + 8 * h;
-          *reinterpret_cast<u32*>(sdS + ((kr >> 3) * (BR / 8) + nt) * 64 + (kr & 7) * 8 +
-                                  2 * (lane % 4)) =
-              Mma<T>::pack(dp[4 * nt + 2 * h], dp[4 * nt + 2 * h + 1]);
-        }
-    }
-
-    // dV += P^T dO, dK += dS^T Q (A from registers, B N-major).
-    u32 pa[BR / 16][4], sa[BR / 16][4];
-#pragma unroll
-    for (int kk = 0; kk < BR / 16; ++kk) {
-#pragma unroll
-      for (int x = 0; x < 4; ++x) {
-        pa[kk][x] = Mma<T>::pack(s[8 * kk + 2 * x], s[8 * kk + 2 * x + 1]);
-        sa[kk][x] = Mma<T>::pack(dp[8 * kk + 2 * x], dp[8 * kk + 2 * x + 1]);
-      }
-    }
-    // dQ_i += dS K: warpgroup wg takes d columns [64 wg, 64 wg + 64). A = dS read
-    // M-major from the dS^T tile, B = K (k = key, n = d) read N-major.
-    float dq[32];
-    auto issue_dq = [&]() {
-#pragma unroll
-      for (int kk = 0; kk < BC / 16; ++kk)
-        wg_ss_n64<1, 1>(Tag<T>(), dq, gmma_desc(sdS + kk * 2 * (SROWG / 2), SROWG, 128),
-                        gmma_desc(sK + kk * 2 * (ROWG / 2) + wg * 8 * 64, ROWG, 128), kk);
-      wg_commit();
-    };
-    auto issue_dkv = [&]() {
-#pragma unroll
-      for (int kk = 0; kk < BR / 16; ++kk) {
-        wg_rs_n128<1>(Tag<T>(), dv, pa[kk], gmma_desc(gt + kk * 2 * (ROWG / 2), ROWG, 128), 1);
-        wg_rs_n128<1>(Tag<T>(), dk, sa[kk], gmma_desc(qt + kk * 2 * (ROWG / 2), ROWG, 128), 1);
-      }
-      wg_commit();
-    };
-    reg_fence(dv);
-    reg_fence(dk);
-    wg_fence();
-    issue_dkv();
-    fence_proxy_async();  // dS^T stores -> async proxy
-    // dV/dK stay in flight across the barrier and the dQ issue; one wait covers all.
-    __syncthreads();
-    wg_fence();
-    issue_dq();
-    wg_wait_all();
-    reg_fence(dq);
-    reg_fence(dv);
-    reg_fence(dk);
-    float* dst = dqb + (size_t)i * TILE;
-#pragma unroll
-    for (int nt = 0; nt < 8; ++nt)
-      red_add_f4(dst + frag_tile_f4(warp, wg * 8 + nt, lane), &dq[4 * nt]);
-  }
-  if (gridDim.z > 1) {
-    // Partial sums over this block's share of the queries: add them up in f32 (a
-    // warpgroup whose 64 keys all lie past nk has no tile in the workspace).
-    if (i_end > i_begin && k0 + wg * 64 < nk) {
+    if (had_tiles && k0 + wg * 64 < nk) {
       const int k_tiles = (nk + 63) / 64;
       const size_t t = bh * k_tiles + (k0 / 64 + wg);
       float* ka = dk_acc + t * TILE;
       float* va = dv_acc + t * TILE;
 #pragma unroll
       for (int c8 = 0; c8 < 16; ++c8) {
-        red_add_f4(ka + frag_tile_f4(warp, c8, lane), &dk[4 * c8]);
-        red_add_f4(va + frag_tile_f4(warp, c8, lane), &dv[4 * c8]);
+        red_add_v4(ka + frag_tile_f4(warp, c8, lane), dk[4 * c8], dk[4 * c8 + 1],
+                   dk[4 * c8 + 2], dk[4 * c8 + 3]);
+        red_add_v4(va + frag_tile_f4(warp, c8, lane), dv[4 * c8], dv[4 * c8 + 1],
+                   dv[4 * c8 + 2], dv[4 * c8 + 3]);
       }
     }
     return;
@@ -1413,6 +1249,214 @@ __device__ __forceinline__ void bwd_wg(const T* __restrict__ Q, const T* __restr
     }
   }
 }
+
+// Backward (D = 128): 2 warpgroups x 64 keys per block, query tiles of 64 rows.
+//
+// Each query tile's dQ goes to the f32 workspace with red.global.add.v4.f32, fragment-
+// tiled (above). Tried and slower (BENCHMARKS.md, NOTES.md): row-major v2/v4 reductions
+// (16 rows x 32 B per warp instruction), and staging the tile in shared memory for one
+// cp.reduce.async.bulk per tile (4.17 vs 4.03 ms at (8, 32, 2048, 128)); issuing the dQ
+// product before dV/dK and reducing while those run was no faster (4.04); issuing tile
+// j's dQ product in iteration j + 1 (FlashAttention-3's order) spills (4.48 ms).
+//
+// The query-side operands (Q, dO, lse, Delta tiles) go through a 3-stage ring under
+// mbarriers and dS^T is double-buffered, so that no block barrier is left in the loop
+// (the forward's ring applied to the backward: 3.93-3.99 ms against 4.08-4.10 with
+// two block barriers per query tile, NOTES.md session 4). Two kinds of mbarrier,
+// THREADS arrivals each:
+//   full[st]: every thread's cp.async share of the tile in stage st landed (a thread
+//     publishes tile j+1 while S_j/dP_j are on the tensor cores);
+//   ds[b]: both warpgroups stored their dS^T rows of tile j (b = j % 2), which the dQ
+//     product reads whole (dQ sums over the block's 128 keys).
+// Passing ds[b] at tile j also proves that the other warpgroup finished tile j-1 (its
+// dQ/dK/dV products were waited before it stored dS^T of tile j), so the stage of tile
+// j-1 may be refilled with tile j+2 and dS^T buffer b^1 rewritten at tile j+1: no
+// "empty" barriers are needed, and the warpgroups drift at most one product apart.
+template <typename T>
+__device__ __forceinline__ void bwd_wg(const T* __restrict__ Q, const T* __restrict__ K,
+                                       const T* __restrict__ V, const T* __restrict__ dO,
+                                       const float* __restrict__ LSE,
+                                       const float* __restrict__ Delta,
+                                       float* __restrict__ dq_acc, T* __restrict__ dK,
+                                       T* __restrict__ dV, float* __restrict__ dk_acc,
+                                       float* __restrict__ dv_acc, int nq, int nk, float scale,
+                                       float scale_log2, int causal) {
+  constexpr int D = 128, BC = 128, BR = 64, THREADS = 256, NS = 3;
+  constexpr int TILE = BR * D;           // floats per fragment tile
+  constexpr u32 ROWG = (D / 8) * 128;    // row-group step of a [.][D] tile, bytes
+  constexpr u32 SROWG = (BR / 8) * 128;  // row-group step of the dS^T tile [BC][BR]
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  T* sK = reinterpret_cast<T*>(smem_raw);
+  T* sV = sK + BC * D;
+  T* sQ = sV + BC * D;         // [NS][BR][D]
+  T* sdO = sQ + NS * BR * D;   // [NS][BR][D]
+  T* sdS = sdO + NS * BR * D;  // [2][BC][BR], dS^T
+  float* sL = reinterpret_cast<float*>(sdS + 2 * BC * BR);  // [NS][BR]
+  float* sDl = sL + NS * BR;                                // [NS][BR]
+  unsigned long long* full = reinterpret_cast<unsigned long long*>(sDl + NS * BR);
+  unsigned long long* ds_full = full + NS;
+
+  const int tid = threadIdx.x, wg = tid / 128, warp = (tid % 128) / 32, lane = tid % 32;
+  const int k0 = blockIdx.x * BC;
+  const size_t bh = blockIdx.y;
+  const T* Qb = Q + bh * nq * D;
+  const T* dOb = dO + bh * nq * D;
+  const float* Lb = LSE + bh * nq;
+  const float* Db = Delta + bh * nq;
+  const int q_tiles = (nq + BR - 1) / BR;
+  float* dqb = dq_acc + bh * q_tiles * TILE;
+  int i_begin = causal ? (k0 / BR) : 0;
+  int i_end = q_tiles;
+  if (gridDim.z > 1) {
+    const int per = (i_end - i_begin + gridDim.z - 1) / gridDim.z;
+    i_begin = min(i_end, i_begin + (int)blockIdx.z * per);
+    i_end = min(i_end, i_begin + per);
+  }
+  const int n_tiles = i_end - i_begin;
+  if (tid == 0) {
+#pragma unroll
+    for (int st = 0; st < NS; ++st) mbar_init(full + st, THREADS);
+    mbar_init(ds_full, THREADS);
+    mbar_init(ds_full + 1, THREADS);
+  }
+  auto stage_q = [&](int j) {
+    const int st = j % NS, i = i_begin + j;
+    load_tile_cm<T, BR, D, THREADS>(sQ + st * BR * D, Qb, i * BR, nq, tid);
+    load_tile_cm<T, BR, D, THREADS>(sdO + st * BR * D, dOb, i * BR, nq, tid);
+    if (tid < BR) {
+      const int q = i * BR + tid;
+      cp_async4(sL + st * BR + tid, Lb + (q < nq ? q : 0), q < nq);
+      cp_async4(sDl + st * BR + tid, Db + (q < nq ? q : 0), q < nq);
+    }
+  };
+  load_tile_cm<T, BC, D, THREADS>(sK, K + bh * nk * D, k0, nk, tid);
+  load_tile_cm<T, BC, D, THREADS>(sV, V + bh * nk * D, k0, nk, tid);
+  if (n_tiles > 0) stage_q(0);
+  cp_async_commit();
+  if (n_tiles > 1) stage_q(1);
+  cp_async_commit();
+  __syncthreads();      // the barrier inits
+  cp_async_wait_one();  // this thread's share of K, V and tile 0
+  fence_proxy_async();
+  if (n_tiles > 0) mbar_arrive(full);
+
+  float dk[D / 2], dv[D / 2];
+#pragma unroll
+  for (int i = 0; i < D / 2; ++i) dk[i] = dv[i] = 0.f;
+  const int key_a = k0 + wg * 64 + warp * 16 + lane / 4;
+  const T* kw = sK + wg * 64 * D;
+  const T* vw = sV + wg * 64 * D;
+
+  for (int j = 0; j < n_tiles; ++j) {
+    const int st = j % NS, b = j & 1, i = i_begin + j;
+    mbar_wait(full + st, (j / NS) & 1);
+    const T* qt = sQ + st * BR * D;
+    const T* gt = sdO + st * BR * D;
+    const float* lt = sL + st * BR;
+    const float* dt = sDl + st * BR;
+    T* dst_s = sdS + b * BC * BR;
+    const int qrow0 = i * BR;
+
+    // S^T = K Q^T, dP^T = V dO^T (this warpgroup's 64 keys x 64 queries).
+    float s[BR / 2], dp[BR / 2];
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      wg_ss_n64<0, 0>(Tag<T>(), s, gmma_desc(kw + kk * 128, 128, ROWG),
+                      gmma_desc(qt + kk * 128, 128, ROWG), kk);
+      wg_ss_n64<0, 0>(Tag<T>(), dp, gmma_desc(vw + kk * 128, 128, ROWG),
+                      gmma_desc(gt + kk * 128, 128, ROWG), kk);
+    }
+    wg_commit();
+    // While they run: publish this thread's share of tile j + 1 (copied since the
+    // last iteration; it is the newest cp.async group).
+    cp_async_wait_all();
+    fence_proxy_async();
+    if (j + 1 < n_tiles) mbar_arrive(full + (j + 1) % NS);
+
+    const bool need_mask =
+        (k0 + BC > nk) || (qrow0 + BR > nq) || (causal && k0 + BC - 1 > qrow0);
+    wg_wait_all();
+    reg_fence(s);
+    reg_fence(dp);
+#pragma unroll
+    for (int nt = 0; nt < BR / 8; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int qc = nt * 8 + 2 * (lane % 4) + (e & 1);
+        float p = fast_exp2(s[4 * nt + e] * scale_log2 - lt[qc] * TF_LOG2E);
+        if (need_mask) {
+          const int key = key_a + (e >> 1) * 8;
+          if (key >= nk || qrow0 + qc >= nq || (causal && key > qrow0 + qc)) p = 0.f;
+        }
+        s[4 * nt + e] = p;
+        dp[4 * nt + e] = p * (dp[4 * nt + e] - dt[qc]);
+      }
+    }
+
+    // dS^T into its core-matrix tile (buffer b) for the dQ product.
+    {
+      const int kl = wg * 64 + warp * 16 + lane / 4;  // key row within the block
+#pragma unroll
+      for (int nt = 0; nt < BR / 8; ++nt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int kr = kl + 8 * h;
+          *reinterpret_cast<u32*>(dst_s + ((kr >> 3) * (BR / 8) + nt) * 64 + (kr & 7) * 8 +
+                                  2 * (lane % 4)) =
+              Mma<T>::pack(dp[4 * nt + 2 * h], dp[4 * nt + 2 * h + 1]);
+        }
+    }
+
+    // dV += P^T dO, dK += dS^T Q (A from registers, B N-major).
+    u32 pa[BR / 16][4], sa[BR / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < BR / 16; ++kk) {
+#pragma unroll
+      for (int x = 0; x < 4; ++x) {
+        pa[kk][x] = Mma<T>::pack(s[8 * kk + 2 * x], s[8 * kk + 2 * x + 1]);
+        sa[kk][x] = Mma<T>::pack(dp[8 * kk + 2 * x], dp[8 * kk + 2 * x + 1]);
+      }
+    }
+    reg_fence(dv);
+    reg_fence(dk);
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < BR / 16; ++kk) {
+      wg_rs_n128<1>(Tag<T>(), dv, pa[kk], gmma_desc(gt + kk * 2 * (ROWG / 2), ROWG, 128), 1);
+      wg_rs_n128<1>(Tag<T>(), dk, sa[kk], gmma_desc(qt + kk * 2 * (ROWG / 2), ROWG, 128), 1);
+    }
+    wg_commit();
+    fence_proxy_async();  // dS^T stores -> async proxy
+    mbar_arrive(ds_full + b);
+    mbar_wait(ds_full + b, (j >> 1) & 1);
+    // Both warpgroups are past tile j - 1: refill its stage with tile j + 2.
+    if (j + 2 < n_tiles) stage_q(j + 2);
+    cp_async_commit();
+
+    // dQ_i += dS K: warpgroup wg takes d columns [64 wg, 64 wg + 64). A = dS read
+    // M-major from the dS^T tile, B = K (k = key, n = d) read N-major.
+    float dq[32];
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < BC / 16; ++kk)
+      wg_ss_n64<1, 1>(Tag<T>(), dq, gmma_desc(dst_s + kk * 2 * (SROWG / 2), SROWG, 128),
+                      gmma_desc(sK + kk * 2 * (ROWG / 2) + wg * 8 * 64, ROWG, 128), kk);
+    wg_commit();
+    wg_wait_all();  // dV/dK too
+    reg_fence(dq);
+    reg_fence(dv);
+    reg_fence(dk);
+    float* dst = dqb + (size_t)i * TILE;
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+      red_add_f4(dst + frag_tile_f4(warp, wg * 8 + nt, lane), &dq[4 * nt]);
+  }
+  cp_async_wait_all();  // K/V of a block with no query tile
+  bwd_wg_store_dkv<T>(dk, dv, dK, dV, dk_acc, dv_acc, bh, k0, key_a, nk, wg, warp, lane,
+                      i_end > i_begin, scale);
+}
+
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
 #if !defined(TF_SKIP_F32)
@@ -1647,7 +1691,7 @@ __device__ __forceinline__ void bwd_pre_f32(const float* __restrict__ O,
 //   fwd mma.sync:  (16W*(D+8) + 4*BC*(D+8)) * 2
 //   bwd mma.sync:  (2*16W*(D+8) + 4*BR*(D+8) + 16W*(BR+8)) * 2 + 16*BR
 //   fwd wgmma g4:  (256*128 + 4*64*128) * 2 = 131072 (split too)
-//   bwd wgmma:     (2*128*128 + 4*64*128 + 128*64) * 2 + 16*64 = 148480
+//   bwd wgmma:     (2*128*128 + 6*64*128 + 2*128*64) * 2 + 6*64*4 + 5*8 = 198184
 //   fwd f32:       (2*32*(D+1) + 8*D) * 4
 //   dq f32:        (2*32*(D+1) + 16*D) * 4
 //   dkv f32:       (2*32*(D+1) + 16*D + 64) * 4
