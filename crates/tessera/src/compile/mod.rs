@@ -27,6 +27,7 @@ pub use guards::{miss_reason, InputGuard};
 
 use crate::autograd::Partition;
 use crate::error::{Error, ErrorKind, Result, SourceLoc};
+use crate::hints::HintMap;
 use crate::ir::Graph;
 use crate::logging::log;
 use crate::schedule::Strategy;
@@ -573,16 +574,22 @@ fn dump_debug(name: &str, n: usize, traced: &Traced, guards: &[InputGuard], exe:
 /// A hash of the graph's structure (ops, attributes, wiring, types, hints —
 /// not names or call sites), the inputs' guards and which lifted tensors
 /// require grad.
+///
+/// It runs on every call (the cache lookup), so it allocates nothing per
+/// node: ops hash their attributes directly ([`crate::ir::Op::hash_structure`]),
+/// and each distinct hint object (shared by the nodes of its scope) is
+/// spelled once.
 fn structure_key(graph: &Graph, guards: &[InputGuard], lifted: &[Tensor]) -> u64 {
     let mut h = DefaultHasher::new();
+    let mut hint_digests: Vec<(*const HintMap, u64)> = Vec::new();
     for node in &graph.nodes {
-        format!("{:?}", node.op).hash(&mut h);
+        node.op.hash_structure(&mut h);
         node.inputs.hash(&mut h);
         node.ty.hash(&mut h);
         node.meta
             .hints
             .as_ref()
-            .map(|m| serde_json::Value::Object(m.clone()).to_string())
+            .map(|m| hint_digest(m, &mut hint_digests))
             .hash(&mut h);
     }
     for out in &graph.outputs {
@@ -595,4 +602,20 @@ fn structure_key(graph: &Graph, guards: &[InputGuard], lifted: &[Tensor]) -> u64
         .collect::<Vec<_>>()
         .hash(&mut h);
     h.finish()
+}
+
+/// The hash of a hint object's JSON text, computed once per distinct object
+/// (`seen` holds those met so far in this graph).
+fn hint_digest(map: &Arc<HintMap>, seen: &mut Vec<(*const HintMap, u64)>) -> u64 {
+    let ptr = Arc::as_ptr(map);
+    if let Some(&(_, digest)) = seen.iter().find(|(p, _)| *p == ptr) {
+        return digest;
+    }
+    let mut h = DefaultHasher::new();
+    serde_json::to_string(&**map)
+        .expect("a JSON object prints")
+        .hash(&mut h);
+    let digest = h.finish();
+    seen.push((ptr, digest));
+    digest
 }
