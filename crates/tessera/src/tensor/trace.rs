@@ -249,9 +249,14 @@ fn traced_tensor(trace: u64, node: NodeId, ty: &TensorType) -> Result<Tensor> {
             ),
         )
     })?;
+    let layout = Layout {
+        strides: super::layout::contiguous_strides(&shape),
+        shape,
+        offset: 0,
+    };
     Ok(Tensor::from_data(
         ty.dtype,
-        Layout::contiguous(&shape),
+        layout,
         Data::Traced(TracedValue { trace, node }),
     ))
 }
