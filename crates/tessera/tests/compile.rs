@@ -81,30 +81,40 @@ fn sliced_scaled(x: &Tensor, parts: usize) -> Tensor {
 fn captured_state_that_changes_the_graph_recompiles_with_right_values_and_gradients() {
     // The guards (the inputs) are the same every call; only the captured
     // `parts` changes the traced graph. A cached executable must never
-    // serve a graph it was not built from.
-    let parts = std::cell::Cell::new(2);
-    let f = compile(|x: &[Tensor]| vec![sliced_scaled(&x[0], parts.get())]);
-    let x = randn(&[6, 3], 4).set_requires_grad(true);
-    for (call, k) in [2, 3, 3, 2, 6].into_iter().enumerate() {
-        parts.set(k);
-        x.zero_grad();
-        let eager = sliced_scaled(&x, k);
-        eager.backward();
-        let want_grad = x.grad().unwrap();
-        x.zero_grad();
-        let out = f.call(std::slice::from_ref(&x));
-        assert_close(&out[0], &eager, 1e-12);
-        out[0].backward();
-        assert_close(&x.grad().unwrap(), &want_grad, 1e-12);
-        let compiles = [1, 2, 2, 2, 3][call];
-        assert_eq!(f.stats().compiles, compiles, "call {call}, {k} parts");
+    // serve a graph it was not built from, also when it was started before
+    // the trace (speculation): its outputs are dropped on a changed graph.
+    for speculate in [false, true] {
+        let parts = std::cell::Cell::new(2);
+        let f = compile(|x: &[Tensor]| vec![sliced_scaled(&x[0], parts.get())])
+            .speculate(Some(speculate));
+        let x = randn(&[6, 3], 4).set_requires_grad(true);
+        for (call, k) in [2, 3, 3, 2, 2, 6].into_iter().enumerate() {
+            parts.set(k);
+            x.zero_grad();
+            let eager = sliced_scaled(&x, k);
+            eager.backward();
+            let want_grad = x.grad().unwrap();
+            x.zero_grad();
+            let out = f.call(std::slice::from_ref(&x));
+            assert_close(&out[0], &eager, 1e-12);
+            out[0].backward();
+            assert_close(&x.grad().unwrap(), &want_grad, 1e-12);
+            let compiles = [1, 2, 2, 2, 2, 3][call];
+            assert_eq!(f.stats().compiles, compiles, "call {call}, {k} parts");
+        }
+        let s = f.stats();
+        assert_eq!(s.cache_hits, 3, "{s:?}");
+        let reasons = f.recompile_reasons();
+        assert_eq!(reasons.len(), 2);
+        assert!(
+            reasons[0].contains("the traced graph changed"),
+            "{reasons:?}"
+        );
+        // Calls 2-6 start the last call's executable; those of calls 2, 4
+        // and 6 (a changed graph) are dropped.
+        let expected = if speculate { (5, 3) } else { (0, 0) };
+        assert_eq!((s.speculations, s.speculation_misses), expected, "{s:?}");
     }
-    let reasons = f.recompile_reasons();
-    assert_eq!(reasons.len(), 2);
-    assert!(
-        reasons[0].contains("the traced graph changed"),
-        "{reasons:?}"
-    );
 }
 
 #[test]
