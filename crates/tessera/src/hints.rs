@@ -25,7 +25,7 @@
 
 use std::cell::RefCell;
 use std::collections::BTreeSet;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use serde_json::{Map, Value};
 
@@ -298,9 +298,16 @@ impl IntoHint for &String {
     }
 }
 
+/// One open scope: its merged hint, and that hint as the JSON object every
+/// node made inside it shares (built once per scope, not once per op).
+struct Open {
+    hint: Hint,
+    map: Option<Arc<HintMap>>,
+}
+
 thread_local! {
-    /// The merged hints of the scopes open on this thread, innermost last.
-    static STACK: RefCell<Vec<Hint>> = const { RefCell::new(Vec::new()) };
+    /// The scopes open on this thread, innermost last.
+    static STACK: RefCell<Vec<Open>> = const { RefCell::new(Vec::new()) };
 }
 
 /// Runs `f` with `hint` merged into the hints in force (the inner value of a
@@ -318,8 +325,9 @@ pub fn scope<R>(hint: impl IntoHint, f: impl FnOnce() -> R) -> Result<R> {
         let mut stack = s.borrow_mut();
         let merged = stack
             .last()
-            .map_or(hint.clone(), |outer| outer.merged(&hint));
-        stack.push(merged);
+            .map_or(hint.clone(), |outer| outer.hint.merged(&hint));
+        let map = (!merged.is_empty()).then(|| Arc::new(merged.to_map()));
+        stack.push(Open { hint: merged, map });
     });
     let _pop = Pop;
     Ok(f())
@@ -337,24 +345,23 @@ pub fn hinted_context<A: ?Sized, R>(
 
 /// The hints in force on this thread as a JSON object (`None` outside any
 /// scope, or when the scopes set nothing).
-pub fn current() -> Option<HintMap> {
-    STACK.with(|s| {
-        s.borrow()
-            .last()
-            .filter(|h| !h.is_empty())
-            .map(Hint::to_map)
-    })
+pub fn current() -> Option<Arc<HintMap>> {
+    STACK.with(|s| s.borrow().last().and_then(|open| open.map.clone()))
 }
 
 /// The hints a backward op inherits from its forward op's `hints`: the same,
 /// with `backward_group_id` (when set) as the `group_id`. Hints that do not
 /// parse are inherited as they are (the scheduler reports them).
-pub fn for_backward(hints: Option<HintMap>) -> Option<HintMap> {
-    let mut map = hints?;
-    if let Some(g) = map.get("backward_group_id").cloned() {
-        map.insert("group_id".into(), g);
+pub fn for_backward(hints: Option<Arc<HintMap>>) -> Option<Arc<HintMap>> {
+    let map = hints?;
+    match map.get("backward_group_id") {
+        Some(g) if map.get("group_id") != Some(g) => {
+            let mut map = (*map).clone();
+            map.insert("group_id".into(), g.clone());
+            Some(Arc::new(map))
+        }
+        _ => Some(map),
     }
-    Some(map)
 }
 
 #[cfg(test)]
@@ -451,9 +458,9 @@ mod tests {
             (outer, inner, current())
         })
         .unwrap();
-        assert_eq!(seen.0, Some(Hint::strict().group(0).to_map()));
+        assert_eq!(seen.0, Some(Arc::new(Hint::strict().group(0).to_map())));
         let want = Hint::bfs().group(0).memory_budget_mb(8.0);
-        assert_eq!(seen.1, Some(want.to_map()));
+        assert_eq!(seen.1, Some(Arc::new(want.to_map())));
         assert_eq!(seen.2, seen.0, "the inner scope is closed");
         assert_eq!(current(), None);
     }
@@ -467,13 +474,13 @@ mod tests {
 
     #[test]
     fn backward_hints_take_the_backward_group() {
-        let fwd = Hint::strict().group(0).backward_group(1).to_map();
+        let fwd = Arc::new(Hint::strict().group(0).backward_group(1).to_map());
         let bwd = for_backward(Some(fwd)).unwrap();
         assert_eq!(
             Hint::from_map(&bwd).unwrap().0,
             Hint::strict().group(1).backward_group(1)
         );
-        let plain = Hint::strict().group(0).to_map();
+        let plain = Arc::new(Hint::strict().group(0).to_map());
         assert_eq!(for_backward(Some(plain.clone())), Some(plain));
     }
 }

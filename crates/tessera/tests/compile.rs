@@ -65,6 +65,76 @@ fn past_the_recompile_limit_it_runs_eagerly() {
     assert_eq!(s.eager_calls, 3);
 }
 
+/// A function whose graph depends on state it closes over, not on its
+/// inputs: `parts` slices, each scaled by its own constant.
+fn sliced_scaled(x: &Tensor, parts: usize) -> Tensor {
+    let scaled: Vec<Tensor> = x
+        .tensor_split(parts, 0)
+        .iter()
+        .enumerate()
+        .map(|(i, p)| p.tanh() * (i + 1) as f64)
+        .collect();
+    Tensor::cat(&scaled.iter().collect::<Vec<_>>(), 0).sum(&[], false)
+}
+
+#[test]
+fn captured_state_that_changes_the_graph_recompiles_with_right_values_and_gradients() {
+    // The guards (the inputs) are the same every call; only the captured
+    // `parts` changes the traced graph. A cached executable must never
+    // serve a graph it was not built from, also when it was started before
+    // the trace (speculation): its outputs are dropped on a changed graph.
+    for speculate in [false, true] {
+        let parts = std::cell::Cell::new(2);
+        let f = compile(|x: &[Tensor]| vec![sliced_scaled(&x[0], parts.get())])
+            .speculate(Some(speculate));
+        let x = randn(&[6, 3], 4).set_requires_grad(true);
+        for (call, k) in [2, 3, 3, 2, 2, 6].into_iter().enumerate() {
+            parts.set(k);
+            x.zero_grad();
+            let eager = sliced_scaled(&x, k);
+            eager.backward();
+            let want_grad = x.grad().unwrap();
+            x.zero_grad();
+            let out = f.call(std::slice::from_ref(&x));
+            assert_close(&out[0], &eager, 1e-12);
+            out[0].backward();
+            assert_close(&x.grad().unwrap(), &want_grad, 1e-12);
+            let compiles = [1, 2, 2, 2, 2, 3][call];
+            assert_eq!(f.stats().compiles, compiles, "call {call}, {k} parts");
+        }
+        let s = f.stats();
+        assert_eq!(s.cache_hits, 3, "{s:?}");
+        let reasons = f.recompile_reasons();
+        assert_eq!(reasons.len(), 2);
+        assert!(
+            reasons[0].contains("the traced graph changed"),
+            "{reasons:?}"
+        );
+        // Calls 2-6 start the last call's executable; those of calls 2, 4
+        // and 6 (a changed graph) are dropped.
+        let expected = if speculate { (5, 3) } else { (0, 0) };
+        assert_eq!((s.speculations, s.speculation_misses), expected, "{s:?}");
+    }
+}
+
+#[test]
+fn a_captured_hint_that_changes_recompiles() {
+    // Hints change no value, only how the graph is scheduled: still a
+    // different graph, so a different executable.
+    let group = std::cell::Cell::new(0);
+    let f = compile(|x: &[Tensor]| {
+        let hint = tessera::hints::Hint::strict().group(group.get());
+        vec![tessera::hints::scope(hint, || (x[0].exp() * 2.0).sum(&[1], false)).unwrap()]
+    });
+    let x = randn(&[4, 5], 5);
+    let want = (x.exp() * 2.0).sum(&[1], false);
+    for (call, g) in [0, 0, 1, 1, 0].into_iter().enumerate() {
+        group.set(g);
+        assert_close(&f.call(std::slice::from_ref(&x))[0], &want, 1e-12);
+        assert_eq!(f.stats().compiles, [1, 1, 2, 2, 2][call], "call {call}");
+    }
+}
+
 fn branchy(x: &[Tensor]) -> Vec<Tensor> {
     // A data-dependent branch: a graph break.
     let total = x[0].sum(&[], false).item();

@@ -142,8 +142,10 @@ fn check_grads(spec: &Spec, seed: u64) -> std::result::Result<(), TestCaseError>
 }
 
 proptest! {
+    // 96 cases unless PROPTEST_CASES asks for more (an explicit `cases`
+    // would override the variable).
     #![proptest_config(ProptestConfig {
-        cases: 96,
+        cases: std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(96),
         max_global_rejects: 4096,
         ..ProptestConfig::default()
     })]

@@ -319,7 +319,8 @@ fn a_kernel_fused_from_different_groups_is_reported() {
         })
         .expect("exp, mul and tanh fuse");
     // A plan made elsewhere may mix groups: move one member to group 1.
-    g.nodes[members[1].index()].meta.hints = Some(Hint::default().group(1).to_map());
+    g.nodes[members[1].index()].meta.hints =
+        Some(std::sync::Arc::new(Hint::default().group(1).to_map()));
     let options = ScheduleOptions::default();
     let s = schedule::build(&g, &plan, &options).unwrap();
     assert!(

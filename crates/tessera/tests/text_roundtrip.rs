@@ -73,7 +73,7 @@ fn attention() -> Graph {
         .unwrap();
     let hints = json!({"order": "strict", "group_id": 0});
     let hinted = NodeMeta {
-        hints: hints.as_object().cloned(),
+        hints: hints.as_object().cloned().map(std::sync::Arc::new),
         ..NodeMeta::default()
     };
     let scaled = g.add(Op::Binary(BinaryOp::Mul), &[s, c], hinted).unwrap();
@@ -746,7 +746,7 @@ fn meta_strategy() -> impl Strategy<Value = NodeMeta> {
         .prop_map(|(name, location, hints)| NodeMeta {
             name,
             location,
-            hints,
+            hints: hints.map(std::sync::Arc::new),
         })
 }
 

@@ -37,6 +37,17 @@ pub fn generalise(
     guards: &[InputGuard],
     dims: &DynamicDims,
 ) -> Option<(Graph, Vec<InputGuard>)> {
+    let generalises = guards.iter().enumerate().any(|(i, guard)| {
+        guard
+            .shape
+            .iter()
+            .enumerate()
+            .any(|(d, &size)| size > 1 && dims.contains(&(i, d)))
+    });
+    if !generalises {
+        // Every call asks (no dynamic dims is the common case): no copy.
+        return None;
+    }
     let mut g = graph.clone();
     let mut masked = guards.to_vec();
     let mut symbol_of: HashMap<usize, usize> = HashMap::new();
@@ -140,5 +151,7 @@ mod tests {
         // Sizes of 1 are not generalised.
         let (g1, guards1) = traced(1, |a| &a[0] + &a[1]);
         assert!(generalise(&g1, &guards1, &[(0, 0)].into()).is_none());
+        // No dynamic dims: nothing to generalise (the common case).
+        assert!(generalise(&g, &guards, &DynamicDims::new()).is_none());
     }
 }

@@ -27,6 +27,7 @@ pub use guards::{miss_reason, InputGuard};
 
 use crate::autograd::Partition;
 use crate::error::{Error, ErrorKind, Result, SourceLoc};
+use crate::hints::HintMap;
 use crate::ir::Graph;
 use crate::logging::log;
 use crate::schedule::Strategy;
@@ -81,6 +82,10 @@ pub struct CompileOptions {
     /// Dynamic dims: `None` automatic (after a size recompile), `Some(true)`
     /// all dims from the start, `Some(false)` never.
     pub dynamic: Option<bool>,
+    /// Start the executable of the last hit before re-tracing (see
+    /// [`Compiled::speculate`]); `None`: when the inputs are on a device,
+    /// whose kernels run while the host traces.
+    pub speculate: Option<bool>,
 }
 
 impl Default for CompileOptions {
@@ -95,6 +100,7 @@ impl Default for CompileOptions {
             memory_budget: None,
             fuse_attention: true,
             dynamic: None,
+            speculate: None,
         }
     }
 }
@@ -114,6 +120,10 @@ pub struct CompileStats {
     /// Calls run eagerly (after the recompile limit, or a graph break with
     /// inputs that require grad).
     pub eager_calls: usize,
+    /// Runs started before the trace (see [`Compiled::speculate`]), and
+    /// those whose trace then differed (their outputs were dropped).
+    pub speculations: usize,
+    pub speculation_misses: usize,
 }
 
 struct Entry {
@@ -133,6 +143,8 @@ struct CacheState {
     recompile_reasons: Vec<String>,
     /// The (input, dim) pairs made symbolic so far (automatic mode).
     dynamic_dims: dynamic::DynamicDims,
+    /// The key of the entry that served the last call.
+    last_key: Option<u64>,
 }
 
 /// A function compiled with [`compile`]; call it with [`Compiled::call`].
@@ -219,6 +231,21 @@ impl<F: Fn(&[Tensor]) -> Vec<Tensor>> Compiled<F> {
         self
     }
 
+    /// Mode `default` re-traces on every call to find its executable. With
+    /// speculation, a call whose inputs pass the guards of the entry that
+    /// served the last call starts that executable first and traces after:
+    /// on a device the kernels run while the host traces. The outputs are
+    /// returned only when the trace's key is that entry's; otherwise they
+    /// (and the autograd node they carry) are dropped and the call goes on
+    /// as without speculation, so a changed graph is never served stale
+    /// results. The default (`None`) speculates when the inputs are on a
+    /// device: on the CPU the run is not asynchronous, so it would only
+    /// cost a wasted run on a miss.
+    pub fn speculate(mut self, on: Option<bool>) -> Self {
+        self.options.speculate = on;
+        self
+    }
+
     /// A readable name for logs and dumps (default: file and line).
     pub fn name(mut self, name: &str) -> Self {
         self.name = name.to_string();
@@ -281,6 +308,9 @@ impl<F: Fn(&[Tensor]) -> Vec<Tensor>> Compiled<F> {
                 return exe.run(inputs, &[]);
             }
         }
+        let early = self
+            .speculation(inputs, &guards)
+            .map(|(key, exe)| (key, exe.run(inputs, &[])));
         let started = std::time::Instant::now();
         let traced = self.capture(inputs)?;
         self.state
@@ -294,6 +324,15 @@ impl<F: Fn(&[Tensor]) -> Vec<Tensor>> Compiled<F> {
             }
         }
         let mut view = self.generalised(&traced, &guards);
+        if let Some((key, out)) = early {
+            let mut state = self.state.lock().expect("compile cache");
+            if key == view.key {
+                state.stats.cache_hits += 1;
+                return out;
+            }
+            // The graph changed: `out` is dropped unused.
+            state.stats.speculation_misses += 1;
+        }
         let mut exe = self.lookup(view.key);
         if exe.is_none() && self.widen_dynamic_dims(&guards) {
             view = self.generalised(&traced, &guards);
@@ -456,7 +495,36 @@ impl<F: Fn(&[Tensor]) -> Vec<Tensor>> Compiled<F> {
             .find(|e| e.key == key)
             .map(|e| e.exe.clone())?;
         state.stats.cache_hits += 1;
+        state.last_key = Some(key);
         Some(exe)
+    }
+
+    /// The key and executable to start before tracing (see
+    /// [`Compiled::speculate`]): the last call's entry, when these inputs
+    /// pass its guards and it needs nothing from the trace (no lifted
+    /// tensors, no graph-break values).
+    fn speculation(
+        &self,
+        inputs: &[Tensor],
+        guards: &[InputGuard],
+    ) -> Option<(u64, Arc<Executable>)> {
+        let on = self.options.speculate.unwrap_or_else(|| {
+            inputs
+                .iter()
+                .any(|t| t.device() != crate::runtime::device::Device::Cpu)
+        });
+        if !on {
+            return None;
+        }
+        let mut state = self.state.lock().expect("compile cache");
+        let key = state.last_key?;
+        let exe = state
+            .entries
+            .iter()
+            .find(|e| e.key == key && !e.had_breaks && !e.exe.has_lifted() && e.guards == guards)
+            .map(|e| e.exe.clone())?;
+        state.stats.speculations += 1;
+        Some((key, exe))
     }
 
     fn lookup_by_guards(&self, guards: &[InputGuard]) -> Option<Arc<Executable>> {
@@ -522,6 +590,7 @@ impl<F: Fn(&[Tensor]) -> Vec<Tensor>> Compiled<F> {
         if std::env::var("TESSERA_COMPILE_DEBUG").is_ok_and(|v| v == "1") {
             dump_debug(&self.name, state.stats.compiles, traced, guards, &exe);
         }
+        state.last_key = Some(key);
         state.entries.push(Entry {
             key,
             guards: guards.to_vec(),
@@ -573,16 +642,22 @@ fn dump_debug(name: &str, n: usize, traced: &Traced, guards: &[InputGuard], exe:
 /// A hash of the graph's structure (ops, attributes, wiring, types, hints —
 /// not names or call sites), the inputs' guards and which lifted tensors
 /// require grad.
+///
+/// It runs on every call (the cache lookup), so it allocates nothing per
+/// node: ops hash their attributes directly ([`crate::ir::Op::hash_structure`]),
+/// and each distinct hint object (shared by the nodes of its scope) is
+/// spelled once.
 fn structure_key(graph: &Graph, guards: &[InputGuard], lifted: &[Tensor]) -> u64 {
     let mut h = DefaultHasher::new();
+    let mut hint_digests: Vec<(*const HintMap, u64)> = Vec::new();
     for node in &graph.nodes {
-        format!("{:?}", node.op).hash(&mut h);
+        node.op.hash_structure(&mut h);
         node.inputs.hash(&mut h);
         node.ty.hash(&mut h);
         node.meta
             .hints
             .as_ref()
-            .map(|m| serde_json::Value::Object(m.clone()).to_string())
+            .map(|m| hint_digest(m, &mut hint_digests))
             .hash(&mut h);
     }
     for out in &graph.outputs {
@@ -595,4 +670,20 @@ fn structure_key(graph: &Graph, guards: &[InputGuard], lifted: &[Tensor]) -> u64
         .collect::<Vec<_>>()
         .hash(&mut h);
     h.finish()
+}
+
+/// The hash of a hint object's JSON text, computed once per distinct object
+/// (`seen` holds those met so far in this graph).
+fn hint_digest(map: &Arc<HintMap>, seen: &mut Vec<(*const HintMap, u64)>) -> u64 {
+    let ptr = Arc::as_ptr(map);
+    if let Some(&(_, digest)) = seen.iter().find(|(p, _)| *p == ptr) {
+        return digest;
+    }
+    let mut h = DefaultHasher::new();
+    serde_json::to_string(&**map)
+        .expect("a JSON object prints")
+        .hash(&mut h);
+    let digest = h.finish();
+    seen.push((ptr, digest));
+    digest
 }

@@ -1,6 +1,7 @@
 //! The graph: an arena of SSA nodes with named inputs and outputs.
 
 use std::fmt;
+use std::sync::Arc;
 
 use super::infer::TensorType;
 use super::op::Op;
@@ -29,8 +30,9 @@ pub struct NodeMeta {
     pub name: Option<String>,
     /// The user's call site that created the node.
     pub location: Option<SourceLoc>,
-    /// The context hints in force when the node was created (a JSON object).
-    pub hints: Option<serde_json::Map<String, serde_json::Value>>,
+    /// The context hints in force when the node was created (a JSON object),
+    /// shared by every node of the scope (a trace records thousands).
+    pub hints: Option<Arc<serde_json::Map<String, serde_json::Value>>>,
 }
 
 impl NodeMeta {

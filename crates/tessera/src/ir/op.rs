@@ -8,6 +8,8 @@
 //! `reshape`. Softmax and log_softmax stay single nodes so that later passes
 //! can decompose or fuse them as they see fit.
 
+use std::hash::{Hash, Hasher};
+
 use super::dtype::DType;
 use super::shape::Shape;
 pub use crate::custom_op::CustomCall;
@@ -415,6 +417,101 @@ impl Op {
         }
     }
 
+    /// Feeds everything that makes this op what it is (variant and every
+    /// attribute; floats by their bits) to `h`, allocating nothing: the
+    /// compile cache hashes every node of a trace on every call. Equal ops
+    /// hash equally; the exhaustive match makes a new variant say how.
+    pub fn hash_structure<H: Hasher>(&self, h: &mut H) {
+        std::mem::discriminant(self).hash(h);
+        match self {
+            Op::Input | Op::Where | Op::MatMul | Op::Contiguous => {}
+            Op::Constant(lit) => {
+                lit.dtype.hash(h);
+                lit.shape.hash(h);
+                match &lit.data {
+                    LiteralData::Float(v) => v.iter().for_each(|x| x.to_bits().hash(h)),
+                    LiteralData::Int(v) => v.hash(h),
+                    LiteralData::Bool(v) => v.hash(h),
+                }
+            }
+            Op::Full {
+                value,
+                shape,
+                dtype,
+            } => {
+                hash_scalar(*value, h);
+                shape.hash(h);
+                dtype.hash(h);
+            }
+            Op::Arange {
+                start,
+                end,
+                step,
+                dtype,
+            } => {
+                [start, end, step].iter().for_each(|x| x.to_bits().hash(h));
+                dtype.hash(h);
+            }
+            Op::Rand { seed, shape, dtype } | Op::Randn { seed, shape, dtype } => {
+                seed.hash(h);
+                shape.hash(h);
+                dtype.hash(h);
+            }
+            Op::Unary(u) => u.hash(h),
+            Op::Cast(d) => d.hash(h),
+            Op::Binary(b) => b.hash(h),
+            Op::Compare(c) => c.hash(h),
+            Op::Reduce { op, dims, keepdim } => {
+                op.hash(h);
+                dims.hash(h);
+                keepdim.hash(h);
+            }
+            Op::ArgReduce { op, dim, keepdim } => {
+                op.hash(h);
+                dim.hash(h);
+                keepdim.hash(h);
+            }
+            Op::Softmax { dim }
+            | Op::LogSoftmax { dim }
+            | Op::Cat { dim }
+            | Op::IndexSelect { dim }
+            | Op::Gather { dim }
+            | Op::IndexAdd { dim }
+            | Op::ScatterAdd { dim } => dim.hash(h),
+            Op::MatMulT {
+                transpose_a,
+                transpose_b,
+            } => {
+                transpose_a.hash(h);
+                transpose_b.hash(h);
+            }
+            Op::Reshape(shape) | Op::Expand(shape) => shape.hash(h),
+            Op::Permute(perm) => perm.hash(h),
+            Op::Slice {
+                dim,
+                start,
+                end,
+                step,
+            } => {
+                [dim, start, end, step].hash(h);
+            }
+            Op::Tril { diagonal } | Op::Triu { diagonal } => diagonal.hash(h),
+            Op::Custom(call) => {
+                call.name().hash(h);
+                call.attrs_json().hash(h);
+            }
+            Op::CustomOutput {
+                index,
+                dtype,
+                shape,
+            } => {
+                index.hash(h);
+                dtype.hash(h);
+                shape.hash(h);
+            }
+        }
+    }
+
     /// How many inputs the op takes; `None` for variadic (`cat`).
     pub fn arity(&self) -> Option<usize> {
         match self {
@@ -434,5 +531,54 @@ impl Op {
             Op::Cat { .. } | Op::Custom(_) => None,
             _ => Some(1),
         }
+    }
+}
+
+fn hash_scalar<H: Hasher>(value: Scalar, h: &mut H) {
+    match value {
+        Scalar::Float(v) => (0u8, v.to_bits()).hash(h),
+        Scalar::Int(v) => (1u8, v).hash(h),
+        Scalar::Bool(v) => (2u8, v).hash(h),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::hash_map::DefaultHasher;
+
+    fn digest(op: &Op) -> u64 {
+        let mut h = DefaultHasher::new();
+        op.hash_structure(&mut h);
+        h.finish()
+    }
+
+    #[test]
+    fn structure_hashes_tell_attributes_apart() {
+        let slice = |start, end| Op::Slice {
+            dim: 0,
+            start,
+            end,
+            step: 1,
+        };
+        assert_eq!(digest(&slice(0, 2)), digest(&slice(0, 2)));
+        assert_ne!(digest(&slice(0, 2)), digest(&slice(2, 4)));
+        assert_ne!(digest(&slice(0, 2)), digest(&slice(0, 3)));
+        let full = |v: f64| Op::Full {
+            value: Scalar::Float(v),
+            shape: Shape::from_concrete(&[2]),
+            dtype: DType::F32,
+        };
+        assert_ne!(digest(&full(0.5)), digest(&full(0.25)));
+        assert_ne!(
+            digest(&Op::Softmax { dim: 1 }),
+            digest(&Op::LogSoftmax { dim: 1 })
+        );
+        assert_ne!(
+            digest(&Op::Softmax { dim: 1 }),
+            digest(&Op::Softmax { dim: 0 })
+        );
+        let lit = |v: f64| Op::Constant(Literal::scalar(Scalar::Float(v), DType::F64));
+        assert_ne!(digest(&lit(1.0)), digest(&lit(-1.0)));
     }
 }

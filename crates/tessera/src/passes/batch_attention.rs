@@ -120,7 +120,7 @@ struct MemoryIntent {
 }
 
 impl MemoryIntent {
-    fn of(hints: &Option<HintMap>) -> Option<MemoryIntent> {
+    fn of(hints: &Option<std::sync::Arc<HintMap>>) -> Option<MemoryIntent> {
         let map = hints.as_ref()?;
         // A hint the scheduler cannot read is kept as written: no merge
         // that could undo what it meant (nothing fits a budget of 0).

@@ -140,7 +140,7 @@ fn kernel_hint(
         let Some(map) = &graph.node(m).meta.hints else {
             continue;
         };
-        for (key, value) in map {
+        for (key, value) in map.iter() {
             match merged.get(key) {
                 Some(v) if v != value => {
                     if !conflicts.contains(key) {

@@ -15,7 +15,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::{Data, Layout, Tensor};
 use crate::error::{Error, ErrorKind, Result, SourceLoc};
-use crate::ir::{Graph, NodeId, NodeMeta, Op, TensorType};
+use crate::ir::{Graph, Node, NodeId, NodeMeta, Op, TensorType};
 
 /// A traced tensor's place: which trace, which node.
 #[derive(Clone, Copy, Debug)]
@@ -70,7 +70,7 @@ pub(crate) fn node_meta(caller: &'static Location<'static>) -> NodeMeta {
         .with(|o| o.borrow().clone())
         .unwrap_or_else(|| NodeMeta {
             name: None,
-            location: Some(SourceLoc::from_location(caller)),
+            location: Some(SourceLoc::from_static(caller)),
             hints: crate::hints::current(),
         })
 }
@@ -249,9 +249,14 @@ fn traced_tensor(trace: u64, node: NodeId, ty: &TensorType) -> Result<Tensor> {
             ),
         )
     })?;
+    let layout = Layout {
+        strides: super::layout::contiguous_strides(&shape),
+        shape,
+        offset: 0,
+    };
     Ok(Tensor::from_data(
         ty.dtype,
-        Layout::contiguous(&shape),
+        layout,
         Data::Traced(TracedValue { trace, node }),
     ))
 }
@@ -300,11 +305,21 @@ pub(crate) fn record(
         .iter()
         .map(|t| node_of(t))
         .collect::<Result<Vec<_>>>()?;
+    let meta = node_meta(caller);
     CURRENT.with(|c| {
         let mut guard = c.borrow_mut();
         let state = guard.as_mut().expect("a trace is active");
-        let node = state.graph.add(op.clone(), &ids, node_meta(caller))?;
-        debug_assert_eq!(state.graph.node(node).ty, ty);
-        traced_tensor(state.id, node, &ty)
+        // `ty` is the op's type rule applied to these inputs' types (by
+        // `Tensor::apply`), and the ids are this trace's nodes: the node
+        // goes in as is, without inferring its type a second time.
+        let id = NodeId(state.graph.nodes.len() as u32);
+        let out = traced_tensor(state.id, id, &ty)?;
+        state.graph.push(Node {
+            op: op.clone(),
+            inputs: ids,
+            ty,
+            meta,
+        });
+        Ok(out)
     })
 }

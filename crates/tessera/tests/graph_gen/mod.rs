@@ -505,7 +505,8 @@ pub fn build(spec: &Spec) -> Graph {
         b.pool.push(id);
     }
     for (step, hint) in &spec.steps {
-        b.meta.hints = hint.map(|h| json!({ "group_id": h }).as_object().unwrap().clone());
+        b.meta.hints = hint
+            .map(|h| std::sync::Arc::new(json!({ "group_id": h }).as_object().unwrap().clone()));
         if let Some(id) = b.step(step) {
             b.pool.push(id);
         }

@@ -344,10 +344,10 @@ fn attribute(
 }
 
 /// The end of a node line: `[hints={…}] [# file:line:column]`.
-fn trailer(cur: &mut Cursor) -> Result<(Option<Hints>, Option<SourceLoc>)> {
+fn trailer(cur: &mut Cursor) -> Result<(Option<std::sync::Arc<Hints>>, Option<SourceLoc>)> {
     let hints = if cur.keyword("hints") {
         cur.expect('=', "after `hints`")?;
-        Some(hints(cur)?)
+        Some(std::sync::Arc::new(hints(cur)?))
     } else {
         None
     };

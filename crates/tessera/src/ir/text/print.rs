@@ -125,7 +125,7 @@ fn node_body(g: &Graph, labels: &[Label], i: usize) -> Result<String, fmt::Error
     }
     write!(out, " : {}", node.ty)?;
     if let Some(hints) = &node.meta.hints {
-        let json = serde_json::to_string(hints).map_err(|_| fmt::Error)?;
+        let json = serde_json::to_string(&**hints).map_err(|_| fmt::Error)?;
         write!(out, "  hints={json}")?;
     }
     Ok(out)
