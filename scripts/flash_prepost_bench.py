@@ -5,7 +5,8 @@ workspace -> bf16 dQ) -- of two versions of kernels/flash_attention.cu side by s
 one process, at (8, 32, 2048, 128) bf16: the whole batch x heads in one launch (as the
 harness's "bwd parts"), and as the Rust launcher runs it (8 groups of 32 batch x heads
 reusing one 32 MB workspace). Also the zeroing alone through cudaMemsetAsync (torch's
-zero_) and the pre-kernel without zeroing, as bandwidth references. Checks that both
+zero_) and the pre-kernel without zeroing, as bandwidth references, and the grouped
+sequence with each group's zeroing by cudaMemsetAsync before a Delta-only pre-kernel. Checks that both
 versions give the same Delta and dQ (bitwise).
 
 usage: python3 scripts/flash_prepost_bench.py OLD.cu NEW.cu [--reps 50]
@@ -92,7 +93,13 @@ def main():
                                p(delta) + np.uint64(g * N * 4), p(ws), g_n4)
                 else:
                     post_launch(GROUP, p(ws), p(dq) + np.uint64(g * es))
+        def groups_memset():  # the zeroing by cudaMemsetAsync, then a Delta-only pre-kernel
+            for g in range(0, B * H, GROUP):
+                ws[:g_n4 * 4].zero_()
+                pre_launch(g_rows, p(o) + np.uint64(g * es), p(do) + np.uint64(g * es),
+                           p(delta) + np.uint64(g * N * 4), p(ws), 0)
         res[tag, "pre_groups"] = median_ms(lambda: groups("pre"), a.reps)
+        res[tag, "memset_pre_groups"] = median_ms(groups_memset, a.reps)
         res[tag, "post_groups"] = median_ms(lambda: groups("post"), a.reps)
     res["memset", "zero_"] = median_ms(lambda: ws.zero_(), a.reps)
     same_delta = torch.equal(outs["old"][0], outs["new"][0])
@@ -102,8 +109,8 @@ def main():
     gb = {"pre": (2 * rows * D * 2 + n4 * 16 + rows * 4), "pre_nozero": 2 * rows * D * 2 + rows * 4,
           "post": n4 * 16 + rows * D * 2, "zero_": n4 * 16}
     print("| kernel | old ms | new ms | new TB/s |")
-    for k in ("pre", "pre_nozero", "post", "pre_groups", "post_groups"):
-        base = k.replace("_groups", "")
+    for k in ("pre", "pre_nozero", "post", "pre_groups", "memset_pre_groups", "post_groups"):
+        base = k.replace("_groups", "").replace("memset_", "")
         tb = gb[base] / res["new", k] / 1e9
         print(f"| {k} | {res['old', k]:.4f} | {res['new', k]:.4f} | {tb:.2f} |")
     print(f"| zero_ (cudaMemsetAsync, {n4 * 16 / 1e6:.0f} MB) | {res['memset', 'zero_']:.4f} | | "
