@@ -50,6 +50,7 @@ FWD_CFGS = {64: [(4, 64)], 128: [("g4", 64), ("ring", 64), ("ringt", 64), (4, 64
 BWD_CFGS = {64: [(8, 64)], 128: [("wg", 1), ("wg", 3), (8, 32)]}
 F32_DIMS = [32, 64, 96, 128, 160, 192, 224, 256]
 LOG2E = 1.4426950408889634
+PRE_ROWS = 64  # query rows per block of the bf16/f16 pre-kernel (PRE_ROWS in the .cu)
 
 
 def log(*a):
@@ -175,7 +176,7 @@ class Flash:
                 shared_mem=smem)
             return dq, dk, dv
         self.fn(f"flash_bwd_pre_{tn}_d{D}", 0)(
-            ((rows + 7) // 8,), (256,), (self.p(out), self.p(dout), self.p(delta),
+            ((rows + PRE_ROWS - 1) // PRE_ROWS,), (256,), (self.p(out), self.p(dout), self.p(delta),
                                          self.p(ws), np.int64(acc_n // 4), np.int64(rows)))
         ptr = ws.data_ptr()
         dq_acc = np.uint64(ptr)
@@ -198,9 +199,7 @@ class Flash:
             if splits > 1:
                 jobs += [(dk_acc, dk, nk, kt, s), (dv_acc, dv, nk, kt, np.float32(1.0))]
             for acc, dst, n_rows, tiles, sc in jobs:
-                n4 = B * H * tiles * 2048
-                post(((n4 + 255) // 256,), (256,), (acc, self.p(dst), np.int64(n4),
-                                                     np.int32(n_rows), sc))
+                post((B * H * tiles,), (256,), (acc, self.p(dst), np.int32(n_rows), sc))
         else:
             bc, threads = 16 * w, 32 * w
             smem = (2 * bc * (D + 8) + 4 * br * (D + 8) + bc * (br + 8)) * 2 + 16 * br
@@ -409,10 +408,10 @@ def timings(fl, reps, results):
             p = Flash.p
             pre = fl.fn(f"flash_bwd_pre_bf16_d{D}", 0)
             post = fl.fn("flash_bwd_post_wg_bf16", 0)
-            t_pre = median_ms(lambda: pre(((rows + 7) // 8,), (256,), (
+            t_pre = median_ms(lambda: pre(((rows + PRE_ROWS - 1) // PRE_ROWS,), (256,), (
                 p(out), p(dout), p(delta_), p(ws_), np.int64(n4), np.int64(rows))), reps)
-            t_post = median_ms(lambda: post(((n4 + 255) // 256,), (256,), (
-                p(ws_), p(dq_), np.int64(n4), np.int32(N), np.float32(scale))), reps)
+            t_post = median_ms(lambda: post((n4 // 2048,), (256,), (
+                p(ws_), p(dq_), np.int32(N), np.float32(scale))), reps)
             log(f"tessera bwd parts: pre (Delta + zero) {t_pre:.3f} ms, post (dQ) {t_post:.3f} ms")
             results.append(dict(what="bwd_parts", pre_ms=t_pre, post_ms=t_post))
         fc = min(t_fwd, key=t_fwd.get)

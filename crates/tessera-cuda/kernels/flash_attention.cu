@@ -400,28 +400,48 @@ struct BwdCfg {
   static constexpr int SMEM_BYTES_TAIL = 4 * BR * 4;
 };
 
-// Delta_i = sum_d dO[i,d] * O[i,d] (f32), one warp per row; also zeroes the f32
-// workspace the backward adds into (acc_n4 float4s from acc; grid-stride, so any size).
+// Delta_i = sum_d dO[i,d] * O[i,d] (f32); also zeroes the f32 workspace the backward
+// adds into (acc_n4 float4s from acc; grid-stride, so any size). A block of PRE_THREADS
+// takes PRE_ROWS rows; D/8 lanes share a row, 16 bytes each, and every thread issues all
+// of its loads (PRE_ROWS * D * 2 * 2 / PRE_THREADS bytes: 128 at D = 128) before the
+// zeroing stores and the reductions, so enough bytes are in flight to reach the memory's
+// rate (one warp per row with 4-byte loads left 16 bytes per thread in flight).
+constexpr int PRE_THREADS = 256;
+template <typename T>
+__device__ __forceinline__ float dot2(u32 x, u32 y) {
+  const float2 u = Mma<T>::unpack(x), v = Mma<T>::unpack(y);
+  return u.x * v.x + u.y * v.y;
+}
+constexpr int PRE_ROWS = 64;
 template <typename T, int D>
 __device__ __forceinline__ void bwd_pre(const T* __restrict__ O, const T* __restrict__ dO,
                                         float* __restrict__ Delta, float* __restrict__ acc,
                                         long long acc_n4, long long rows) {
-  const long long nthreads = (long long)gridDim.x * blockDim.x;
-  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < acc_n4; i += nthreads)
-    reinterpret_cast<float4*>(acc)[i] = make_float4(0.f, 0.f, 0.f, 0.f);
-  long long row = (long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-  int lane = threadIdx.x % 32;
-  if (row >= rows) return;
-  const T* o = O + row * D;
-  const T* g = dO + row * D;
-  float acc_d = 0.f;
-  for (int d = lane * 2; d < D; d += 64) {
-    float2 a = Mma<T>::unpack(*reinterpret_cast<const u32*>(o + d));
-    float2 b = Mma<T>::unpack(*reinterpret_cast<const u32*>(g + d));
-    acc_d += a.x * b.x + a.y * b.y;
+  constexpr int L = D / 8;                  // lanes per row
+  constexpr int PER_PASS = PRE_THREADS / L;  // rows per pass of the block
+  constexpr int PASSES = PRE_ROWS / PER_PASS;
+  static_assert(L <= 32 && PRE_ROWS % PER_PASS == 0, "bwd_pre geometry");
+  const int tid = threadIdx.x, sub = tid % L;
+  const long long row0 = (long long)blockIdx.x * PRE_ROWS + tid / L;
+  uint4 a[PASSES], b[PASSES];
+#pragma unroll
+  for (int p = 0; p < PASSES; ++p) {  // rows past the end re-read the last row (rows > 0)
+    const long long row = min(row0 + p * PER_PASS, rows - 1);
+    a[p] = __ldg(reinterpret_cast<const uint4*>(O + row * D) + sub);
+    b[p] = __ldg(reinterpret_cast<const uint4*>(dO + row * D) + sub);
   }
-  acc_d = warp_sum(acc_d);
-  if (lane == 0) Delta[row] = acc_d;
+  const long long nthreads = (long long)gridDim.x * PRE_THREADS;
+  for (long long i = (long long)blockIdx.x * PRE_THREADS + tid; i < acc_n4; i += nthreads)
+    reinterpret_cast<float4*>(acc)[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+  for (int p = 0; p < PASSES; ++p) {
+    float s = dot2<T>(a[p].x, b[p].x) + dot2<T>(a[p].y, b[p].y) + dot2<T>(a[p].z, b[p].z) +
+              dot2<T>(a[p].w, b[p].w);
+#pragma unroll
+    for (int o = L / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    const long long row = row0 + p * PER_PASS;
+    if (sub == 0 && row < rows) Delta[row] = s;
+  }
 }
 
 template <typename T>
@@ -436,26 +456,56 @@ __device__ __forceinline__ void bwd_post(const float* __restrict__ dq_acc, T* __
 }
 
 // Fragment-tiled f32 accumulator (64-row tiles of 128 columns, see bwd_wg) -> row-major
-// [bh][n_rows][128] of T, times scale. One thread per float4: rows r and r + 8, two
-// adjacent columns.
+// [bh][n_rows][128] of T, times scale. One block of POST_THREADS per 64 x 128 tile: each
+// thread loads 8 of the tile's 2048 float4s (all issued before any is used: 32 KB in
+// flight per block), the block transposes the tile through shared memory into row-major
+// T, and each thread stores four 16-byte pieces of whole rows (a fragment float4 holds
+// two 4-byte pieces of rows 8 apart, so storing it directly wrote 4-byte pieces).
+constexpr int POST_THREADS = 256;
+// A read-only 16-byte load the compiler keeps in program order (volatile asm with a
+// memory clobber: no other memory access moves above it), so a thread's loads are all
+// issued before its first shared-memory store.
+__device__ __forceinline__ float4 ld_stream_f4(const float4* p) {
+  float4 v;
+  asm volatile("ld.global.nc.v4.f32 {%0,%1,%2,%3}, [%4];\n"
+               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+               : "l"(p)
+               : "memory");
+  return v;
+}
 template <typename T>
 __device__ __forceinline__ void bwd_post_wg(const float* __restrict__ acc, T* __restrict__ out,
-                                            long long n4, int n_rows, float scale) {
-  const long long f = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-  if (f >= n4) return;
-  const int lane = f % 32, c8 = (f / 32) % 16, warp = (f / 512) % 4;
-  const long long tile = f / 2048;
+                                            int n_rows, float scale) {
+  constexpr int LDT = 128 + 8;  // row stride in T: rows r and r + 1 start 4 banks apart
+  __shared__ __align__(16) T tile_s[64 * LDT];
+  const int tid = threadIdx.x;
+  const long long tile = blockIdx.x;
+  const float4* src = reinterpret_cast<const float4*>(acc) + tile * 2048;
+  float4 v[8];
+#pragma unroll
+  for (int k = 0; k < 8; ++k) v[k] = ld_stream_f4(src + k * POST_THREADS + tid);
+  const int lane = tid % 32;
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    // float4 index k * 256 + tid = (16 warp + c8) * 32 + lane (frag_tile_f4's order)
+    const int wc = k * (POST_THREADS / 32) + tid / 32;
+    const int r = (wc / 16) * 16 + lane / 4, c = (wc % 16) * 8 + 2 * (lane % 4);
+    *reinterpret_cast<u32*>(tile_s + r * LDT + c) = Mma<T>::pack(v[k].x * scale, v[k].y * scale);
+    *reinterpret_cast<u32*>(tile_s + (r + 8) * LDT + c) =
+        Mma<T>::pack(v[k].z * scale, v[k].w * scale);
+  }
+  __syncthreads();
   const int tiles = (n_rows + 63) / 64;
   const long long bh = tile / tiles;
-  const int r = (int)(tile % tiles) * 64 + warp * 16 + lane / 4;
-  const int c = c8 * 8 + 2 * (lane % 4);
-  const float4 v = reinterpret_cast<const float4*>(acc)[f];
-  T* ob = out + bh * n_rows * 128;
-  if (r < n_rows)
-    *reinterpret_cast<u32*>(ob + (size_t)r * 128 + c) = Mma<T>::pack(v.x * scale, v.y * scale);
-  if (r + 8 < n_rows)
-    *reinterpret_cast<u32*>(ob + (size_t)(r + 8) * 128 + c) =
-        Mma<T>::pack(v.z * scale, v.w * scale);
+  const int row0 = (int)(tile % tiles) * 64;
+  T* ob = out + (bh * n_rows + row0) * 128;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const int j = k * POST_THREADS + tid, r = j / 16, c = (j % 16) * 8;
+    if (row0 + r < n_rows)
+      *reinterpret_cast<uint4*>(ob + (size_t)r * 128 + c) =
+          *reinterpret_cast<const uint4*>(tile_s + r * LDT + c);
+  }
 }
 
 template <typename T, int D, int W, int BR>
@@ -1698,8 +1748,9 @@ __device__ __forceinline__ void bwd_pre_f32(const float* __restrict__ O,
 // Grids: fwd (ceil(nq/rows per block), B*H) with 16W (mma.sync) or 256 (wgmma g4) rows,
 // times the split count in z for the split forward; bwd (ceil(nk/keys per block), B*H)
 // with 16W or 128 keys, wgmma times its split count in z; f32 (ceil(n/8), B*H), 256
-// threads; pre: one warp per row, 256 threads; post: 4 elements per thread, post_wg and
-// combine: one float4 of a 64 x 128 fragment tile per thread, 256 threads.
+// threads; pre: PRE_ROWS (64) rows per block of 256 (f32: one warp per row); post: 4
+// elements per thread; post_wg: one 64 x 128 fragment tile per block of 256; combine:
+// one float4 of a fragment tile per thread, 256 threads.
 // ---------------------------------------------------------------------------------
 
 #define TF_FWD_TC(TN, T, D, W, BC)                                                        \
@@ -1721,7 +1772,8 @@ __device__ __forceinline__ void bwd_pre_f32(const float* __restrict__ O,
   }
 
 #define TF_PRE(TN, T, D)                                                                  \
-  extern "C" __global__ void flash_bwd_pre_##TN##_d##D(                                 \
+  extern "C" __global__ void __launch_bounds__(tessera_flash::PRE_THREADS)                \
+      flash_bwd_pre_##TN##_d##D(                                                          \
       const T* o, const T* d_o, float* delta, float* acc, long long acc_n4,               \
       long long rows) {                                                                   \
     tessera_flash::bwd_pre<T, D>(o, d_o, delta, acc, acc_n4, rows);                       \
@@ -1821,9 +1873,9 @@ TF_F32(256)
     tessera_flash::bwd_wg<T>(q, k, v, d_o, lse, delta, dq_acc, dk, dv, dk_acc, dv_acc, nq, \
                              nk, scale, scale_log2, causal);                              \
   }                                                                                       \
-  extern "C" __global__ void flash_bwd_post_wg_##TN(const float* acc, T* out, long long n4, \
-                                                    int n_rows, float scale) {            \
-    tessera_flash::bwd_post_wg<T>(acc, out, n4, n_rows, scale);                           \
+  extern "C" __global__ void __launch_bounds__(tessera_flash::POST_THREADS)               \
+      flash_bwd_post_wg_##TN(const float* acc, T* out, int n_rows, float scale) {          \
+    tessera_flash::bwd_post_wg<T>(acc, out, n_rows, scale);                               \
   }
 #if !defined(TF_SKIP_BF16)
 TF_WG(bf16, __nv_bfloat16)

@@ -316,6 +316,8 @@ fn blocks(n: usize, per_block: usize) -> Result<u32> {
 
 /// Rows per fragment tile of the wgmma kernels' f32 workspaces (64 x 128 f32, 32 KB).
 const TILE_ROWS: usize = 64;
+/// Query rows per block of the bf16/f16 pre-kernel (`PRE_ROWS` in the .cu).
+const PRE_ROWS: usize = 64;
 const WG_FWD_ROWS: usize = 256;
 const WG_BWD_KEYS: usize = 128;
 const WG_FWD_SMEM: u32 = (256 * 128 + 4 * 64 * 128) * 2;
@@ -434,17 +436,24 @@ pub fn backward_launches(sel: &Selection, dims: &FlashDims, sms: u32) -> Result<
     let t = sel.dtype.name();
     let bh = bh_dim(dims)?;
     let rows = dims.rows();
-    let pre_grid = (blocks(rows, 8)?, 1, 1);
-    let pre = |step, name| Launch {
-        step,
-        name,
-        grid: pre_grid,
-        block: 256,
-        smem: 0,
+    // Rows per block: the f32 pre-kernel has one warp per row, the bf16/f16 one
+    // PRE_ROWS (D / 8 lanes per row).
+    let pre_grid = |step| -> Result<(u32, u32, u32)> {
+        let per_block = if step == Step::PreF32 { 8 } else { PRE_ROWS };
+        Ok((blocks(rows, per_block)?, 1, 1))
+    };
+    let pre = |step, name| -> Result<Launch> {
+        Ok(Launch {
+            step,
+            name,
+            grid: pre_grid(step)?,
+            block: 256,
+            smem: 0,
+        })
     };
     Ok(match sel.bwd {
         BwdKernel::F32 => vec![
-            pre(Step::PreF32, format!("flash_bwd_pre_f32_d{d}")),
+            pre(Step::PreF32, format!("flash_bwd_pre_f32_d{d}"))?,
             Launch {
                 step: Step::DqF32,
                 name: format!("flash_bwd_dq_f32_d{d}"),
@@ -463,7 +472,7 @@ pub fn backward_launches(sel: &Selection, dims: &FlashDims, sms: u32) -> Result<
         BwdKernel::Mma { warps, q_tile } => {
             let (w, r) = (warps as usize, q_tile as usize);
             vec![
-                pre(Step::Pre, format!("flash_bwd_pre_{t}_d{d}")),
+                pre(Step::Pre, format!("flash_bwd_pre_{t}_d{d}"))?,
                 Launch {
                     step: Step::BackwardMma,
                     name: format!("flash_bwd_{t}_d{d}_w{w}_r{r}"),
@@ -484,7 +493,7 @@ pub fn backward_launches(sel: &Selection, dims: &FlashDims, sms: u32) -> Result<
         BwdKernel::Wgmma => {
             let splits = backward_splits(sel, dims, sms);
             let mut out = vec![
-                pre(Step::Pre, format!("flash_bwd_pre_{t}_d{d}")),
+                pre(Step::Pre, format!("flash_bwd_pre_{t}_d{d}"))?,
                 Launch {
                     step: Step::BackwardWgmma,
                     name: format!("flash_bwd_wg_{t}_d{d}"),
@@ -498,11 +507,12 @@ pub fn backward_launches(sel: &Selection, dims: &FlashDims, sms: u32) -> Result<
                 grads.extend([(Grad::K, dims.kv_len), (Grad::V, dims.kv_len)]);
             }
             for (g, n) in grads {
-                let float4s = n.div_ceil(TILE_ROWS) * bh as usize * 2048;
+                // One block per 64 x 128 fragment tile.
+                let tiles = n.div_ceil(TILE_ROWS) * bh as usize;
                 out.push(Launch {
                     step: Step::PostTiled(g),
                     name: format!("flash_bwd_post_wg_{t}"),
-                    grid: (blocks(float4s, 256)?, 1, 1),
+                    grid: (blocks(tiles, 1)?, 1, 1),
                     block: 256,
                     smem: 0,
                 });
@@ -1104,7 +1114,6 @@ fn enqueue_backward(
     let dk_acc = dq_acc + layout.dq_acc as u64;
     let dv_acc = dk_acc + layout.kv_acc as u64;
     let acc_float4s = ((layout.dq_acc + 2 * layout.kv_acc) / 16) as i64;
-    let bh = dims.batch * dims.heads;
     let one = 1.0f32;
     let p = &ptrs;
     for launch in &launches {
@@ -1200,9 +1209,8 @@ fn enqueue_backward(
                     Grad::K => (&dk_acc, &p.dk, dims.kv_len, &scale),
                     Grad::V => (&dv_acc, &p.dv, dims.kv_len, &one),
                 };
-                let float4s = (n.div_ceil(TILE_ROWS) * bh * 2048) as i64;
                 let n = n as i32;
-                run(q, loaded, launch, &[acc, dst, &float4s, &n, s])?
+                run(q, loaded, launch, &[acc, dst, &n, s])?
             }
             s => unreachable!("{s:?} is no backward step"),
         }
@@ -1288,9 +1296,9 @@ mod tests {
             ]
         );
         assert_eq!((b[1].grid, b[1].smem), ((8, 256, 1), 198_184)); // ceil(1000 / 128) = 8
-        assert_eq!(b[0].grid.0 as usize, (8 * 32 * 2048usize).div_ceil(8));
-        // One thread per float4 of the 32 x 256 fragment tiles of dQ.
-        assert_eq!(b[2].grid.0 as usize, 32 * 256 * 2048 / 256);
+        assert_eq!(b[0].grid.0 as usize, (8 * 32 * 2048usize).div_ceil(64));
+        // One block per fragment tile of dQ: 32 tiles of 64 rows x 256 (batch x heads).
+        assert_eq!(b[2].grid.0 as usize, 32 * 256);
         assert_eq!(forward_workspace_bytes_for(&sel, &dims(128), SMS), 0);
     }
 
