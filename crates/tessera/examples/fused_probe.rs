@@ -1,4 +1,15 @@
-//! Probe: per-step costs of fused kernels in cache (CPU time, one thread).
+//! One fused kernel alone (no compile, no executor), in CPU time, which a
+//! shared, loaded machine disturbs less than wall time:
+//!
+//! - by default, the cost of each kind of step in cache: kernels of one
+//!   step (a copy, a multiply, tanh, sigmoid), four arithmetic steps and the
+//!   benchmark's chain, each run over `SMALL` (default 16 Ki) elements as
+//!   many times as make 64 Mi;
+//! - with `CHAIN=1`, the chain in cache (16 Ki and 64 Ki elements) and from
+//!   memory (64 Mi): the difference is what memory costs it (`BIG=1`: only
+//!   64 Mi, for A/B runs and `perf record`).
+//!
+//! `RAYON_NUM_THREADS=1 cargo run --release -p tessera --example fused_probe`
 use tessera::ir::{BinaryOp, DType, UnaryOp};
 use tessera::runtime::cpu::fused::{FusedKernel, Step};
 use tessera::tensor::Generator;
