@@ -10,9 +10,10 @@
 //! the cache traffic between steps. A binary op with a constant operand
 //! reads the constant as a scalar (such constants take no slot). A dense
 //! input of the compute type is read where it is (no copy into a slot),
-//! the next block's part of it prefetched while this one is computed, and
-//! outputs far larger than the caches are written with non-temporal stores
-//! (`super::stream`). Every step computes exactly what the
+//! the part of it two blocks ahead prefetched into L2 while this one is
+//! computed, and outputs far larger than the caches are written with
+//! non-temporal stores (`super::stream`), each block's a piece at a time
+//! while the next block is computed (see [`Spread`]). Every step computes exactly what the
 //! eager kernel of its op computes (the same functions), so results are
 //! bit-identical to op-by-op evaluation in the compute type.
 
@@ -22,7 +23,7 @@ use super::element::num_like::AccFloat;
 use super::elementwise::{
     binary_const_into, binary_into, const_binary_into, unary_into, Transcendental,
 };
-use super::stream::{prefetch, stream_copy, stream_min_bytes};
+use super::stream::{prefetch_l2, store_fence, stream_copy_unfenced, stream_min_bytes};
 use super::{Element, Storage};
 use crate::error::{op_err, Result};
 use crate::ir::{BinaryOp, CompareOp, DType, UnaryOp};
@@ -92,7 +93,9 @@ impl Step {
 
 /// The register slot of each step: a slot is reused once its value has
 /// been read for the last time. Constants (filled once per task) and
-/// outputs (stored after the block) keep theirs.
+/// outputs (stored after the block) keep theirs; outputs streamed while
+/// the next block runs have slots of their own, which no step of that
+/// block writes before the output's own step.
 #[derive(Clone, Debug)]
 struct Registers {
     slot: Vec<usize>,
@@ -116,7 +119,8 @@ fn block_operands(steps: &[Step], i: usize) -> Vec<usize> {
 }
 
 impl Registers {
-    fn allocate(steps: &[Step], outputs: &[(usize, DType)]) -> Registers {
+    /// `own_outputs`: the outputs' slots are reserved for them (see above).
+    fn allocate(steps: &[Step], outputs: &[(usize, DType)], own_outputs: bool) -> Registers {
         let n = steps.len();
         // Constants read as blocks somewhere get a slot, filled once.
         let mut block_const = vec![false; n];
@@ -150,16 +154,28 @@ impl Registers {
                 count += 1;
             }
         }
+        let mut reserved = vec![false; n];
+        if own_outputs {
+            for &(o, _) in outputs {
+                if !reserved[o] && !matches!(steps[o], Step::Const(_)) {
+                    reserved[o] = true;
+                    slot[o] = count;
+                    count += 1;
+                }
+            }
+        }
         for (i, step) in steps.iter().enumerate() {
             if matches!(step, Step::Const(_)) {
                 continue;
             }
             // The destination is taken before the operands are released, so
             // a step never writes the slot it reads.
-            slot[i] = free.pop().unwrap_or_else(|| {
-                count += 1;
-                count - 1
-            });
+            if !reserved[i] {
+                slot[i] = free.pop().unwrap_or_else(|| {
+                    count += 1;
+                    count - 1
+                });
+            }
             let mut done = step.operands();
             done.push(i);
             done.sort_unstable();
@@ -196,7 +212,9 @@ impl FusedKernel {
     /// The largest block (in [256, 4096], a multiple of 64) whose live
     /// register slots fit in [`L1_BYTES`].
     pub fn default_block(&self) -> usize {
-        let slots = Registers::allocate(&self.steps, &self.outputs).count.max(1);
+        let slots = Registers::allocate(&self.steps, &self.outputs, false)
+            .count
+            .max(1);
         let width = if self.wide { 8 } else { 4 };
         (L1_BYTES / (slots * width) / 64 * 64).clamp(MIN_BLOCK, MAX_BLOCK)
     }
@@ -265,7 +283,6 @@ impl FusedKernel {
             })
             .collect();
         let bs = self.block.max(64);
-        let regs = Registers::allocate(&self.steps, &self.outputs);
         let blocks = numel.div_ceil(bs);
         // Addresses (as integers, so the closure is Sync) of direct inputs.
         let direct: Vec<Option<usize>> = sources
@@ -273,6 +290,15 @@ impl FusedKernel {
             .map(|s| s.direct::<A>().map(|p| p as usize))
             .collect();
         let stream = numel * std::mem::size_of::<A>() >= stream_min_bytes();
+        let regs = Registers::allocate(&self.steps, &self.outputs, stream);
+        let spread = Spread::new(&self.steps, &direct);
+        let run = Run {
+            sources: &sources,
+            direct: &direct,
+            sinks: &sinks,
+            regs: &regs,
+            spread: &spread,
+        };
         let run_blocks = |range: std::ops::Range<usize>| {
             let mut file = vec![A::ZERO; regs.count.max(1) * bs];
             // Constants are filled once per task, not once per block.
@@ -282,17 +308,32 @@ impl FusedKernel {
                     file[r..r + bs].fill(A::from_f64(c));
                 }
             }
+            // Streamed: the previous block, whose outputs are still in
+            // their slots and stored during this block's steps.
+            let mut pending = None;
             for b in range {
                 let start = b * bs;
                 let len = bs.min(numel - start);
                 let block = Block { bs, start, len };
-                self.eval_block(&sources, &direct, &sinks, &regs, &mut file, block);
+                self.eval_block(&run, &mut file, block, pending);
+                if stream {
+                    pending = Some(block);
+                    continue;
+                }
                 for (&(step, _), sink) in self.outputs.iter().zip(&sinks) {
                     let r = regs.slot[step] * bs;
                     // SAFETY: each block writes its own disjoint range of every
                     // output, after it has loaded that range of every input.
-                    unsafe { sink.store(start, &file[r..r + len], stream) };
+                    unsafe { sink.store(start, &file[r..r + len], false) };
                 }
+            }
+            if let Some(last) = pending {
+                for (&(step, _), sink) in self.outputs.iter().zip(&sinks) {
+                    let r = regs.slot[step] * bs;
+                    // SAFETY: as above.
+                    unsafe { sink.store(last.start, &file[r..r + last.len], true) };
+                }
+                store_fence();
             }
         };
         let tasks = rayon::current_num_threads().max(1) * 4;
@@ -339,16 +380,24 @@ impl FusedKernel {
 
     /// Evaluates every step over elements `start..start+len` of `block`
     /// into the register `file` (slots of `bs` elements); a load from an
-    /// input with a `direct` address is that memory itself.
+    /// input with a `direct` address is that memory itself. The outputs of
+    /// the `pending` block, still in their slots, are stored (streamed) a
+    /// piece before each step, the last piece before the output's step.
     fn eval_block<A: Transcendental>(
         &self,
-        sources: &[Source<'_>],
-        direct: &[Option<usize>],
-        sinks: &[Sink],
-        regs: &Registers,
+        run: &Run<'_, '_>,
         file: &mut [A],
         block: Block,
+        pending: Option<Block>,
     ) {
+        let Run {
+            sources,
+            direct,
+            sinks,
+            regs,
+            spread,
+            ..
+        } = *run;
         let Block { bs, start, len } = block;
         let base = file.as_mut_ptr();
         let slots = file.len() / bs;
@@ -372,19 +421,37 @@ impl FusedKernel {
             Step::Const(c) => Some(A::from_f64(c)),
             _ => None,
         };
-        // The next block's direct inputs are fetched while this one is
-        // computed, a share before each step: all at once would stall on
-        // the cache's few outstanding misses. (A hint: past the end is
+        // The direct inputs of the block after next are fetched into L2
+        // while this one is computed, a share before each step (see
+        // `Spread`). Two blocks ahead: one block's compute is shorter than
+        // a fetch from memory takes to arrive. (A hint: past the end is
         // harmless.)
         let size = std::mem::size_of::<A>();
-        let share = (bs * size).div_ceil(self.steps.len()).next_multiple_of(64);
+        let last = self.steps.len() - 1;
         for (i, step) in self.steps.iter().enumerate() {
             for &p in direct.iter().flatten() {
-                let next = p + (start + bs) * size + i * share;
-                prefetch(
-                    next as *const u8,
-                    share.min((bs * size).saturating_sub(i * share)),
-                );
+                let share = spread.part(i, last, bs * size, 64);
+                let ahead = p + (start + 2 * bs) * size + share.start;
+                prefetch_l2(ahead as *const u8, share.len());
+            }
+            if let Some(prev) = pending {
+                for (&(out, _), sink) in self.outputs.iter().zip(sinks) {
+                    if i > out {
+                        continue;
+                    }
+                    let part = spread.part(i, out, prev.len, 16);
+                    // SAFETY: the output's slot is its own (`Registers`),
+                    // written again only by step `out` of this block, after
+                    // its last piece is stored; `prev`'s range of the output
+                    // is this task's.
+                    unsafe {
+                        let vals = std::slice::from_raw_parts(
+                            base.add(regs.slot[out] * bs + part.start),
+                            part.len(),
+                        );
+                        sink.store(prev.start + part.start, vals, true);
+                    }
+                }
             }
             debug_assert!(regs.slot[i] < slots);
             // SAFETY: as above; this slot is not among the step's operands'.
@@ -499,6 +566,65 @@ impl Source<'_> {
     }
 }
 
+/// What every block of one run reads: the inputs, the outputs, the slots
+/// and the spread of the memory traffic over the steps.
+struct Run<'r, 'a> {
+    sources: &'r [Source<'a>],
+    direct: &'r [Option<usize>],
+    sinks: &'r [Sink],
+    regs: &'r Registers,
+    spread: &'r Spread,
+}
+
+/// How one block's memory traffic (the prefetches of a later block's
+/// inputs, the streamed stores of the previous block's outputs) is spread
+/// over its steps: in proportion to each step's compute. Issued evenly per
+/// step instead, the transfers of the steps that cost nothing (constants,
+/// inputs read in place) and of the cheap arithmetic ones queue behind
+/// each other on the core's few outstanding misses and stall it, while
+/// the transcendental steps, most of the time, overlap none.
+struct Spread {
+    /// `cost[i]`: the summed weights of the steps before step `i`.
+    cost: Vec<usize>,
+}
+
+impl Spread {
+    fn new(steps: &[Step], direct: &[Option<usize>]) -> Spread {
+        let mut cost = vec![0];
+        for step in steps {
+            let weight = match *step {
+                Step::Const(_) => 0,
+                Step::Load(k) if direct[k].is_some() => 0,
+                // A polynomial or two and a reciprocal or a division: about
+                // eight arithmetic steps (measured for tanh and sigmoid).
+                Step::Unary(op, _)
+                    if !matches!(op, UnaryOp::Neg | UnaryOp::Abs | UnaryOp::Relu) =>
+                {
+                    8
+                }
+                _ => 1,
+            };
+            cost.push(cost[cost.len() - 1] + weight);
+        }
+        Spread { cost }
+    }
+
+    /// The piece of `0..total` that goes before step `i` of steps `0..=last`
+    /// (`i <= last`): the pieces of those steps cover it, in order, and all
+    /// but the last piece's ends are multiples of `align`.
+    fn part(&self, i: usize, last: usize, total: usize, align: usize) -> std::ops::Range<usize> {
+        let all = self.cost[last + 1];
+        let at = |j: usize| match j {
+            0 => 0,
+            j if j > last => total,
+            // Without cost (only free steps), everything goes at the last.
+            _ if all == 0 => 0,
+            j => total * self.cost[j] / all / align * align,
+        };
+        at(i)..at(i + 1)
+    }
+}
+
 /// The elements one block covers: `start..start+len`, in slots of `bs`.
 #[derive(Clone, Copy)]
 struct Block {
@@ -535,7 +661,8 @@ impl Sink {
         })
     }
 
-    /// Writes `vals` at `start`, with non-temporal stores if `stream`.
+    /// Writes `vals` at `start`, with non-temporal stores if `stream`
+    /// (unfenced: the caller fences with `store_fence` before it returns).
     ///
     /// # Safety
     /// `start..start+vals.len()` is in bounds and written by no other task.
@@ -544,7 +671,7 @@ impl Sink {
             if same_repr::<T, A>() {
                 let dst = std::slice::from_raw_parts_mut((self.ptr as *mut A).add(start), vals.len());
                 if stream {
-                    stream_copy(dst, vals);
+                    stream_copy_unfenced(dst, vals);
                 } else {
                     dst.copy_from_slice(vals);
                 }
@@ -654,7 +781,7 @@ mod tests {
             Step::Const(2.0),
             Step::Binary(BinaryOp::Add, 8, 9),
         ];
-        let regs = Registers::allocate(&steps, &[(10, DType::F32)]);
+        let regs = Registers::allocate(&steps, &[(10, DType::F32)], false);
         assert!(regs.count < steps.len(), "dead values' slots are reused");
         let mut k = FusedKernel::new(vec![n], steps, vec![(10, DType::F32)], false);
         let want: Vec<f64> = xs
@@ -705,6 +832,123 @@ mod tests {
         let want = ((x.sigmoid() * &w - 0.5).tanh() + &x).to_f64_vec();
         assert_eq!(got[0].to_f64_vec(), want);
         assert_eq!(got[1].to_f64_vec(), want);
+    }
+
+    /// The benchmark's chain, per element with the scalar functions, and
+    /// the value after its tanh step (a second output, stored by an earlier
+    /// step than the last).
+    fn chain_by_element(x: f32) -> (f32, f32) {
+        let t = super::super::fastmath::tanh_f32(x * 1.5 + 0.25);
+        let r = t * x - 0.5;
+        // relu as the kernels compute it: NaN stays NaN.
+        let r = if r < 0.0 { 0.0 } else { r };
+        let y = super::super::elementwise::sigmoid(r) * 2.0;
+        (y, t)
+    }
+
+    #[test]
+    fn streamed_and_plain_outputs_equal_the_scalar_chain_at_every_size() {
+        // Sizes: a single element, a part of one vector, ragged tails of one
+        // and of several blocks, and more than one task's worth; each with
+        // outputs stored plainly and streamed (a piece at a time during the
+        // next block), at several block sizes, with three outputs stored at
+        // different steps (f32, f32 and a converted f64).
+        let (x1, c15, c025) = (0, 1, 2);
+        let steps = vec![
+            Step::Load(0),
+            Step::Const(1.5),
+            Step::Const(0.25),
+            Step::Binary(BinaryOp::Mul, x1, c15),
+            Step::Binary(BinaryOp::Add, 3, c025),
+            Step::Unary(UnaryOp::Tanh, 4),
+            Step::Binary(BinaryOp::Mul, 5, x1),
+            Step::Const(0.5),
+            Step::Binary(BinaryOp::Sub, 6, 7),
+            Step::Unary(UnaryOp::Relu, 8),
+            Step::Unary(UnaryOp::Sigmoid, 9),
+            Step::Const(2.0),
+            Step::Binary(BinaryOp::Mul, 10, 11),
+        ];
+        let outputs = vec![(12, DType::F32), (5, DType::F32), (12, DType::F64)];
+        for n in [1, 13, 64 * 3 + 7, 4096 + 13, (1 << 15) + 4099] {
+            // Every kind of value: both tanh branches, relu's zero, NaN, ±inf.
+            let xs: Vec<f32> = (0..n)
+                .map(|i| match i % 101 {
+                    0 => f32::NAN,
+                    1 => f32::INFINITY,
+                    2 => f32::NEG_INFINITY,
+                    k => (k as f32 - 50.0) / 9.0,
+                })
+                .collect();
+            let x = Tensor::from_vec(xs.clone(), &[n]);
+            let want: Vec<(f32, f32)> = xs.iter().map(|&v| chain_by_element(v)).collect();
+            for block in [64, 256, 2048] {
+                let k = FusedKernel {
+                    shape: vec![n],
+                    steps: steps.clone(),
+                    outputs: outputs.clone(),
+                    wide: false,
+                    block,
+                };
+                for min in [usize::MAX, 64] {
+                    let got =
+                        super::super::stream::with_stream_min_bytes(min, || k.run(&[&x]).unwrap());
+                    let y = got[0].to_vec::<f32>().unwrap();
+                    let t = got[1].to_vec::<f32>().unwrap();
+                    let y64 = got[2].to_vec::<f64>().unwrap();
+                    for i in 0..n {
+                        let (wy, wt) = want[i];
+                        let at = format!(
+                            "n {n}, block {block}, streaming from {min}, x[{i}] = {}",
+                            xs[i]
+                        );
+                        // The same bits, or NaN where NaN is due (its payload is not specified).
+                        let same = |g: f64, w: f64| {
+                            g.to_bits() == w.to_bits() || (g.is_nan() && w.is_nan())
+                        };
+                        assert!(same(y[i] as f64, wy as f64), "{} vs {wy}, {at}", y[i]);
+                        assert!(
+                            same(t[i] as f64, wt as f64),
+                            "tanh output {} vs {wt}, {at}",
+                            t[i]
+                        );
+                        assert!(
+                            same(y64[i], wy as f64),
+                            "f64 output {} vs {wy}, {at}",
+                            y64[i]
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn spread_parts_cover_the_range_in_order() {
+        let direct = [Some(0)];
+        let steps = [
+            Step::Load(0),
+            Step::Const(1.0),
+            Step::Binary(BinaryOp::Add, 0, 1),
+            Step::Unary(UnaryOp::Tanh, 2),
+            Step::Unary(UnaryOp::Relu, 3),
+        ];
+        let spread = Spread::new(&steps, &direct);
+        for (last, total, align) in [(4, 8192, 64), (3, 1000, 16), (0, 100, 16), (1, 77, 16)] {
+            let parts: Vec<_> = (0..=last)
+                .map(|i| spread.part(i, last, total, align))
+                .collect();
+            assert_eq!(parts[0].start, 0);
+            assert_eq!(parts[last].end, total);
+            for w in parts.windows(2) {
+                assert_eq!(w[0].end, w[1].start, "{parts:?}");
+                assert!(w[0].start <= w[0].end && w[0].end % align == 0, "{parts:?}");
+            }
+        }
+        // Nothing before the steps that cost nothing; the tanh gets most.
+        let parts: Vec<_> = (0..5).map(|i| spread.part(i, 4, 8192, 64)).collect();
+        assert!(parts[0].is_empty() && parts[1].is_empty(), "{parts:?}");
+        assert!(parts[3].len() > 4 * parts[2].len(), "{parts:?}");
     }
 
     #[test]

@@ -85,10 +85,38 @@ pub(crate) fn prefetch(ptr: *const u8, bytes: usize) {
     let _ = (ptr, bytes);
 }
 
+/// Asks for the cache lines of `bytes` bytes at `ptr` to be loaded into
+/// L2 (not L1): for data wanted a while from now, which would only take
+/// L1's room meanwhile. A hint, as [`prefetch`].
+#[inline(always)]
+pub(crate) fn prefetch_l2(ptr: *const u8, bytes: usize) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
+        let mut at = 0;
+        while at < bytes {
+            // SAFETY: as in `prefetch`: a hint that cannot fault.
+            unsafe { _mm_prefetch::<_MM_HINT_T1>(ptr.wrapping_add(at) as *const i8) };
+            at += 64;
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (ptr, bytes);
+}
+
 /// Copies `src` into `dst` (same length) with non-temporal stores where
 /// the CPU has them (x86-64 with AVX; the build's baseline is x86-64-v3),
 /// else with a plain copy. The bytes written are the same either way.
 pub(crate) fn stream_copy<A: Copy>(dst: &mut [A], src: &[A]) {
+    stream_copy_unfenced(dst, src);
+    store_fence();
+}
+
+/// [`stream_copy`] without the fence: for a kernel that streams many
+/// pieces and fences once ([`store_fence`]) before it returns. A fence
+/// after each piece would wait for that piece to reach memory each time,
+/// instead of letting the stores drain while the next block is computed.
+pub(crate) fn stream_copy_unfenced<A: Copy>(dst: &mut [A], src: &[A]) {
     assert_eq!(dst.len(), src.len(), "stream_copy of unequal lengths");
     let bytes = std::mem::size_of_val(src);
     // SAFETY: both regions are `bytes` long, valid, and do not overlap
@@ -102,12 +130,23 @@ pub(crate) fn stream_copy<A: Copy>(dst: &mut [A], src: &[A]) {
     }
 }
 
+/// Orders the non-temporal stores made so far before any later store:
+/// they are weakly ordered, so a kernel fences them before any other
+/// thread may be told the data is there (before it returns).
+pub(crate) fn store_fence() {
+    #[cfg(all(target_arch = "x86_64", target_feature = "avx"))]
+    // SAFETY: sfence has no operands and no preconditions.
+    unsafe {
+        std::arch::x86_64::_mm_sfence()
+    }
+}
+
 /// # Safety
 /// `dst` and `src` are valid for `n` bytes and do not overlap.
 unsafe fn stream_bytes(dst: *mut u8, src: *const u8, n: usize) {
     #[cfg(all(target_arch = "x86_64", target_feature = "avx"))]
     {
-        use std::arch::x86_64::{__m256i, _mm256_loadu_si256, _mm256_stream_si256, _mm_sfence};
+        use std::arch::x86_64::{__m256i, _mm256_loadu_si256, _mm256_stream_si256};
         // Plain copies up to the first 32-byte aligned address (the
         // streaming store needs it) and after the last whole vector.
         let head = (dst.align_offset(32)).min(n);
@@ -120,9 +159,6 @@ unsafe fn stream_bytes(dst: *mut u8, src: *const u8, n: usize) {
             at += 32;
         }
         std::ptr::copy_nonoverlapping(src.add(at), dst.add(at), n - at);
-        // Non-temporal stores are weakly ordered: fence them before any
-        // other thread may be told the data is there.
-        _mm_sfence();
     }
     #[cfg(not(all(target_arch = "x86_64", target_feature = "avx")))]
     std::ptr::copy_nonoverlapping(src, dst, n);
@@ -149,6 +185,7 @@ mod tests {
         }
         // Prefetch is only a hint, of any address.
         prefetch(std::ptr::null(), 4096);
+        prefetch_l2(std::ptr::null(), 4096);
         // The threshold: half a last-level cache, never below 16 MiB.
         assert!(stream_min_bytes() >= DEFAULT_MIN_BYTES);
         assert_eq!(with_stream_min_bytes(1 << 20, stream_min_bytes), 1 << 20);

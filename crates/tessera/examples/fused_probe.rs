@@ -1,0 +1,124 @@
+//! One fused kernel alone (no compile, no executor), in CPU time, which a
+//! shared, loaded machine disturbs less than wall time:
+//!
+//! - by default, the cost of each kind of step in cache: kernels of one
+//!   step (a copy, a multiply, tanh, sigmoid), four arithmetic steps and the
+//!   benchmark's chain, each run over `SMALL` (default 16 Ki) elements as
+//!   many times as make 64 Mi;
+//! - with `CHAIN=1`, the chain in cache (16 Ki and 64 Ki elements) and from
+//!   memory (64 Mi): the difference is what memory costs it (`BIG=1`: only
+//!   64 Mi, for A/B runs and `perf record`).
+//!
+//! `RAYON_NUM_THREADS=1 cargo run --release -p tessera --example fused_probe`
+use tessera::ir::{BinaryOp, DType, UnaryOp};
+use tessera::runtime::cpu::fused::{FusedKernel, Step};
+use tessera::tensor::Generator;
+use tessera::Tensor;
+use Step::*;
+
+fn chain() -> Vec<Step> {
+    vec![
+        Load(0),
+        Const(1.5),
+        Binary(BinaryOp::Mul, 0, 1),
+        Const(0.25),
+        Binary(BinaryOp::Add, 2, 3),
+        Unary(UnaryOp::Tanh, 4),
+        Binary(BinaryOp::Mul, 5, 0),
+        Const(0.5),
+        Binary(BinaryOp::Sub, 6, 7),
+        Unary(UnaryOp::Relu, 8),
+        Unary(UnaryOp::Sigmoid, 9),
+        Const(2.0),
+        Binary(BinaryOp::Mul, 10, 11),
+    ]
+}
+
+/// CPU time (ms) of every thread of this process so far, from
+/// /proc/self/task/*/schedstat (as in `fused_profile`): on a shared, loaded
+/// machine the wall time says little about the work done.
+fn cpu_ms() -> f64 {
+    std::fs::read_dir("/proc/self/task")
+        .map(|d| {
+            d.filter_map(|e| {
+                let s = std::fs::read_to_string(e.ok()?.path().join("schedstat")).ok()?;
+                s.split_whitespace().next()?.parse::<f64>().ok()
+            })
+            .sum::<f64>()
+                / 1e6
+        })
+        .unwrap_or(0.0)
+}
+
+fn main() {
+    let total = 64usize << 20;
+    let small: usize = std::env::var("SMALL")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1 << 14);
+    let mut g = Generator::new(0);
+    let xs = Tensor::randn(&[small], DType::F32, &mut g);
+    let kernels: Vec<(&str, Vec<Step>)> = vec![
+        ("copy", vec![Load(0), Unary(UnaryOp::Relu, 0)]),
+        (
+            "1 mulc",
+            vec![Load(0), Const(1.5), Binary(BinaryOp::Mul, 0, 1)],
+        ),
+        (
+            "4 constops",
+            vec![
+                Load(0),
+                Const(1.5),
+                Binary(BinaryOp::Mul, 0, 1),
+                Const(0.25),
+                Binary(BinaryOp::Add, 2, 3),
+                Binary(BinaryOp::Mul, 4, 1),
+                Binary(BinaryOp::Sub, 5, 3),
+            ],
+        ),
+        ("tanh", vec![Load(0), Unary(UnaryOp::Tanh, 0)]),
+        ("sigmoid", vec![Load(0), Unary(UnaryOp::Sigmoid, 0)]),
+        ("chain", chain()),
+    ];
+    let only_chain = std::env::var("CHAIN").is_ok();
+    for _ in 0..2 {
+        if only_chain {
+            let sizes: Vec<usize> = if std::env::var("BIG").is_ok() {
+                vec![total]
+            } else {
+                vec![1 << 14, 1 << 16, total]
+            };
+            for size in sizes {
+                let x = Tensor::randn(&[size], DType::F32, &mut g);
+                let k = FusedKernel::new(vec![size], chain(), vec![(12, DType::F32)], false);
+                let mut best = f64::INFINITY;
+                for _ in 0..5 {
+                    let t = cpu_ms();
+                    for _ in 0..total / size {
+                        drop(k.run(&[&x]).unwrap());
+                    }
+                    best = best.min(cpu_ms() - t);
+                }
+                println!("chain at {size:>9}: {best:6.1} ms cpu per 64Mi");
+            }
+            continue;
+        }
+        for (name, steps) in &kernels {
+            let out = steps.len() - 1;
+            let k = FusedKernel::new(vec![small], steps.clone(), vec![(out, DType::F32)], false);
+            let mut best = f64::INFINITY;
+            for _ in 0..3 {
+                let t = cpu_ms();
+                for _ in 0..total / small {
+                    drop(k.run(&[&xs]).unwrap());
+                }
+                best = best.min(cpu_ms() - t);
+            }
+            println!(
+                "{name:>12}: {best:6.1} ms cpu per 64Mi ({:.3} ns/elem), block {}",
+                best * 1e6 / total as f64,
+                k.block
+            );
+        }
+    }
+}
