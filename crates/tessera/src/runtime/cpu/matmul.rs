@@ -8,10 +8,10 @@
 //! Thin f32 products (a short inner dim or a narrow result: attention's
 //! `q·kᵀ`, `p·v` and their gradients, whose head dim is 64) take another
 //! path ([`thin_storage`]): flash attention's register micro-tiles over
-//! 32-column panels of `B`, packed 16 KiB at a time on the stack when
-//! `B`'s rows are not contiguous. gemm packs both operands for every call,
-//! which at these sizes costs as much as the product (BENCHMARKS.md has the
-//! six attention products next to PyTorch's).
+//! 64-column panels of `B` (32 without AVX-512), packed 32 KiB at a time on
+//! the stack when `B`'s rows are not contiguous. gemm packs both operands
+//! for every call, which at these sizes costs as much as the product
+//! (BENCHMARKS.md has the six attention products next to PyTorch's).
 
 use rayon::prelude::*;
 
@@ -194,9 +194,10 @@ impl GemmElement for f32 {}
 impl GemmElement for f64 {}
 impl GemmElement for half::f16 {}
 
-/// Columns of `B` per panel (two AVX-512 vectors: one micro-tile's width)
-/// and rows of `B` per pass over the result: a panel is 16 KiB, in L1.
-const PANEL_COLS: usize = 32;
+/// Columns of `B` per panel, at most (`flash::tile_cols`: one micro-tile's
+/// width), and rows of `B` per pass over the result: a panel is at most
+/// 32 KiB, in L1.
+const PANEL_COLS: usize = 64;
 const PANEL_K: usize = 128;
 
 /// Whether `plan` is a thin f32 product for [`thin_storage`]: an inner dim
@@ -265,11 +266,12 @@ fn rows_per_task(plan: &Plan) -> usize {
 /// block's first row of `A` and at `B`.
 fn thin_block(plan: &Plan, a: &[f32], b: &[f32], rows: usize, dst: &mut [f32]) {
     let (n, k) = (plan.n, plan.k);
+    let cols = super::flash::tile_cols().min(PANEL_COLS);
     let mut panel = [0f32; PANEL_K * PANEL_COLS];
     for k0 in (0..k).step_by(PANEL_K) {
         let kc = PANEL_K.min(k - k0);
-        for c0 in (0..n).step_by(PANEL_COLS) {
-            let nc = PANEL_COLS.min(n - c0);
+        for c0 in (0..n).step_by(cols) {
+            let nc = cols.min(n - c0);
             let first = k0 * plan.b_rs + c0 * plan.b_cs;
             let (bp, ldb): (&[f32], usize) = if plan.b_cs == 1 {
                 (&b[first..], plan.b_rs)
