@@ -142,8 +142,10 @@ fn check_grads(spec: &Spec, seed: u64) -> std::result::Result<(), TestCaseError>
 }
 
 proptest! {
+    // PROPTEST_CASES raises the count for a deeper run (an explicit
+    // `cases` would otherwise ignore it).
     #![proptest_config(ProptestConfig {
-        cases: 96,
+        cases: std::env::var("PROPTEST_CASES").ok().and_then(|c| c.parse().ok()).unwrap_or(96),
         max_global_rejects: 4096,
         ..ProptestConfig::default()
     })]
