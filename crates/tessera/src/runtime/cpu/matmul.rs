@@ -279,19 +279,69 @@ fn thin_block(plan: &Plan, a: &[f32], b: &[f32], rows: usize, dst: &mut [f32]) {
                 pack_panel(&b[first..], (plan.b_rs, plan.b_cs), kc, nc, &mut panel);
                 (&panel[..kc * nc], nc)
             };
-            super::flash::tile_product(
-                rows,
-                nc,
-                kc,
+            let panel_of_b = (bp, ldb, nc);
+            thin_rows(
+                plan,
                 &a[k0 * plan.a_cs..],
-                (plan.a_rs, plan.a_cs),
-                bp,
-                ldb,
+                kc,
+                rows,
+                panel_of_b,
                 &mut dst[c0..],
-                n,
                 k0 > 0,
             );
         }
+    }
+}
+
+/// Rows of `A` per tile product when `A` is transposed (see [`thin_rows`]):
+/// a multiple of both micro-tile heights (6 and 8).
+const PREFETCH_ROWS: usize = 48;
+
+/// `dst (rows × nc, rows n apart) ⊕= A (rows × kc) · B`, `B` one panel
+/// (`bp`, `ldb`, `nc`). A transposed `A` (`a_rs == 1`: attention's `Pᵀ` and
+/// `dSᵀ`) is read down columns of the stored matrix, one cache line per
+/// element of `kc` and a page every few lines, which the hardware
+/// prefetcher does not follow: the block goes in runs of `PREFETCH_ROWS`
+/// rows, and the lines of the next run are asked for before this one is
+/// multiplied (dV = Pᵀ·dO and dK = dSᵀ·Q ran ~1.5× faster per core,
+/// BENCHMARKS.md).
+fn thin_rows(
+    plan: &Plan,
+    a: &[f32],
+    kc: usize,
+    rows: usize,
+    (bp, ldb, nc): (&[f32], usize, usize),
+    dst: &mut [f32],
+    accumulate: bool,
+) {
+    let (a_rs, a_cs, n) = (plan.a_rs, plan.a_cs, plan.n);
+    let run = if a_rs == 1 && a_cs > 1 {
+        PREFETCH_ROWS
+    } else {
+        rows.max(1)
+    };
+    for r in (0..rows).step_by(run) {
+        let next = r + run;
+        if next < rows {
+            let bytes = run.min(rows - next) * std::mem::size_of::<f32>();
+            for kk in 0..kc {
+                // A hint: the address is never dereferenced.
+                let line = a.as_ptr().wrapping_add(kk * a_cs + next);
+                super::stream::prefetch(line.cast(), bytes);
+            }
+        }
+        super::flash::tile_product(
+            run.min(rows - r),
+            nc,
+            kc,
+            &a[r * a_rs..],
+            (a_rs, a_cs),
+            bp,
+            ldb,
+            &mut dst[r * n..],
+            n,
+            accumulate,
+        );
     }
 }
 
