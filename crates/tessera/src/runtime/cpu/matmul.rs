@@ -293,18 +293,24 @@ fn thin_block(plan: &Plan, a: &[f32], b: &[f32], rows: usize, dst: &mut [f32]) {
     }
 }
 
-/// Rows of `A` per tile product when `A` is transposed (see [`thin_rows`]):
-/// a multiple of both micro-tile heights (6 and 8).
+/// Rows of `A` per tile product when its next rows are prefetched (see
+/// [`thin_rows`]): a multiple of both micro-tile heights (6 and 8).
 const PREFETCH_ROWS: usize = 48;
 
+/// Depth from which the rows of a row-major `A` are prefetched: its rows
+/// (1 KiB and more) then span many lines that the run reads a few floats
+/// at a time.
+const PREFETCH_MIN_K: usize = 256;
+
 /// `dst (rows × nc, rows n apart) ⊕= A (rows × kc) · B`, `B` one panel
-/// (`bp`, `ldb`, `nc`). A transposed `A` (`a_rs == 1`: attention's `Pᵀ` and
-/// `dSᵀ`) is read down columns of the stored matrix, one cache line per
-/// element of `kc` and a page every few lines, which the hardware
-/// prefetcher does not follow: the block goes in runs of `PREFETCH_ROWS`
-/// rows, and the lines of the next run are asked for before this one is
-/// multiplied (dV = Pᵀ·dO and dK = dSᵀ·Q ran ~1.5× faster per core,
-/// BENCHMARKS.md).
+/// (`bp`, `ldb`, `nc`), in runs of `PREFETCH_ROWS` rows whose next run's
+/// lines of `A` are asked for before this one is multiplied, when `A` is
+/// large: a transposed `A` (`a_rs == 1`: attention's `Pᵀ` and `dSᵀ`) is
+/// read down columns of the stored matrix, one cache line per element of
+/// `kc` and a page every few lines, which the hardware prefetcher does not
+/// follow; a row-major one with long rows (`P`, `dS`) is read as many
+/// streams at once. dV = Pᵀ·dO and dK = dSᵀ·Q ran ~1.5× faster per core,
+/// O = P·V 1–56 % (BENCHMARKS.md).
 fn thin_rows(
     plan: &Plan,
     a: &[f32],
@@ -315,19 +321,29 @@ fn thin_rows(
     accumulate: bool,
 ) {
     let (a_rs, a_cs, n) = (plan.a_rs, plan.a_cs, plan.n);
-    let run = if a_rs == 1 && a_cs > 1 {
+    let transposed = a_rs == 1 && a_cs > 1;
+    let long_rows = a_cs == 1 && plan.k >= PREFETCH_MIN_K;
+    let run = if transposed || long_rows {
         PREFETCH_ROWS
     } else {
         rows.max(1)
     };
+    let size = std::mem::size_of::<f32>();
     for r in (0..rows).step_by(run) {
         let next = r + run;
         if next < rows {
-            let bytes = run.min(rows - next) * std::mem::size_of::<f32>();
-            for kk in 0..kc {
-                // A hint: the address is never dereferenced.
-                let line = a.as_ptr().wrapping_add(kk * a_cs + next);
-                super::stream::prefetch(line.cast(), bytes);
+            let count = run.min(rows - next);
+            // Hints: the addresses are never dereferenced.
+            if transposed {
+                for kk in 0..kc {
+                    let line = a.as_ptr().wrapping_add(kk * a_cs + next);
+                    super::stream::prefetch(line.cast(), count * size);
+                }
+            } else {
+                for row in next..next + count {
+                    let start = a.as_ptr().wrapping_add(row * a_rs);
+                    super::stream::prefetch(start.cast(), kc * size);
+                }
             }
         }
         super::flash::tile_product(
@@ -623,12 +639,19 @@ mod tests {
     /// layouts against f64: plain, `A` transposed, `B` transposed (packed
     /// panels), both; inner dims across panel passes (k = 300: 128 + 128 +
     /// 44), widths with masked tails and several panels (n = 19, 45, 70),
-    /// rows not a multiple of the micro-tile (m = 37), a batch of one (row
+    /// rows not a multiple of the micro-tile (m = 37), runs of prefetched
+    /// rows (m = 100 and 130, transposed or k = 260), a batch of one (row
     /// blocks as tasks) and of many (whole matrices as tasks), a right side
     /// with no unit stride, and a batch broadcast on one side.
     #[test]
     fn thin_products_in_every_layout() {
-        let shapes = [(37, 300, 19), (64, 64, 70), (130, 45, 256), (16, 8, 16)];
+        let shapes = [
+            (37, 300, 19),
+            (64, 64, 70),
+            (130, 45, 256),
+            (16, 8, 16),
+            (100, 260, 64),
+        ];
         for (case, &(m, k, n)) in shapes.iter().enumerate() {
             for batch in [1, 9] {
                 let plan = Plan::new(
