@@ -794,12 +794,27 @@ pub(super) fn simd_tiles() -> bool {
     Isa::detect() != Isa::Portable
 }
 
+/// Columns of `B` that [`tile_product`] wants per call: one micro-tile's
+/// width (64 with AVX-512, 32 otherwise), so that each row of `A` is read
+/// once per panel.
+pub(super) fn tile_cols() -> usize {
+    match Isa::detect() {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => 64,
+        _ => 32,
+    }
+}
+
 /// `C (m × n) = A · B`, or `C += A · B` when `accumulate`, f32, by the
 /// micro-kernel of flash attention's tiles, on the best instruction set the
 /// machine has. `A[r, kk] = a[r·a_rs + kk·a_cs]` (any strides); `B`'s rows
 /// are contiguous, `ldb` apart; `C`'s rows `ldc` apart. It does not pack
 /// or block: the caller (`matmul`'s thin path) hands it `B` panels that
-/// stay in L1.
+/// stay in L1. With AVX-512 the micro-tiles are 6 rows × 4 vectors (24
+/// accumulators, 10 loads per 24 FMAs) rather than flash attention's
+/// 8 × 2: a matmul's panels are [`tile_cols`] = 64 wide, and the wider
+/// tile reads each broadcast of `A` for twice the columns (attention's
+/// products at head dim 64 ran 5-30 % faster per core, BENCHMARKS.md).
 #[allow(clippy::too_many_arguments)]
 pub(super) fn tile_product(
     m: usize,
@@ -823,7 +838,7 @@ pub(super) fn tile_product(
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2 => x86::gemm_avx2(&g),
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 => x86::gemm_avx512(&g),
+            Isa::Avx512 => x86::gemm_avx512_wide(&g),
         }
     }
 }
@@ -1439,6 +1454,12 @@ mod x86 {
         gemm_tiled::<Avx512, 8, 2>(g)
     }
 
+    /// The matmul path's AVX-512 tile (see [`super::tile_product`]).
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn gemm_avx512_wide(g: &Gemm) {
+        gemm_tiled::<Avx512, 6, 4>(g)
+    }
+
     #[target_feature(enable = "avx2,fma")]
     pub(super) unsafe fn forward_block_avx2<T: Float<Acc = f32>>(
         ops: &ForwardOperands<T>,
@@ -1983,6 +2004,14 @@ mod tests {
         }
     }
 
+    /// Every instruction set with both of its tile shapes.
+    fn each_tile(f: &dyn Fn(Isa, bool)) {
+        for isa in Isa::available() {
+            f(isa, false);
+            f(isa, true);
+        }
+    }
+
     impl Isa {
         /// `Simd::exp` of each of `xs`.
         fn exp(self, xs: &[f32]) -> Vec<f32> {
@@ -2002,13 +2031,17 @@ mod tests {
             out
         }
 
-        fn gemm(self, g: &Gemm) {
+        /// The tile product with flash attention's micro-tile, or with the
+        /// matmul path's (`wide`, different only with AVX-512).
+        fn gemm(self, g: &Gemm, wide: bool) {
             // SAFETY: available() found the instruction set.
             unsafe {
                 match self {
                     Isa::Portable => Portable::gemm(g),
                     #[cfg(target_arch = "x86_64")]
                     Isa::Avx2 => x86::Avx2::gemm(g),
+                    #[cfg(target_arch = "x86_64")]
+                    Isa::Avx512 if wide => x86::gemm_avx512_wide(g),
                     #[cfg(target_arch = "x86_64")]
                     Isa::Avx512 => x86::Avx512::gemm(g),
                 }
@@ -2043,7 +2076,8 @@ mod tests {
     #[test]
     fn tile_products_match_f64() {
         // Sizes around the micro-tile shapes (rows 1..MR+1, columns across
-        // full and masked vectors), both A layouts and all three modes.
+        // full and masked vectors, 8 × 2 and 6 × 4 vectors), both A layouts
+        // and all three modes.
         let mut rng = ChaCha8Rng::seed_from_u64(3);
         let mut draw =
             |n: usize| -> Vec<f32> { (0..n).map(|_| rng.random::<f32>() - 0.5).collect() };
@@ -2053,7 +2087,9 @@ mod tests {
             (9, 17, 33),
             (13, 40, 64),
             (8, 64, 5),
+            (7, 70, 9),
             (17, 100, 20),
+            (12, 128, 40),
         ] {
             let (a, b, c0, s) = (
                 draw(m * k + k * m),
@@ -2085,14 +2121,14 @@ mod tests {
                             }
                         })
                         .collect();
-                    each_isa(&|isa| {
+                    each_tile(&|isa, wide| {
                         let mut c = c0.clone();
                         let g = if transposed {
                             Gemm::cols_of(m, n, k, &a, m, &b, n + 3, &mut c, n + 2, mode)
                         } else {
                             Gemm::rows(m, n, k, &a, k, &b, n + 3, &mut c, n + 2, mode)
                         };
-                        isa.gemm(&g);
+                        isa.gemm(&g, wide);
                         for r in 0..m {
                             for col in 0..n + 2 {
                                 let (got, i) = (c[r * (n + 2) + col] as f64, r * (n + 2) + col);
@@ -2100,14 +2136,14 @@ mod tests {
                                     // Past n: untouched (the masked stores).
                                     assert_eq!(
                                         got, c0[i] as f64,
-                                        "{isa:?} {m}x{n}x{k} wrote past n"
+                                        "{isa:?} (wide: {wide}) {m}x{n}x{k} wrote past n"
                                     );
                                     continue;
                                 }
                                 let w = want[r * n + col];
                                 assert!(
                                     (got - w).abs() <= 1e-5 * (1.0 + w.abs()),
-                                    "{isa:?} {m}x{n}x{k} transposed={transposed}: C[{r},{col}] = {got}, want {w}"
+                                    "{isa:?} (wide: {wide}) {m}x{n}x{k} transposed={transposed}: C[{r},{col}] = {got}, want {w}"
                                 );
                             }
                         }

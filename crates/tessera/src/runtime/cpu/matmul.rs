@@ -8,10 +8,10 @@
 //! Thin f32 products (a short inner dim or a narrow result: attention's
 //! `q·kᵀ`, `p·v` and their gradients, whose head dim is 64) take another
 //! path ([`thin_storage`]): flash attention's register micro-tiles over
-//! 32-column panels of `B`, packed 16 KiB at a time on the stack when
-//! `B`'s rows are not contiguous. gemm packs both operands for every call,
-//! which at these sizes costs as much as the product (BENCHMARKS.md has the
-//! six attention products next to PyTorch's).
+//! 64-column panels of `B` (32 without AVX-512), packed 32 KiB at a time on
+//! the stack when `B`'s rows are not contiguous. gemm packs both operands
+//! for every call, which at these sizes costs as much as the product
+//! (BENCHMARKS.md has the six attention products next to PyTorch's).
 
 use rayon::prelude::*;
 
@@ -194,9 +194,10 @@ impl GemmElement for f32 {}
 impl GemmElement for f64 {}
 impl GemmElement for half::f16 {}
 
-/// Columns of `B` per panel (two AVX-512 vectors: one micro-tile's width)
-/// and rows of `B` per pass over the result: a panel is 16 KiB, in L1.
-const PANEL_COLS: usize = 32;
+/// Columns of `B` per panel, at most (`flash::tile_cols`: one micro-tile's
+/// width), and rows of `B` per pass over the result: a panel is at most
+/// 32 KiB, in L1.
+const PANEL_COLS: usize = 64;
 const PANEL_K: usize = 128;
 
 /// Whether `plan` is a thin f32 product for [`thin_storage`]: an inner dim
@@ -265,11 +266,12 @@ fn rows_per_task(plan: &Plan) -> usize {
 /// block's first row of `A` and at `B`.
 fn thin_block(plan: &Plan, a: &[f32], b: &[f32], rows: usize, dst: &mut [f32]) {
     let (n, k) = (plan.n, plan.k);
+    let cols = super::flash::tile_cols().min(PANEL_COLS);
     let mut panel = [0f32; PANEL_K * PANEL_COLS];
     for k0 in (0..k).step_by(PANEL_K) {
         let kc = PANEL_K.min(k - k0);
-        for c0 in (0..n).step_by(PANEL_COLS) {
-            let nc = PANEL_COLS.min(n - c0);
+        for c0 in (0..n).step_by(cols) {
+            let nc = cols.min(n - c0);
             let first = k0 * plan.b_rs + c0 * plan.b_cs;
             let (bp, ldb): (&[f32], usize) = if plan.b_cs == 1 {
                 (&b[first..], plan.b_rs)
@@ -277,19 +279,85 @@ fn thin_block(plan: &Plan, a: &[f32], b: &[f32], rows: usize, dst: &mut [f32]) {
                 pack_panel(&b[first..], (plan.b_rs, plan.b_cs), kc, nc, &mut panel);
                 (&panel[..kc * nc], nc)
             };
-            super::flash::tile_product(
-                rows,
-                nc,
-                kc,
+            let panel_of_b = (bp, ldb, nc);
+            thin_rows(
+                plan,
                 &a[k0 * plan.a_cs..],
-                (plan.a_rs, plan.a_cs),
-                bp,
-                ldb,
+                kc,
+                rows,
+                panel_of_b,
                 &mut dst[c0..],
-                n,
                 k0 > 0,
             );
         }
+    }
+}
+
+/// Rows of `A` per tile product when its next rows are prefetched (see
+/// [`thin_rows`]): a multiple of both micro-tile heights (6 and 8).
+const PREFETCH_ROWS: usize = 48;
+
+/// Depth from which the rows of a row-major `A` are prefetched: its rows
+/// (1 KiB and more) then span many lines that the run reads a few floats
+/// at a time.
+const PREFETCH_MIN_K: usize = 256;
+
+/// `dst (rows × nc, rows n apart) ⊕= A (rows × kc) · B`, `B` one panel
+/// (`bp`, `ldb`, `nc`), in runs of `PREFETCH_ROWS` rows whose next run's
+/// lines of `A` are asked for before this one is multiplied, when `A` is
+/// large: a transposed `A` (`a_rs == 1`: attention's `Pᵀ` and `dSᵀ`) is
+/// read down columns of the stored matrix, one cache line per element of
+/// `kc` and a page every few lines, which the hardware prefetcher does not
+/// follow; a row-major one with long rows (`P`, `dS`) is read as many
+/// streams at once. dV = Pᵀ·dO and dK = dSᵀ·Q ran ~1.5× faster per core,
+/// O = P·V 1–56 % (BENCHMARKS.md).
+fn thin_rows(
+    plan: &Plan,
+    a: &[f32],
+    kc: usize,
+    rows: usize,
+    (bp, ldb, nc): (&[f32], usize, usize),
+    dst: &mut [f32],
+    accumulate: bool,
+) {
+    let (a_rs, a_cs, n) = (plan.a_rs, plan.a_cs, plan.n);
+    let transposed = a_rs == 1 && a_cs > 1;
+    let long_rows = a_cs == 1 && plan.k >= PREFETCH_MIN_K;
+    let run = if transposed || long_rows {
+        PREFETCH_ROWS
+    } else {
+        rows.max(1)
+    };
+    let size = std::mem::size_of::<f32>();
+    for r in (0..rows).step_by(run) {
+        let next = r + run;
+        if next < rows {
+            let count = run.min(rows - next);
+            // Hints: the addresses are never dereferenced.
+            if transposed {
+                for kk in 0..kc {
+                    let line = a.as_ptr().wrapping_add(kk * a_cs + next);
+                    super::stream::prefetch(line.cast(), count * size);
+                }
+            } else {
+                for row in next..next + count {
+                    let start = a.as_ptr().wrapping_add(row * a_rs);
+                    super::stream::prefetch(start.cast(), kc * size);
+                }
+            }
+        }
+        super::flash::tile_product(
+            run.min(rows - r),
+            nc,
+            kc,
+            &a[r * a_rs..],
+            (a_rs, a_cs),
+            bp,
+            ldb,
+            &mut dst[r * n..],
+            n,
+            accumulate,
+        );
     }
 }
 
@@ -571,12 +639,19 @@ mod tests {
     /// layouts against f64: plain, `A` transposed, `B` transposed (packed
     /// panels), both; inner dims across panel passes (k = 300: 128 + 128 +
     /// 44), widths with masked tails and several panels (n = 19, 45, 70),
-    /// rows not a multiple of the micro-tile (m = 37), a batch of one (row
+    /// rows not a multiple of the micro-tile (m = 37), runs of prefetched
+    /// rows (m = 100 and 130, transposed or k = 260), a batch of one (row
     /// blocks as tasks) and of many (whole matrices as tasks), a right side
     /// with no unit stride, and a batch broadcast on one side.
     #[test]
     fn thin_products_in_every_layout() {
-        let shapes = [(37, 300, 19), (64, 64, 70), (130, 45, 256), (16, 8, 16)];
+        let shapes = [
+            (37, 300, 19),
+            (64, 64, 70),
+            (130, 45, 256),
+            (16, 8, 16),
+            (100, 260, 64),
+        ];
         for (case, &(m, k, n)) in shapes.iter().enumerate() {
             for batch in [1, 9] {
                 let plan = Plan::new(
