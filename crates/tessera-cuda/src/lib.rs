@@ -38,6 +38,7 @@ use tessera::runtime::cpu::fused::FusedKernel;
 use tessera::runtime::cpu::rows::RowKernel;
 use tessera::runtime::cpu::{MemoryStats, Storage};
 use tessera::runtime::device::{self, Backend, Device, DeviceGraph, DeviceStorage};
+use tessera::tensor::Layout;
 use tessera::Tensor;
 
 pub use matmul::Epilogue;
@@ -189,6 +190,15 @@ impl Backend for CudaBackend {
     fn run_rows(&self, kernel: &RowKernel, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
         let name = || format!("rows[{} steps]", kernel.steps.len());
         profile::timed(self, name, inputs, || self.rows(kernel, inputs))
+    }
+
+    fn scratch_bytes(
+        &self,
+        op: &Op,
+        inputs: &[(&Layout, DType, usize)],
+        out_shape: &[usize],
+    ) -> usize {
+        ops::scratch_bytes(op, inputs, out_shape, self.gpu.sms)
     }
 
     fn synchronize(&self) -> Result<()> {

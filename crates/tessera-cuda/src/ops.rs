@@ -605,12 +605,8 @@ impl CudaBackend {
         let (m, k, n) = (la.shape[ra - 2], la.shape[ra - 1], lb.shape[rb - 1]);
         let batch_shape = broadcast(&la.shape[..ra - 2], &lb.shape[..rb - 2]);
         let batch: usize = batch_shape.iter().product();
-        let out = self.empty(dtype, batch * m * n)?;
-        let result = Tensor::from_device_storage(out, shape);
-        if batch * m * n == 0 {
-            return Ok(result);
-        }
-        if k == 0 {
+        if k == 0 && batch * m * n > 0 {
+            // Zeros, allocated as the product would be (its planned place).
             let zero = self.eval_op(
                 &Op::Full {
                     value: tessera::ir::Scalar::Float(0.0),
@@ -623,7 +619,14 @@ impl CudaBackend {
             )?;
             return Ok(zero);
         }
-        // Operands that cuBLASLt cannot read in place are copied (contiguous).
+        let out = self.empty(dtype, batch * m * n)?;
+        let result = Tensor::from_device_storage(out, shape);
+        if batch * m * n == 0 {
+            return Ok(result);
+        }
+        // Operands that cuBLASLt cannot read in place are copied
+        // (contiguous): the kernel's scratch, after its output
+        // (`matmul_scratch_bytes` says how much).
         let mut keep: Vec<Tensor> = Vec::new();
         let mut operand = |t: &Tensor, l: Layout, rows: usize, cols: usize| -> Result<Mat> {
             let full: Vec<usize> = batch_shape.iter().copied().chain([rows, cols]).collect();
@@ -632,7 +635,7 @@ impl CudaBackend {
                 return Ok(mat);
             }
             let view = t.view_with_layout(e.clone());
-            let c = self.contiguous(name, &view)?;
+            let c = arena::scratch(|| self.contiguous(name, &view))?;
             let mat = as_mat(c.layout(), base(&c), dtype).expect("a contiguous batch of matrices");
             keep.push(c);
             Ok(mat)
@@ -909,6 +912,67 @@ fn as_mat(layout: &Layout, base: u64, dtype: DType) -> Option<Mat> {
     mat.direct().then_some(mat)
 }
 
+/// Bytes the kernel of `op` allocates inside `arena::scratch` on a GPU of
+/// `sms` SMs (the backend's `Backend::scratch_bytes`; `inputs`: each
+/// input's layout, dtype and storage element count): the partial results
+/// of a reduction cut into parts, the contiguous copies of matmul operands
+/// cuBLASLt cannot read in place. Softmax reads strided rows in place,
+/// half-precision matmuls need no f32 copies, and cuBLASLt's workspace is
+/// the backend's own (one per lane, for the process, outside the
+/// allocator's accounting), so none of them is a kernel's scratch.
+pub(crate) fn scratch_bytes(
+    op: &Op,
+    inputs: &[(&Layout, DType, usize)],
+    out_shape: &[usize],
+    sms: u32,
+) -> usize {
+    match op {
+        Op::Reduce { dims, .. } => {
+            let (layout, dtype, _) = inputs[0];
+            match rows::parts_for(layout, dims, sms) {
+                1 => 0,
+                parts => {
+                    let n_out: usize = out_shape.iter().product();
+                    n_out * parts * rows::accumulator(dtype).size_bytes()
+                }
+            }
+        }
+        Op::MatMul => matmul_scratch_bytes(inputs, false, false),
+        Op::MatMulT {
+            transpose_a,
+            transpose_b,
+        } => matmul_scratch_bytes(inputs, *transpose_a, *transpose_b),
+        _ => 0,
+    }
+}
+
+/// The bytes of the operand copies `CudaBackend::matmul` makes for `a·b`
+/// (either transposed): an operand whose matrices, broadcast over the
+/// batch, `as_mat` cannot read is copied whole, the second copy placed at
+/// the 64-byte boundary after the first (as `arena::scratch` places them).
+fn matmul_scratch_bytes(inputs: &[(&Layout, DType, usize)], ta: bool, tb: bool) -> usize {
+    let dtype = inputs[0].1;
+    let la = matrix_layout(inputs[0].0, ta, true);
+    let lb = matrix_layout(inputs[1].0, tb, false);
+    let (ra, rb) = (la.rank(), lb.rank());
+    let (m, k, n) = (la.shape[ra - 2], la.shape[ra - 1], lb.shape[rb - 1]);
+    let batch_shape = broadcast(&la.shape[..ra - 2], &lb.shape[..rb - 2]);
+    if k == 0 || batch_shape.iter().product::<usize>() * m * n == 0 {
+        return 0;
+    }
+    let copy = |l: &Layout, rows: usize, cols: usize| -> usize {
+        let full: Vec<usize> = batch_shape.iter().copied().chain([rows, cols]).collect();
+        match as_mat(&l.expanded(&full), 0, dtype) {
+            Some(_) => 0,
+            None => full.iter().product::<usize>() * dtype.size_bytes(),
+        }
+    };
+    match (copy(&la, m, k), copy(&lb, k, n)) {
+        (0, one) | (one, 0) => one,
+        (a, b) => a.div_ceil(64) * 64 + b,
+    }
+}
+
 /// Shared-ownership helpers the dispatcher needs on tensors.
 trait ViewExt {
     fn view_with_layout(&self, layout: Layout) -> Tensor;
@@ -945,6 +1009,60 @@ mod tests {
         // A broadcast batch: stride 0.
         let e = Layout::contiguous(&[4, 5]).expanded(&[6, 4, 5]);
         assert_eq!(as_mat(&e, 0, DType::F32).unwrap().batch_stride, 0);
+    }
+
+    #[test]
+    fn scratch_is_what_the_kernels_allocate_inside_arena_scratch() {
+        let dense = |shape: &[usize]| Layout::contiguous(shape);
+        let described = |l: &Layout, d: DType| (l.clone(), d, l.numel());
+        let mm = |a: &Layout, b: &Layout, d: DType, op: &Op, out: &[usize]| {
+            let (a, b) = (described(a, d), described(b, d));
+            scratch_bytes(op, &[(&a.0, a.1, a.2), (&b.0, b.1, b.2)], out, 132)
+        };
+        // bf16 matmuls read their operands as they are: no f32 copies
+        // (the CPU reserves (64·32 + 32·16 + 64·16)·4 bytes).
+        let (a, b) = (dense(&[64, 32]), dense(&[32, 16]));
+        assert_eq!(mm(&a, &b, DType::BF16, &Op::MatMul, &[64, 16]), 0);
+        // A transposed operand is read transposed, not copied.
+        let bt = dense(&[16, 32]).permuted(&[1, 0]);
+        assert_eq!(mm(&a, &bt, DType::F32, &Op::MatMul, &[64, 16]), 0);
+        // A batch that does not collapse to one stride is copied whole,
+        // the second copy at the 64-byte boundary after the first.
+        let ap = dense(&[3, 2, 5, 7]).permuted(&[1, 0, 2, 3]);
+        let bp = dense(&[3, 2, 7, 1]).permuted(&[1, 0, 2, 3]);
+        let op = Op::MatMul;
+        assert_eq!(
+            mm(&ap, &dense(&[2, 3, 7, 1]), DType::F32, &op, &[2, 3, 5, 1]),
+            2 * 3 * 5 * 7 * 4
+        );
+        assert_eq!(
+            mm(&ap, &bp, DType::F32, &op, &[2, 3, 5, 1]),
+            (2 * 3 * 5 * 7 * 4usize).div_ceil(64) * 64 + 2 * 3 * 7 * 4
+        );
+        // A long reduction over few outputs is cut into parts: their
+        // partial results (f32 for bf16 input) are the scratch.
+        let x = dense(&[2, 1 << 20]);
+        let reduce = Op::Reduce {
+            op: tessera::ir::ReduceOp::Sum,
+            dims: vec![1],
+            keepdim: false,
+        };
+        let parts = rows::parts_for(&x, &[1], 132);
+        assert!(parts > 1);
+        let input = [(&x, DType::BF16, x.numel())];
+        assert_eq!(scratch_bytes(&reduce, &input, &[2], 132), 2 * parts * 4);
+        // A short one is one pass; softmax of strided rows reads in place.
+        let short = dense(&[64, 128]);
+        assert_eq!(
+            scratch_bytes(&reduce, &[(&short, DType::F32, 64 * 128)], &[64], 132),
+            0
+        );
+        let t = short.permuted(&[1, 0]);
+        let softmax = Op::Softmax { dim: 1 };
+        assert_eq!(
+            scratch_bytes(&softmax, &[(&t, DType::F32, 64 * 128)], &[128, 64], 132),
+            0
+        );
     }
 
     #[test]

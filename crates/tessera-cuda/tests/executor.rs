@@ -83,6 +83,8 @@ fn planned(graph: &Graph, strategy: Strategy) -> (Plan, Scheduled) {
     let options = ScheduleOptions {
         strategy,
         memory_budget: None,
+        // The plan reserves the GPU kernels' scratch.
+        device: Device::Cuda,
     };
     let s = schedule::build(graph, &plan, &options).unwrap();
     (plan, s)

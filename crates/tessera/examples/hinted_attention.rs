@@ -89,6 +89,7 @@ fn main() {
         let options = ScheduleOptions {
             strategy,
             memory_budget,
+            ..ScheduleOptions::default()
         };
         run_case(name, g, &options, &args);
     }

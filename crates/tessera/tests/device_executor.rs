@@ -14,7 +14,7 @@ mod schedule_util;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
-use schedule_util::{chain, planned, sliced_attention, traced};
+use schedule_util::{chain, planned_on, sliced_attention, traced};
 use tessera::compile::Mode;
 use tessera::fusion::Plan;
 use tessera::ir::{DType, Graph, Op};
@@ -280,7 +280,7 @@ fn device_runs_place_buffers_in_one_arena_and_peak_as_planned() {
             .collect();
         let on = on_fake(&host);
         for strategy in [Strategy::Bfs, Strategy::Dfs, Strategy::Strict] {
-            let (plan, s) = planned(&graph, strategy, None);
+            let (plan, s) = planned_on(&graph, strategy, None, Device::Cuda);
             let (outs, peak) = measured(&graph, &plan, &s, &on);
             assert!(outs.iter().all(|t| t.device() == Device::Cuda));
             assert_eq!(
@@ -325,7 +325,7 @@ fn bfs_steps_go_to_lanes_and_every_fork_is_joined() {
     let on = on_fake(&qkv);
     for (strategy, forks) in [(Strategy::Bfs, true), (Strategy::Strict, false)] {
         LANES.lock().unwrap().clear();
-        let (plan, s) = planned(&graph, strategy, None);
+        let (plan, s) = planned_on(&graph, strategy, None, Device::Cuda);
         run_scheduled(&graph, &plan, &s.schedule, &s.memory, &on).unwrap();
         let log = LANES.lock().unwrap().clone();
         assert_eq!(!log.is_empty(), forks, "{}: {log:?}", strategy.name());
@@ -372,5 +372,51 @@ fn reduce_overhead_runs_normally_where_the_backend_cannot_capture() {
     assert_eq!(
         (stats.recordings, stats.fallbacks, stats.normal_runs),
         (0, 1, 3)
+    );
+}
+
+#[test]
+fn a_plan_takes_the_arena_only_on_the_device_it_was_made_for() {
+    let _lock = fake();
+    let host = [randn(&[12, 32], 40), randn(&[32, 24], 41), randn(&[24], 42)];
+    let graph = traced("chain", &host, chain);
+    let (plan, cpu) = planned_on(&graph, Strategy::Bfs, None, Device::Cpu);
+    let (_, cuda) = planned_on(&graph, Strategy::Bfs, None, Device::Cuda);
+    assert_eq!(
+        (cpu.memory.device, cuda.memory.device),
+        (Device::Cpu, Device::Cuda)
+    );
+    let unfit =
+        |s: &Scheduled, on| tessera::runtime::execute::device_arena_unfit(&plan, &s.memory, on);
+    assert_eq!(unfit(&cpu, Device::Cpu), None);
+    assert_eq!(unfit(&cuda, Device::Cuda), None);
+    let why = unfit(&cpu, Device::Cuda).expect("a CPU plan does not fit the device");
+    assert!(
+        why.contains("made for the scratch of cpu's kernels"),
+        "{why}"
+    );
+    assert!(unfit(&cuda, Device::Cpu).is_some());
+    // The CPU plan still runs on the device, from its allocator, to the
+    // same values.
+    let on = on_fake(&host);
+    let (outs, _) = measured(&graph, &plan, &cpu, &on);
+    let (planned, peak) = measured(&graph, &plan, &cuda, &on);
+    assert_eq!(bits(&outs), bits(&planned));
+    assert_eq!(peak, cuda.memory.run_peak_bytes());
+}
+
+#[test]
+fn a_compiled_function_plans_for_its_inputs_device_and_recompiles_on_another() {
+    let _lock = fake();
+    let f = compile(|x: &[Tensor]| mlp(x));
+    let host = [randn(&[12, 32], 50), randn(&[32, 24], 51), randn(&[24], 52)];
+    let on_host = f.call(&host);
+    let on_device = f.call(&on_fake(&host));
+    assert_eq!(bits(&on_host), bits(&on_device));
+    let reasons = f.recompile_reasons();
+    assert_eq!(reasons.len(), 1, "{reasons:?}");
+    assert!(
+        reasons[0].contains("expected device cpu, got cuda"),
+        "{reasons:?}"
     );
 }

@@ -10,6 +10,7 @@ use crate::fusion::{self, Plan};
 use crate::ir::{Graph, NodeId};
 use crate::logging::log;
 use crate::passes::{PassContext, PassManager};
+use crate::runtime::device::Device;
 use crate::runtime::execute::{run_plan_with, run_scheduled_with};
 use crate::runtime::interpret::{bind_symbols, concretise, run_graph};
 use crate::runtime::replay::{ReplayStats, Replayer};
@@ -148,7 +149,14 @@ fn describe_binding(binding: &Binding) -> String {
 impl Program {
     /// For the default backend (`optimized`): the pass pipeline, fusion,
     /// then the schedule.
-    fn new(mut graph: Graph, optimized: bool, options: &CompileOptions) -> Result<Program> {
+    /// `on`: the device its kernels run on (the memory plan's scratch is
+    /// theirs).
+    fn new(
+        mut graph: Graph,
+        optimized: bool,
+        options: &CompileOptions,
+        on: Device,
+    ) -> Result<Program> {
         if !optimized {
             return Ok(Program {
                 graph: Arc::new(graph),
@@ -162,6 +170,7 @@ impl Program {
         let schedule_options = ScheduleOptions {
             strategy: options.schedule,
             memory_budget: options.memory_budget,
+            device: on,
         };
         let symbolic = graph
             .nodes
@@ -267,8 +276,14 @@ impl Executable {
     /// Builds the executable for `traced`, with the AOT backward for the
     /// graph inputs at `wrt` (none: forward only; backend `eager` keeps the
     /// tape instead). For the default backend the passes run once on the
-    /// captured graph, then each graph that runs is fused and scheduled once.
-    pub fn build(traced: &Traced, wrt: Vec<usize>, options: &CompileOptions) -> Result<Executable> {
+    /// captured graph, then each graph that runs is fused and scheduled once,
+    /// its memory planned for device `on` (its inputs' device).
+    pub fn build(
+        traced: &Traced,
+        wrt: Vec<usize>,
+        options: &CompileOptions,
+        on: Device,
+    ) -> Result<Executable> {
         let mut graph = cut_at_breaks(traced)?;
         // Decided on the captured graph, before passes simplify it.
         let reached = autograd::aot::reached_inputs(&graph, &wrt);
@@ -284,19 +299,22 @@ impl Executable {
         let num_outputs = graph.outputs.len();
         let name = graph.name.clone();
         let (forward, backward) = if wrt.is_empty() || eager_autograd {
-            (Program::new(graph, fused, options)?, None)
+            (Program::new(graph, fused, options, on)?, None)
         } else {
             let aot = aot_autograd(&graph, &wrt, options.partition)?;
             let tangent_outputs = (0..num_outputs)
                 .filter(|&i| graph.node(graph.outputs[i].node).ty.dtype.is_float())
                 .collect();
             let backward = BackwardGraph {
-                program: Program::new(aot.backward, fused, options)?,
+                program: Program::new(aot.backward, fused, options, on)?,
                 wrt,
                 reached,
                 tangent_outputs,
             };
-            (Program::new(aot.forward, fused, options)?, Some(backward))
+            (
+                Program::new(aot.forward, fused, options, on)?,
+                Some(backward),
+            )
         };
         Ok(Executable {
             name,

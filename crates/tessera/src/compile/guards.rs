@@ -11,7 +11,8 @@ pub struct InputGuard {
     pub shape: Vec<usize>,
     pub contiguous: bool,
     pub requires_grad: bool,
-    /// Always `cpu` for now; kept so a guard miss can name a device change.
+    /// The device's name: an executable's memory plan is made for its
+    /// inputs' device, so a call on another device recompiles.
     pub device: &'static str,
 }
 
@@ -22,7 +23,7 @@ impl InputGuard {
             shape: t.shape().to_vec(),
             contiguous: t.is_contiguous(),
             requires_grad: t.requires_grad(),
-            device: "cpu",
+            device: t.device().name(),
         }
     }
 

@@ -30,6 +30,7 @@ use crate::error::{Error, ErrorKind, Result, SourceLoc};
 use crate::hints::HintMap;
 use crate::ir::Graph;
 use crate::logging::log;
+use crate::runtime::device::Device;
 use crate::schedule::Strategy;
 use crate::tensor::trace::{self, Traced};
 use crate::tensor::Tensor;
@@ -577,7 +578,8 @@ impl<F: Fn(&[Tensor]) -> Vec<Tensor>> Compiled<F> {
             .filter_map(|(i, r)| r.then_some(i))
             .collect();
         let started = std::time::Instant::now();
-        let exe = Arc::new(Executable::build(traced, wrt, &self.options)?);
+        let on = guards_device(guards, &traced.lifted);
+        let exe = Arc::new(Executable::build(traced, wrt, &self.options, on)?);
         state.stats.compile_seconds += started.elapsed().as_secs_f64();
         state.stats.compiles += 1;
         log("output_code", || {
@@ -604,6 +606,21 @@ impl<F: Fn(&[Tensor]) -> Vec<Tensor>> Compiled<F> {
         self.state.lock().expect("compile cache").stats.eager_calls += 1;
         Ok((self.f)(inputs))
     }
+}
+
+/// The device the executable's kernels run on: its inputs' (as
+/// `device::of_inputs` decides: 0-dim host tensors are scalars, read on any
+/// device), the host when none says otherwise.
+fn guards_device(guards: &[InputGuard], lifted: &[Tensor]) -> Device {
+    let user = guards
+        .iter()
+        .filter(|g| !(g.device == Device::Cpu.name() && g.shape.is_empty()))
+        .map(|g| Device::parse(g.device).unwrap_or_default());
+    let captured = lifted
+        .iter()
+        .filter(|t| !(t.device() == Device::Cpu && t.rank() == 0))
+        .map(Tensor::device);
+    user.chain(captured).next().unwrap_or_default()
 }
 
 /// A trace as the cache sees it.

@@ -17,7 +17,7 @@ use super::cpu::rows::RowKernel;
 use super::cpu::{MemoryStats, Storage};
 use crate::error::{Error, ErrorKind, Result};
 use crate::ir::{DType, Op};
-use crate::tensor::Tensor;
+use crate::tensor::{Layout, Tensor};
 
 /// Where a tensor's values are.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
@@ -170,6 +170,21 @@ pub trait Backend: Send + Sync {
     fn run_rows(&self, kernel: &RowKernel, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
         let _ = (kernel, inputs);
         Err(unsupported(self.device(), "row kernels"))
+    }
+
+    /// Bytes `op`'s kernel on this device allocates for its own use while
+    /// it runs, besides its output, inside `cpu::arena::scratch` (`inputs`:
+    /// each input's layout, dtype and storage element count): the scratch
+    /// a memory plan made for this device reserves. The default is the CPU
+    /// kernels' ([`super::cpu::scratch_bytes`]), right for a backend that
+    /// runs them; a backend whose kernels allocate otherwise answers its own.
+    fn scratch_bytes(
+        &self,
+        op: &Op,
+        inputs: &[(&Layout, DType, usize)],
+        out_shape: &[usize],
+    ) -> usize {
+        super::cpu::scratch_bytes(op, inputs, out_shape)
     }
 
     /// Waits for all work queued on the device.

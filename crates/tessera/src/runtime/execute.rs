@@ -290,26 +290,27 @@ fn execute_here(
 }
 
 /// Why a run on device `on` cannot take the memory plan's arena, if it
-/// cannot (never on the CPU). The plan models the CPU's kernels, so it is
-/// exact on a device only
-/// - without CPU scratch: the plan's scratch is the CPU kernels' (f32
-///   copies of half-precision matmul operands, copies of strided rows),
-///   which the device's kernels do not make, so an arena with it would hold
-///   bytes nobody uses (4 GiB for the seed's bf16 attention);
+/// cannot (never on the CPU with a plan made for it). The plan is exact
+/// on a device only
+/// - when made for that device: its scratch is the scratch that device's
+///   kernels allocate (`ScheduleOptions::device`); a plan for another
+///   device's kernels would reserve bytes nobody uses, or too few (the
+///   CPU's f32 copies of half-precision matmul operands are 4 GiB for the
+///   seed's bf16 attention, which the GPU never makes);
 /// - with every row kernel run as one kernel by the device (one it refuses
 ///   runs op by op, with intermediates the plan does not hold).
 ///
 /// Such plans run on the device's caching allocator instead, in place
 /// where planned.
 pub fn device_arena_unfit(plan: &Plan, memory: &MemoryPlan, on: Device) -> Option<String> {
+    if memory.device != on {
+        return Some(format!(
+            "the plan was made for the scratch of {}'s kernels, not {on}'s",
+            memory.device
+        ));
+    }
     if on == Device::Cpu {
         return None;
-    }
-    if memory.buffers.iter().any(|b| b.value.is_none()) {
-        return Some(
-            "the plan reserves the CPU kernels' scratch, which the device's kernels do not use"
-                .into(),
-        );
     }
     plan.kernels.iter().find_map(|k| match k {
         Kernel::Rows { kernel, .. } => row_refusal(on, kernel).map(|why| {

@@ -10,6 +10,11 @@
 //! function's inputs are; a strided input may make a reshape copy where the
 //! plan expected a view).
 //!
+//! Scratch is the kernels' of the device the plan is made for: the CPU's
+//! ([`crate::runtime::cpu::scratch_bytes`]) or a device backend's
+//! ([`crate::runtime::device::Backend::scratch_bytes`]), so that a plan
+//! for a device reserves what that device's kernels allocate, no more.
+//!
 //! Cat in place: when every input of a `cat` is a whole dense buffer that
 //! a kernel of this executable makes, that only the cat reads, and the cat
 //! joins them along a dim with only size-1 dims before it (so each input is
@@ -21,8 +26,10 @@ use super::kernels::KernelGraph;
 use crate::error::{Error, ErrorKind, Result};
 use crate::fusion::{Kernel, Plan};
 use crate::ir::{DType, Graph, NodeId, Op};
-use crate::runtime::cpu::{copy, scratch_bytes, view_layout};
+use crate::runtime::cpu::{self, copy, view_layout};
+use crate::runtime::device::{self, Backend, Device};
 use crate::tensor::Layout;
+use std::sync::Arc;
 
 #[derive(Clone, Debug, PartialEq)]
 pub(crate) struct Buffer {
@@ -72,11 +79,23 @@ pub(crate) struct BufferModel {
     /// Per kernel, whether it is a cat whose inputs are planned within its
     /// output (it copies nothing).
     pub joins: Vec<bool>,
+    /// The device whose kernels' scratch the model reserves.
+    pub device: Device,
+    /// Its backend (`None`: the CPU).
+    backend: Option<Arc<dyn Backend>>,
 }
 
 impl BufferModel {
-    pub fn new(graph: &Graph, plan: &Plan, kg: &KernelGraph) -> Result<BufferModel> {
+    /// The buffers of `plan` run on `device` (errors when no backend is
+    /// registered for it).
+    pub fn new(graph: &Graph, plan: &Plan, kg: &KernelGraph, on: Device) -> Result<BufferModel> {
+        let backend = match on {
+            Device::Cpu => None,
+            d => Some(device::backend(d)?),
+        };
         let mut model = BufferModel {
+            device: on,
+            backend,
             buffers: Vec::new(),
             value_buffer: vec![None; graph.len()],
             created: vec![Vec::new(); kg.len()],
@@ -244,7 +263,7 @@ impl BufferModel {
                     .collect();
                 let dtype = graph.node(*matmul).ty.dtype;
                 let absorbed = code.outputs.iter().any(|&(_, d)| d == dtype);
-                let mut scratch = scratch_bytes(&graph.node(*matmul).op, &described, &shape);
+                let mut scratch = self.scratch_bytes(&graph.node(*matmul).op, &described, &shape);
                 if !*matmul_out && !absorbed {
                     let numel: usize = shape.iter().product();
                     scratch = scratch.div_ceil(64) * 64 + numel * dtype.size_bytes();
@@ -306,7 +325,7 @@ impl BufferModel {
         let scratch = if described.is_empty() {
             0
         } else {
-            scratch_bytes(&node.op, &described, &shape)
+            self.scratch_bytes(&node.op, &described, &shape)
         };
         let view = described
             .first()
@@ -321,6 +340,20 @@ impl BufferModel {
             None => self.new_value(graph, k, id)?,
         };
         Ok((value, scratch))
+    }
+
+    /// Bytes `op`'s kernel allocates besides its output on the model's
+    /// device.
+    fn scratch_bytes(
+        &self,
+        op: &Op,
+        inputs: &[(&Layout, DType, usize)],
+        out_shape: &[usize],
+    ) -> usize {
+        match &self.backend {
+            Some(backend) => backend.scratch_bytes(op, inputs, out_shape),
+            None => cpu::scratch_bytes(op, inputs, out_shape),
+        }
     }
 
     fn new_value(&mut self, graph: &Graph, k: usize, id: NodeId) -> Result<ValueLayout> {

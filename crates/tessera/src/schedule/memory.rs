@@ -40,6 +40,7 @@ use super::buffers::BufferModel;
 use super::Schedule;
 use crate::error::{Error, ErrorKind, Result};
 use crate::ir::{Graph, NodeId};
+use crate::runtime::device::Device;
 
 const ALIGN: usize = 64;
 
@@ -95,6 +96,9 @@ pub struct MemoryPlan {
     pub joins: Vec<bool>,
     /// Per kernel, its scratch bytes (the executor asks once per kernel).
     scratch: Vec<usize>,
+    /// The device whose kernels' scratch the plan reserves: the plan is
+    /// exact only for a run on it.
+    pub device: Device,
 }
 
 /// Liveness and in-place decisions of a model over some steps: all that
@@ -295,6 +299,7 @@ impl MemoryPlan {
             buffers,
             donations: donations(model, &live),
             scratch: scratch_per_kernel(model),
+            device: model.device,
             step_bytes: live.step_bytes,
             peak_bytes,
             peak_step,
@@ -393,8 +398,13 @@ impl MemoryPlan {
             Some(v) => graph.display_name(v),
             None => format!("scratch of k{}", b.kernel),
         };
+        // CPU plans say nothing of their device.
+        let on = match self.device {
+            Device::Cpu => String::new(),
+            d => format!(" on {d}"),
+        };
         let mut text = format!(
-            "graph `{}`: {} buffers, predicted peak {} bytes at step {}, arena {} bytes \
+            "graph `{}`{on}: {} buffers, predicted peak {} bytes at step {}, arena {} bytes \
              + {} escaping bytes = {} bytes for a run, {} in place\n",
             graph.name,
             self.buffers.len(),
@@ -569,6 +579,7 @@ mod tests {
             escaping_bytes: 0,
             joins: Vec::new(),
             scratch: Vec::new(),
+            device: Device::Cpu,
         }
     }
 

@@ -40,6 +40,7 @@ use crate::error::Result;
 use crate::fusion::Plan;
 use crate::ir::Graph;
 use crate::logging::log;
+use crate::runtime::device::Device;
 
 /// How kernels are ordered (also the values of the `order` hint).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -85,6 +86,9 @@ pub struct ScheduleOptions {
     pub strategy: Strategy,
     /// The most bytes the arena may hold at once.
     pub memory_budget: Option<usize>,
+    /// The device whose kernels will run the plan: the memory plan reserves
+    /// their scratch (see [`MemoryPlan::device`]).
+    pub device: Device,
 }
 
 /// An order of kernels, in steps of independent kernels.
@@ -127,9 +131,10 @@ pub struct Scheduled {
 }
 
 /// Schedules `plan` (made by `fusion::fuse(graph)`, concrete shapes) and
-/// plans its memory. Errors for symbolic shapes (the planner needs sizes).
+/// plans its memory for `options.device`. Errors for symbolic shapes (the
+/// planner needs sizes) and for a device with no backend registered.
 pub fn build(graph: &Graph, plan: &Plan, options: &ScheduleOptions) -> Result<Scheduled> {
-    let ctx = search::Context::new(graph, plan)?;
+    let ctx = search::Context::new(graph, plan, options.device)?;
     let schedule = ctx.choose(options);
     let memory = MemoryPlan::from_model(graph, &ctx.model, &schedule)?;
     log("schedule", || describe(graph, plan, &schedule, &memory));

@@ -13,6 +13,7 @@ use crate::error::Result;
 use crate::fusion::Plan;
 use crate::ir::Graph;
 use crate::logging::log;
+use crate::runtime::device::Device;
 
 pub(crate) struct Context {
     pub kg: KernelGraph,
@@ -36,10 +37,10 @@ impl Candidate {
 }
 
 impl Context {
-    pub fn new(graph: &Graph, plan: &Plan) -> Result<Context> {
+    pub fn new(graph: &Graph, plan: &Plan, on: Device) -> Result<Context> {
         let kg = KernelGraph::new(graph, plan);
         let hints = Hints::read(graph, plan, &kg);
-        let model = BufferModel::new(graph, plan, &kg)?;
+        let model = BufferModel::new(graph, plan, &kg, on)?;
         Ok(Context { kg, hints, model })
     }
 

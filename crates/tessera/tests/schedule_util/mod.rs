@@ -7,6 +7,7 @@ use tessera::fusion::{fuse, Plan};
 use tessera::hints::{self, Hint};
 use tessera::ir::Graph;
 use tessera::passes::{PassContext, PassManager};
+use tessera::runtime::device::Device;
 use tessera::schedule::{self, ScheduleOptions, Scheduled, Strategy};
 use tessera::tensor::trace::trace;
 use tessera::tensor::Generator;
@@ -46,10 +47,21 @@ pub fn optimized(mut graph: Graph) -> Graph {
 }
 
 pub fn planned(graph: &Graph, strategy: Strategy, budget: Option<usize>) -> (Plan, Scheduled) {
+    planned_on(graph, strategy, budget, Device::Cpu)
+}
+
+/// [`planned`], the memory plan made for device `on`'s kernels.
+pub fn planned_on(
+    graph: &Graph,
+    strategy: Strategy,
+    budget: Option<usize>,
+    on: Device,
+) -> (Plan, Scheduled) {
     let plan = fuse(graph);
     let options = ScheduleOptions {
         strategy,
         memory_budget: budget,
+        device: on,
     };
     let scheduled = schedule::build(graph, &plan, &options).unwrap();
     (plan, scheduled)
