@@ -530,24 +530,8 @@ impl CudaBackend {
     /// output order (the memory plan's).
     pub(crate) fn rows(&self, kernel: &RowKernel, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
         let op = "fused_rows";
-        let full: Vec<usize> = kernel.outer.iter().copied().chain([kernel.len]).collect();
-        let mut operands = Vec::with_capacity(inputs.len());
-        for (i, t) in inputs.iter().enumerate() {
-            let fits = t.rank() <= full.len()
-                && t.shape()
-                    .iter()
-                    .rev()
-                    .zip(full.iter().rev())
-                    .all(|(&a, &b)| a == b || a == 1);
-            if !fits {
-                return Err(Error::op(
-                    ErrorKind::Shape,
-                    op,
-                    format!("input {i} {} does not broadcast to {full:?}", t.ty()),
-                ));
-            }
-            operands.push(self.operand(t, &full));
-        }
+        let full = kernel.checked_shape(inputs)?;
+        let operands: Vec<_> = inputs.iter().map(|t| self.operand(t, &full)).collect();
         let storages: Vec<(DeviceStorage, &Vec<usize>)> = kernel
             .outputs
             .iter()

@@ -70,11 +70,11 @@ impl RowKernel {
         self.outer.iter().product()
     }
 
-    /// Runs the kernel on `inputs` (numbered by `Step::Load`), each
-    /// broadcastable to `outer ++ [len]`.
-    pub fn run(&self, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
+    /// The kernel's full shape, `outer ++ [len]`, once every input is
+    /// checked to broadcast to it (every backend's row kernel reads its
+    /// inputs through that broadcast).
+    pub fn checked_shape(&self, inputs: &[&Tensor]) -> Result<Vec<usize>> {
         let full: Vec<usize> = self.outer.iter().copied().chain([self.len]).collect();
-        let mut sources = Vec::with_capacity(inputs.len());
         for (i, t) in inputs.iter().enumerate() {
             let fits = t.rank() <= full.len()
                 && t.shape()
@@ -90,8 +90,15 @@ impl RowKernel {
                     t.ty()
                 ));
             }
-            sources.push(Source::new(t, &full));
         }
+        Ok(full)
+    }
+
+    /// Runs the kernel on `inputs` (numbered by `Step::Load`), each
+    /// broadcastable to `outer ++ [len]`.
+    pub fn run(&self, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
+        let full = self.checked_shape(inputs)?;
+        let sources: Vec<Source<'_>> = inputs.iter().map(|t| Source::new(t, &full)).collect();
         Ok(if self.wide {
             self.run_as::<f64>(&sources)
         } else {
