@@ -11,6 +11,11 @@
 
 use std::sync::Once;
 
+#[path = "../../tessera/tests/schedule_util/mod.rs"]
+mod schedule_util;
+
+use schedule_util::traced;
+
 use tessera::ir::DType;
 use tessera::runtime::device::{self, Device};
 use tessera::tensor::Generator;
@@ -489,25 +494,7 @@ fn row_graph(
     args: &[Tensor],
     f: &dyn Fn(&[Tensor]) -> Vec<Tensor>,
 ) -> (tessera::ir::Graph, tessera::fusion::Plan) {
-    use tessera::passes::{PassContext, PassManager};
-    let types: Vec<(String, tessera::ir::TensorType)> = args
-        .iter()
-        .enumerate()
-        .map(|(i, t)| (format!("in{i}"), t.ty()))
-        .collect();
-    let traced = tessera::tensor::trace::trace(name, &types, |a| {
-        Ok(f(a)
-            .into_iter()
-            .enumerate()
-            .map(|(i, t)| (format!("out{i}"), t))
-            .collect())
-    })
-    .unwrap();
-    let mut graph = traced.graph;
-    PassManager::default_pipeline()
-        .without("attention")
-        .run(&mut graph, &PassContext::default())
-        .unwrap();
+    let graph = traced(name, args, |a| f(a));
     let plan = tessera::fusion::fuse(&graph);
     let rows = plan
         .kernels

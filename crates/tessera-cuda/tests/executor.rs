@@ -9,18 +9,16 @@
 #[path = "../../tessera/tests/schedule_util/mod.rs"]
 mod schedule_util;
 
-use schedule_util::chain;
+use schedule_util::{chain, traced};
 use std::sync::{Mutex, MutexGuard, Once};
 
 use tessera::compile::{Compiled, Mode};
 use tessera::fusion::{fuse, Plan};
 use tessera::ir::{DType, Graph};
-use tessera::passes::{PassContext, PassManager};
 use tessera::runtime::device::{self, Device};
 use tessera::runtime::execute::{run_plan, run_scheduled};
 use tessera::runtime::replay::ReplayStats;
 use tessera::schedule::{self, ScheduleOptions, Scheduled, Strategy};
-use tessera::tensor::trace::trace;
 use tessera::tensor::Generator;
 use tessera::{compile, Tensor};
 
@@ -52,30 +50,6 @@ fn bits(ts: &[Tensor]) -> Vec<Vec<u64>> {
     ts.iter()
         .map(|t| t.to_f64_vec().iter().map(|v| v.to_bits()).collect())
         .collect()
-}
-
-/// The graph of `f` on inputs like `args`, after the default passes (the
-/// attention pass off: the composite's kernels are the point here).
-fn traced(name: &str, args: &[Tensor], f: impl FnOnce(&[Tensor]) -> Vec<Tensor>) -> Graph {
-    let types: Vec<(String, tessera::ir::TensorType)> = args
-        .iter()
-        .enumerate()
-        .map(|(i, t)| (format!("in{i}"), t.ty()))
-        .collect();
-    let traced = trace(name, &types, |a| {
-        Ok(f(a)
-            .into_iter()
-            .enumerate()
-            .map(|(i, t)| (format!("out{i}"), t))
-            .collect())
-    })
-    .unwrap();
-    let mut graph = traced.graph;
-    PassManager::default_pipeline()
-        .without("attention")
-        .run(&mut graph, &PassContext::default())
-        .unwrap();
-    graph
 }
 
 fn planned(graph: &Graph, strategy: Strategy) -> (Plan, Scheduled) {
