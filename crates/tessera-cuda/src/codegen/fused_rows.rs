@@ -460,18 +460,10 @@ mod tests {
         }
     }
 
-    fn buffer(dtype: DType, layout: Layout) -> Operand {
-        Operand::Buffer {
-            dtype,
-            ptr: 0x1000,
-            layout,
-        }
-    }
-
     #[test]
     fn a_decomposed_softmax_reads_its_row_once_in_packs_and_reduces_twice() {
         let k = decomposed_softmax(&[64], 2048, DType::BF16);
-        let x = buffer(DType::BF16, Layout::contiguous(&[64, 2048]));
+        let x = Operand::test_buffer(DType::BF16, Layout::contiguous(&[64, 2048]));
         let l = fused_rows(&k, &[x], &[0x2000, 0x3000], 132).unwrap();
         let src = &l.source;
         // bf16 in and out: 8 a pack, 256 packs, 64 threads of 4 packs.
@@ -510,7 +502,7 @@ mod tests {
     #[test]
     fn short_rows_take_a_warp_each_and_odd_lengths_one_element_an_access() {
         let k = decomposed_softmax(&[1000], 40, DType::F32);
-        let x = buffer(DType::F32, Layout::contiguous(&[1000, 40]));
+        let x = Operand::test_buffer(DType::F32, Layout::contiguous(&[1000, 40]));
         let l = fused_rows(&k, std::slice::from_ref(&x), &[0x2000, 0x3000], 132).unwrap();
         // 10 packs of 4: a warp per row, 8 rows a block.
         assert!(
@@ -521,7 +513,7 @@ mod tests {
         );
         assert_eq!((l.block, l.grid), (256, 125));
         let odd = decomposed_softmax(&[3], 45, DType::F32);
-        let x = buffer(DType::F32, Layout::contiguous(&[3, 45]));
+        let x = Operand::test_buffer(DType::F32, Layout::contiguous(&[3, 45]));
         let l = fused_rows(&odd, &[x], &[0x2000, 0x3000], 132).unwrap();
         assert!(
             l.source
@@ -568,12 +560,12 @@ mod tests {
             wide: false,
         };
         let full = [rows, len];
-        let x = buffer(
+        let x = Operand::test_buffer(
             DType::F32,
             Layout::contiguous(&[len, rows]).permuted(&[1, 0]),
         );
-        let mu = buffer(DType::F32, Layout::contiguous(&[rows, 1]).expanded(&full));
-        let w = buffer(DType::F16, Layout::contiguous(&[len]).expanded(&full));
+        let mu = Operand::test_buffer(DType::F32, Layout::contiguous(&[rows, 1]).expanded(&full));
+        let w = Operand::test_buffer(DType::F16, Layout::contiguous(&[len]).expanded(&full));
         let ins = [x, mu, Operand::Scalar(2.0), w];
         let l = fused_rows(&k, &ins, &[0x2000, 0x3000], 132).unwrap();
         let src = &l.source;
@@ -609,7 +601,7 @@ mod tests {
         k.steps.push(RowStep::Softmax { log: true, arg: 0 });
         k.is_row.push(true);
         k.outputs.push((6, DType::F64, vec![4, 64]));
-        let x = buffer(DType::F64, Layout::contiguous(&[4, 64]));
+        let x = Operand::test_buffer(DType::F64, Layout::contiguous(&[4, 64]));
         let l = fused_rows(&k, &[x], &[8, 16, 24], 132).unwrap();
         assert!(
             l.source.contains("typedef double ACC;\n#define V 1"),
@@ -627,7 +619,7 @@ mod tests {
     #[test]
     fn a_tuned_thread_count_reshapes_the_rows_within_the_register_limit() {
         let k = decomposed_softmax(&[64], 2048, DType::F32);
-        let x = buffer(DType::F32, Layout::contiguous(&[64, 2048]));
+        let x = Operand::test_buffer(DType::F32, Layout::contiguous(&[64, 2048]));
         let with = |t| fused_rows_threads(&k, std::slice::from_ref(&x), &[8, 16], 132, Some(t));
         // 512 packs of 4: 1024 threads keep 1 each, 32 keep 16.
         let wide = with(1024).unwrap();
@@ -645,7 +637,7 @@ mod tests {
         );
         assert_eq!((warp.block, warp.grid), (256, 8));
         let long = decomposed_softmax(&[2], MAX_ROW, DType::F32);
-        let x = buffer(DType::F32, Layout::contiguous(&[2, MAX_ROW]));
+        let x = Operand::test_buffer(DType::F32, Layout::contiguous(&[2, MAX_ROW]));
         let e = fused_rows_threads(&long, &[x], &[8, 16], 132, Some(64)).unwrap_err();
         assert!(e.contains("64 accesses a thread"), "{e}");
     }
@@ -662,7 +654,7 @@ mod tests {
         k.steps.push(RowStep::Point(Step::Round(DType::I64, 5)));
         k.is_row.push(true);
         assert!(refusal(&k).unwrap().contains("rounding to i64"));
-        let x = buffer(DType::F32, Layout::contiguous(&[4, 64]));
+        let x = Operand::test_buffer(DType::F32, Layout::contiguous(&[4, 64]));
         assert!(fused_rows(&k, &[x], &[1, 2], 132).is_err());
     }
 }

@@ -35,6 +35,19 @@ pub enum Operand {
     Scalar(f64),
 }
 
+#[cfg(test)]
+impl Operand {
+    /// A buffer operand at a made-up address, for code-generator tests
+    /// (the generated source only prints the address).
+    pub(crate) fn test_buffer(dtype: DType, layout: Layout) -> Operand {
+        Operand::Buffer {
+            dtype,
+            ptr: 0x1000,
+            layout,
+        }
+    }
+}
+
 /// One output: a device buffer written through `layout` (the kernel's
 /// shape; contiguous for new tensors, a strided view for `cat`).
 #[derive(Clone, Debug)]
@@ -501,14 +514,6 @@ fn round(dtype: DType, c: Compute, x: &str) -> Result<String, String> {
 mod tests {
     use super::*;
 
-    fn buffer(dtype: DType, layout: Layout) -> Operand {
-        Operand::Buffer {
-            dtype,
-            ptr: 0x1000,
-            layout,
-        }
-    }
-
     #[test]
     fn a_contiguous_chain_has_no_index_arithmetic_and_packs_its_words_in_field_order() {
         // y = exp(x) * 2, x and y contiguous f32 [4, 8].
@@ -518,7 +523,7 @@ mod tests {
             Step::Const(2.0),
             Step::Binary(BinaryOp::Mul, 1, 2),
         ];
-        let x = buffer(DType::F32, Layout::contiguous(&[4, 8]));
+        let x = Operand::test_buffer(DType::F32, Layout::contiguous(&[4, 8]));
         let y = Output {
             step: 3,
             dtype: DType::F32,
@@ -552,8 +557,8 @@ mod tests {
     #[test]
     fn broadcast_and_strided_inputs_decompose_the_index_and_bf16_converts_once() {
         // out[i, j] = a[j] + b[i, j] with b transposed in memory, bf16 out.
-        let a = buffer(DType::BF16, Layout::contiguous(&[3]).expanded(&[2, 3]));
-        let b = buffer(DType::F32, Layout::contiguous(&[3, 2]).permuted(&[1, 0]));
+        let a = Operand::test_buffer(DType::BF16, Layout::contiguous(&[3]).expanded(&[2, 3]));
+        let b = Operand::test_buffer(DType::F32, Layout::contiguous(&[3, 2]).permuted(&[1, 0]));
         let steps = [
             Step::Load(0),
             Step::Load(1),
@@ -588,7 +593,7 @@ mod tests {
 
     #[test]
     fn host_scalars_become_parameters_so_the_source_is_the_same_for_every_value() {
-        let x = buffer(DType::F32, Layout::contiguous(&[5]));
+        let x = Operand::test_buffer(DType::F32, Layout::contiguous(&[5]));
         let steps = [
             Step::Load(0),
             Step::Load(1),
@@ -626,8 +631,8 @@ mod tests {
     fn contiguous_aligned_floats_take_16_byte_packs_with_a_scalar_tail() {
         // y = x * s (s a broadcast bf16 buffer), x bf16, y bf16: 8 a pack.
         let shape = [3, 7];
-        let x = buffer(DType::BF16, Layout::contiguous(&shape));
-        let s = buffer(DType::BF16, Layout::contiguous(&[1]).expanded(&shape));
+        let x = Operand::test_buffer(DType::BF16, Layout::contiguous(&shape));
+        let s = Operand::test_buffer(DType::BF16, Layout::contiguous(&[1]).expanded(&shape));
         let steps = [
             Step::Load(0),
             Step::Load(1),
@@ -693,7 +698,7 @@ mod tests {
     #[test]
     fn a_tuned_block_size_is_the_launch_bound_and_sizes_the_grid() {
         let shape = [1 << 20];
-        let x = buffer(DType::F32, Layout::contiguous(&shape));
+        let x = Operand::test_buffer(DType::F32, Layout::contiguous(&shape));
         let y = Output {
             step: 1,
             dtype: DType::F32,
@@ -709,7 +714,7 @@ mod tests {
 
     #[test]
     fn integer_division_is_refused_with_a_reason() {
-        let x = buffer(DType::I64, Layout::contiguous(&[2]));
+        let x = Operand::test_buffer(DType::I64, Layout::contiguous(&[2]));
         let steps = [
             Step::Load(0),
             Step::Load(0),
