@@ -10,6 +10,8 @@
 //!   64 Mi, for A/B runs and `perf record`).
 //!
 //! `RAYON_NUM_THREADS=1 cargo run --release -p tessera --example fused_probe`
+mod common;
+use common::cpu_ms;
 use tessera::ir::{BinaryOp, DType, UnaryOp};
 use tessera::runtime::cpu::fused::{FusedKernel, Step};
 use tessera::tensor::Generator;
@@ -32,22 +34,6 @@ fn chain() -> Vec<Step> {
         Const(2.0),
         Binary(BinaryOp::Mul, 10, 11),
     ]
-}
-
-/// CPU time (ms) of every thread of this process so far, from
-/// /proc/self/task/*/schedstat (as in `fused_profile`): on a shared, loaded
-/// machine the wall time says little about the work done.
-fn cpu_ms() -> f64 {
-    std::fs::read_dir("/proc/self/task")
-        .map(|d| {
-            d.filter_map(|e| {
-                let s = std::fs::read_to_string(e.ok()?.path().join("schedstat")).ok()?;
-                s.split_whitespace().next()?.parse::<f64>().ok()
-            })
-            .sum::<f64>()
-                / 1e6
-        })
-        .unwrap_or(0.0)
 }
 
 fn main() {

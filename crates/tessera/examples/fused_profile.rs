@@ -4,6 +4,8 @@
 //!
 //! `RAYON_NUM_THREADS=1 cargo run --release -p tessera --example fused_profile`
 
+mod common;
+use common::cpu_ms;
 use std::time::Instant;
 
 use rayon::prelude::*;
@@ -22,22 +24,6 @@ fn arith_chain(x: &[Tensor]) -> Vec<Tensor> {
 
 fn softmax(x: &[Tensor]) -> Vec<Tensor> {
     vec![x[0].softmax(-1)]
-}
-
-/// CPU time (ms) of every thread of this process so far, from
-/// /proc/self/task/*/schedstat: on a shared, loaded machine the wall time
-/// says little about the work done.
-fn cpu_ms() -> f64 {
-    std::fs::read_dir("/proc/self/task")
-        .map(|d| {
-            d.filter_map(|e| {
-                let s = std::fs::read_to_string(e.ok()?.path().join("schedstat")).ok()?;
-                s.split_whitespace().next()?.parse::<f64>().ok()
-            })
-            .sum::<f64>()
-                / 1e6
-        })
-        .unwrap_or(0.0)
 }
 
 /// The best of `reps` timings of `f`: (wall ms, CPU ms).
