@@ -8,7 +8,7 @@ group(bh, nq, nk, sms) -> batch x heads per launch group.
 import math
 TILE_ROWS = 64
 KEYS = 128
-GROUP_WAVES = 0.02  # flash.rs GROUP_WAVES
+GROUP_WAVES = 0.2  # flash.rs GROUP_WAVES
 PIECE_WAVES = 0.03  # flash.rs PIECE_WAVES
 ACC = 32 << 20  # flash.rs ACC_BUDGET
 def split(bh, nq, nk, sms, causal):
@@ -26,9 +26,9 @@ def waves(sp, sms):
     items,whole,s=sp
     pieces=(items-whole)*s
     return -(-whole//sms) + (-(-pieces//sms))*(1 / s + PIECE_WAVES)
-def group(bh,nq,nk,sms):
+def group(bh, nq, nk, sms, acc=ACC):
     per=-(-nq//TILE_ROWS)*TILE_ROWS*128*4
-    budget=max(1,min(ACC//per,bh))
+    budget=max(1,min(acc//per,bh))
     if budget==bh: return bh
     def w(g):
         L=lambda n: waves(split(n,nq,nk,sms,False),sms)+GROUP_WAVES
