@@ -155,8 +155,8 @@ class Flash:
         qt = (nq + 63) // 64
         if wg:
             groups = self.bwd_groups(cfg, B * H, nq, nk, causal)
-            acc_n = (groups[0][1] * nq + 64 + groups[0][1] * qt * 64 * D +
-                     max(n * kb - whole for _, n, kb, whole, _ in groups) * (4 * 64 * D + 1) + 4)
+            acc_n = max(n * qt * 64 * D + (n * kb - whole) * (4 * 64 * D + 1) + 4
+                        for _, n, kb, whole, _ in groups)
         else:
             acc_n = rows * D
         if bufs is None:
@@ -187,7 +187,8 @@ class Flash:
                 shared_mem=smem)
             return dq, dk, dv
         if wg:
-            self.bwd_wg_call(q, k, v, out, dout, lse, delta, dq, dk, dv, ws, causal, s, sl, groups)
+            for g in groups:
+                self.bwd_wg_group(q, k, v, out, dout, lse, delta, dq, dk, dv, ws, causal, s, sl, g)
             return dq, dk, dv
         self.fn(f"flash_bwd_pre_{tn}_d{D}", 0)(
             ((rows + PRE_ROWS - 1) // PRE_ROWS,), (256,), (self.p(out), self.p(dout), self.p(delta),
@@ -237,55 +238,39 @@ def bwd_groups(cfg, bh, nq, nk, causal):
 Flash.bwd_groups = staticmethod(bwd_groups)
 
 
-def bwd_wg_call(self, q, k, v, out, dout, lse, delta, dq, dk, dv, ws, causal, s, sl, groups):
-    """The wgmma backward's launches as the Rust launcher queues them (BwdCall): the
-    pre-kernel (Delta, zeroing the accumulators) for the first group, then per group the
-    main kernel and either the post-kernel or, when a group follows, the post+pre kernel
-    (this group's dQ, zeroing its tiles, and the next group's Delta). Workspace: Delta of
-    one group, the split items' dK/dV slots and counters, the dQ accumulator."""
+def bwd_wg_group(self, q, k, v, out, dout, lse, delta, dq, dk, dv, ws, causal, s, sl, group):
+    """Pre, main and post kernel of the wgmma backward for one launch group, as the Rust
+    launcher's enqueue_backward queues them."""
+    first, n, kb, whole, splits = group
     _, _, nq, D = q.shape
     nk = k.shape[2]
     tn = TN[q.dtype]
     qt = (nq + 63) // 64
     es = q.element_size()
+    at = lambda t, per: np.uint64(t.data_ptr() + first * per)
     qr, kr = nq * D * es, nk * D * es
-    g0 = groups[0][1]
-    kv_items = max(n * kb - whole for _, n, kb, whole, _ in groups)
-    acc_b = (g0 * nq * 4 + 255) // 256 * 256
-    kv_b, cnt_b, dq_b = kv_items * 4 * 64 * D * 4, (kv_items * 4 + 15) // 16 * 16, g0 * qt * 64 * D * 4
+    rows = n * nq
+    split_items = n * kb - whole
+    dq_n, kv_n = n * qt * 64 * D, split_items * 4 * 64 * D
+    zero_n4 = (dq_n + kv_n + (split_items * 4 + 15) // 16 * 4) // 4
     base = ws.data_ptr()
-    dlt = np.uint64(base)
-    kv_acc, counters = np.uint64(base + acc_b), np.uint64(base + acc_b + kv_b)
-    dq_acc = np.uint64(base + acc_b + kv_b + cnt_b)
+    dq_acc, kv_acc = np.uint64(base), np.uint64(base + 4 * dq_n)
+    counters = np.uint64(base + 4 * (dq_n + kv_n))
+    self.fn(f"flash_bwd_pre_{tn}_d{D}", 0)(
+        ((rows + PRE_ROWS - 1) // PRE_ROWS,), (256,),
+        (at(out, qr), at(dout, qr), at(delta, nq * 4), dq_acc, np.int64(zero_n4), np.int64(rows)))
     smem = (2 * 128 * D + 6 * 64 * D + 2 * 128 * 64) * 2 + 6 * 64 * 4 + 5 * 8
-    for i, (first, n, kb, whole, splits) in enumerate(groups):
-        at = lambda t, per, f=first: np.uint64(t.data_ptr() + f * per)
-        rows = n * nq
-        if i == 0:
-            self.fn(f"flash_bwd_pre_{tn}_d{D}", 0)(
-                ((rows + PRE_ROWS - 1) // PRE_ROWS,), (256,),
-                (at(out, qr), at(dout, qr), dlt, kv_acc, np.int64((kv_b + cnt_b + dq_b) // 16),
-                 np.int64(rows)))
-        if nk > 0:
-            self.fn(f"flash_bwd_wg_{tn}_d{D}", smem)(
-                (whole + (n * kb - whole) * splits,), (256,),
-                (at(q, qr), at(k, kr), at(v, kr), at(dout, qr), at(lse, nq * 4), dlt,
-                 dq_acc, at(dk, kr), at(dv, kr), kv_acc, counters, np.int32(nq), np.int32(nk), s,
-                 sl, np.int32(causal), np.int32(whole), np.int32(splits)), shared_mem=smem)
-        tiles = n * qt
-        if i + 1 < len(groups):
-            nf, nn = groups[i + 1][0], groups[i + 1][1]
-            nat = lambda t, per: np.uint64(t.data_ptr() + nf * per)
-            self.fn(f"flash_bwd_post_pre_wg_{tn}_d{D}", 0)(
-                (tiles + (nn * nq + PRE_ROWS - 1) // PRE_ROWS,), (256,),
-                (dq_acc, at(dq, qr), np.int32(nq), s, np.int32(tiles), nat(out, qr),
-                 nat(dout, qr), dlt, np.int64(nn * nq)))
-        else:
-            self.fn(f"flash_bwd_post_wg_{tn}", 0)(
-                (tiles,), (256,), (dq_acc, at(dq, qr), np.int32(nq), s))
+    if nk > 0:
+        self.fn(f"flash_bwd_wg_{tn}_d{D}", smem)(
+            (whole + split_items * splits,), (256,),
+            (at(q, qr), at(k, kr), at(v, kr), at(dout, qr), at(lse, nq * 4), at(delta, nq * 4),
+             dq_acc, at(dk, kr), at(dv, kr), kv_acc, counters, np.int32(nq), np.int32(nk), s, sl,
+             np.int32(causal), np.int32(whole), np.int32(splits)), shared_mem=smem)
+    self.fn(f"flash_bwd_post_wg_{tn}", 0)(
+        (n * qt,), (256,), (dq_acc, at(dq, qr), np.int32(nq), s))
 
 
-Flash.bwd_wg_call = bwd_wg_call
+Flash.bwd_wg_group = bwd_wg_group
 
 
 def reference(q, k, v, dout, causal, scale):

@@ -419,13 +419,13 @@ constexpr int PRE_ROWS = 64;
 template <typename T, int D>
 __device__ __forceinline__ void bwd_pre(const T* __restrict__ O, const T* __restrict__ dO,
                                         float* __restrict__ Delta, float* __restrict__ acc,
-                                        long long acc_n4, long long rows, int block) {
+                                        long long acc_n4, long long rows) {
   constexpr int L = D / 8;                  // lanes per row
   constexpr int PER_PASS = PRE_THREADS / L;  // rows per pass of the block
   constexpr int PASSES = PRE_ROWS / PER_PASS;
   static_assert(L <= 32 && PRE_ROWS % PER_PASS == 0, "bwd_pre geometry");
   const int tid = threadIdx.x, sub = tid % L;
-  const long long row0 = (long long)block * PRE_ROWS + tid / L;
+  const long long row0 = (long long)blockIdx.x * PRE_ROWS + tid / L;
   uint4 a[PASSES], b[PASSES];
 #pragma unroll
   for (int p = 0; p < PASSES; ++p) {  // rows past the end re-read the last row (rows > 0)
@@ -434,7 +434,7 @@ __device__ __forceinline__ void bwd_pre(const T* __restrict__ O, const T* __rest
     b[p] = __ldg(reinterpret_cast<const uint4*>(dO + row * D) + sub);
   }
   const long long nthreads = (long long)gridDim.x * PRE_THREADS;
-  for (long long i = (long long)block * PRE_THREADS + tid; i < acc_n4; i += nthreads)
+  for (long long i = (long long)blockIdx.x * PRE_THREADS + tid; i < acc_n4; i += nthreads)
     reinterpret_cast<float4*>(acc)[i] = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
   for (int p = 0; p < PASSES; ++p) {
@@ -468,32 +468,25 @@ constexpr int POST_THREADS = 256;
 // A read-only 16-byte load the compiler keeps in program order (volatile asm with a
 // memory clobber: no other memory access moves above it), so a thread's loads are all
 // issued before its first shared-memory store.
-// (Plain ld.global, not the non-coherent path: the caller may zero what it read.)
 __device__ __forceinline__ float4 ld_stream_f4(const float4* p) {
   float4 v;
-  asm volatile("ld.global.v4.f32 {%0,%1,%2,%3}, [%4];\n"
+  asm volatile("ld.global.nc.v4.f32 {%0,%1,%2,%3}, [%4];\n"
                : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
                : "l"(p)
                : "memory");
   return v;
 }
-// With `zero`, the thread then writes zeros over what it read: the next launch group's
-// accumulator (the lines are in L2 already, and no separate zeroing pass is needed).
 template <typename T>
-__device__ __forceinline__ void bwd_post_wg(float* __restrict__ acc, T* __restrict__ out,
-                                            int n_rows, float scale, long long tile,
-                                            bool zero) {
+__device__ __forceinline__ void bwd_post_wg(const float* __restrict__ acc, T* __restrict__ out,
+                                            int n_rows, float scale) {
   constexpr int LDT = 128 + 8;  // row stride in T: rows r and r + 1 start 4 banks apart
   __shared__ __align__(16) T tile_s[64 * LDT];
   const int tid = threadIdx.x;
-  float4* src = reinterpret_cast<float4*>(acc) + tile * 2048;
+  const long long tile = blockIdx.x;
+  const float4* src = reinterpret_cast<const float4*>(acc) + tile * 2048;
   float4 v[8];
 #pragma unroll
   for (int k = 0; k < 8; ++k) v[k] = ld_stream_f4(src + k * POST_THREADS + tid);
-  if (zero) {
-#pragma unroll
-    for (int k = 0; k < 8; ++k) src[k * POST_THREADS + tid] = make_float4(0.f, 0.f, 0.f, 0.f);
-  }
   const int lane = tid % 32;
 #pragma unroll
   for (int k = 0; k < 8; ++k) {
@@ -1272,8 +1265,7 @@ __device__ __forceinline__ void fwd_combine(const float* __restrict__ o_part,
 // done; the last of the item's `splits` pieces reads the sums back and stores them, so
 // a split needs no conversion launch. (The CUDA samples' threadFenceReduction pattern:
 // every thread fences its reductions before the block's count, the last block fences
-// before reading.) kv_acc and the counters start zeroed (the pre-kernel) and the last
-// piece leaves them zeroed again, so that the next launch group can use them as they are.
+// before reading; kv_acc and the counters start zeroed by the pre-kernel.)
 template <typename T>
 __device__ __forceinline__ void bwd_wg_store_dkv(float (&dk)[64], float (&dv)[64],
                                                  T* __restrict__ dK, T* __restrict__ dV,
@@ -1297,19 +1289,14 @@ __device__ __forceinline__ void bwd_wg_store_dkv(float (&dk)[64], float (&dv)[64
     }
     __threadfence();
     __syncthreads();
-    if (threadIdx.x == 0) {
-      last_piece = atomicAdd(counters + slot, 1) == splits - 1;
-      if (last_piece) counters[slot] = 0;  // every other piece has counted already
-    }
+    if (threadIdx.x == 0) last_piece = atomicAdd(counters + slot, 1) == splits - 1;
     __syncthreads();
     if (!last_piece || !keys) return;
     __threadfence();
 #pragma unroll
     for (int c8 = 0; c8 < 16; ++c8) {
-      float4* pa = reinterpret_cast<float4*>(ka + frag_tile_f4(warp, c8, lane));
-      float4* pb = reinterpret_cast<float4*>(va + frag_tile_f4(warp, c8, lane));
-      const float4 a = __ldcg(pa), b = __ldcg(pb);
-      *pa = *pb = make_float4(0.f, 0.f, 0.f, 0.f);  // zero again for the next launch
+      const float4 a = __ldcg(reinterpret_cast<const float4*>(ka + frag_tile_f4(warp, c8, lane)));
+      const float4 b = __ldcg(reinterpret_cast<const float4*>(va + frag_tile_f4(warp, c8, lane)));
       dk[4 * c8] = a.x, dk[4 * c8 + 1] = a.y, dk[4 * c8 + 2] = a.z, dk[4 * c8 + 3] = a.w;
       dv[4 * c8] = b.x, dv[4 * c8 + 1] = b.y, dv[4 * c8 + 2] = b.z, dv[4 * c8 + 3] = b.w;
     }
@@ -1817,7 +1804,7 @@ __device__ __forceinline__ void bwd_pre_f32(const float* __restrict__ O,
       flash_bwd_pre_##TN##_d##D(                                                          \
       const T* o, const T* d_o, float* delta, float* acc, long long acc_n4,               \
       long long rows) {                                                                   \
-    tessera_flash::bwd_pre<T, D>(o, d_o, delta, acc, acc_n4, rows, blockIdx.x);           \
+    tessera_flash::bwd_pre<T, D>(o, d_o, delta, acc, acc_n4, rows);                       \
   }
 
 #define TF_F32(D)                                                                         \
@@ -1915,17 +1902,8 @@ TF_F32(256)
                              nq, nk, scale, scale_log2, causal, whole, splits);           \
   }                                                                                       \
   extern "C" __global__ void __launch_bounds__(tessera_flash::POST_THREADS)               \
-      flash_bwd_post_wg_##TN(float* acc, T* out, int n_rows, float scale) {                \
-    tessera_flash::bwd_post_wg<T>(acc, out, n_rows, scale, blockIdx.x, false);            \
-  }                                                                                       \
-  extern "C" __global__ void __launch_bounds__(tessera_flash::POST_THREADS)               \
-      flash_bwd_post_pre_wg_##TN##_d128(float* acc, T* out, int n_rows, float scale,      \
-                                        int tiles, const T* o, const T* d_o,              \
-                                        float* delta, long long rows) {                   \
-    if ((int)blockIdx.x < tiles)                                                          \
-      tessera_flash::bwd_post_wg<T>(acc, out, n_rows, scale, blockIdx.x, true);           \
-    else                                                                                  \
-      tessera_flash::bwd_pre<T, 128>(o, d_o, delta, nullptr, 0, rows, blockIdx.x - tiles); \
+      flash_bwd_post_wg_##TN(const float* acc, T* out, int n_rows, float scale) {          \
+    tessera_flash::bwd_post_wg<T>(acc, out, n_rows, scale);                               \
   }
 #if !defined(TF_SKIP_BF16)
 TF_WG(bf16, __nv_bfloat16)
