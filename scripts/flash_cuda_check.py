@@ -10,8 +10,10 @@ launches the kernels on torch tensors and compares them with
 and times forward+backward at (8, 32, 2048, 128) bf16 next to
 torch.nn.functional.scaled_dot_product_attention forward+backward in the same run
 (CUDA events, warm-up, median of --reps), then one (1, 1, 2048, 128) slice with the
-split kernels (key tiles of the forward / query tiles of the backward spread over
-blockIdx.z) at several split counts.
+split kernels (key tiles of the forward spread over blockIdx.z, query tiles of the
+backward over several blocks) at several split counts. The wgmma backward's
+configurations (BWD_CFGS) include the Rust launcher's own plan ("plan": groups of batch x
+heads and the split of each launch's last-wave items, scripts/flash_bwd_plan.py).
 
 Tolerances (relative Frobenius error against f64):
   f32: 1e-4 for out, lse and gradients (CUDA-core f32; lands near 1e-6)

@@ -865,8 +865,9 @@ __device__ __forceinline__ void wg_rs_n128(Tag<__half>, float (&d)[64], const u3
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d), "n"(TB));
 }
 
-// f32 partial results that several blocks produce (the backward's dQ always, its dK
-// and dV and the forward's O when a launch splits the work over blockIdx.z) use a "fragment-tiled" layout instead of row-major:
+// f32 partial results that several blocks produce (the backward's dQ always, the dK and
+// dV of its split items, the forward's O when a launch splits the work over blockIdx.z)
+// use a "fragment-tiled" layout instead of row-major:
 // the rows are cut into tiles of 64, each tile is 64 x 128 f32 = 32 KB contiguous, and
 // inside a tile the float4 of (warp w, 8-column group c8, lane) -- the four accumulator
 // values a wgmma lane holds for rows 16w + lane/4 (+8) and columns 8 c8 + 2 (lane%4)

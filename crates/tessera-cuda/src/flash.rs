@@ -14,9 +14,10 @@
 //!
 //! The launch plan also depends on the SM count: when batch x heads is too small to
 //! fill the GPU (one slice of a sliced graph), the wgmma kernels split their key or
-//! query tiles over `blockIdx.z` ([`forward_splits`], [`backward_splits`]); when it is
-//! large, the backward runs in groups of heads whose f32 accumulators fit in
-//! [`ACC_BUDGET`] ([`backward_group`]). Both need scratch from the caller
+//! query tiles over several blocks ([`forward_splits`], [`backward_split`]); when it is
+//! large, the backward runs in groups of heads whose f32 accumulators fit in about
+//! [`ACC_BUDGET`], sized to end on whole waves ([`backward_group`]), and splits the items
+//! past a launch's last whole wave ([`BwdSplit`]). Both need scratch from the caller
 //! ([`forward_workspace_bytes`], [`backward_workspace_bytes`]). Launches are queued on a
 //! [`Queue`] and nothing waits for them.
 //!

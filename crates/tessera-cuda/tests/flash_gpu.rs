@@ -352,7 +352,7 @@ fn flash_attention_matches_an_f64_reference_on_the_gpu() {
             }
         }
     }
-    // The wgmma kernels (Hopper, bf16/f16, head dim 128) both ways: split over blockIdx.z
+    // The wgmma kernels (Hopper, bf16/f16, head dim 128) both ways: every item split
     // (1 x 2 heads of 1000 x 700 leave an H100/H200 mostly idle) and whole; 400 heads of
     // 130 queries also run the backward in two groups (341 + 59: ACC_BUDGET).
     for dtype in [FlashDType::BF16, FlashDType::F16] {
