@@ -10,8 +10,10 @@ launches the kernels on torch tensors and compares them with
 and times forward+backward at (8, 32, 2048, 128) bf16 next to
 torch.nn.functional.scaled_dot_product_attention forward+backward in the same run
 (CUDA events, warm-up, median of --reps), then one (1, 1, 2048, 128) slice with the
-split kernels (key tiles of the forward / query tiles of the backward spread over
-blockIdx.z) at several split counts.
+split kernels (key tiles of the forward spread over blockIdx.z, query tiles of the
+backward over several blocks) at several split counts. The wgmma backward's
+configurations (BWD_CFGS) include the Rust launcher's own plan ("plan": groups of batch x
+heads and the split of each launch's last-wave items, scripts/flash_bwd_plan.py).
 
 Tolerances (relative Frobenius error against f64):
   f32: 1e-4 for out, lse and gradients (CUDA-core f32; lands near 1e-6)
@@ -30,6 +32,9 @@ import time
 
 import cupy as cp
 import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import flash_bwd_plan  # noqa: E402  (the Rust launcher's backward plan)
 import torch
 import torch.nn.functional as F
 
@@ -47,7 +52,13 @@ TN = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
 FWD_CFGS = {64: [(4, 64)], 128: [("g4", 64), ("ring", 64), ("ringt", 64), (4, 64), ("split", 3)]}
 # (The backward's ring variants of session 4 -- with S and dP waited separately, with
 # the dQ product deferred to the next iteration -- were dropped: NOTES.md.)
-BWD_CFGS = {64: [(8, 64)], 128: [("wg", 1), ("wg", 3), (8, 32)]}
+# wgmma backward: ("wg", s) every item split s ways (s = 1: none); ("wg", s, t) the last
+# t items split s ways; ("plan",) the Rust launcher's groups and splits for this GPU's SM
+# count (scripts/flash_bwd_plan.py); ("grp", g) groups of g, nothing split (the launcher
+# before session 6).
+BWD_CFGS = {64: [(8, 64)], 128: [("plan",), ("wg", 1), ("wg", 3), ("wg", 3, 2), ("wg", 16, 5),
+                                 (8, 32)]}
+SMS = None  # set in main()
 F32_DIMS = [32, 64, 96, 128, 160, 192, 224, 256]
 LOG2E = 1.4426950408889634
 PRE_ROWS = 64  # query rows per block of the bf16/f16 pre-kernel (PRE_ROWS in the .cu)
@@ -134,20 +145,22 @@ class Flash:
         return out, lse
 
     def bwd(self, q, k, v, out, dout, lse, causal, scale, cfg=None, bufs=None):
-        """cfg: ("wg", splits) for the wgmma kernel (splits > 1 splits the query range
-        over blockIdx.z), or
-        (warps, query tile) for mma.sync."""
+        """cfg: a wgmma backward configuration (BWD_CFGS: ("plan",), ("wg", s[, t]),
+        ("grp", g)) or (warps, query tile) for mma.sync."""
         B, H, nq, D = q.shape
         nk = k.shape[2]
         tn = TN[q.dtype]
         rows = B * H * nq
-        w, br = cfg or (BWD_CFGS[D][0] if tn != "f32" else (None, 1))
+        cfg = cfg or (BWD_CFGS[D][0] if tn != "f32" else (None, 1))
+        w, br = cfg[0], (cfg[1] if len(cfg) > 1 else None)
         wg = isinstance(w, str)
-        splits = br if wg else 1
-        qt, kt = (nq + 63) // 64, (nk + 63) // 64
-        acc_n = B * H * qt * 64 * D if wg else rows * D
-        if splits > 1:
-            acc_n += 2 * B * H * kt * 64 * D
+        qt = (nq + 63) // 64
+        if wg:
+            groups = self.bwd_groups(cfg, B * H, nq, nk, causal)
+            acc_n = max(n * qt * 64 * D + (n * kb - whole) * (4 * 64 * D + 1) + 4
+                        for _, n, kb, whole, _ in groups)
+        else:
+            acc_n = rows * D
         if bufs is None:
             dq = torch.full_like(q, float("nan"))
             dk = torch.full_like(k, float("nan"))
@@ -175,46 +188,91 @@ class Flash:
                  self.p(dk), self.p(dv), np.int32(nq), np.int32(nk), s, sl, np.int32(causal)),
                 shared_mem=smem)
             return dq, dk, dv
+        if wg:
+            for g in groups:
+                self.bwd_wg_group(q, k, v, out, dout, lse, delta, dq, dk, dv, ws, causal, s, sl, g)
+            return dq, dk, dv
         self.fn(f"flash_bwd_pre_{tn}_d{D}", 0)(
             ((rows + PRE_ROWS - 1) // PRE_ROWS,), (256,), (self.p(out), self.p(dout), self.p(delta),
                                          self.p(ws), np.int64(acc_n // 4), np.int64(rows)))
-        ptr = ws.data_ptr()
-        dq_acc = np.uint64(ptr)
-        dk_acc = np.uint64(ptr + 4 * B * H * qt * 64 * D)
-        dv_acc = np.uint64(ptr + 4 * (B * H * qt * 64 * D + B * H * kt * 64 * D))
-        if wg:
-            bc, threads = 128, 256
-            # K, V, 3 ring stages of Q/dO, 2 dS^T buffers, 3 stages of lse/Delta, 5 mbarriers
-            smem = (2 * bc * D + 6 * 64 * D + 2 * bc * 64) * 2 + 6 * 64 * 4 + 5 * 8
-            name = f"flash_bwd_wg_{tn}_d{D}"
-            nblk = (nk + bc - 1) // bc
-            if nk > 0:
-                self.fn(name, smem)(
-                    (nblk, B * H, splits), (threads,),
-                    (self.p(q), self.p(k), self.p(v), self.p(dout), self.p(lse), self.p(delta),
-                     dq_acc, self.p(dk), self.p(dv), dk_acc, dv_acc, np.int32(nq), np.int32(nk),
-                     s, sl, np.int32(causal)), shared_mem=smem)
-            post = self.fn(f"flash_bwd_post_wg_{tn}", 0)
-            jobs = [(dq_acc, dq, nq, qt, s)]
-            if splits > 1:
-                jobs += [(dk_acc, dk, nk, kt, s), (dv_acc, dv, nk, kt, np.float32(1.0))]
-            for acc, dst, n_rows, tiles, sc in jobs:
-                post((B * H * tiles,), (256,), (acc, self.p(dst), np.int32(n_rows), sc))
-        else:
-            bc, threads = 16 * w, 32 * w
-            smem = (2 * bc * (D + 8) + 4 * br * (D + 8) + bc * (br + 8)) * 2 + 16 * br
-            name = f"flash_bwd_{tn}_d{D}_w{w}_r{br}"
-            nblk = (nk + bc - 1) // bc
-            if nk > 0:
-                self.fn(name, smem)(
-                    (nblk, B * H), (threads,),
-                    (self.p(q), self.p(k), self.p(v), self.p(dout), self.p(lse), self.p(delta),
-                     self.p(ws), self.p(dk), self.p(dv), np.int32(nq), np.int32(nk), s, sl,
-                     np.int32(causal)), shared_mem=smem)
-            n = rows * D
-            self.fn(f"flash_bwd_post_{tn}", 0)(
-                ((n // 4 + 255) // 256,), (256,), (self.p(ws), self.p(dq), np.int64(n), s))
+        bc, threads = 16 * w, 32 * w
+        smem = (2 * bc * (D + 8) + 4 * br * (D + 8) + bc * (br + 8)) * 2 + 16 * br
+        name = f"flash_bwd_{tn}_d{D}_w{w}_r{br}"
+        nblk = (nk + bc - 1) // bc
+        if nk > 0:
+            self.fn(name, smem)(
+                (nblk, B * H), (threads,),
+                (self.p(q), self.p(k), self.p(v), self.p(dout), self.p(lse), self.p(delta),
+                 self.p(ws), self.p(dk), self.p(dv), np.int32(nq), np.int32(nk), s, sl,
+                 np.int32(causal)), shared_mem=smem)
+        n = rows * D
+        self.fn(f"flash_bwd_post_{tn}", 0)(
+            ((n // 4 + 255) // 256,), (256,), (self.p(ws), self.p(dq), np.int64(n), s))
         return dq, dk, dv
+
+
+def bwd_groups(cfg, bh, nq, nk, causal):
+    """The wgmma backward's launch groups for cfg: (first bh, bh count, key blocks per bh,
+    whole items, splits)."""
+    kb = (nk + 127) // 128
+    if cfg[0] == "plan":  # ("plan", mb): with mb MB of accumulator budget instead of 32
+        g = flash_bwd_plan.group(bh, nq, nk, SMS, (cfg[1] if len(cfg) > 1 else 32) << 20)
+    elif cfg[0] in ("grp", "grps"):  # ("grps", g, t, s): the last t items of each split s ways
+        g = cfg[1]
+    else:
+        s = cfg[1]
+        items = kb * bh
+        t = items if s > 1 and len(cfg) < 3 else (min(cfg[2], items) if s > 1 else 0)
+        return [(0, bh, kb, items - t, s)]
+    out = []
+    for first in range(0, bh, g):
+        n = min(g, bh - first)
+        if cfg[0] == "plan":
+            _, whole, s = flash_bwd_plan.split(n, nq, nk, SMS, causal)
+        elif cfg[0] == "grps":
+            whole, s = n * kb - min(cfg[2], n * kb), cfg[3]
+        else:
+            whole, s = n * kb, 1
+        out.append((first, n, kb, whole, s))
+    return out
+
+
+Flash.bwd_groups = staticmethod(bwd_groups)
+
+
+def bwd_wg_group(self, q, k, v, out, dout, lse, delta, dq, dk, dv, ws, causal, s, sl, group):
+    """Pre, main and post kernel of the wgmma backward for one launch group, as the Rust
+    launcher's enqueue_backward queues them."""
+    first, n, kb, whole, splits = group
+    _, _, nq, D = q.shape
+    nk = k.shape[2]
+    tn = TN[q.dtype]
+    qt = (nq + 63) // 64
+    es = q.element_size()
+    at = lambda t, per: np.uint64(t.data_ptr() + first * per)
+    qr, kr = nq * D * es, nk * D * es
+    rows = n * nq
+    split_items = n * kb - whole
+    dq_n, kv_n = n * qt * 64 * D, split_items * 4 * 64 * D
+    zero_n4 = (dq_n + kv_n + (split_items * 4 + 15) // 16 * 4) // 4
+    base = ws.data_ptr()
+    dq_acc, kv_acc = np.uint64(base), np.uint64(base + 4 * dq_n)
+    counters = np.uint64(base + 4 * (dq_n + kv_n))
+    self.fn(f"flash_bwd_pre_{tn}_d{D}", 0)(
+        ((rows + PRE_ROWS - 1) // PRE_ROWS,), (256,),
+        (at(out, qr), at(dout, qr), at(delta, nq * 4), dq_acc, np.int64(zero_n4), np.int64(rows)))
+    smem = (2 * 128 * D + 6 * 64 * D + 2 * 128 * 64) * 2 + 6 * 64 * 4 + 5 * 8
+    if nk > 0:
+        self.fn(f"flash_bwd_wg_{tn}_d{D}", smem)(
+            (whole + split_items * splits,), (256,),
+            (at(q, qr), at(k, kr), at(v, kr), at(dout, qr), at(lse, nq * 4), at(delta, nq * 4),
+             dq_acc, at(dk, kr), at(dv, kr), kv_acc, counters, np.int32(nq), np.int32(nk), s, sl,
+             np.int32(causal), np.int32(whole), np.int32(splits)), shared_mem=smem)
+    self.fn(f"flash_bwd_post_wg_{tn}", 0)(
+        (n * qt,), (256,), (dq_acc, at(dq, qr), np.int32(nq), s))
+
+
+Flash.bwd_wg_group = bwd_wg_group
 
 
 def reference(q, k, v, dout, causal, scale):
@@ -395,7 +453,10 @@ def timings(fl, reps, results):
                 f"({flops / 3.5 / fdiv / t_fwd[fc] / 1e9:.0f} TFLOP/s)")
         fl.fwd(q, k, v, causal, scale, None, out, lse)
         t_bwd = {}
-        for bc in (c for c in BWD_CFGS[D] if not isinstance(c[0], str) or c[1] == 1):
+        # One launch of 4096 items; the launcher's groups of 32 before session 6; its plan.
+        for bc in (("wg", 1), ("wg", 16, 4), ("grp", 32), ("grp", 33), ("plan",),
+                   ("grps", 33, 132, 2), ("grps", 33, 132, 4), ("grps", 33, 66, 2),
+                   ("plan", 48), ("plan", 64), ("wg", 1), ("grp", 32), ("plan",)):
             t_bwd[bc] = median_ms(lambda: fl.bwd(q, k, v, out, dout, lse, causal, scale, bc, bufs), reps)
             log(f"tessera bwd{bc} causal={causal}: {t_bwd[bc]:.3f} ms "
                 f"({flops * 2.5 / 3.5 / fdiv / t_bwd[bc] / 1e9:.0f} TFLOP/s)")
@@ -416,9 +477,9 @@ def timings(fl, reps, results):
             results.append(dict(what="bwd_parts", pre_ms=t_pre, post_ms=t_post))
         fc = min(t_fwd, key=t_fwd.get)
         bc = min(t_bwd, key=t_bwd.get)
-        pairs = [(fc, bc), (("g4", 64), ("wg", 1)), (("ring", 64), ("wg", 1)),
-                 (("ringt", 64), ("wg", 1))]
-        for pair in dict.fromkeys(pairs):
+        # Before / after / before / after, so that drift between them shows.
+        pairs = [(("ring", 64), ("grp", 32)), (("ring", 64), ("plan",))] * 2
+        for pair in pairs:
             def step():
                 fl.fwd(q, k, v, causal, scale, pair[0], out, lse)
                 fl.bwd(q, k, v, out, dout, lse, causal, scale, pair[1], bufs)
@@ -456,7 +517,7 @@ def small_bh_timings(fl, reps, results):
     lse = torch.empty(B, H, N, device="cuda", dtype=torch.float32)
     bufs = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
             torch.empty(B, H, N, device="cuda", dtype=torch.float32),
-            torch.empty(3 * B * H * N * D, device="cuda", dtype=torch.float32))
+            torch.empty(5 * B * H * N * D, device="cuda", dtype=torch.float32))
     qt, kt, vt = (t.clone().requires_grad_() for t in (q, k, v))
 
     def torch_step(causal):
@@ -473,7 +534,7 @@ def small_bh_timings(fl, reps, results):
             t = median_ms(lambda: fl.fwd(q, k, v, causal, scale, fc, out, lse, part), reps)
             line += f", fwd{fc} {t:.4f}"
             results.append(dict(what="slice_fwd", causal=causal, cfg=fc, ms=t))
-        for bc in [("wg", 1), ("wg", 4), ("wg", 8), ("wg", 16)]:
+        for bc in [("wg", 1), ("wg", 4), ("wg", 8), ("wg", 16), ("plan",)]:
             t = median_ms(lambda: fl.bwd(q, k, v, out, dout, lse, causal, scale, bc, bufs), reps)
             line += f", bwd{bc} {t:.4f}"
             results.append(dict(what="slice_bwd", causal=causal, cfg=bc, ms=t))
@@ -496,6 +557,10 @@ def main():
     src = open(args.cu).read()
     log("device:", torch.cuda.get_device_name(), "torch", torch.__version__, "cupy", cp.__version__)
     fl = Flash(src)
+    global SMS
+    SMS = torch.cuda.get_device_properties(0).multi_processor_count
+    log(f"SMs: {SMS}; backward plan at (8, 32, 2048, 128): groups of "
+        f"{flash_bwd_plan.group(256, 2048, 2048, SMS)}")
     log(f"NVRTC compile of the module: {fl.compile_s:.1f} s")
     if args.profile:  # one forward and one backward at the benchmark shape, for ncu
         q, k, v, dout = (torch.randn(8, 32, 2048, 128, device="cuda", dtype=torch.bfloat16)

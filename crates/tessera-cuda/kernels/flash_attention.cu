@@ -24,10 +24,13 @@
 //                                   owns 128 keys (2 warpgroups x 64), keeps dK and dV in
 //                                   registers and walks query tiles of 64 rows (a 3-stage
 //                                   Q/dO ring under mbarriers, no block barrier per tile),
-//                                   recomputing P from the logsumexp. gridDim.z > 1
-//                                   splits the query tiles (small batch x heads); dK and
-//                                   dV then go through f32 workspaces too.
-//   flash_bwd_post_wg_<t>           fragment-tiled f32 workspace -> dQ (dK, dV) in T.
+//                                   recomputing P from the logsumexp. The last
+//                                   (batch x head, key block) items of a launch may be
+//                                   split over several blocks by query tiles (all of
+//                                   them for small batch x heads, the last wave's
+//                                   worth otherwise); their dK and dV are summed in an
+//                                   f32 workspace by the item's last block.
+//   flash_bwd_post_wg_<t>           fragment-tiled f32 workspace -> dQ in T.
 //   flash_fwd_<t>_d<D>_w<W>_c<BC>   sm_80+: mma.sync m16n8k16 (f32 accumulation), W warps
 //                                   each own 16 query rows, key tiles of BC rows.
 //   flash_bwd_<t>_d<D>_w<W>_r<BR>   sm_80+: the same backward on mma.sync, 16*W keys per
@@ -862,8 +865,9 @@ __device__ __forceinline__ void wg_rs_n128(Tag<__half>, float (&d)[64], const u3
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d), "n"(TB));
 }
 
-// f32 partial results that several blocks produce (the backward's dQ always, its dK
-// and dV and the forward's O when a launch splits the work over blockIdx.z) use a "fragment-tiled" layout instead of row-major:
+// f32 partial results that several blocks produce (the backward's dQ always, the dK and
+// dV of its split items, the forward's O when a launch splits the work over blockIdx.z)
+// use a "fragment-tiled" layout instead of row-major:
 // the rows are cut into tiles of 64, each tile is 64 x 128 f32 = 32 KB contiguous, and
 // inside a tile the float4 of (warp w, 8-column group c8, lane) -- the four accumulator
 // values a wgmma lane holds for rows 16w + lane/4 (+8) and columns 8 c8 + 2 (lane%4)
@@ -1256,32 +1260,47 @@ __device__ __forceinline__ void fwd_combine(const float* __restrict__ o_part,
 }
 
 // The backward's epilogue: dK (times scale) and dV of this warpgroup's 64 keys, straight
-// to T, or with gridDim.z > 1 (query tiles split over z blocks) added into the f32
-// fragment-tiled workspaces (a warpgroup whose keys all lie past nk, or a block that
-// had no query tile, adds nothing).
+// to T. A block that took one piece of a split item (slot >= 0, see bwd_wg) first adds
+// its partial sums into the item's f32 fragment-tiled tiles in kv_acc (a warpgroup whose
+// keys all lie past nk, or a piece with no query tile, adds nothing) and counts itself
+// done; the last of the item's `splits` pieces reads the sums back and stores them, so
+// a split needs no conversion launch. (The CUDA samples' threadFenceReduction pattern:
+// every thread fences its reductions before the block's count, the last block fences
+// before reading; kv_acc and the counters start zeroed by the pre-kernel.)
 template <typename T>
-__device__ __forceinline__ void bwd_wg_store_dkv(const float (&dk)[64], const float (&dv)[64],
+__device__ __forceinline__ void bwd_wg_store_dkv(float (&dk)[64], float (&dv)[64],
                                                  T* __restrict__ dK, T* __restrict__ dV,
-                                                 float* __restrict__ dk_acc,
-                                                 float* __restrict__ dv_acc, size_t bh, int k0,
-                                                 int key_a, int nk, int wg, int warp, int lane,
+                                                 float* __restrict__ kv_acc,
+                                                 int* __restrict__ counters, int slot,
+                                                 int splits, size_t bh, int k0, int key_a,
+                                                 int nk, int wg, int warp, int lane,
                                                  bool had_tiles, float scale) {
   constexpr int D = 128, TILE = 64 * D;
-  if (gridDim.z > 1) {
-    if (had_tiles && k0 + wg * 64 < nk) {
-      const int k_tiles = (nk + 63) / 64;
-      const size_t t = bh * k_tiles + (k0 / 64 + wg);
-      float* ka = dk_acc + t * TILE;
-      float* va = dv_acc + t * TILE;
+  if (slot >= 0) {
+    __shared__ int last_piece;
+    float* ka = kv_acc + ((size_t)slot * 4 + wg * 2) * TILE;
+    float* va = ka + TILE;
+    const bool keys = k0 + wg * 64 < nk;
+    if (had_tiles && keys) {
 #pragma unroll
       for (int c8 = 0; c8 < 16; ++c8) {
-        red_add_v4(ka + frag_tile_f4(warp, c8, lane), dk[4 * c8], dk[4 * c8 + 1],
-                   dk[4 * c8 + 2], dk[4 * c8 + 3]);
-        red_add_v4(va + frag_tile_f4(warp, c8, lane), dv[4 * c8], dv[4 * c8 + 1],
-                   dv[4 * c8 + 2], dv[4 * c8 + 3]);
+        red_add_f4(ka + frag_tile_f4(warp, c8, lane), &dk[4 * c8]);
+        red_add_f4(va + frag_tile_f4(warp, c8, lane), &dv[4 * c8]);
       }
     }
-    return;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) last_piece = atomicAdd(counters + slot, 1) == splits - 1;
+    __syncthreads();
+    if (!last_piece || !keys) return;
+    __threadfence();
+#pragma unroll
+    for (int c8 = 0; c8 < 16; ++c8) {
+      const float4 a = __ldcg(reinterpret_cast<const float4*>(ka + frag_tile_f4(warp, c8, lane)));
+      const float4 b = __ldcg(reinterpret_cast<const float4*>(va + frag_tile_f4(warp, c8, lane)));
+      dk[4 * c8] = a.x, dk[4 * c8 + 1] = a.y, dk[4 * c8 + 2] = a.z, dk[4 * c8 + 3] = a.w;
+      dv[4 * c8] = b.x, dv[4 * c8 + 1] = b.y, dv[4 * c8 + 2] = b.z, dv[4 * c8 + 3] = b.w;
+    }
   }
   T* dKb = dK + bh * nk * D;
   T* dVb = dV + bh * nk * D;
@@ -1328,9 +1347,9 @@ __device__ __forceinline__ void bwd_wg(const T* __restrict__ Q, const T* __restr
                                        const float* __restrict__ LSE,
                                        const float* __restrict__ Delta,
                                        float* __restrict__ dq_acc, T* __restrict__ dK,
-                                       T* __restrict__ dV, float* __restrict__ dk_acc,
-                                       float* __restrict__ dv_acc, int nq, int nk, float scale,
-                                       float scale_log2, int causal) {
+                                       T* __restrict__ dV, float* __restrict__ kv_acc,
+                                       int* __restrict__ counters, int nq, int nk, float scale,
+                                       float scale_log2, int causal, int whole, int splits) {
   constexpr int D = 128, BC = 128, BR = 64, THREADS = 256, NS = 3;
   constexpr int TILE = BR * D;           // floats per fragment tile
   constexpr u32 ROWG = (D / 8) * 128;    // row-group step of a [.][D] tile, bytes
@@ -1347,8 +1366,18 @@ __device__ __forceinline__ void bwd_wg(const T* __restrict__ Q, const T* __restr
   unsigned long long* ds_full = full + NS;
 
   const int tid = threadIdx.x, wg = tid / 128, warp = (tid % 128) / 32, lane = tid % 32;
-  const int k0 = blockIdx.x * BC;
-  const size_t bh = blockIdx.y;
+  // Work items are (batch x head, key block) pairs, batch x head major. Blocks
+  // [0, whole) take one whole item each; every later block takes one of `splits` pieces
+  // of an item's query tiles (item whole + (block - whole) / splits, slot item - whole
+  // in kv_acc and counters). Blocks start in index order, so the pieces fill the last
+  // wave (the launcher's BwdSplit says how many items split, and how finely).
+  const int k_blocks = (nk + BC - 1) / BC;
+  const int blk = blockIdx.x;
+  const bool split = blk >= whole;
+  const int item = split ? whole + (blk - whole) / splits : blk;
+  const int piece = split ? (blk - whole) % splits : 0;
+  const int k0 = (item % k_blocks) * BC;
+  const size_t bh = item / k_blocks;
   const T* Qb = Q + bh * nq * D;
   const T* dOb = dO + bh * nq * D;
   const float* Lb = LSE + bh * nq;
@@ -1357,9 +1386,9 @@ __device__ __forceinline__ void bwd_wg(const T* __restrict__ Q, const T* __restr
   float* dqb = dq_acc + bh * q_tiles * TILE;
   int i_begin = causal ? (k0 / BR) : 0;
   int i_end = q_tiles;
-  if (gridDim.z > 1) {
-    const int per = (i_end - i_begin + gridDim.z - 1) / gridDim.z;
-    i_begin = min(i_end, i_begin + (int)blockIdx.z * per);
+  if (split) {
+    const int per = (i_end - i_begin + splits - 1) / splits;
+    i_begin = min(i_end, i_begin + piece * per);
     i_end = min(i_end, i_begin + per);
   }
   const int n_tiles = i_end - i_begin;
@@ -1503,8 +1532,8 @@ __device__ __forceinline__ void bwd_wg(const T* __restrict__ Q, const T* __restr
       red_add_f4(dst + frag_tile_f4(warp, wg * 8 + nt, lane), &dq[4 * nt]);
   }
   cp_async_wait_all();  // K/V of a block with no query tile
-  bwd_wg_store_dkv<T>(dk, dv, dK, dV, dk_acc, dv_acc, bh, k0, key_a, nk, wg, warp, lane,
-                      i_end > i_begin, scale);
+  bwd_wg_store_dkv<T>(dk, dv, dK, dV, kv_acc, counters, split ? item - whole : -1, splits, bh,
+                      k0, key_a, nk, wg, warp, lane, i_end > i_begin, scale);
 }
 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
@@ -1746,8 +1775,8 @@ __device__ __forceinline__ void bwd_pre_f32(const float* __restrict__ O,
 //   dq f32:        (2*32*(D+1) + 16*D) * 4
 //   dkv f32:       (2*32*(D+1) + 16*D + 64) * 4
 // Grids: fwd (ceil(nq/rows per block), B*H) with 16W (mma.sync) or 256 (wgmma g4) rows,
-// times the split count in z for the split forward; bwd (ceil(nk/keys per block), B*H)
-// with 16W or 128 keys, wgmma times its split count in z; f32 (ceil(n/8), B*H), 256
+// times the split count in z for the split forward; bwd mma.sync (ceil(nk/16W), B*H);
+// bwd wgmma one-dimensional: whole + split items x splits (see bwd_wg); f32 (ceil(n/8), B*H), 256
 // threads; pre: PRE_ROWS (64) rows per block of 256 (f32: one warp per row); post: 4
 // elements per thread; post_wg: one 64 x 128 fragment tile per block of 256; combine:
 // one float4 of a fragment tile per thread, 256 threads.
@@ -1868,10 +1897,10 @@ TF_F32(256)
   }                                                                                       \
   extern "C" __global__ void __launch_bounds__(256) flash_bwd_wg_##TN##_d128(             \
       const T* q, const T* k, const T* v, const T* d_o, const float* lse,                 \
-      const float* delta, float* dq_acc, T* dk, T* dv, float* dk_acc, float* dv_acc,      \
-      int nq, int nk, float scale, float scale_log2, int causal) {                        \
-    tessera_flash::bwd_wg<T>(q, k, v, d_o, lse, delta, dq_acc, dk, dv, dk_acc, dv_acc, nq, \
-                             nk, scale, scale_log2, causal);                              \
+      const float* delta, float* dq_acc, T* dk, T* dv, float* kv_acc, int* counters,      \
+      int nq, int nk, float scale, float scale_log2, int causal, int whole, int splits) { \
+    tessera_flash::bwd_wg<T>(q, k, v, d_o, lse, delta, dq_acc, dk, dv, kv_acc, counters,  \
+                             nq, nk, scale, scale_log2, causal, whole, splits);           \
   }                                                                                       \
   extern "C" __global__ void __launch_bounds__(tessera_flash::POST_THREADS)               \
       flash_bwd_post_wg_##TN(const float* acc, T* out, int n_rows, float scale) {          \

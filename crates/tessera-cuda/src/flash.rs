@@ -14,9 +14,10 @@
 //!
 //! The launch plan also depends on the SM count: when batch x heads is too small to
 //! fill the GPU (one slice of a sliced graph), the wgmma kernels split their key or
-//! query tiles over `blockIdx.z` ([`forward_splits`], [`backward_splits`]); when it is
-//! large, the backward runs in groups of heads whose f32 accumulators fit in
-//! [`ACC_BUDGET`] ([`backward_group`]). Both need scratch from the caller
+//! query tiles over several blocks ([`forward_splits`], [`backward_split`]); when it is
+//! large, the backward runs in groups of heads whose f32 accumulators fit in about
+//! [`ACC_BUDGET`], sized to end on whole waves ([`backward_group`]), and splits the items
+//! past a launch's last whole wave ([`BwdSplit`]). Both need scratch from the caller
 //! ([`forward_workspace_bytes`], [`backward_workspace_bytes`]). Launches are queued on a
 //! [`Queue`] and nothing waits for them.
 //!
@@ -280,23 +281,15 @@ pub enum Step {
     /// The mma.sync backward (dQ into the row-major accumulator, dK and dV written).
     BackwardMma,
     /// The wgmma backward (dQ into the fragment-tiled accumulator; dK and dV written,
-    /// or into their accumulators when split).
+    /// those of split items summed in their accumulators by the items' last blocks).
     BackwardWgmma,
     /// f32: dQ, and dK with dV.
     DqF32,
     DkvF32,
     /// Row-major f32 dQ accumulator to dq.
     Post,
-    /// Fragment-tiled f32 accumulator to dq, dk or dv.
-    PostTiled(Grad),
-}
-
-/// Which gradient a [`Step::PostTiled`] converts.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Grad {
-    Q,
-    K,
-    V,
+    /// Fragment-tiled f32 dQ accumulator to dq.
+    PostTiled,
 }
 
 /// One kernel launch: entry point, grid, block and dynamic shared memory.
@@ -345,22 +338,80 @@ pub fn forward_splits(sel: &Selection, dims: &FlashDims, sms: u32) -> usize {
     }
 }
 
-/// How many z blocks split the wgmma backward's query tiles: enough for the key blocks
-/// to cover the `sms` multiprocessors about once, keeping at least two query tiles per
-/// split (at (1, 1, 2048, 128) on an H200: 8 splits 0.062 ms, 4 0.071, 16 0.070, none
-/// 0.152).
-pub fn backward_splits(sel: &Selection, dims: &FlashDims, sms: u32) -> usize {
-    if sel.bwd != BwdKernel::Wgmma {
-        return 1;
+/// How one wgmma backward launch spreads its work items -- (batch x head, key block)
+/// pairs of equal cost, batch x head major -- over blocks: the first `whole` items take
+/// a block each, every later item `splits` blocks, each with an equal share of the
+/// item's query tiles (its dK and dV summed in f32 by the item's last block).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BwdSplit {
+    pub items: usize,
+    pub whole: usize,
+    pub splits: usize,
+}
+
+impl BwdSplit {
+    /// Items split over several blocks (each has a slot in the dK/dV accumulator).
+    pub fn split_items(&self) -> usize {
+        self.items - self.whole
     }
-    let blocks = dims.kv_len.div_ceil(WG_BWD_KEYS) * dims.batch * dims.heads;
-    let by_sms = sms as usize / blocks.max(1);
-    let by_tiles = dims.q_len.div_ceil(TILE_ROWS) / 2;
-    let s = by_sms.min(by_tiles);
-    if s >= 2 {
-        s
-    } else {
-        1
+
+    /// Blocks of the launch.
+    pub fn blocks(&self) -> usize {
+        self.whole + self.split_items() * self.splits
+    }
+
+    /// The launch's length in waves of whole items on `sms` multiprocessors (one block
+    /// per SM): the whole items' waves, then the pieces' waves at 1/splits each plus
+    /// [`PIECE_WAVES`].
+    fn waves(&self, sms: u32) -> f64 {
+        let sms = sms.max(1) as usize;
+        let pieces = self.split_items() * self.splits;
+        let piece = 1.0 / self.splits as f64 + PIECE_WAVES;
+        (self.whole.div_ceil(sms) as f64) + pieces.div_ceil(sms) as f64 * piece
+    }
+}
+
+/// How the wgmma backward at `dims` splits its items on `sms` multiprocessors (each
+/// piece keeps at least two query tiles):
+/// - too few items to fill the SMs (one slice of a sliced graph): every item, into
+///   enough pieces to cover them about once (at (1, 1, 2048, 128) on an H200: 8 splits
+///   0.062 ms, 4 0.071, 16 0.070, none 0.152);
+/// - otherwise, without causal masking, the items past the last whole wave, into as
+///   many pieces as fill one wave: at (8, 32, 2048, 128) the 4096 items make 31 waves
+///   of 132 and 4 items, whose wave would otherwise take as long as a full one.
+///
+/// Causal items differ in cost (a key block sees the queries from its own on), so the
+/// whole-wave count says nothing there and only the first rule applies.
+pub fn backward_split(sel: &Selection, dims: &FlashDims, sms: u32, causal: bool) -> BwdSplit {
+    let items = dims.kv_len.div_ceil(WG_BWD_KEYS) * dims.batch * dims.heads;
+    let none = BwdSplit {
+        items,
+        whole: items,
+        splits: 1,
+    };
+    if sel.bwd != BwdKernel::Wgmma || items == 0 {
+        return none;
+    }
+    let (sms, max_splits) = (sms.max(1) as usize, dims.q_len.div_ceil(TILE_ROWS) / 2);
+    let all = (sms / items).min(max_splits);
+    if all >= 2 {
+        return BwdSplit {
+            items,
+            whole: 0,
+            splits: all,
+        };
+    }
+    let tail = items % sms;
+    if causal || tail == 0 {
+        return none;
+    }
+    match (sms / tail).min(max_splits) {
+        s if s >= 2 => BwdSplit {
+            items,
+            whole: items - tail,
+            splits: s,
+        },
+        _ => none,
     }
 }
 
@@ -431,7 +482,12 @@ pub fn forward_launches(sel: &Selection, dims: &FlashDims, sms: u32) -> Result<V
 
 /// The backward launches in order: Delta (and zeroed accumulators), the main kernel(s),
 /// and for bf16/f16 the conversion of the f32 accumulators.
-pub fn backward_launches(sel: &Selection, dims: &FlashDims, sms: u32) -> Result<Vec<Launch>> {
+pub fn backward_launches(
+    sel: &Selection,
+    dims: &FlashDims,
+    sms: u32,
+    causal: bool,
+) -> Result<Vec<Launch>> {
     let d = sel.head_dim;
     let t = sel.dtype.name();
     let bh = bh_dim(dims)?;
@@ -491,33 +547,35 @@ pub fn backward_launches(sel: &Selection, dims: &FlashDims, sms: u32) -> Result<
             ]
         }
         BwdKernel::Wgmma => {
-            let splits = backward_splits(sel, dims, sms);
-            let mut out = vec![
+            let split = backward_split(sel, dims, sms, causal);
+            let main = u32::try_from(split.blocks())
+                .ok()
+                .filter(|&b| b <= i32::MAX as u32)
+                .ok_or_else(|| {
+                    FlashError::Shape(format!(
+                        "{} (batch x head, key block) items exceed the backward's 2^31 blocks",
+                        split.items
+                    ))
+                })?;
+            // One post block per 64 x 128 fragment tile of dQ.
+            let tiles = dims.q_len.div_ceil(TILE_ROWS) * bh as usize;
+            vec![
                 pre(Step::Pre, format!("flash_bwd_pre_{t}_d{d}"))?,
                 Launch {
                     step: Step::BackwardWgmma,
                     name: format!("flash_bwd_wg_{t}_d{d}"),
-                    grid: (blocks(dims.kv_len, WG_BWD_KEYS)?, bh, splits as u32),
+                    grid: (main, 1, 1),
                     block: 256,
                     smem: WG_BWD_SMEM,
                 },
-            ];
-            let mut grads = vec![(Grad::Q, dims.q_len)];
-            if splits > 1 {
-                grads.extend([(Grad::K, dims.kv_len), (Grad::V, dims.kv_len)]);
-            }
-            for (g, n) in grads {
-                // One block per 64 x 128 fragment tile.
-                let tiles = n.div_ceil(TILE_ROWS) * bh as usize;
-                out.push(Launch {
-                    step: Step::PostTiled(g),
+                Launch {
+                    step: Step::PostTiled,
                     name: format!("flash_bwd_post_wg_{t}"),
                     grid: (blocks(tiles, 1)?, 1, 1),
                     block: 256,
                     smem: 0,
-                });
-            }
-            out
+                },
+            ]
         }
     })
 }
@@ -536,27 +594,30 @@ fn bh_dim(dims: &FlashDims) -> Result<u32> {
 /// Byte offsets of the parts of the backward's workspace.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct BwdLayout {
-    /// f32 Delta per query row at 0; the f32 accumulators from `acc` on: dQ, then (a
-    /// split wgmma backward) dK and dV of `kv_acc` bytes each.
+    /// f32 Delta per query row at 0; from `acc` on, zeroed by the pre-kernel: the f32
+    /// dQ accumulator (`dq_acc` bytes), then for the wgmma backward's split items their
+    /// dK/dV accumulators (`kv_acc` bytes: per item, each warpgroup's 64 x 128 dK tile
+    /// then its dV tile) and their i32 piece counters (`counters` bytes).
     acc: usize,
     dq_acc: usize,
     kv_acc: usize,
+    counters: usize,
 }
 
 impl BwdLayout {
-    fn new(sel: &Selection, dims: &FlashDims, sms: u32) -> BwdLayout {
+    fn new(sel: &Selection, dims: &FlashDims, sms: u32, causal: bool) -> BwdLayout {
         let bh = dims.batch * dims.heads;
         let d = sel.head_dim;
         let acc = (dims.rows() * 4).div_ceil(256) * 256;
-        let tiled = |n: usize| n.div_ceil(TILE_ROWS) * TILE_ROWS * bh * d * 4;
-        let (dq_acc, kv_acc) = match sel.bwd {
-            BwdKernel::F32 => (0, 0),
-            BwdKernel::Mma { .. } => (dims.rows() * d * 4, 0),
+        let (dq_acc, kv_acc, counters) = match sel.bwd {
+            BwdKernel::F32 => (0, 0, 0),
+            BwdKernel::Mma { .. } => (dims.rows() * d * 4, 0, 0),
             BwdKernel::Wgmma => {
-                let split = backward_splits(sel, dims, sms) > 1;
+                let n = backward_split(sel, dims, sms, causal).split_items();
                 (
-                    tiled(dims.q_len),
-                    if split { tiled(dims.kv_len) } else { 0 },
+                    dims.q_len.div_ceil(TILE_ROWS) * TILE_ROWS * bh * d * 4,
+                    n * 4 * TILE_ROWS * d * 4,
+                    (n * 4).div_ceil(16) * 16,
                 )
             }
         };
@@ -564,11 +625,17 @@ impl BwdLayout {
             acc,
             dq_acc,
             kv_acc,
+            counters,
         }
     }
 
+    /// Bytes the pre-kernel zeroes (a multiple of 16).
+    fn zeroed(&self) -> usize {
+        self.dq_acc + self.kv_acc + self.counters
+    }
+
     fn bytes(&self) -> usize {
-        self.acc + self.dq_acc + 2 * self.kv_acc
+        self.acc + self.zeroed()
     }
 }
 
@@ -578,40 +645,86 @@ impl BwdLayout {
 /// accumulator (and dK, dV ones when the backward is split).
 pub fn backward_workspace_bytes_for(sel: &Selection, dims: &FlashDims, sms: u32) -> usize {
     // Groups of batch x heads reuse one workspace; the last, smaller group may split
-    // where the others do not.
+    // where the others do not. Without causal masking at least as many items split as
+    // with it.
     let bh = dims.batch * dims.heads;
-    let group = backward_group(sel, dims);
+    let group = backward_group(sel, dims, sms);
     [group, bh % group]
         .into_iter()
         .filter(|&n| n > 0)
-        .map(|n| {
-            let part = FlashDims {
-                batch: 1,
-                heads: n,
-                ..*dims
-            };
-            BwdLayout::new(sel, &part, sms).bytes()
-        })
+        .map(|n| BwdLayout::new(sel, &group_dims(dims, n), sms, false).bytes())
         .max()
         .unwrap_or(0)
 }
 
-/// Bytes of f32 accumulators one backward launch group may use: a larger batch x heads
-/// runs in groups that reuse one workspace. At the seed's (8, 32, 2048, 128) the dQ
-/// accumulator would otherwise take 256 MB; groups of 32 heads take 32 MB and still
-/// fill an H200 (512 blocks a launch; 4 x 8 waves of 132 against 31.03 in one launch).
+/// `dims` narrowed to one launch group of `n` batch x heads.
+fn group_dims(dims: &FlashDims, n: usize) -> FlashDims {
+    FlashDims {
+        batch: 1,
+        heads: n,
+        ..*dims
+    }
+}
+
+/// Bytes of f32 dQ accumulator one backward launch group may use: a larger batch x
+/// heads runs in groups that reuse one workspace (mostly L2-resident). At the seed's
+/// (8, 32, 2048, 128) the dQ accumulator would otherwise take 256 MB; 32 MB is 32 heads.
+/// The wgmma backward may go up to 1/16 over it to end its launches on whole waves
+/// ([`backward_group`]).
 pub const ACC_BUDGET: usize = 32 << 20;
 
-/// batch x heads per backward launch group (all of them when their accumulators fit in
-/// [`ACC_BUDGET`]).
-pub fn backward_group(sel: &Selection, dims: &FlashDims) -> usize {
+/// The cost of one more launch group in the group-size choice, in waves: the main
+/// kernel's drain and ramp at the group boundary and the pre- and post-kernels' own.
+/// Measured at (8, 32, 2048, 128) on an H200 with the CuPy harness (NOTES.md, session
+/// 6): 8 groups of 32 took 4.107 ms against 3.945 for one launch of the same 32 waves,
+/// 0.023 ms per extra group at 0.123 ms per wave.
+const GROUP_WAVES: f64 = 0.2;
+
+/// What a piece of a split item costs beyond its share, in waves: its prologue (K and
+/// V, the first query tiles) and the dK/dV sums (an estimate: about one of the 32 query
+/// tiles of a seed-shape item).
+const PIECE_WAVES: f64 = 0.03;
+
+/// batch x heads per backward launch group: all of them when their accumulators fit in
+/// [`ACC_BUDGET`]; otherwise, for the wgmma backward, the group size between half the
+/// budget and 1/16 over it whose launches take the fewest waves in all
+/// ([`BwdSplit`], non-causal). At (8, 32, 2048, 128) on 132 SMs: groups of 33 heads
+/// (528 items, 4 whole waves) and a last one of 25 (3 waves and 4 items split 16 ways):
+/// 31.06 waves, against 32 for groups of 32 (3 waves and 116 items each).
+pub fn backward_group(sel: &Selection, dims: &FlashDims, sms: u32) -> usize {
     let bh = dims.batch * dims.heads;
     let per_bh = match sel.bwd {
         BwdKernel::F32 => return bh.max(1),
         BwdKernel::Mma { .. } => dims.q_len * sel.head_dim * 4,
         BwdKernel::Wgmma => dims.q_len.div_ceil(TILE_ROWS) * TILE_ROWS * sel.head_dim * 4,
     };
-    (ACC_BUDGET / per_bh.max(1)).clamp(1, bh.max(1))
+    let budget = (ACC_BUDGET / per_bh.max(1)).clamp(1, bh.max(1));
+    if budget == bh.max(1) || sel.bwd != BwdKernel::Wgmma {
+        return budget;
+    }
+    let waves = |g: usize| {
+        let launch = |n: usize| {
+            backward_split(sel, &group_dims(dims, n), sms, false).waves(sms) + GROUP_WAVES
+        };
+        let rest = if bh.is_multiple_of(g) {
+            0.0
+        } else {
+            launch(bh % g)
+        };
+        (bh / g) as f64 * launch(g) + rest
+    };
+    // The budget first, then smaller groups, then larger: the first of equal cost wins.
+    let candidates = (budget.div_ceil(2)..=budget)
+        .rev()
+        .chain(budget + 1..=(budget + budget / 16).min(bh));
+    let mut best = (budget, waves(budget));
+    for g in candidates {
+        let w = waves(g);
+        if w < best.1 - 1e-9 {
+            best = (g, w);
+        }
+    }
+    best.0
 }
 
 /// Bytes of f32 scratch [`flash_forward`] needs: the split forward's partial outputs
@@ -1062,17 +1175,13 @@ pub unsafe fn flash_backward(
     check_dims(&dims, scale)?;
     let (cc, sms) = device_facts(q.ctx)?;
     let sel = select(dtype, dims.head_dim, cc)?;
-    backward_launches(&sel, &dims, sms)?; // shape errors before anything is queued
+    backward_launches(&sel, &dims, sms, causal)?; // shape errors before anything is queued
     let loaded = module_for(q.ctx, dtype, cc)?;
-    let (bh, group) = (dims.batch * dims.heads, backward_group(&sel, &dims));
+    let (bh, group) = (dims.batch * dims.heads, backward_group(&sel, &dims, sms));
     let (q_row, k_row) = (dims.q_len * dims.head_dim, dims.kv_len * dims.head_dim);
     let es = dtype.size();
     for first in (0..bh).step_by(group.max(1)) {
-        let part = FlashDims {
-            batch: 1,
-            heads: group.min(bh - first),
-            ..dims
-        };
+        let part = group_dims(&dims, group.min(bh - first));
         let at = |p: CUdeviceptr, per_bh: usize| p + (first * per_bh) as u64;
         let part_ptrs = BwdPtrs {
             q: at(ptrs.q, q_row * es),
@@ -1103,18 +1212,19 @@ fn enqueue_backward(
     scale: f32,
     ptrs: BwdPtrs,
 ) -> Result<()> {
-    let launches = backward_launches(sel, &dims, sms)?;
+    let launches = backward_launches(sel, &dims, sms, causal)?;
+    let split = backward_split(sel, &dims, sms, causal);
+    let layout = BwdLayout::new(sel, &dims, sms, causal);
     let (nq, nk) = (dims.q_len as i32, dims.kv_len as i32);
     let scale_log2 = scale * std::f32::consts::LOG2_E;
     let causal = causal as i32;
     let rows = dims.rows() as i64;
-    let layout = BwdLayout::new(sel, &dims, sms);
     let delta = ptrs.workspace;
     let dq_acc = ptrs.workspace + layout.acc as u64;
-    let dk_acc = dq_acc + layout.dq_acc as u64;
-    let dv_acc = dk_acc + layout.kv_acc as u64;
-    let acc_float4s = ((layout.dq_acc + 2 * layout.kv_acc) / 16) as i64;
-    let one = 1.0f32;
+    let kv_acc = dq_acc + layout.dq_acc as u64;
+    let counters = kv_acc + layout.kv_acc as u64;
+    let acc_float4s = (layout.zeroed() / 16) as i64;
+    let (whole, splits) = (split.whole as i32, split.splits as i32);
     let p = &ptrs;
     for launch in &launches {
         match launch.step {
@@ -1179,7 +1289,7 @@ fn enqueue_backward(
                 run(q, loaded, launch, &a)?
             }
             Step::BackwardWgmma => {
-                let a: [&dyn KernelArg; 16] = [
+                let a: [&dyn KernelArg; 18] = [
                     &p.q,
                     &p.k,
                     &p.v,
@@ -1189,13 +1299,15 @@ fn enqueue_backward(
                     &dq_acc,
                     &p.dk,
                     &p.dv,
-                    &dk_acc,
-                    &dv_acc,
+                    &kv_acc,
+                    &counters,
                     &nq,
                     &nk,
                     &scale,
                     &scale_log2,
                     &causal,
+                    &whole,
+                    &splits,
                 ];
                 run(q, loaded, launch, &a)?
             }
@@ -1203,15 +1315,7 @@ fn enqueue_backward(
                 let n = (dims.rows() * dims.head_dim) as i64;
                 run(q, loaded, launch, &[&dq_acc, &p.dq, &n, &scale])?
             }
-            Step::PostTiled(g) => {
-                let (acc, dst, n, s) = match g {
-                    Grad::Q => (&dq_acc, &p.dq, dims.q_len, &scale),
-                    Grad::K => (&dk_acc, &p.dk, dims.kv_len, &scale),
-                    Grad::V => (&dv_acc, &p.dv, dims.kv_len, &one),
-                };
-                let n = n as i32;
-                run(q, loaded, launch, &[acc, dst, &n, s])?
-            }
+            Step::PostTiled => run(q, loaded, launch, &[&dq_acc, &p.dq, &nq, &scale])?,
             s => unreachable!("{s:?} is no backward step"),
         }
     }
@@ -1286,7 +1390,7 @@ mod tests {
         assert!(forward_variants(FlashDType::BF16, &slice, HOPPER, SMS).is_empty());
         assert!(forward_variants(FlashDType::BF16, &dims(128), AMPERE, SMS).is_empty());
         assert!(forward_variants(FlashDType::F32, &dims(128), HOPPER, SMS).is_empty());
-        let b = backward_launches(&sel, &dims(128), SMS).unwrap();
+        let b = backward_launches(&sel, &dims(128), SMS, false).unwrap();
         assert_eq!(
             names(&b),
             [
@@ -1295,7 +1399,9 @@ mod tests {
                 "flash_bwd_post_wg_bf16"
             ]
         );
-        assert_eq!((b[1].grid, b[1].smem), ((8, 256, 1), 198_184)); // ceil(1000 / 128) = 8
+        // ceil(1000 / 128) = 8 key blocks x 256 = 2048 items = 15 waves of 132 and 68
+        // items, which split in 132 / 68 = 1: all whole.
+        assert_eq!((b[1].grid, b[1].smem), ((2048, 1, 1), 198_184));
         assert_eq!(b[0].grid.0 as usize, (8 * 32 * 2048usize).div_ceil(64));
         // One block per fragment tile of dQ: 32 tiles of 64 rows x 256 (batch x heads).
         assert_eq!(b[2].grid.0 as usize, 32 * 256);
@@ -1314,7 +1420,14 @@ mod tests {
             head_dim: 128,
         };
         assert_eq!(forward_splits(&sel, &slice, SMS), 8); // 132 / (2 * 8)
-        assert_eq!(backward_splits(&sel, &slice, SMS), 8); // 132 / 16
+        let all = BwdSplit {
+            items: 16,
+            whole: 0,
+            splits: 8, // 132 / 16
+        };
+        for causal in [false, true] {
+            assert_eq!(backward_split(&sel, &slice, SMS, causal), all);
+        }
         let f = forward_launches(&sel, &slice, SMS).unwrap();
         assert_eq!(
             names(&f),
@@ -1325,26 +1438,21 @@ mod tests {
         );
         assert_eq!(f[0].grid, (8, 1, 8));
         assert_eq!(f[1].grid, (32 * 2048 / 256, 1, 1));
-        let b = backward_launches(&sel, &slice, SMS).unwrap();
-        assert_eq!(b[1].grid, (16, 1, 8));
-        let posts: Vec<Step> = b[2..].iter().map(|l| l.step).collect();
-        assert_eq!(
-            posts,
-            [
-                Step::PostTiled(Grad::Q),
-                Step::PostTiled(Grad::K),
-                Step::PostTiled(Grad::V)
-            ]
-        );
+        let b = backward_launches(&sel, &slice, SMS, false).unwrap();
+        assert_eq!(b[1].grid, (16 * 8, 1, 1));
+        // dK and dV are summed by each item's last block: only dQ is converted.
+        let steps: Vec<Step> = b.iter().map(|l| l.step).collect();
+        assert_eq!(steps, [Step::Pre, Step::BackwardWgmma, Step::PostTiled]);
         // Partials: 8 splits x (2048 x 128 f32 + 2048 (max, sum) pairs).
         assert_eq!(
             forward_workspace_bytes_for(&sel, &slice, SMS),
             8 * (2048 * 128 * 4 + 2048 * 8)
         );
-        // Delta, then dQ, dK and dV accumulators.
+        // Delta, the dQ accumulator, 16 items' dK and dV tiles (2 warpgroups x 64 keys
+        // each), their 16 counters.
         assert_eq!(
             backward_workspace_bytes_for(&sel, &slice, SMS),
-            2048 * 4 + 3 * 2048 * 128 * 4
+            2048 * 4 + 2048 * 128 * 4 + 16 * 4 * 64 * 128 * 4 + 64
         );
         // Too few key tiles to split: a 100-key sequence stays whole.
         let short = FlashDims {
@@ -1353,11 +1461,11 @@ mod tests {
             ..slice
         };
         assert_eq!(forward_splits(&sel, &short, SMS), 1);
-        assert_eq!(backward_splits(&sel, &short, SMS), 1);
+        assert_eq!(backward_split(&sel, &short, SMS, false).split_items(), 0);
         // Other kernel families never split.
         let mma = select(FlashDType::BF16, 64, HOPPER).unwrap();
         assert_eq!(forward_splits(&mma, &slice, SMS), 1);
-        assert_eq!(backward_splits(&mma, &slice, SMS), 1);
+        assert_eq!(backward_split(&mma, &slice, SMS, false).split_items(), 0);
     }
 
     #[test]
@@ -1366,7 +1474,7 @@ mod tests {
         let f = &forward_launches(&sel, &dims(128), SMS).unwrap()[0];
         assert_eq!(f.name, "flash_fwd_f16_d128_w4_c64");
         assert_eq!(f.smem, (64 * 136 + 4 * 64 * 136) * 2);
-        let b = backward_launches(&sel, &dims(128), SMS).unwrap();
+        let b = backward_launches(&sel, &dims(128), SMS, false).unwrap();
         assert_eq!(b[1].name, "flash_bwd_f16_d128_w8_r32");
         assert_eq!(
             b[1].smem,
@@ -1375,7 +1483,7 @@ mod tests {
         assert_eq!(b[1].grid.0, 8);
         assert_eq!(b[2].name, "flash_bwd_post_f16");
         let sel = select(FlashDType::BF16, 64, HOPPER).unwrap();
-        let b = backward_launches(&sel, &dims(64), SMS).unwrap();
+        let b = backward_launches(&sel, &dims(64), SMS, false).unwrap();
         assert_eq!(b[1].name, "flash_bwd_bf16_d64_w8_r64");
     }
 
@@ -1383,7 +1491,7 @@ mod tests {
     fn f32_covers_multiples_of_32_up_to_256() {
         for d in (32..=256).step_by(32) {
             let sel = select(FlashDType::F32, d, HOPPER).unwrap();
-            let b = backward_launches(&sel, &dims(d), SMS).unwrap();
+            let b = backward_launches(&sel, &dims(d), SMS, false).unwrap();
             assert_eq!(b.len(), 3);
             assert_eq!(b[2].name, format!("flash_bwd_dkv_f32_d{d}"));
         }
@@ -1430,35 +1538,60 @@ mod tests {
             backward_workspace_bytes_for(&select(t, d.head_dim, cc).unwrap(), d, SMS)
         };
         assert_eq!(ws(FlashDType::F32, HOPPER, &d), rows * 4);
-        // bf16 at (8, 32, 2048, D 128): the backward runs in groups of 32 heads, each
-        // with Delta and 32 MB of dQ accumulator.
+        // bf16 at (8, 32, 2048, D 128), kv_len 2048: the backward runs in 7 groups of 33
+        // heads (528 items: 4 whole waves of 132) and one of 25 (400 items: 3 waves, then
+        // the last 4 items in 16 pieces each); the workspace holds the larger group's
+        // Delta and dQ accumulator.
         let sel = select(FlashDType::BF16, 128, HOPPER).unwrap();
-        assert_eq!(backward_group(&sel, &d), 32);
+        let seed = FlashDims { kv_len: 2048, ..d };
+        assert_eq!(backward_group(&sel, &seed, SMS), 33);
+        let split = |heads, causal| backward_split(&sel, &group_dims(&seed, heads), SMS, causal);
+        assert_eq!(split(33, false).split_items(), 0);
         assert_eq!(
-            ws(FlashDType::BF16, HOPPER, &d),
-            32 * 2048 * 4 + 32 * 2048 * 128 * 4
+            split(25, false),
+            BwdSplit {
+                items: 400,
+                whole: 396,
+                splits: 16
+            }
         );
-        // A remainder group that splits (1 head of a 33) needs the larger workspace.
-        let odd_heads = FlashDims {
-            heads: 33,
-            batch: 1,
-            ..d
-        };
-        assert_eq!(backward_group(&sel, &odd_heads), 32);
+        assert_eq!(split(25, false).blocks(), 396 + 4 * 16);
+        // Causal items differ in cost: none split.
+        assert_eq!(split(25, true).split_items(), 0);
+        assert_eq!(
+            ws(FlashDType::BF16, HOPPER, &seed),
+            33 * 2048 * 4 + 33 * 2048 * 128 * 4
+        );
+        // Within the budget everything is one group.
         let one = FlashDims {
             heads: 1,
             batch: 1,
-            ..d
+            ..seed
         };
         assert_eq!(
-            ws(FlashDType::BF16, HOPPER, &odd_heads),
-            ws(FlashDType::BF16, HOPPER, &FlashDims { heads: 32, ..one }).max(ws(
-                FlashDType::BF16,
-                HOPPER,
-                &one
-            ))
+            backward_group(&sel, &FlashDims { heads: 32, ..one }, SMS),
+            32
         );
-        assert!(backward_splits(&sel, &one, SMS) > 1);
+        // 40 heads: groups of 32 and 8 (512 and 128 items); 128 items do not split (132 /
+        // 128 = 1), and no size between 16 and 34 heads ends on fewer waves.
+        let forty = FlashDims { heads: 40, ..one };
+        assert_eq!(backward_group(&sel, &forty, SMS), 32);
+        // 64 heads: two groups of 32 (4 waves each, 8 + 2 x GROUP_WAVES = 8.4) beat
+        // 26 + 26 + 12 (3.2 + 3.2 + 1.5 waves with their split items, + 3 x 0.2 = 8.5).
+        let sixty_four = FlashDims { heads: 64, ..one };
+        assert_eq!(backward_group(&sel, &sixty_four, SMS), 32);
+        // The seed's remainder group of 25 has 4 split items: Delta, dQ, 4 items' dK/dV
+        // tiles (2 warpgroups x (dK, dV) of 64 x 128 f32) and their counters; the
+        // workspace is the larger of the two groups' layouts.
+        let layout = |n| BwdLayout::new(&sel, &group_dims(&seed, n), SMS, false).bytes();
+        assert_eq!(
+            layout(25),
+            25 * 2048 * 4 + 25 * 2048 * 128 * 4 + 4 * 4 * 64 * 128 * 4 + 16
+        );
+        assert_eq!(
+            ws(FlashDType::BF16, HOPPER, &seed),
+            layout(33).max(layout(25))
+        );
         // wgmma: dQ in whole 64-row tiles; mma.sync: row-major.
         let odd = FlashDims {
             q_len: 3,
@@ -1521,7 +1654,7 @@ mod tests {
                             forward_launches(&sel, &dims, sms)
                                 .unwrap()
                                 .into_iter()
-                                .chain(backward_launches(&sel, &dims, sms).unwrap())
+                                .chain(backward_launches(&sel, &dims, sms, false).unwrap())
                                 .map(|l| l.name),
                         );
                         for v in forward_variants(dtype, &dims, cc, sms) {

@@ -5,11 +5,12 @@
 //! Tolerances (relative Frobenius error against f64): f32 1e-4, f16 5e-3, bf16 2e-2
 //! (P and dS are rounded to the input type before the tensor-core products).
 
+use cudarc::driver::sys::CUdevice_attribute;
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr};
 use std::sync::Arc;
 use tessera_cuda::flash::{
-    backward_workspace_bytes, flash_backward, flash_forward, flash_forward_variant,
-    forward_workspace_bytes, BwdPtrs, FlashDType, FlashDims, FwdPtrs, Queue, WgFwd,
+    backward_split, backward_workspace_bytes, flash_backward, flash_forward, flash_forward_variant,
+    forward_workspace_bytes, select, BwdPtrs, FlashDType, FlashDims, FwdPtrs, Queue, WgFwd,
 };
 
 fn gpu() -> Option<(Arc<CudaContext>, Arc<CudaStream>)> {
@@ -351,7 +352,7 @@ fn flash_attention_matches_an_f64_reference_on_the_gpu() {
             }
         }
     }
-    // The wgmma kernels (Hopper, bf16/f16, head dim 128) both ways: split over blockIdx.z
+    // The wgmma kernels (Hopper, bf16/f16, head dim 128) both ways: every item split
     // (1 x 2 heads of 1000 x 700 leave an H100/H200 mostly idle) and whole; 400 heads of
     // 130 queries also run the backward in two groups (341 + 59: ACC_BUDGET).
     for dtype in [FlashDType::BF16, FlashDType::F16] {
@@ -367,6 +368,30 @@ fn flash_attention_matches_an_f64_reference_on_the_gpu() {
                 failures.extend(check(&stream, dtype, d, causal, seed, None));
                 seed += 10;
             }
+        }
+    }
+    // The wgmma backward with the items past its last whole wave split by query tiles
+    // (their dK/dV summed by each item's last block): sms / 4 + 1 heads of 4 key blocks
+    // are a few items more than one wave on this GPU (132 SMs: 136 items, the last 4 in
+    // 2 pieces each; causal: nothing split, checked too).
+    let ctx = stream.context();
+    let cc = ctx.compute_capability().unwrap();
+    let sms = ctx
+        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+        .unwrap() as u32;
+    if cc == (9, 0) {
+        let d = FlashDims {
+            batch: 1,
+            heads: sms as usize / 4 + 1,
+            q_len: 256,
+            kv_len: 500,
+            head_dim: 128,
+        };
+        let sel = select(FlashDType::BF16, 128, cc).unwrap();
+        assert!(backward_split(&sel, &d, sms, false).split_items() > 0);
+        for causal in [false, true] {
+            failures.extend(check(&stream, FlashDType::BF16, d, causal, seed, None));
+            seed += 10;
         }
     }
     // Every variant of the unsplit wgmma forward (what max-autotune chooses among):
