@@ -15,9 +15,10 @@
 //! The launch plan also depends on the SM count: when batch x heads is too small to
 //! fill the GPU (one slice of a sliced graph), the wgmma kernels split their key or
 //! query tiles over several blocks ([`forward_splits`], [`backward_split`]); when it is
-//! large, the backward runs in groups of heads whose f32 accumulators fit in about
-//! [`ACC_BUDGET`], sized to end on whole waves ([`backward_group`]), and splits the items
-//! past a launch's last whole wave ([`BwdSplit`]). Both need scratch from the caller
+//! large, the backward runs in groups of heads whose f32 accumulators fit in
+//! [`ACC_BUDGET`], alternating over [`LANES`] streams and workspaces so that the groups'
+//! launches overlap ([`backward_plan`]), and splits the items past the last whole wave
+//! ([`BwdSplit`]). Both need scratch from the caller
 //! ([`forward_workspace_bytes`], [`backward_workspace_bytes`]). Launches are queued on a
 //! [`Queue`] and nothing waits for them.
 //!
@@ -25,6 +26,7 @@
 //! installed, and the first call checks for the driver and NVRTC and says which is
 //! missing.
 
+use std::collections::hash_map::Entry;
 use std::collections::HashMap;
 use std::ffi::{c_char, CString};
 use std::fmt;
@@ -32,7 +34,10 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use std::ffi::c_void;
 
-use cudarc::driver::sys::{CUdevice_attribute, CUdeviceptr, CUfunction_attribute_enum, CUstream};
+use cudarc::driver::sys::{
+    CUdevice_attribute, CUdeviceptr, CUevent, CUevent_flags, CUevent_wait_flags,
+    CUfunction_attribute_enum, CUstream,
+};
 use cudarc::driver::{result, CudaContext, CudaFunction, CudaModule, CudaStream};
 use cudarc::nvrtc::{result as nvrtc, sys as nvrtc_sys, Ptx};
 
@@ -359,16 +364,6 @@ impl BwdSplit {
     pub fn blocks(&self) -> usize {
         self.whole + self.split_items() * self.splits
     }
-
-    /// The launch's length in waves of whole items on `sms` multiprocessors (one block
-    /// per SM): the whole items' waves, then the pieces' waves at 1/splits each plus
-    /// [`PIECE_WAVES`].
-    fn waves(&self, sms: u32) -> f64 {
-        let sms = sms.max(1) as usize;
-        let pieces = self.split_items() * self.splits;
-        let piece = 1.0 / self.splits as f64 + PIECE_WAVES;
-        (self.whole.div_ceil(sms) as f64) + pieces.div_ceil(sms) as f64 * piece
-    }
 }
 
 /// How the wgmma backward at `dims` splits its items on `sms` multiprocessors (each
@@ -401,11 +396,27 @@ pub fn backward_split(sel: &Selection, dims: &FlashDims, sms: u32, causal: bool)
             splits: all,
         };
     }
-    let tail = items % sms;
-    if causal || tail == 0 {
+    tail_split(sel, dims, sms as u32, causal, items % sms)
+}
+
+/// The wgmma backward at `dims` with its last `tail` items split into as many pieces as
+/// fill one wave of `sms` (each piece keeping two query tiles), the rest one block
+/// each; nothing split when causal (items of unequal cost), when `tail` is 0 or covers
+/// every item, or when fewer than 2 pieces would fit. `tail` is the items past the
+/// last whole wave: of the launch alone, or of all the lanes' launches when it ends
+/// them ([`backward_plan`]).
+fn tail_split(sel: &Selection, dims: &FlashDims, sms: u32, causal: bool, tail: usize) -> BwdSplit {
+    let items = dims.kv_len.div_ceil(WG_BWD_KEYS) * dims.batch * dims.heads;
+    let none = BwdSplit {
+        items,
+        whole: items,
+        splits: 1,
+    };
+    if sel.bwd != BwdKernel::Wgmma || causal || tail == 0 || tail >= items {
         return none;
     }
-    match (sms / tail).min(max_splits) {
+    let max_splits = dims.q_len.div_ceil(TILE_ROWS) / 2;
+    match (sms.max(1) as usize / tail).min(max_splits) {
         s if s >= 2 => BwdSplit {
             items,
             whole: items - tail,
@@ -488,6 +499,11 @@ pub fn backward_launches(
     sms: u32,
     causal: bool,
 ) -> Result<Vec<Launch>> {
+    launches_for(sel, dims, backward_split(sel, dims, sms, causal))
+}
+
+/// [`backward_launches`] of one launch group whose wgmma items spread as `split` says.
+fn launches_for(sel: &Selection, dims: &FlashDims, split: BwdSplit) -> Result<Vec<Launch>> {
     let d = sel.head_dim;
     let t = sel.dtype.name();
     let bh = bh_dim(dims)?;
@@ -547,7 +563,6 @@ pub fn backward_launches(
             ]
         }
         BwdKernel::Wgmma => {
-            let split = backward_split(sel, dims, sms, causal);
             let main = u32::try_from(split.blocks())
                 .ok()
                 .filter(|&b| b <= i32::MAX as u32)
@@ -605,7 +620,7 @@ struct BwdLayout {
 }
 
 impl BwdLayout {
-    fn new(sel: &Selection, dims: &FlashDims, sms: u32, causal: bool) -> BwdLayout {
+    fn new(sel: &Selection, dims: &FlashDims, split: BwdSplit) -> BwdLayout {
         let bh = dims.batch * dims.heads;
         let d = sel.head_dim;
         let acc = (dims.rows() * 4).div_ceil(256) * 256;
@@ -613,7 +628,7 @@ impl BwdLayout {
             BwdKernel::F32 => (0, 0, 0),
             BwdKernel::Mma { .. } => (dims.rows() * d * 4, 0, 0),
             BwdKernel::Wgmma => {
-                let n = backward_split(sel, dims, sms, causal).split_items();
+                let n = split.split_items();
                 (
                     dims.q_len.div_ceil(TILE_ROWS) * TILE_ROWS * bh * d * 4,
                     n * 4 * TILE_ROWS * d * 4,
@@ -640,21 +655,13 @@ impl BwdLayout {
 }
 
 /// Bytes of f32 scratch [`flash_backward`] needs for `sel` at `dims` on a device of
-/// `sms` multiprocessors: for one launch group of batch x heads ([`backward_group`]),
-/// Delta (one f32 per query row, padded to 256 bytes) and, for bf16/f16, the f32 dQ
-/// accumulator (and dK, dV ones when the backward is split).
+/// `sms` multiprocessors: per lane ([`backward_plan`]), for the largest of its launch
+/// groups, Delta (one f32 per query row, padded to 256 bytes) and, for bf16/f16, the
+/// f32 dQ accumulator (and dK, dV ones for split items).
 pub fn backward_workspace_bytes_for(sel: &Selection, dims: &FlashDims, sms: u32) -> usize {
-    // Groups of batch x heads reuse one workspace; the last, smaller group may split
-    // where the others do not. Without causal masking at least as many items split as
-    // with it.
-    let bh = dims.batch * dims.heads;
-    let group = backward_group(sel, dims, sms);
-    [group, bh % group]
-        .into_iter()
-        .filter(|&n| n > 0)
-        .map(|n| BwdLayout::new(sel, &group_dims(dims, n), sms, false).bytes())
-        .max()
-        .unwrap_or(0)
+    // Without causal masking at least as many items split as with it.
+    let plan = backward_plan(sel, dims, sms, false);
+    plan.workspace_bytes(sel, dims)
 }
 
 /// `dims` narrowed to one launch group of `n` batch x heads.
@@ -666,65 +673,111 @@ fn group_dims(dims: &FlashDims, n: usize) -> FlashDims {
     }
 }
 
-/// Bytes of f32 dQ accumulator one backward launch group may use: a larger batch x
-/// heads runs in groups that reuse one workspace (mostly L2-resident). At the seed's
-/// (8, 32, 2048, 128) the dQ accumulator would otherwise take 256 MB; 32 MB is 32 heads.
-/// The wgmma backward may go up to 1/16 over it to end its launches on whole waves
-/// ([`backward_group`]).
+/// Bytes of f32 dQ accumulator the backward's launch groups may hold at once: a larger
+/// batch x heads runs in groups that reuse [`LANES`] workspaces (mostly L2-resident).
+/// At the seed's (8, 32, 2048, 128) the dQ accumulator would otherwise take 256 MB;
+/// 32 MB is 32 heads, 16 per lane.
 pub const ACC_BUDGET: usize = 32 << 20;
 
-/// The cost of one more launch group in the group-size choice, in waves: the main
-/// kernel's drain and ramp at the group boundary and the pre- and post-kernels' own.
-/// Measured at (8, 32, 2048, 128) on an H200 with the CuPy harness (NOTES.md, session
-/// 6): 8 groups of 32 took 4.107 ms against 3.945 for one launch of the same 32 waves,
-/// 0.023 ms per extra group at 0.123 ms per wave.
-const GROUP_WAVES: f64 = 0.2;
+/// Streams a grouped backward spreads its launch groups over, round robin, each with
+/// its own workspace of 1/LANES of [`ACC_BUDGET`]: the caller's stream and auxiliary
+/// ones ([`flash_backward`]). On one stream each group boundary cost the main kernel's
+/// drain and the next group's pre-kernel and ramp, serialized (~0.02 ms at the seed on
+/// an H200, NOTES.md session 6); with two, one group's main kernel fills the SMs while
+/// the other lane drains, converts its dQ and zeroes its workspace for the next group.
+pub const LANES: usize = 2;
 
-/// What a piece of a split item costs beyond its share, in waves: its prologue (K and
-/// V, the first query tiles) and the dK/dV sums (an estimate: about one of the 32 query
-/// tiles of a seed-shape item).
-const PIECE_WAVES: f64 = 0.03;
-
-/// batch x heads per backward launch group: all of them when their accumulators fit in
-/// [`ACC_BUDGET`]; otherwise, for the wgmma backward, the group size between half the
-/// budget and 1/16 over it whose launches take the fewest waves in all
-/// ([`BwdSplit`], non-causal). At (8, 32, 2048, 128) on 132 SMs: groups of 33 heads
-/// (528 items, 4 whole waves) and a last one of 25 (3 waves and 4 items split 16 ways):
-/// 31.06 waves, against 32 for groups of 32 (3 waves and 116 items each).
-pub fn backward_group(sel: &Selection, dims: &FlashDims, sms: u32) -> usize {
+/// batch x heads per backward launch group: all of them when their accumulators fit
+/// in [`ACC_BUDGET`], otherwise as many as fit in one lane's share of it.
+pub fn backward_group(sel: &Selection, dims: &FlashDims) -> usize {
     let bh = dims.batch * dims.heads;
     let per_bh = match sel.bwd {
         BwdKernel::F32 => return bh.max(1),
         BwdKernel::Mma { .. } => dims.q_len * sel.head_dim * 4,
         BwdKernel::Wgmma => dims.q_len.div_ceil(TILE_ROWS) * TILE_ROWS * sel.head_dim * 4,
-    };
-    let budget = (ACC_BUDGET / per_bh.max(1)).clamp(1, bh.max(1));
-    if budget == bh.max(1) || sel.bwd != BwdKernel::Wgmma {
-        return budget;
     }
-    let waves = |g: usize| {
-        let launch = |n: usize| {
-            backward_split(sel, &group_dims(dims, n), sms, false).waves(sms) + GROUP_WAVES
-        };
-        let rest = if bh.is_multiple_of(g) {
-            0.0
-        } else {
-            launch(bh % g)
-        };
-        (bh / g) as f64 * launch(g) + rest
-    };
-    // The budget first, then smaller groups, then larger: the first of equal cost wins.
-    let candidates = (budget.div_ceil(2)..=budget)
-        .rev()
-        .chain(budget + 1..=(budget + budget / 16).min(bh));
-    let mut best = (budget, waves(budget));
-    for g in candidates {
-        let w = waves(g);
-        if w < best.1 - 1e-9 {
-            best = (g, w);
-        }
+    .max(1);
+    if bh * per_bh <= ACC_BUDGET {
+        return bh.max(1);
     }
-    best.0
+    (ACC_BUDGET / LANES / per_bh).clamp(1, bh)
+}
+
+/// One launch group of the backward: batch x heads `first..first + n`, its wgmma items
+/// spread as `split` says.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BwdGroup {
+    pub first: usize,
+    pub n: usize,
+    pub split: BwdSplit,
+}
+
+/// The backward's launch groups in order and the lanes they alternate over.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BwdPlan {
+    pub lanes: usize,
+    pub groups: Vec<BwdGroup>,
+}
+
+impl BwdPlan {
+    /// One lane's workspace: the largest group's layout.
+    fn lane_bytes(&self, sel: &Selection, dims: &FlashDims) -> usize {
+        self.groups
+            .iter()
+            .map(|g| BwdLayout::new(sel, &group_dims(dims, g.n), g.split).bytes())
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// Bytes between the lanes' workspaces (whole 256-byte units: each starts aligned).
+    fn lane_stride(&self, sel: &Selection, dims: &FlashDims) -> usize {
+        self.lane_bytes(sel, dims).div_ceil(256) * 256
+    }
+
+    /// Bytes of the whole workspace: the lanes' one after another.
+    fn workspace_bytes(&self, sel: &Selection, dims: &FlashDims) -> usize {
+        (self.lanes - 1) * self.lane_stride(sel, dims) + self.lane_bytes(sel, dims)
+    }
+}
+
+/// The backward's plan at `dims` on `sms` multiprocessors: one group and lane when
+/// the accumulators fit in [`ACC_BUDGET`] (split as [`backward_split`] says); otherwise
+/// groups of [`backward_group`] on [`LANES`] lanes, whose launches overlap so that
+/// only the last group ends on a drain: it alone splits, its share of the items past
+/// the last whole wave of all groups' items together. At (8, 32, 2048, 128) on 132 SMs:
+/// 16 groups of 16 heads; of the 4096 items the last 4 run in 16 pieces each.
+pub fn backward_plan(sel: &Selection, dims: &FlashDims, sms: u32, causal: bool) -> BwdPlan {
+    let bh = dims.batch * dims.heads;
+    let group = backward_group(sel, dims);
+    if group >= bh {
+        let split = backward_split(sel, dims, sms, causal);
+        return BwdPlan {
+            lanes: 1,
+            groups: vec![BwdGroup {
+                first: 0,
+                n: bh,
+                split,
+            }],
+        };
+    }
+    let tail = (dims.kv_len.div_ceil(WG_BWD_KEYS) * bh) % sms.max(1) as usize;
+    let groups = (0..bh)
+        .step_by(group)
+        .map(|first| {
+            let n = group.min(bh - first);
+            let last = first + n == bh;
+            let d = group_dims(dims, n);
+            BwdGroup {
+                first,
+                n,
+                split: tail_split(sel, &d, sms, causal, if last { tail } else { 0 }),
+            }
+        })
+        .collect();
+    BwdPlan {
+        lanes: LANES,
+        groups,
+    }
 }
 
 /// Bytes of f32 scratch [`flash_forward`] needs: the split forward's partial outputs
@@ -1177,27 +1230,136 @@ pub unsafe fn flash_backward(
     let sel = select(dtype, dims.head_dim, cc)?;
     backward_launches(&sel, &dims, sms, causal)?; // shape errors before anything is queued
     let loaded = module_for(q.ctx, dtype, cc)?;
-    let (bh, group) = (dims.batch * dims.heads, backward_group(&sel, &dims, sms));
+    let plan = backward_plan(&sel, &dims, sms, causal);
+    let lane_stride = plan.lane_stride(&sel, &dims) as u64;
     let (q_row, k_row) = (dims.q_len * dims.head_dim, dims.kv_len * dims.head_dim);
     let es = dtype.size();
-    for first in (0..bh).step_by(group.max(1)) {
-        let part = group_dims(&dims, group.min(bh - first));
-        let at = |p: CUdeviceptr, per_bh: usize| p + (first * per_bh) as u64;
-        let part_ptrs = BwdPtrs {
-            q: at(ptrs.q, q_row * es),
-            k: at(ptrs.k, k_row * es),
-            v: at(ptrs.v, k_row * es),
-            out: at(ptrs.out, q_row * es),
-            d_out: at(ptrs.d_out, q_row * es),
-            lse: at(ptrs.lse, dims.q_len * 4),
-            dq: at(ptrs.dq, q_row * es),
-            dk: at(ptrs.dk, k_row * es),
-            dv: at(ptrs.dv, k_row * es),
-            workspace: ptrs.workspace,
-        };
-        enqueue_backward(q, &loaded, &sel, sms, part, causal, scale, part_ptrs)?;
+    let enqueue = |lanes: &[CUstream]| -> Result<()> {
+        for (i, g) in plan.groups.iter().enumerate() {
+            let lane = i % lanes.len();
+            let at = |p: CUdeviceptr, per_bh: usize| p + (g.first * per_bh) as u64;
+            let part_ptrs = BwdPtrs {
+                q: at(ptrs.q, q_row * es),
+                k: at(ptrs.k, k_row * es),
+                v: at(ptrs.v, k_row * es),
+                out: at(ptrs.out, q_row * es),
+                d_out: at(ptrs.d_out, q_row * es),
+                lse: at(ptrs.lse, dims.q_len * 4),
+                dq: at(ptrs.dq, q_row * es),
+                dk: at(ptrs.dk, k_row * es),
+                dv: at(ptrs.dv, k_row * es),
+                workspace: ptrs.workspace + lane as u64 * lane_stride,
+            };
+            let lq = Queue {
+                ctx: q.ctx,
+                stream: lanes[lane],
+            };
+            let part = group_dims(&dims, g.n);
+            enqueue_backward(lq, &loaded, &sel, part, g.split, causal, scale, part_ptrs)?;
+        }
+        Ok(())
+    };
+    if plan.lanes == 1 {
+        return enqueue(&[q.stream]);
     }
-    Ok(())
+    let mut all = aux_lanes().lock().unwrap_or_else(|p| p.into_inner());
+    let aux = aux_lanes_for(&mut all, q.ctx)?;
+    // The auxiliary streams start after what the caller queued before (the inputs, the
+    // workspace's previous use) and the caller's stream continues after all of them:
+    // each lane's groups are ordered by its own stream, nothing waits on the host.
+    aux.fork(q.stream)?;
+    let mut lanes = vec![q.stream];
+    lanes.extend(aux.streams.iter().map(|s| s.0));
+    let queued = enqueue(&lanes);
+    aux.join(q.stream)?;
+    queued
+}
+
+/// A raw driver handle (stream or event) kept in a process-wide map: only used under
+/// the map's lock, on its own context.
+#[derive(Clone, Copy)]
+struct Handle<T>(T);
+// SAFETY: driver handles may be used from any thread; the map's lock orders the uses.
+unsafe impl<T> Send for Handle<T> {}
+
+/// The auxiliary streams of one context's backward lanes ([`LANES`] - 1, created
+/// once, never destroyed, like the loaded modules) and the events that order them
+/// against the caller's stream.
+struct AuxLanes {
+    streams: Vec<Handle<CUstream>>,
+    fork: Handle<CUevent>,
+    joins: Vec<Handle<CUevent>>,
+}
+
+impl AuxLanes {
+    /// Every auxiliary stream waits for the work queued on `stream` so far.
+    fn fork(&self, stream: CUstream) -> Result<()> {
+        // SAFETY: the handles are live (never destroyed) and of the stream's context.
+        unsafe {
+            result::event::record(self.fork.0, stream)
+                .map_err(|e| device_err("recording the backward's fork event", e))?;
+            for s in &self.streams {
+                result::stream::wait_event(
+                    s.0,
+                    self.fork.0,
+                    CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+                )
+                .map_err(|e| device_err("ordering a backward lane after the caller", e))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// `stream` waits for the work queued on every auxiliary stream so far.
+    fn join(&self, stream: CUstream) -> Result<()> {
+        // SAFETY: as in `fork`.
+        unsafe {
+            for (s, e) in self.streams.iter().zip(&self.joins) {
+                result::event::record(e.0, s.0)
+                    .map_err(|e| device_err("recording a backward lane's join event", e))?;
+                result::stream::wait_event(stream, e.0, CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT)
+                    .map_err(|e| device_err("ordering the caller after a backward lane", e))?;
+            }
+        }
+        Ok(())
+    }
+}
+
+fn aux_lanes() -> &'static Mutex<HashMap<usize, AuxLanes>> {
+    static LANE_MAP: OnceLock<Mutex<HashMap<usize, AuxLanes>>> = OnceLock::new();
+    LANE_MAP.get_or_init(Default::default)
+}
+
+/// `ctx`'s auxiliary lanes, created on first use. Raw driver streams rather than
+/// cudarc's `new_stream`, which would put the whole context into cudarc's multi-stream
+/// mode (an event recorded on every allocation's use).
+fn aux_lanes_for<'m>(
+    all: &'m mut HashMap<usize, AuxLanes>,
+    ctx: &Arc<CudaContext>,
+) -> Result<&'m AuxLanes> {
+    let slot = match all.entry(ctx.cu_ctx() as usize) {
+        Entry::Occupied(e) => return Ok(e.into_mut()),
+        Entry::Vacant(v) => v,
+    };
+    ctx.bind_to_thread()
+        .map_err(|e| device_err("binding the context", e))?;
+    let event = || {
+        result::event::create(CUevent_flags::CU_EVENT_DISABLE_TIMING)
+            .map(Handle)
+            .map_err(|e| device_err("creating a backward lane event", e))
+    };
+    let mut lanes = AuxLanes {
+        streams: Vec::new(),
+        fork: event()?,
+        joins: Vec::new(),
+    };
+    for _ in 1..LANES {
+        let s = result::stream::create(result::stream::StreamKind::NonBlocking)
+            .map_err(|e| device_err("creating a backward lane stream", e))?;
+        lanes.streams.push(Handle(s));
+        lanes.joins.push(event()?);
+    }
+    Ok(slot.insert(lanes))
 }
 
 /// The backward's launches for `dims` (one group of batch x heads), in stream order.
@@ -1206,15 +1368,14 @@ fn enqueue_backward(
     q: Queue<'_>,
     loaded: &Loaded,
     sel: &Selection,
-    sms: u32,
     dims: FlashDims,
+    split: BwdSplit,
     causal: bool,
     scale: f32,
     ptrs: BwdPtrs,
 ) -> Result<()> {
-    let launches = backward_launches(sel, &dims, sms, causal)?;
-    let split = backward_split(sel, &dims, sms, causal);
-    let layout = BwdLayout::new(sel, &dims, sms, causal);
+    let launches = launches_for(sel, &dims, split)?;
+    let layout = BwdLayout::new(sel, &dims, split);
     let (nq, nk) = (dims.q_len as i32, dims.kv_len as i32);
     let scale_log2 = scale * std::f32::consts::LOG2_E;
     let causal = causal as i32;
@@ -1538,60 +1699,73 @@ mod tests {
             backward_workspace_bytes_for(&select(t, d.head_dim, cc).unwrap(), d, SMS)
         };
         assert_eq!(ws(FlashDType::F32, HOPPER, &d), rows * 4);
-        // bf16 at (8, 32, 2048, D 128), kv_len 2048: the backward runs in 7 groups of 33
-        // heads (528 items: 4 whole waves of 132) and one of 25 (400 items: 3 waves, then
-        // the last 4 items in 16 pieces each); the workspace holds the larger group's
-        // Delta and dQ accumulator.
+        // bf16 at (8, 32, 2048, D 128), kv_len 2048: the backward runs in 16 groups of 16
+        // heads (256 items) on two lanes; only the last group splits, its last 4 items
+        // (4096 = 31 x 132 + 4) in 16 pieces each. Each lane's workspace holds its
+        // largest group's Delta and dQ accumulator (and the last group's dK/dV slots).
         let sel = select(FlashDType::BF16, 128, HOPPER).unwrap();
         let seed = FlashDims { kv_len: 2048, ..d };
-        assert_eq!(backward_group(&sel, &seed, SMS), 33);
-        let split = |heads, causal| backward_split(&sel, &group_dims(&seed, heads), SMS, causal);
-        assert_eq!(split(33, false).split_items(), 0);
+        assert_eq!(backward_group(&sel, &seed), 16);
+        let plan = backward_plan(&sel, &seed, SMS, false);
+        assert_eq!(plan.lanes, 2);
+        assert_eq!(plan.groups.len(), 16);
+        let unsplit = |items| BwdSplit {
+            items,
+            whole: items,
+            splits: 1,
+        };
+        for (i, g) in plan.groups[..15].iter().enumerate() {
+            assert_eq!((g.first, g.n, g.split), (16 * i, 16, unsplit(256)));
+        }
+        let last = plan.groups[15];
+        assert_eq!((last.first, last.n), (240, 16));
         assert_eq!(
-            split(25, false),
+            last.split,
             BwdSplit {
-                items: 400,
-                whole: 396,
+                items: 256,
+                whole: 252,
                 splits: 16
             }
         );
-        assert_eq!(split(25, false).blocks(), 396 + 4 * 16);
+        assert_eq!(last.split.blocks(), 252 + 4 * 16);
         // Causal items differ in cost: none split.
-        assert_eq!(split(25, true).split_items(), 0);
+        let causal = backward_plan(&sel, &seed, SMS, true);
+        assert!(causal.groups.iter().all(|g| g.split.split_items() == 0));
+        let layout = |n, split| BwdLayout::new(&sel, &group_dims(&seed, n), split).bytes();
+        assert_eq!(
+            layout(16, last.split),
+            16 * 2048 * 4 + 16 * 2048 * 128 * 4 + 4 * 4 * 64 * 128 * 4 + 16
+        );
         assert_eq!(
             ws(FlashDType::BF16, HOPPER, &seed),
-            33 * 2048 * 4 + 33 * 2048 * 128 * 4
+            layout(16, last.split).div_ceil(256) * 256 + layout(16, last.split)
         );
-        // Within the budget everything is one group.
+        // Within the budget everything is one group on the caller's stream, split as
+        // one launch.
         let one = FlashDims {
             heads: 1,
             batch: 1,
             ..seed
         };
+        let thirty_two = FlashDims { heads: 32, ..one };
+        assert_eq!(backward_group(&sel, &thirty_two), 32);
+        let plan = backward_plan(&sel, &thirty_two, SMS, false);
+        assert_eq!(plan.lanes, 1);
+        assert_eq!(plan.groups.len(), 1);
         assert_eq!(
-            backward_group(&sel, &FlashDims { heads: 32, ..one }, SMS),
-            32
+            plan.groups[0].split,
+            backward_split(&sel, &thirty_two, SMS, false)
         );
-        // 40 heads: groups of 32 and 8 (512 and 128 items); 128 items do not split (132 /
-        // 128 = 1), and no size between 16 and 34 heads ends on fewer waves.
+        // 40 heads: two lanes' groups of 16, 16 and 8 (640 items = 4 x 132 + 112: the
+        // last group's 128 items, 112 of them past the last wave, one piece each fits).
         let forty = FlashDims { heads: 40, ..one };
-        assert_eq!(backward_group(&sel, &forty, SMS), 32);
-        // 64 heads: two groups of 32 (4 waves each, 8 + 2 x GROUP_WAVES = 8.4) beat
-        // 26 + 26 + 12 (3.2 + 3.2 + 1.5 waves with their split items, + 3 x 0.2 = 8.5).
-        let sixty_four = FlashDims { heads: 64, ..one };
-        assert_eq!(backward_group(&sel, &sixty_four, SMS), 32);
-        // The seed's remainder group of 25 has 4 split items: Delta, dQ, 4 items' dK/dV
-        // tiles (2 warpgroups x (dK, dV) of 64 x 128 f32) and their counters; the
-        // workspace is the larger of the two groups' layouts.
-        let layout = |n| BwdLayout::new(&sel, &group_dims(&seed, n), SMS, false).bytes();
-        assert_eq!(
-            layout(25),
-            25 * 2048 * 4 + 25 * 2048 * 128 * 4 + 4 * 4 * 64 * 128 * 4 + 16
-        );
-        assert_eq!(
-            ws(FlashDType::BF16, HOPPER, &seed),
-            layout(33).max(layout(25))
-        );
+        let plan = backward_plan(&sel, &forty, SMS, false);
+        let ns: Vec<usize> = plan.groups.iter().map(|g| g.n).collect();
+        assert_eq!(ns, [16, 16, 8]);
+        assert_eq!(plan.groups[2].split, unsplit(128));
+        // 33 heads: 16, 16 and 1 (528 items = 4 waves exactly): nothing split.
+        let plan = backward_plan(&sel, &FlashDims { heads: 33, ..one }, SMS, false);
+        assert!(plan.groups.iter().all(|g| g.split.split_items() == 0));
         // wgmma: dQ in whole 64-row tiles; mma.sync: row-major.
         let odd = FlashDims {
             q_len: 3,
