@@ -216,8 +216,12 @@ def bwd_groups(cfg, bh, nq, nk, causal):
     whole items, splits)."""
     kb = (nk + 127) // 128
     if cfg[0] == "plan":  # ("plan", mb): with mb MB of accumulator budget instead of 32
-        g = flash_bwd_plan.group(bh, nq, nk, SMS, (cfg[1] if len(cfg) > 1 else 32) << 20)
-    elif cfg[0] in ("grp", "grps"):  # ("grps", g, t, s): the last t items of each split s ways
+        # The launcher's groups and splits, here on one stream and workspace (the
+        # launcher alternates them over flash_bwd_plan.LANES streams: not mirrored).
+        acc = (cfg[1] if len(cfg) > 1 else 32) << 20
+        _, groups = flash_bwd_plan.plan(bh, nq, nk, SMS, causal, acc)
+        return [(f, n, kb, whole, s) for f, n, (_, whole, s) in groups]
+    if cfg[0] in ("grp", "grps"):  # ("grps", g, t, s): the last t items of each split s ways
         g = cfg[1]
     else:
         s = cfg[1]
@@ -227,9 +231,7 @@ def bwd_groups(cfg, bh, nq, nk, causal):
     out = []
     for first in range(0, bh, g):
         n = min(g, bh - first)
-        if cfg[0] == "plan":
-            _, whole, s = flash_bwd_plan.split(n, nq, nk, SMS, causal)
-        elif cfg[0] == "grps":
+        if cfg[0] == "grps":
             whole, s = n * kb - min(cfg[2], n * kb), cfg[3]
         else:
             whole, s = n * kb, 1
