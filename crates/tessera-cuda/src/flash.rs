@@ -1213,6 +1213,9 @@ pub unsafe fn flash_forward_variant(
 
 /// Attention backward (FlashAttention-2): from q, k, v, the forward's out and lse, and
 /// d_out, writes dq, dk, dv; enqueued on the queue's stream (nothing waits for it).
+/// When it runs in several launch groups, they alternate between the queue's stream and
+/// auxiliary ones of the context ([`LANES`]), forked from and joined back into the
+/// queue's stream with events: the results are complete in the queue's stream order.
 ///
 /// # Safety
 /// As for [`flash_forward`], for every pointer in `ptrs`; `workspace` must hold
