@@ -10,7 +10,12 @@
 //!    whole or decomposed, reads its input once and writes once);
 //! 3. matmul epilogues: a matmul's pointwise consumers of its shape (bias,
 //!    activation, scale) run in the same kernel, over the matmul's output
-//!    right after the gemm and in its buffer (no intermediate in memory).
+//!    right after the gemm and in its buffer (no intermediate in memory);
+//! 4. matmul row kernels: a row kernel that alone reads a (thin, f32)
+//!    matmul's product, reducing along its rows, takes the matmul: the
+//!    product is made a block of rows at a time and each block reduced
+//!    while in cache ([`Kernel::MatmulRows`]: attention's scores and their
+//!    softmax never reach memory).
 //!
 //! Every other node is an extern kernel run by the op dispatcher.
 //!
@@ -57,6 +62,21 @@ pub enum Kernel {
         /// The epilogue's outputs (the matmul's value not among them).
         outputs: Vec<NodeId>,
     },
+    /// A matmul whose product only a row kernel reads, the row kernel
+    /// reducing along the product's last dim: the product is computed a
+    /// block of rows at a time, each block handed to the row kernel while
+    /// in cache, so it never reaches memory (attention's `q·kᵀ` and its
+    /// softmax; `dO·vᵀ` and softmax's backward). The row kernel loads the
+    /// product as its input `matmul`.
+    MatmulRows {
+        matmul: NodeId,
+        kernel: RowKernel,
+        /// The matmul, then the row kernel's members.
+        members: Vec<NodeId>,
+        /// The row kernel's inputs (the matmul among them).
+        inputs: Vec<NodeId>,
+        outputs: Vec<NodeId>,
+    },
     /// One node through the op dispatcher.
     Extern(NodeId),
     /// A custom op's node, whose kernel also writes the `custom_output`
@@ -71,7 +91,7 @@ impl Kernel {
         match self {
             Kernel::Extern(id) | Kernel::Custom { node: id, .. } => graph.node(*id).inputs.clone(),
             Kernel::Fused { inputs, .. } | Kernel::Rows { inputs, .. } => inputs.clone(),
-            Kernel::Epilogue { matmul, inputs, .. } => {
+            Kernel::Epilogue { matmul, inputs, .. } | Kernel::MatmulRows { matmul, inputs, .. } => {
                 let mut reads = graph.node(*matmul).inputs.clone();
                 reads.extend(inputs.iter().filter(|&x| x != matmul));
                 reads
@@ -83,7 +103,9 @@ impl Kernel {
     pub fn writes(&self) -> Vec<NodeId> {
         match self {
             Kernel::Extern(id) => vec![*id],
-            Kernel::Fused { outputs, .. } | Kernel::Rows { outputs, .. } => outputs.clone(),
+            Kernel::Fused { outputs, .. }
+            | Kernel::Rows { outputs, .. }
+            | Kernel::MatmulRows { outputs, .. } => outputs.clone(),
             Kernel::Custom { node, outputs } => {
                 [*node].into_iter().chain(outputs.iter().copied()).collect()
             }
@@ -106,7 +128,8 @@ impl Kernel {
             Kernel::Extern(id) | Kernel::Custom { node: id, .. } => std::slice::from_ref(id),
             Kernel::Fused { members, .. }
             | Kernel::Rows { members, .. }
-            | Kernel::Epilogue { members, .. } => members,
+            | Kernel::Epilogue { members, .. }
+            | Kernel::MatmulRows { members, .. } => members,
         }
     }
 }
@@ -181,6 +204,8 @@ struct Group {
     members: Vec<NodeId>,
     /// A matmul whose epilogue the group is (its first member).
     head: Option<NodeId>,
+    /// A matmul whose product the row group takes (round 4; not a member).
+    product: Option<NodeId>,
 }
 
 /// Which rounds run.
@@ -272,7 +297,7 @@ pub fn fuse(graph: &Graph) -> Plan {
             epilogues: false,
         },
     );
-    let all = group_with(
+    let mut all = group_with(
         graph,
         Rounds {
             reductions: true,
@@ -280,6 +305,8 @@ pub fn fuse(graph: &Graph) -> Plan {
         },
         &in_row_kernels(&rows),
     );
+    let before_products = all.order.len();
+    let products = take_products(graph, &mut all);
     log("fusion", || {
         let candidates = (0..graph.len())
             .filter(|&i| is_fusible(graph, NodeId(i as u32)))
@@ -311,6 +338,18 @@ pub fn fuse(graph: &Graph) -> Plan {
             graph.name,
             all.groups.iter().filter(|g| g.head.is_some()).count(),
             rows.order.len(),
+            before_products,
+        )
+    });
+    log("fusion", || {
+        let row_groups = all
+            .groups
+            .iter()
+            .filter(|g| matches!(g.domain, Domain::Rows { .. }))
+            .count();
+        format!(
+            "graph `{}`: round 4 (matmul row kernels): {row_groups} candidates, {products} fed by their matmul; {before_products} -> {} kernels\n",
+            graph.name,
             all.order.len(),
         )
     });
@@ -416,6 +455,7 @@ fn group_with(graph: &Graph, rounds: Rounds, in_rows: &HashSet<NodeId>) -> Group
                 domain: Domain::Point(shape_of(graph, id).expect("concrete")),
                 members: vec![mm, id],
                 head: Some(mm),
+                product: None,
             });
             kernel_of.insert(id, k);
             continue;
@@ -442,11 +482,86 @@ fn group_with(graph: &Graph, rounds: Rounds, in_rows: &HashSet<NodeId>) -> Group
                     domain,
                     members: vec![id],
                     head: None,
+                    product: None,
                 });
             }
         }
     }
     Grouping { groups, order }
+}
+
+/// Round 4: a row group takes the matmul whose product it reduces along
+/// the product's rows, when nothing else reads the product (see
+/// [`Kernel::MatmulRows`]); the matmul's own slot goes. The group's slot
+/// comes after the matmul's and after every other producer of the group,
+/// and only the group reads the product, so the order still respects
+/// every dependency. Returns the number of matmuls taken.
+fn take_products(graph: &Graph, grouping: &mut Grouping) -> usize {
+    let mut readers: HashMap<NodeId, Vec<NodeId>> = HashMap::new();
+    for (i, node) in graph.nodes.iter().enumerate() {
+        for &x in &node.inputs {
+            readers.entry(x).or_default().push(NodeId(i as u32));
+        }
+    }
+    let outputs: HashSet<NodeId> = graph.outputs.iter().map(|o| o.node).collect();
+    let externs: HashSet<NodeId> = grouping.order.iter().filter_map(|s| s.err()).collect();
+    let mut taken = HashSet::new();
+    for group in &mut grouping.groups {
+        let Domain::Rows { outer, len } = &group.domain else {
+            continue;
+        };
+        if group.head.is_some() {
+            continue;
+        }
+        let row = Domain::row_shapes(outer, *len).0;
+        let hints = &graph.node(group.members[0]).meta.hints;
+        let members = &group.members;
+        let product = members
+            .iter()
+            .flat_map(|&m| graph.node(m).inputs.iter().copied())
+            .find(|&x| {
+                externs.contains(&x)
+                    && !taken.contains(&x)
+                    && is_row_product(graph, x, &row)
+                    && graph.node(x).meta.hints == *hints
+                    && !outputs.contains(&x)
+                    && readers[&x].iter().all(|r| members.contains(r))
+            });
+        if let Some(mm) = product {
+            group.product = Some(mm);
+            taken.insert(mm);
+        }
+    }
+    grouping
+        .order
+        .retain(|s| !matches!(s, Err(x) if taken.contains(x)));
+    taken.len()
+}
+
+/// A matmul whose product a row kernel over rows of `row` may take: f32,
+/// of that shape, both operands matrices (or batches of them), a thin
+/// product (the CPU's matmul computes such products by blocks of rows).
+fn is_row_product(graph: &Graph, id: NodeId, row: &[usize]) -> bool {
+    let node = graph.node(id);
+    let (ta, _) = match node.op {
+        Op::MatMul => (false, false),
+        Op::MatMulT {
+            transpose_a,
+            transpose_b,
+        } => (transpose_a, transpose_b),
+        _ => return false,
+    };
+    let Some(a) = shape_of(graph, node.inputs[0]) else {
+        return false;
+    };
+    let b_rank = graph.node(node.inputs[1]).ty.shape.rank();
+    if node.ty.dtype != DType::F32 || a.len() < 2 || b_rank < 2 {
+        return false;
+    }
+    let (rows, depth) = (a[a.len() - 2], a[a.len() - 1]);
+    let (m, k) = if ta { (depth, rows) } else { (rows, depth) };
+    let n = *row.last().expect("rows have a length");
+    shape_of(graph, id).as_deref() == Some(row) && crate::runtime::cpu::thin_dims(m, n, k)
 }
 
 /// Builds the kernels, adding extern kernels for inlined scalars that an
@@ -584,10 +699,32 @@ fn build_steps(graph: &Graph, members: &[NodeId]) -> Steps {
 }
 
 fn group_kernel(graph: &Graph, group: &Group, users: &HashSet<NodeId>) -> Kernel {
-    let members = &group.members;
     if let Some(mm) = group.head {
         return epilogue_kernel(graph, group, mm, users);
     }
+    match (group.product, own_kernel(graph, group, users)) {
+        (
+            Some(mm),
+            Kernel::Rows {
+                kernel,
+                members,
+                inputs,
+                outputs,
+            },
+        ) => Kernel::MatmulRows {
+            matmul: mm,
+            kernel,
+            members: [mm].into_iter().chain(members).collect(),
+            inputs,
+            outputs,
+        },
+        (_, kernel) => kernel,
+    }
+}
+
+/// A group's pointwise or row kernel.
+fn own_kernel(graph: &Graph, group: &Group, users: &HashSet<NodeId>) -> Kernel {
+    let members = &group.members;
     let b = build_steps(graph, members);
     let outputs: Vec<NodeId> = members
         .iter()
@@ -717,6 +854,12 @@ pub fn describe(graph: &Graph, plan: &Plan) -> String {
                 inputs,
                 outputs,
                 ..
+            }
+            | Kernel::MatmulRows {
+                members,
+                inputs,
+                outputs,
+                ..
             } => {
                 let names: Vec<String> = members
                     .iter()
@@ -725,6 +868,7 @@ pub fn describe(graph: &Graph, plan: &Plan) -> String {
                 let kind = match kernel {
                     Kernel::Rows { .. } => "rows",
                     Kernel::Epilogue { .. } => "matmul+epilogue",
+                    Kernel::MatmulRows { .. } => "matmul+rows",
                     _ => "fused",
                 };
                 debug_assert!(inputs.len() <= kernel.reads(graph).len());

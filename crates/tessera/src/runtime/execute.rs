@@ -15,7 +15,7 @@ use super::autotune;
 use super::cpu::arena::{self, Arena, Block, Place, Slots, Taken};
 use super::cpu::fused::{FusedInput, FusedKernel};
 use super::cpu::rows::RowKernel;
-use super::cpu::Storage;
+use super::cpu::{BlockedProduct, Storage};
 use super::device::{self, Device, DeviceStorage};
 use super::interpret::{bind_symbols, node_error};
 use crate::autograd;
@@ -313,7 +313,7 @@ pub fn device_arena_unfit(plan: &Plan, memory: &MemoryPlan, on: Device) -> Optio
         return None;
     }
     plan.kernels.iter().find_map(|k| match k {
-        Kernel::Rows { kernel, .. } => row_refusal(on, kernel).map(|why| {
+        Kernel::Rows { kernel, .. } | Kernel::MatmulRows { kernel, .. } => row_refusal(on, kernel).map(|why| {
             format!(
                 "a row kernel runs op by op on the device ({why}), with intermediates the plan does not hold"
             )
@@ -345,8 +345,12 @@ type KernelResult = Result<Vec<(NodeId, Tensor)>>;
 fn placed_on_device(graph: &Graph, kernel: &Kernel, on: Device) -> bool {
     match kernel {
         Kernel::Custom { .. } => true,
-        Kernel::Rows { kernel, .. } if row_refusal(on, kernel).is_none() => true,
-        Kernel::Rows { outputs, .. } => {
+        Kernel::Rows { kernel, .. } | Kernel::MatmulRows { kernel, .. }
+            if row_refusal(on, kernel).is_none() =>
+        {
+            true
+        }
+        Kernel::Rows { outputs, .. } | Kernel::MatmulRows { outputs, .. } => {
             let mut sizes: Vec<usize> = outputs
                 .iter()
                 .map(|&o| {
@@ -616,33 +620,25 @@ impl<'a> Job<'a> {
                 kernel,
                 outputs,
                 members,
-                ..
+                inputs,
             } => {
                 let args: Vec<&Tensor> =
                     self.args.iter().map(|a| a.tensor("row kernels")).collect();
-                if let Some(on) = args.iter().map(|t| t.device()).find(|&d| d != Device::Cpu) {
-                    let backend = device::backend(on)?;
-                    let Some(why) = backend.row_kernel_refusal(kernel) else {
-                        let outs = backend
-                            .run_rows(kernel, &args)
-                            .map_err(|e| node_error(graph, members[0], e))?;
-                        return Ok(outputs.iter().copied().zip(outs).collect());
-                    };
-                    // What the device does not take runs one op at a time
-                    // through its own kernels.
-                    log("fusion", || {
-                        format!(
-                            "row kernel of {} on {on}: op by op ({why})",
-                            graph.display_name(members[0])
-                        )
-                    });
-                    let reads = self.kernel.reads(graph);
-                    return run_members(graph, members, &reads, &args, outputs);
-                }
-                let outs = kernel
-                    .run(&args)
-                    .map_err(|e| node_error(graph, members[0], e))?;
-                Ok(outputs.iter().copied().zip(outs).collect())
+                run_rows(graph, kernel, (members, inputs, outputs), &args)
+            }
+            Kernel::MatmulRows {
+                matmul,
+                kernel,
+                members,
+                inputs,
+                outputs,
+            } => {
+                let args: Vec<&Tensor> = self
+                    .args
+                    .iter()
+                    .map(|a| a.tensor("matmul row kernels"))
+                    .collect();
+                run_matmul_rows(graph, *matmul, kernel, (members, inputs, outputs), &args)
             }
             Kernel::Fused {
                 kernel,
@@ -656,6 +652,101 @@ impl<'a> Job<'a> {
             }
         }
     }
+}
+
+/// A row kernel's (`members`, `inputs`, `outputs`) — group members, the
+/// values it reads, the values it writes.
+type RowGroup<'a> = (&'a [NodeId], &'a [NodeId], &'a [NodeId]);
+
+/// A row kernel on its inputs `args`: the CPU's, or the device's kernel,
+/// or, where the device does not take it, op by op through the device's
+/// own kernels.
+fn run_rows(
+    graph: &Graph,
+    kernel: &RowKernel,
+    (members, inputs, outputs): RowGroup<'_>,
+    args: &[&Tensor],
+) -> Result<Vec<(NodeId, Tensor)>> {
+    if let Some(on) = args.iter().map(|t| t.device()).find(|&d| d != Device::Cpu) {
+        let backend = device::backend(on)?;
+        let Some(why) = backend.row_kernel_refusal(kernel) else {
+            let outs = backend
+                .run_rows(kernel, args)
+                .map_err(|e| node_error(graph, members[0], e))?;
+            return Ok(outputs.iter().copied().zip(outs).collect());
+        };
+        log("fusion", || {
+            format!(
+                "row kernel of {} on {on}: op by op ({why})",
+                graph.display_name(members[0])
+            )
+        });
+        return run_members(graph, members, inputs, args, outputs);
+    }
+    let outs = kernel
+        .run(args)
+        .map_err(|e| node_error(graph, members[0], e))?;
+    Ok(outputs.iter().copied().zip(outs).collect())
+}
+
+/// A matmul and the row kernel that alone reads its product (`args`: the
+/// matmul's operands, then the row kernel's other inputs). On the CPU, a
+/// thin f32 product is handed to the row kernel block by block
+/// (`BlockedProduct`); elsewhere the product is made whole, as the
+/// kernel's scratch (as the memory plan counts it, see
+/// `schedule::buffers`), and the row kernel runs as [`run_rows`] runs it.
+fn run_matmul_rows(
+    graph: &Graph,
+    matmul: NodeId,
+    kernel: &RowKernel,
+    (members, inputs, outputs): RowGroup<'_>,
+    args: &[&Tensor],
+) -> Result<Vec<(NodeId, Tensor)>> {
+    let node = graph.node(matmul);
+    let (operands, rest) = args.split_at(node.inputs.len());
+    let row_members = &members[1..];
+    let shape = node
+        .ty
+        .shape
+        .as_concrete()
+        .expect("fused shapes are concrete");
+    let on_cpu = args.iter().all(|t| t.device() == Device::Cpu);
+    let transposes = match node.op {
+        Op::MatMulT {
+            transpose_a,
+            transpose_b,
+        } => (transpose_a, transpose_b),
+        _ => (false, false),
+    };
+    let blocked = (on_cpu && !kernel.wide)
+        .then(|| BlockedProduct::new(operands[0], operands[1], transposes, &shape))
+        .flatten();
+    if let Some(product) = blocked {
+        let mut rest = rest.iter();
+        let row_args: Vec<Option<&Tensor>> = inputs
+            .iter()
+            .map(|&x| (x != matmul).then(|| *rest.next().expect("an input")))
+            .collect();
+        let fed = inputs
+            .iter()
+            .position(|&x| x == matmul)
+            .expect("the row kernel reads the product");
+        let outs = kernel
+            .run_fed(&row_args, fed, |each| product.for_each_block(each))
+            .map_err(|e| node_error(graph, row_members[0], e))?;
+        return Ok(outputs.iter().copied().zip(outs).collect());
+    }
+    let product = arena::scratch(|| Tensor::apply(&node.op, operands, Location::caller()))
+        .map_err(|e| node_error(graph, matmul, e))?;
+    let mut rest = rest.iter();
+    let row_args: Vec<&Tensor> = inputs
+        .iter()
+        .map(|&x| match x == matmul {
+            true => &product,
+            false => *rest.next().expect("an input"),
+        })
+        .collect();
+    run_rows(graph, kernel, (row_members, inputs, outputs), &row_args)
 }
 
 /// Evaluates a group's `members` in order, op by op, from the values it

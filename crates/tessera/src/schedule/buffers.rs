@@ -282,6 +282,52 @@ impl BufferModel {
                     values[o.index()] = Some(value);
                 }
             }
+            Kernel::MatmulRows {
+                matmul,
+                kernel: code,
+                outputs,
+                ..
+            } => {
+                // A product the CPU hands to the row kernel block by block
+                // is never allocated (its blocks are the tasks' own, like
+                // the row kernel's registers); any other is made whole,
+                // after the matmul's own scratch, as the kernel's scratch
+                // (`execute::run_matmul_rows`).
+                let node = graph.node(*matmul);
+                let shape = concrete(graph, *matmul)?;
+                let described: Vec<(&Layout, DType, usize)> = inputs[..node.inputs.len()]
+                    .iter()
+                    .map(|v| (&v.layout, v.dtype, v.storage_numel))
+                    .collect();
+                let transposes = match node.op {
+                    Op::MatMulT {
+                        transpose_a,
+                        transpose_b,
+                    } => (transpose_a, transpose_b),
+                    _ => (false, false),
+                };
+                let operands = [
+                    (described[0].0, described[0].1),
+                    (described[1].0, described[1].1),
+                ];
+                let blocked = self.device == Device::Cpu
+                    && !code.wide
+                    && cpu::blocks_product(operands, transposes, &shape);
+                if !blocked {
+                    let own = self.scratch_bytes(&node.op, &described, &shape);
+                    let numel: usize = shape.iter().product();
+                    self.create(
+                        k,
+                        None,
+                        own.div_ceil(64) * 64 + numel * node.ty.dtype.size_bytes(),
+                    );
+                }
+                for &o in outputs {
+                    let value = self.new_value(graph, k, o)?;
+                    self.value_buffer[o.index()] = value.buffer;
+                    values[o.index()] = Some(value);
+                }
+            }
             Kernel::Fused {
                 kernel: code,
                 inputs: fused_inputs,

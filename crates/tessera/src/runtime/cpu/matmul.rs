@@ -68,10 +68,18 @@ fn swapped_last2(x: &Tensor, swap: bool) -> Tensor {
     if !swap {
         return x.clone();
     }
-    let r = x.rank();
+    Tensor::from_parts(x.storage().clone(), swapped_layout(x.layout(), true))
+}
+
+/// `l` with its last two dims swapped when `swap`.
+fn swapped_layout(l: &Layout, swap: bool) -> Layout {
+    let r = l.rank();
+    if !swap || r < 2 {
+        return l.clone();
+    }
     let mut perm: Vec<usize> = (0..r).collect();
     perm.swap(r - 2, r - 1);
-    Tensor::from_parts(x.storage().clone(), x.layout().permuted(&perm))
+    l.permuted(&perm)
 }
 
 /// One batched matmul in strided form: `batch` products of an m×k and a k×n
@@ -204,11 +212,12 @@ const PANEL_K: usize = 128;
 /// or a result width of at most 256 (one that gemm's packing does not pay
 /// for), and at least a micro-tile's worth of rows and columns.
 fn is_thin(plan: &Plan) -> bool {
-    plan.m >= 16
-        && plan.n >= 16
-        && plan.k > 0
-        && plan.k.min(plan.n) <= 256
-        && super::flash::simd_tiles()
+    thin_dims(plan.m, plan.n, plan.k) && super::flash::simd_tiles()
+}
+
+/// Whether an m×k by k×n product has thin dims (see [`is_thin`]).
+pub fn thin_dims(m: usize, n: usize, k: usize) -> bool {
+    m >= 16 && n >= 16 && k > 0 && k.min(n) <= 256
 }
 
 /// `plan`'s f32 product by flash attention's micro-tiles: tasks are
@@ -225,7 +234,7 @@ fn thin_storage(plan: &Plan, a: &Storage, b: &Storage) -> Storage {
         thin_block(
             plan,
             &a[a_off + r0 * plan.a_rs..],
-            &b[b_off..],
+            &PanelsOfB::Strided(&b[b_off..]),
             r1 - r0,
             dst,
         );
@@ -247,6 +256,102 @@ fn thin_storage(plan: &Plan, a: &Storage, b: &Storage) -> Storage {
     out
 }
 
+/// A thin f32 product computed a block of output rows at a time and
+/// handed to a consumer while the block is in cache, never written whole:
+/// the matmul of a `matmul + row kernel` (fusion's `Kernel::MatmulRows`,
+/// e.g. attention's `q·kᵀ` with its softmax). Same micro-tiles, panels and
+/// task split as [`thin_storage`].
+pub struct BlockedProduct<'a> {
+    plan: Plan,
+    a: &'a [f32],
+    b: &'a [f32],
+}
+
+/// Rows of a [`BlockedProduct`]'s block: a multiple of both micro-tile
+/// heights (6 and 8) and of the prefetch runs; at a 512-column result
+/// 96 KiB, in L2 beside the row kernel's other rows.
+pub const BLOCK_ROWS: usize = PREFETCH_ROWS;
+
+impl<'a> BlockedProduct<'a> {
+    /// `a' @ b'` of `out_shape` (`a'`, `b'`: `a`, `b` with their last two
+    /// dims swapped when `transpose_a`, `transpose_b`), when it is a thin
+    /// f32 product this machine computes by tiles (else `None`: the caller
+    /// computes it whole).
+    pub fn new(
+        a: &'a Tensor,
+        b: &'a Tensor,
+        (transpose_a, transpose_b): (bool, bool),
+        out_shape: &[usize],
+    ) -> Option<BlockedProduct<'a>> {
+        let described = [(a.layout(), a.dtype()), (b.layout(), b.dtype())];
+        let plan = blocked_plan(described, (transpose_a, transpose_b), out_shape)?;
+        Some(BlockedProduct {
+            plan,
+            a: a.storage().as_slice::<f32>(),
+            b: b.storage().as_slice::<f32>(),
+        })
+    }
+
+    /// Calls `each(first row, rows)` for consecutive blocks of at most
+    /// [`BLOCK_ROWS`] rows of the product (rows of all batches counted
+    /// row-major, `n` values each) covering every row once, from rayon's
+    /// threads. Each task packs the `B` it multiplies once, for all its
+    /// blocks.
+    pub fn for_each_block(&self, each: &(dyn Fn(usize, &[f32]) + Sync)) {
+        let plan = &self.plan;
+        let (m, n) = (plan.m, plan.n);
+        let rows = rows_per_task(plan);
+        let task = |(i, r0): (usize, usize)| {
+            let (a_off, b_off) = plan.offsets(i);
+            let b = PanelsOfB::packed(plan, &self.b[b_off..]);
+            let mut block = vec![0f32; BLOCK_ROWS.min(m) * n];
+            let end = (r0 + rows).min(m);
+            for s in (r0..end).step_by(BLOCK_ROWS) {
+                let count = BLOCK_ROWS.min(end - s);
+                let dst = &mut block[..count * n];
+                thin_block(plan, &self.a[a_off + s * plan.a_rs..], &b, count, dst);
+                each(i * m + s, dst);
+            }
+        };
+        let tasks: Vec<(usize, usize)> = (0..plan.batch())
+            .flat_map(|i| (0..m).step_by(rows).map(move |r| (i, r)))
+            .collect();
+        if plan.batch() * m * n * plan.k < TASK_WORK {
+            tasks.into_iter().for_each(task);
+        } else {
+            tasks.into_par_iter().for_each(task);
+        }
+    }
+}
+
+/// Whether [`BlockedProduct::new`] takes the product of operands with
+/// these layouts and dtypes (the memory planner asks: a product it does
+/// not take is computed whole, as the kernel's scratch).
+pub fn blocks_product(
+    described: [(&Layout, DType); 2],
+    transposes: (bool, bool),
+    out_shape: &[usize],
+) -> bool {
+    blocked_plan(described, transposes, out_shape).is_some()
+}
+
+fn blocked_plan(
+    [(a, a_dtype), (b, b_dtype)]: [(&Layout, DType); 2],
+    (transpose_a, transpose_b): (bool, bool),
+    out_shape: &[usize],
+) -> Option<Plan> {
+    let f32s = a_dtype == DType::F32 && b_dtype == DType::F32;
+    if !f32s || a.rank() < 2 || b.rank() < 2 {
+        return None;
+    }
+    let (a, b) = (
+        swapped_layout(a, transpose_a),
+        swapped_layout(b, transpose_b),
+    );
+    let plan = Plan::new(&a, &b, out_shape);
+    is_thin(&plan).then_some(plan)
+}
+
 /// Rows per task: whole matrices when the batch alone gives every thread a
 /// few tasks, else blocks (a multiple of 8 rows, at least 32) that do. Each
 /// task packs the `B` panels it uses (when `B`'s rows are strided), a cost
@@ -262,35 +367,74 @@ fn rows_per_task(plan: &Plan) -> usize {
         .min(plan.m)
 }
 
-/// `dst (rows × n) = A (rows × k) · B (k × n)`, `a` and `b` starting at the
-/// block's first row of `A` and at `B`.
-fn thin_block(plan: &Plan, a: &[f32], b: &[f32], rows: usize, dst: &mut [f32]) {
+/// `B` as [`thin_block`] reads it: from its storage (starting at `B`),
+/// packed one panel at a time when its rows are strided; or with every
+/// panel packed beforehand, in the order `thin_block` walks them (a task
+/// that multiplies several blocks of rows by one `B` packs it once).
+enum PanelsOfB<'a> {
+    Strided(&'a [f32]),
+    Packed(Vec<f32>),
+}
+
+impl<'a> PanelsOfB<'a> {
+    /// `b` (starting at `B`) with its panels packed when its rows are
+    /// strided.
+    fn packed(plan: &Plan, b: &'a [f32]) -> PanelsOfB<'a> {
+        if plan.b_cs == 1 {
+            return PanelsOfB::Strided(b);
+        }
+        let mut packed = vec![0f32; plan.k * plan.n];
+        let mut at = 0;
+        for_each_panel(plan, |k0, c0, kc, nc| {
+            let first = k0 * plan.b_rs + c0 * plan.b_cs;
+            let panel = &mut packed[at..at + kc * nc];
+            pack_panel(&b[first..], (plan.b_rs, plan.b_cs), kc, nc, panel);
+            at += kc * nc;
+        });
+        PanelsOfB::Packed(packed)
+    }
+}
+
+/// Calls `f(k0, c0, kc, nc)` for `B`'s panels in [`thin_block`]'s order.
+fn for_each_panel(plan: &Plan, mut f: impl FnMut(usize, usize, usize, usize)) {
     let (n, k) = (plan.n, plan.k);
     let cols = super::flash::tile_cols().min(PANEL_COLS);
-    let mut panel = [0f32; PANEL_K * PANEL_COLS];
     for k0 in (0..k).step_by(PANEL_K) {
         let kc = PANEL_K.min(k - k0);
         for c0 in (0..n).step_by(cols) {
-            let nc = cols.min(n - c0);
-            let first = k0 * plan.b_rs + c0 * plan.b_cs;
-            let (bp, ldb): (&[f32], usize) = if plan.b_cs == 1 {
-                (&b[first..], plan.b_rs)
-            } else {
-                pack_panel(&b[first..], (plan.b_rs, plan.b_cs), kc, nc, &mut panel);
-                (&panel[..kc * nc], nc)
-            };
-            let panel_of_b = (bp, ldb, nc);
-            thin_rows(
-                plan,
-                &a[k0 * plan.a_cs..],
-                kc,
-                rows,
-                panel_of_b,
-                &mut dst[c0..],
-                k0 > 0,
-            );
+            f(k0, c0, kc, cols.min(n - c0));
         }
     }
+}
+
+/// `dst (rows × n) = A (rows × k) · B (k × n)`, `a` starting at the
+/// block's first row of `A`.
+fn thin_block(plan: &Plan, a: &[f32], b: &PanelsOfB<'_>, rows: usize, dst: &mut [f32]) {
+    let mut panel = [0f32; PANEL_K * PANEL_COLS];
+    let mut packed_at = 0;
+    for_each_panel(plan, |k0, c0, kc, nc| {
+        let first = k0 * plan.b_rs + c0 * plan.b_cs;
+        let (bp, ldb): (&[f32], usize) = match b {
+            PanelsOfB::Strided(b) if plan.b_cs == 1 => (&b[first..], plan.b_rs),
+            PanelsOfB::Strided(b) => {
+                pack_panel(&b[first..], (plan.b_rs, plan.b_cs), kc, nc, &mut panel);
+                (&panel[..kc * nc], nc)
+            }
+            PanelsOfB::Packed(all) => {
+                packed_at += kc * nc;
+                (&all[packed_at - kc * nc..packed_at], nc)
+            }
+        };
+        thin_rows(
+            plan,
+            &a[k0 * plan.a_cs..],
+            kc,
+            rows,
+            (bp, ldb, nc),
+            &mut dst[c0..],
+            k0 > 0,
+        );
+    });
 }
 
 /// Rows of `A` per tile product when its next rows are prefetched (see
