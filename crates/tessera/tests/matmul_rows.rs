@@ -196,3 +196,30 @@ fn the_fed_row_kernel_computes_the_unfused_kernels_bits() {
         }
     }
 }
+
+/// Two products read by one row kernel: `softmax(q·kᵀ) ⊙ (u·wᵀ)`, `u·wᵀ`
+/// made first (so that the product is no newer than the softmax, whose
+/// row kernel then takes the product ⊙).
+fn two_products(x: &[Tensor]) -> Tensor {
+    let uw = x[2].matmul(&x[3].transpose(-2, -1));
+    x[0].matmul(&x[1].transpose(-2, -1)).softmax(-1) * uw
+}
+
+#[test]
+fn a_row_kernel_fed_two_products_matches_eager() {
+    // As the hinted seed's backward: the recomputed scores and dP feed
+    // softmax's backward together.
+    let inputs: Vec<Tensor> = (0..4).map(|i| randn(&[2, 100, 16], 60 + i)).collect();
+    let g = traced("two", &inputs, |a| vec![two_products(a)]);
+    let plan = fuse(&g);
+    let fed_twice = plan
+        .kernels
+        .iter()
+        .filter(|k| matches!(k, Kernel::MatmulRows { matmuls, .. } if matmuls.len() == 2))
+        .count();
+    assert_eq!(fed_twice, 1, "{}", describe(&g, &plan));
+    let want = run_graph(&g, &inputs).unwrap();
+    let got = run_plan(&g, &plan, &inputs).unwrap();
+    assert_eq!(got[0].1.to_f64_vec(), want[0].1.to_f64_vec());
+    compiled_matches_eager("two products", &inputs, two_products, (1, 0));
+}

@@ -342,3 +342,28 @@ fn matmul_row_kernels_blocked_and_whole() {
     assert_eq!(scratch, [0, 2 * 40 * 40 * 4], "{}", describe(&g, &plan));
     check_graph(&g, &inputs);
 }
+
+/// Two products of one row kernel that do not split into the same blocks
+/// of rows (the second's right operand is shared by the batch, which
+/// folds the batch into its rows): both are made whole, one after the
+/// other in the kernel's scratch.
+#[test]
+fn a_matmul_row_kernel_with_products_split_differently() {
+    let _lock = allocator();
+    let inputs = [
+        randn(&[2, 40, 16], DType::F32, 4),
+        randn(&[2, 40, 16], DType::F32, 5),
+        randn(&[40, 16], DType::F32, 6),
+    ];
+    let g = traced("unlike", &inputs, |a| {
+        let shared = a[0].matmul(&a[2].transpose(-2, -1));
+        vec![a[0].matmul(&a[1].transpose(-2, -1)).softmax(-1) * shared]
+    });
+    let (plan, s) = planned(&g, Strategy::Bfs, None);
+    let fed: Vec<usize> = (0..plan.kernels.len())
+        .filter(|&k| matches!(&plan.kernels[k], Kernel::MatmulRows { matmuls, .. } if matmuls.len() == 2))
+        .collect();
+    assert_eq!(fed.len(), 1, "{}", describe(&g, &plan));
+    assert_eq!(s.memory.scratch_bytes(fed[0]), 2 * (2 * 40 * 40 * 4));
+    check_graph(&g, &inputs);
+}

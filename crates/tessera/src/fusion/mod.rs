@@ -62,18 +62,19 @@ pub enum Kernel {
         /// The epilogue's outputs (the matmul's value not among them).
         outputs: Vec<NodeId>,
     },
-    /// A matmul whose product only a row kernel reads, the row kernel
-    /// reducing along the product's last dim: the product is computed a
+    /// Matmuls whose products only a row kernel reads, the row kernel
+    /// reducing along the products' last dim: the products are computed a
     /// block of rows at a time, each block handed to the row kernel while
-    /// in cache, so it never reaches memory (attention's `q·kᵀ` and its
-    /// softmax; `dO·vᵀ` and softmax's backward). The row kernel loads the
-    /// product as its input `matmul`.
+    /// in cache, so they never reach memory (attention's `q·kᵀ` and its
+    /// softmax; `dO·vᵀ` and softmax's backward, with the recomputed `q·kᵀ`
+    /// under a recompute hint). The row kernel loads each product as its
+    /// input `matmuls[i]`.
     MatmulRows {
-        matmul: NodeId,
+        matmuls: Vec<NodeId>,
         kernel: RowKernel,
-        /// The matmul, then the row kernel's members.
+        /// The matmuls, then the row kernel's members.
         members: Vec<NodeId>,
-        /// The row kernel's inputs (the matmul among them).
+        /// The row kernel's inputs (the matmuls among them).
         inputs: Vec<NodeId>,
         outputs: Vec<NodeId>,
     },
@@ -91,9 +92,19 @@ impl Kernel {
         match self {
             Kernel::Extern(id) | Kernel::Custom { node: id, .. } => graph.node(*id).inputs.clone(),
             Kernel::Fused { inputs, .. } | Kernel::Rows { inputs, .. } => inputs.clone(),
-            Kernel::Epilogue { matmul, inputs, .. } | Kernel::MatmulRows { matmul, inputs, .. } => {
+            Kernel::Epilogue { matmul, inputs, .. } => {
                 let mut reads = graph.node(*matmul).inputs.clone();
                 reads.extend(inputs.iter().filter(|&x| x != matmul));
+                reads
+            }
+            Kernel::MatmulRows {
+                matmuls, inputs, ..
+            } => {
+                let mut reads: Vec<NodeId> = matmuls
+                    .iter()
+                    .flat_map(|&m| graph.node(m).inputs.iter().copied())
+                    .collect();
+                reads.extend(inputs.iter().filter(|x| !matmuls.contains(x)));
                 reads
             }
         }
@@ -204,8 +215,8 @@ struct Group {
     members: Vec<NodeId>,
     /// A matmul whose epilogue the group is (its first member).
     head: Option<NodeId>,
-    /// A matmul whose product the row group takes (round 4; not a member).
-    product: Option<NodeId>,
+    /// Matmuls whose products the row group takes (round 4; not members).
+    products: Vec<NodeId>,
 }
 
 /// Which rounds run.
@@ -348,7 +359,7 @@ pub fn fuse(graph: &Graph) -> Plan {
             .filter(|g| matches!(g.domain, Domain::Rows { .. }))
             .count();
         format!(
-            "graph `{}`: round 4 (matmul row kernels): {row_groups} candidates, {products} fed by their matmul; {before_products} -> {} kernels\n",
+            "graph `{}`: round 4 (matmul row kernels): {row_groups} candidates, {products} products fed; {before_products} -> {} kernels\n",
             graph.name,
             all.order.len(),
         )
@@ -455,7 +466,7 @@ fn group_with(graph: &Graph, rounds: Rounds, in_rows: &HashSet<NodeId>) -> Group
                 domain: Domain::Point(shape_of(graph, id).expect("concrete")),
                 members: vec![mm, id],
                 head: Some(mm),
-                product: None,
+                products: Vec::new(),
             });
             kernel_of.insert(id, k);
             continue;
@@ -482,7 +493,7 @@ fn group_with(graph: &Graph, rounds: Rounds, in_rows: &HashSet<NodeId>) -> Group
                     domain,
                     members: vec![id],
                     head: None,
-                    product: None,
+                    products: Vec::new(),
                 });
             }
         }
@@ -490,12 +501,12 @@ fn group_with(graph: &Graph, rounds: Rounds, in_rows: &HashSet<NodeId>) -> Group
     Grouping { groups, order }
 }
 
-/// Round 4: a row group takes the matmul whose product it reduces along
-/// the product's rows, when nothing else reads the product (see
-/// [`Kernel::MatmulRows`]); the matmul's own slot goes. The group's slot
-/// comes after the matmul's and after every other producer of the group,
-/// and only the group reads the product, so the order still respects
-/// every dependency. Returns the number of matmuls taken.
+/// Round 4: a row group takes the matmuls whose products it reduces along
+/// their rows, when nothing else reads them (see [`Kernel::MatmulRows`]);
+/// the matmuls' own slots go. The group's slot comes after the matmuls'
+/// and after every other producer of the group, and only the group reads
+/// the products, so the order still respects every dependency. Returns
+/// the number of matmuls taken.
 fn take_products(graph: &Graph, grouping: &mut Grouping) -> usize {
     let mut readers: HashMap<NodeId, Vec<NodeId>> = HashMap::new();
     for (i, node) in graph.nodes.iter().enumerate() {
@@ -516,21 +527,23 @@ fn take_products(graph: &Graph, grouping: &mut Grouping) -> usize {
         let row = Domain::row_shapes(outer, *len).0;
         let hints = &graph.node(group.members[0]).meta.hints;
         let members = &group.members;
-        let product = members
+        let mut products: Vec<NodeId> = members
             .iter()
             .flat_map(|&m| graph.node(m).inputs.iter().copied())
-            .find(|&x| {
+            .filter(|&x| {
                 externs.contains(&x)
                     && !taken.contains(&x)
                     && is_row_product(graph, x, &row)
                     && graph.node(x).meta.hints == *hints
                     && !outputs.contains(&x)
                     && readers[&x].iter().all(|r| members.contains(r))
-            });
-        if let Some(mm) = product {
-            group.product = Some(mm);
-            taken.insert(mm);
-        }
+            })
+            .collect();
+        products.dedup();
+        products.sort_unstable();
+        products.dedup();
+        taken.extend(products.iter().copied());
+        group.products = products;
     }
     grouping
         .order
@@ -702,23 +715,20 @@ fn group_kernel(graph: &Graph, group: &Group, users: &HashSet<NodeId>) -> Kernel
     if let Some(mm) = group.head {
         return epilogue_kernel(graph, group, mm, users);
     }
-    match (group.product, own_kernel(graph, group, users)) {
-        (
-            Some(mm),
-            Kernel::Rows {
-                kernel,
-                members,
-                inputs,
-                outputs,
-            },
-        ) => Kernel::MatmulRows {
-            matmul: mm,
+    match own_kernel(graph, group, users) {
+        Kernel::Rows {
             kernel,
-            members: [mm].into_iter().chain(members).collect(),
+            members,
+            inputs,
+            outputs,
+        } if !group.products.is_empty() => Kernel::MatmulRows {
+            matmuls: group.products.clone(),
+            kernel,
+            members: group.products.iter().copied().chain(members).collect(),
             inputs,
             outputs,
         },
-        (_, kernel) => kernel,
+        kernel => kernel,
     }
 }
 

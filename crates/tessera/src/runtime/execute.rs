@@ -15,7 +15,7 @@ use super::autotune;
 use super::cpu::arena::{self, Arena, Block, Place, Slots, Taken};
 use super::cpu::fused::{FusedInput, FusedKernel};
 use super::cpu::rows::RowKernel;
-use super::cpu::{BlockedProduct, Storage};
+use super::cpu::{self, BlockedProduct, Storage};
 use super::device::{self, Device, DeviceStorage};
 use super::interpret::{bind_symbols, node_error};
 use crate::autograd;
@@ -627,7 +627,7 @@ impl<'a> Job<'a> {
                 run_rows(graph, kernel, (members, inputs, outputs), &args)
             }
             Kernel::MatmulRows {
-                matmul,
+                matmuls,
                 kernel,
                 members,
                 inputs,
@@ -638,7 +638,7 @@ impl<'a> Job<'a> {
                     .iter()
                     .map(|a| a.tensor("matmul row kernels"))
                     .collect();
-                run_matmul_rows(graph, *matmul, kernel, (members, inputs, outputs), &args)
+                run_matmul_rows(graph, matmuls, kernel, (members, inputs, outputs), &args)
             }
             Kernel::Fused {
                 kernel,
@@ -689,64 +689,85 @@ fn run_rows(
     Ok(outputs.iter().copied().zip(outs).collect())
 }
 
-/// A matmul and the row kernel that alone reads its product (`args`: the
-/// matmul's operands, then the row kernel's other inputs). On the CPU, a
-/// thin f32 product is handed to the row kernel block by block
-/// (`BlockedProduct`); elsewhere the product is made whole, as the
-/// kernel's scratch (as the memory plan counts it, see
+/// Matmuls and the row kernel that alone reads their products (`args`:
+/// the matmuls' operands, then the row kernel's other inputs). On the CPU,
+/// thin f32 products are handed to the row kernel block by block
+/// (`BlockedProduct`); elsewhere the products are made whole, as the
+/// kernel's scratch (as the memory plan counts them, see
 /// `schedule::buffers`), and the row kernel runs as [`run_rows`] runs it.
 fn run_matmul_rows(
     graph: &Graph,
-    matmul: NodeId,
+    matmuls: &[NodeId],
     kernel: &RowKernel,
     (members, inputs, outputs): RowGroup<'_>,
     args: &[&Tensor],
 ) -> Result<Vec<(NodeId, Tensor)>> {
-    let node = graph.node(matmul);
-    let (operands, rest) = args.split_at(node.inputs.len());
-    let row_members = &members[1..];
-    let shape = node
-        .ty
-        .shape
-        .as_concrete()
-        .expect("fused shapes are concrete");
-    let on_cpu = args.iter().all(|t| t.device() == Device::Cpu);
-    let transposes = match node.op {
+    let mut args = args.iter().copied();
+    let operands: Vec<Vec<&Tensor>> = matmuls
+        .iter()
+        .map(|&m| args.by_ref().take(graph.node(m).inputs.len()).collect())
+        .collect();
+    let rest: Vec<&Tensor> = args.collect();
+    let row_members = &members[matmuls.len()..];
+    let on_cpu = operands
+        .iter()
+        .flatten()
+        .chain(&rest)
+        .all(|t| t.device() == Device::Cpu);
+    if on_cpu && !kernel.wide {
+        let blocked: Option<Vec<BlockedProduct<'_>>> = matmuls
+            .iter()
+            .zip(&operands)
+            .map(|(&m, ops)| {
+                let node = graph.node(m);
+                let shape = node.ty.shape.as_concrete()?;
+                BlockedProduct::new(ops[0], ops[1], transposes(&node.op), &shape)
+            })
+            .collect();
+        if let Some(products) = blocked.filter(|p| cpu::alike(p)) {
+            let mut rest = rest.iter();
+            let row_args: Vec<Option<&Tensor>> = inputs
+                .iter()
+                .map(|x| (!matmuls.contains(x)).then(|| *rest.next().expect("an input")))
+                .collect();
+            let fed: Vec<usize> = matmuls
+                .iter()
+                .map(|m| inputs.iter().position(|x| x == m).expect("a product read"))
+                .collect();
+            let outs = kernel
+                .run_fed(&row_args, &fed, |each| cpu::for_each_block(&products, each))
+                .map_err(|e| node_error(graph, row_members[0], e))?;
+            return Ok(outputs.iter().copied().zip(outs).collect());
+        }
+    }
+    let products = matmuls
+        .iter()
+        .zip(&operands)
+        .map(|(&m, ops)| {
+            arena::scratch(|| Tensor::apply(&graph.node(m).op, ops, Location::caller()))
+                .map_err(|e| node_error(graph, m, e))
+        })
+        .collect::<Result<Vec<Tensor>>>()?;
+    let mut rest = rest.iter();
+    let row_args: Vec<&Tensor> = inputs
+        .iter()
+        .map(|x| match matmuls.iter().position(|m| m == x) {
+            Some(i) => &products[i],
+            None => *rest.next().expect("an input"),
+        })
+        .collect();
+    run_rows(graph, kernel, (row_members, inputs, outputs), &row_args)
+}
+
+/// The operand transposes of a matmul op.
+pub(crate) fn transposes(op: &Op) -> (bool, bool) {
+    match *op {
         Op::MatMulT {
             transpose_a,
             transpose_b,
         } => (transpose_a, transpose_b),
         _ => (false, false),
-    };
-    let blocked = (on_cpu && !kernel.wide)
-        .then(|| BlockedProduct::new(operands[0], operands[1], transposes, &shape))
-        .flatten();
-    if let Some(product) = blocked {
-        let mut rest = rest.iter();
-        let row_args: Vec<Option<&Tensor>> = inputs
-            .iter()
-            .map(|&x| (x != matmul).then(|| *rest.next().expect("an input")))
-            .collect();
-        let fed = inputs
-            .iter()
-            .position(|&x| x == matmul)
-            .expect("the row kernel reads the product");
-        let outs = kernel
-            .run_fed(&row_args, fed, |each| product.for_each_block(each))
-            .map_err(|e| node_error(graph, row_members[0], e))?;
-        return Ok(outputs.iter().copied().zip(outs).collect());
     }
-    let product = arena::scratch(|| Tensor::apply(&node.op, operands, Location::caller()))
-        .map_err(|e| node_error(graph, matmul, e))?;
-    let mut rest = rest.iter();
-    let row_args: Vec<&Tensor> = inputs
-        .iter()
-        .map(|&x| match x == matmul {
-            true => &product,
-            false => *rest.next().expect("an input"),
-        })
-        .collect();
-    run_rows(graph, kernel, (row_members, inputs, outputs), &row_args)
 }
 
 /// Evaluates a group's `members` in order, op by op, from the values it

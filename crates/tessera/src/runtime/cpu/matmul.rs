@@ -123,6 +123,12 @@ impl Plan {
         self.a_batch.numel()
     }
 
+    /// (batch, rows per matrix, columns): blocked products alike in these
+    /// are split into the same blocks of rows.
+    fn rows(&self) -> (usize, usize, usize) {
+        (self.batch(), self.m, self.n)
+    }
+
     /// When every batch shares the right matrix and the left matrices' rows
     /// follow one another at a uniform stride (e.g. `[B, T, C] @ [C, D]`),
     /// the batch is one tall matmul: a single, better-parallelised gemm call.
@@ -258,7 +264,7 @@ fn thin_storage(plan: &Plan, a: &Storage, b: &Storage) -> Storage {
 
 /// A thin f32 product computed a block of output rows at a time and
 /// handed to a consumer while the block is in cache, never written whole:
-/// the matmul of a `matmul + row kernel` (fusion's `Kernel::MatmulRows`,
+/// the matmuls of a `matmul + row kernel` (fusion's `Kernel::MatmulRows`,
 /// e.g. attention's `q·kᵀ` with its softmax). Same micro-tiles, panels and
 /// task split as [`thin_storage`].
 pub struct BlockedProduct<'a> {
@@ -292,59 +298,101 @@ impl<'a> BlockedProduct<'a> {
         })
     }
 
-    /// Calls `each(first row, rows)` for consecutive blocks of at most
-    /// [`BLOCK_ROWS`] rows of the product (rows of all batches counted
-    /// row-major, `n` values each) covering every row once, from rayon's
-    /// threads. Each task packs the `B` it multiplies once, for all its
-    /// blocks.
-    pub fn for_each_block(&self, each: &(dyn Fn(usize, &[f32]) + Sync)) {
-        let plan = &self.plan;
-        let (m, n) = (plan.m, plan.n);
-        let rows = rows_per_task(plan);
-        let task = |(i, r0): (usize, usize)| {
-            let (a_off, b_off) = plan.offsets(i);
-            let (mut block, mut packed) = TASK_SCRATCH.with(|s| s.take());
-            block.resize(BLOCK_ROWS.min(m) * n, 0.0);
-            let b = PanelsOfB::packed(plan, &self.b[b_off..], &mut packed);
-            let end = (r0 + rows).min(m);
-            for s in (r0..end).step_by(BLOCK_ROWS) {
-                let count = BLOCK_ROWS.min(end - s);
-                let dst = &mut block[..count * n];
-                thin_block(plan, &self.a[a_off + s * plan.a_rs..], &b, count, dst);
-                each(i * m + s, dst);
-            }
-            TASK_SCRATCH.with(|s| s.set((block, packed)));
-        };
-        let tasks: Vec<(usize, usize)> = (0..plan.batch())
-            .flat_map(|i| (0..m).step_by(rows).map(move |r| (i, r)))
-            .collect();
-        if plan.batch() * m * n * plan.k < TASK_WORK {
-            tasks.into_iter().for_each(task);
-        } else {
-            tasks.into_par_iter().for_each(task);
-        }
+    fn rows(&self) -> (usize, usize, usize) {
+        self.plan.rows()
     }
 }
 
-thread_local! {
-    /// A [`BlockedProduct`] task's block of the product and its packed `B`,
-    /// kept for the thread's next task: fresh buffers of 100 KiB and more
-    /// come from `mmap`, page-faulted and zeroed on first touch (15 % of
-    /// the seed's step in `perf` when every task made its own). Taken out
-    /// while a task runs, so a nested task would only allocate anew.
-    static TASK_SCRATCH: std::cell::Cell<(Vec<f32>, Vec<f32>)> =
-        const { std::cell::Cell::new((Vec::new(), Vec::new())) };
+/// Calls `each(first row, blocks)` for consecutive blocks of at most
+/// [`BLOCK_ROWS`] rows of the `products` (alike: [`alike`]), `blocks[i]`
+/// the rows of product `i` (rows of all batches counted row-major, `n`
+/// values each), covering every row once, from rayon's threads. Each task
+/// packs the `B`s it multiplies once, for all its blocks.
+pub fn for_each_block(products: &[BlockedProduct<'_>], each: &(dyn Fn(usize, &[&[f32]]) + Sync)) {
+    let Some(first) = products.first() else {
+        return;
+    };
+    assert!(
+        alike(products),
+        "internal error: blocked products of different rows"
+    );
+    let (batch, m, n) = first.rows();
+    let rows = products
+        .iter()
+        .map(|p| rows_per_task(&p.plan))
+        .min()
+        .unwrap_or(m);
+    let task = |(i, r0): (usize, usize)| {
+        let mut scratch = TASK_SCRATCH.with(|s| s.take());
+        scratch.resize_with(products.len(), Default::default);
+        let (blocks, packs): (Vec<&mut Vec<f32>>, Vec<&mut Vec<f32>>) =
+            scratch.iter_mut().map(|(b, p)| (b, p)).unzip();
+        let mut blocks: Vec<&mut Vec<f32>> = blocks;
+        let bs: Vec<(PanelsOfB<'_>, usize)> = products
+            .iter()
+            .zip(packs)
+            .map(|(p, pack)| {
+                let (a_off, b_off) = p.plan.offsets(i);
+                (PanelsOfB::packed(&p.plan, &p.b[b_off..], pack), a_off)
+            })
+            .collect();
+        for block in blocks.iter_mut() {
+            block.resize(BLOCK_ROWS.min(m) * n, 0.0);
+        }
+        let end = (r0 + rows).min(m);
+        for s in (r0..end).step_by(BLOCK_ROWS) {
+            let count = BLOCK_ROWS.min(end - s);
+            for ((p, (b, a_off)), block) in products.iter().zip(&bs).zip(blocks.iter_mut()) {
+                let a = &p.a[a_off + s * p.plan.a_rs..];
+                thin_block(&p.plan, a, b, count, &mut block[..count * n]);
+            }
+            let views: Vec<&[f32]> = blocks.iter().map(|b| &b[..count * n]).collect();
+            each(i * m + s, &views);
+        }
+        drop(bs);
+        TASK_SCRATCH.with(|s| s.set(scratch));
+    };
+    let tasks: Vec<(usize, usize)> = (0..batch)
+        .flat_map(|i| (0..m).step_by(rows).map(move |r| (i, r)))
+        .collect();
+    let work: usize = products.iter().map(|p| batch * m * n * p.plan.k).sum();
+    if work < TASK_WORK {
+        tasks.into_iter().for_each(task);
+    } else {
+        tasks.into_par_iter().for_each(task);
+    }
 }
 
-/// Whether [`BlockedProduct::new`] takes the product of operands with
-/// these layouts and dtypes (the memory planner asks: a product it does
-/// not take is computed whole, as the kernel's scratch).
-pub fn blocks_product(
-    described: [(&Layout, DType); 2],
-    transposes: (bool, bool),
-    out_shape: &[usize],
-) -> bool {
-    blocked_plan(described, transposes, out_shape).is_some()
+/// Whether `products` split into the same blocks of rows (as
+/// [`for_each_block`] needs).
+pub fn alike(products: &[BlockedProduct<'_>]) -> bool {
+    products.windows(2).all(|w| w[0].rows() == w[1].rows())
+}
+
+thread_local! {
+    /// A [`for_each_block`] task's blocks of the products and their packed
+    /// `B`s, kept for the thread's next task: fresh buffers of 100 KiB and
+    /// more come from `mmap`, page-faulted and zeroed on first touch (15 %
+    /// of the seed's step in `perf` when every task made its own). Taken
+    /// out while a task runs, so a nested task would only allocate anew.
+    static TASK_SCRATCH: std::cell::Cell<Vec<(Vec<f32>, Vec<f32>)>> =
+        const { std::cell::Cell::new(Vec::new()) };
+}
+
+/// A product as the memory planner knows it: its operands' layouts and
+/// dtypes, their transposes and the output shape.
+pub type DescribedProduct<'a> = ([(&'a Layout, DType); 2], (bool, bool), &'a [usize]);
+
+/// Whether [`BlockedProduct::new`] takes each of the products of operands
+/// with these layouts and dtypes, and they split alike (the memory planner
+/// asks: products the CPU does not take by blocks are computed whole, as
+/// the kernel's scratch).
+pub fn blocks_products(products: &[DescribedProduct<'_>]) -> bool {
+    let plans: Option<Vec<Plan>> = products
+        .iter()
+        .map(|&(described, transposes, shape)| blocked_plan(described, transposes, shape))
+        .collect();
+    plans.is_some_and(|plans| plans.windows(2).all(|w| w[0].rows() == w[1].rows()))
 }
 
 fn blocked_plan(

@@ -107,43 +107,50 @@ impl RowKernel {
         })
     }
 
-    /// Runs the kernel with input `fed` (a row value spanning
+    /// Runs the kernel with the inputs `fed` (row values spanning
     /// `outer ++ [len]`, of the f32 compute type) not read from memory but
     /// handed over block by block: `feed(each)` calls `each(first row,
-    /// values)` with consecutive rows' values (`len` each) for every row
-    /// once, from any thread, and the rows are evaluated right away while
-    /// in cache. `inputs[fed]` is `None`; the others are as for [`run`].
+    /// values)` with consecutive rows' values (`len` each, `values[i]` of
+    /// input `fed[i]`) for every row once, from any thread, and the rows
+    /// are evaluated right away while in cache. The fed inputs are `None`
+    /// in `inputs`; the others are as for [`run`].
     ///
     /// [`run`]: RowKernel::run
     pub fn run_fed(
         &self,
         inputs: &[Option<&Tensor>],
-        fed: usize,
-        feed: impl FnOnce(&(dyn Fn(usize, &[f32]) + Sync)),
+        fed: &[usize],
+        feed: impl FnOnce(&(dyn Fn(usize, &[&[f32]]) + Sync)),
     ) -> Result<Vec<Tensor>> {
         let read: Vec<&Tensor> = inputs.iter().flatten().copied().collect();
         let full = self.checked_shape(&read)?;
-        let fed_ok = inputs.get(fed).is_some_and(Option::is_none)
-            && inputs.iter().filter(|t| t.is_none()).count() == 1;
-        let fed_step = self
-            .steps
+        let unread = inputs.iter().filter(|t| t.is_none()).count();
+        let steps: Option<Vec<usize>> = fed
             .iter()
-            .position(|s| *s == RowStep::Point(Step::Load(fed)));
-        let Some(fed_step) = fed_step.filter(|&i| fed_ok && self.is_row[i] && !self.wide) else {
+            .map(|&j| {
+                let step = self
+                    .steps
+                    .iter()
+                    .position(|s| *s == RowStep::Point(Step::Load(j)))?;
+                let fits = inputs.get(j).is_some_and(Option::is_none) && self.is_row[step];
+                fits.then_some(step)
+            })
+            .collect();
+        let Some(steps) = steps.filter(|_| unread == fed.len() && !self.wide) else {
             return Err(op_err!(
                 Verify,
                 "fused_rows",
-                "internal error: input {fed} of an f32 row kernel cannot be fed by blocks"
+                "internal error: inputs {fed:?} of an f32 row kernel cannot be fed by blocks"
             ));
         };
         let sources: Vec<Option<Source<'_>>> = inputs
             .iter()
             .map(|t| t.map(|t| Source::new(t, &full)))
             .collect();
-        let eval = Evaluation::<f32>::new(self, &sources, Some(fed_step));
-        feed(&|first: usize, values: &[f32]| {
-            let rows = first..first + values.len() / self.len.max(1);
-            eval.rows(rows, Some(values));
+        let eval = Evaluation::<f32>::new(self, &sources, steps);
+        feed(&|first: usize, values: &[&[f32]]| {
+            let count = values.first().map_or(0, |v| v.len() / self.len.max(1));
+            eval.rows(first..first + count, values);
         });
         Ok(eval.finish())
     }
@@ -153,15 +160,15 @@ impl RowKernel {
         sources: &[Option<Source<'_>>],
     ) -> Vec<Tensor> {
         let rows = self.rows();
-        let eval = Evaluation::<A>::new(self, sources, None);
+        let eval = Evaluation::<A>::new(self, sources, Vec::new());
         let per_task = (super::copy::PAR_THRESHOLD / self.len.max(1)).max(1);
         if rows * self.len < super::copy::PAR_THRESHOLD || rows < 2 {
-            eval.rows(0..rows, None);
+            eval.rows(0..rows, &[]);
         } else {
             let tasks = rows.div_ceil(per_task);
             (0..tasks)
                 .into_par_iter()
-                .for_each(|t| eval.rows(t * per_task..((t + 1) * per_task).min(rows), None));
+                .for_each(|t| eval.rows(t * per_task..((t + 1) * per_task).min(rows), &[]));
         }
         eval.finish()
     }
@@ -201,7 +208,7 @@ impl RowKernel {
                     let io = RowIo {
                         stream: stream && direct.in_output[i],
                         // Input rows read in place follow one another.
-                        prefetch_next: direct.input[*arg] && direct.fed != Some(*arg),
+                        prefetch_next: direct.input[*arg] && !direct.fed.contains(arg),
                     };
                     softmax_row(row(*arg), dst, *log, scratch, io)
                 }
@@ -342,12 +349,12 @@ struct Evaluation<'k, 's, A> {
 }
 
 impl<'k, 's, A: Transcendental + SoftmaxExp> Evaluation<'k, 's, A> {
-    /// `fed`: the step whose rows [`Evaluation::rows`] is handed (a `Load`
-    /// of the input that has no source).
+    /// `fed`: the steps whose rows [`Evaluation::rows`] is handed (`Load`s
+    /// of the inputs that have no source).
     fn new(
         kernel: &'k RowKernel,
         sources: &'k [Option<Source<'s>>],
-        fed: Option<usize>,
+        fed: Vec<usize>,
     ) -> Evaluation<'k, 's, A> {
         let rows = kernel.rows();
         let mut outs: Vec<Storage> = kernel
@@ -385,9 +392,9 @@ impl<'k, 's, A: Transcendental + SoftmaxExp> Evaluation<'k, 's, A> {
         }
     }
 
-    /// Evaluates and stores `range`'s rows; `fed` holds the fed step's
-    /// values of these rows (`len` per row), when the kernel has one.
-    fn rows(&self, range: std::ops::Range<usize>, fed: Option<&[A]>) {
+    /// Evaluates and stores `range`'s rows; `fed[i]` holds fed step `i`'s
+    /// values of these rows (`len` per row).
+    fn rows(&self, range: std::ops::Range<usize>, fed: &[&[A]]) {
         let k = self.kernel;
         let len = k.len;
         let mut file = vec![<A as AccFloat>::ZERO; self.slots.count * len];
@@ -399,7 +406,7 @@ impl<'k, 's, A: Transcendental + SoftmaxExp> Evaluation<'k, 's, A> {
         for r in range {
             self.direct
                 .place_row(r, len, &self.slots, &mut file, &mut at);
-            if let (Some(step), Some(values)) = (self.direct.fed, fed) {
+            for (&step, values) in self.direct.fed.iter().zip(fed) {
                 // Read only: no step writes where an input lives.
                 at[step] = values[(r - start) * len..][..len].as_ptr() as *mut A;
             }
@@ -430,18 +437,18 @@ struct Direct {
     output: Vec<bool>,
     /// Per step: computed straight into an output's memory.
     in_output: Vec<bool>,
-    /// The step whose rows are handed over (see [`RowKernel::run_fed`]).
-    fed: Option<usize>,
+    /// The steps whose rows are handed over (see [`RowKernel::run_fed`]).
+    fed: Vec<usize>,
 }
 
 impl Direct {
-    /// `fed`: the step whose rows are handed to the evaluation (an input
-    /// without a source, read where it is handed).
+    /// `fed`: the steps whose rows are handed to the evaluation (inputs
+    /// without a source, read where they are handed).
     fn find<A: AccFloat>(
         k: &RowKernel,
         sources: &[Option<Source<'_>>],
         sinks: &Sinks,
-        fed: Option<usize>,
+        fed: Vec<usize>,
     ) -> Direct {
         let width = std::mem::size_of::<A>();
         let same = |d: DType| d.size_bytes() == width && d.is_float();
@@ -457,7 +464,7 @@ impl Direct {
             }
         }
         let mut input: Vec<bool> = base.iter().map(Option::is_some).collect();
-        if let Some(f) = fed {
+        for &f in &fed {
             input[f] = true;
         }
         let mut output = vec![false; k.outputs.len()];
