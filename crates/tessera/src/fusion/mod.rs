@@ -539,7 +539,6 @@ fn take_products(graph: &Graph, grouping: &mut Grouping) -> usize {
                     && readers[&x].iter().all(|r| members.contains(r))
             })
             .collect();
-        products.dedup();
         products.sort_unstable();
         products.dedup();
         taken.extend(products.iter().copied());
@@ -556,14 +555,10 @@ fn take_products(graph: &Graph, grouping: &mut Grouping) -> usize {
 /// product (the CPU's matmul computes such products by blocks of rows).
 fn is_row_product(graph: &Graph, id: NodeId, row: &[usize]) -> bool {
     let node = graph.node(id);
-    let (ta, _) = match node.op {
-        Op::MatMul => (false, false),
-        Op::MatMulT {
-            transpose_a,
-            transpose_b,
-        } => (transpose_a, transpose_b),
-        _ => return false,
-    };
+    if !matches!(node.op, Op::MatMul | Op::MatMulT { .. }) {
+        return false;
+    }
+    let (ta, _) = crate::runtime::cpu::transposes(&node.op);
     let Some(a) = shape_of(graph, node.inputs[0]) else {
         return false;
     };

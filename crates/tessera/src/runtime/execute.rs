@@ -721,7 +721,7 @@ fn run_matmul_rows(
             .map(|(&m, ops)| {
                 let node = graph.node(m);
                 let shape = node.ty.shape.as_concrete()?;
-                BlockedProduct::new(ops[0], ops[1], transposes(&node.op), &shape)
+                BlockedProduct::new(ops[0], ops[1], cpu::transposes(&node.op), &shape)
             })
             .collect();
         if let Some(products) = blocked.filter(|p| cpu::alike(p)) {
@@ -757,17 +757,6 @@ fn run_matmul_rows(
         })
         .collect();
     run_rows(graph, kernel, (row_members, inputs, outputs), &row_args)
-}
-
-/// The operand transposes of a matmul op.
-pub(crate) fn transposes(op: &Op) -> (bool, bool) {
-    match *op {
-        Op::MatMulT {
-            transpose_a,
-            transpose_b,
-        } => (transpose_a, transpose_b),
-        _ => (false, false),
-    }
 }
 
 /// Evaluates a group's `members` in order, op by op, from the values it

@@ -28,7 +28,6 @@ use crate::fusion::{Kernel, Plan};
 use crate::ir::{DType, Graph, NodeId, Op};
 use crate::runtime::cpu::{self, copy, view_layout};
 use crate::runtime::device::{self, Backend, Device};
-use crate::runtime::execute::transposes;
 use crate::tensor::Layout;
 use std::sync::Arc;
 
@@ -349,7 +348,7 @@ impl BufferModel {
                     .iter()
                     .map(|(node, d, shape)| {
                         let operands = [(d[0].0, d[0].1), (d[1].0, d[1].1)];
-                        (operands, transposes(&node.op), shape.as_slice())
+                        (operands, cpu::transposes(&node.op), shape.as_slice())
                     })
                     .collect::<Vec<_>>(),
             );

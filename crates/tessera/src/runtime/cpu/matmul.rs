@@ -18,7 +18,7 @@ use rayon::prelude::*;
 use super::element::{Element, Float};
 use super::Storage;
 use crate::error::{op_err, Result};
-use crate::ir::DType;
+use crate::ir::{DType, Op};
 use crate::tensor::{Layout, Tensor};
 
 /// Per-matmul work (m·n·k) from which one gemm call is split over threads;
@@ -61,6 +61,18 @@ pub fn matmul_t(
         &swapped_last2(b, transpose_b),
         out_shape,
     )
+}
+
+/// The operand transposes of a matmul op (`matmul_t`'s flags; none for
+/// `matmul` and any other op).
+pub fn transposes(op: &Op) -> (bool, bool) {
+    match *op {
+        Op::MatMulT {
+            transpose_a,
+            transpose_b,
+        } => (transpose_a, transpose_b),
+        _ => (false, false),
+    }
 }
 
 /// A view of `x` with its last two dims swapped (`x` itself unless `swap`).
@@ -325,9 +337,8 @@ pub fn for_each_block(products: &[BlockedProduct<'_>], each: &(dyn Fn(usize, &[&
     let task = |(i, r0): (usize, usize)| {
         let mut scratch = TASK_SCRATCH.with(|s| s.take());
         scratch.resize_with(products.len(), Default::default);
-        let (blocks, packs): (Vec<&mut Vec<f32>>, Vec<&mut Vec<f32>>) =
+        let (mut blocks, packs): (Vec<&mut Vec<f32>>, Vec<&mut Vec<f32>>) =
             scratch.iter_mut().map(|(b, p)| (b, p)).unzip();
-        let mut blocks: Vec<&mut Vec<f32>> = blocks;
         let bs: Vec<(PanelsOfB<'_>, usize)> = products
             .iter()
             .zip(packs)
@@ -349,7 +360,7 @@ pub fn for_each_block(products: &[BlockedProduct<'_>], each: &(dyn Fn(usize, &[&
             let views: Vec<&[f32]> = blocks.iter().map(|b| &b[..count * n]).collect();
             each(i * m + s, &views);
         }
-        drop(bs);
+        drop(bs); // its borrows of the packed `B`s end before `scratch` goes back
         TASK_SCRATCH.with(|s| s.set(scratch));
     };
     let tasks: Vec<(usize, usize)> = (0..batch)
