@@ -19,7 +19,7 @@ use std::sync::Mutex;
 use proptest::prelude::*;
 use schedule_util::{planned, random_graph, sliced_attention, traced};
 use tessera::autograd::{aot_autograd, Partition};
-use tessera::fusion::Plan;
+use tessera::fusion::{describe, Kernel, Plan};
 use tessera::hints::hinted_context;
 use tessera::ir::Graph;
 use tessera::runtime::cpu::{memory_stats, reset_peak};
@@ -314,4 +314,56 @@ proptest! {
         ];
         check_graph(&g, &inputs);
     }
+}
+
+/// Matmul row kernels: a product handed to its row kernel by blocks of
+/// rows allocates nothing but the row kernel's outputs; one whose row
+/// kernel computes in f64 (an f64 operand) is made whole, as the kernel's
+/// scratch.
+#[test]
+fn matmul_row_kernels_blocked_and_whole() {
+    let _lock = allocator();
+    let inputs = [
+        randn(&[2, 40, 16], DType::F32, 1),
+        randn(&[2, 40, 16], DType::F32, 2),
+        randn(&[40], DType::F64, 3),
+    ];
+    let g = traced("fed", &inputs, |a| {
+        let s = a[0].matmul(&a[1].transpose(-2, -1));
+        let t = a[1].matmul(&a[0].transpose(-2, -1));
+        vec![s.softmax(-1), (t.cast(DType::F64) * &a[2]).softmax(-1)]
+    });
+    let (plan, s) = planned(&g, Strategy::Bfs, None);
+    let mut scratch: Vec<usize> = (0..plan.kernels.len())
+        .filter(|&k| matches!(plan.kernels[k], Kernel::MatmulRows { .. }))
+        .map(|k| s.memory.scratch_bytes(k))
+        .collect();
+    scratch.sort_unstable();
+    assert_eq!(scratch, [0, 2 * 40 * 40 * 4], "{}", describe(&g, &plan));
+    check_graph(&g, &inputs);
+}
+
+/// Two products of one row kernel that do not split into the same blocks
+/// of rows (the second's right operand is shared by the batch, which
+/// folds the batch into its rows): both are made whole, one after the
+/// other in the kernel's scratch.
+#[test]
+fn a_matmul_row_kernel_with_products_split_differently() {
+    let _lock = allocator();
+    let inputs = [
+        randn(&[2, 40, 16], DType::F32, 4),
+        randn(&[2, 40, 16], DType::F32, 5),
+        randn(&[40, 16], DType::F32, 6),
+    ];
+    let g = traced("unlike", &inputs, |a| {
+        let shared = a[0].matmul(&a[2].transpose(-2, -1));
+        vec![a[0].matmul(&a[1].transpose(-2, -1)).softmax(-1) * shared]
+    });
+    let (plan, s) = planned(&g, Strategy::Bfs, None);
+    let fed: Vec<usize> = (0..plan.kernels.len())
+        .filter(|&k| matches!(&plan.kernels[k], Kernel::MatmulRows { matmuls, .. } if matmuls.len() == 2))
+        .collect();
+    assert_eq!(fed.len(), 1, "{}", describe(&g, &plan));
+    assert_eq!(s.memory.scratch_bytes(fed[0]), 2 * (2 * 40 * 40 * 4));
+    check_graph(&g, &inputs);
 }

@@ -10,7 +10,12 @@
 //!    whole or decomposed, reads its input once and writes once);
 //! 3. matmul epilogues: a matmul's pointwise consumers of its shape (bias,
 //!    activation, scale) run in the same kernel, over the matmul's output
-//!    right after the gemm and in its buffer (no intermediate in memory).
+//!    right after the gemm and in its buffer (no intermediate in memory);
+//! 4. matmul row kernels: a row kernel that alone reads a (thin, f32)
+//!    matmul's product, reducing along its rows, takes the matmul: the
+//!    product is made a block of rows at a time and each block reduced
+//!    while in cache ([`Kernel::MatmulRows`]: attention's scores and their
+//!    softmax never reach memory).
 //!
 //! Every other node is an extern kernel run by the op dispatcher.
 //!
@@ -57,6 +62,22 @@ pub enum Kernel {
         /// The epilogue's outputs (the matmul's value not among them).
         outputs: Vec<NodeId>,
     },
+    /// Matmuls whose products only a row kernel reads, the row kernel
+    /// reducing along the products' last dim: the products are computed a
+    /// block of rows at a time, each block handed to the row kernel while
+    /// in cache, so they never reach memory (attention's `q·kᵀ` and its
+    /// softmax; `dO·vᵀ` and softmax's backward, with the recomputed `q·kᵀ`
+    /// under a recompute hint). The row kernel loads each product as its
+    /// input `matmuls[i]`.
+    MatmulRows {
+        matmuls: Vec<NodeId>,
+        kernel: RowKernel,
+        /// The matmuls, then the row kernel's members.
+        members: Vec<NodeId>,
+        /// The row kernel's inputs (the matmuls among them).
+        inputs: Vec<NodeId>,
+        outputs: Vec<NodeId>,
+    },
     /// One node through the op dispatcher.
     Extern(NodeId),
     /// A custom op's node, whose kernel also writes the `custom_output`
@@ -76,6 +97,16 @@ impl Kernel {
                 reads.extend(inputs.iter().filter(|&x| x != matmul));
                 reads
             }
+            Kernel::MatmulRows {
+                matmuls, inputs, ..
+            } => {
+                let mut reads: Vec<NodeId> = matmuls
+                    .iter()
+                    .flat_map(|&m| graph.node(m).inputs.iter().copied())
+                    .collect();
+                reads.extend(inputs.iter().filter(|x| !matmuls.contains(x)));
+                reads
+            }
         }
     }
 
@@ -83,7 +114,9 @@ impl Kernel {
     pub fn writes(&self) -> Vec<NodeId> {
         match self {
             Kernel::Extern(id) => vec![*id],
-            Kernel::Fused { outputs, .. } | Kernel::Rows { outputs, .. } => outputs.clone(),
+            Kernel::Fused { outputs, .. }
+            | Kernel::Rows { outputs, .. }
+            | Kernel::MatmulRows { outputs, .. } => outputs.clone(),
             Kernel::Custom { node, outputs } => {
                 [*node].into_iter().chain(outputs.iter().copied()).collect()
             }
@@ -106,7 +139,8 @@ impl Kernel {
             Kernel::Extern(id) | Kernel::Custom { node: id, .. } => std::slice::from_ref(id),
             Kernel::Fused { members, .. }
             | Kernel::Rows { members, .. }
-            | Kernel::Epilogue { members, .. } => members,
+            | Kernel::Epilogue { members, .. }
+            | Kernel::MatmulRows { members, .. } => members,
         }
     }
 }
@@ -181,6 +215,8 @@ struct Group {
     members: Vec<NodeId>,
     /// A matmul whose epilogue the group is (its first member).
     head: Option<NodeId>,
+    /// Matmuls whose products the row group takes (round 4; not members).
+    products: Vec<NodeId>,
 }
 
 /// Which rounds run.
@@ -272,7 +308,7 @@ pub fn fuse(graph: &Graph) -> Plan {
             epilogues: false,
         },
     );
-    let all = group_with(
+    let mut all = group_with(
         graph,
         Rounds {
             reductions: true,
@@ -280,6 +316,8 @@ pub fn fuse(graph: &Graph) -> Plan {
         },
         &in_row_kernels(&rows),
     );
+    let before_products = all.order.len();
+    let products = take_products(graph, &mut all);
     log("fusion", || {
         let candidates = (0..graph.len())
             .filter(|&i| is_fusible(graph, NodeId(i as u32)))
@@ -311,6 +349,18 @@ pub fn fuse(graph: &Graph) -> Plan {
             graph.name,
             all.groups.iter().filter(|g| g.head.is_some()).count(),
             rows.order.len(),
+            before_products,
+        )
+    });
+    log("fusion", || {
+        let row_groups = all
+            .groups
+            .iter()
+            .filter(|g| matches!(g.domain, Domain::Rows { .. }))
+            .count();
+        format!(
+            "graph `{}`: round 4 (matmul row kernels): {row_groups} candidates, {products} products fed; {before_products} -> {} kernels\n",
+            graph.name,
             all.order.len(),
         )
     });
@@ -416,6 +466,7 @@ fn group_with(graph: &Graph, rounds: Rounds, in_rows: &HashSet<NodeId>) -> Group
                 domain: Domain::Point(shape_of(graph, id).expect("concrete")),
                 members: vec![mm, id],
                 head: Some(mm),
+                products: Vec::new(),
             });
             kernel_of.insert(id, k);
             continue;
@@ -442,11 +493,83 @@ fn group_with(graph: &Graph, rounds: Rounds, in_rows: &HashSet<NodeId>) -> Group
                     domain,
                     members: vec![id],
                     head: None,
+                    products: Vec::new(),
                 });
             }
         }
     }
     Grouping { groups, order }
+}
+
+/// Round 4: a row group takes the matmuls whose products it reduces along
+/// their rows, when nothing else reads them (see [`Kernel::MatmulRows`]);
+/// the matmuls' own slots go. The group's slot comes after the matmuls'
+/// and after every other producer of the group, and only the group reads
+/// the products, so the order still respects every dependency. Returns
+/// the number of matmuls taken.
+fn take_products(graph: &Graph, grouping: &mut Grouping) -> usize {
+    let mut readers: HashMap<NodeId, Vec<NodeId>> = HashMap::new();
+    for (i, node) in graph.nodes.iter().enumerate() {
+        for &x in &node.inputs {
+            readers.entry(x).or_default().push(NodeId(i as u32));
+        }
+    }
+    let outputs: HashSet<NodeId> = graph.outputs.iter().map(|o| o.node).collect();
+    let externs: HashSet<NodeId> = grouping.order.iter().filter_map(|s| s.err()).collect();
+    let mut taken = HashSet::new();
+    for group in &mut grouping.groups {
+        let Domain::Rows { outer, len } = &group.domain else {
+            continue;
+        };
+        if group.head.is_some() {
+            continue;
+        }
+        let row = Domain::row_shapes(outer, *len).0;
+        let hints = &graph.node(group.members[0]).meta.hints;
+        let members = &group.members;
+        let mut products: Vec<NodeId> = members
+            .iter()
+            .flat_map(|&m| graph.node(m).inputs.iter().copied())
+            .filter(|&x| {
+                externs.contains(&x)
+                    && !taken.contains(&x)
+                    && is_row_product(graph, x, &row)
+                    && graph.node(x).meta.hints == *hints
+                    && !outputs.contains(&x)
+                    && readers[&x].iter().all(|r| members.contains(r))
+            })
+            .collect();
+        products.sort_unstable();
+        products.dedup();
+        taken.extend(products.iter().copied());
+        group.products = products;
+    }
+    grouping
+        .order
+        .retain(|s| !matches!(s, Err(x) if taken.contains(x)));
+    taken.len()
+}
+
+/// A matmul whose product a row kernel over rows of `row` may take: f32,
+/// of that shape, both operands matrices (or batches of them), a thin
+/// product (the CPU's matmul computes such products by blocks of rows).
+fn is_row_product(graph: &Graph, id: NodeId, row: &[usize]) -> bool {
+    let node = graph.node(id);
+    if !matches!(node.op, Op::MatMul | Op::MatMulT { .. }) {
+        return false;
+    }
+    let (ta, _) = crate::runtime::cpu::transposes(&node.op);
+    let Some(a) = shape_of(graph, node.inputs[0]) else {
+        return false;
+    };
+    let b_rank = graph.node(node.inputs[1]).ty.shape.rank();
+    if node.ty.dtype != DType::F32 || a.len() < 2 || b_rank < 2 {
+        return false;
+    }
+    let (rows, depth) = (a[a.len() - 2], a[a.len() - 1]);
+    let (m, k) = if ta { (depth, rows) } else { (rows, depth) };
+    let n = *row.last().expect("rows have a length");
+    shape_of(graph, id).as_deref() == Some(row) && crate::runtime::cpu::thin_dims(m, n, k)
 }
 
 /// Builds the kernels, adding extern kernels for inlined scalars that an
@@ -584,10 +707,29 @@ fn build_steps(graph: &Graph, members: &[NodeId]) -> Steps {
 }
 
 fn group_kernel(graph: &Graph, group: &Group, users: &HashSet<NodeId>) -> Kernel {
-    let members = &group.members;
     if let Some(mm) = group.head {
         return epilogue_kernel(graph, group, mm, users);
     }
+    match own_kernel(graph, group, users) {
+        Kernel::Rows {
+            kernel,
+            members,
+            inputs,
+            outputs,
+        } if !group.products.is_empty() => Kernel::MatmulRows {
+            matmuls: group.products.clone(),
+            kernel,
+            members: group.products.iter().copied().chain(members).collect(),
+            inputs,
+            outputs,
+        },
+        kernel => kernel,
+    }
+}
+
+/// A group's pointwise or row kernel.
+fn own_kernel(graph: &Graph, group: &Group, users: &HashSet<NodeId>) -> Kernel {
+    let members = &group.members;
     let b = build_steps(graph, members);
     let outputs: Vec<NodeId> = members
         .iter()
@@ -717,6 +859,12 @@ pub fn describe(graph: &Graph, plan: &Plan) -> String {
                 inputs,
                 outputs,
                 ..
+            }
+            | Kernel::MatmulRows {
+                members,
+                inputs,
+                outputs,
+                ..
             } => {
                 let names: Vec<String> = members
                     .iter()
@@ -725,6 +873,7 @@ pub fn describe(graph: &Graph, plan: &Plan) -> String {
                 let kind = match kernel {
                     Kernel::Rows { .. } => "rows",
                     Kernel::Epilogue { .. } => "matmul+epilogue",
+                    Kernel::MatmulRows { .. } => "matmul+rows",
                     _ => "fused",
                 };
                 debug_assert!(inputs.len() <= kernel.reads(graph).len());

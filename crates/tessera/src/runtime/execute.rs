@@ -15,7 +15,7 @@ use super::autotune;
 use super::cpu::arena::{self, Arena, Block, Place, Slots, Taken};
 use super::cpu::fused::{FusedInput, FusedKernel};
 use super::cpu::rows::RowKernel;
-use super::cpu::Storage;
+use super::cpu::{self, BlockedProduct, Storage};
 use super::device::{self, Device, DeviceStorage};
 use super::interpret::{bind_symbols, node_error};
 use crate::autograd;
@@ -313,7 +313,7 @@ pub fn device_arena_unfit(plan: &Plan, memory: &MemoryPlan, on: Device) -> Optio
         return None;
     }
     plan.kernels.iter().find_map(|k| match k {
-        Kernel::Rows { kernel, .. } => row_refusal(on, kernel).map(|why| {
+        Kernel::Rows { kernel, .. } | Kernel::MatmulRows { kernel, .. } => row_refusal(on, kernel).map(|why| {
             format!(
                 "a row kernel runs op by op on the device ({why}), with intermediates the plan does not hold"
             )
@@ -345,8 +345,12 @@ type KernelResult = Result<Vec<(NodeId, Tensor)>>;
 fn placed_on_device(graph: &Graph, kernel: &Kernel, on: Device) -> bool {
     match kernel {
         Kernel::Custom { .. } => true,
-        Kernel::Rows { kernel, .. } if row_refusal(on, kernel).is_none() => true,
-        Kernel::Rows { outputs, .. } => {
+        Kernel::Rows { kernel, .. } | Kernel::MatmulRows { kernel, .. }
+            if row_refusal(on, kernel).is_none() =>
+        {
+            true
+        }
+        Kernel::Rows { outputs, .. } | Kernel::MatmulRows { outputs, .. } => {
             let mut sizes: Vec<usize> = outputs
                 .iter()
                 .map(|&o| {
@@ -616,33 +620,25 @@ impl<'a> Job<'a> {
                 kernel,
                 outputs,
                 members,
-                ..
+                inputs,
             } => {
                 let args: Vec<&Tensor> =
                     self.args.iter().map(|a| a.tensor("row kernels")).collect();
-                if let Some(on) = args.iter().map(|t| t.device()).find(|&d| d != Device::Cpu) {
-                    let backend = device::backend(on)?;
-                    let Some(why) = backend.row_kernel_refusal(kernel) else {
-                        let outs = backend
-                            .run_rows(kernel, &args)
-                            .map_err(|e| node_error(graph, members[0], e))?;
-                        return Ok(outputs.iter().copied().zip(outs).collect());
-                    };
-                    // What the device does not take runs one op at a time
-                    // through its own kernels.
-                    log("fusion", || {
-                        format!(
-                            "row kernel of {} on {on}: op by op ({why})",
-                            graph.display_name(members[0])
-                        )
-                    });
-                    let reads = self.kernel.reads(graph);
-                    return run_members(graph, members, &reads, &args, outputs);
-                }
-                let outs = kernel
-                    .run(&args)
-                    .map_err(|e| node_error(graph, members[0], e))?;
-                Ok(outputs.iter().copied().zip(outs).collect())
+                run_rows(graph, kernel, (members, inputs, outputs), &args)
+            }
+            Kernel::MatmulRows {
+                matmuls,
+                kernel,
+                members,
+                inputs,
+                outputs,
+            } => {
+                let args: Vec<&Tensor> = self
+                    .args
+                    .iter()
+                    .map(|a| a.tensor("matmul row kernels"))
+                    .collect();
+                run_matmul_rows(graph, matmuls, kernel, (members, inputs, outputs), &args)
             }
             Kernel::Fused {
                 kernel,
@@ -656,6 +652,111 @@ impl<'a> Job<'a> {
             }
         }
     }
+}
+
+/// A row kernel's (`members`, `inputs`, `outputs`) — group members, the
+/// values it reads, the values it writes.
+type RowGroup<'a> = (&'a [NodeId], &'a [NodeId], &'a [NodeId]);
+
+/// A row kernel on its inputs `args`: the CPU's, or the device's kernel,
+/// or, where the device does not take it, op by op through the device's
+/// own kernels.
+fn run_rows(
+    graph: &Graph,
+    kernel: &RowKernel,
+    (members, inputs, outputs): RowGroup<'_>,
+    args: &[&Tensor],
+) -> Result<Vec<(NodeId, Tensor)>> {
+    if let Some(on) = args.iter().map(|t| t.device()).find(|&d| d != Device::Cpu) {
+        let backend = device::backend(on)?;
+        let Some(why) = backend.row_kernel_refusal(kernel) else {
+            let outs = backend
+                .run_rows(kernel, args)
+                .map_err(|e| node_error(graph, members[0], e))?;
+            return Ok(outputs.iter().copied().zip(outs).collect());
+        };
+        log("fusion", || {
+            format!(
+                "row kernel of {} on {on}: op by op ({why})",
+                graph.display_name(members[0])
+            )
+        });
+        return run_members(graph, members, inputs, args, outputs);
+    }
+    let outs = kernel
+        .run(args)
+        .map_err(|e| node_error(graph, members[0], e))?;
+    Ok(outputs.iter().copied().zip(outs).collect())
+}
+
+/// Matmuls and the row kernel that alone reads their products (`args`:
+/// the matmuls' operands, then the row kernel's other inputs). On the CPU,
+/// thin f32 products are handed to the row kernel block by block
+/// (`BlockedProduct`); elsewhere the products are made whole, as the
+/// kernel's scratch (as the memory plan counts them, see
+/// `schedule::buffers`), and the row kernel runs as [`run_rows`] runs it.
+fn run_matmul_rows(
+    graph: &Graph,
+    matmuls: &[NodeId],
+    kernel: &RowKernel,
+    (members, inputs, outputs): RowGroup<'_>,
+    args: &[&Tensor],
+) -> Result<Vec<(NodeId, Tensor)>> {
+    let mut args = args.iter().copied();
+    let operands: Vec<Vec<&Tensor>> = matmuls
+        .iter()
+        .map(|&m| args.by_ref().take(graph.node(m).inputs.len()).collect())
+        .collect();
+    let rest: Vec<&Tensor> = args.collect();
+    let row_members = &members[matmuls.len()..];
+    let on_cpu = operands
+        .iter()
+        .flatten()
+        .chain(&rest)
+        .all(|t| t.device() == Device::Cpu);
+    if on_cpu && !kernel.wide {
+        let blocked: Option<Vec<BlockedProduct<'_>>> = matmuls
+            .iter()
+            .zip(&operands)
+            .map(|(&m, ops)| {
+                let node = graph.node(m);
+                let shape = node.ty.shape.as_concrete()?;
+                BlockedProduct::new(ops[0], ops[1], cpu::transposes(&node.op), &shape)
+            })
+            .collect();
+        if let Some(products) = blocked.filter(|p| cpu::alike(p)) {
+            let mut rest = rest.iter();
+            let row_args: Vec<Option<&Tensor>> = inputs
+                .iter()
+                .map(|x| (!matmuls.contains(x)).then(|| *rest.next().expect("an input")))
+                .collect();
+            let fed: Vec<usize> = matmuls
+                .iter()
+                .map(|m| inputs.iter().position(|x| x == m).expect("a product read"))
+                .collect();
+            let outs = kernel
+                .run_fed(&row_args, &fed, |each| cpu::for_each_block(&products, each))
+                .map_err(|e| node_error(graph, row_members[0], e))?;
+            return Ok(outputs.iter().copied().zip(outs).collect());
+        }
+    }
+    let products = matmuls
+        .iter()
+        .zip(&operands)
+        .map(|(&m, ops)| {
+            arena::scratch(|| Tensor::apply(&graph.node(m).op, ops, Location::caller()))
+                .map_err(|e| node_error(graph, m, e))
+        })
+        .collect::<Result<Vec<Tensor>>>()?;
+    let mut rest = rest.iter();
+    let row_args: Vec<&Tensor> = inputs
+        .iter()
+        .map(|x| match matmuls.iter().position(|m| m == x) {
+            Some(i) => &products[i],
+            None => *rest.next().expect("an input"),
+        })
+        .collect();
+    run_rows(graph, kernel, (row_members, inputs, outputs), &row_args)
 }
 
 /// Evaluates a group's `members` in order, op by op, from the values it

@@ -282,6 +282,22 @@ impl BufferModel {
                     values[o.index()] = Some(value);
                 }
             }
+            Kernel::MatmulRows {
+                matmuls,
+                kernel: code,
+                outputs,
+                ..
+            } => {
+                let scratch = self.matmul_rows_scratch(graph, matmuls, code.wide, &inputs)?;
+                if scratch > 0 {
+                    self.create(k, None, scratch);
+                }
+                for &o in outputs {
+                    let value = self.new_value(graph, k, o)?;
+                    self.value_buffer[o.index()] = value.buffer;
+                    values[o.index()] = Some(value);
+                }
+            }
             Kernel::Fused {
                 kernel: code,
                 inputs: fused_inputs,
@@ -298,6 +314,55 @@ impl BufferModel {
             }
         }
         Ok(())
+    }
+
+    /// The scratch of a matmul row kernel (`inputs`: the matmuls'
+    /// operands first). Products the CPU hands to the row kernel block by
+    /// block are never allocated (their blocks are the tasks' own, like the
+    /// row kernel's registers); otherwise each product is made whole,
+    /// after its matmul's own scratch, in the kernel's scratch region
+    /// (`execute::run_matmul_rows`), every piece at a 64-byte boundary.
+    fn matmul_rows_scratch(
+        &self,
+        graph: &Graph,
+        matmuls: &[NodeId],
+        wide: bool,
+        inputs: &[&ValueLayout],
+    ) -> Result<usize> {
+        let mut products = Vec::new();
+        let mut at = 0;
+        for &m in matmuls {
+            let node = graph.node(m);
+            let n = node.inputs.len();
+            let described: Vec<(&Layout, DType, usize)> = inputs[at..at + n]
+                .iter()
+                .map(|v| (&v.layout, v.dtype, v.storage_numel))
+                .collect();
+            at += n;
+            products.push((node, described, concrete(graph, m)?));
+        }
+        let blocked = self.device == Device::Cpu
+            && !wide
+            && cpu::blocks_products(
+                &products
+                    .iter()
+                    .map(|(node, d, shape)| {
+                        let operands = [(d[0].0, d[0].1), (d[1].0, d[1].1)];
+                        (operands, cpu::transposes(&node.op), shape.as_slice())
+                    })
+                    .collect::<Vec<_>>(),
+            );
+        if blocked {
+            return Ok(0);
+        }
+        let mut used: usize = 0;
+        for (node, described, shape) in &products {
+            let own = self.scratch_bytes(&node.op, described, shape);
+            let numel: usize = shape.iter().product();
+            used = used.div_ceil(64) * 64 + own;
+            used = used.div_ceil(64) * 64 + numel * node.ty.dtype.size_bytes();
+        }
+        Ok(used)
     }
 
     fn note_read(&mut self, k: usize, b: usize) {

@@ -18,7 +18,7 @@ use rayon::prelude::*;
 use super::element::{Element, Float};
 use super::Storage;
 use crate::error::{op_err, Result};
-use crate::ir::DType;
+use crate::ir::{DType, Op};
 use crate::tensor::{Layout, Tensor};
 
 /// Per-matmul work (m·n·k) from which one gemm call is split over threads;
@@ -63,15 +63,35 @@ pub fn matmul_t(
     )
 }
 
+/// The operand transposes of a matmul op (`matmul_t`'s flags; none for
+/// `matmul` and any other op).
+pub fn transposes(op: &Op) -> (bool, bool) {
+    match *op {
+        Op::MatMulT {
+            transpose_a,
+            transpose_b,
+        } => (transpose_a, transpose_b),
+        _ => (false, false),
+    }
+}
+
 /// A view of `x` with its last two dims swapped (`x` itself unless `swap`).
 fn swapped_last2(x: &Tensor, swap: bool) -> Tensor {
     if !swap {
         return x.clone();
     }
-    let r = x.rank();
+    Tensor::from_parts(x.storage().clone(), swapped_layout(x.layout(), true))
+}
+
+/// `l` with its last two dims swapped when `swap`.
+fn swapped_layout(l: &Layout, swap: bool) -> Layout {
+    let r = l.rank();
+    if !swap || r < 2 {
+        return l.clone();
+    }
     let mut perm: Vec<usize> = (0..r).collect();
     perm.swap(r - 2, r - 1);
-    Tensor::from_parts(x.storage().clone(), x.layout().permuted(&perm))
+    l.permuted(&perm)
 }
 
 /// One batched matmul in strided form: `batch` products of an m×k and a k×n
@@ -113,6 +133,12 @@ impl Plan {
 
     fn batch(&self) -> usize {
         self.a_batch.numel()
+    }
+
+    /// (batch, rows per matrix, columns): blocked products alike in these
+    /// are split into the same blocks of rows.
+    fn rows(&self) -> (usize, usize, usize) {
+        (self.batch(), self.m, self.n)
     }
 
     /// When every batch shares the right matrix and the left matrices' rows
@@ -204,11 +230,12 @@ const PANEL_K: usize = 128;
 /// or a result width of at most 256 (one that gemm's packing does not pay
 /// for), and at least a micro-tile's worth of rows and columns.
 fn is_thin(plan: &Plan) -> bool {
-    plan.m >= 16
-        && plan.n >= 16
-        && plan.k > 0
-        && plan.k.min(plan.n) <= 256
-        && super::flash::simd_tiles()
+    thin_dims(plan.m, plan.n, plan.k) && super::flash::simd_tiles()
+}
+
+/// Whether an m×k by k×n product has thin dims (see [`is_thin`]).
+pub fn thin_dims(m: usize, n: usize, k: usize) -> bool {
+    m >= 16 && n >= 16 && k > 0 && k.min(n) <= 256
 }
 
 /// `plan`'s f32 product by flash attention's micro-tiles: tasks are
@@ -225,7 +252,7 @@ fn thin_storage(plan: &Plan, a: &Storage, b: &Storage) -> Storage {
         thin_block(
             plan,
             &a[a_off + r0 * plan.a_rs..],
-            &b[b_off..],
+            &PanelsOfB::Strided(&b[b_off..]),
             r1 - r0,
             dst,
         );
@@ -247,6 +274,155 @@ fn thin_storage(plan: &Plan, a: &Storage, b: &Storage) -> Storage {
     out
 }
 
+/// A thin f32 product computed a block of output rows at a time and
+/// handed to a consumer while the block is in cache, never written whole:
+/// the matmuls of a `matmul + row kernel` (fusion's `Kernel::MatmulRows`,
+/// e.g. attention's `q·kᵀ` with its softmax). Same micro-tiles, panels and
+/// task split as [`thin_storage`].
+pub struct BlockedProduct<'a> {
+    plan: Plan,
+    a: &'a [f32],
+    b: &'a [f32],
+}
+
+/// Rows of a [`BlockedProduct`]'s block: a multiple of both micro-tile
+/// heights (6 and 8) and of the prefetch runs; at a 512-column result
+/// 96 KiB, in L2 beside the row kernel's other rows.
+pub const BLOCK_ROWS: usize = PREFETCH_ROWS;
+
+impl<'a> BlockedProduct<'a> {
+    /// `a' @ b'` of `out_shape` (`a'`, `b'`: `a`, `b` with their last two
+    /// dims swapped when `transpose_a`, `transpose_b`), when it is a thin
+    /// f32 product this machine computes by tiles (else `None`: the caller
+    /// computes it whole).
+    pub fn new(
+        a: &'a Tensor,
+        b: &'a Tensor,
+        (transpose_a, transpose_b): (bool, bool),
+        out_shape: &[usize],
+    ) -> Option<BlockedProduct<'a>> {
+        let described = [(a.layout(), a.dtype()), (b.layout(), b.dtype())];
+        let plan = blocked_plan(described, (transpose_a, transpose_b), out_shape)?;
+        Some(BlockedProduct {
+            plan,
+            a: a.storage().as_slice::<f32>(),
+            b: b.storage().as_slice::<f32>(),
+        })
+    }
+
+    fn rows(&self) -> (usize, usize, usize) {
+        self.plan.rows()
+    }
+}
+
+/// Calls `each(first row, blocks)` for consecutive blocks of at most
+/// [`BLOCK_ROWS`] rows of the `products` (alike: [`alike`]), `blocks[i]`
+/// the rows of product `i` (rows of all batches counted row-major, `n`
+/// values each), covering every row once, from rayon's threads. Each task
+/// packs the `B`s it multiplies once, for all its blocks.
+pub fn for_each_block(products: &[BlockedProduct<'_>], each: &(dyn Fn(usize, &[&[f32]]) + Sync)) {
+    let Some(first) = products.first() else {
+        return;
+    };
+    assert!(
+        alike(products),
+        "internal error: blocked products of different rows"
+    );
+    let (batch, m, n) = first.rows();
+    let rows = products
+        .iter()
+        .map(|p| rows_per_task(&p.plan))
+        .min()
+        .unwrap_or(m);
+    let task = |(i, r0): (usize, usize)| {
+        let mut scratch = TASK_SCRATCH.with(|s| s.take());
+        scratch.resize_with(products.len(), Default::default);
+        let (mut blocks, packs): (Vec<&mut Vec<f32>>, Vec<&mut Vec<f32>>) =
+            scratch.iter_mut().map(|(b, p)| (b, p)).unzip();
+        let bs: Vec<(PanelsOfB<'_>, usize)> = products
+            .iter()
+            .zip(packs)
+            .map(|(p, pack)| {
+                let (a_off, b_off) = p.plan.offsets(i);
+                (PanelsOfB::packed(&p.plan, &p.b[b_off..], pack), a_off)
+            })
+            .collect();
+        for block in blocks.iter_mut() {
+            block.resize(BLOCK_ROWS.min(m) * n, 0.0);
+        }
+        let end = (r0 + rows).min(m);
+        for s in (r0..end).step_by(BLOCK_ROWS) {
+            let count = BLOCK_ROWS.min(end - s);
+            for ((p, (b, a_off)), block) in products.iter().zip(&bs).zip(blocks.iter_mut()) {
+                let a = &p.a[a_off + s * p.plan.a_rs..];
+                thin_block(&p.plan, a, b, count, &mut block[..count * n]);
+            }
+            let views: Vec<&[f32]> = blocks.iter().map(|b| &b[..count * n]).collect();
+            each(i * m + s, &views);
+        }
+        drop(bs); // its borrows of the packed `B`s end before `scratch` goes back
+        TASK_SCRATCH.with(|s| s.set(scratch));
+    };
+    let tasks: Vec<(usize, usize)> = (0..batch)
+        .flat_map(|i| (0..m).step_by(rows).map(move |r| (i, r)))
+        .collect();
+    let work: usize = products.iter().map(|p| batch * m * n * p.plan.k).sum();
+    if work < TASK_WORK {
+        tasks.into_iter().for_each(task);
+    } else {
+        tasks.into_par_iter().for_each(task);
+    }
+}
+
+/// Whether `products` split into the same blocks of rows (as
+/// [`for_each_block`] needs).
+pub fn alike(products: &[BlockedProduct<'_>]) -> bool {
+    products.windows(2).all(|w| w[0].rows() == w[1].rows())
+}
+
+thread_local! {
+    /// A [`for_each_block`] task's blocks of the products and their packed
+    /// `B`s, kept for the thread's next task: fresh buffers of 100 KiB and
+    /// more come from `mmap`, page-faulted and zeroed on first touch (15 %
+    /// of the seed's step in `perf` when every task made its own). Taken
+    /// out while a task runs, so a nested task would only allocate anew.
+    static TASK_SCRATCH: std::cell::Cell<Vec<(Vec<f32>, Vec<f32>)>> =
+        const { std::cell::Cell::new(Vec::new()) };
+}
+
+/// A product as the memory planner knows it: its operands' layouts and
+/// dtypes, their transposes and the output shape.
+pub type DescribedProduct<'a> = ([(&'a Layout, DType); 2], (bool, bool), &'a [usize]);
+
+/// Whether [`BlockedProduct::new`] takes each of the products of operands
+/// with these layouts and dtypes, and they split alike (the memory planner
+/// asks: products the CPU does not take by blocks are computed whole, as
+/// the kernel's scratch).
+pub fn blocks_products(products: &[DescribedProduct<'_>]) -> bool {
+    let plans: Option<Vec<Plan>> = products
+        .iter()
+        .map(|&(described, transposes, shape)| blocked_plan(described, transposes, shape))
+        .collect();
+    plans.is_some_and(|plans| plans.windows(2).all(|w| w[0].rows() == w[1].rows()))
+}
+
+fn blocked_plan(
+    [(a, a_dtype), (b, b_dtype)]: [(&Layout, DType); 2],
+    (transpose_a, transpose_b): (bool, bool),
+    out_shape: &[usize],
+) -> Option<Plan> {
+    let f32s = a_dtype == DType::F32 && b_dtype == DType::F32;
+    if !f32s || a.rank() < 2 || b.rank() < 2 {
+        return None;
+    }
+    let (a, b) = (
+        swapped_layout(a, transpose_a),
+        swapped_layout(b, transpose_b),
+    );
+    let plan = Plan::new(&a, &b, out_shape);
+    is_thin(&plan).then_some(plan)
+}
+
 /// Rows per task: whole matrices when the batch alone gives every thread a
 /// few tasks, else blocks (a multiple of 8 rows, at least 32) that do. Each
 /// task packs the `B` panels it uses (when `B`'s rows are strided), a cost
@@ -262,35 +438,75 @@ fn rows_per_task(plan: &Plan) -> usize {
         .min(plan.m)
 }
 
-/// `dst (rows × n) = A (rows × k) · B (k × n)`, `a` and `b` starting at the
-/// block's first row of `A` and at `B`.
-fn thin_block(plan: &Plan, a: &[f32], b: &[f32], rows: usize, dst: &mut [f32]) {
+/// `B` as [`thin_block`] reads it: from its storage (starting at `B`),
+/// packed one panel at a time when its rows are strided; or with every
+/// panel packed beforehand, in the order `thin_block` walks them (a task
+/// that multiplies several blocks of rows by one `B` packs it once).
+enum PanelsOfB<'a> {
+    Strided(&'a [f32]),
+    Packed(&'a [f32]),
+}
+
+impl<'a> PanelsOfB<'a> {
+    /// `b` (starting at `B`) with its panels packed into `packed` when its
+    /// rows are strided.
+    fn packed(plan: &Plan, b: &'a [f32], packed: &'a mut Vec<f32>) -> PanelsOfB<'a> {
+        if plan.b_cs == 1 {
+            return PanelsOfB::Strided(b);
+        }
+        packed.resize(plan.k * plan.n, 0.0);
+        let mut at = 0;
+        for_each_panel(plan, |k0, c0, kc, nc| {
+            let first = k0 * plan.b_rs + c0 * plan.b_cs;
+            let panel = &mut packed[at..at + kc * nc];
+            pack_panel(&b[first..], (plan.b_rs, plan.b_cs), kc, nc, panel);
+            at += kc * nc;
+        });
+        let packed: &'a Vec<f32> = packed;
+        PanelsOfB::Packed(packed)
+    }
+}
+
+/// Calls `f(k0, c0, kc, nc)` for `B`'s panels in [`thin_block`]'s order.
+fn for_each_panel(plan: &Plan, mut f: impl FnMut(usize, usize, usize, usize)) {
     let (n, k) = (plan.n, plan.k);
     let cols = super::flash::tile_cols().min(PANEL_COLS);
-    let mut panel = [0f32; PANEL_K * PANEL_COLS];
     for k0 in (0..k).step_by(PANEL_K) {
         let kc = PANEL_K.min(k - k0);
         for c0 in (0..n).step_by(cols) {
-            let nc = cols.min(n - c0);
-            let first = k0 * plan.b_rs + c0 * plan.b_cs;
-            let (bp, ldb): (&[f32], usize) = if plan.b_cs == 1 {
-                (&b[first..], plan.b_rs)
-            } else {
-                pack_panel(&b[first..], (plan.b_rs, plan.b_cs), kc, nc, &mut panel);
-                (&panel[..kc * nc], nc)
-            };
-            let panel_of_b = (bp, ldb, nc);
-            thin_rows(
-                plan,
-                &a[k0 * plan.a_cs..],
-                kc,
-                rows,
-                panel_of_b,
-                &mut dst[c0..],
-                k0 > 0,
-            );
+            f(k0, c0, kc, cols.min(n - c0));
         }
     }
+}
+
+/// `dst (rows × n) = A (rows × k) · B (k × n)`, `a` starting at the
+/// block's first row of `A`.
+fn thin_block(plan: &Plan, a: &[f32], b: &PanelsOfB<'_>, rows: usize, dst: &mut [f32]) {
+    let mut panel = [0f32; PANEL_K * PANEL_COLS];
+    let mut packed_at = 0;
+    for_each_panel(plan, |k0, c0, kc, nc| {
+        let first = k0 * plan.b_rs + c0 * plan.b_cs;
+        let (bp, ldb): (&[f32], usize) = match b {
+            PanelsOfB::Strided(b) if plan.b_cs == 1 => (&b[first..], plan.b_rs),
+            PanelsOfB::Strided(b) => {
+                pack_panel(&b[first..], (plan.b_rs, plan.b_cs), kc, nc, &mut panel);
+                (&panel[..kc * nc], nc)
+            }
+            PanelsOfB::Packed(all) => {
+                packed_at += kc * nc;
+                (&all[packed_at - kc * nc..packed_at], nc)
+            }
+        };
+        thin_rows(
+            plan,
+            &a[k0 * plan.a_cs..],
+            kc,
+            rows,
+            (bp, ldb, nc),
+            &mut dst[c0..],
+            k0 > 0,
+        );
+    });
 }
 
 /// Rows of `A` per tile product when its next rows are prefetched (see

@@ -20,6 +20,9 @@ mod stream;
 
 pub use alloc::{empty_cache, memory_stats, reset_peak, MemoryStats};
 pub use element::{Element, Float};
+pub use matmul::{
+    alike, blocks_products, for_each_block, thin_dims, transposes, BlockedProduct, DescribedProduct,
+};
 pub use storage::Storage;
 
 use crate::error::Result;

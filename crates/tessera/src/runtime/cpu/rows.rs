@@ -98,7 +98,8 @@ impl RowKernel {
     /// broadcastable to `outer ++ [len]`.
     pub fn run(&self, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
         let full = self.checked_shape(inputs)?;
-        let sources: Vec<Source<'_>> = inputs.iter().map(|t| Source::new(t, &full)).collect();
+        let sources: Vec<Option<Source<'_>>> =
+            inputs.iter().map(|t| Some(Source::new(t, &full))).collect();
         Ok(if self.wide {
             self.run_as::<f64>(&sources)
         } else {
@@ -106,63 +107,70 @@ impl RowKernel {
         })
     }
 
-    fn run_as<A: Transcendental + SoftmaxExp>(&self, sources: &[Source<'_>]) -> Vec<Tensor> {
-        let rows = self.rows();
-        let mut outs: Vec<Storage> = self
-            .outputs
+    /// Runs the kernel with the inputs `fed` (row values spanning
+    /// `outer ++ [len]`, of the f32 compute type) not read from memory but
+    /// handed over block by block: `feed(each)` calls `each(first row,
+    /// values)` with consecutive rows' values (`len` each, `values[i]` of
+    /// input `fed[i]`) for every row once, from any thread, and the rows
+    /// are evaluated right away while in cache. The fed inputs are `None`
+    /// in `inputs`; the others are as for [`run`].
+    ///
+    /// [`run`]: RowKernel::run
+    pub fn run_fed(
+        &self,
+        inputs: &[Option<&Tensor>],
+        fed: &[usize],
+        feed: impl FnOnce(&(dyn Fn(usize, &[&[f32]]) + Sync)),
+    ) -> Result<Vec<Tensor>> {
+        let read: Vec<&Tensor> = inputs.iter().flatten().copied().collect();
+        let full = self.checked_shape(&read)?;
+        let unread = inputs.iter().filter(|t| t.is_none()).count();
+        let steps: Option<Vec<usize>> = fed
             .iter()
-            .map(|(s, d, _)| {
-                Storage::new(
-                    *d,
-                    if self.is_row[*s] {
-                        rows * self.len
-                    } else {
-                        rows
-                    },
-                )
+            .map(|&j| {
+                let step = self
+                    .steps
+                    .iter()
+                    .position(|s| *s == RowStep::Point(Step::Load(j)))?;
+                let fits = inputs.get(j).is_some_and(Option::is_none) && self.is_row[step];
+                fits.then_some(step)
             })
             .collect();
-        let sinks: Vec<(*mut u8, DType)> = outs
-            .iter_mut()
-            .map(|s| (s.as_bytes_mut().as_mut_ptr(), s.dtype()))
-            .collect();
-        let sinks = Sinks(sinks);
-        let slots = Slots::allocate(self);
-        let per_task = (super::copy::PAR_THRESHOLD / self.len.max(1)).max(1);
-        let direct = Direct::find::<A>(self, sources, &sinks);
-        // Rows written straight into outputs far larger than the caches
-        // are stored non-temporally (softmax, through a scratch row).
-        let bytes: usize = outs.iter().map(|s| s.as_bytes().len()).sum();
-        let stream = bytes >= stream_min_bytes();
-        let softmax = self
-            .steps
-            .iter()
-            .any(|s| matches!(s, RowStep::Softmax { .. }));
-        let run = |range: std::ops::Range<usize>| {
-            let mut file = vec![<A as AccFloat>::ZERO; slots.count * self.len];
-            let mut scalars = vec![<A as AccFloat>::ZERO; self.steps.len()];
-            let mut at = vec![std::ptr::null_mut::<A>(); self.steps.len()];
-            let scratch_len = if stream && softmax { self.len } else { 0 };
-            let mut scratch = vec![<A as AccFloat>::ZERO; scratch_len];
-            for r in range {
-                direct.place_row(r, self.len, &slots, &mut file, &mut at);
-                let io = (&direct, stream, &mut scratch[..]);
-                self.eval_row(r, sources, io, &at, &mut scalars);
-                self.store_row(r, &sinks, &direct, &at, &scalars);
-            }
+        let Some(steps) = steps.filter(|_| unread == fed.len() && !self.wide) else {
+            return Err(op_err!(
+                Verify,
+                "fused_rows",
+                "internal error: inputs {fed:?} of an f32 row kernel cannot be fed by blocks"
+            ));
         };
+        let sources: Vec<Option<Source<'_>>> = inputs
+            .iter()
+            .map(|t| t.map(|t| Source::new(t, &full)))
+            .collect();
+        let eval = Evaluation::<f32>::new(self, &sources, steps);
+        feed(&|first: usize, values: &[&[f32]]| {
+            let count = values.first().map_or(0, |v| v.len() / self.len.max(1));
+            eval.rows(first..first + count, values);
+        });
+        Ok(eval.finish())
+    }
+
+    fn run_as<A: Transcendental + SoftmaxExp>(
+        &self,
+        sources: &[Option<Source<'_>>],
+    ) -> Vec<Tensor> {
+        let rows = self.rows();
+        let eval = Evaluation::<A>::new(self, sources, Vec::new());
+        let per_task = (super::copy::PAR_THRESHOLD / self.len.max(1)).max(1);
         if rows * self.len < super::copy::PAR_THRESHOLD || rows < 2 {
-            run(0..rows);
+            eval.rows(0..rows, &[]);
         } else {
             let tasks = rows.div_ceil(per_task);
             (0..tasks)
                 .into_par_iter()
-                .for_each(|t| run(t * per_task..((t + 1) * per_task).min(rows)));
+                .for_each(|t| eval.rows(t * per_task..((t + 1) * per_task).min(rows), &[]));
         }
-        outs.into_iter()
-            .zip(&self.outputs)
-            .map(|(s, (_, _, shape))| Tensor::from_storage(s, shape))
-            .collect()
+        eval.finish()
     }
 
     /// Evaluates row `r`: row step `i` lives at `at[i]` (a register slot,
@@ -172,7 +180,7 @@ impl RowKernel {
     fn eval_row<A: Transcendental + SoftmaxExp>(
         &self,
         r: usize,
-        sources: &[Source<'_>],
+        sources: &[Option<Source<'_>>],
         io: (&Direct, bool, &mut [A]),
         at: &[*mut A],
         scalars: &mut [A],
@@ -200,7 +208,7 @@ impl RowKernel {
                     let io = RowIo {
                         stream: stream && direct.in_output[i],
                         // Input rows read in place follow one another.
-                        prefetch_next: direct.input[*arg],
+                        prefetch_next: direct.input[*arg] && !direct.fed.contains(arg),
                     };
                     softmax_row(row(*arg), dst, *log, scratch, io)
                 }
@@ -214,14 +222,14 @@ impl RowKernel {
         &self,
         step: &Step,
         r: usize,
-        sources: &[Source<'_>],
+        sources: &[Option<Source<'_>>],
         dst: &mut [A],
         row: &impl Fn(usize) -> &'f [A],
         scalars: &[A],
     ) {
         let is_row = |j: usize| self.is_row[j];
         match *step {
-            Step::Load(k) => sources[k].load_row(r * self.len, dst),
+            Step::Load(k) => source(sources, k).load_row(r * self.len, dst),
             Step::Unary(op, a) => unary_into(op, row(a), dst),
             Step::Binary(op, a, b) => match (is_row(a), is_row(b)) {
                 (true, true) => binary_into(op, row(a), row(b), dst),
@@ -268,7 +276,7 @@ impl RowKernel {
         &self,
         step: &RowStep,
         r: usize,
-        sources: &[Source<'_>],
+        sources: &[Option<Source<'_>>],
         scalars: &[A],
         row: &impl Fn(usize) -> &'f [A],
     ) -> A {
@@ -278,7 +286,7 @@ impl RowKernel {
             RowStep::Reduce(op, a) => return reduce_row(*op, row(*a)),
             RowStep::Softmax { .. } => unreachable!("softmax is a row value"),
             RowStep::Point(p) => match *p {
-                Step::Load(k) => return sources[k].load_one(r),
+                Step::Load(k) => return source(sources, k).load_one(r),
                 Step::Const(c) => return A::from_f64(c),
                 Step::Unary(op, a) => unary_into(op, &one(a), &mut out),
                 Step::Binary(op, a, b) => binary_into(op, &one(a), &one(b), &mut out),
@@ -324,6 +332,99 @@ impl RowKernel {
     }
 }
 
+/// A row kernel's evaluation into its (allocated) outputs, a range of
+/// rows at a time from any thread (each row once).
+struct Evaluation<'k, 's, A> {
+    kernel: &'k RowKernel,
+    sources: &'k [Option<Source<'s>>],
+    outs: Vec<Storage>,
+    sinks: Sinks,
+    slots: Slots,
+    direct: Direct,
+    /// Rows written straight into outputs far larger than the caches are
+    /// stored non-temporally (softmax, through a scratch row).
+    stream: bool,
+    softmax: bool,
+    _compute: std::marker::PhantomData<A>,
+}
+
+impl<'k, 's, A: Transcendental + SoftmaxExp> Evaluation<'k, 's, A> {
+    /// `fed`: the steps whose rows [`Evaluation::rows`] is handed (`Load`s
+    /// of the inputs that have no source).
+    fn new(
+        kernel: &'k RowKernel,
+        sources: &'k [Option<Source<'s>>],
+        fed: Vec<usize>,
+    ) -> Evaluation<'k, 's, A> {
+        let rows = kernel.rows();
+        let mut outs: Vec<Storage> = kernel
+            .outputs
+            .iter()
+            .map(|(s, d, _)| {
+                let numel = if kernel.is_row[*s] {
+                    rows * kernel.len
+                } else {
+                    rows
+                };
+                Storage::new(*d, numel)
+            })
+            .collect();
+        let sinks = Sinks(
+            outs.iter_mut()
+                .map(|s| (s.as_bytes_mut().as_mut_ptr(), s.dtype()))
+                .collect(),
+        );
+        let direct = Direct::find::<A>(kernel, sources, &sinks, fed);
+        let bytes: usize = outs.iter().map(|s| s.as_bytes().len()).sum();
+        Evaluation {
+            kernel,
+            sources,
+            slots: Slots::allocate(kernel),
+            direct,
+            stream: bytes >= stream_min_bytes(),
+            softmax: kernel
+                .steps
+                .iter()
+                .any(|s| matches!(s, RowStep::Softmax { .. })),
+            outs,
+            sinks,
+            _compute: std::marker::PhantomData,
+        }
+    }
+
+    /// Evaluates and stores `range`'s rows; `fed[i]` holds fed step `i`'s
+    /// values of these rows (`len` per row).
+    fn rows(&self, range: std::ops::Range<usize>, fed: &[&[A]]) {
+        let k = self.kernel;
+        let len = k.len;
+        let mut file = vec![<A as AccFloat>::ZERO; self.slots.count * len];
+        let mut scalars = vec![<A as AccFloat>::ZERO; k.steps.len()];
+        let mut at = vec![std::ptr::null_mut::<A>(); k.steps.len()];
+        let scratch_len = if self.stream && self.softmax { len } else { 0 };
+        let mut scratch = vec![<A as AccFloat>::ZERO; scratch_len];
+        let start = range.start;
+        for r in range {
+            self.direct
+                .place_row(r, len, &self.slots, &mut file, &mut at);
+            for (&step, values) in self.direct.fed.iter().zip(fed) {
+                // Read only: no step writes where an input lives.
+                at[step] = values[(r - start) * len..][..len].as_ptr() as *mut A;
+            }
+            let io = (&self.direct, self.stream, &mut scratch[..]);
+            k.eval_row(r, self.sources, io, &at, &mut scalars);
+            k.store_row(r, &self.sinks, &self.direct, &at, &scalars);
+        }
+    }
+
+    fn finish(self) -> Vec<Tensor> {
+        self.outs
+            .into_iter()
+            .zip(&self.kernel.outputs)
+            .map(|(s, (_, _, shape))| Tensor::from_storage(s, shape))
+            .collect()
+    }
+}
+
 /// Row values that live in memory rather than in a register slot: a
 /// contiguous input of the compute type is read where it is (no copy), and
 /// a row output of the compute type is computed into the output buffer.
@@ -336,30 +437,42 @@ struct Direct {
     output: Vec<bool>,
     /// Per step: computed straight into an output's memory.
     in_output: Vec<bool>,
+    /// The steps whose rows are handed over (see [`RowKernel::run_fed`]).
+    fed: Vec<usize>,
 }
 
 impl Direct {
-    fn find<A: AccFloat>(k: &RowKernel, sources: &[Source<'_>], sinks: &Sinks) -> Direct {
+    /// `fed`: the steps whose rows are handed to the evaluation (inputs
+    /// without a source, read where they are handed).
+    fn find<A: AccFloat>(
+        k: &RowKernel,
+        sources: &[Option<Source<'_>>],
+        sinks: &Sinks,
+        fed: Vec<usize>,
+    ) -> Direct {
         let width = std::mem::size_of::<A>();
         let same = |d: DType| d.size_bytes() == width && d.is_float();
         let mut base: Vec<Option<usize>> = vec![None; k.steps.len()];
         for (i, step) in k.steps.iter().enumerate() {
             if let (RowStep::Point(Step::Load(j)), true) = (step, k.is_row[i]) {
-                let t = sources[*j].tensor;
-                if let (Some(range), true) = (sources[*j].full.contiguous_range(), same(t.dtype()))
-                {
+                let Some(source) = &sources[*j] else { continue };
+                let t = source.tensor;
+                if let (Some(range), true) = (source.full.contiguous_range(), same(t.dtype())) {
                     let bytes = t.storage().as_bytes();
                     base[i] = Some(bytes.as_ptr() as usize + range.start * width);
                 }
             }
         }
-        let input: Vec<bool> = base.iter().map(Option::is_some).collect();
+        let mut input: Vec<bool> = base.iter().map(Option::is_some).collect();
+        for &f in &fed {
+            input[f] = true;
+        }
         let mut output = vec![false; k.outputs.len()];
         let mut in_output = vec![false; k.steps.len()];
         for (o, &(s, dtype, _)) in k.outputs.iter().enumerate() {
             // An output step computed once into the buffer (a step that is
             // two outputs is stored for the second).
-            if k.is_row[s] && same(dtype) && base[s].is_none() {
+            if k.is_row[s] && same(dtype) && !input[s] {
                 base[s] = Some(sinks.0[o].0 as usize);
                 output[o] = true;
                 in_output[s] = true;
@@ -370,6 +483,7 @@ impl Direct {
             input,
             output,
             in_output,
+            fed,
         }
     }
 
@@ -384,6 +498,14 @@ impl Direct {
             };
         }
     }
+}
+
+/// Input `k`'s source: every input has one but the fed input, which is
+/// never loaded (its rows are handed over, see [`Direct::fed`]).
+fn source<'a, 's>(sources: &'a [Option<Source<'s>>], k: usize) -> &'a Source<'s> {
+    sources[k]
+        .as_ref()
+        .expect("only a fed input has no source, and it is read where it is handed")
 }
 
 /// Output buffers, written at disjoint rows by the tasks.
