@@ -36,6 +36,19 @@ fn chain() -> Vec<Step> {
     ]
 }
 
+/// The least CPU time (ms) of `reps` rounds of `runs` runs of `k` over `x`.
+fn best_cpu_ms(reps: usize, runs: usize, k: &FusedKernel, x: &Tensor) -> f64 {
+    (0..reps)
+        .map(|_| {
+            let t = cpu_ms();
+            for _ in 0..runs {
+                drop(k.run(&[x]).unwrap());
+            }
+            cpu_ms() - t
+        })
+        .fold(f64::INFINITY, f64::min)
+}
+
 fn main() {
     let total = 64usize << 20;
     let small: usize = std::env::var("SMALL")
@@ -77,14 +90,7 @@ fn main() {
             for size in sizes {
                 let x = Tensor::randn(&[size], DType::F32, &mut g);
                 let k = FusedKernel::new(vec![size], chain(), vec![(12, DType::F32)], false);
-                let mut best = f64::INFINITY;
-                for _ in 0..5 {
-                    let t = cpu_ms();
-                    for _ in 0..total / size {
-                        drop(k.run(&[&x]).unwrap());
-                    }
-                    best = best.min(cpu_ms() - t);
-                }
+                let best = best_cpu_ms(5, total / size, &k, &x);
                 println!("chain at {size:>9}: {best:6.1} ms cpu per 64Mi");
             }
             continue;
@@ -92,14 +98,7 @@ fn main() {
         for (name, steps) in &kernels {
             let out = steps.len() - 1;
             let k = FusedKernel::new(vec![small], steps.clone(), vec![(out, DType::F32)], false);
-            let mut best = f64::INFINITY;
-            for _ in 0..3 {
-                let t = cpu_ms();
-                for _ in 0..total / small {
-                    drop(k.run(&[&xs]).unwrap());
-                }
-                best = best.min(cpu_ms() - t);
-            }
+            let best = best_cpu_ms(3, total / small, &k, &xs);
             println!(
                 "{name:>12}: {best:6.1} ms cpu per 64Mi ({:.3} ns/elem), block {}",
                 best * 1e6 / total as f64,
