@@ -48,10 +48,10 @@ TN = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
 # (4 warpgroups of 64 query rows; the wgmma backward has 2 warpgroups x 64 keys).
 # "ring"/"ringt": the forward whose K/V tiles go through a 4-stage mbarrier ring (ringt:
 # its warpgroups also take turns issuing their products, see turn_wait in the .cu).
-# (The "turns" variants of g4 and of the backward, 1.76 / 4.48 ms, were dropped: NOTES.md.)
+# (The "turns" variants of g4 and of the backward, 1.76 / 4.48 ms, were dropped: docs/perf/cuda-flash.md.)
 FWD_CFGS = {64: [(4, 64)], 128: [("g4", 64), ("ring", 64), ("ringt", 64), (4, 64), ("split", 3)]}
 # (The backward's ring variants of session 4 -- with S and dP waited separately, with
-# the dQ product deferred to the next iteration -- were dropped: NOTES.md.)
+# the dQ product deferred to the next iteration -- were dropped: docs/perf/cuda-flash.md.)
 # wgmma backward: ("wg", s) every item split s ways (s = 1: none); ("wg", s, t) the last
 # t items split s ways; ("plan",) the Rust launcher's groups and splits for this GPU's SM
 # count (scripts/flash_bwd_plan.py); ("grp", g) groups of g, nothing split (the launcher

@@ -15,7 +15,7 @@
 //                                   registers. _ring_t: the warpgroups also take turns
 //                                   issuing S (named barriers).
 //   flash_fwd_wg_<t>_d128_g4_c64    the same tiles with two K/V buffers and a block
-//                                   barrier per key tile (1.57 vs 1.27 ms, NOTES.md).
+//                                   barrier per key tile (1.57 vs 1.27 ms, docs/perf/cuda-flash.md).
 //                                   max-autotune times the three.
 //   flash_fwd_wg_split_<t>_d128     the same with each query block's key tiles split over
 //   flash_fwd_combine_<t>_d128      blockIdx.z (for small batch x heads, which would
@@ -46,7 +46,7 @@
 // .v2/.v4.f32) by every key block rather than by a separate dQ pass, which would
 // recompute S and dP (two of the five products) a second time. The wgmma backward adds
 // whole 512-byte runs per warp instruction (a fragment-tiled workspace, see bwd_wg):
-// 4.04 ms instead of 4.5 ms at (8, 32, 2048, 128) on an H200 (BENCHMARKS.md, NOTES.md).
+// 4.04 ms instead of 4.5 ms at (8, 32, 2048, 128) on an H200 (docs/perf/cuda-flash.md, session 2).
 //
 // Only headers NVRTC ships are used; there is no host code here.
 
@@ -777,7 +777,7 @@ __device__ __forceinline__ void fence_proxy_async() {
 // so the tensor cores finish them one warpgroup after another and each warpgroup's
 // softmax can run while the next one's products are on the tensor cores. Used by the
 // ring forward's _t variant; with a block barrier per tile (g4, the backward) turns
-// were slower (NOTES.md). Barrier 0 is __syncthreads.
+// were slower (docs/perf/cuda-flash.md). Barrier 0 is __syncthreads.
 __device__ __forceinline__ void turn_wait(int wg) {
   asm volatile("bar.sync %0, 256;\n" ::"r"(1 + wg) : "memory");
 }
@@ -1322,7 +1322,7 @@ __device__ __forceinline__ void bwd_wg_store_dkv(float (&dk)[64], float (&dv)[64
 // Backward (D = 128): 2 warpgroups x 64 keys per block, query tiles of 64 rows.
 //
 // Each query tile's dQ goes to the f32 workspace with red.global.add.v4.f32, fragment-
-// tiled (above). Tried and slower (BENCHMARKS.md, NOTES.md): row-major v2/v4 reductions
+// tiled (above). Tried and slower (docs/perf/cuda-flash.md): row-major v2/v4 reductions
 // (16 rows x 32 B per warp instruction), and staging the tile in shared memory for one
 // cp.reduce.async.bulk per tile (4.17 vs 4.03 ms at (8, 32, 2048, 128)); issuing the dQ
 // product before dV/dK and reducing while those run was no faster (4.04); issuing tile
@@ -1331,7 +1331,7 @@ __device__ __forceinline__ void bwd_wg_store_dkv(float (&dk)[64], float (&dv)[64
 // The query-side operands (Q, dO, lse, Delta tiles) go through a 3-stage ring under
 // mbarriers and dS^T is double-buffered, so that no block barrier is left in the loop
 // (the forward's ring applied to the backward: 3.93-3.99 ms against 4.08-4.10 with
-// two block barriers per query tile, NOTES.md session 4). Two kinds of mbarrier,
+// two block barriers per query tile, docs/perf/cuda-flash.md session 4). Two kinds of mbarrier,
 // THREADS arrivals each:
 //   full[st]: every thread's cp.async share of the tile in stage st landed (a thread
 //     publishes tile j+1 while S_j/dP_j are on the tensor cores);

@@ -147,7 +147,7 @@ pub enum FwdKernel {
 /// How the wgmma forward's warpgroups share the K/V tiles (same tiles, same
 /// arithmetic, same results). At (8, 32, 2048, 128) bf16 on an H200 the ring
 /// took 1.27 ms, the ring with turns 1.29 and the barrier version 1.57
-/// (BENCHMARKS.md); `max-autotune` times all three.
+/// (docs/perf/cuda-flash.md, session 3); `max-autotune` times all three.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum WgFwd {
     /// A 4-stage K/V ring under mbarriers: warpgroups drift up to two tiles.
@@ -212,7 +212,7 @@ pub fn arch_for(cc: (i32, i32)) -> String {
 }
 
 /// Picks the kernels by dtype, head dim and compute capability. The choices are the
-/// fastest measured on an H200 at (8, 32, 2048, 128) bf16 (BENCHMARKS.md); the mma.sync
+/// fastest measured on an H200 at (8, 32, 2048, 128) bf16 (docs/perf/cuda-flash.md); the mma.sync
 /// ones serve every other sm_80+ device.
 pub fn select(dtype: FlashDType, head_dim: usize, cc: (i32, i32)) -> Result<Selection> {
     if cc.0 < 8 {
@@ -683,7 +683,7 @@ pub const ACC_BUDGET: usize = 32 << 20;
 /// its own workspace of 1/LANES of [`ACC_BUDGET`]: the caller's stream and auxiliary
 /// ones ([`flash_backward`]). On one stream each group boundary cost the main kernel's
 /// drain and the next group's pre-kernel and ramp, serialized (~0.02 ms at the seed on
-/// an H200, NOTES.md session 6); with two, one group's main kernel fills the SMs while
+/// an H200, docs/perf/cuda-flash.md session 6); with two, one group's main kernel fills the SMs while
 /// the other lane drains, converts its dQ and zeroes its workspace for the next group.
 pub const LANES: usize = 2;
 

@@ -814,7 +814,7 @@ pub(super) fn tile_cols() -> usize {
 /// accumulators, 10 loads per 24 FMAs) rather than flash attention's
 /// 8 × 2: a matmul's panels are [`tile_cols`] = 64 wide, and the wider
 /// tile reads each broadcast of `A` for twice the columns (attention's
-/// products at head dim 64 ran 5-30 % faster per core, BENCHMARKS.md).
+/// products at head dim 64 ran 5-30 % faster per core: BENCHMARKS.md at 321f0c1).
 #[allow(clippy::too_many_arguments)]
 pub(super) fn tile_product(
     m: usize,

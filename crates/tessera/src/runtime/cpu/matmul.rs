@@ -526,7 +526,7 @@ const PREFETCH_MIN_K: usize = 256;
 /// `kc` and a page every few lines, which the hardware prefetcher does not
 /// follow; a row-major one with long rows (`P`, `dS`) is read as many
 /// streams at once. dV = Pᵀ·dO and dK = dSᵀ·Q ran ~1.5× faster per core,
-/// O = P·V 1–56 % (BENCHMARKS.md).
+/// O = P·V 1–56 % (BENCHMARKS.md at 321f0c1, branch cpuseed).
 fn thin_rows(
     plan: &Plan,
     a: &[f32],
