@@ -367,3 +367,40 @@ fn a_matmul_row_kernel_with_products_split_differently() {
     assert_eq!(s.memory.scratch_bytes(fed[0]), 2 * (2 * 40 * 40 * 4));
     check_graph(&g, &inputs);
 }
+
+/// A fused kernel with two outputs whose input is a reshape view of an
+/// intermediate that dies there (the local-response-normalisation shape):
+/// the plan writes an output over the intermediate's buffer, and the
+/// donation names the value the kernel reads — the view — so the executor
+/// hands it over instead of allocating the output in another output's
+/// slot (issue 15, defect 2: later kernels overwrote `y`).
+#[test]
+fn in_place_write_through_a_reshape_view() {
+    let _lock = allocator();
+    let inputs = vec![
+        randn(&[8, 5], DType::F32, 1),
+        randn(&[5, 6], DType::F32, 2),
+        randn(&[1, 8], DType::F32, 3),
+        randn(&[8, 8], DType::F32, 4),
+    ];
+    let graph = traced("reshape_in_place", &inputs, |a| {
+        let y = a[0].matmul(&a[1]).reshape(&[6, 8]).relu();
+        let s = (&y * &y).sum(&[1], true);
+        let m = s.matmul(&a[2]);
+        vec![(m.exp().matmul(&a[3]) + &y) * &m]
+    });
+    check_graph(&graph, &inputs);
+    let (_, s) = planned(&graph, Strategy::Bfs, None);
+    let reshape = graph
+        .nodes
+        .iter()
+        .position(|n| n.op.name() == "reshape")
+        .map(|i| tessera::ir::NodeId(i as u32))
+        .expect("the graph reshapes");
+    assert!(
+        s.memory.donations.iter().any(|d| d.input == reshape),
+        "the relu is written over the reshaped buffer, read through the view: {:?}\n{}",
+        s.memory.donations,
+        s.memory.describe(&graph)
+    );
+}

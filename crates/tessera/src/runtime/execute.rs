@@ -126,6 +126,7 @@ pub fn run_scheduled_with(
     };
     let slots = |k: usize| -> Result<Planned> {
         let mut slots = arena.slots();
+        let mut in_place = Vec::new();
         for &i in &created[k] {
             let b = &memory.buffers[i];
             let place = match (b.within, b.escapes) {
@@ -139,12 +140,13 @@ pub fn run_scheduled_with(
                 (None, _) => slots.scratch(b.offset, b.bytes.div_ceil(64) * 64),
                 (Some(_), None) => slots.value(b.bytes, place),
                 // Written over its input's storage: allocates nothing.
-                (Some(_), Some(_)) => {}
+                (Some(v), Some(_)) => in_place.push((v, slots.in_place(b.bytes))),
             }
         }
         Ok(Planned {
             slots,
             joins: memory.joins[k],
+            in_place,
         })
     };
     let kernel_memory = |k: usize| -> Result<KernelMemory> {
@@ -297,11 +299,10 @@ fn execute_here(
                 .iter()
                 .map(|&k| {
                     let mem = memory(k)?;
-                    let mut job =
-                        Job::gather(graph, k, &plan.kernels[k], &mem.in_place, &mut values);
-                    job.planned = mem.planned.filter(|_| {
-                        on == Device::Cpu || placed_on_device(graph, &plan.kernels[k], on)
-                    });
+                    let job = Job::gather(graph, k, &plan.kernels[k], &mem.in_place, &mut values)
+                        .with_plan(mem.planned.filter(|_| {
+                            on == Device::Cpu || placed_on_device(graph, &plan.kernels[k], on)
+                        }));
                     Ok((job, mem.alone))
                 })
                 .collect::<Result<_>>()?;
@@ -492,6 +493,8 @@ struct Job<'a> {
     args: Vec<Arg>,
     /// Where its allocations go (compiled runs with a memory plan).
     planned: Option<Planned>,
+    /// Outputs planned in place whose input was still shared.
+    undonated: Vec<NodeId>,
 }
 
 /// A kernel's planned allocations.
@@ -499,6 +502,18 @@ struct Planned {
     slots: Slots,
     /// A cat whose inputs were made within its output: it copies nothing.
     joins: bool,
+    /// The outputs planned to be written over an input, with their slots.
+    in_place: Vec<(NodeId, usize)>,
+}
+
+impl Planned {
+    /// Output `out` could not be written in place (its input was still
+    /// shared): it is allocated in its own slot, from the pool.
+    fn release_in_place(&mut self, out: NodeId) {
+        if let Some(&(_, slot)) = self.in_place.iter().find(|(v, _)| *v == out) {
+            self.slots.release_in_place(slot);
+        }
+    }
 }
 
 impl<'a> Job<'a> {
@@ -514,6 +529,7 @@ impl<'a> Job<'a> {
         values: &mut [Option<Tensor>],
     ) -> Job<'a> {
         let writes = kernel.writes();
+        let mut undonated = Vec::new();
         let args = kernel
             .reads(graph)
             .into_iter()
@@ -541,6 +557,7 @@ impl<'a> Job<'a> {
                                 graph.display_name(out)
                             )
                         });
+                        undonated.push(out);
                         Arg::Shared(t)
                     }
                 }
@@ -550,12 +567,27 @@ impl<'a> Job<'a> {
             kernel,
             args,
             planned: None,
+            undonated,
         }
+    }
+
+    /// Gives the job its planned allocations; the outputs whose input
+    /// could not be handed over take their own (pool) slots.
+    fn with_plan(mut self, planned: Option<Planned>) -> Job<'a> {
+        self.planned = planned.map(|mut p| {
+            for &out in &self.undonated {
+                p.release_in_place(out);
+            }
+            p
+        });
+        self
     }
 
     fn run(mut self, graph: &Graph, tune: bool) -> Result<Vec<(NodeId, Tensor)>> {
         match self.planned.take() {
-            Some(Planned { slots, joins: true }) => self.join(graph, slots),
+            Some(Planned {
+                slots, joins: true, ..
+            }) => self.join(graph, slots),
             Some(Planned { slots, .. }) => {
                 let (kernel, places) = (self.kernel, slots.value_addrs());
                 let written = arena::planned(slots, || self.run_kernel(graph, tune))?;

@@ -46,12 +46,17 @@ pub(crate) struct Buffer {
     pub within: Option<(usize, usize)>,
 }
 
-/// A fused kernel may write output `output` into the buffer of its input
-/// `input` (position in its inputs) if, in the chosen order, that input is
-/// read for the last time by this kernel alone (see `memory.rs`).
+/// A fused kernel may write output `output` (position in its outputs) into
+/// `buffer`, which its input `input` reads, if, in the chosen order, that
+/// buffer is read for the last time by this kernel alone (see `memory.rs`).
+/// `input` is the value the kernel reads — a view of the buffer's value
+/// (a reshape, say) as often as the value itself — and is what the executor
+/// hands over: naming the buffer's own value there would leave the
+/// executor without the donation and every later allocation of the kernel
+/// one slot off.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub(crate) struct InPlace {
-    pub input: usize,
+    pub input: NodeId,
     pub output: usize,
     pub buffer: usize,
 }
@@ -460,7 +465,7 @@ fn in_place_candidates(
 ) -> Vec<InPlace> {
     let value = |v: NodeId| values[v.index()].as_ref().expect("made before use");
     let mut found = Vec::new();
-    for (j, &x) in inputs.iter().enumerate() {
+    for &x in inputs {
         let vx = value(x);
         let Some(buffer) = vx.buffer else { continue };
         let read_once = inputs
@@ -475,7 +480,7 @@ fn in_place_candidates(
         for (o, &out) in outputs.iter().enumerate() {
             if graph.node(out).ty.dtype == vx.dtype {
                 found.push(InPlace {
-                    input: j,
+                    input: x,
                     output: o,
                     buffer,
                 });

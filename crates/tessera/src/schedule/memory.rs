@@ -108,7 +108,8 @@ pub(crate) struct Liveness {
     pub last: Vec<usize>,
     /// Per buffer, the buffer whose place it takes.
     pub reuses: Vec<Option<usize>>,
-    pub donations: Vec<(usize, usize, usize)>,
+    /// (kernel, the input value it overwrites, the output buffer written).
+    pub donations: Vec<(usize, NodeId, usize)>,
     pub step_bytes: Vec<usize>,
     /// Per step, the bytes live when it starts (made by earlier steps).
     pub start_bytes: Vec<usize>,
@@ -180,7 +181,7 @@ impl Liveness {
                     }
                     taken[c.buffer] = true;
                     self.reuses[output] = Some(c.buffer);
-                    self.donations.push((k, c.buffer, output));
+                    self.donations.push((k, c.input, output));
                 }
             }
         }
@@ -469,7 +470,7 @@ fn donations(model: &BufferModel, live: &Liveness) -> Vec<Donation> {
         .iter()
         .map(|&(kernel, input, output)| Donation {
             kernel,
-            input: value(input),
+            input,
             output: value(output),
         })
         .collect();

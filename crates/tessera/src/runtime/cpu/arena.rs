@@ -202,6 +202,23 @@ impl Slots {
         self.values.push((bytes, place, false));
     }
 
+    /// The kernel's next output value, planned to be written over one of
+    /// its inputs: it holds its position among the outputs but takes no
+    /// allocation, unless [`Slots::release_in_place`] says the donation
+    /// did not happen. Returns its index for that call.
+    pub fn in_place(&mut self, bytes: usize) -> usize {
+        self.values.push((bytes, Place::Pool, true));
+        self.values.len() - 1
+    }
+
+    /// The input planned to be overwritten by the value of slot `index`
+    /// could not be handed over (still shared): that value is allocated
+    /// from the pool in its own position. Without this slot it would take
+    /// the next untaken slot of its size, the place of another output.
+    pub fn release_in_place(&mut self, index: usize) {
+        self.values[index].2 = false;
+    }
+
     /// The place of the kernel's value of `len` bytes, taken without
     /// allocating (a cat in place takes its output this way).
     pub(crate) fn take_value(&mut self, len: usize) -> Option<Taken> {
