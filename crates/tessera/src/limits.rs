@@ -28,8 +28,9 @@
 //! fallible and reports `ErrorKind::OutOfMemory` (see
 //! `runtime::cpu::alloc`).
 
+use std::fmt::Display;
+
 use crate::error::{Error, ErrorKind, Result};
-use crate::ir::{DType, TensorType};
 
 /// The most elements one tensor may have (its [`extent`]): 2^46.
 pub const MAX_ELEMENTS: usize = 1 << 46;
@@ -53,22 +54,20 @@ pub fn numel(dims: &[usize]) -> Option<usize> {
 }
 
 /// The element count of a tensor of `dtype` and `shape` made by `op`, or an
-/// error naming `op`, the type and the limit.
-pub fn check(op: &str, dtype: DType, shape: &[usize]) -> Result<usize> {
-    numel(shape).ok_or_else(|| too_large(op, &TensorType::new(dtype, shape).to_string(), shape))
-}
-
-/// [`check`] for an IR type; a symbolic shape passes (it is checked when
-/// its symbols get values).
-pub fn check_type(op: &str, ty: &TensorType) -> Result<()> {
-    match ty.shape.as_concrete() {
-        Some(dims) => check(op, ty.dtype, &dims).map(|_| ()),
-        None => Ok(()),
-    }
+/// error naming `op`, the type (`f32[4294967296,4294967296]`) and the limit.
+pub fn check(op: &str, dtype: impl Display, shape: &[usize]) -> Result<usize> {
+    numel(shape).ok_or_else(|| too_large(op, dtype, shape))
 }
 
 /// The error for a shape past the limit.
-fn too_large(op: &str, what: &str, dims: &[usize]) -> Error {
+fn too_large(op: &str, dtype: impl Display, dims: &[usize]) -> Error {
+    let what = format!(
+        "{dtype}[{}]",
+        dims.iter()
+            .map(|d| d.to_string())
+            .collect::<Vec<_>>()
+            .join(",")
+    );
     // The exact count, which may not fit in a usize.
     let count = dims
         .iter()
@@ -110,7 +109,7 @@ mod tests {
 
     #[test]
     fn the_error_names_the_op_the_type_and_the_exact_count() {
-        let e = check("full", DType::F32, &[1 << 32, 1 << 32]).unwrap_err();
+        let e = check("full", "f32", &[1 << 32, 1 << 32]).unwrap_err();
         assert_eq!(e.kind, ErrorKind::Shape);
         let text = e.to_string();
         assert!(
@@ -120,7 +119,7 @@ mod tests {
             ),
             "{text}"
         );
-        let e = check("zeros", DType::F64, &[0, 1 << 62]).unwrap_err();
+        let e = check("zeros", "f64", &[0, 1 << 62]).unwrap_err();
         assert!(
             e.to_string()
                 .contains("4611686018427387904 elements (counting a 0 dim as 1)"),

@@ -271,7 +271,7 @@ impl CustomOp {
             ));
         }
         for ty in &types {
-            crate::limits::check_type(&self.name, ty)?;
+            ty.check_size(&self.name)?;
         }
         Ok(types)
     }

@@ -26,6 +26,16 @@ impl TensorType {
     pub fn rank(&self) -> usize {
         self.shape.rank()
     }
+
+    /// Checks a concrete type against the size limit ([`crate::limits`]),
+    /// naming `op` in the error; a symbolic shape passes (it is checked
+    /// when its symbols get values).
+    pub fn check_size(&self, op: &str) -> Result<()> {
+        match self.shape.as_concrete() {
+            Some(dims) => crate::limits::check(op, self.dtype, &dims).map(|_| ()),
+            None => Ok(()),
+        }
+    }
 }
 
 impl fmt::Display for TensorType {
@@ -155,7 +165,7 @@ impl Op {
     /// is within it.
     pub fn infer(&self, inputs: &[TensorType]) -> Result<TensorType> {
         let ty = self.infer_type(inputs)?;
-        crate::limits::check_type(self.name(), &ty)?;
+        ty.check_size(self.name())?;
         Ok(ty)
     }
 
@@ -357,13 +367,11 @@ impl Op {
             }
             Op::Reshape(shape) => {
                 let t = &inputs[0];
-                crate::limits::check_type(
-                    "reshape",
-                    &TensorType {
-                        dtype: t.dtype,
-                        shape: shape.clone(),
-                    },
-                )?;
+                TensorType {
+                    dtype: t.dtype,
+                    shape: shape.clone(),
+                }
+                .check_size("reshape")?;
                 let (from, to) = match (t.shape.checked_numel(), shape.checked_numel()) {
                     (Some(from), Some(to)) => (from, to),
                     _ => {
