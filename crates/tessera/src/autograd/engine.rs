@@ -682,7 +682,7 @@ fn propagate(
             }
         }
         if let (Some(piece), true) = (
-            grads[0].as_ref().and_then(|g| slice_piece(&node, g)),
+            grads[0].as_ref().and_then(|g| slice_piece(node, g)),
             node.inputs[0].requires_grad(),
         ) {
             trace::with_origin(&node.origin, || {

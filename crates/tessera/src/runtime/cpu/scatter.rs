@@ -161,14 +161,14 @@ pub fn scatter_add(base: &Tensor, index: &Tensor, src: &Tensor, dim: usize) -> R
         let src = src.contiguous_slice::<T>().expect("row-major source");
         let dst = out.as_mut_slice::<T>();
         let mut pos = vec![0usize; shape.len()];
-        for k in 0..idx.len() {
+        for (k, &value) in src.iter().enumerate().take(idx.len()) {
             let j = idx.get(k);
             let target: usize = pos
                 .iter()
                 .enumerate()
                 .map(|(d, &p)| if d == dim { j } else { p } * strides[d])
                 .sum();
-            dst[target] = dst[target].add(src[k]);
+            dst[target] = dst[target].add(value);
             // Advance the row-major position over the index's shape.
             for d in (0..shape.len()).rev() {
                 pos[d] += 1;
