@@ -8,7 +8,8 @@
 //! - [`passes`]: graph rewrites and the pass manager;
 //! - [`hints`]: the user's context hints; [`schedule`]: kernel orders and
 //!   the memory plan;
-//! - [`train`]: a complete training run on a self-checking synthetic task.
+//! - [`train`]: a complete training run on a self-checking synthetic task;
+//! - [`limits`]: the size limit every tensor is held to.
 
 pub mod autograd;
 pub mod compile;
@@ -18,6 +19,7 @@ pub mod fusion;
 pub mod hints;
 pub mod io;
 pub mod ir;
+pub mod limits;
 pub mod logging;
 pub mod nn;
 pub mod optim;

@@ -270,6 +270,9 @@ impl CustomOp {
                 "the shape function returned no outputs"
             ));
         }
+        for ty in &types {
+            ty.check_size(&self.name)?;
+        }
         Ok(types)
     }
 
@@ -321,7 +324,14 @@ impl CustomOp {
             crate::runtime::device::Device::Cpu => Backend::Cpu,
             crate::runtime::device::Device::Cuda => Backend::Cuda,
         };
-        let outputs = (self.kernel(backend)?)(attrs, inputs).map_err(|e| self.own(e))?;
+        let kernel = self.kernel(backend)?;
+        let outputs = crate::runtime::cpu::alloc::catching(|| kernel(attrs, inputs))
+            .and_then(|r| r)
+            .map_err(|e| {
+                let output = expected.iter().map(|t| t.to_string()).collect::<Vec<_>>();
+                crate::runtime::cpu::in_kernel(e, &self.name, &output.join(", "))
+            })
+            .map_err(|e| self.own(e))?;
         if outputs.len() != expected.len() {
             return Err(op_err!(
                 Verify,

@@ -18,7 +18,7 @@ use npyz::{Endianness, NpyHeader, Order, TypeChar, TypeStr, WriteOptions, Writer
 use super::{byte_len, file_error, tensor_from_bytes, DenseBytes};
 use crate::error::Result;
 use crate::ir::DType;
-use crate::runtime::cpu::copy;
+use crate::runtime::cpu::{alloc, copy};
 use crate::tensor::Tensor;
 
 /// Reads a `.npy` file into a contiguous tensor.
@@ -59,7 +59,7 @@ pub fn read_npy(path: impl AsRef<Path>) -> Result<Tensor> {
             })?;
             let perm: Vec<usize> = (0..shape.len()).rev().collect();
             let view = Tensor::from_parts(t.storage().clone(), t.layout().permuted(&perm));
-            Ok(copy::contiguous(&view))
+            alloc::catching(|| copy::contiguous(&view)).map_err(|e| file_error(path, e))
         }
     }
 }

@@ -15,4 +15,4 @@ pub use infer::{broadcast_shapes, TensorType};
 pub use op::{
     ArgReduceOp, BinaryOp, CompareOp, Literal, LiteralData, Op, ReduceOp, Scalar, UnaryOp,
 };
-pub use shape::{Dim, Shape};
+pub use shape::{Dim, EvalError, Shape};

@@ -384,23 +384,24 @@ tensor_ops! {
 #[track_caller]
 fn infer_reshape(op: &str, x: &Tensor, shape: &[isize]) -> Result<Vec<usize>> {
     let numel = x.numel();
-    let known: usize = shape
+    let given: Vec<usize> = shape
         .iter()
         .filter(|&&s| s >= 0)
         .map(|&s| s as usize)
-        .product();
+        .collect();
+    // Checked: a product past the size limit cannot equal `numel`.
+    let known = crate::limits::numel(&given);
     let holes = shape.iter().filter(|&&s| s == -1).count();
-    let bad = shape.iter().any(|&s| s < -1) || holes > 1;
-    let fill = if holes == 1 && known > 0 && numel.is_multiple_of(known) {
-        numel / known
-    } else {
-        0
+    let bad = shape.iter().any(|&s| s < -1) || holes > 1 || known.is_none();
+    let fill = match known {
+        Some(k) if holes == 1 && k > 0 && numel.is_multiple_of(k) => numel / k,
+        _ => 0,
     };
     let out: Vec<usize> = shape
         .iter()
         .map(|&s| if s == -1 { fill } else { s as usize })
         .collect();
-    if bad || out.iter().product::<usize>() != numel {
+    if bad || crate::limits::numel(&out) != Some(numel) {
         return Err(Error::op(
             ErrorKind::Shape,
             op,
