@@ -42,12 +42,21 @@ fn cases(folder: &str) -> Vec<Case> {
     let dir = corpus().join(folder);
     let mut names: Vec<String> = std::fs::read_dir(&dir)
         .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
-        .map(|entry| entry.expect("a directory entry").file_name().into_string().expect("UTF-8 names"))
+        .map(|entry| {
+            entry
+                .expect("a directory entry")
+                .file_name()
+                .into_string()
+                .expect("UTF-8 names")
+        })
         .filter_map(|name| name.strip_suffix(".expected").map(str::to_string))
         .collect();
     names.sort();
     assert!(!names.is_empty(), "no cases in {}", dir.display());
-    names.into_iter().map(|stem| read_case(&dir, folder, &stem)).collect()
+    names
+        .into_iter()
+        .map(|stem| read_case(&dir, folder, &stem))
+        .collect()
 }
 
 fn read_case(dir: &Path, folder: &str, stem: &str) -> Case {
@@ -61,14 +70,22 @@ fn read_case(dir: &Path, folder: &str, stem: &str) -> Case {
     let mut args = None;
     let mut exit = 1;
     let mut fragments = Vec::new();
-    for line in spec.lines().map(str::trim).filter(|l| !l.is_empty() && !l.starts_with('#')) {
+    for line in spec
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty() && !l.starts_with('#'))
+    {
         let (key, value) = line
             .split_once(':')
             .unwrap_or_else(|| panic!("{name}.expected: `{line}` is not `key: value`"));
         let value = value.trim();
         match key.trim() {
             "args" => args = Some(value.split_whitespace().map(str::to_string).collect()),
-            "exit" => exit = value.parse().unwrap_or_else(|_| panic!("{name}: exit `{value}`")),
+            "exit" => {
+                exit = value
+                    .parse()
+                    .unwrap_or_else(|_| panic!("{name}: exit `{value}`"))
+            }
             "error" => fragments.push(value.to_string()),
             other => panic!("{name}.expected: unknown key `{other}`"),
         }
@@ -100,7 +117,9 @@ fn run_tessera(args: &[String], cwd: &Path) -> (Option<ExitStatus>, String) {
     let mut cmd = if Path::new("/bin/sh").exists() {
         let mut cmd = Command::new("/bin/sh");
         cmd.arg("-c")
-            .arg(format!("ulimit -c 0; ulimit -v {MEMORY_LIMIT_KB} && exec \"$0\" \"$@\""))
+            .arg(format!(
+                "ulimit -c 0; ulimit -v {MEMORY_LIMIT_KB} && exec \"$0\" \"$@\""
+            ))
             .arg(env!("CARGO_BIN_EXE_tessera"));
         cmd
     } else {
@@ -109,7 +128,11 @@ fn run_tessera(args: &[String], cwd: &Path) -> (Option<ExitStatus>, String) {
     let stderr_path = std::env::temp_dir().join(format!(
         "tessera-bad-input-{}-{}.stderr",
         std::process::id(),
-        args.join("_").replace(['/', ' '], "_").chars().take(80).collect::<String>()
+        args.join("_")
+            .replace(['/', ' '], "_")
+            .chars()
+            .take(80)
+            .collect::<String>()
     ));
     let stderr_file = std::fs::File::create(&stderr_path).expect("a stderr file");
     let mut child = cmd
@@ -169,7 +192,8 @@ fn check_cli(case: &Case, args: &[String]) -> Option<String> {
     );
     let code = status.and_then(|s| s.code());
     if case.exit == 0 {
-        return (code != Some(0) || stderr.contains("error")).then(|| format!("expected success; {got}"));
+        return (code != Some(0) || stderr.contains("error"))
+            .then(|| format!("expected success; {got}"));
     }
     let lines: Vec<&str> = stderr.trim_end().lines().collect();
     let problem = if code != Some(case.exit) {
@@ -197,7 +221,11 @@ fn check_hint(case: &Case) -> Option<String> {
         Ok(Err(e)) if e.kind != tessera::ErrorKind::Parse => {
             format!("expected a Parse error, got {:?}: {e}", e.kind)
         }
-        Ok(Err(e)) => match case.fragments.iter().find(|f| !e.message.contains(f.as_str())) {
+        Ok(Err(e)) => match case
+            .fragments
+            .iter()
+            .find(|f| !e.message.contains(f.as_str()))
+        {
             Some(missing) => format!("expected the error to contain `{missing}`, got: {e}"),
             None => return None,
         },

@@ -25,7 +25,7 @@ pub fn target() -> Target<String> {
         test: "hint_parser",
         ci_cases: 200_000,
         generate,
-        check,
+        check: |json| check(json),
         show: |json| json.clone(),
     }
 }
@@ -215,7 +215,7 @@ fn expected(map: &Map<String, Value>) -> Result<(Hint, Vec<String>), Vec<String>
     }
 }
 
-fn check(json: &String) -> Result<(), String> {
+fn check(json: &str) -> Result<(), String> {
     let got = Hint::parse_with_warnings(json);
     if let Err(e) = &got {
         if e.kind != ErrorKind::Parse || !e.message.starts_with("hint") {
@@ -284,7 +284,7 @@ fn accepted(json: &str, hint: &Hint) -> Result<(), String> {
     if in_scope.as_deref() != want.as_ref() {
         return Err(format!("the scope records {in_scope:?}, expected {want:?}"));
     }
-    if json.len() % 4 == 0 {
+    if json.len().is_multiple_of(4) {
         compiled_matches_eager(json)?;
     }
     Ok(())

@@ -39,7 +39,7 @@ pub fn target() -> Target<String> {
         test: "ir_text_parser",
         ci_cases: 100_000,
         generate,
-        check,
+        check: |text| check(text),
         show: |text| text.clone(),
     }
 }
@@ -629,7 +629,7 @@ fn generate(rng: &mut Rng) -> String {
 
 // ------------------------------------------------------------- properties
 
-fn check(text: &String) -> Result<(), String> {
+fn check(text: &str) -> Result<(), String> {
     let graph = match parse_named(text, FILE) {
         Err(e) => {
             let lines = text.split('\n').count() as u32;

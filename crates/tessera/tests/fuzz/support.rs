@@ -299,12 +299,20 @@ pub fn take_last_panic() -> Option<String> {
 }
 
 /// What makes two failures "the same": the first line of the message with
-/// its numbers blanked, cut short (a panic's place stays in it).
+/// its numbers and the contents of its lists (`[…]`) blanked, cut short (a
+/// panic's place stays in it).
 fn failure_key(message: &str) -> String {
     let mut key = String::new();
     let mut last_digit = false;
+    let mut depth = 0u32;
     let first_line = message.lines().next().unwrap_or_default();
     for c in first_line.chars().take(160) {
+        match c {
+            '[' => depth += 1,
+            ']' => depth = depth.saturating_sub(1),
+            _ if depth > 0 => continue,
+            _ => {}
+        }
         if c.is_ascii_digit() {
             if !last_digit {
                 key.push('#');

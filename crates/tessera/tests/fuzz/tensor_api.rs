@@ -321,6 +321,9 @@ struct Gen<'a> {
     huge: bool,
 }
 
+/// Device names for `to_device`, real and not.
+const DEVICES: &[&str] = &["cpu", "cuda", "cuda:7", "tpu", ""];
+
 const HUGE_DIMS: &[usize] = &[
     1 << 31,
     1 << 32,
@@ -599,7 +602,7 @@ impl Gen<'_> {
                 causal: self.rng.chance(0.5),
                 scale: self.rng.chance(0.3).then(|| self.value()),
             },
-            37 => Step::ToDevice(x, *self.rng.pick(&["cpu", "cuda", "cuda:7", "tpu", ""])),
+            37 => Step::ToDevice(x, DEVICES[self.rng.below(DEVICES.len())]),
             38 if !self.huge => Step::RequiresGrad(x),
             39 if !self.huge => Step::Backward(x),
             _ => self.creation(),
@@ -942,8 +945,20 @@ fn run(step: &Step, pool: &[Tensor]) -> Result<Vec<Tensor>, Error> {
 }
 
 /// A random tensor of `shape` and `dtype` (small values; for ints, 0..3).
+/// Past a few thousand elements (huge shapes), a `full` made by tessera:
+/// the harness itself never allocates a size it is given.
 fn made(rng: &mut Rng, shape: &[usize], dtype: DType) -> Result<Tensor, Error> {
-    let n = checked_numel(shape).unwrap_or(0);
+    let n = match checked_numel(shape) {
+        Some(n) if n <= 4096 => n,
+        _ => {
+            let op = Op::Full {
+                value: Scalar::Int(1),
+                shape: Shape::from_concrete(shape),
+                dtype: DType::I64,
+            };
+            return Tensor::apply(&op, &[], Location::caller())?.try_cast(dtype);
+        }
+    };
     let values: Vec<f32> = match dtype.is_float() {
         true => (0..n).map(|_| rng.between(-8, 8) as f32 / 4.0).collect(),
         false => (0..n).map(|_| rng.below(3) as f32).collect(),
@@ -951,10 +966,10 @@ fn made(rng: &mut Rng, shape: &[usize], dtype: DType) -> Result<Tensor, Error> {
     Tensor::from_vec(values, shape).try_cast(dtype)
 }
 
-/// An index tensor of `shape` with values below `bound` (now and then one
-/// out of range, or negative).
+/// An index tensor of `shape` (always small) with values below `bound`
+/// (now and then one out of range, or negative).
 fn indices(rng: &mut Rng, shape: &[usize], bound: usize) -> Tensor {
-    let n = checked_numel(shape).unwrap_or(0);
+    let n = checked_numel(shape).expect("index shapes are small");
     let values: Vec<i64> = (0..n)
         .map(|_| match rng.below(20) {
             0 => bound as i64,
@@ -987,10 +1002,12 @@ fn fit(kind: Fit, x: &Tensor, seed: u64) -> Result<Vec<Tensor>, Error> {
             let mut left = x.numel();
             let mut target: Vec<isize> = Vec::new();
             for _ in 0..rng.below(4) {
-                let divisors: Vec<usize> = (1..=left.min(8)).filter(|d| left % d == 0).collect();
+                let divisors: Vec<usize> = (1..=left.min(8))
+                    .filter(|&d| left.is_multiple_of(d))
+                    .collect();
                 let d = if left == 0 { 0 } else { *rng.pick(&divisors) };
                 target.push(d as isize);
-                left = if d == 0 { 0 } else { left / d };
+                left = left.checked_div(d).unwrap_or(0);
             }
             target.push(left as isize);
             if rng.chance(0.3) {
@@ -1057,7 +1074,8 @@ fn fit(kind: Fit, x: &Tensor, seed: u64) -> Result<Vec<Tensor>, Error> {
                     one(x.try_index_add(d, &indices(rng, &[n], size), &src))
                 }
                 Index::Gather | Index::ScatterAdd => {
-                    let index_shape: Vec<usize> = shape.iter().map(|&s| rng.below(s + 1)).collect();
+                    let index_shape: Vec<usize> =
+                        shape.iter().map(|&s| rng.below(s.min(4) + 1)).collect();
                     let index = indices(rng, &index_shape, size);
                     match op {
                         Index::Gather => one(x.try_gather(d, &index)),
