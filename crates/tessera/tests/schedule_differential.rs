@@ -1,0 +1,381 @@
+//! Differential tests of the compiled path under every schedule: small
+//! random graphs of the focused generator (`graph_gen::focused`: views of
+//! intermediates feeding fused kernels, fused kernels with several
+//! outputs, hinted groups and orders) are compiled with the default
+//! backend under each strategy (`bfs`, `dfs`, `strict`, `auto`) and under
+//! a memory budget, and compared with eager: the values of a call without
+//! gradients (the forward-only plan, where in-place reuse is most
+//! aggressive), then the values and every input's gradient of a call with
+//! gradients (the forward and backward plans), each call made twice (the
+//! second runs the cached executable on a fresh arena).
+//!
+//! This is the net of issue 15: its two miscompiles (a `group_id` hint
+//! under `bfs` giving wrong gradients; a fused two-output kernel written
+//! in place of a reshape view's buffer) are this test's class.
+//!
+//! Cases: the work is split into eight tests (`schedules_match_eager_0` … `_7`), each with its own
+//! fixed RNG seed, so that the test harness runs them in parallel and CI
+//! sees the same cases every run. Each shard runs `PROPTEST_CASES` cases
+//! (default [`CASES_PER_SHARD`]); `PROPTEST_RNG_SEED` moves every shard to
+//! another fixed seed (shard `k` uses the seed plus `k`). A long run:
+//!
+//! ```text
+//! PROPTEST_CASES=10000 PROPTEST_RNG_SEED=$RANDOM \
+//!     cargo test --release -p tessera --test schedule_differential
+//! ```
+//!
+//! Tolerance: |compiled − eager| ≤ 1e-4·(1 + |eager|), as in
+//! `compile_differential.rs` (fusion and passes may reassociate); graphs
+//! with non-finite or large (> 1e3) values anywhere are discarded.
+
+mod graph_gen;
+
+use graph_gen::focused::{build_focused, fspec_strategy, FSpec};
+use graph_gen::{inputs, run, tame};
+use proptest::prelude::*;
+use proptest::test_runner::{RngSeed, TestRunner};
+use tessera::compile::{Backend, Compiled, Mode};
+use tessera::ir::Graph;
+use tessera::runtime::interpret::run_graph;
+use tessera::schedule::Strategy as Order;
+use tessera::tensor::Generator;
+use tessera::{DType, Tensor};
+
+/// Cases per shard when `PROPTEST_CASES` is not set.
+const CASES_PER_SHARD: u32 = 250;
+/// The RNG seed of shard 0 when `PROPTEST_RNG_SEED` is not set.
+const BASE_SEED: u64 = 0x7e55_e7a0_0015;
+
+/// The graph as a traceable function: the interpreter applies its ops
+/// (with each node's hints) to the arguments, so `compile` captures
+/// exactly the graph.
+fn body(g: &Graph) -> impl Fn(&[Tensor]) -> Vec<Tensor> {
+    let g = g.clone();
+    move |args: &[Tensor]| {
+        run_graph(&g, args)
+            .unwrap_or_else(|e| panic!("{e}"))
+            .into_iter()
+            .map(|(_, t)| t)
+            .collect()
+    }
+}
+
+/// How a compiled function is scheduled.
+#[derive(Clone, Copy, Debug)]
+enum Sched {
+    Order(Order),
+    /// A strategy under `memory_budget(bytes)`.
+    Budget(Order, usize),
+}
+
+impl Sched {
+    fn apply<F: Fn(&[Tensor]) -> Vec<Tensor>>(self, f: Compiled<F>) -> Compiled<F> {
+        match self {
+            Sched::Order(s) => f.schedule(s),
+            Sched::Budget(s, bytes) => f.schedule(s).memory_budget(bytes),
+        }
+    }
+}
+
+impl std::fmt::Display for Sched {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Sched::Order(s) => write!(f, "{}", s.name()),
+            Sched::Budget(s, bytes) => write!(f, "{} with a {bytes}-byte budget", s.name()),
+        }
+    }
+}
+
+const STRATEGIES: [Order; 4] = [Order::Bfs, Order::Dfs, Order::Strict, Order::Auto];
+
+/// One case: a graph, the seed of its inputs, a mode and a budget.
+#[derive(Clone)]
+struct Case {
+    spec: FSpec,
+    seed: u64,
+    mode: Mode,
+    budget: (Order, usize),
+}
+
+/// On one line, also in proptest's `{:#?}` of a minimal failing input.
+impl std::fmt::Debug for Case {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let (strategy, bytes) = self.budget;
+        write!(
+            f,
+            "Case {{ spec: {:?}, seed: {}, mode: {:?}, budget: ({strategy:?}, {bytes}) }}",
+            self.spec, self.seed, self.mode
+        )
+    }
+}
+
+fn case_strategy() -> impl Strategy<Value = Case> {
+    let mode = prop_oneof![
+        5 => Just(Mode::Default),
+        4 => Just(Mode::ReduceOverhead),
+        1 => Just(Mode::MaxAutotune),
+    ];
+    let budget = (0..STRATEGIES.len(), 0usize..2048).prop_map(|(s, b)| (STRATEGIES[s], b));
+    (fspec_strategy(), any::<u64>(), mode, budget).prop_map(|(spec, seed, mode, budget)| Case {
+        spec,
+        seed,
+        mode,
+        budget,
+    })
+}
+
+fn close(what: &dyn Fn() -> String, want: &[f64], got: &[f64]) -> Result<(), TestCaseError> {
+    if want.len() != got.len() {
+        return Err(TestCaseError::fail(format!(
+            "{}: {} values expected, got {}",
+            what(),
+            want.len(),
+            got.len()
+        )));
+    }
+    for (i, (w, g)) in want.iter().zip(got).enumerate() {
+        let ok = (w.is_nan() && g.is_nan()) || (w - g).abs() <= 1e-4 * (1.0 + w.abs());
+        if !ok {
+            return Err(TestCaseError::fail(format!(
+                "{}[{i}]: expected {w}, got {g} (|Δ| = {})",
+                what(),
+                (w - g).abs()
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// A scalar loss mixing every output with fixed random weights, so that
+/// each output's gradient is non-trivial.
+fn loss(outs: &[Tensor], seed: u64) -> Tensor {
+    let mut gen = Generator::new(seed ^ 0x9e37_79b9);
+    outs.iter()
+        .map(|o| {
+            let w = Tensor::randn(o.shape(), DType::F32, &mut gen).cast(o.dtype());
+            (o * &w).sum(&[], false)
+        })
+        .reduce(|a, b| a + b)
+        .expect("graphs have outputs")
+}
+
+/// The outputs' values and every input's gradient (empty where an input
+/// gets none) of `f` on the case's inputs; `Err` with the error's text
+/// when the call or the backward fails.
+type ForwardBackward = (Vec<Vec<f64>>, Vec<Vec<f64>>);
+
+fn forward_backward(
+    f: &dyn Fn(&[Tensor]) -> Result<Vec<Tensor>, String>,
+    g: &Graph,
+    seed: u64,
+) -> Result<ForwardBackward, String> {
+    let args: Vec<Tensor> = inputs(g, seed)
+        .iter()
+        .map(|t| t.set_requires_grad(true))
+        .collect();
+    let outs = f(&args)?;
+    let values = outs.iter().map(|t| t.to_f64_vec()).collect();
+    loss(&outs, seed)
+        .try_backward(None)
+        .map_err(|e| e.to_string())?;
+    let grads = args
+        .iter()
+        .map(|a| a.grad().map_or_else(Vec::new, |t| t.to_f64_vec()))
+        .collect();
+    Ok((values, grads))
+}
+
+/// What the compiled runs are compared with: eager values (the
+/// interpreter), and eager autograd's values and gradients (`None` when
+/// no output has a differentiable path).
+struct Reference {
+    values: Vec<(String, Vec<f64>)>,
+    grads: Option<ForwardBackward>,
+}
+
+fn reference(g: &Graph, args: &[Tensor], seed: u64) -> Reference {
+    let eager = body(g);
+    Reference {
+        values: run(g, args),
+        grads: forward_backward(&|a: &[Tensor]| Ok(eager(a)), g, seed).ok(),
+    }
+}
+
+/// Compares `g` compiled by `backend` under `sched` (and `mode`) with the
+/// reference: two calls without gradients, then two with (a separate
+/// compiled function, so each starts with a compile). The error names the
+/// run and the value, not the graph.
+fn check_one(
+    g: &Graph,
+    args: &[Tensor],
+    seed: u64,
+    want: &Reference,
+    backend: Backend,
+    sched: Sched,
+    mode: Mode,
+) -> Result<(), String> {
+    let compiled = || sched.apply(tessera::compile(body(g)).backend(backend).mode(mode));
+    let fail = |e: TestCaseError| match e {
+        TestCaseError::Fail(m) | TestCaseError::Reject(m) => m.to_string(),
+    };
+    let f = compiled();
+    for call in 0..2 {
+        let out = f
+            .try_call(args)
+            .map_err(|e| format!("{sched}/{mode:?} call {call}: {e}"))?;
+        for ((name, want), t) in want.values.iter().zip(&out) {
+            let what = || format!("{sched}/{mode:?} call {call}, no grad: {name}");
+            close(&what, want, &t.to_f64_vec()).map_err(fail)?;
+        }
+    }
+    let Some((want_values, want_grads)) = &want.grads else {
+        return Ok(());
+    };
+    let f = compiled();
+    for call in 0..2 {
+        let run = |a: &[Tensor]| f.try_call(a).map_err(|e| e.to_string());
+        let (values, grads) = forward_backward(&run, g, seed).map_err(|e| {
+            format!("{sched}/{mode:?} call {call}: compiled forward/backward failed where eager's ran: {e}")
+        })?;
+        for (o, (want, got)) in want_values.iter().zip(&values).enumerate() {
+            let what = || format!("{sched}/{mode:?} call {call}, with grad: output {o}");
+            close(&what, want, got).map_err(fail)?;
+        }
+        for (i, (want, got)) in want_grads.iter().zip(&grads).enumerate() {
+            let what = || format!("{sched}/{mode:?} call {call}: grad of input {i}");
+            close(&what, want, got).map_err(fail)?;
+        }
+    }
+    Ok(())
+}
+
+/// The schedules a case runs under: every strategy, then its budget.
+fn schedules(case: &Case) -> Vec<Sched> {
+    let (strategy, bytes) = case.budget;
+    STRATEGIES
+        .map(Sched::Order)
+        .into_iter()
+        .chain([Sched::Budget(strategy, bytes)])
+        .collect()
+}
+
+/// `g` with every node's hints removed.
+fn without_hints(g: &Graph) -> Graph {
+    let mut g = g.clone();
+    for node in &mut g.nodes {
+        node.meta.hints = None;
+    }
+    g
+}
+
+/// For a failing case: which runs fail, with and without the hints, and
+/// under `aot_eager` — where the lead should look.
+fn diagnose(g: &Graph, args: &[Tensor], case: &Case, want: &Reference) -> String {
+    let verdict = |g: &Graph, backend, sched| match check_one(
+        g, args, case.seed, want, backend, sched, case.mode,
+    ) {
+        Ok(()) => format!("{sched}: ok"),
+        Err(_) => format!("{sched}: WRONG"),
+    };
+    let runs = |g: &Graph| {
+        schedules(case)
+            .into_iter()
+            .map(|s| verdict(g, Backend::Default, s))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let aot = match check_one(
+        g,
+        args,
+        case.seed,
+        want,
+        Backend::AotEager,
+        Sched::Order(Order::Bfs),
+        case.mode,
+    ) {
+        Ok(()) => "ok",
+        Err(_) => "WRONG",
+    };
+    let mut text = format!("default backend: {}; aot_eager: {aot}", runs(g));
+    let bare = without_hints(g);
+    if bare
+        .nodes
+        .iter()
+        .zip(&g.nodes)
+        .any(|(a, b)| a.meta.hints != b.meta.hints)
+    {
+        text.push_str(&format!("\nwithout the hints: {}", runs(&bare)));
+    }
+    text
+}
+
+fn check(case: &Case) -> Result<(), TestCaseError> {
+    let g = build_focused(&case.spec);
+    let args = inputs(&g, case.seed);
+    if !tame(&g, &args, 1e3) {
+        return Err(TestCaseError::reject("non-finite or large values"));
+    }
+    let want = reference(&g, &args, case.seed);
+    for sched in schedules(case) {
+        if let Err(e) = check_one(
+            &g,
+            &args,
+            case.seed,
+            &want,
+            Backend::Default,
+            sched,
+            case.mode,
+        ) {
+            let summary = diagnose(&g, &args, case, &want);
+            return Err(TestCaseError::fail(format!("{e}\n{summary}\n{g}")));
+        }
+    }
+    Ok(())
+}
+
+/// Runs shard `k`'s cases (its own fixed seed; see the module doc).
+fn shard(k: u64, name: &'static str) {
+    let defaults = ProptestConfig::default();
+    let base = match defaults.rng_seed {
+        RngSeed::Fixed(seed) => seed,
+        RngSeed::Random => BASE_SEED,
+    };
+    let cases = std::env::var("PROPTEST_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(CASES_PER_SHARD);
+    let config = ProptestConfig {
+        cases,
+        max_global_rejects: cases.saturating_mul(4).max(1024),
+        rng_seed: RngSeed::Fixed(base.wrapping_add(k)),
+        source_file: Some(file!()),
+        test_name: Some(name),
+        ..defaults
+    };
+    let mut runner = TestRunner::new(config);
+    if let Err(e) = runner.run(&case_strategy(), |case| check(&case)) {
+        panic!("{e}\n{runner}");
+    }
+}
+
+macro_rules! shards {
+    ($($name:ident = $k:expr;)*) => {
+        $(
+            #[test]
+            fn $name() {
+                shard($k, stringify!($name));
+            }
+        )*
+    };
+}
+
+shards! {
+    schedules_match_eager_0 = 0;
+    schedules_match_eager_1 = 1;
+    schedules_match_eager_2 = 2;
+    schedules_match_eager_3 = 3;
+    schedules_match_eager_4 = 4;
+    schedules_match_eager_5 = 5;
+    schedules_match_eager_6 = 6;
+    schedules_match_eager_7 = 7;
+}
