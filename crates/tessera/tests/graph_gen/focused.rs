@@ -80,10 +80,16 @@ pub enum FStep {
     Scale(u8, Pick),
     /// a view of `x` (see [`FocusedBuilder::view`]): kind, parameter
     View(u8, u8, Pick),
-    /// A fused kernel with two outputs: `v = view(x)` (kind 0: no view),
-    /// `y = op(v)`, `z = y*y` or `y op g(y)`; both `y` and `z` go to the
-    /// pool, `y` last (later steps read it directly) — defect 2's shape.
+    /// A fused kernel with two outputs: `v = view(x)` (mostly a reshape;
+    /// `x` made by an op), `y = op(v)`, `z = y*y` or `y op g(y)`; both `y`
+    /// and `z` go to the pool, `y` last (later steps read it directly) —
+    /// the shape of issue 15's defect 2.
     TwoOut(u8, u8, u8, Pick),
+    /// A two-output kernel whose first output is read again after later
+    /// kernels allocated: `v = view(x)`, `y = op(v)`, `z = y*y`,
+    /// `r = sum(z, -1, keepdim)`, `m = op2(r @ w)` (`w: [1, n]`, a new
+    /// weight), then `m op3 y` — defect 2 in general (view kind, ops).
+    LateRead(u8, u8, u8, Pick),
     /// sum, mean, max or amax over the dims of a mask, keepdim or not
     Reduce(u8, u8, bool, Pick),
     /// softmax / log_softmax along the last dim (a row kernel)
@@ -107,6 +113,7 @@ pub fn fstep_strategy() -> impl Strategy<Value = FStep> {
         2 => (p(), p()).prop_map(|(o, a)| FStep::Scale(o, a)),
         5 => (p(), p(), p()).prop_map(|(k, m, a)| FStep::View(k, m, a)),
         5 => (p(), p(), p(), p()).prop_map(|(v, o, c, a)| FStep::TwoOut(v, o, c, a)),
+        3 => (p(), p(), p(), p()).prop_map(|(v, o, c, a)| FStep::LateRead(v, o, c, a)),
         3 => (p(), p(), any::<bool>(), p()).prop_map(|(o, m, k, a)| FStep::Reduce(o, m, k, a)),
         1 => (any::<bool>(), p()).prop_map(|(l, a)| FStep::Softmax(l, a)),
         3 => (p(), p(), p()).prop_map(|(n, e, a)| FStep::MatMulW(n, e, a)),
@@ -208,6 +215,21 @@ impl FocusedBuilder {
         let n = self.pool.len();
         let back = if p < 192 { p as usize % 3 } else { p as usize };
         self.pool[n - 1 - back % n]
+    }
+
+    /// Like [`Self::pick`], but a value made by an op when the pick is a
+    /// graph input and one exists.
+    fn made(&self, p: Pick) -> NodeId {
+        let x = self.pick(p);
+        if !self.g.inputs.contains(&x) {
+            return x;
+        }
+        self.pool
+            .iter()
+            .rev()
+            .find(|id| !self.g.inputs.contains(id))
+            .copied()
+            .unwrap_or(x)
     }
 
     fn shape(&self, id: NodeId) -> Vec<usize> {
@@ -356,11 +378,19 @@ impl FocusedBuilder {
             }
             FStep::View(k, m, a) => one(self.view(k, m, self.pick(a))),
             FStep::TwoOut(v, o, c, a) => {
-                let x = self.pick(a);
-                let v = match v % 11 {
-                    10 => x,
-                    k => self.view(k, v / 11, x).unwrap_or(x),
-                };
+                // The newest value a kernel made, when a pick lands on an
+                // input (inputs are the caller's: never written in place).
+                let x = self.made(a);
+                // Mostly a reshape (dense: its fused reader may be planned
+                // to write over the viewed buffer), else a transpose or no
+                // view.
+                let v = match v % 8 {
+                    0..=4 => self.view([0, 1, 2, 3, 9][v as usize % 8], v / 8, x),
+                    5 => self.view(4, 0, x),
+                    6 => self.view(v / 8, v / 80, x),
+                    _ => None,
+                }
+                .unwrap_or(x);
                 let y = self.unary(o, v)?;
                 let z = match c % 4 {
                     0 | 1 => self.add(Op::Binary(BinaryOp::Mul), &[y, y])?,
@@ -375,6 +405,35 @@ impl FocusedBuilder {
                     }
                 };
                 Some(vec![z, y])
+            }
+            FStep::LateRead(v, o, c, a) => {
+                let x = self.made(a);
+                let v = match v % 4 {
+                    3 => x,
+                    k => self.view([1, 2, 9][k as usize], v / 4, x).unwrap_or(x),
+                };
+                let shape = self.shape(v);
+                let n = *shape.last()?;
+                let y = self.unary(o, v)?;
+                let z = self.add(Op::Binary(BinaryOp::Mul), &[y, y])?;
+                let dims = vec![shape.len() - 1];
+                let r = self.add(
+                    Op::Reduce {
+                        op: ReduceOp::Sum,
+                        dims,
+                        keepdim: true,
+                    },
+                    &[z],
+                )?;
+                let w = self.g.add_input(
+                    format!("w{}", self.g.inputs.len()),
+                    TensorType::new(DType::F32, vec![1, n]),
+                );
+                let rw = self.add(Op::MatMul, &[r, w])?;
+                let m = self.unary(o / 8, rw)?;
+                let op = [BinaryOp::Add, BinaryOp::Mul, BinaryOp::Sub][c as usize % 3];
+                let out = self.add(Op::Binary(op), &[m, y])?;
+                Some(vec![y, out])
             }
             FStep::Reduce(o, mask, keepdim, a) => {
                 let ops = [ReduceOp::Sum, ReduceOp::Mean, ReduceOp::Max, ReduceOp::Sum];
