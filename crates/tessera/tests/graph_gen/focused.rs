@@ -132,6 +132,8 @@ pub struct FHint {
     pub backward_group_id: Option<u8>,
     /// `memory_budget_mb`: 0 or 0.0005 (tighter than any step)
     pub budget: Option<bool>,
+    /// `recompute`: the backward recomputes the region's values
+    pub recompute: Option<bool>,
 }
 
 impl FHint {
@@ -159,21 +161,29 @@ impl FHint {
 
 /// A hint on about a third of the steps: mostly a `group_id` (0–2, so
 /// that groups span several steps), else an `order`, both, a backward
-/// group or a region budget.
+/// group, a region budget, or `recompute` (with a group or an order: a
+/// strict region recomputes by default, so `false` there keeps its values).
 pub fn fhint_strategy() -> impl Strategy<Value = Option<FHint>> {
-    let hint = |group_id, order, backward_group_id, budget| FHint {
+    let hint = |group_id, order, backward_group_id, budget, recompute| FHint {
         group_id,
         order,
         backward_group_id,
         budget,
+        recompute,
     };
     prop_oneof![
         14 => Just(None),
-        4 => (0u8..3).prop_map(move |g| Some(hint(Some(g), None, None, None))),
-        1 => (0u8..4).prop_map(move |o| Some(hint(None, Some(o), None, None))),
-        1 => (0u8..3, 0u8..4).prop_map(move |(g, o)| Some(hint(Some(g), Some(o), None, None))),
-        1 => (0u8..3, 3u8..5).prop_map(move |(g, b)| Some(hint(Some(g), None, Some(b), None))),
-        1 => (0u8..4, any::<bool>()).prop_map(move |(o, b)| Some(hint(None, Some(o), None, Some(b)))),
+        4 => (0u8..3).prop_map(move |g| Some(hint(Some(g), None, None, None, None))),
+        1 => (0u8..4).prop_map(move |o| Some(hint(None, Some(o), None, None, None))),
+        1 => (0u8..3, 0u8..4).prop_map(move |(g, o)| Some(hint(Some(g), Some(o), None, None, None))),
+        1 => (0u8..3, 3u8..5).prop_map(move |(g, b)| Some(hint(Some(g), None, Some(b), None, None))),
+        1 => (0u8..4, any::<bool>())
+            .prop_map(move |(o, b)| Some(hint(None, Some(o), None, Some(b), None))),
+        1 => (0u8..3, 0u8..5, any::<bool>()).prop_map(move |(g, o, r)| {
+            // order 4: none
+            let order = (o < 4).then_some(o);
+            Some(hint(Some(g), order, None, None, Some(r)))
+        }),
     ]
 }
 
