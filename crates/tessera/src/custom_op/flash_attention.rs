@@ -410,8 +410,17 @@ fn kernel_mask(mask: &Tensor, q: &Tensor, k: &Tensor) -> Result<Tensor> {
             mask.ty()
         ));
     }
-    let r = q.rank();
-    let (lq, lk) = (q.shape()[r - 2], k.shape()[r - 2]);
+    let (r, rk) = (q.rank(), k.rank());
+    if r < 2 || rk < 2 {
+        return Err(op_err!(
+            Shape,
+            USER_NAME,
+            "q and k need at least 2 dims (…, L, E), got q {} and k {}",
+            q.ty(),
+            k.ty()
+        ));
+    }
+    let (lq, lk) = (q.shape()[r - 2], k.shape()[rk - 2]);
     let neg_inf = Tensor::scalar(f64::NEG_INFINITY, DType::F32);
     let additive = match mask.dtype() {
         DType::Bool => Tensor::try_where(mask, &Tensor::scalar(0.0, DType::F32), &neg_inf)?,

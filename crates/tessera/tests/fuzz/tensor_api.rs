@@ -780,7 +780,10 @@ fn run(step: &Step, pool: &[Tensor]) -> Result<Vec<Tensor>, Error> {
             }
         }
         Step::Indices { values, shape, i32 } => {
-            let t = Tensor::from_vec(values.clone(), shape);
+            let t = match Tensor::try_from_vec(values.clone(), shape) {
+                Ok(t) => t,
+                Err(e) => return Err(e),
+            };
             match i32 {
                 true => one(t.try_cast(DType::I32)),
                 false => Ok(vec![t]),
