@@ -219,7 +219,8 @@ mod tests {
         assert!(err.to_string().contains("no outputs"), "{err}");
         let x = TensorType::new(DType::F32, vec![2usize, 3]);
         let sig = Signature::new("ir_custom_test::same", Arc::new(identity)).unwrap();
-        assert_eq!(sig.infer(&Attrs::new(), &[x.clone()]).unwrap(), vec![x]);
+        let types = sig.infer(&Attrs::new(), std::slice::from_ref(&x)).unwrap();
+        assert_eq!(types, vec![x]);
     }
 
     #[test]
