@@ -9,12 +9,13 @@
 //!    under an address-space limit (`ulimit -v`) so that a huge allocation
 //!    fails at once instead of paging the machine to death;
 //! 2. the child runs cases `start..cases`, writing the index of the case in
-//!    progress to a file before each one; a panic is caught
-//!    (`catch_unwind`) and recorded, and the loop goes on; at the end it
-//!    prints one line per distinct failure;
-//! 3. if the child dies of a signal (or exits without its summary), the
-//!    parent reads the case in progress from the file, records the crash
-//!    and starts a new child after that case, up to [`MAX_CRASHES`] times;
+//!    progress to a file before each one (and, through [`note`], the step
+//!    in progress); a panic is caught (`catch_unwind`) and recorded, and
+//!    the loop goes on; at the end it prints one line per distinct failure;
+//! 3. if the child dies of a signal (or exits without its summary, or hangs
+//!    [`HANG_GRACE`] past its time limit and is killed), the parent reads
+//!    the case in progress from the file, records the crash and starts a
+//!    new child after that case, up to [`MAX_CRASHES`] times;
 //! 4. the test fails if any case failed, listing each distinct failure once
 //!    with its first input and the command that replays it.
 //!
