@@ -312,7 +312,7 @@ impl CustomOp {
             .and_then(|r| r)
             .map_err(|e| {
                 let output = expected.iter().map(|t| t.to_string()).collect::<Vec<_>>();
-                crate::runtime::cpu::in_kernel(e, &self.name, &output.join(", "))
+                crate::runtime::cpu::in_kernel(e, self.name(), &output.join(", "))
             })
             .map_err(|e| self.own(e))?;
         if outputs.len() != expected.len() {
