@@ -101,8 +101,8 @@ fn check_header_len<R: Read + std::io::Seek>(reader: &mut R, file_len: u64) -> R
             u64::from(u16::from_le_bytes([preamble[8], preamble[9]])),
             10,
         ),
-        _ if read < 12 => return Err("not a valid .npy file: truncated preamble".into()),
-        _ => (
+        2 | 3 if read < 12 => return Err("not a valid .npy file: truncated preamble".into()),
+        2 | 3 => (
             u64::from(u32::from_le_bytes([
                 preamble[8],
                 preamble[9],
@@ -111,6 +111,12 @@ fn check_header_len<R: Read + std::io::Seek>(reader: &mut R, file_len: u64) -> R
             ])),
             12,
         ),
+        major => {
+            return Err(format!(
+                "not a valid .npy file: unsupported version {major}.{}",
+                preamble[7]
+            ))
+        }
     };
     if start + header_len > file_len {
         return Err(format!(

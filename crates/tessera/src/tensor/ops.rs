@@ -301,7 +301,7 @@ tensor_ops! {
 
     /// Dims `a` and `b` swapped. A view.
     fn transpose / try_transpose(&self, a: isize, b: isize) {
-        let (a, b) = (norm_dim("transpose", a, self.rank())?, norm_dim("transpose", b, self.rank())?);
+        let (a, b) = (norm_indexed_dim("transpose", a, self.rank())?, norm_indexed_dim("transpose", b, self.rank())?);
         let mut perm: Vec<usize> = (0..self.rank()).collect();
         perm.swap(a, b);
         run(Op::Permute(perm), &[self])

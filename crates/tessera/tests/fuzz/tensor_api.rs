@@ -782,10 +782,7 @@ fn run(step: &Step, pool: &[Tensor]) -> Result<Vec<Tensor>, Error> {
             }
         }
         Step::Indices { values, shape, i32 } => {
-            let t = match Tensor::try_from_vec(values.clone(), shape) {
-                Ok(t) => t,
-                Err(e) => return Err(e),
-            };
+            let t = Tensor::try_from_vec(values.clone(), shape)?;
             match i32 {
                 true => one(t.try_cast(DType::I32)),
                 false => Ok(vec![t]),
@@ -856,7 +853,7 @@ fn run(step: &Step, pool: &[Tensor]) -> Result<Vec<Tensor>, Error> {
                 Binary::Le => x.try_le(c),
                 Binary::Gt => x.try_gt(c),
                 Binary::Ge => x.try_ge(c),
-                Binary::MatMul => x.try_matmul(&Tensor::scalar(c, x.dtype())),
+                Binary::MatMul => x.try_matmul(&Tensor::try_full(&[], c, x.dtype())?),
             })
         }
         Step::Reduce(op, x, dims, keepdim) => {
