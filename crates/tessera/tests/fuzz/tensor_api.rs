@@ -966,7 +966,8 @@ fn made(rng: &mut Rng, shape: &[usize], dtype: DType) -> Result<Tensor, Error> {
         true => (0..n).map(|_| rng.between(-8, 8) as f32 / 4.0).collect(),
         false => (0..n).map(|_| rng.below(3) as f32).collect(),
     };
-    Tensor::from_vec(values, shape).try_cast(dtype)
+    // Fallible: a 0-element shape can still be past the size limit.
+    Tensor::try_from_vec(values, shape)?.try_cast(dtype)
 }
 
 /// An index tensor of `shape` (always small) with values below `bound`
