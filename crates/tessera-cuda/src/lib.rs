@@ -262,6 +262,15 @@ impl Backend for CudaBackend {
     }
 }
 
+/// A driver error as a one-line message.
+pub(crate) fn driver_error(what: &str, e: cudarc::driver::result::DriverError) -> String {
+    let name = e
+        .error_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|_| format!("{:?}", e.0));
+    format!("CUDA {what} failed: {name}")
+}
+
 fn device_error(message: String) -> Error {
     Error::new(ErrorKind::Device, message)
 }
