@@ -9,12 +9,18 @@
 //!   step lists, the fusion plan's row kernels — reductions and softmax with
 //!   their pointwise producers and consumers — as one kernel each,
 //!   reductions, softmax, indexing), plain strings;
-//! - [`compiler`]: NVRTC for the device's architecture, cached by source
-//!   hash in memory and on disk; `TESSERA_LOGS=output_code` prints sources;
+//! - [`compiler`]: NVRTC for the device's architecture, the one compiler of
+//!   every kernel (generated or flash attention's), cached by source hash on
+//!   disk and as loaded modules in memory; `TESSERA_LOGS=output_code` prints
+//!   sources;
 //! - `gpu`: context, stream, caching allocator (live/peak accounting,
 //!   out-of-memory as an error), copies, launches;
+//! - `ops`: each IR op to its kernel (pointwise, reductions and rows,
+//!   matmul, indexing, memory);
 //! - `matmul`: cuBLASLt (f32, f16, bf16 with f32 accumulation; f64),
-//!   batched, transposed operands, bias/activation epilogues.
+//!   batched, transposed operands, bias/activation epilogues;
+//! - [`flash`]: the flash attention kernels' launcher (`flash_op`: their
+//!   custom-op slot).
 //!
 //! Everything is loaded dynamically: the crate builds and links with no
 //! CUDA installed, and every entry point checks for the driver and

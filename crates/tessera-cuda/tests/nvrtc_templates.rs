@@ -13,7 +13,8 @@ use tessera::DType;
 use tessera_cuda::codegen::fused_rows::fused_rows;
 use tessera_cuda::codegen::index::{indexed, triangle, Indexed, Strided};
 use tessera_cuda::codegen::pointwise::{pointwise, pointwise_block, Operand, Output};
-use tessera_cuda::codegen::rows::{arg_reduce, reduce, reduce_in_parts, softmax};
+use tessera_cuda::codegen::rows::{arg_reduce, reduce, reduce_in_parts};
+use tessera_cuda::codegen::softmax::softmax;
 use tessera_cuda::codegen::{Compute, Launch};
 use tessera_cuda::compiler::{compile_uncached, Program};
 

@@ -9,7 +9,7 @@ use tessera::runtime::device::DeviceStorage;
 use tessera::tensor::{Layout, Tensor};
 
 use super::{base, unsupported};
-use crate::codegen::{fused_rows, rows};
+use crate::codegen::{fused_rows, rows, softmax};
 use crate::CudaBackend;
 
 impl CudaBackend {
@@ -120,18 +120,18 @@ impl CudaBackend {
         y: u64,
     ) -> Result<crate::codegen::Launch> {
         let (dtype, layout, sms) = (x.dtype(), x.layout(), self.gpu.sms);
-        let default = rows::softmax(dtype, layout, dim, log, base(x), y, sms);
+        let default = softmax::softmax(dtype, layout, dim, log, base(x), y, sms);
         // Only a register-row softmax has a threads-per-row choice.
-        if rows::row_plan(dtype, layout, dim, base(x), y, None).is_none() {
+        if softmax::row_plan(dtype, layout, dim, base(x), y, None).is_none() {
             return Ok(default);
         }
-        let plan = |t| rows::row_plan(dtype, layout, dim, base(x), y, Some(t));
-        let candidates: Vec<usize> = rows::THREAD_CANDIDATES
+        let plan = |t| softmax::row_plan(dtype, layout, dim, base(x), y, Some(t));
+        let candidates: Vec<usize> = softmax::THREAD_CANDIDATES
             .into_iter()
             .filter(|&t| plan(t).is_some())
             .collect();
         let rows_of =
-            |t| plan(t).map(|p| rows::softmax_rows(p, dtype, layout, dim, log, base(x), y, sms));
+            |t| plan(t).map(|p| softmax::softmax_rows(p, dtype, layout, dim, log, base(x), y, sms));
         let chosen = self.tuned_choice(op, &default, &layout.shape, &candidates, |t| {
             rows_of(t).ok_or_else(|| format!("no row plan of {t} threads"))
         })?;
@@ -161,7 +161,7 @@ impl CudaBackend {
             // candidate is generated: a run has hundreds of row kernels.)
             let chosen = match tessera::runtime::autotune::device_tuning() {
                 true => {
-                    let candidates: Vec<usize> = rows::THREAD_CANDIDATES
+                    let candidates: Vec<usize> = softmax::THREAD_CANDIDATES
                         .into_iter()
                         .filter(|&t| make(Some(t)).is_ok())
                         .collect();
