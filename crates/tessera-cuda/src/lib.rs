@@ -96,8 +96,8 @@ impl CudaBackend {
         )
     }
 
-    /// `epilogue(a·b + bias)` in one cuBLASLt call: `a` [.., m, k], `b`
-    /// [.., k, n] (batch dims broadcast), `bias` [n] of their dtype.
+    /// `epilogue(a·b + bias)` in one cuBLASLt call: `a` `[.., m, k]`, `b`
+    /// `[.., k, n]` (batch dims broadcast), `bias` `[n]` of their dtype.
     pub fn matmul_epilogue(
         &self,
         a: &Tensor,

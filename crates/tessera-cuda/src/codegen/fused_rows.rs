@@ -11,7 +11,7 @@
 //! reduction folds the thread's elements and then the row's threads
 //! ([`ROW_ALL`]), leaving the per-row scalar in every thread; row outputs
 //! are written once. Steps are written by the pointwise generator's
-//! [`point_expr`], so a step computes here what it computes there.
+//! `point_expr`, so a step computes here what it computes there.
 //!
 //! Inputs are read through their layouts broadcast to `outer ++ [len]`
 //! (per-row scalars, full rows, any view); outputs are new contiguous

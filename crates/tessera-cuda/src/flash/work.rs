@@ -158,7 +158,7 @@ impl BwdLayout {
     }
 }
 
-/// Bytes of f32 scratch [`flash_backward`] needs for `sel` at `dims` on a device of
+/// Bytes of f32 scratch [`flash_backward`](super::flash_backward) needs for `sel` at `dims` on a device of
 /// `sms` multiprocessors: per lane ([`backward_plan`]), for the largest of its launch
 /// groups, Delta (one f32 per query row, padded to 256 bytes) and, for bf16/f16, the
 /// f32 dQ accumulator (and dK, dV ones for split items).
@@ -185,7 +185,7 @@ pub const ACC_BUDGET: usize = 32 << 20;
 
 /// Streams a grouped backward spreads its launch groups over, round robin, each with
 /// its own workspace of 1/LANES of [`ACC_BUDGET`]: the caller's stream and auxiliary
-/// ones ([`flash_backward`]). On one stream each group boundary cost the main kernel's
+/// ones ([`flash_backward`](super::flash_backward)). On one stream each group boundary cost the main kernel's
 /// drain and the next group's pre-kernel and ramp, serialized (~0.02 ms at the seed on
 /// an H200, docs/perf/cuda-flash.md session 6); with two, one group's main kernel fills the SMs while
 /// the other lane drains, converts its dQ and zeroes its workspace for the next group.
@@ -284,7 +284,7 @@ pub fn backward_plan(sel: &Selection, dims: &FlashDims, sms: u32, causal: bool) 
     }
 }
 
-/// Bytes of f32 scratch [`flash_forward`] needs: the split forward's partial outputs
+/// Bytes of f32 scratch [`flash_forward`](super::flash_forward) needs: the split forward's partial outputs
 /// (fragment-tiled f32) and per-row (max, sum) pairs; 0 when it does not split.
 pub fn forward_workspace_bytes_for(sel: &Selection, dims: &FlashDims, sms: u32) -> usize {
     let (splits, bh) = (forward_splits(sel, dims, sms), dims.batch * dims.heads);

@@ -21,8 +21,8 @@
 //! f32 copies of the operands that are not f32 already and one f32 dQ
 //! accumulator: O(bh · len · dim), like the inputs, never `len²`.
 //!
-//! Every product is one micro-tiled kernel ([`Gemm`]) written once over a
-//! small SIMD abstraction ([`Simd`]) and compiled for AVX-512 and AVX2
+//! Every product is one micro-tiled kernel (`Gemm`) written once over a
+//! small SIMD abstraction (`Simd`) and compiled for AVX-512 and AVX2
 //! (picked at run time: the build's floor is x86-64-v3, the dev machines
 //! have AVX-512) and for plain Rust elsewhere; the softmax's exp is
 //! `fastmath`'s, whose vector forms inline into these kernels. Half-precision inputs are converted to f32 once;
@@ -30,7 +30,7 @@
 //!
 //! Parallelism: the forward has one task per (batch × head, query block);
 //! the backward one per (batch × head, run of key blocks), see
-//! [`blocks_per_task`].
+//! `blocks_per_task`.
 
 use std::borrow::Cow;
 
