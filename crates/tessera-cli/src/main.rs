@@ -14,6 +14,7 @@ use std::time::Instant;
 use anyhow::{anyhow, bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
 use tessera::ir::text;
+use tessera::ir::EvalError;
 use tessera::passes::{PassContext, PassManager};
 use tessera::runtime::interpret;
 use tessera::tensor::Generator;
@@ -304,17 +305,20 @@ fn add_random_inputs(graph: &Graph, named: &mut Vec<(String, Tensor)>, seed: u64
     let mut generator = Generator::new(seed);
     for id in missing {
         let (name, ty) = (graph.display_name(id), &graph.node(id).ty);
-        let shape = ty.shape.eval(&symbols).ok_or_else(|| {
-            anyhow!(
+        let shape = match ty.shape.eval(&symbols) {
+            Ok(shape) => shape,
+            Err(EvalError::Unbound(_)) => bail!(
                 "input `{name}` has type {ty}: its symbolic dims are not fixed by any \
                  --input, so --random-inputs cannot choose a size; pass --input {name}=FILE.npy"
-            )
-        })?;
-        let t = if ty.dtype.is_float() {
-            Tensor::randn(&shape, ty.dtype, &mut generator)
-        } else {
-            Tensor::zeros(&shape, ty.dtype)
+            ),
+            Err(e) => bail!("input `{name}` has type {ty}, which has no size here: {e}"),
         };
+        let t = if ty.dtype.is_float() {
+            Tensor::try_randn(&shape, ty.dtype, &mut generator)
+        } else {
+            Tensor::try_zeros(&shape, ty.dtype)
+        }
+        .with_context(|| format!("generating input `{name}`"))?;
         named.push((name, t));
     }
     Ok(())

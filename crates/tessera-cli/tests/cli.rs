@@ -299,3 +299,139 @@ fn train_rejects_an_unknown_decay() {
         "{err}"
     );
 }
+
+/// A `.npy` file of `descr` and `shape` (its header only, then `data`),
+/// written by hand: shapes no tensor may have cannot be written by tessera.
+fn write_raw_npy(path: &Path, descr: &str, shape: &str, data: &[u8]) {
+    let dict = format!("{{'descr': '{descr}', 'fortran_order': False, 'shape': {shape}, }}");
+    // Magic, version 1.0, header length; the header ends in '\n' at a
+    // multiple of 64 bytes.
+    let unpadded = 10 + dict.len() + 1;
+    let header = format!(
+        "{dict}{}\n",
+        " ".repeat(unpadded.next_multiple_of(64) - unpadded)
+    );
+    let mut bytes = b"\x93NUMPY\x01\x00".to_vec();
+    bytes.extend_from_slice(&(header.len() as u16).to_le_bytes());
+    bytes.extend_from_slice(header.as_bytes());
+    bytes.extend_from_slice(data);
+    std::fs::write(path, bytes).unwrap();
+}
+
+/// Exit code 1 and one line naming the problem; no signal, no panic.
+fn assert_clean_failure(out: &Output) -> String {
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(out));
+    assert_one_line_error(out)
+}
+
+#[test]
+fn an_npy_of_zero_by_two_to_the_62_is_refused_not_a_segfault() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join("g.tir"),
+        "graph g(%a) {
+  %a = input : f32[0,s0]
+  %b = full {value=1.0, shape=[s0], dtype=f32} : f32[s0]
+  return %b as b
+}
+",
+    )
+    .unwrap();
+    write_raw_npy(
+        &dir.path().join("a.npy"),
+        "<f4",
+        "(0, 4611686018427387904)",
+        &[],
+    );
+    let out = tessera(
+        &["run", "g.tir", "--input", "a=a.npy", "--output-dir", "out"],
+        dir.path(),
+    );
+    let err = assert_clean_failure(&out);
+    assert!(
+        err.contains("a.npy: shape [0, 4611686018427387904] of f32 is too large")
+            && err.contains("2^46"),
+        "{err}"
+    );
+    // A size that fits: the graph runs.
+    write_raw_npy(&dir.path().join("a.npy"), "<f4", "(0, 3)", &[]);
+    let out = tessera(
+        &["run", "g.tir", "--input", "a=a.npy", "--output-dir", "out"],
+        dir.path(),
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    let b = tessera::io::read_npy(dir.path().join("out/b.npy")).unwrap();
+    assert_eq!(b.to_vec::<f32>().unwrap(), vec![1.0; 3]);
+}
+
+#[test]
+fn a_symbolic_size_that_overflows_is_an_error_naming_the_node() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join("g.tir"),
+        "graph g(%a) {
+  %a = input : f32[0,s0]
+  %b = full {value=1.0, shape=[s0*s0+1], dtype=f32} : f32[s0*s0+1]  # model.rs:3:7
+  return %b as b
+}
+",
+    )
+    .unwrap();
+    write_raw_npy(&dir.path().join("a.npy"), "<f4", "(0, 4294967296)", &[]);
+    let out = tessera(
+        &["run", "g.tir", "--input", "a=a.npy", "--output-dir", "out"],
+        dir.path(),
+    );
+    let err = assert_clean_failure(&out);
+    assert!(
+        err.contains(
+            "full: node `b`: shape [s0*s0+1] has no size at s0 = 4294967296: it overflows"
+        ) && err.contains("model.rs:3:7"),
+        "{err}"
+    );
+}
+
+/// Whether one allocation of `bytes` is refused by this system (Linux's
+/// default heuristic overcommit refuses more than RAM + swap).
+fn refuses_beyond_memory(bytes: u64) -> bool {
+    let mode = std::fs::read_to_string("/proc/sys/vm/overcommit_memory").unwrap_or_default();
+    let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+    let kb = |key: &str| -> u64 {
+        meminfo
+            .lines()
+            .find(|l| l.starts_with(key))
+            .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
+            .unwrap_or(u64::MAX / 2048)
+    };
+    matches!(mode.trim(), "0" | "2") && bytes / 1024 > kb("MemTotal:") + kb("SwapTotal:")
+}
+
+#[test]
+fn full_of_a_million_by_a_million_is_out_of_memory_not_an_abort() {
+    let dir = tempfile::tempdir().unwrap();
+    // 4 TB of f32 where the system refuses it; else 2^49 bytes of f64, more
+    // than a 47-bit address space, refused everywhere.
+    let (shape, dtype, bytes) = match refuses_beyond_memory(4_000_000_000_000) {
+        true => ("[1000000,1000000]", "f32", "4000000000000 bytes (4.0 TB)"),
+        false => ("[8388608,8388608]", "f64", "562949953421312 bytes"),
+    };
+    std::fs::write(
+        dir.path().join("g.tir"),
+        format!(
+            "graph g() {{
+  %big = full {{value=0.5, shape={shape}, dtype={dtype}}} : {dtype}{shape}  # model.rs:2:11
+  return %big as big
+}}
+"
+        ),
+    )
+    .unwrap();
+    let out = tessera(&["run", "g.tir", "--output-dir", "out"], dir.path());
+    let err = assert_clean_failure(&out);
+    assert!(
+        err.contains(&format!("full: node `big`: out of memory: {bytes}"))
+            && err.contains("model.rs:2:11"),
+        "{err}"
+    );
+    assert!(!err.contains("internal error"), "{err}");
+}

@@ -82,6 +82,10 @@ pub enum ErrorKind {
     /// A device failed: no driver, out of device memory, a kernel that did
     /// not compile or launch.
     Device,
+    /// Host memory ran out: an allocation within the size limit (see
+    /// [`crate::limits`]) that the system refused. The message names the
+    /// bytes asked for.
+    OutOfMemory,
 }
 
 #[derive(Clone, Debug, PartialEq)]

@@ -968,15 +968,54 @@ fn gradients_accumulate_across_backward_calls() {
     assert_close(&x.grad().unwrap(), &[6.0, 8.0, 10.0], "through a clone");
     x.zero_grad();
     assert!(x.grad().is_none());
-    // The same graph twice (the tape is kept): twice the gradient.
+    // The same graph twice: an error, as in PyTorch, naming both lines;
+    // the gradient of the first backward stays, nothing is added.
     let y = (&x * &x).sum(&[], false);
     y.backward();
+    let err = y.try_backward(None).unwrap_err().to_string();
+    assert!(
+        err.contains("Trying to backward through the graph a second time")
+            && err.contains("grad_rules.rs")
+            && err.contains("backward_retain_graph()"),
+        "{err}"
+    );
+    assert_close(
+        &x.grad().unwrap(),
+        &[2.0, 4.0, 6.0],
+        "the failed one adds nothing",
+    );
+    // Another output sharing part of the graph cannot go through it either.
+    x.zero_grad();
+    let h = &x * &x;
+    h.sum(&[], false).backward();
+    assert!(h.mean(&[], false).try_backward(None).is_err());
+    // Retaining the graph allows a second backward: twice the gradient.
+    x.zero_grad();
+    let y = (&x * &x).sum(&[], false);
+    y.backward_retain_graph();
     y.backward();
     assert_close(
         &x.grad().unwrap(),
         &[4.0, 8.0, 12.0],
-        "one graph, two backward calls",
+        "one retained graph, two backward calls",
     );
+    // `grad` retains the graph, but cannot use one a backward consumed.
+    let y = (&x * &x).sum(&[], false);
+    let one = Tensor::scalar(1.0, DType::F64);
+    grad(
+        std::slice::from_ref(&y),
+        std::slice::from_ref(&one),
+        std::slice::from_ref(&x),
+    )
+    .unwrap();
+    y.backward_retain_graph();
+    y.backward();
+    assert!(grad(
+        std::slice::from_ref(&y),
+        std::slice::from_ref(&one),
+        std::slice::from_ref(&x)
+    )
+    .is_err());
     x.zero_grad();
     x.exp().sum(&[], false).backward();
     assert_close(

@@ -214,7 +214,7 @@ fn the_seed_forward_and_backward_with_and_without_the_hint() {
     let inputs: Vec<Tensor> = (0..3)
         .map(|i| randn(&[2, 4, 32, 8], DType::F32, 20 + i))
         .collect();
-    for hint in [None, Some(tessera::seed_table::SEED_HINT)] {
+    for hint in [None, Some(tessera_apps::seed_table::SEED_HINT)] {
         let g = traced("attention", &inputs, |a| {
             let f = |a: &[Tensor]| sliced_attention(&a[0], &a[1], &a[2], 8);
             vec![match hint {
@@ -403,4 +403,44 @@ fn in_place_write_through_a_reshape_view() {
         s.memory.donations,
         s.memory.describe(&graph)
     );
+}
+
+/// `index_add` and `scatter_add` read a strided index or source through a
+/// dense copy: the kernel's scratch, planned and measured, instead of a
+/// `Vec` the allocator never saw. Contiguous ones are read in place (no
+/// copy at all).
+#[test]
+fn scatter_kernels_count_their_copies_of_strided_inputs() {
+    let _lock = allocator();
+    let inputs = [
+        randn(&[6, 4], DType::F32, 21),
+        randn(&[4, 3], DType::F32, 22),
+        Tensor::from_vec(vec![5i64, 0, 2, 4, 1, 3], &[6]),
+        Tensor::from_vec((0..12).map(|i| i % 6).collect::<Vec<i64>>(), &[4, 3]),
+    ];
+    let g = traced("scatter", &inputs, |a| {
+        let base = a[0].exp();
+        // A strided index ([5, 2, 1]) and a transposed source.
+        let idx = a[2].slice(0, 0, 6, 2);
+        let src = a[1].exp().t();
+        vec![
+            base.index_add(0, &idx, &src),
+            base.scatter_add(0, &a[3].t(), &src),
+            base.index_add(0, &idx.contiguous(), &src.contiguous()),
+        ]
+    });
+    let (plan, s) = planned(&g, Strategy::Bfs, None);
+    let scratch: Vec<usize> = (0..plan.kernels.len())
+        .map(|k| s.memory.scratch_bytes(k))
+        .filter(|&b| b > 0)
+        .collect();
+    // index_add: the index (3 i64) and the source (12 f32), each piece
+    // 64-byte aligned; scatter_add: its index and source (12 of each).
+    assert_eq!(
+        scratch,
+        vec![64 + 64, 128 + 64],
+        "{}",
+        s.memory.describe(&g)
+    );
+    check_graph(&g, &inputs);
 }

@@ -99,7 +99,7 @@ impl CudaBackend {
     }
 
     pub(crate) fn download_storage(&self, s: &DeviceStorage) -> Result<Storage> {
-        let mut host = Storage::new(s.dtype(), s.numel());
+        let mut host = Storage::try_new(s.dtype(), s.numel())?;
         let n = s.size_bytes();
         self.gpu
             .download(&mut host.as_bytes_mut()[..n], s.ptr())

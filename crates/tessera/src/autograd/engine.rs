@@ -46,6 +46,9 @@ struct GradNode {
     /// The forward op's call site and hints, as its backward ops inherit
     /// them (see `backward_origin`).
     origin: NodeMeta,
+    /// Where a `backward` that did not retain the graph went through this
+    /// node: a second one through it is an error (see [`Tensor::backward`]).
+    used_by: Mutex<Option<SourceLoc>>,
 }
 
 impl GradNode {
@@ -141,6 +144,7 @@ pub(crate) fn record(
         inputs: inputs.iter().map(|&t| t.clone()).collect(),
         outputs: vec![(out.shape().to_vec(), out.dtype())],
         origin: backward_origin(caller),
+        used_by: Mutex::new(None),
     });
     attach(&out, &node, 0)
 }
@@ -205,6 +209,7 @@ pub fn custom_function_at(
             .map(|t| (t.shape().to_vec(), t.dtype()))
             .collect(),
         origin: backward_origin(caller),
+        used_by: Mutex::new(None),
     });
     outputs
         .iter()
@@ -303,17 +308,36 @@ impl Tensor {
     }
 
     /// Backpropagates from this scalar, accumulating into the leaves' `grad()`.
+    ///
+    /// As in PyTorch, a graph is backpropagated through once: a second
+    /// `backward` through any op the first one went through (the same
+    /// output again, or another output sharing part of its graph) is an
+    /// error that names both lines ("Trying to backward through the graph
+    /// a second time"), rather than silently adding the gradients again.
+    /// [`Tensor::backward_retain_graph`] keeps the graph usable, as
+    /// `retain_graph=True` does. Gradients of separate graphs accumulate in
+    /// the leaves until `zero_grad`.
     #[track_caller]
     pub fn backward(&self) {
-        if let Err(e) = self.try_backward(None) {
+        if let Err(e) = self.backward_at(None, false, SourceLoc::caller()) {
             panic!("{e}");
         }
     }
 
-    /// Backpropagates `grad` (this tensor's shape) into the leaves.
+    /// Backpropagates `grad` (this tensor's shape) into the leaves (once:
+    /// see [`Tensor::backward`]).
     #[track_caller]
     pub fn backward_with(&self, grad: &Tensor) {
-        if let Err(e) = self.try_backward(Some(grad)) {
+        if let Err(e) = self.backward_at(Some(grad), false, SourceLoc::caller()) {
+            panic!("{e}");
+        }
+    }
+
+    /// [`Tensor::backward`] that keeps the graph for another backward
+    /// (PyTorch's `retain_graph=True`).
+    #[track_caller]
+    pub fn backward_retain_graph(&self) {
+        if let Err(e) = self.backward_at(None, true, SourceLoc::caller()) {
             panic!("{e}");
         }
     }
@@ -321,15 +345,58 @@ impl Tensor {
     /// `backward`, returning errors instead of panicking.
     #[track_caller]
     pub fn try_backward(&self, grad: Option<&Tensor>) -> Result<()> {
-        let at = SourceLoc::caller();
+        self.backward_at(grad, false, SourceLoc::caller())
+    }
+
+    /// [`Tensor::try_backward`] that keeps the graph for another backward
+    /// (PyTorch's `retain_graph=True`).
+    #[track_caller]
+    pub fn try_backward_retain_graph(&self, grad: Option<&Tensor>) -> Result<()> {
+        self.backward_at(grad, true, SourceLoc::caller())
+    }
+
+    fn backward_at(&self, grad: Option<&Tensor>, retain_graph: bool, at: SourceLoc) -> Result<()> {
         // The backward's own tensors (the implied seed, zeros of rules) are
         // made on the output's device.
         crate::runtime::device::with_device(self.device(), || {
             let seed = seed_gradient(self, grad).map_err(|e| e.at(at.clone()))?;
-            no_grad(|| propagate(std::slice::from_ref(self), vec![seed], &mut Sink::Leaves))
-                .map_err(|e| e.at(at))
+            let roots = std::slice::from_ref(self);
+            let nodes = reverse_topological(roots);
+            check_unused(&nodes).map_err(|e| e.at(at.clone()))?;
+            no_grad(|| propagate(roots, &nodes, vec![seed], &mut Sink::Leaves))
+                .map_err(|e| e.at(at.clone()))?;
+            if !retain_graph {
+                for node in &nodes {
+                    *node.used_by.lock().expect("used_by lock") = Some(at.clone());
+                }
+            }
+            Ok(())
         })
     }
+}
+
+/// An error when a `backward` that did not retain the graph already went
+/// through one of `nodes`.
+fn check_unused(nodes: &[Arc<GradNode>]) -> Result<()> {
+    for node in nodes {
+        if let Some(first) = node.used_by.lock().expect("used_by lock").clone() {
+            let op = match &node.origin.location {
+                Some(loc) => format!("`{}` (at {loc})", node.name()),
+                None => format!("`{}`", node.name()),
+            };
+            return Err(Error::op(
+                ErrorKind::Argument,
+                "backward",
+                format!(
+                    "Trying to backward through the graph a second time: the backward \
+                     at {first} already went through {op}. Call backward_retain_graph() \
+                     (retain_graph=True) the first time to backpropagate twice, or \
+                     recompute the forward"
+                ),
+            ));
+        }
+    }
+    Ok(())
 }
 
 fn seed_gradient(out: &Tensor, grad: Option<&Tensor>) -> Result<Tensor> {
@@ -435,10 +502,7 @@ enum Sink {
 impl Sink {
     fn leaf(&mut self, leaf: &Tensor, g: Tensor) -> Result<()> {
         match self {
-            Sink::Leaves => {
-                accumulate_leaf(leaf, g);
-                Ok(())
-            }
+            Sink::Leaves => accumulate_leaf(leaf, g),
             Sink::Capture(..) => self.capture(slot_of(leaf), &g),
         }
     }
@@ -579,7 +643,14 @@ fn slice_piece(node: &GradNode, g: &Tensor) -> Option<Partial> {
     }
 }
 
-fn propagate(roots: &[Tensor], seeds: Vec<Tensor>, sink: &mut Sink) -> Result<()> {
+/// Backpropagates `seeds` from `roots` through `order`, the nodes
+/// [`reverse_topological`] gives for `roots`.
+fn propagate(
+    roots: &[Tensor],
+    order: &[Arc<GradNode>],
+    seeds: Vec<Tensor>,
+    sink: &mut Sink,
+) -> Result<()> {
     let mut pending = Pending::default();
     for (root, seed) in roots.iter().zip(seeds) {
         // Summing the seeds of a root given twice belongs to the backward of
@@ -591,7 +662,7 @@ fn propagate(roots: &[Tensor], seeds: Vec<Tensor>, sink: &mut Sink) -> Result<()
             None => route(root, Partial::Dense(seed), &mut pending, sink)?,
         }
     }
-    for node in reverse_topological(roots) {
+    for node in order {
         let Some(partials) = pending.0.remove(&node.id()) else {
             continue;
         };
@@ -608,7 +679,7 @@ fn propagate(roots: &[Tensor], seeds: Vec<Tensor>, sink: &mut Sink) -> Result<()
             }
         }
         if let (Some(piece), true) = (
-            grads[0].as_ref().and_then(|g| slice_piece(&node, g)),
+            grads[0].as_ref().and_then(|g| slice_piece(node, g)),
             node.inputs[0].requires_grad(),
         ) {
             trace::with_origin(&node.origin, || {
@@ -636,6 +707,8 @@ fn propagate(roots: &[Tensor], seeds: Vec<Tensor>, sink: &mut Sink) -> Result<()
 /// The gradients of `outputs` (weighted by `grad_outputs`, one per output)
 /// with respect to `inputs`, returned instead of accumulated (like
 /// `torch.autograd.grad`). `None` where an input does not influence the outputs.
+/// The graph stays usable afterwards (PyTorch's `retain_graph=True`); a
+/// graph that a [`Tensor::backward`] already went through is an error.
 #[track_caller]
 pub fn grad(
     outputs: &[Tensor],
@@ -665,9 +738,15 @@ pub fn grad(
         .filter_map(|(i, t)| Some((slot_of(t)?, i)))
         .collect();
     let mut sink = Sink::Capture(targets, vec![None; inputs.len()]);
+    // Like PyTorch's `grad(…, retain_graph=True)`: the graph stays usable,
+    // unless a backward already used it.
+    let order = reverse_topological(outputs);
+    check_unused(&order).map_err(|e| e.at(at.clone()))?;
     let on = outputs.first().map_or(Default::default(), Tensor::device);
-    crate::runtime::device::with_device(on, || no_grad(|| propagate(outputs, seeds, &mut sink)))
-        .map_err(|e| e.at(at))?;
+    crate::runtime::device::with_device(on, || {
+        no_grad(|| propagate(outputs, &order, seeds, &mut sink))
+    })
+    .map_err(|e| e.at(at))?;
     match sink {
         Sink::Capture(_, results) => Ok(results),
         Sink::Leaves => unreachable!("grad always captures"),
@@ -690,11 +769,15 @@ fn check_gradient(name: &str, input: &Tensor, g: &Tensor) -> Result<()> {
     Ok(())
 }
 
-fn accumulate_leaf(leaf: &Tensor, g: Tensor) {
+/// Adds `g` to the leaf's gradient; on an error (no memory for the sum) the
+/// gradient is left as it was.
+fn accumulate_leaf(leaf: &Tensor, g: Tensor) -> Result<()> {
     let meta = leaf.autograd_meta().expect("a leaf that requires grad");
     let mut slot = meta.grad.lock().expect("grad lock");
-    *slot = Some(match slot.take() {
-        Some(prev) => &prev + &g,
+    let sum = match slot.as_ref() {
+        Some(prev) => prev.try_add(&g)?,
         None => g,
-    });
+    };
+    *slot = Some(sum);
+    Ok(())
 }

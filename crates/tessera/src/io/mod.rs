@@ -27,9 +27,11 @@ fn file_error(path: &Path, what: impl std::fmt::Display) -> Error {
 struct DenseBytes(Tensor);
 
 impl DenseBytes {
-    /// Errors only when `t` is on a device that cannot copy it back.
+    /// Errors when `t` is on a device that cannot copy it back, or when
+    /// the host has no memory for the copy of a view.
     fn new(t: &Tensor) -> crate::error::Result<DenseBytes> {
-        Ok(DenseBytes(copy::contiguous(&t.to_host()?)))
+        let host = t.to_host()?;
+        crate::runtime::cpu::alloc::catching(|| DenseBytes(copy::contiguous(&host)))
     }
 
     fn bytes(&self) -> &[u8] {
@@ -50,7 +52,10 @@ fn tensor_from_bytes(
     swap: bool,
     fill: impl FnOnce(&mut [u8]) -> std::io::Result<()>,
 ) -> Result<Tensor, Error> {
-    let mut storage = Storage::new(dtype, shape.iter().product());
+    let numel = crate::limits::numel(shape)
+        .ok_or_else(|| Error::io(format!("{origin}: {}", too_large(dtype, shape))))?;
+    let mut storage = Storage::try_new(dtype, numel)
+        .map_err(|e| Error::new(e.kind, format!("{origin}: {dtype}{shape:?}: {}", e.message)))?;
     let bytes = storage.as_bytes_mut();
     fill(bytes).map_err(|e| Error::io(format!("{origin}: {e}")))?;
     if swap {
@@ -66,13 +71,21 @@ fn tensor_from_bytes(
     Ok(Tensor::from_storage(storage, shape))
 }
 
-/// The number of bytes `shape` of `dtype` takes, or an error when it does not
-/// fit in memory (a corrupt header must not turn into a huge allocation).
+/// The number of bytes `shape` of `dtype` takes, or an error when the shape
+/// is past the size limit ([`crate::limits`]; a corrupt header must not turn
+/// into a huge allocation or an overflowing stride).
 fn byte_len(path: &Path, dtype: DType, shape: &[usize]) -> Result<usize, Error> {
-    shape
-        .iter()
-        .try_fold(dtype.size_bytes(), |acc, &d| acc.checked_mul(d))
-        .ok_or_else(|| file_error(path, format!("shape {shape:?} is too large")))
+    crate::limits::numel(shape)
+        .map(|n| n * dtype.size_bytes())
+        .ok_or_else(|| file_error(path, too_large(dtype, shape)))
+}
+
+/// Why a shape read from a file is refused.
+fn too_large(dtype: DType, shape: &[usize]) -> String {
+    format!(
+        "shape {shape:?} of {dtype} is too large: more than the limit of 2^46 elements \
+         per tensor (counting a 0 dim as 1)"
+    )
 }
 
 #[cfg(test)]

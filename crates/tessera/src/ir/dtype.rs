@@ -49,6 +49,16 @@ impl DType {
         matches!(self, DType::I64 | DType::I32)
     }
 
+    /// Whether the integer `v` is a value of this integer dtype (`i32`:
+    /// within its range); `false` for other dtypes.
+    pub fn holds_int(self, v: i64) -> bool {
+        match self {
+            DType::I64 => true,
+            DType::I32 => i32::try_from(v).is_ok(),
+            _ => false,
+        }
+    }
+
     /// The name used in the text form and in error messages.
     pub fn name(self) -> &'static str {
         match self {

@@ -26,6 +26,16 @@ impl TensorType {
     pub fn rank(&self) -> usize {
         self.shape.rank()
     }
+
+    /// Checks a concrete type against the size limit ([`crate::limits`]),
+    /// naming `op` in the error; a symbolic shape passes (it is checked
+    /// when its symbols get values).
+    pub fn check_size(&self, op: &str) -> Result<()> {
+        match self.shape.as_concrete() {
+            Some(dims) => crate::limits::check(op, self.dtype, &dims).map(|_| ()),
+            None => Ok(()),
+        }
+    }
 }
 
 impl fmt::Display for TensorType {
@@ -150,7 +160,16 @@ pub fn slice_len(start: usize, end: usize, step: usize) -> usize {
 impl Op {
     /// Infers the output type from the input types, or explains why the
     /// inputs do not fit. `Op::Input` has no rule: its type is declared.
+    /// A concrete output past the size limit is an error
+    /// ([`crate::limits`]): every value an op makes, eager or in a graph,
+    /// is within it.
     pub fn infer(&self, inputs: &[TensorType]) -> Result<TensorType> {
+        let ty = self.infer_type(inputs)?;
+        ty.check_size(self.name())?;
+        Ok(ty)
+    }
+
+    fn infer_type(&self, inputs: &[TensorType]) -> Result<TensorType> {
         if let Some(n) = self.arity() {
             if inputs.len() != n {
                 return Err(op_err!(
@@ -170,12 +189,22 @@ impl Op {
                 "an input's type is declared, not inferred"
             )),
             Op::Constant(lit) => {
-                let numel: usize = lit.shape.iter().product();
+                let numel = crate::limits::check("constant", lit.dtype, &lit.shape)?;
                 let kind_ok = match &lit.data {
                     LiteralData::Float(_) => lit.dtype.is_float(),
                     LiteralData::Int(_) => lit.dtype.is_int(),
                     LiteralData::Bool(_) => lit.dtype == DType::Bool,
                 };
+                if let (LiteralData::Int(values), true) = (&lit.data, kind_ok) {
+                    if let Some(v) = values.iter().find(|&&v| !lit.dtype.holds_int(v)) {
+                        return Err(op_err!(
+                            Argument,
+                            "constant",
+                            "value {v} does not fit in {}",
+                            lit.dtype
+                        ));
+                    }
+                }
                 if numel != lit.data.len() || !kind_ok {
                     return Err(op_err!(
                         Shape,
@@ -189,10 +218,25 @@ impl Op {
                 }
                 Ok(TensorType::new(lit.dtype, Shape::from_concrete(&lit.shape)))
             }
-            Op::Full { shape, dtype, .. } => Ok(TensorType {
-                dtype: *dtype,
-                shape: shape.clone(),
-            }),
+            Op::Full {
+                shape,
+                dtype,
+                value,
+            } => {
+                if let (super::op::Scalar::Int(v), true) = (value, dtype.is_int()) {
+                    if !dtype.holds_int(*v) {
+                        return Err(op_err!(
+                            Argument,
+                            "full",
+                            "value {v} does not fit in {dtype}"
+                        ));
+                    }
+                }
+                Ok(TensorType {
+                    dtype: *dtype,
+                    shape: shape.clone(),
+                })
+            }
             Op::Arange {
                 start,
                 end,
@@ -323,13 +367,26 @@ impl Op {
             }
             Op::Reshape(shape) => {
                 let t = &inputs[0];
-                if t.shape.numel() != shape.numel() {
+                TensorType {
+                    dtype: t.dtype,
+                    shape: shape.clone(),
+                }
+                .check_size("reshape")?;
+                let (from, to) = match (t.shape.checked_numel(), shape.checked_numel()) {
+                    (Some(from), Some(to)) => (from, to),
+                    _ => {
+                        return Err(op_err!(
+                            Shape,
+                            "reshape",
+                            "the element count of {t} or {shape} overflows"
+                        ))
+                    }
+                };
+                if from != to {
                     return Err(op_err!(
                         Shape,
                         "reshape",
-                        "cannot reshape {t} ({} elements) to {shape} ({} elements)",
-                        t.shape.numel(),
-                        shape.numel()
+                        "cannot reshape {t} ({from} elements) to {shape} ({to} elements)"
                     ));
                 }
                 Ok(TensorType {
@@ -420,7 +477,15 @@ impl Op {
                             describe(inputs)
                         ));
                     }
-                    shape.0[*dim] = &shape.0[*dim] + &t.shape.0[*dim];
+                    shape.0[*dim] =
+                        shape.0[*dim].checked_add(&t.shape.0[*dim]).ok_or_else(|| {
+                            op_err!(
+                                Shape,
+                                "cat",
+                                "the size of dim {dim} overflows: {}",
+                                describe(inputs)
+                            )
+                        })?;
                 }
                 Ok(TensorType { dtype, shape })
             }

@@ -1,6 +1,7 @@
 //! The intermediate representation: dtypes, shapes, ops, graphs, their text
-//! form and the verifier.
+//! form and the verifier, and the signatures of custom ops (`custom`).
 
+pub mod custom;
 pub mod dtype;
 pub mod graph;
 pub mod infer;
@@ -15,4 +16,4 @@ pub use infer::{broadcast_shapes, TensorType};
 pub use op::{
     ArgReduceOp, BinaryOp, CompareOp, Literal, LiteralData, Op, ReduceOp, Scalar, UnaryOp,
 };
-pub use shape::{Dim, Shape};
+pub use shape::{Dim, EvalError, Shape};

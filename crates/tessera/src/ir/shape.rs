@@ -5,6 +5,13 @@
 //! reshape, flatten and concat need on symbolic shapes: sums and products.
 //! Polynomials are kept in a canonical form so that structural equality is
 //! mathematical equality.
+//!
+//! The algebra is checked: a sum or product whose coefficients (or constant
+//! value) would overflow is `None` from [`Dim::checked_add`] and
+//! [`Dim::checked_mul`], and evaluating a dim at symbol values that make it
+//! overflow is an error ([`Dim::eval`]), never a wrapped size. The `+` and
+//! `*` operators panic on overflow; code whose operands are not bounded
+//! (type inference) uses the checked forms.
 
 use std::collections::{BTreeMap, HashMap};
 use std::fmt;
@@ -47,30 +54,53 @@ impl Poly {
         }
     }
 
-    fn add(&self, other: &Poly) -> Poly {
+    /// `self + other`, or `None` when a coefficient overflows.
+    fn add(&self, other: &Poly) -> Option<Poly> {
         let mut terms = self.terms.clone();
         for (m, c) in &other.terms {
             let e = terms.entry(m.clone()).or_insert(0);
-            *e += c;
+            *e = e.checked_add(*c)?;
             if *e == 0 {
                 terms.remove(m);
             }
         }
-        Poly { terms }
+        Some(Poly { terms })
     }
 
-    fn mul(&self, other: &Poly) -> Poly {
+    /// `self * other`, or `None` when a coefficient overflows.
+    fn mul(&self, other: &Poly) -> Option<Poly> {
         let mut out = Poly::constant(0);
         for (ma, ca) in &self.terms {
             for (mb, cb) in &other.terms {
                 let mut m: Monomial = ma.iter().chain(mb.iter()).cloned().collect();
                 m.sort();
                 out = out.add(&Poly {
-                    terms: BTreeMap::from([(m, ca * cb)]),
-                });
+                    terms: BTreeMap::from([(m, ca.checked_mul(*cb)?)]),
+                })?;
             }
         }
-        out
+        Some(out)
+    }
+}
+
+/// Why a dim has no value at given symbol values.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum EvalError {
+    /// A symbol has no value.
+    Unbound(Arc<str>),
+    /// The value is negative.
+    Negative,
+    /// The value (or a step of computing it) overflows.
+    Overflow,
+}
+
+impl fmt::Display for EvalError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            EvalError::Unbound(s) => write!(f, "`{s}` has no value"),
+            EvalError::Negative => f.write_str("it is negative"),
+            EvalError::Overflow => f.write_str("it overflows"),
+        }
     }
 }
 
@@ -93,10 +123,27 @@ impl Dim {
         matches!(self, Dim::Const(_))
     }
 
-    fn poly(&self) -> Poly {
+    /// The dim as a polynomial; `None` for a constant past `i64::MAX`.
+    fn poly(&self) -> Option<Poly> {
         match self {
-            Dim::Const(c) => Poly::constant(*c as i64),
-            Dim::Sym(p) => (**p).clone(),
+            Dim::Const(c) => Some(Poly::constant(i64::try_from(*c).ok()?)),
+            Dim::Sym(p) => Some((**p).clone()),
+        }
+    }
+
+    /// `self + rhs`, or `None` on overflow.
+    pub fn checked_add(&self, rhs: &Dim) -> Option<Dim> {
+        match (self, rhs) {
+            (Dim::Const(a), Dim::Const(b)) => a.checked_add(*b).map(Dim::Const),
+            _ => Some(self.poly()?.add(&rhs.poly()?)?.into_dim()),
+        }
+    }
+
+    /// `self * rhs`, or `None` on overflow.
+    pub fn checked_mul(&self, rhs: &Dim) -> Option<Dim> {
+        match (self, rhs) {
+            (Dim::Const(a), Dim::Const(b)) => a.checked_mul(*b).map(Dim::Const),
+            _ => Some(self.poly()?.mul(&rhs.poly()?)?.into_dim()),
         }
     }
 
@@ -111,20 +158,26 @@ impl Dim {
         out
     }
 
-    /// Evaluates the dim with symbol values from `env`; `None` if a symbol is unbound.
-    pub fn eval(&self, env: &HashMap<Arc<str>, usize>) -> Option<usize> {
+    /// Evaluates the dim with symbol values from `env`, in checked
+    /// arithmetic: an unbound symbol, a negative value or an overflow
+    /// (`s0*s0+1` at s0 = 2^62) is an error, never a wrapped size.
+    pub fn eval(&self, env: &HashMap<Arc<str>, usize>) -> Result<usize, EvalError> {
         match self {
-            Dim::Const(c) => Some(*c),
+            Dim::Const(c) => Ok(*c),
             Dim::Sym(p) => {
-                let mut total: i64 = 0;
+                let mut total: i128 = 0;
                 for (m, c) in &p.terms {
-                    let mut v = *c;
+                    let mut v = i128::from(*c);
                     for s in m {
-                        v *= *env.get(s)? as i64;
+                        let x = *env.get(s).ok_or_else(|| EvalError::Unbound(s.clone()))?;
+                        v = v.checked_mul(x as i128).ok_or(EvalError::Overflow)?;
                     }
-                    total += v;
+                    total = total.checked_add(v).ok_or(EvalError::Overflow)?;
                 }
-                usize::try_from(total).ok()
+                if total < 0 {
+                    return Err(EvalError::Negative);
+                }
+                usize::try_from(total).map_err(|_| EvalError::Overflow)
             }
         }
     }
@@ -135,11 +188,11 @@ impl Dim {
         if self == d {
             return Some(Dim::Const(1));
         }
-        let divisor = d.as_const()? as i64;
+        let divisor = i64::try_from(d.as_const()?).ok()?;
         if divisor == 0 {
             return None;
         }
-        let p = self.poly();
+        let p = self.poly()?;
         if p.terms.values().any(|c| c % divisor != 0) {
             return None;
         }
@@ -151,26 +204,28 @@ impl Dim {
         )
     }
 
-    /// Parses `8`, `s0`, `2*s0`, `s0*s1+4`.
+    /// Parses `8`, `s0`, `2*s0`, `s0*s1+4` (non-negative integers and
+    /// symbols; a coefficient that overflows is an error).
     pub fn parse(text: &str) -> Result<Dim, String> {
         let text = text.trim();
-        let mut sum = Poly::constant(0);
+        let overflow = || format!("bad dimension `{text}`: it overflows");
+        let mut sum = Dim::Const(0);
         for term in text.split('+') {
-            let mut prod = Poly::constant(1);
+            let mut prod = Dim::Const(1);
             for factor in term.split('*') {
                 let factor = factor.trim();
-                let p = if let Ok(c) = factor.parse::<i64>() {
-                    Poly::constant(c)
+                let d = if factor.bytes().all(|b| b.is_ascii_digit()) && !factor.is_empty() {
+                    Dim::Const(factor.parse::<usize>().map_err(|_| overflow())?)
                 } else if is_symbol_name(factor) {
-                    Dim::sym(factor).poly()
+                    Dim::sym(factor)
                 } else {
-                    return Err(format!("bad dimension `{text}`: `{factor}` is neither an integer nor a symbol name"));
+                    return Err(format!("bad dimension `{text}`: `{factor}` is neither a non-negative integer nor a symbol name"));
                 };
-                prod = prod.mul(&p);
+                prod = prod.checked_mul(&d).ok_or_else(overflow)?;
             }
-            sum = sum.add(&prod);
+            sum = sum.checked_add(&prod).ok_or_else(overflow)?;
         }
-        Ok(sum.into_dim())
+        Ok(sum)
     }
 }
 
@@ -187,23 +242,21 @@ impl From<usize> for Dim {
     }
 }
 
+/// Panics on overflow (see [`Dim::checked_add`]).
 impl std::ops::Add for &Dim {
     type Output = Dim;
     fn add(self, rhs: &Dim) -> Dim {
-        match (self, rhs) {
-            (Dim::Const(a), Dim::Const(b)) => Dim::Const(a + b),
-            _ => self.poly().add(&rhs.poly()).into_dim(),
-        }
+        self.checked_add(rhs)
+            .unwrap_or_else(|| panic!("dim arithmetic overflows: {self} + {rhs}"))
     }
 }
 
+/// Panics on overflow (see [`Dim::checked_mul`]).
 impl std::ops::Mul for &Dim {
     type Output = Dim;
     fn mul(self, rhs: &Dim) -> Dim {
-        match (self, rhs) {
-            (Dim::Const(a), Dim::Const(b)) => Dim::Const(a * b),
-            _ => self.poly().mul(&rhs.poly()).into_dim(),
-        }
+        self.checked_mul(rhs)
+            .unwrap_or_else(|| panic!("dim arithmetic overflows: {self} * {rhs}"))
     }
 }
 
@@ -268,12 +321,22 @@ impl Shape {
         self.0.iter().map(Dim::as_const).collect()
     }
 
-    /// The number of elements, as a dim.
+    /// The number of elements, as a dim. Panics on overflow; see
+    /// [`Shape::checked_numel`].
     pub fn numel(&self) -> Dim {
-        self.0.iter().fold(Dim::Const(1), |acc, d| &acc * d)
+        self.checked_numel()
+            .unwrap_or_else(|| panic!("the element count of {self} overflows"))
     }
 
-    pub fn eval(&self, env: &HashMap<Arc<str>, usize>) -> Option<Vec<usize>> {
+    /// The number of elements, as a dim, or `None` on overflow.
+    pub fn checked_numel(&self) -> Option<Dim> {
+        self.0
+            .iter()
+            .try_fold(Dim::Const(1), |acc, d| acc.checked_mul(d))
+    }
+
+    /// The concrete sizes at the symbol values of `env` (see [`Dim::eval`]).
+    pub fn eval(&self, env: &HashMap<Arc<str>, usize>) -> Result<Vec<usize>, EvalError> {
         self.0.iter().map(|d| d.eval(env)).collect()
     }
 }
@@ -328,8 +391,39 @@ mod tests {
         assert_eq!(two_s0.div_exact(&Dim::Const(2)).unwrap(), s0);
         assert!(s0.div_exact(&Dim::Const(2)).is_none());
         let env = HashMap::from([(Arc::from("s0"), 3usize), (Arc::from("s1"), 5usize)]);
-        assert_eq!(e.eval(&env), Some(19));
+        assert_eq!(e.eval(&env), Ok(19));
         assert!(Dim::parse("s0*-").is_err());
+        assert!(Dim::parse("-5").is_err());
+    }
+
+    #[test]
+    fn algebra_and_evaluation_are_checked() {
+        let s0 = Dim::sym("s0");
+        let big = Dim::Const(1 << 62);
+        // Coefficients past i64: no wrapped polynomial.
+        assert!(big.checked_mul(&Dim::Const(4)).is_none());
+        assert!(big
+            .checked_mul(&s0)
+            .unwrap()
+            .checked_mul(&Dim::Const(2))
+            .is_none());
+        assert!(Dim::Const(usize::MAX).checked_add(&s0).is_none());
+        assert!(Dim::parse("99999999999999999999*s0").is_err());
+        assert!(Dim::parse("4611686018427387904*s0*4").is_err());
+        // s0*s0+1 at s0 = 2^62 overflows: an error, not f32[1].
+        let d = Dim::parse("s0*s0+1").unwrap();
+        let env = HashMap::from([(Arc::from("s0"), 1usize << 62)]);
+        assert_eq!(d.eval(&env), Err(EvalError::Overflow));
+        let env = HashMap::from([(Arc::from("s0"), 1usize << 31)]);
+        assert_eq!(d.eval(&env), Ok((1 << 62) + 1));
+        assert_eq!(
+            Dim::parse("s1").unwrap().eval(&env),
+            Err(EvalError::Unbound(Arc::from("s1")))
+        );
+        let shape = Shape(vec![Dim::Const(1 << 40), Dim::Const(1 << 40)]);
+        assert!(shape.checked_numel().is_none());
+        let r = std::panic::catch_unwind(|| shape.numel());
+        assert!(r.is_err(), "numel panics rather than wrapping");
     }
 
     #[test]

@@ -25,6 +25,8 @@ impl Graph {
             return Err(Error::new(ErrorKind::Verify, "an input is listed twice"));
         }
         let mut names = HashSet::new();
+        // (custom node, output index) of each `custom_output` seen.
+        let mut custom_outputs = HashSet::new();
         for (i, node) in self.nodes.iter().enumerate() {
             let id = NodeId(i as u32);
             if let Some(bad) = node.inputs.iter().find(|x| x.index() >= i) {
@@ -74,6 +76,16 @@ impl Graph {
             if let Op::CustomOutput { index, .. } = node.op {
                 self.check_custom_output(node.inputs[0], index, &node.ty)
                     .map_err(|msg| fail(id, msg))?;
+                if !custom_outputs.insert((node.inputs[0], index)) {
+                    return Err(fail(
+                        id,
+                        format!(
+                            "output {index} of {} is read by an earlier custom_output \
+                             too; each output has one custom_output node",
+                            self.display_name(node.inputs[0])
+                        ),
+                    ));
+                }
             }
         }
         let mut out_names = HashSet::new();

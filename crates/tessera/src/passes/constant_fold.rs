@@ -7,7 +7,10 @@
 //! size: an elementwise op or a view of `full`s is evaluated on one element,
 //! which also serves symbolic shapes), otherwise a `constant` when it has at
 //! most [`PassContext::fold_limit`] elements. Larger results stay ops: a
-//! graph should not carry megabytes of literals. An op that fails on its
+//! graph should not carry megabytes of literals. The inputs are materialised
+//! only when each has at most `fold_limit` elements too, checked before any
+//! is made: folding `sum(full [1000000,1000000])` would otherwise allocate
+//! 4 TB at compile time for one number. An op that fails on its
 //! constants (an integer division by zero) is left to fail at run time.
 //! Sources themselves (`full`, `arange`, `rand` …) are not folded: they are
 //! already as small as a value gets.
@@ -54,8 +57,16 @@ fn fold(g: &Graph, id: NodeId, inputs: &[NodeId], ctx: &PassContext) -> Option<O
     if all_full && keeps_uniform(&node.op) {
         return fold_uniform(g, id, inputs);
     }
+    let small = |shape: &[usize]| crate::limits::numel(shape).is_some_and(|n| n <= ctx.fold_limit);
     let shape = node.ty.shape.as_concrete()?;
-    if shape.iter().product::<usize>() > ctx.fold_limit {
+    if !small(&shape) {
+        return None;
+    }
+    let input_shapes: Vec<Vec<usize>> = inputs
+        .iter()
+        .map(|&x| g.node(x).ty.shape.as_concrete())
+        .collect::<Option<_>>()?;
+    if !input_shapes.iter().all(|s| small(s)) {
         return None;
     }
     let values: Vec<Tensor> = inputs
@@ -208,8 +219,32 @@ mod tests {
   %q = div(%n, %zero) : i64[2]
   %r = randn {seed=1, shape=[2], dtype=f32} : f32[2]
   %t = tanh(%r) : f32[2]
-  return %b as b, %q as q, %t as t
+  %huge = full {value=1.0, shape=[1000000,1000000], dtype=f32} : f32[1000000,1000000]
+  %total = sum(%huge) {dims=[0,1], keepdim=false} : f32[]
+  return %b as b, %q as q, %t as t, %total as total
 }";
         assert_unchanged(run, &PassContext::default(), before);
+    }
+
+    /// `expand(full)` folds to a `full` of the expanded shape without
+    /// making it; an op reading it with a small result is left to run
+    /// rather than materialising 4 TB at compile time.
+    #[test]
+    fn never_materialises_large_inputs() {
+        let before = "graph g() {
+  %one = full {value=1.0, shape=[1], dtype=f32} : f32[1]
+  %wide = expand(%one) {shape=[1,1000000000000]} : f32[1,1000000000000]
+  %col = full {value=2.0, shape=[1000000000000,1], dtype=f32} : f32[1000000000000,1]
+  %dot = matmul(%wide, %col) : f32[1,1]
+  return %dot as dot
+}";
+        let after = "graph g() {
+  %wide = full {value=1.0, shape=[1,1000000000000], dtype=f32} : f32[1,1000000000000]
+  %col = full {value=2.0, shape=[1000000000000,1], dtype=f32} : f32[1000000000000,1]
+  %dot = matmul(%wide, %col) : f32[1,1]
+  return %dot as dot
+}
+";
+        assert_rewrites(run, &PassContext::default(), before, after);
     }
 }

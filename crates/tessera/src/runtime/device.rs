@@ -77,8 +77,19 @@ pub struct DeviceStorage {
 }
 
 impl DeviceStorage {
+    /// Storage for `numel` elements of `dtype` in `memory`. Panics when
+    /// `memory` is too small for them or `numel` is past the size limit
+    /// ([`crate::limits`]; a backend allocates for checked shapes only), so
+    /// [`DeviceStorage::size_bytes`] never overflows and no kernel reads
+    /// past the block.
     pub fn new(device: Device, dtype: DType, numel: usize, memory: Box<dyn DeviceMemory>) -> Self {
-        debug_assert!(memory.len() >= numel * dtype.size_bytes());
+        let fits =
+            numel <= crate::limits::MAX_ELEMENTS && memory.len() >= numel * dtype.size_bytes();
+        assert!(
+            fits,
+            "internal error: {numel} elements of {dtype} in a device block of {} bytes",
+            memory.len()
+        );
         DeviceStorage {
             device,
             dtype,

@@ -21,7 +21,7 @@ use super::cpu::{self, BlockedProduct, Storage};
 use super::device::{self, Device, DeviceStorage};
 use super::interpret::{bind_symbols, node_error};
 use crate::autograd;
-use crate::error::Result;
+use crate::error::{ErrorKind, Result};
 use crate::fusion::{Kernel, Plan};
 use crate::ir::{Graph, NodeId, Op};
 use crate::logging::log;
@@ -105,7 +105,14 @@ pub fn run_scheduled_with(
         return execute(graph, plan, &schedule.steps, unplanned, inputs, tune);
     }
     // On a device the arena and blocks are device memory (see `cpu::arena`).
-    let arena = Arena::on(on, memory.arena_bytes)?;
+    let arena = Arena::on(on, memory.arena_bytes).map_err(|mut e| {
+        e.message = format!(
+            "graph `{}`: the arena of its memory plan ({} bytes, the predicted peak \
+             of its intermediates): {}",
+            graph.name, memory.arena_bytes, e.message
+        );
+        e
+    })?;
     let mut created = vec![Vec::new(); plan.kernels.len()];
     for (i, buffer) in memory.buffers.iter().enumerate() {
         created[buffer.kernel].push(i);
@@ -649,7 +656,27 @@ impl<'a> Job<'a> {
         Ok(vec![(*id, out)])
     }
 
+    /// Runs the kernel. Memory it cannot get is an `OutOfMemory` error about
+    /// the values it writes (the op's error where one op runs).
     fn run_kernel(self, graph: &Graph, tune: bool) -> Result<Vec<(NodeId, Tensor)>> {
+        let writes = self.kernel.writes();
+        super::cpu::alloc::catching(|| self.run_kernel_here(graph, tune))
+            .and_then(|r| r)
+            .map_err(|e| match (e.kind, e.op.is_none(), writes.first()) {
+                (ErrorKind::OutOfMemory, true, Some(&first)) => {
+                    let types: Vec<String> = writes
+                        .iter()
+                        .map(|&w| graph.node(w).ty.to_string())
+                        .collect();
+                    let op = graph.node(first).op.name();
+                    let e = super::cpu::in_kernel(e, op, &types.join(", "));
+                    node_error(graph, first, e)
+                }
+                _ => e,
+            })
+    }
+
+    fn run_kernel_here(self, graph: &Graph, tune: bool) -> Result<Vec<(NodeId, Tensor)>> {
         match self.kernel {
             Kernel::Extern(id) => {
                 let node = graph.node(*id);
@@ -938,7 +965,7 @@ fn fresh_copy(t: &Tensor) -> Result<Tensor> {
         }
         None => {
             let src = t.storage();
-            let mut dst = Storage::new(t.dtype(), src.numel());
+            let mut dst = Storage::try_new(t.dtype(), src.numel())?;
             dst.as_bytes_mut().copy_from_slice(src.as_bytes());
             Ok(Tensor::from_parts(Arc::new(dst), layout))
         }

@@ -15,7 +15,7 @@ use std::panic::Location;
 use std::sync::Arc;
 
 use crate::error::{Error, ErrorKind, Result};
-use crate::ir::{Dim, Graph, NodeId, Op, Shape};
+use crate::ir::{Dim, EvalError, Graph, NodeId, Op, Shape};
 use crate::tensor::{trace, Tensor};
 
 /// The value of each symbol, bound from the inputs' shapes.
@@ -192,14 +192,23 @@ fn check_dim(
 ) -> Result<()> {
     let at = format!("input `{}`, dim {d}", graph.display_name(id));
     let expected = match dim.eval(symbols) {
-        Some(v) if v == size => return Ok(()),
-        Some(v) => v,
-        None => {
+        Ok(v) if v == size => return Ok(()),
+        Ok(v) => v,
+        Err(EvalError::Unbound(_)) => {
             return Err(Error::new(
                 ErrorKind::Unsupported,
                 format!(
                     "{at}: cannot bind the symbols of `{dim}` from a size; \
                      declare a plain symbol (like `s0`) on some input"
+                ),
+            ))
+        }
+        Err(e) => {
+            return Err(Error::new(
+                ErrorKind::Shape,
+                format!(
+                    "{at}: `{dim}` has no size at {}: {e}",
+                    describe_symbols(symbols)
                 ),
             ))
         }
@@ -361,28 +370,47 @@ fn concrete_op<'a>(op: &'a Op, symbols: &Symbols) -> Result<Cow<'a, Op>> {
     })
 }
 
-/// The concrete sizes of `shape`, or why there are none.
-fn eval_shape(shape: &Shape, symbols: &Symbols) -> Result<Vec<usize>> {
-    if let Some(sizes) = shape.eval(symbols) {
-        return Ok(sizes);
-    }
-    let unbound: HashSet<Arc<str>> = shape
-        .dims()
-        .iter()
-        .flat_map(Dim::symbols)
-        .filter(|s| !symbols.contains_key(s))
-        .collect();
-    let msg = if unbound.is_empty() {
-        format!("shape {shape} has a negative size for {symbols:?}")
-    } else {
-        let mut names: Vec<&str> = unbound.iter().map(|s| &**s).collect();
-        names.sort();
-        format!(
-            "shape {shape} uses {}, which no input binds",
-            names.join(", ")
-        )
+/// The concrete sizes of `shape`, within the size limit
+/// ([`crate::limits`]), or why there are none.
+pub(crate) fn eval_shape(shape: &Shape, symbols: &Symbols) -> Result<Vec<usize>> {
+    let err = match shape.eval(symbols) {
+        Ok(sizes) if crate::limits::extent(&sizes).is_some() => return Ok(sizes),
+        Ok(sizes) => format!(
+            "shape {shape} is {sizes:?} at {}: more than the limit of 2^46 = {} elements",
+            describe_symbols(symbols),
+            crate::limits::MAX_ELEMENTS
+        ),
+        Err(EvalError::Unbound(_)) => {
+            let unbound: HashSet<Arc<str>> = shape
+                .dims()
+                .iter()
+                .flat_map(Dim::symbols)
+                .filter(|s| !symbols.contains_key(s))
+                .collect();
+            let mut names: Vec<&str> = unbound.iter().map(|s| &**s).collect();
+            names.sort();
+            format!(
+                "shape {shape} uses {}, which no input binds",
+                names.join(", ")
+            )
+        }
+        Err(e) => format!(
+            "shape {shape} has no size at {}: {e}",
+            describe_symbols(symbols)
+        ),
     };
-    Err(Error::new(ErrorKind::Shape, msg))
+    Err(Error::new(ErrorKind::Shape, err))
+}
+
+/// `s0 = 4, s1 = 8`, sorted by name.
+fn describe_symbols(symbols: &Symbols) -> String {
+    let mut pairs: Vec<(&str, usize)> = symbols.iter().map(|(k, &v)| (&**k, v)).collect();
+    pairs.sort();
+    pairs
+        .iter()
+        .map(|(k, v)| format!("{k} = {v}"))
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 /// Names the node in `e` and points it at the node's source line.

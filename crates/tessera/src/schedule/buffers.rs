@@ -136,7 +136,31 @@ impl BufferModel {
                 model.join_in_place(graph, k, *id);
             }
         }
+        model.check_total(graph)?;
         Ok(model)
+    }
+
+    /// Every offset, arena size and peak the planner computes is at most
+    /// the sum of all buffers, each rounded up to the alignment: checking
+    /// once that this sum fits an `isize` (Rust's limit on one allocation)
+    /// makes all of that arithmetic safe. (Each buffer is within the size
+    /// limit already: see [`concrete`].)
+    fn check_total(&self, graph: &Graph) -> Result<()> {
+        let total = self.buffers.iter().try_fold(0usize, |acc, b| {
+            acc.checked_add(b.bytes.checked_next_multiple_of(64)?.checked_add(64)?)
+        });
+        match total {
+            Some(t) if t <= isize::MAX as usize => Ok(()),
+            _ => Err(Error::new(
+                ErrorKind::OutOfMemory,
+                format!(
+                    "graph `{}`: its {} buffers together need more bytes than one \
+                     address space holds; it cannot be planned",
+                    graph.name,
+                    self.buffers.len()
+                ),
+            )),
+        }
     }
 
     /// A custom op's kernel allocates its outputs in an order of its own:
@@ -490,9 +514,11 @@ fn in_place_candidates(
     found
 }
 
+/// The shape of `id`, concrete and within the size limit
+/// ([`crate::limits`]), so its byte size cannot overflow.
 fn concrete(graph: &Graph, id: NodeId) -> Result<Vec<usize>> {
     let ty = &graph.node(id).ty;
-    ty.shape.as_concrete().ok_or_else(|| {
+    let shape = ty.shape.as_concrete().ok_or_else(|| {
         Error::new(
             ErrorKind::Unsupported,
             format!(
@@ -500,7 +526,9 @@ fn concrete(graph: &Graph, id: NodeId) -> Result<Vec<usize>> {
                 graph.display_name(id)
             ),
         )
-    })
+    })?;
+    crate::limits::check(graph.node(id).op.name(), ty.dtype, &shape)?;
+    Ok(shape)
 }
 
 fn internal(message: String) -> Error {

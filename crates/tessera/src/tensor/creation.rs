@@ -8,7 +8,7 @@ use rand::SeedableRng;
 use super::{unwrap_or_panic, Tensor};
 use crate::error::{Error, ErrorKind, Result};
 use crate::ir::{DType, Literal, Op, Scalar, Shape};
-use crate::runtime::cpu::{copy, Element, Storage};
+use crate::runtime::cpu::{copy, in_kernel as cpu_in_kernel, Element, Storage};
 use crate::with_dtype;
 
 /// An explicit, seeded source of randomness. Each random op draws a fresh
@@ -36,23 +36,37 @@ impl Tensor {
     /// A contiguous tensor holding `data` with `shape`.
     #[track_caller]
     pub fn from_vec<T: Element>(data: Vec<T>, shape: &[usize]) -> Tensor {
-        unwrap_or_panic(Tensor::try_from_slice(&data, shape, Location::caller()))
+        unwrap_or_panic(Tensor::slice_at(&data, shape, Location::caller()))
+    }
+
+    /// [`Tensor::from_vec`], returning errors (a shape `data` does not fill,
+    /// or past the size limit; no memory) instead of panicking.
+    #[track_caller]
+    pub fn try_from_vec<T: Element>(data: Vec<T>, shape: &[usize]) -> Result<Tensor> {
+        Tensor::slice_at(&data, shape, Location::caller())
     }
 
     /// A contiguous tensor holding a copy of `data` with `shape`.
     #[track_caller]
     pub fn from_slice<T: Element>(data: &[T], shape: &[usize]) -> Tensor {
-        unwrap_or_panic(Tensor::try_from_slice(data, shape, Location::caller()))
+        unwrap_or_panic(Tensor::slice_at(data, shape, Location::caller()))
     }
 
-    fn try_from_slice<T: Element>(
+    /// [`Tensor::from_slice`], returning errors instead of panicking.
+    #[track_caller]
+    pub fn try_from_slice<T: Element>(data: &[T], shape: &[usize]) -> Result<Tensor> {
+        Tensor::slice_at(data, shape, Location::caller())
+    }
+
+    fn slice_at<T: Element>(
         data: &[T],
         shape: &[usize],
         caller: &'static Location<'static>,
     ) -> Result<Tensor> {
-        let numel: usize = shape.iter().product();
+        let at = |e: Error| e.at(crate::error::SourceLoc::from_location(caller));
+        let numel = crate::limits::check("from_vec", T::DTYPE, shape).map_err(at)?;
         if numel != data.len() {
-            return Err(Error::op(
+            return Err(at(Error::op(
                 ErrorKind::Shape,
                 "from_vec",
                 format!(
@@ -60,10 +74,11 @@ impl Tensor {
                     data.len(),
                     shape
                 ),
-            )
-            .at(crate::error::SourceLoc::from_location(caller)));
+            )));
         }
-        Ok(Tensor::from_storage(Storage::from_slice(data), shape))
+        let storage = Storage::try_from_slice(data)
+            .map_err(|e| at(cpu_error(e, "from_vec", T::DTYPE, shape)))?;
+        Ok(Tensor::from_storage(storage, shape))
     }
 
     /// A 0-dim tensor holding `value` as `dtype`.
@@ -72,13 +87,40 @@ impl Tensor {
         Tensor::full(&[], value, dtype)
     }
 
-    /// A tensor of `shape` filled with `value` (converted to `dtype`).
+    /// A tensor of `shape` filled with `value` (converted to `dtype`:
+    /// truncated for an integer dtype, whose range it must be in).
     #[track_caller]
     pub fn full(shape: &[usize], value: f64, dtype: DType) -> Tensor {
+        unwrap_or_panic(Tensor::full_at(shape, value, dtype, Location::caller()))
+    }
+
+    /// [`Tensor::full`], returning errors (a shape past the size limit, a
+    /// value out of the dtype's range, no memory) instead of panicking.
+    #[track_caller]
+    pub fn try_full(shape: &[usize], value: f64, dtype: DType) -> Result<Tensor> {
+        Tensor::full_at(shape, value, dtype, Location::caller())
+    }
+
+    fn full_at(
+        shape: &[usize],
+        value: f64,
+        dtype: DType,
+        caller: &'static Location<'static>,
+    ) -> Result<Tensor> {
         let value = if dtype.is_float() {
             Scalar::Float(value)
         } else if dtype.is_int() {
-            Scalar::Int(value as i64)
+            // -2^63 ..= 2^63 - 1 after truncation; `as` would saturate.
+            let t = value.trunc();
+            if !(t >= -(2f64.powi(63)) && t < 2f64.powi(63)) {
+                return Err(Error::op(
+                    ErrorKind::Argument,
+                    "full",
+                    format!("value {value} does not fit in {dtype}"),
+                )
+                .at(crate::error::SourceLoc::from_location(caller)));
+            }
+            Scalar::Int(t as i64)
         } else {
             Scalar::Bool(value != 0.0)
         };
@@ -87,7 +129,7 @@ impl Tensor {
             shape: Shape::from_concrete(shape),
             dtype,
         };
-        unwrap_or_panic(Tensor::apply(&op, &[], Location::caller()))
+        Tensor::apply(&op, &[], caller)
     }
 
     #[track_caller]
@@ -95,43 +137,74 @@ impl Tensor {
         Tensor::full(shape, 0.0, dtype)
     }
 
+    /// [`Tensor::zeros`], returning errors instead of panicking.
+    #[track_caller]
+    pub fn try_zeros(shape: &[usize], dtype: DType) -> Result<Tensor> {
+        Tensor::full_at(shape, 0.0, dtype, Location::caller())
+    }
+
     #[track_caller]
     pub fn ones(shape: &[usize], dtype: DType) -> Tensor {
         Tensor::full(shape, 1.0, dtype)
     }
 
+    /// [`Tensor::ones`], returning errors instead of panicking.
+    #[track_caller]
+    pub fn try_ones(shape: &[usize], dtype: DType) -> Result<Tensor> {
+        Tensor::full_at(shape, 1.0, dtype, Location::caller())
+    }
+
     /// `start, start+step, …` below `end`, like `torch.arange`.
     #[track_caller]
     pub fn arange(start: f64, end: f64, step: f64, dtype: DType) -> Tensor {
+        unwrap_or_panic(Tensor::try_arange(start, end, step, dtype))
+    }
+
+    /// [`Tensor::arange`], returning errors (a bad range, more elements
+    /// than the size limit, no memory) instead of panicking.
+    #[track_caller]
+    pub fn try_arange(start: f64, end: f64, step: f64, dtype: DType) -> Result<Tensor> {
         let op = Op::Arange {
             start,
             end,
             step,
             dtype,
         };
-        unwrap_or_panic(Tensor::apply(&op, &[], Location::caller()))
+        Tensor::apply(&op, &[], Location::caller())
     }
 
     /// Uniform samples in [0, 1).
     #[track_caller]
     pub fn rand(shape: &[usize], dtype: DType, generator: &mut Generator) -> Tensor {
+        unwrap_or_panic(Tensor::try_rand(shape, dtype, generator))
+    }
+
+    /// [`Tensor::rand`], returning errors instead of panicking.
+    #[track_caller]
+    pub fn try_rand(shape: &[usize], dtype: DType, generator: &mut Generator) -> Result<Tensor> {
         let op = Op::Rand {
             seed: generator.next_seed(),
             shape: Shape::from_concrete(shape),
             dtype,
         };
-        unwrap_or_panic(Tensor::apply(&op, &[], Location::caller()))
+        Tensor::apply(&op, &[], Location::caller())
     }
 
     /// Standard normal samples.
     #[track_caller]
     pub fn randn(shape: &[usize], dtype: DType, generator: &mut Generator) -> Tensor {
+        unwrap_or_panic(Tensor::try_randn(shape, dtype, generator))
+    }
+
+    /// [`Tensor::randn`], returning errors instead of panicking.
+    #[track_caller]
+    pub fn try_randn(shape: &[usize], dtype: DType, generator: &mut Generator) -> Result<Tensor> {
         let op = Op::Randn {
             seed: generator.next_seed(),
             shape: Shape::from_concrete(shape),
             dtype,
         };
-        unwrap_or_panic(Tensor::apply(&op, &[], Location::caller()))
+        Tensor::apply(&op, &[], Location::caller())
     }
 
     /// A constant tensor from a literal (the IR's `constant` op).
@@ -153,8 +226,25 @@ impl Tensor {
         if self.device() != crate::runtime::device::Device::Cpu {
             return self.to_host()?.to_vec();
         }
-        let c = copy::contiguous(self);
-        Ok(c.contiguous_slice::<T>().expect("contiguous").to_vec())
+        let at = crate::error::SourceLoc::caller();
+        let c = crate::runtime::cpu::alloc::catching(|| copy::contiguous(self))
+            .map_err(|e| cpu_error(e, "to_vec", self.dtype(), self.shape()).at(at.clone()))?;
+        let values = c.contiguous_slice::<T>().expect("contiguous");
+        let mut out = Vec::new();
+        out.try_reserve_exact(values.len()).map_err(|_| {
+            Error::op(
+                ErrorKind::OutOfMemory,
+                "to_vec",
+                format!(
+                    "out of memory: a Vec of {} bytes for the values of {} could not be allocated",
+                    std::mem::size_of_val(values),
+                    self.ty()
+                ),
+            )
+            .at(at)
+        })?;
+        out.extend_from_slice(values);
+        Ok(out)
     }
 
     /// The elements converted to f64, in row-major order (bools as 0/1).
@@ -184,4 +274,9 @@ impl Tensor {
         }
         self.to_f64_vec()[0]
     }
+}
+
+/// An allocation error of `op` making `dtype`/`shape`, said about the op.
+fn cpu_error(e: Error, op: &str, dtype: DType, shape: &[usize]) -> Error {
+    cpu_in_kernel(e, op, &crate::ir::TensorType::new(dtype, shape).to_string())
 }

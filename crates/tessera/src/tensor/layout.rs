@@ -1,4 +1,11 @@
 //! Strided layouts: how a tensor's logical indices map into its storage.
+//!
+//! The size arithmetic here (strides, offsets, element counts) is
+//! unchecked: every shape a layout is made for is within the size limit
+//! ([`crate::limits`]), checked where it entered (op inference, tensor
+//! creation, file readers), and a layout that a tensor is built over is
+//! checked once to stay inside its storage ([`Layout::fits`]). Within
+//! those bounds none of these products and sums can overflow.
 
 /// Shape, strides (in elements) and offset into the storage. Strides may be
 /// zero (expanded dims); they are never negative.
@@ -9,13 +16,15 @@ pub struct Layout {
     pub offset: usize,
 }
 
-/// Row-major strides of `shape`.
+/// Row-major strides of `shape` (saturating: a shape past the size limit,
+/// which no tensor has, gets strides that [`Layout::fits`] refuses rather
+/// than wrapped ones).
 pub fn contiguous_strides(shape: &[usize]) -> Vec<usize> {
     let mut strides = vec![0; shape.len()];
-    let mut acc = 1;
+    let mut acc: usize = 1;
     for i in (0..shape.len()).rev() {
         strides[i] = acc;
-        acc *= shape[i];
+        acc = acc.saturating_mul(shape[i]);
     }
     strides
 }
@@ -35,6 +44,26 @@ impl Layout {
 
     pub fn numel(&self) -> usize {
         self.shape.iter().product()
+    }
+
+    /// Whether every element's storage offset is below `storage_numel`
+    /// (and the shape within the size limit), computed in checked
+    /// arithmetic: what makes reading the tensor through this layout safe.
+    pub fn fits(&self, storage_numel: usize) -> bool {
+        if self.shape.len() != self.strides.len() || crate::limits::extent(&self.shape).is_none() {
+            return false;
+        }
+        if self.shape.contains(&0) {
+            return true;
+        }
+        let last = self
+            .shape
+            .iter()
+            .zip(&self.strides)
+            .try_fold(self.offset, |acc, (&n, &s)| {
+                acc.checked_add((n - 1).checked_mul(s)?)
+            });
+        matches!(last, Some(last) if last < storage_numel)
     }
 
     /// Row-major and dense: element i lives at `offset + i`. Size-1 dims may
@@ -186,5 +215,26 @@ mod tests {
         assert_eq!(t.reshaped(&[3, 1, 2]).unwrap().strides, vec![1, 0, 3]);
         let e = Layout::contiguous(&[3, 1]).expanded(&[2, 3, 4]);
         assert_eq!(e.strides, vec![0, 1, 0]);
+    }
+
+    #[test]
+    fn fits_checks_the_last_element_without_overflowing() {
+        let l = Layout::contiguous(&[2, 3]);
+        assert!(l.fits(6) && !l.fits(5));
+        assert!(l.sliced(1, 1, 2, 1).fits(6));
+        assert!(Layout::contiguous(&[0, 3]).fits(0));
+        let huge = Layout {
+            shape: vec![2, 2],
+            strides: vec![usize::MAX / 2, 1],
+            offset: usize::MAX / 2,
+        };
+        assert!(!huge.fits(usize::MAX));
+        assert!(!Layout::contiguous(&[1 << 40, 1 << 40]).fits(usize::MAX));
+        let ragged = Layout {
+            shape: vec![2],
+            strides: vec![],
+            offset: 0,
+        };
+        assert!(!ragged.fits(8));
     }
 }

@@ -60,8 +60,11 @@ pub(crate) enum Data {
 }
 
 impl Tensor {
-    /// A tensor over `storage` with `layout` (a view when the storage is shared).
+    /// A tensor over `storage` with `layout` (a view when the storage is
+    /// shared). Panics when the layout reaches outside the storage
+    /// ([`Layout::fits`]): reading it would read out of bounds.
     pub fn from_parts(storage: Arc<Storage>, layout: Layout) -> Tensor {
+        check_fits(&layout, storage.numel(), storage.dtype());
         Tensor(Arc::new(TensorImpl {
             dtype: storage.dtype(),
             layout,
@@ -164,9 +167,16 @@ impl Tensor {
         matches!(self.0.data, Data::Traced(_))
     }
 
-    /// A contiguous tensor owning `storage`.
+    /// A contiguous tensor owning `storage`, which must hold exactly the
+    /// elements of `shape` (else a panic: see [`Tensor::from_parts`]).
     pub fn from_storage(storage: Storage, shape: &[usize]) -> Tensor {
-        debug_assert_eq!(storage.numel(), shape.iter().product::<usize>());
+        if crate::limits::numel(shape) != Some(storage.numel()) {
+            panic!(
+                "from_storage: a storage of {} elements of {} does not hold shape {shape:?}",
+                storage.numel(),
+                storage.dtype()
+            );
+        }
         Tensor::from_parts(Arc::new(storage), Layout::contiguous(shape))
     }
 
@@ -204,14 +214,23 @@ impl Tensor {
         }
     }
 
-    /// A tensor over device `storage` with `layout`.
+    /// A tensor over device `storage` with `layout` (checked as in
+    /// [`Tensor::from_parts`]).
     pub fn from_device_parts(storage: Arc<DeviceStorage>, layout: Layout) -> Tensor {
+        check_fits(&layout, storage.numel(), storage.dtype());
         Tensor::from_data(storage.dtype(), layout, Data::Device(storage))
     }
 
-    /// A contiguous tensor owning device `storage`.
+    /// A contiguous tensor owning device `storage`, which must hold exactly
+    /// the elements of `shape`.
     pub fn from_device_storage(storage: DeviceStorage, shape: &[usize]) -> Tensor {
-        debug_assert_eq!(storage.numel(), shape.iter().product::<usize>());
+        if crate::limits::numel(shape) != Some(storage.numel()) {
+            panic!(
+                "from_device_storage: a storage of {} elements of {} does not hold shape {shape:?}",
+                storage.numel(),
+                storage.dtype()
+            );
+        }
         Tensor::from_device_parts(Arc::new(storage), Layout::contiguous(shape))
     }
 
@@ -445,6 +464,18 @@ fn eval_on_device(
         }
     }
     device::backend(device)?.eval(op, inputs, dtype, shape)
+}
+
+/// Panics unless `layout` stays inside a storage of `numel` elements: a
+/// tensor is never made that would read or write out of bounds.
+fn check_fits(layout: &Layout, numel: usize, dtype: DType) {
+    if !layout.fits(numel) {
+        panic!(
+            "a layout with shape {:?}, strides {:?} and offset {} reaches outside \
+             its storage of {numel} elements of {dtype}",
+            layout.shape, layout.strides, layout.offset
+        );
+    }
 }
 
 /// Panics with the error's message; used by the panicking op methods so the

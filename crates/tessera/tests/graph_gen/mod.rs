@@ -13,6 +13,8 @@
 //! Not every test file uses every item.
 #![allow(dead_code)]
 
+pub mod focused;
+
 use proptest::prelude::*;
 use serde_json::json;
 use tessera::ir::{

@@ -10,11 +10,12 @@ use crate::ir::shape::{is_symbol_name, Dim, Shape};
 use super::cursor::Cursor;
 use super::ops::{Attr, AttrKind};
 
-/// Shapes whose element count could pass this are refused. The shape algebra
-/// (`numel`, `cat`) computes in `i64`/`usize` without overflow checks, and
-/// the parser must not let any input make it overflow (a panic in a debug
-/// build). 2^46 elements is far beyond any tensor a graph file describes.
-pub(super) const MAX_ELEMENTS: u64 = 1 << 46;
+/// Shapes whose element count could pass this are refused: the size limit
+/// of every tensor ([`crate::limits`]). For a symbolic shape the bound is on
+/// its count with every symbol at 1, which also keeps every coefficient of
+/// its polynomials (and of their sums and products in `numel` and `cat`)
+/// far from overflowing.
+pub(super) const MAX_ELEMENTS: u64 = crate::limits::MAX_ELEMENTS as u64;
 
 /// Bounds the product of the term counts of a shape's dims, which is the
 /// size of its expanded `numel` polynomial (`[s0+s1,s2+s3,…]` doubles it

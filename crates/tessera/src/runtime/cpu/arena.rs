@@ -46,7 +46,7 @@ enum Memory {
 impl Memory {
     fn on(device: Device, bytes: usize) -> Result<Memory> {
         Ok(match device {
-            Device::Cpu => Memory::Host(Arc::new(RawBuffer::new(bytes))),
+            Device::Cpu => Memory::Host(Arc::new(RawBuffer::try_new(bytes)?)),
             // Bool: one byte per element.
             d => Memory::Device(Arc::new(device::backend(d)?.alloc(DType::Bool, bytes)?)),
         })
@@ -74,10 +74,6 @@ impl Memory {
 pub struct Arena(Memory);
 
 impl Arena {
-    pub fn new(bytes: usize) -> Arena {
-        Arena(Memory::Host(Arc::new(RawBuffer::new(bytes))))
-    }
-
     /// An arena of `bytes` on `device` (out of memory is an error).
     pub fn on(device: Device, bytes: usize) -> Result<Arena> {
         Memory::on(device, bytes).map(Arena)
@@ -179,10 +175,6 @@ pub enum Place {
 pub struct Block(Memory);
 
 impl Block {
-    pub fn new(bytes: usize) -> Block {
-        Block(Memory::Host(Arc::new(RawBuffer::new(bytes))))
-    }
-
     /// A block of `bytes` on `device` (out of memory is an error).
     pub fn on(device: Device, bytes: usize) -> Result<Block> {
         Memory::on(device, bytes).map(Block)
@@ -315,38 +307,40 @@ pub fn planned<R>(slots: Slots, f: impl FnOnce() -> R) -> R {
 /// this thread is the kernel's planned scratch (what does not fit goes to
 /// the pool). Device backends wrap their kernels' temporaries in it too.
 pub fn scratch<R>(f: impl FnOnce() -> R) -> R {
-    let set = |on: bool| {
-        PLANNED.with(|p| {
-            p.borrow_mut()
-                .last_mut()
-                .map(|s| std::mem::replace(&mut s.in_scratch, on))
-        })
-    };
-    let before = set(true);
-    let r = f();
-    if let Some(before) = before {
-        set(before);
+    with_flag(|s| &mut s.in_scratch, f)
+}
+
+/// Runs `f` with the flag `field` picks of the running kernel's slots set,
+/// restoring it afterwards, also when `f` unwinds (an allocation failure
+/// on its way to the op's boundary: see `alloc::catching`).
+fn with_flag<R>(field: fn(&mut Slots) -> &mut bool, f: impl FnOnce() -> R) -> R {
+    struct Restore(fn(&mut Slots) -> &mut bool, Option<bool>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            if let Some(before) = self.1 {
+                set_flag(self.0, before);
+            }
+        }
     }
-    r
+    let _restore = Restore(field, set_flag(field, true));
+    f()
+}
+
+/// Sets the flag `field` picks of the running kernel's slots; its value
+/// before, or `None` when no kernel has slots on this thread.
+fn set_flag(field: fn(&mut Slots) -> &mut bool, on: bool) -> Option<bool> {
+    PLANNED.with(|p| {
+        p.borrow_mut()
+            .last_mut()
+            .map(|s| std::mem::replace(field(s), on))
+    })
 }
 
 /// Runs `f` with the running kernel's slots set aside: what it allocates
 /// on this thread comes from the pool (the intermediates of a group that
 /// runs op by op, which the plan does not know).
 pub(crate) fn unplanned<R>(f: impl FnOnce() -> R) -> R {
-    let set = |on: bool| {
-        PLANNED.with(|p| {
-            p.borrow_mut()
-                .last_mut()
-                .map(|s| std::mem::replace(&mut s.paused, on))
-        })
-    };
-    let before = set(true);
-    let r = f();
-    if let Some(before) = before {
-        set(before);
-    }
-    r
+    with_flag(|s| &mut s.paused, f)
 }
 
 /// The planned place of a host allocation of `len` bytes made now on this

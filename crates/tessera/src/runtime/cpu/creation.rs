@@ -23,7 +23,7 @@ const RNG_BLOCK: usize = 4096;
 
 /// The literal's values in its dtype.
 pub fn constant(lit: &Literal) -> Result<Tensor> {
-    let numel: usize = lit.shape.iter().product();
+    let numel = crate::limits::check("constant", lit.dtype, &lit.shape)?;
     if lit.data.len() != numel {
         return Err(op_err!(
             Shape,
@@ -163,10 +163,10 @@ mod tests {
         let t = constant(&lit(
             DType::I32,
             &[3],
-            LiteralData::Int(vec![-7, 0, 1 << 40]),
+            LiteralData::Int(vec![-7, 0, i32::MAX.into()]),
         ))
         .unwrap();
-        assert_eq!(t.to_vec::<i32>().unwrap(), [-7, 0, 0]);
+        assert_eq!(t.to_vec::<i32>().unwrap(), [-7, 0, i32::MAX]);
         let t = constant(&lit(DType::Bool, &[], LiteralData::Bool(vec![true]))).unwrap();
         assert_eq!((t.shape(), t.to_vec::<u8>().unwrap()), (&[][..], vec![1]));
         let t = constant(&lit(DType::I64, &[0, 4], LiteralData::Int(vec![]))).unwrap();

@@ -26,12 +26,13 @@ pub use matmul::{
 pub use storage::Storage;
 
 use crate::error::Result;
-use crate::ir::{DType, Op};
+use crate::ir::{DType, Op, TensorType};
 use crate::tensor::{Layout, Tensor};
 
 /// Computes `op(inputs)` whose output has `dtype` and `shape` (already
 /// inferred and checked by `Op::infer`). Movement ops return views (see
-/// [`view_layout`]).
+/// [`view_layout`]). Memory the kernel cannot get is an `OutOfMemory`
+/// error that names the op and its output type.
 pub fn eval(op: &Op, inputs: &[&Tensor], dtype: DType, shape: &[usize]) -> Result<Tensor> {
     if let Some(x) = inputs.first() {
         let input = (x.layout(), x.dtype(), x.storage().numel());
@@ -39,6 +40,22 @@ pub fn eval(op: &Op, inputs: &[&Tensor], dtype: DType, shape: &[usize]) -> Resul
             return Ok(view(x, layout));
         }
     }
+    alloc::catching(|| run_kernel(op, inputs, dtype, shape))
+        .and_then(|r| r)
+        .map_err(|e| in_kernel(e, op.name(), &TensorType::new(dtype, shape).to_string()))
+}
+
+/// An allocation failure inside `op`'s kernel, said about the op: `op: out
+/// of memory: … (computing f32[1000000, 1000000])`.
+pub(crate) fn in_kernel(mut e: crate::error::Error, op: &str, output: &str) -> crate::error::Error {
+    if e.kind == crate::error::ErrorKind::OutOfMemory && e.op.is_none() {
+        e.op = Some(op.to_string());
+        e.message = format!("{} (computing {output})", e.message);
+    }
+    e
+}
+
+fn run_kernel(op: &Op, inputs: &[&Tensor], dtype: DType, shape: &[usize]) -> Result<Tensor> {
     match op {
         Op::Input => unreachable!("inputs are bound by the caller, never evaluated"),
         Op::Constant(lit) => creation::constant(lit),
@@ -130,7 +147,8 @@ pub fn view_layout(op: &Op, input: (&Layout, DType, usize), out_shape: &[usize])
 /// output (`inputs`: each input's layout, dtype and storage element count).
 /// Softmax makes a dense copy of a strided input, a reduction one of an
 /// input too strided to fold in place; f16/bf16 matmul widens both operands
-/// (broadcast dims stay compact) and its result to f32.
+/// (broadcast dims stay compact) and its result to f32; `index_add` and
+/// `scatter_add` copy a strided index or source.
 pub fn scratch_bytes(op: &Op, inputs: &[(&Layout, DType, usize)], out_shape: &[usize]) -> usize {
     match op {
         Op::Reduce { dims, .. } => {
@@ -145,6 +163,7 @@ pub fn scratch_bytes(op: &Op, inputs: &[(&Layout, DType, usize)], out_shape: &[u
                 layout.numel() * dtype.size_bytes()
             }
         }
+        Op::IndexAdd { .. } | Op::ScatterAdd { .. } => scatter::scratch_bytes(inputs),
         Op::MatMul | Op::MatMulT { .. } if matches!(inputs[0].1, DType::F16 | DType::BF16) => {
             let compact = |l: &Layout| -> usize {
                 l.shape

@@ -5,7 +5,8 @@ use half::{bf16, f16};
 
 use super::{copy, Element, Storage};
 use crate::error::{op_err, Result};
-use crate::tensor::Tensor;
+use crate::ir::DType;
+use crate::tensor::{Layout, Tensor};
 use crate::with_dtype;
 
 /// Addition in the element type (f32 arithmetic for the half types; bool: or).
@@ -43,13 +44,65 @@ impl Accumulate for u8 {
     }
 }
 
-/// The index values as i64, checked against `bound`.
-fn indices(op: &str, index: &Tensor, bound: usize) -> Result<Vec<i64>> {
-    let values: Vec<i64> = match index.dtype() {
-        crate::ir::DType::I32 => index.to_vec::<i32>()?.into_iter().map(i64::from).collect(),
-        _ => index.to_vec::<i64>()?,
+/// `x` with its elements in row-major order at `layout.offset..`: `x`
+/// itself when contiguous, else a dense copy made as the kernel's scratch
+/// (counted by [`scratch_bytes`], so the memory plan holds it). Kernels read
+/// their index and source through this rather than copying them into
+/// `Vec`s the allocator would not see.
+fn row_major(x: &Tensor) -> Tensor {
+    match x.is_contiguous() {
+        true => x.clone(),
+        false => super::arena::scratch(|| copy::contiguous(x)),
+    }
+}
+
+/// Scratch bytes `index_add` and `scatter_add` allocate: a dense copy of
+/// their index and of their source when strided (`inputs`: base, index,
+/// source), each piece 64-byte aligned in the scratch region.
+pub(super) fn scratch_bytes(inputs: &[(&Layout, DType, usize)]) -> usize {
+    inputs[1..]
+        .iter()
+        .filter(|(l, _, _)| !l.is_contiguous())
+        .map(|(l, d, _)| (l.numel() * d.size_bytes()).div_ceil(64) * 64)
+        .sum()
+}
+
+/// The values of a row-major index tensor, checked against a bound.
+enum Indices<'a> {
+    I64(&'a [i64]),
+    I32(&'a [i32]),
+}
+
+impl Indices<'_> {
+    fn len(&self) -> usize {
+        match self {
+            Indices::I64(v) => v.len(),
+            Indices::I32(v) => v.len(),
+        }
+    }
+
+    /// Index `i` (in range: checked by [`indices`]).
+    #[inline]
+    fn get(&self, i: usize) -> usize {
+        match self {
+            Indices::I64(v) => v[i] as usize,
+            Indices::I32(v) => v[i] as usize,
+        }
+    }
+}
+
+/// The values of `index` (row-major, from [`row_major`]), checked against `bound`.
+fn indices<'a>(op: &str, index: &'a Tensor, bound: usize) -> Result<Indices<'a>> {
+    let values = match index.dtype() {
+        DType::I32 => Indices::I32(index.contiguous_slice::<i32>().expect("row-major i32")),
+        _ => Indices::I64(index.contiguous_slice::<i64>().expect("row-major i64")),
     };
-    if let Some(bad) = values.iter().find(|&&v| v < 0 || v as usize >= bound) {
+    let bad = |v: i64| v < 0 || v as u64 >= bound as u64;
+    let first_bad = match &values {
+        Indices::I64(v) => v.iter().copied().find(|&v| bad(v)),
+        Indices::I32(v) => v.iter().map(|&v| i64::from(v)).find(|&v| bad(v)),
+    };
+    if let Some(bad) = first_bad {
         return Err(op_err!(
             Argument,
             op,
@@ -73,17 +126,20 @@ fn fresh_copy<T: Element>(base: &Tensor) -> Storage {
 /// `torch.index_add(base, dim, index, src)`.
 pub fn index_add(base: &Tensor, index: &Tensor, src: &Tensor, dim: usize) -> Result<Tensor> {
     let size = base.shape()[dim];
-    let idx = indices("index_add", index, size)?;
+    let index = row_major(index);
+    let idx = indices("index_add", &index, size)?;
     let outer: usize = base.shape()[..dim].iter().product();
     let inner: usize = base.shape()[dim + 1..].iter().product();
+    let src = row_major(src);
     with_dtype!(base.dtype(), T => {
         let mut out = fresh_copy::<T>(base);
-        let src = src.to_vec::<T>()?;
+        let src = src.contiguous_slice::<T>().expect("row-major source");
         let dst = out.as_mut_slice::<T>();
         for o in 0..outer {
-            for (i, &j) in idx.iter().enumerate() {
+            for i in 0..idx.len() {
+                let j = idx.get(i);
                 let from = &src[(o * idx.len() + i) * inner..][..inner];
-                let to = &mut dst[(o * size + j as usize) * inner..][..inner];
+                let to = &mut dst[(o * size + j) * inner..][..inner];
                 for (d, s) in to.iter_mut().zip(from) {
                     *d = d.add(*s);
                 }
@@ -95,21 +151,24 @@ pub fn index_add(base: &Tensor, index: &Tensor, src: &Tensor, dim: usize) -> Res
 
 /// `torch.scatter_add(base, dim, index, src)`.
 pub fn scatter_add(base: &Tensor, index: &Tensor, src: &Tensor, dim: usize) -> Result<Tensor> {
-    let idx = indices("scatter_add", index, base.shape()[dim])?;
+    let index = row_major(index);
+    let idx = indices("scatter_add", &index, base.shape()[dim])?;
     let strides = crate::tensor::layout::contiguous_strides(base.shape());
     let shape = index.shape();
+    let src = row_major(src);
     with_dtype!(base.dtype(), T => {
         let mut out = fresh_copy::<T>(base);
-        let src = src.to_vec::<T>()?;
+        let src = src.contiguous_slice::<T>().expect("row-major source");
         let dst = out.as_mut_slice::<T>();
         let mut pos = vec![0usize; shape.len()];
-        for (k, &j) in idx.iter().enumerate() {
+        for (k, &value) in src.iter().enumerate().take(idx.len()) {
+            let j = idx.get(k);
             let target: usize = pos
                 .iter()
                 .enumerate()
-                .map(|(d, &p)| if d == dim { j as usize } else { p } * strides[d])
+                .map(|(d, &p)| if d == dim { j } else { p } * strides[d])
                 .sum();
-            dst[target] = dst[target].add(src[k]);
+            dst[target] = dst[target].add(value);
             // Advance the row-major position over the index's shape.
             for d in (0..shape.len()).rev() {
                 pos[d] += 1;

@@ -3,7 +3,9 @@
 use super::alloc::RawBuffer;
 use super::arena::{self, Region};
 use super::element::Element;
+use crate::error::{Error, ErrorKind, Result};
 use crate::ir::DType;
+use crate::limits;
 
 /// The bytes behind one or more tensors (views share a storage).
 pub struct Storage {
@@ -38,14 +40,40 @@ impl Storage {
     /// Storage for `numel` elements of `dtype` (contents: zeros or reused bytes;
     /// kernels overwrite every element they hand out): at its planned place
     /// when a compiled run planned this allocation (see [`arena`]), else
-    /// from the pool.
-    pub fn new(dtype: DType, numel: usize) -> Storage {
-        let len = numel * dtype.size_bytes();
+    /// from the pool. Errors when `numel` is past the size limit
+    /// ([`crate::limits`]) or the memory is not there (`OutOfMemory`,
+    /// naming the bytes and the type).
+    pub fn try_new(dtype: DType, numel: usize) -> Result<Storage> {
+        let len = numel
+            .checked_mul(dtype.size_bytes())
+            .filter(|_| numel <= limits::MAX_ELEMENTS)
+            .ok_or_else(|| {
+                Error::new(
+                    ErrorKind::OutOfMemory,
+                    format!(
+                        "storage for {numel} elements of {dtype} is past the size limit \
+                         of 2^46 elements"
+                    ),
+                )
+            })?;
         let buf = match arena::take(len) {
             Some(region) => Block::Planned(region),
-            None => Block::Own(RawBuffer::new(len)),
+            None => Block::Own(RawBuffer::try_new(len).map_err(|mut e| {
+                e.message = format!("{} for {numel} elements of {dtype}", e.message);
+                e
+            })?),
         };
-        Storage { buf, dtype, numel }
+        Ok(Storage { buf, dtype, numel })
+    }
+
+    /// [`Storage::try_new`] for kernels, which cannot return an error: a
+    /// failure unwinds to the op that runs the kernel and becomes its error
+    /// (see [`super::alloc`]).
+    pub fn new(dtype: DType, numel: usize) -> Storage {
+        match Storage::try_new(dtype, numel) {
+            Ok(s) => s,
+            Err(e) => super::alloc::raise(e),
+        }
     }
 
     /// Storage for `numel` elements of `dtype` over a planned region (whose
@@ -68,6 +96,13 @@ impl Storage {
         let mut s = Storage::new(T::DTYPE, data.len());
         s.as_mut_slice::<T>().copy_from_slice(data);
         s
+    }
+
+    /// [`Storage::from_slice`], with allocation failure as an error.
+    pub fn try_from_slice<T: Element>(data: &[T]) -> Result<Storage> {
+        let mut s = Storage::try_new(T::DTYPE, data.len())?;
+        s.as_mut_slice::<T>().copy_from_slice(data);
+        Ok(s)
     }
 
     pub fn dtype(&self) -> DType {

@@ -1,0 +1,249 @@
+//! The training run end to end (shortened), and its parts on hand-made
+//! examples: the task generator, greedy decoding and the accuracy metric.
+
+use std::collections::HashSet;
+
+use tessera::nn::{ParamStore, TransformerLM};
+use tessera::tensor::Generator;
+use tessera::{DType, ErrorKind, Result, Tensor};
+use tessera_apps::train::eval::{evaluate, greedy_decode, score};
+use tessera_apps::train::task::{answer, Sampler};
+use tessera_apps::train::{
+    evaluate_model, train, ReversalTask, TrainConfig, IGNORE_INDEX, SEP, VOCAB,
+};
+
+const I: i64 = IGNORE_INDEX;
+
+/// A run small enough for a debug build: 4 digits, one layer of width 32.
+fn tiny_config(dir: &std::path::Path) -> TrainConfig {
+    TrainConfig {
+        digits: 4,
+        steps: 40,
+        batch: 32,
+        // Higher than the default: a one-layer model at 3e-3 is still on
+        // the uniform-digit plateau (loss ≈ ln 10) after 40 steps.
+        lr: 1e-2,
+        warmup: 5,
+        d_model: 32,
+        n_heads: 2,
+        n_layers: 1,
+        d_ff: 64,
+        max_len: 8,
+        eval_every: 20,
+        eval_size: 100,
+        checkpoint: Some(dir.join("ckpt/model.safetensors")),
+        plot: Some(dir.join("loss.png")),
+        ..TrainConfig::default()
+    }
+}
+
+fn mean(xs: &[f64]) -> f64 {
+    xs.iter().sum::<f64>() / xs.len() as f64
+}
+
+#[test]
+fn a_short_run_lowers_the_loss_and_writes_its_artifacts() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = tiny_config(dir.path());
+    let mut seen = Vec::new();
+    let report = train(&config, |p| seen.push((p.step, p.eval.is_some()))).unwrap();
+
+    assert_eq!(report.losses.len(), 40);
+    assert!(report.losses.iter().all(|l| l.is_finite()));
+    let (first, last) = (mean(&report.losses[..10]), mean(&report.losses[30..]));
+    assert!(last < 0.7 * first, "loss {first:.4} -> {last:.4}");
+
+    // The callback saw every step; evaluations ran every 20 steps.
+    let steps: Vec<usize> = seen.iter().map(|s| s.0).collect();
+    assert_eq!(steps, (1..=40).collect::<Vec<_>>());
+    let eval_steps: Vec<usize> = report.evals.iter().map(|e| e.step).collect();
+    assert_eq!(eval_steps, vec![20, 40]);
+    assert_eq!(report.final_accuracy, report.evals[1].accuracy.exact_match);
+    assert!(report.tokens_per_s > 0.0 && report.ms_per_step > 0.0);
+    assert!(report.wall_time_s >= report.train_time_s);
+
+    let png = std::fs::read(dir.path().join("loss.png")).unwrap();
+    assert!(png.starts_with(b"\x89PNG\r\n\x1a\n"), "not a PNG");
+    assert_checkpoint_reproduces(&config, &report.final_accuracy);
+}
+
+/// The checkpoint loads into a fresh model of the same config, which then
+/// scores exactly what the run reported.
+fn assert_checkpoint_reproduces(config: &TrainConfig, final_accuracy: &f64) {
+    let mut store = ParamStore::new();
+    let model = TransformerLM::new(
+        &mut store,
+        "",
+        config.model_config(),
+        &mut Generator::new(99),
+    );
+    store
+        .load_safetensors(config.checkpoint.as_ref().unwrap())
+        .unwrap();
+    let task = config.task();
+    let accuracy = evaluate_model(&model, &task, &task.eval_set(config.eval_size)).unwrap();
+    assert_eq!(accuracy.exact_match, *final_accuracy);
+}
+
+#[test]
+fn the_same_seed_replays_the_same_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = TrainConfig {
+        steps: 5,
+        checkpoint: None,
+        plot: None,
+        ..tiny_config(dir.path())
+    };
+    let a = train(&config, |_| {}).unwrap();
+    let b = train(&config, |_| {}).unwrap();
+    assert_eq!(a.losses, b.losses);
+    let c = train(&TrainConfig { seed: 1, ..config }, |_| {}).unwrap();
+    assert_ne!(a.losses, c.losses);
+}
+
+#[test]
+fn an_example_is_digits_separator_reversal() {
+    let task = ReversalTask { digits: 6 };
+    let digits = [3, 1, 4, 1, 5, 9];
+    assert_eq!(
+        task.example(&digits),
+        vec![3, 1, 4, 1, 5, 9, SEP, 9, 5, 1, 4, 1, 3]
+    );
+    assert_eq!(task.prompt(&digits), vec![3, 1, 4, 1, 5, 9, SEP]);
+    // Input position i predicts token i + 1; the prompt's predictions
+    // (digits 2..6 and the separator) are not trained.
+    assert_eq!(
+        task.targets(&digits),
+        vec![I, I, I, I, I, I, 9, 5, 1, 4, 1, 3]
+    );
+
+    let batch = task.batch(&[digits.to_vec(), vec![0, 0, 0, 0, 0, 7]]);
+    assert_eq!(batch.inputs.shape(), &[2, 12]);
+    assert_eq!(
+        batch.inputs.to_vec::<i64>().unwrap()[12..],
+        [0, 0, 0, 0, 0, 7, SEP, 7, 0, 0, 0, 0]
+    );
+    assert_eq!(
+        batch.targets.to_vec::<i64>().unwrap()[12..],
+        [I, I, I, I, I, I, 7, 0, 0, 0, 0, 0]
+    );
+}
+
+#[test]
+fn the_eval_set_is_fixed_distinct_and_never_trained_on() {
+    let task = ReversalTask { digits: 2 };
+    let held_out = task.eval_set(50);
+    assert_eq!(held_out, task.eval_set(50), "the same set every time");
+    let distinct: HashSet<&Vec<u8>> = held_out.iter().collect();
+    assert_eq!(distinct.len(), 50);
+
+    let mut sampler = Sampler::new(task, 0, &held_out);
+    let trained: HashSet<Vec<u8>> = sampler.next_samples(2000).into_iter().collect();
+    assert!(trained.is_disjoint(&held_out.iter().cloned().collect()));
+    // Every other string does come up: the held-out set is all that is left out.
+    assert_eq!(trained.len(), 100 - 50);
+}
+
+#[test]
+fn the_metric_scores_whole_sequences_and_tokens() {
+    let expected = [1, 2, 3, 4, 5, 6, 7, 8];
+    let perfect = score(&expected, &expected, 4);
+    assert_eq!((perfect.exact_match, perfect.token), (1.0, 1.0));
+    let wrong = score(&[0; 8], &expected, 4);
+    assert_eq!((wrong.exact_match, wrong.token), (0.0, 0.0));
+    // One wrong token spoils its whole sequence, not the other one.
+    let one_off = score(&[1, 2, 3, 4, 5, 6, 7, 0], &expected, 4);
+    assert_eq!((one_off.exact_match, one_off.token), (0.5, 7.0 / 8.0));
+}
+
+/// Logits `[B, T, VOCAB]` that put all weight on `choose(ids, b)` at the
+/// last position (earlier positions are never read by greedy decoding).
+fn oracle(
+    task: ReversalTask,
+    choose: impl Fn(&[i64], usize) -> i64,
+) -> impl FnMut(&Tensor) -> Result<Tensor> {
+    move |ids: &Tensor| {
+        let (b, t) = (ids.shape()[0], ids.shape()[1]);
+        let flat = ids.to_vec::<i64>()?;
+        let mut logits = vec![0f32; b * t * VOCAB];
+        for (row, tokens) in flat.chunks(t).enumerate() {
+            let next = choose(tokens, task.prompt_len());
+            logits[(row * t + t - 1) * VOCAB + next as usize] = 1.0;
+        }
+        Ok(Tensor::from_vec(logits, &[b, t, VOCAB]))
+    }
+}
+
+/// The right next token: the digit mirrored around the separator.
+fn reverse_next(tokens: &[i64], prompt_len: usize) -> i64 {
+    let produced = tokens.len() - prompt_len;
+    tokens[prompt_len - 2 - produced]
+}
+
+#[test]
+fn greedy_decoding_of_a_perfect_model_scores_one_and_of_a_wrong_one_zero() {
+    let task = ReversalTask { digits: 5 };
+    let set = task.eval_set(64);
+    let perfect = evaluate(&task, &set, oracle(task, reverse_next)).unwrap();
+    assert_eq!((perfect.exact_match, perfect.token), (1.0, 1.0));
+
+    // Copying instead of reversing is right only on palindromes' tokens.
+    let copy = |tokens: &[i64], prompt_len: usize| tokens[tokens.len() - prompt_len];
+    let copied = evaluate(&task, &set, oracle(task, copy)).unwrap();
+    let palindromes = set.iter().filter(|d| d.iter().eq(d.iter().rev())).count();
+    assert_eq!(copied.exact_match, palindromes as f64 / 64.0);
+    // The middle digit is its own mirror image: a fifth of tokens at least.
+    assert!(
+        copied.token >= 0.2 && copied.token < 1.0,
+        "{}",
+        copied.token
+    );
+
+    let always_sep = evaluate(&task, &set, oracle(task, |_, _| SEP)).unwrap();
+    assert_eq!((always_sep.exact_match, always_sep.token), (0.0, 0.0));
+}
+
+#[test]
+fn greedy_decoding_feeds_back_its_own_outputs() {
+    let task = ReversalTask { digits: 3 };
+    let prompts = task.prompts(&[vec![4, 5, 6]]);
+    // A model that always outputs (last token + 1) mod 10 chains its outputs.
+    let next = |tokens: &[i64], _: usize| (tokens[tokens.len() - 1] + 1) % 10;
+    let out = greedy_decode(&prompts, 3, oracle(task, next)).unwrap();
+    // After SEP (10): 11 % 10 = 1, then 2, then 3.
+    assert_eq!(out.to_vec::<i64>().unwrap(), vec![1, 2, 3]);
+    assert_eq!(answer(&[4, 5, 6]), vec![6, 5, 4]);
+    assert_eq!(out.dtype(), DType::I64);
+}
+
+#[test]
+fn bad_configs_are_clear_errors_listing_every_problem() {
+    let config = TrainConfig {
+        digits: 9,
+        max_len: 16,
+        d_model: 30,
+        n_heads: 4,
+        ..TrainConfig::default()
+    };
+    let err = train(&config, |_| {}).unwrap_err();
+    assert_eq!(err.kind, ErrorKind::Argument);
+    let message = err.to_string();
+    assert!(
+        message.contains("max_len 16 is shorter than the 18 tokens"),
+        "{message}"
+    );
+    assert!(
+        message.contains("d_model 30 must be a multiple of n_heads 4"),
+        "{message}"
+    );
+
+    let too_many = TrainConfig {
+        digits: 2,
+        max_len: 4,
+        eval_size: 51,
+        ..TrainConfig::default()
+    };
+    let message = too_many.validate().unwrap_err().to_string();
+    assert!(message.contains("eval_size 51"), "{message}");
+    assert!(TrainConfig::default().validate().is_ok());
+}
