@@ -9,12 +9,18 @@
 //!   step lists, the fusion plan's row kernels — reductions and softmax with
 //!   their pointwise producers and consumers — as one kernel each,
 //!   reductions, softmax, indexing), plain strings;
-//! - [`compiler`]: NVRTC for the device's architecture, cached by source
-//!   hash in memory and on disk; `TESSERA_LOGS=output_code` prints sources;
+//! - [`compiler`]: NVRTC for the device's architecture, the one compiler of
+//!   every kernel (generated or flash attention's), cached by source hash on
+//!   disk and as loaded modules in memory; `TESSERA_LOGS=output_code` prints
+//!   sources;
 //! - `gpu`: context, stream, caching allocator (live/peak accounting,
 //!   out-of-memory as an error), copies, launches;
+//! - `ops`: each IR op to its kernel (pointwise, reductions and rows,
+//!   matmul, indexing, memory);
 //! - `matmul`: cuBLASLt (f32, f16, bf16 with f32 accumulation; f64),
-//!   batched, transposed operands, bias/activation epilogues.
+//!   batched, transposed operands, bias/activation epilogues;
+//! - [`flash`]: the flash attention kernels' launcher (`flash_op`: their
+//!   custom-op slot).
 //!
 //! Everything is loaded dynamically: the crate builds and links with no
 //! CUDA installed, and every entry point checks for the driver and
@@ -90,8 +96,8 @@ impl CudaBackend {
         )
     }
 
-    /// `epilogue(a·b + bias)` in one cuBLASLt call: `a` [.., m, k], `b`
-    /// [.., k, n] (batch dims broadcast), `bias` [n] of their dtype.
+    /// `epilogue(a·b + bias)` in one cuBLASLt call: `a` `[.., m, k]`, `b`
+    /// `[.., k, n]` (batch dims broadcast), `bias` `[n]` of their dtype.
     pub fn matmul_epilogue(
         &self,
         a: &Tensor,
@@ -260,6 +266,15 @@ impl Backend for CudaBackend {
         let graph = self.gpu.end_capture().map_err(device_error)?;
         Ok(Box::new(Graph(graph)))
     }
+}
+
+/// A driver error as a one-line message.
+pub(crate) fn driver_error(what: &str, e: cudarc::driver::result::DriverError) -> String {
+    let name = e
+        .error_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|_| format!("{:?}", e.0));
+    format!("CUDA {what} failed: {name}")
 }
 
 fn device_error(message: String) -> Error {
