@@ -39,9 +39,8 @@ pub mod profile;
 use std::sync::{Arc, OnceLock};
 
 use tessera::error::{Error, ErrorKind, Result};
+use tessera::ir::kernel::{FusedKernel, RowKernel};
 use tessera::ir::{DType, Op};
-use tessera::runtime::cpu::fused::FusedKernel;
-use tessera::runtime::cpu::rows::RowKernel;
 use tessera::runtime::cpu::{MemoryStats, Storage};
 use tessera::runtime::device::{self, Backend, Device, DeviceGraph, DeviceStorage};
 use tessera::tensor::Layout;

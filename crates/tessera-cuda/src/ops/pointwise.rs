@@ -5,8 +5,8 @@
 use std::sync::Arc;
 
 use tessera::error::Result;
+use tessera::ir::kernel::{FusedKernel, Step};
 use tessera::ir::{DType, Op};
-use tessera::runtime::cpu::fused::{FusedKernel, Step};
 use tessera::runtime::device::{Device, DeviceStorage};
 use tessera::tensor::{Layout, Tensor};
 
@@ -193,6 +193,7 @@ impl CudaBackend {
         inputs: &[&Tensor],
         donated: &[(usize, usize)],
     ) -> Result<Vec<Tensor>> {
+        kernel.check(inputs.len())?;
         let compute = if kernel.wide {
             Compute::F64
         } else {

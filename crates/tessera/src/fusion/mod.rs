@@ -26,10 +26,9 @@
 
 use std::collections::{HashMap, HashSet};
 
+use crate::ir::kernel::{FusedKernel, RowKernel, RowStep, Step, MAX_ROW};
 use crate::ir::{CompareOp, DType, Graph, NodeId, Op, Scalar};
 use crate::logging::log;
-use crate::runtime::cpu::fused::{FusedKernel, Step};
-use crate::runtime::cpu::rows::{RowKernel, RowStep, MAX_ROW};
 
 /// One unit of execution.
 #[derive(Clone, Debug, PartialEq)]

@@ -5,6 +5,7 @@ pub mod custom;
 pub mod dtype;
 pub mod graph;
 pub mod infer;
+pub mod kernel;
 pub mod op;
 pub mod shape;
 pub mod text;

@@ -12,10 +12,9 @@ use std::cell::Cell;
 use std::fmt;
 use std::sync::{Arc, RwLock};
 
-use super::cpu::fused::FusedKernel;
-use super::cpu::rows::RowKernel;
 use super::cpu::{MemoryStats, Storage};
 use crate::error::{Error, ErrorKind, Result};
+use crate::ir::kernel::{FusedKernel, RowKernel};
 use crate::ir::{DType, Op};
 use crate::tensor::{Layout, Tensor};
 

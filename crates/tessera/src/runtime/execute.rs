@@ -15,14 +15,14 @@ use std::time::{Duration, Instant};
 
 use super::autotune;
 use super::cpu::arena::{self, Arena, Block, Place, Slots, Taken};
-use super::cpu::fused::{FusedInput, FusedKernel};
-use super::cpu::rows::RowKernel;
+use super::cpu::fused::FusedInput;
 use super::cpu::{self, BlockedProduct, Storage};
 use super::device::{self, Device, DeviceStorage};
 use super::interpret::{bind_symbols, node_error};
 use crate::autograd;
 use crate::error::{ErrorKind, Result};
 use crate::fusion::{Kernel, Plan};
+use crate::ir::kernel::{FusedKernel, RowKernel};
 use crate::ir::{Graph, NodeId, Op};
 use crate::logging::log;
 use crate::schedule::{MemoryPlan, Schedule};

@@ -18,58 +18,21 @@ use super::element::num_like::AccFloat;
 use super::elementwise::{
     binary_const_into, binary_into, const_binary_into, unary_into, Transcendental,
 };
-use super::fused::{compare_block, load, round_block, Step};
+use super::fused::{compare_block, load, round_block};
 use super::reduce::{reduce_row, softmax_row, Arith, RowIo, SoftmaxExp, ROW_MAX};
 use super::stream::stream_min_bytes;
 use super::{Element, Storage};
 use crate::error::{op_err, Result};
-use crate::ir::{DType, ReduceOp};
+use crate::ir::kernel::{RowKernel, RowStep, Step, MAX_ROW};
+use crate::ir::DType;
 use crate::tensor::{Layout, Tensor};
 use crate::with_dtype;
 
-/// The longest row a row kernel takes (its registers stay in L2).
-pub const MAX_ROW: usize = ROW_MAX;
-
-/// One step of a row kernel; operands are indices of earlier steps.
-#[derive(Clone, Debug, PartialEq)]
-pub enum RowStep {
-    /// A pointwise step (`Step::Load(i)` loads kernel input `i`).
-    Point(Step),
-    /// A row value reduced to one scalar per row.
-    Reduce(ReduceOp, usize),
-    /// softmax (or log_softmax) of a row value.
-    Softmax { log: bool, arg: usize },
-}
-
-impl RowStep {
-    fn operands(&self) -> Vec<usize> {
-        match self {
-            RowStep::Point(s) => s.operands(),
-            RowStep::Reduce(_, a) | RowStep::Softmax { arg: a, .. } => vec![*a],
-        }
-    }
-}
-
-/// A row kernel over `rows` rows of `len` elements.
-#[derive(Clone, Debug, PartialEq)]
-pub struct RowKernel {
-    /// The leading (outer) dims; the rows are their row-major positions.
-    pub outer: Vec<usize>,
-    pub len: usize,
-    pub steps: Vec<RowStep>,
-    /// Whether each step is a row value (else a scalar per row).
-    pub is_row: Vec<bool>,
-    /// The steps written to memory: (step, dtype, shape).
-    pub outputs: Vec<(usize, DType, Vec<usize>)>,
-    /// Compute in f64 (any f64 value involved), else f32.
-    pub wide: bool,
-}
+// The row kernel's limit (`ir::kernel::MAX_ROW`) is the longest row the
+// fold of `reduce_row` takes in one pass.
+const _: () = assert!(MAX_ROW == ROW_MAX);
 
 impl RowKernel {
-    fn rows(&self) -> usize {
-        self.outer.iter().product()
-    }
-
     /// The kernel's full shape, `outer ++ [len]`, once every input is
     /// checked to broadcast to it (every backend's row kernel reads its
     /// inputs through that broadcast).
@@ -98,6 +61,7 @@ impl RowKernel {
     /// broadcastable to `outer ++ [len]`.
     pub fn run(&self, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
         let full = self.checked_shape(inputs)?;
+        self.check(inputs.len())?;
         let sources: Vec<Option<Source<'_>>> =
             inputs.iter().map(|t| Some(Source::new(t, &full))).collect();
         Ok(if self.wide {
@@ -125,6 +89,7 @@ impl RowKernel {
         let read: Vec<&Tensor> = inputs.iter().flatten().copied().collect();
         let full = self.checked_shape(&read)?;
         let unread = inputs.iter().filter(|t| t.is_none()).count();
+        self.check(inputs.len())?;
         let steps: Option<Vec<usize>> = fed
             .iter()
             .map(|&j| {
@@ -613,6 +578,8 @@ impl Slots {
 mod tests {
     use super::*;
     use crate::ir::BinaryOp;
+
+    use crate::ir::ReduceOp;
 
     #[test]
     fn a_streamed_softmax_row_kernel_gives_the_eager_bits() {

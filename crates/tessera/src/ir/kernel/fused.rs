@@ -1,0 +1,319 @@
+//! The fused pointwise kernel's description: elementwise [`Step`]s over one
+//! output shape, the steps written to memory, the compute type and the
+//! block size the CPU evaluates it by (see `runtime::cpu::fused`).
+
+use crate::error::{op_err, Result};
+use crate::ir::{BinaryOp, CompareOp, DType, UnaryOp};
+
+/// The bytes of live register slots a block should fit in: most of a
+/// 32-48 KiB L1 data cache.
+const L1_BYTES: usize = 24 << 10;
+/// Block sizes (elements) the default choice stays within: below 256 the
+/// per-step dispatch shows, above 4096 nothing is gained.
+pub const MIN_BLOCK: usize = 256;
+pub const MAX_BLOCK: usize = 4096;
+
+/// One step; operands are indices of earlier steps.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Step {
+    /// Kernel input `i`, broadcast to the kernel's shape.
+    Load(usize),
+    Const(f64),
+    Unary(UnaryOp, usize),
+    Binary(BinaryOp, usize, usize),
+    /// 1.0 where the comparison holds, else 0.0.
+    Compare(CompareOp, usize, usize),
+    /// `a` where `cond != 0`, else `b`.
+    Where(usize, usize, usize),
+    /// A rounding to a narrower float dtype (the value stays in the block's type).
+    Round(DType, usize),
+}
+
+impl Step {
+    /// The steps this one reads.
+    pub fn operands(&self) -> Vec<usize> {
+        match *self {
+            Step::Load(_) | Step::Const(_) => vec![],
+            Step::Unary(_, a) | Step::Round(_, a) => vec![a],
+            Step::Binary(_, a, b) | Step::Compare(_, a, b) => vec![a, b],
+            Step::Where(c, a, b) => vec![c, a, b],
+        }
+    }
+}
+
+/// A fused elementwise kernel over one output shape.
+#[derive(Clone, Debug, PartialEq)]
+pub struct FusedKernel {
+    pub shape: Vec<usize>,
+    pub steps: Vec<Step>,
+    /// The steps written to memory, with their dtypes.
+    pub outputs: Vec<(usize, DType)>,
+    /// Compute in f64 (any f64 value involved), else f32.
+    pub wide: bool,
+    /// Elements per block (a multiple of 64); see [`FusedKernel::default_block`].
+    pub block: usize,
+}
+
+impl FusedKernel {
+    /// A kernel with the default block size.
+    pub fn new(
+        shape: Vec<usize>,
+        steps: Vec<Step>,
+        outputs: Vec<(usize, DType)>,
+        wide: bool,
+    ) -> FusedKernel {
+        let mut k = FusedKernel {
+            shape,
+            steps,
+            outputs,
+            wide,
+            block: MIN_BLOCK,
+        };
+        k.block = k.default_block();
+        k
+    }
+
+    /// The largest block (in [256, 4096], a multiple of 64) whose live
+    /// register slots fit in [`L1_BYTES`].
+    pub fn default_block(&self) -> usize {
+        let slots = FusedRegisters::allocate(&self.steps, &self.outputs, false)
+            .count
+            .max(1);
+        let width = if self.wide { 8 } else { 4 };
+        (L1_BYTES / (slots * width) / 64 * 64).clamp(MIN_BLOCK, MAX_BLOCK)
+    }
+
+    /// The number of inputs the kernel loads (one more than its highest
+    /// `Load` index).
+    pub fn input_count(&self) -> usize {
+        self.steps
+            .iter()
+            .filter_map(|s| match s {
+                Step::Load(k) => Some(k + 1),
+                _ => None,
+            })
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// Whether the kernel keeps the rules its evaluation relies on, given
+    /// `inputs` inputs: it has a step, every step reads only earlier steps,
+    /// loads an input that is given, and every output is a step.
+    pub fn check(&self, inputs: usize) -> Result<()> {
+        if self.steps.is_empty() {
+            return Err(op_err!(Verify, "fused", "a fused kernel without steps"));
+        }
+        for (i, step) in self.steps.iter().enumerate() {
+            if let Some(a) = step.operands().into_iter().find(|&a| a >= i) {
+                return Err(op_err!(
+                    Verify,
+                    "fused",
+                    "step {i} ({step:?}) reads step {a}, which is not an earlier step"
+                ));
+            }
+            if let Step::Load(k) = step {
+                if *k >= inputs {
+                    return Err(op_err!(
+                        Argument,
+                        "fused",
+                        "step {i} loads input {k}, but the kernel was given {inputs} inputs"
+                    ));
+                }
+            }
+        }
+        if let Some(&(o, _)) = self.outputs.iter().find(|(o, _)| *o >= self.steps.len()) {
+            return Err(op_err!(
+                Verify,
+                "fused",
+                "output step {o} of a kernel of {} steps",
+                self.steps.len()
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// The register slot of each step: a slot is reused once its value has
+/// been read for the last time. Constants (filled once per task) and
+/// outputs (stored after the block) keep theirs; outputs streamed while
+/// the next block runs have slots of their own, which no step of that
+/// block writes before the output's own step.
+#[derive(Clone, Debug)]
+pub struct FusedRegisters {
+    pub slot: Vec<usize>,
+    pub count: usize,
+    /// The constants read as blocks: their slots are filled once per task.
+    pub filled: Vec<bool>,
+}
+
+/// The operands step `i` reads as blocks (a binary op's constant operand
+/// is read as a scalar instead; see `FusedKernel::eval_block`).
+fn block_operands(steps: &[Step], i: usize) -> Vec<usize> {
+    let is_const = |j: usize| matches!(steps[j], Step::Const(_));
+    match steps[i] {
+        Step::Binary(_, a, b) => match (is_const(a), is_const(b)) {
+            (_, true) => vec![a],
+            (true, false) => vec![b],
+            (false, false) => vec![a, b],
+        },
+        ref step => step.operands(),
+    }
+}
+
+impl FusedRegisters {
+    /// `own_outputs`: the outputs' slots are reserved for them (see above).
+    pub fn allocate(
+        steps: &[Step],
+        outputs: &[(usize, DType)],
+        own_outputs: bool,
+    ) -> FusedRegisters {
+        let n = steps.len();
+        // Constants read as blocks somewhere get a slot, filled once.
+        let mut block_const = vec![false; n];
+        for i in 0..n {
+            for a in block_operands(steps, i) {
+                block_const[a] |= matches!(steps[a], Step::Const(_));
+            }
+        }
+        // The last step reading each value; its own index when none does.
+        let mut last: Vec<usize> = (0..n).collect();
+        for (i, step) in steps.iter().enumerate() {
+            for a in step.operands() {
+                last[a] = i;
+            }
+        }
+        for (i, step) in steps.iter().enumerate() {
+            if matches!(step, Step::Const(_)) {
+                last[i] = usize::MAX;
+            }
+        }
+        for &(o, _) in outputs {
+            last[o] = usize::MAX;
+        }
+        let (mut slot, mut free, mut count) = (vec![0; n], Vec::new(), 0);
+        // Constants first: their slots are filled before any block runs, so
+        // no other value may ever use them. (The others keep slot 0, never
+        // read as a block.)
+        for i in 0..n {
+            if block_const[i] {
+                slot[i] = count;
+                count += 1;
+            }
+        }
+        let mut reserved = vec![false; n];
+        if own_outputs {
+            for &(o, _) in outputs {
+                if !reserved[o] && !matches!(steps[o], Step::Const(_)) {
+                    reserved[o] = true;
+                    slot[o] = count;
+                    count += 1;
+                }
+            }
+        }
+        for (i, step) in steps.iter().enumerate() {
+            if matches!(step, Step::Const(_)) {
+                continue;
+            }
+            // The destination is taken before the operands are released, so
+            // a step never writes the slot it reads.
+            if !reserved[i] {
+                slot[i] = free.pop().unwrap_or_else(|| {
+                    count += 1;
+                    count - 1
+                });
+            }
+            let mut done = step.operands();
+            done.push(i);
+            done.sort_unstable();
+            done.dedup();
+            free.extend(done.into_iter().filter(|&a| last[a] == i).map(|a| slot[a]));
+        }
+        FusedRegisters {
+            slot,
+            count,
+            filled: block_const,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `relu(x * 2) + y`: four live values at most.
+    fn small() -> FusedKernel {
+        FusedKernel::new(
+            vec![1000],
+            vec![
+                Step::Load(0),
+                Step::Const(2.0),
+                Step::Binary(BinaryOp::Mul, 0, 1),
+                Step::Unary(UnaryOp::Relu, 2),
+                Step::Load(1),
+                Step::Binary(BinaryOp::Add, 3, 4),
+            ],
+            vec![(5, DType::F32)],
+            false,
+        )
+    }
+
+    #[test]
+    fn operands_are_the_steps_read() {
+        assert!(Step::Load(3).operands().is_empty());
+        assert!(Step::Const(1.0).operands().is_empty());
+        assert_eq!(Step::Round(DType::BF16, 4).operands(), [4]);
+        assert_eq!(Step::Compare(CompareOp::Lt, 1, 2).operands(), [1, 2]);
+        assert_eq!(Step::Where(0, 1, 2).operands(), [0, 1, 2]);
+    }
+
+    #[test]
+    fn the_default_block_fills_l1_with_the_live_slots_within_bounds() {
+        let k = small();
+        let slots = FusedRegisters::allocate(&k.steps, &k.outputs, false).count;
+        // A constant read by a binary op is a scalar: no slot; the add
+        // takes its slot before its operands give theirs back.
+        assert_eq!(slots, 3);
+        assert_eq!(
+            k.block,
+            (L1_BYTES / (slots * 4)).clamp(MIN_BLOCK, MAX_BLOCK)
+        );
+        assert_eq!(k.block % 64, 0);
+        let wide = FusedKernel::new(k.shape.clone(), k.steps.clone(), k.outputs.clone(), true);
+        assert_eq!(wide.block, k.block / 2, "f64 values take twice the bytes");
+        // Many live values: the smallest block.
+        let mut steps: Vec<Step> = (0..64).map(Step::Load).collect();
+        steps.extend(
+            (0..63).map(|i| Step::Binary(BinaryOp::Add, if i == 0 { 0 } else { 63 + i }, i + 1)),
+        );
+        let many = FusedKernel::new(vec![10], steps, vec![(126, DType::F32)], false);
+        assert_eq!(many.block, MIN_BLOCK);
+        assert_eq!(many.input_count(), 64);
+    }
+
+    #[test]
+    fn check_names_the_broken_rule() {
+        assert!(small().check(2).is_ok());
+        let e = small().check(1).unwrap_err();
+        assert!(e.message.contains("step 4 loads input 1"), "{e}");
+        let mut forward = small();
+        forward.steps[2] = Step::Binary(BinaryOp::Mul, 0, 3);
+        let e = forward.check(2).unwrap_err();
+        assert!(
+            e.message
+                .contains("reads step 3, which is not an earlier step"),
+            "{e}"
+        );
+        let mut itself = small();
+        itself.steps[3] = Step::Unary(UnaryOp::Relu, 3);
+        assert!(itself.check(2).is_err());
+        let mut output = small();
+        output.outputs.push((6, DType::F32));
+        let e = output.check(2).unwrap_err();
+        assert!(
+            e.message.contains("output step 6 of a kernel of 6 steps"),
+            "{e}"
+        );
+        let empty = FusedKernel::new(vec![4], vec![], vec![], false);
+        assert!(empty.check(0).is_err());
+    }
+}
