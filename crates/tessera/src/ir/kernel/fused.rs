@@ -2,6 +2,7 @@
 //! output shape, the steps written to memory, the compute type and the
 //! block size the CPU evaluates it by (see `runtime::cpu::fused`).
 
+use super::slots::{self, Hold};
 use crate::error::{op_err, Result};
 use crate::ir::{BinaryOp, CompareOp, DType, UnaryOp};
 
@@ -133,16 +134,19 @@ impl FusedKernel {
     }
 }
 
-/// The register slot of each step: a slot is reused once its value has
-/// been read for the last time. Constants (filled once per task) and
-/// outputs (stored after the block) keep theirs; outputs streamed while
-/// the next block runs have slots of their own, which no step of that
-/// block writes before the output's own step.
+/// The register slot of each step (see [`super::slots`]): a slot is
+/// reused once its value has been read for the last time. Constants read
+/// as blocks (filled once per task) and outputs (stored after the block)
+/// keep theirs; outputs streamed while the next block runs have slots of
+/// their own, which no step of that block writes before the output's own
+/// step.
 #[derive(Clone, Debug)]
 pub struct FusedRegisters {
+    /// Each step's slot (0 for a constant read only as a scalar, which
+    /// never reads or writes its slot).
     pub slot: Vec<usize>,
     pub count: usize,
-    /// The constants read as blocks: their slots are filled once per task.
+    /// The constants with a slot: their slots are filled once per task.
     pub filled: Vec<bool>,
 }
 
@@ -168,70 +172,35 @@ impl FusedRegisters {
         own_outputs: bool,
     ) -> FusedRegisters {
         let n = steps.len();
-        // Constants read as blocks somewhere get a slot, filled once.
-        let mut block_const = vec![false; n];
+        let mut output = vec![false; n];
+        for &(o, _) in outputs {
+            output[o] = true;
+        }
+        // Constants read as blocks somewhere, or stored, get a slot filled
+        // once; the others are scalars of the steps that read them.
+        let mut filled = output.clone();
         for i in 0..n {
             for a in block_operands(steps, i) {
-                block_const[a] |= matches!(steps[a], Step::Const(_));
+                filled[a] = true;
             }
         }
-        // The last step reading each value; its own index when none does.
-        let mut last: Vec<usize> = (0..n).collect();
+        let hold: Vec<Hold> = (0..n)
+            .map(|i| match (&steps[i], output[i]) {
+                (Step::Const(_), _) if filled[i] => Hold::Own,
+                (Step::Const(_), _) => Hold::Nothing,
+                (_, true) if own_outputs => Hold::Own,
+                (_, true) => Hold::ToEnd,
+                (_, false) => Hold::UntilLastRead,
+            })
+            .collect();
+        let slots = slots::allocate(|i| steps[i].operands(), &hold);
         for (i, step) in steps.iter().enumerate() {
-            for a in step.operands() {
-                last[a] = i;
-            }
-        }
-        for (i, step) in steps.iter().enumerate() {
-            if matches!(step, Step::Const(_)) {
-                last[i] = usize::MAX;
-            }
-        }
-        for &(o, _) in outputs {
-            last[o] = usize::MAX;
-        }
-        let (mut slot, mut free, mut count) = (vec![0; n], Vec::new(), 0);
-        // Constants first: their slots are filled before any block runs, so
-        // no other value may ever use them. (The others keep slot 0, never
-        // read as a block.)
-        for i in 0..n {
-            if block_const[i] {
-                slot[i] = count;
-                count += 1;
-            }
-        }
-        let mut reserved = vec![false; n];
-        if own_outputs {
-            for &(o, _) in outputs {
-                if !reserved[o] && !matches!(steps[o], Step::Const(_)) {
-                    reserved[o] = true;
-                    slot[o] = count;
-                    count += 1;
-                }
-            }
-        }
-        for (i, step) in steps.iter().enumerate() {
-            if matches!(step, Step::Const(_)) {
-                continue;
-            }
-            // The destination is taken before the operands are released, so
-            // a step never writes the slot it reads.
-            if !reserved[i] {
-                slot[i] = free.pop().unwrap_or_else(|| {
-                    count += 1;
-                    count - 1
-                });
-            }
-            let mut done = step.operands();
-            done.push(i);
-            done.sort_unstable();
-            done.dedup();
-            free.extend(done.into_iter().filter(|&a| last[a] == i).map(|a| slot[a]));
+            filled[i] &= matches!(step, Step::Const(_));
         }
         FusedRegisters {
-            slot,
-            count,
-            filled: block_const,
+            slot: slots.slot.iter().map(|s| s.unwrap_or(0)).collect(),
+            count: slots.count,
+            filled,
         }
     }
 }
@@ -288,6 +257,58 @@ mod tests {
         let many = FusedKernel::new(vec![10], steps, vec![(126, DType::F32)], false);
         assert_eq!(many.block, MIN_BLOCK);
         assert_eq!(many.input_count(), 64);
+    }
+
+    #[test]
+    fn registers_fill_constants_once_and_keep_outputs() {
+        // x; 0.5; x > 0.5 (reads the constant as a block); tanh(x) * 3 (3
+        // a scalar); 7 (an output itself); where(...) an output read later.
+        let steps = vec![
+            Step::Load(0),
+            Step::Const(0.5),
+            Step::Compare(CompareOp::Gt, 0, 1),
+            Step::Unary(UnaryOp::Tanh, 0),
+            Step::Const(3.0),
+            Step::Binary(BinaryOp::Mul, 3, 4),
+            Step::Const(7.0),
+            Step::Where(2, 5, 0),
+            Step::Unary(UnaryOp::Exp, 7),
+        ];
+        let outputs = [(7, DType::F32), (6, DType::F32), (8, DType::F64)];
+        for own in [false, true] {
+            let r = FusedRegisters::allocate(&steps, &outputs, own);
+            let filled: Vec<usize> = (0..steps.len()).filter(|&i| r.filled[i]).collect();
+            assert_eq!(filled, [1, 6], "constants read as blocks or stored");
+            // No other step ever writes a filled constant's slot, nor an
+            // output's after it is computed.
+            for (i, &s) in r.slot.iter().enumerate() {
+                if matches!(steps[i], Step::Const(_)) {
+                    continue;
+                }
+                assert!(s != r.slot[1] && s != r.slot[6], "step {i}: {r:?}");
+                assert!(
+                    i <= 7 || s != r.slot[7],
+                    "step {i} overwrites output 7: {r:?}"
+                );
+            }
+            assert!(r.count <= steps.len() && r.slot.iter().all(|&s| s < r.count));
+            if own {
+                // Streamed outputs: no step writes their slots at all.
+                for (i, &s) in r.slot.iter().enumerate() {
+                    for &(o, _) in &outputs {
+                        assert!(
+                            i == o || s != r.slot[o],
+                            "step {i} shares output {o}'s slot: {r:?}"
+                        );
+                    }
+                }
+            }
+        }
+        // Without streaming, the where takes the tanh's slot (the mul read
+        // it last) and the constant 3, a scalar of the mul, has none.
+        let r = FusedRegisters::allocate(&steps, &outputs, false);
+        assert_eq!(r.slot[7], r.slot[3], "{r:?}");
+        assert!(!r.filled[4]);
     }
 
     #[test]

@@ -4,7 +4,9 @@
 //! - [`FusedKernel`]: a list of pointwise [`Step`]s over one shape, its
 //!   outputs and its block size (`fused`);
 //! - [`RowKernel`]: reductions along the last dim with their pointwise
-//!   producers and consumers, as [`RowStep`]s over rows (`rows`).
+//!   producers and consumers, as [`RowStep`]s over rows (`rows`);
+//! - [`slots`]: the one register allocator both kernels' evaluations use
+//!   ([`FusedRegisters`], [`RowRegisters`]).
 //!
 //! A description says what is computed, never how: the CPU runs these in
 //! `runtime::cpu::{fused, rows}`, tessera-cuda generates CUDA C from them.
@@ -15,6 +17,7 @@
 
 mod fused;
 mod rows;
+pub mod slots;
 
 pub use fused::{FusedKernel, FusedRegisters, Step, MAX_BLOCK, MIN_BLOCK};
-pub use rows::{RowKernel, RowStep, MAX_ROW};
+pub use rows::{RowKernel, RowRegisters, RowStep, MAX_ROW};

@@ -8,6 +8,7 @@
 //! per row). Pointwise steps broadcast scalars over rows.
 
 use super::fused::Step;
+use super::slots::{self, Hold};
 use crate::error::{op_err, Result};
 use crate::ir::{DType, ReduceOp};
 
@@ -168,6 +169,42 @@ impl RowKernel {
     }
 }
 
+/// The register slot of each row value (see [`super::slots`]), reused
+/// once the value is dead; outputs keep theirs (they are stored after the
+/// row). Scalars take no slot.
+#[derive(Clone, Debug)]
+pub struct RowRegisters {
+    /// Each step's slot (0 for a scalar, which has none).
+    pub slot: Vec<usize>,
+    /// Whether the step has a slot (row values do).
+    pub used: Vec<bool>,
+    pub count: usize,
+}
+
+impl RowRegisters {
+    pub fn allocate(k: &RowKernel) -> RowRegisters {
+        let mut hold: Vec<Hold> = k
+            .is_row
+            .iter()
+            .map(|&row| match row {
+                true => Hold::UntilLastRead,
+                false => Hold::Nothing,
+            })
+            .collect();
+        for &(o, _, _) in &k.outputs {
+            if k.is_row[o] {
+                hold[o] = Hold::ToEnd;
+            }
+        }
+        let slots = slots::allocate(|i| k.steps[i].operands(), &hold);
+        RowRegisters {
+            slot: slots.slot.iter().map(|s| s.unwrap_or(0)).collect(),
+            used: slots.slot.iter().map(Option::is_some).collect(),
+            count: slots.count,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -205,6 +242,32 @@ mod tests {
             ..softmax()
         };
         assert_eq!(scalar.rows(), 1, "no outer dims: one row");
+    }
+
+    #[test]
+    fn row_registers_hold_row_values_and_keep_row_outputs() {
+        let k = softmax();
+        let r = RowRegisters::allocate(&k);
+        assert_eq!(r.used, k.is_row, "scalars take no slot");
+        // x, x - max, exp: x's slot goes to exp once the sub read it; the
+        // division (an output) takes the sub's.
+        assert_eq!(r.slot[3], r.slot[0], "{r:?}");
+        assert_eq!(r.slot[5], r.slot[2], "{r:?}");
+        assert_eq!(r.count, 2);
+        // A step after the division takes the exp's slot, unless the exp
+        // is an output: then it keeps its slot and the step needs a third.
+        let mut k = softmax();
+        k.steps.push(RowStep::Point(Step::Unary(UnaryOp::Neg, 5)));
+        k.is_row.push(true);
+        let r = RowRegisters::allocate(&k);
+        assert_eq!((r.slot[6], r.count), (r.slot[3], 2), "{r:?}");
+        k.outputs.push((3, DType::F32, vec![3, 40]));
+        let r = RowRegisters::allocate(&k);
+        assert_eq!(r.count, 3, "{r:?}");
+        assert!(
+            (4..7).all(|i| r.slot[i] != r.slot[3] || !r.used[i]),
+            "{r:?}"
+        );
     }
 
     #[test]

@@ -785,6 +785,29 @@ mod tests {
     }
 
     #[test]
+    fn a_constant_output_is_the_constant() {
+        // A constant that is an output and read by nothing: it has a slot
+        // of its own, filled once, whatever the other steps write.
+        let n = 2 * MAX_BLOCK + 5;
+        let x = Tensor::from_vec((0..n).map(|i| i as f32).collect(), &[n]);
+        let k = FusedKernel::new(
+            vec![n],
+            vec![
+                Step::Load(0),
+                Step::Const(2.5),
+                Step::Unary(UnaryOp::Neg, 0),
+            ],
+            vec![(1, DType::F32), (2, DType::F32)],
+            false,
+        );
+        for min in [usize::MAX, 64] {
+            let got = super::super::stream::with_stream_min_bytes(min, || k.run(&[&x]).unwrap());
+            assert_eq!(got[0].to_f64_vec(), vec![2.5; n], "streaming from {min}");
+            assert_eq!(got[1].to_f64_vec(), x.neg().to_f64_vec());
+        }
+    }
+
+    #[test]
     fn a_donation_of_the_wrong_size_is_an_error() {
         let k = FusedKernel {
             shape: vec![4],

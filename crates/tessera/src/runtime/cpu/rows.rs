@@ -23,7 +23,7 @@ use super::reduce::{reduce_row, softmax_row, Arith, RowIo, SoftmaxExp, ROW_MAX};
 use super::stream::stream_min_bytes;
 use super::{Element, Storage};
 use crate::error::{op_err, Result};
-use crate::ir::kernel::{RowKernel, RowStep, Step, MAX_ROW};
+use crate::ir::kernel::{RowKernel, RowRegisters, RowStep, Step, MAX_ROW};
 use crate::ir::DType;
 use crate::tensor::{Layout, Tensor};
 use crate::with_dtype;
@@ -304,7 +304,7 @@ struct Evaluation<'k, 's, A> {
     sources: &'k [Option<Source<'s>>],
     outs: Vec<Storage>,
     sinks: Sinks,
-    slots: Slots,
+    slots: RowRegisters,
     direct: Direct,
     /// Rows written straight into outputs far larger than the caches are
     /// stored non-temporally (softmax, through a scratch row).
@@ -344,7 +344,7 @@ impl<'k, 's, A: Transcendental + SoftmaxExp> Evaluation<'k, 's, A> {
         Evaluation {
             kernel,
             sources,
-            slots: Slots::allocate(kernel),
+            slots: RowRegisters::allocate(kernel),
             direct,
             stream: bytes >= stream_min_bytes(),
             softmax: kernel
@@ -453,7 +453,14 @@ impl Direct {
     }
 
     /// Points each row step of row `r` at its place.
-    fn place_row<A>(&self, r: usize, len: usize, slots: &Slots, file: &mut [A], at: &mut [*mut A]) {
+    fn place_row<A>(
+        &self,
+        r: usize,
+        len: usize,
+        slots: &RowRegisters,
+        file: &mut [A],
+        at: &mut [*mut A],
+    ) {
         let width = std::mem::size_of::<A>();
         for (i, place) in at.iter_mut().enumerate() {
             *place = match self.base[i] {
@@ -527,50 +534,6 @@ impl<'a> Source<'a> {
             v[0] = A::from_f64(Element::to_f64(src[self.per_row.offset_of(r)]));
         });
         v[0]
-    }
-}
-
-/// The register slot of each row value, reused once the value is dead
-/// (outputs keep theirs: they are stored after the row).
-struct Slots {
-    slot: Vec<usize>,
-    /// Whether the step has a slot (row values do).
-    used: Vec<bool>,
-    count: usize,
-}
-
-impl Slots {
-    fn allocate(k: &RowKernel) -> Slots {
-        let n = k.steps.len();
-        let mut last: Vec<usize> = (0..n).collect();
-        for (i, step) in k.steps.iter().enumerate() {
-            for a in step.operands() {
-                last[a] = i;
-            }
-        }
-        for &(o, _, _) in &k.outputs {
-            last[o] = usize::MAX;
-        }
-        let (mut slot, mut free, mut count) = (vec![0; n], Vec::new(), 0);
-        for (i, step) in k.steps.iter().enumerate() {
-            if k.is_row[i] {
-                slot[i] = free.pop().unwrap_or_else(|| {
-                    count += 1;
-                    count - 1
-                });
-            }
-            let mut done = step.operands();
-            done.push(i);
-            done.sort_unstable();
-            done.dedup();
-            free.extend(
-                done.into_iter()
-                    .filter(|&a| k.is_row[a] && last[a] == i)
-                    .map(|a| slot[a]),
-            );
-        }
-        let used = k.is_row.clone();
-        Slots { slot, used, count }
     }
 }
 
