@@ -75,7 +75,7 @@ impl FusedKernel {
     }
 
     /// The largest block (in [256, 4096], a multiple of 64) whose live
-    /// register slots fit in [`L1_BYTES`].
+    /// register slots fit in `L1_BYTES` (24 KiB: most of an L1 data cache).
     pub fn default_block(&self) -> usize {
         let slots = FusedRegisters::allocate(&self.steps, &self.outputs, false)
             .count
@@ -136,8 +136,8 @@ impl FusedKernel {
 
 /// The register slot of each step (see [`super::slots`]): a slot is
 /// reused once its value has been read for the last time. Constants read
-/// as blocks (filled once per task) and outputs (stored after the block)
-/// keep theirs; outputs streamed while the next block runs have slots of
+/// as blocks or stored (filled once per task) and outputs (stored after
+/// the block) keep theirs; outputs streamed while the next block runs have slots of
 /// their own, which no step of that block writes before the output's own
 /// step.
 #[derive(Clone, Debug)]
@@ -151,7 +151,7 @@ pub struct FusedRegisters {
 }
 
 /// The operands step `i` reads as blocks (a binary op's constant operand
-/// is read as a scalar instead; see `FusedKernel::eval_block`).
+/// is read as a scalar instead, see `eval_block` in `runtime::cpu::fused`).
 fn block_operands(steps: &[Step], i: usize) -> Vec<usize> {
     let is_const = |j: usize| matches!(steps[j], Step::Const(_));
     match steps[i] {
@@ -209,7 +209,7 @@ impl FusedRegisters {
 mod tests {
     use super::*;
 
-    /// `relu(x * 2) + y`: four live values at most.
+    /// `relu(x * 2) + y`.
     fn small() -> FusedKernel {
         FusedKernel::new(
             vec![1000],

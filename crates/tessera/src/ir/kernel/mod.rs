@@ -8,12 +8,16 @@
 //! - [`slots`]: the one register allocator both kernels' evaluations use
 //!   ([`FusedRegisters`], [`RowRegisters`]).
 //!
-//! A description says what is computed, never how: the CPU runs these in
-//! `runtime::cpu::{fused, rows}`, tessera-cuda generates CUDA C from them.
-//! Both take the descriptions as they are; nothing here knows a backend.
-//! Steps are numbered, each reading only earlier steps, so a kernel is a
-//! small SSA program; [`FusedKernel::check`] and [`RowKernel::check`] say
-//! whether a hand-built one keeps the rules the backends rely on.
+//! A description is data: what a kernel computes, and the few choices of
+//! how that are plain arithmetic over it (the block size the CPU evaluates
+//! a fused kernel by, the register slot of each value). Nothing here knows
+//! a backend: the CPU runs the descriptions in `runtime::cpu::{fused,
+//! rows}` (their `run` methods are defined there), and tessera-cuda
+//! generates CUDA C from them (a C variable per step, which NVRTC gives
+//! registers). Steps are numbered, each reading only earlier steps, so a
+//! kernel is a small SSA program; [`FusedKernel::check`] and
+//! [`RowKernel::check`] say whether a hand-built one keeps the rules the
+//! backends rely on.
 
 mod fused;
 mod rows;
