@@ -17,7 +17,8 @@ use super::cpu::rows::RowKernel;
 use super::cpu::{MemoryStats, Storage};
 use crate::error::{Error, ErrorKind, Result};
 use crate::ir::{DType, Op};
-use crate::tensor::{Layout, Tensor};
+use crate::runtime::layout::Layout;
+use crate::tensor::Tensor;
 
 /// Where a tensor's values are.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]

@@ -14,7 +14,6 @@
 //! `try_reshape`, `try_cat` …). File I/O and parsing always return `Result`.
 
 pub mod creation;
-pub mod layout;
 mod ops;
 pub mod trace;
 
@@ -23,7 +22,9 @@ use std::panic::Location;
 use std::sync::Arc;
 
 pub use creation::Generator;
-pub use layout::Layout;
+/// Strided layouts live with the backends (`runtime::layout`); the public
+/// paths `tensor::layout` and `tensor::Layout` name the same items.
+pub use crate::runtime::layout::{self, Layout};
 pub use ops::Operand;
 
 use crate::autograd::{self, AutogradMeta};

@@ -3,7 +3,8 @@
 use rayon::prelude::*;
 
 use super::Storage;
-use crate::tensor::{Layout, Tensor};
+use crate::runtime::layout::Layout;
+use crate::tensor::Tensor;
 use crate::with_dtype;
 
 /// Work below this many elements runs on the calling thread: a rayon fork

@@ -23,7 +23,8 @@ use super::fastmath::{erfc_f32, exp_f32, exp_nonpositive_f32, tanh_f32, unary_si
 use super::Storage;
 use crate::error::{op_err, Result};
 use crate::ir::{BinaryOp, CompareOp, DType, UnaryOp};
-use crate::tensor::{Layout, Tensor};
+use crate::runtime::layout::Layout;
+use crate::tensor::Tensor;
 use crate::{with_dtype, with_float_dtype};
 
 /// Output elements per parallel task: 256 KiB of f32, big enough to amortise

@@ -27,7 +27,8 @@ use super::stream::{prefetch_l2, store_fence, stream_copy_unfenced, stream_min_b
 use super::{Element, Storage};
 use crate::error::{op_err, Result};
 use crate::ir::{BinaryOp, CompareOp, DType, UnaryOp};
-use crate::tensor::{Layout, Tensor};
+use crate::runtime::layout::Layout;
+use crate::tensor::Tensor;
 use crate::with_dtype;
 
 /// The bytes of live register slots a block should fit in: most of a

@@ -11,7 +11,8 @@ use super::reduce::for_chunks;
 use super::Storage;
 use crate::error::{op_err, Result};
 use crate::ir::DType;
-use crate::tensor::{Layout, Tensor};
+use crate::runtime::layout::Layout;
+use crate::tensor::Tensor;
 use crate::with_dtype;
 
 /// `inputs` joined along `dim` into a tensor of `shape`.

@@ -19,7 +19,8 @@ use super::element::{Element, Float};
 use super::Storage;
 use crate::error::{op_err, Result};
 use crate::ir::{DType, Op};
-use crate::tensor::{Layout, Tensor};
+use crate::runtime::layout::Layout;
+use crate::tensor::Tensor;
 
 /// Per-matmul work (m·n·k) from which one gemm call is split over threads;
 /// gemm's own default threading threshold, so we never ask for threads it

@@ -27,7 +27,8 @@ pub use storage::Storage;
 
 use crate::error::Result;
 use crate::ir::{DType, Op, TensorType};
-use crate::tensor::{Layout, Tensor};
+use crate::runtime::layout::Layout;
+use crate::tensor::Tensor;
 
 /// Computes `op(inputs)` whose output has `dtype` and `shape` (already
 /// inferred and checked by `Op::infer`). Movement ops return views (see

@@ -27,7 +27,8 @@ use super::stream::{prefetch, stream_copy, stream_min_bytes};
 use super::Storage;
 use crate::error::{op_err, Result};
 use crate::ir::{ArgReduceOp, DType, ReduceOp};
-use crate::tensor::{Layout, Tensor};
+use crate::runtime::layout::Layout;
+use crate::tensor::Tensor;
 use crate::with_float_dtype;
 
 /// Contiguous runs longer than this are summed in two halves on two rayon

@@ -24,7 +24,8 @@ use super::stream::stream_min_bytes;
 use super::{Element, Storage};
 use crate::error::{op_err, Result};
 use crate::ir::{DType, ReduceOp};
-use crate::tensor::{Layout, Tensor};
+use crate::runtime::layout::Layout;
+use crate::tensor::Tensor;
 use crate::with_dtype;
 
 /// The longest row a row kernel takes (its registers stay in L2).

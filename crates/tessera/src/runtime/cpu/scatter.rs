@@ -6,7 +6,8 @@ use half::{bf16, f16};
 use super::{copy, Element, Storage};
 use crate::error::{op_err, Result};
 use crate::ir::DType;
-use crate::tensor::{Layout, Tensor};
+use crate::runtime::layout::Layout;
+use crate::tensor::Tensor;
 use crate::with_dtype;
 
 /// Addition in the element type (f32 arithmetic for the half types; bool: or).
@@ -153,7 +154,7 @@ pub fn index_add(base: &Tensor, index: &Tensor, src: &Tensor, dim: usize) -> Res
 pub fn scatter_add(base: &Tensor, index: &Tensor, src: &Tensor, dim: usize) -> Result<Tensor> {
     let index = row_major(index);
     let idx = indices("scatter_add", &index, base.shape()[dim])?;
-    let strides = crate::tensor::layout::contiguous_strides(base.shape());
+    let strides = crate::runtime::layout::contiguous_strides(base.shape());
     let shape = index.shape();
     let src = row_major(src);
     with_dtype!(base.dtype(), T => {
