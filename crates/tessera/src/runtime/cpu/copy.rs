@@ -2,9 +2,9 @@
 
 use rayon::prelude::*;
 
+use super::super::array::Array;
+use super::super::layout::Layout;
 use super::Storage;
-use crate::runtime::layout::Layout;
-use crate::tensor::Tensor;
 use crate::with_dtype;
 
 /// Work below this many elements runs on the calling thread: a rayon fork
@@ -18,7 +18,7 @@ pub fn is_dense(layout: &Layout, storage_numel: usize) -> bool {
 }
 
 /// A row-major dense copy of `x`, or `x` itself when it already is one.
-pub fn contiguous(x: &Tensor) -> Tensor {
+pub fn contiguous(x: &Array) -> Array {
     let l = x.layout();
     if is_dense(l, x.storage().numel()) {
         return x.clone();
@@ -26,17 +26,17 @@ pub fn contiguous(x: &Tensor) -> Tensor {
     with_dtype!(x.dtype(), T => {
         let mut out = Storage::new(x.dtype(), x.numel());
         copy_strided(x.storage().as_slice::<T>(), l, out.as_mut_slice::<T>());
-        Tensor::from_storage(out, x.shape())
+        Array::from_storage(out, x.shape())
     })
 }
 
 /// `reshape` as a view when the layout allows one, else a copy.
-pub fn reshape(x: &Tensor, shape: &[usize]) -> Tensor {
+pub fn reshape(x: &Array, shape: &[usize]) -> Array {
     match x.layout().reshaped(shape) {
-        Some(layout) => Tensor::from_parts(x.storage().clone(), layout),
+        Some(layout) => x.view(layout),
         None => {
             let c = contiguous(x);
-            Tensor::from_parts(c.storage().clone(), Layout::contiguous(shape))
+            c.view(Layout::contiguous(shape))
         }
     }
 }
