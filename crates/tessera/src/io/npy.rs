@@ -59,7 +59,7 @@ pub fn read_npy(path: impl AsRef<Path>) -> Result<Tensor> {
             })?;
             let perm: Vec<usize> = (0..shape.len()).rev().collect();
             let view = t.array().view(t.layout().permuted(&perm));
-            alloc::catching(|| Tensor::from_array(copy::contiguous(&view)))
+            alloc::catching(|| Tensor::from_array(copy::into_contiguous(view)))
                 .map_err(|e| file_error(path, e))
         }
     }

@@ -418,14 +418,14 @@ impl Tensor {
         let out = if trace::is_active() {
             trace::record(op, inputs, ty, caller).map_err(at)?
         } else {
-            let array = with_arrays(op, inputs, |arrays| {
-                match device::of_inputs(op.name(), arrays)? {
-                    Device::Cpu => cpu::eval(op, arrays, ty.dtype, &shape),
-                    d => eval_on_device(d, op, arrays, ty.dtype, &shape),
-                }
+            with_arrays(op, inputs, |arrays| {
+                let array = match device::of_inputs(op.name(), arrays)? {
+                    Device::Cpu => cpu::eval(op, arrays, ty.dtype, &shape)?,
+                    d => eval_on_device(d, op, arrays, ty.dtype, &shape)?,
+                };
+                Ok(Tensor::from_array(array))
             })
-            .map_err(at)?;
-            Tensor::from_array(array)
+            .map_err(at)?
         };
         Ok(autograd::record(op, inputs, out, caller))
     }
@@ -444,8 +444,9 @@ impl device::Placed for Tensor {
 }
 
 /// Calls `f` with the arrays of `inputs`, which must all have values (a
-/// traced tensor outside its trace is an error naming `op`). Up to three
-/// inputs are passed on the stack: eager dispatch allocates nothing here.
+/// traced tensor outside its trace is an error naming `op`). Up to
+/// [`STACK_INPUTS`] inputs are passed on the stack: eager dispatch
+/// allocates nothing for them.
 fn with_arrays<R>(
     op: &Op,
     inputs: &[&Tensor],
@@ -460,17 +461,22 @@ fn with_arrays<R>(
             )
         })
     }
-    match inputs {
-        [] => f(&[]),
-        [a] => f(&[get(op, a)?]),
-        [a, b] => f(&[get(op, a)?, get(op, b)?]),
-        [a, b, c] => f(&[get(op, a)?, get(op, b)?, get(op, c)?]),
-        _ => f(&inputs
-            .iter()
-            .map(|t| get(op, t))
-            .collect::<Result<Vec<_>>>()?),
+    let Some(first) = inputs.first() else {
+        return f(&[]);
+    };
+    if inputs.len() > STACK_INPUTS {
+        let arrays = inputs.iter().map(|t| get(op, t));
+        return f(&arrays.collect::<Result<Vec<_>>>()?);
     }
+    let mut arrays = [get(op, first)?; STACK_INPUTS];
+    for (slot, t) in arrays.iter_mut().zip(inputs).skip(1) {
+        *slot = get(op, t)?;
+    }
+    f(&arrays[..inputs.len()])
 }
+
+/// Inputs of one eager op whose arrays [`with_arrays`] keeps on the stack.
+const STACK_INPUTS: usize = 8;
 
 /// Runs a non-traced op on `device`'s backend; views are made here, with
 /// the CPU's rule ([`cpu::view_layout`]), so both devices alias alike.

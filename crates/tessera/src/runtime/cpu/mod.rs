@@ -85,7 +85,7 @@ fn run_kernel(op: &Op, inputs: &[&Array], dtype: DType, shape: &[usize]) -> Resu
             unreachable!("{} is always a view", op.name())
         }
         Op::Cat { dim } => Ok(index::cat(inputs, *dim, shape)),
-        Op::Contiguous => Ok(copy::contiguous(inputs[0])),
+        Op::Contiguous => Ok(copy::contiguous(inputs[0]).into_owned()),
         Op::Tril { diagonal } => Ok(elementwise::triangle(inputs[0], *diagonal, false)),
         Op::Triu { diagonal } => Ok(elementwise::triangle(inputs[0], *diagonal, true)),
         Op::IndexSelect { dim } => index::index_select(inputs[0], inputs[1], *dim),

@@ -186,7 +186,7 @@ int_reducible!(i32);
 /// extent (there is no value to return); for floats that case gives NaN.
 pub fn reduce(op: ReduceOp, x: &Array, dims: &[usize], keepdim: bool) -> Result<Array> {
     if dims.is_empty() {
-        return Ok(copy::contiguous(x));
+        return Ok(copy::contiguous(x).into_owned());
     }
     let shape = reduced_shape(x.shape(), dims, keepdim);
     with_float_dtype!(x.dtype(), T => reduce_typed::<T>(op, x, dims, &shape), _ => match x.dtype() {
@@ -337,10 +337,7 @@ fn folds_by_rows(split: &Split) -> bool {
 
 /// A contiguous copy of `x` with the kept dims first, then `dims`.
 fn reduced_dims_last(x: &Array, dims: &[usize]) -> Array {
-    copy::contiguous(&Array::from_parts(
-        x.storage().clone(),
-        kept_dims_first(x.layout(), dims),
-    ))
+    copy::into_contiguous(x.view(kept_dims_first(x.layout(), dims)))
 }
 
 fn kept_dims_first(layout: &Layout, dims: &[usize]) -> Layout {

@@ -1,6 +1,8 @@
 //! Scatter-add kernels: `index_add` and `scatter_add`, the gradients of
 //! `index_select` and `gather`.
 
+use std::borrow::Cow;
+
 use half::{bf16, f16};
 
 use super::{copy, Element, Storage};
@@ -50,9 +52,9 @@ impl Accumulate for u8 {
 /// (counted by [`scratch_bytes`], so the memory plan holds it). Kernels read
 /// their index and source through this rather than copying them into
 /// `Vec`s the allocator would not see.
-fn row_major(x: &Array) -> Array {
+fn row_major(x: &Array) -> Cow<'_, Array> {
     match x.is_contiguous() {
-        true => x.clone(),
+        true => Cow::Borrowed(x),
         false => super::arena::scratch(|| copy::contiguous(x)),
     }
 }
