@@ -1,4 +1,4 @@
-"""The wgmma backward's launch plan of the Rust launcher (crates/tessera-cuda/src/flash.rs:
+"""The wgmma backward's launch plan of the Rust launcher (crates/tessera-cuda/src/flash/work.rs:
 backward_split, tail_split, backward_group, backward_plan), mirrored for the CuPy harnesses;
 keep the two in step.
 

@@ -95,7 +95,20 @@ fn parse_input(arg: &str) -> Result<(String, PathBuf), String> {
     }
 }
 
+/// `tessera inspect g.tir | head` closes our stdout early: end as any Unix
+/// filter does (killed by SIGPIPE) rather than panic in `println!`. Rust
+/// ignores SIGPIPE by default, which turns the write into an error.
+fn exit_quietly_on_a_closed_pipe() {
+    #[cfg(unix)]
+    // SAFETY: restoring the default disposition of one signal at start-up,
+    // before any thread exists.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
+}
+
 fn main() -> ExitCode {
+    exit_quietly_on_a_closed_pipe();
     report_panics_on_one_line();
     if let Err(e) = check_cpu() {
         eprintln!("error: {e}");

@@ -1,11 +1,11 @@
 //! `tessera seed-table`: the seed experiment's table (see
-//! `tessera::seed_table`), printed as a table or as JSON lines.
+//! `tessera_apps::seed_table`), printed as a table or as JSON lines.
 
 use anyhow::{bail, Result};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
-use tessera::seed_table::{self, SeedConfig, SeedRow};
 use tessera::DType;
+use tessera_apps::seed_table::{self, SeedConfig, SeedRow};
 
 #[derive(Args)]
 pub struct SeedTableArgs {

@@ -7,7 +7,7 @@ use std::time::Duration;
 use anyhow::{anyhow, Result};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
-use tessera::train::{train_on, Decay, Progress, TrainConfig, TrainReport};
+use tessera_apps::train::{train_on, Decay, Progress, TrainConfig, TrainReport};
 
 /// The defaults of every flag: one place, the library's.
 fn defaults() -> TrainConfig {

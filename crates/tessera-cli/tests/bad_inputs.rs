@@ -118,7 +118,7 @@ fn run_tessera(args: &[String], cwd: &Path) -> (Option<ExitStatus>, String) {
         let mut cmd = Command::new("/bin/sh");
         cmd.arg("-c")
             .arg(format!(
-                "ulimit -c 0; ulimit -v {MEMORY_LIMIT_KB} && exec \"$0\" \"$@\""
+                "ulimit -c 0; ulimit -S -v {MEMORY_LIMIT_KB} 2>/dev/null; exec \"$0\" \"$@\""
             ))
             .arg(env!("CARGO_BIN_EXE_tessera"));
         cmd

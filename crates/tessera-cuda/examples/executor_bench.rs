@@ -30,7 +30,9 @@ fn mlp(a: &[Tensor]) -> Vec<Tensor> {
 
 /// The seed's attention in 16 slices (bfs runs the slices side by side).
 fn sliced(a: &[Tensor]) -> Vec<Tensor> {
-    vec![tessera::seed_table::sdpa(&a[0], &a[1], &a[2], false, 16)]
+    vec![tessera_apps::seed_table::sdpa(
+        &a[0], &a[1], &a[2], false, 16,
+    )]
 }
 
 fn randn(shape: &[usize], dtype: DType, seed: u64) -> tessera::Result<Tensor> {

@@ -20,7 +20,6 @@ use tessera::runtime::device::DeviceStorage;
 use tessera::Tensor;
 
 use crate::flash::{self, BwdPtrs, FlashDType, FlashDims, FwdPtrs, Queue};
-use crate::ops::first as ptr;
 use crate::CudaBackend;
 
 /// Fills the CUDA slots of the flash attention ops.
@@ -32,6 +31,15 @@ pub(crate) fn register() -> Result<()> {
 
 fn err(op: &str, message: impl Into<String>) -> Error {
     Error::op(ErrorKind::Device, op, message.into())
+}
+
+/// A launcher error (about `flash_attention`) as one about the custom op `op`, its
+/// kind and message kept.
+fn about(op: &str) -> impl Fn(Error) -> Error + '_ {
+    move |e| Error {
+        op: Some(op.to_string()),
+        ..e
+    }
 }
 
 /// cudarc's handle on the primary context (loads and caches the module).
@@ -92,6 +100,11 @@ fn dims(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<FlashDims> {
     })
 }
 
+/// The device address of `t`'s first element (a device tensor with values).
+fn ptr(t: &Tensor) -> u64 {
+    crate::ops::first(t.array())
+}
+
 fn empty(backend: &CudaBackend, dtype: DType, shape: &[usize]) -> Result<Tensor> {
     let storage: DeviceStorage = backend.empty(dtype, shape.iter().product())?;
     Ok(Tensor::from_device_storage(storage, shape))
@@ -101,14 +114,14 @@ fn empty(backend: &CudaBackend, dtype: DType, shape: &[usize]) -> Result<Tensor>
 fn on_backend_stream(
     backend: &CudaBackend,
     op: &str,
-    launch: impl FnOnce(Queue<'_>) -> std::result::Result<(), flash::FlashError>,
+    launch: impl FnOnce(Queue<'_>) -> Result<()>,
 ) -> Result<()> {
     let ctx = context()?;
     let queue = Queue {
         ctx: &ctx,
         stream: backend.gpu.stream(),
     };
-    launch(queue).map_err(|e| err(op, e.to_string()))
+    launch(queue).map_err(about(op))
 }
 
 /// `t` itself when already dense row-major (the kernels take its first element's
@@ -147,8 +160,8 @@ fn forward(attrs: &Attrs, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
     let r = q.rank();
     let out = empty(&backend, q.dtype(), q.shape())?;
     let lse = empty(&backend, DType::F32, &q.shape()[..r - 1])?;
-    let work_bytes = flash::forward_workspace_bytes(&*context()?, dtype, &dims)
-        .map_err(|e| err(FORWARD, e.to_string()))?;
+    let work_bytes =
+        flash::forward_workspace_bytes(&*context()?, dtype, &dims).map_err(about(FORWARD))?;
     let workspace = scratch(&backend, work_bytes)?;
     let ptrs = FwdPtrs {
         q: ptr(&q),
@@ -245,8 +258,8 @@ fn backward(attrs: &Attrs, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
     let dq = empty(&backend, q.dtype(), q.shape())?;
     let dk = empty(&backend, k.dtype(), k.shape())?;
     let dv = empty(&backend, v.dtype(), v.shape())?;
-    let work_bytes = flash::backward_workspace_bytes(&*context()?, dtype, &dims)
-        .map_err(|e| err(BACKWARD, e.to_string()))?;
+    let work_bytes =
+        flash::backward_workspace_bytes(&*context()?, dtype, &dims).map_err(about(BACKWARD))?;
     let workspace = scratch(&backend, work_bytes)?;
     let ptrs = BwdPtrs {
         q: ptr(q),

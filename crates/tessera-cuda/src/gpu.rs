@@ -17,26 +17,17 @@
 
 use std::cell::Cell;
 use std::collections::HashMap;
-use std::ffi::{c_void, CString};
+use std::ffi::c_void;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{result as cu, sys};
-use tessera::logging;
 use tessera::runtime::cpu::MemoryStats;
 use tessera::runtime::device::DeviceMemory;
 
 use crate::codegen::{Launch, ENTRY};
-use crate::compiler;
-
-/// A driver error as a one-line message.
-pub fn driver_error(what: &str, e: cu::DriverError) -> String {
-    let name = e
-        .error_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_else(|_| format!("{:?}", e.0));
-    format!("CUDA {what} failed: {name}")
-}
+use crate::compiler::{self, Program};
+use crate::driver_error;
 
 /// Blocks are rounded to this many bytes (as PyTorch's allocator does), so
 /// that tensors of nearby sizes share cached blocks.
@@ -112,7 +103,6 @@ pub struct Gpu {
     pub sms: u32,
     pub name: String,
     pub alloc: Arc<Allocator>,
-    functions: Mutex<HashMap<String, SendPtr<sys::CUfunction>>>,
 }
 
 thread_local! {
@@ -179,7 +169,6 @@ impl Gpu {
                 live: AtomicUsize::new(0),
                 peak: AtomicUsize::new(0),
             }),
-            functions: Mutex::new(HashMap::new()),
         };
         gpu.bind();
         Ok(gpu)
@@ -455,30 +444,12 @@ impl Gpu {
             .map_err(|e| driver_error("device copy", e))
     }
 
-    /// The loaded function for `source`, compiled on first use (printed
-    /// under `TESSERA_LOGS=output_code`).
+    /// The loaded function for `source`, compiled on first use (see
+    /// [`compiler::module`]).
     fn function(&self, source: &str) -> Result<sys::CUfunction, String> {
-        let key = compiler::source_hash(source, &self.target);
-        if let Some(f) = self.functions.lock().expect("poisoned").get(&key) {
-            return Ok(f.0);
-        }
-        logging::log("output_code", || {
-            format!("kernel {key} for {}:\n{source}", self.target)
-        });
-        let image = compiler::compile(source, &self.target)?;
-        let mut image = image;
-        image.push(0);
-        // SAFETY: a complete cubin (or NUL-terminated PTX) image.
-        let module = unsafe { cu::module::load_data(image.as_ptr() as *const c_void) }
-            .map_err(|e| driver_error("module load", e))?;
-        let name = CString::new(ENTRY).expect("no NUL");
-        let f = unsafe { cu::module::get_function(module, name) }
-            .map_err(|e| driver_error("kernel lookup", e))?;
-        self.functions
-            .lock()
-            .expect("poisoned")
-            .insert(key, SendPtr(f));
-        Ok(f)
+        let program = Program::new(source);
+        let key = program.key(&self.target);
+        compiler::module(self.context.0, &key, &program, &self.target)?.function(ENTRY, 0)
     }
 
     /// Queues `launch` on the stream.

@@ -9,12 +9,18 @@
 //!   step lists, the fusion plan's row kernels — reductions and softmax with
 //!   their pointwise producers and consumers — as one kernel each,
 //!   reductions, softmax, indexing), plain strings;
-//! - [`compiler`]: NVRTC for the device's architecture, cached by source
-//!   hash in memory and on disk; `TESSERA_LOGS=output_code` prints sources;
+//! - [`compiler`]: NVRTC for the device's architecture, the one compiler of
+//!   every kernel (generated or flash attention's), cached by source hash on
+//!   disk and as loaded modules in memory; `TESSERA_LOGS=output_code` prints
+//!   sources;
 //! - `gpu`: context, stream, caching allocator (live/peak accounting,
 //!   out-of-memory as an error), copies, launches;
+//! - `ops`: each IR op to its kernel (pointwise, reductions and rows,
+//!   matmul, indexing, memory);
 //! - `matmul`: cuBLASLt (f32, f16, bf16 with f32 accumulation; f64),
-//!   batched, transposed operands, bias/activation epilogues.
+//!   batched, transposed operands, bias/activation epilogues;
+//! - [`flash`]: the flash attention kernels' launcher (`flash_op`: their
+//!   custom-op slot).
 //!
 //! Everything is loaded dynamically: the crate builds and links with no
 //! CUDA installed, and every entry point checks for the driver and
@@ -39,6 +45,7 @@ use tessera::runtime::cpu::rows::RowKernel;
 use tessera::runtime::cpu::{MemoryStats, Storage};
 use tessera::runtime::device::{self, Backend, Device, DeviceGraph, DeviceStorage};
 use tessera::tensor::Layout;
+use tessera::runtime::array::Array;
 use tessera::Tensor;
 
 pub use matmul::Epilogue;
@@ -90,8 +97,8 @@ impl CudaBackend {
         )
     }
 
-    /// `epilogue(a·b + bias)` in one cuBLASLt call: `a` [.., m, k], `b`
-    /// [.., k, n] (batch dims broadcast), `bias` [n] of their dtype.
+    /// `epilogue(a·b + bias)` in one cuBLASLt call: `a` `[.., m, k]`, `b`
+    /// `[.., k, n]` (batch dims broadcast), `bias` `[n]` of their dtype.
     pub fn matmul_epilogue(
         &self,
         a: &Tensor,
@@ -128,16 +135,17 @@ impl CudaBackend {
                 ));
             }
         }
-        self.matmul(
+        let out = self.matmul(
             "matmul_epilogue",
-            a,
-            b,
+            a.array(),
+            b.array(),
             false,
             false,
             &shape,
-            bias,
+            bias.map(Tensor::array),
             epilogue,
-        )
+        )?;
+        Ok(Tensor::from_array(out))
     }
 }
 
@@ -158,7 +166,7 @@ impl Backend for CudaBackend {
         self.download_storage(storage)
     }
 
-    fn eval(&self, op: &Op, inputs: &[&Tensor], dtype: DType, shape: &[usize]) -> Result<Tensor> {
+    fn eval(&self, op: &Op, inputs: &[&Array], dtype: DType, shape: &[usize]) -> Result<Array> {
         let name = || match op {
             Op::Reduce { dims, .. } => format!("{}{dims:?}", op.name()),
             _ => op.name().to_string(),
@@ -168,7 +176,7 @@ impl Backend for CudaBackend {
         })
     }
 
-    fn run_fused(&self, kernel: &FusedKernel, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
+    fn run_fused(&self, kernel: &FusedKernel, inputs: &[&Array]) -> Result<Vec<Array>> {
         let name = || format!("fused[{} steps]", kernel.steps.len());
         profile::timed(self, name, inputs, || self.fused(kernel, inputs, &[]))
     }
@@ -176,9 +184,9 @@ impl Backend for CudaBackend {
     fn run_fused_into(
         &self,
         kernel: &FusedKernel,
-        inputs: &[&Tensor],
+        inputs: &[&Array],
         donated: &[(usize, usize)],
-    ) -> Result<Vec<Tensor>> {
+    ) -> Result<Vec<Array>> {
         let name = || format!("fused[{} steps]", kernel.steps.len());
         profile::timed(self, name, inputs, || self.fused(kernel, inputs, donated))
     }
@@ -187,7 +195,7 @@ impl Backend for CudaBackend {
         codegen::fused_rows::refusal(kernel)
     }
 
-    fn run_rows(&self, kernel: &RowKernel, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
+    fn run_rows(&self, kernel: &RowKernel, inputs: &[&Array]) -> Result<Vec<Array>> {
         let name = || format!("rows[{} steps]", kernel.steps.len());
         profile::timed(self, name, inputs, || self.rows(kernel, inputs))
     }
@@ -260,6 +268,15 @@ impl Backend for CudaBackend {
         let graph = self.gpu.end_capture().map_err(device_error)?;
         Ok(Box::new(Graph(graph)))
     }
+}
+
+/// A driver error as a one-line message.
+pub(crate) fn driver_error(what: &str, e: cudarc::driver::result::DriverError) -> String {
+    let name = e
+        .error_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|_| format!("{:?}", e.0));
+    format!("CUDA {what} failed: {name}")
 }
 
 fn device_error(message: String) -> Error {

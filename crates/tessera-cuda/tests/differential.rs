@@ -392,7 +392,7 @@ fn eager_gradients_match() {
                 |x| {
                     let leaves: Vec<Tensor> =
                         x[..3].iter().map(|t| t.set_requires_grad(true)).collect();
-                    let out = tessera::seed_table::sdpa(
+                    let out = tessera_apps::seed_table::sdpa(
                         &leaves[0], &leaves[1], &leaves[2], causal, slices,
                     );
                     out.backward_with(&x[3]);
@@ -425,8 +425,8 @@ fn compiled_programs_run_their_kernels_on_the_inputs_device() {
         });
         // The seed's hinted sliced graph, forward + backward.
         let g = compile(|x: &[Tensor]| {
-            let out = tessera::hints::scope(tessera::seed_table::SEED_HINT, || {
-                tessera::seed_table::sdpa(&x[0], &x[1], &x[2], false, 4)
+            let out = tessera::hints::scope(tessera_apps::seed_table::SEED_HINT, || {
+                tessera_apps::seed_table::sdpa(&x[0], &x[1], &x[2], false, 4)
             });
             vec![out.unwrap()]
         });

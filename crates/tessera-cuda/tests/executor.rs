@@ -77,7 +77,9 @@ fn mlp(a: &[Tensor]) -> Vec<Tensor> {
 type Program = fn(&[Tensor]) -> Vec<Tensor>;
 
 fn sliced(a: &[Tensor]) -> Vec<Tensor> {
-    vec![tessera::seed_table::sdpa(&a[0], &a[1], &a[2], false, 8)]
+    vec![tessera_apps::seed_table::sdpa(
+        &a[0], &a[1], &a[2], false, 8,
+    )]
 }
 
 fn mlp_inputs(dtype: DType, seed: u64) -> Vec<Tensor> {

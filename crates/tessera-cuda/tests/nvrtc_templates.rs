@@ -13,9 +13,10 @@ use tessera::DType;
 use tessera_cuda::codegen::fused_rows::fused_rows;
 use tessera_cuda::codegen::index::{indexed, triangle, Indexed, Strided};
 use tessera_cuda::codegen::pointwise::{pointwise, pointwise_block, Operand, Output};
-use tessera_cuda::codegen::rows::{arg_reduce, reduce, reduce_in_parts, softmax};
+use tessera_cuda::codegen::rows::{arg_reduce, reduce, reduce_in_parts};
+use tessera_cuda::codegen::softmax::softmax;
 use tessera_cuda::codegen::{Compute, Launch};
-use tessera_cuda::compiler::compile_uncached;
+use tessera_cuda::compiler::{compile_uncached, Program};
 
 const FLOATS: [DType; 4] = [DType::F32, DType::F64, DType::F16, DType::BF16];
 
@@ -395,7 +396,7 @@ fn every_template_compiles_to_ptx() {
     .collect();
     let mut failures = Vec::new();
     for l in &launches {
-        match compile_uncached(&l.source, "compute_90") {
+        match compile_uncached(&Program::new(&l.source), "compute_90") {
             Ok(ptx) => assert!(
                 String::from_utf8_lossy(&ptx).contains(".entry tessera_kernel"),
                 "PTX without the entry point"
@@ -411,4 +412,36 @@ fn every_template_compiles_to_ptx() {
         failures.join("\n\n")
     );
     eprintln!("{} kernels compiled to PTX", launches.len());
+}
+
+/// A program's options reach NVRTC (flash attention's `-D`s go this way), and
+/// a failure names the program, its options and the target, with NVRTC's log.
+#[test]
+fn options_reach_nvrtc_and_failures_say_where() {
+    if !enabled() {
+        return;
+    }
+    let source = "#ifdef TF_PROBE_FAIL\n#error the probe was told to fail\n#endif\n\
+                  extern \"C\" __global__ void probe(float* x) { x[0] = 1.0f; }\n";
+    let plain = Program {
+        source,
+        name: "probe.cu",
+        options: &[],
+    };
+    let ptx = compile_uncached(&plain, "compute_90").unwrap_or_else(|e| panic!("{e}"));
+    assert!(String::from_utf8_lossy(&ptx).contains(".entry probe("));
+    let failing = Program {
+        options: &["-DTF_PROBE_FAIL"],
+        ..plain
+    };
+    assert_ne!(failing.key("compute_90"), plain.key("compute_90"));
+    let e = compile_uncached(&failing, "compute_90").unwrap_err();
+    for part in [
+        "probe.cu",
+        "-DTF_PROBE_FAIL",
+        "compute_90",
+        "the probe was told to fail",
+    ] {
+        assert!(e.contains(part), "{part} missing from: {e}");
+    }
 }

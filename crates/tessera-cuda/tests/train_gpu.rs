@@ -1,11 +1,11 @@
-//! `tessera::train::train_on(.., Device::Cuda, ..)` against the same run on
+//! `tessera_apps::train::train_on(.., Device::Cuda, ..)` against the same run on
 //! the CPU: same initial parameters (drawn on the host from the same seeds),
 //! same batches and dropout masks, so the losses agree step by step up to
 //! f32 rounding (cuBLASLt and the generated kernels sum in other orders).
 //! Runs only with `TESSERA_CUDA_TESTS=1` (on a GPU machine).
 
 use tessera::runtime::device::Device;
-use tessera::train::{train_on, TrainConfig};
+use tessera_apps::train::{train_on, TrainConfig};
 
 #[test]
 fn a_short_training_run_on_the_gpu_follows_the_cpu() {

@@ -8,9 +8,9 @@
 
 use std::time::Instant;
 
-use tessera::seed_table::sdpa;
 use tessera::tensor::Generator;
 use tessera::{compile, DType, Tensor};
+use tessera_apps::seed_table::sdpa;
 
 fn main() {
     let args: Vec<usize> = std::env::args()

@@ -19,9 +19,9 @@ use tessera::tensor::trace::trace;
 use tessera::tensor::Generator;
 use tessera::{DType, Graph, Tensor};
 
-/// The seed's sliced attention (`tessera::seed_table::sdpa`, not causal).
+/// The seed's sliced attention (`tessera_apps::seed_table::sdpa`, not causal).
 fn sliced_attention(q: &Tensor, k: &Tensor, v: &Tensor, slices: usize) -> Tensor {
-    tessera::seed_table::sdpa(q, k, v, false, slices)
+    tessera_apps::seed_table::sdpa(q, k, v, false, slices)
 }
 
 fn graph(args: &[Tensor], slices: usize, hint: Option<&str>) -> Graph {

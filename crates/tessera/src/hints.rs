@@ -25,16 +25,59 @@
 
 use std::cell::RefCell;
 use std::collections::BTreeSet;
+use std::fmt;
 use std::sync::{Arc, Mutex};
 
 use serde_json::{Map, Value};
 
 use crate::error::{Error, ErrorKind, Result};
 use crate::logging::log;
-pub use crate::schedule::Strategy as Order;
 
 /// The JSON object form of hints, as stored in `NodeMeta::hints`.
 pub type HintMap = Map<String, Value>;
+
+/// How kernels are ordered: the values of the `order` hint and the
+/// scheduler's strategies (`crate::schedule::Strategy` is this type; see
+/// `crate::schedule` for what each does).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Strategy {
+    #[default]
+    Bfs,
+    Dfs,
+    Strict,
+    Auto,
+}
+
+impl Strategy {
+    pub fn name(self) -> &'static str {
+        match self {
+            Strategy::Bfs => "bfs",
+            Strategy::Dfs => "dfs",
+            Strategy::Strict => "strict",
+            Strategy::Auto => "auto",
+        }
+    }
+
+    pub fn from_name(name: &str) -> Option<Strategy> {
+        [
+            Strategy::Bfs,
+            Strategy::Dfs,
+            Strategy::Strict,
+            Strategy::Auto,
+        ]
+        .into_iter()
+        .find(|s| s.name() == name)
+    }
+}
+
+impl fmt::Display for Strategy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// The `order` hint's name for [`Strategy`].
+pub use Strategy as Order;
 
 const KNOWN_KEYS: &str =
     "order, schedule_policy, group_id, backward_group_id, memory_budget_mb, recompute";

@@ -8,8 +8,10 @@
 //! - [`passes`]: graph rewrites and the pass manager;
 //! - [`hints`]: the user's context hints; [`schedule`]: kernel orders and
 //!   the memory plan;
-//! - [`train`]: a complete training run on a self-checking synthetic task;
 //! - [`limits`]: the size limit every tensor is held to.
+//!
+//! The applications built on it (the seed experiment's table, a complete
+//! training run with its plot) live in the `tessera-apps` crate.
 
 pub mod autograd;
 pub mod compile;
@@ -26,9 +28,7 @@ pub mod optim;
 pub mod passes;
 pub mod runtime;
 pub mod schedule;
-pub mod seed_table;
 pub mod tensor;
-pub mod train;
 
 pub use compile::compile;
 pub use custom_op::flash_attention::{

@@ -85,7 +85,7 @@ fn cases() -> Vec<Case> {
         vec![sdpa_sliced(&a[0], &a[1], &a[2], true)]
     }));
     cases.push(case("sdpa_sliced_hinted", qkv(&mut g), &[0, 1, 2], |a| {
-        vec![hinted_sdpa(a, tessera::seed_table::SEED_HINT)]
+        vec![hinted_sdpa(a, tessera_apps::seed_table::SEED_HINT)]
     }));
     cases.push(case(
         "sdpa_sliced_hinted_no_recompute",

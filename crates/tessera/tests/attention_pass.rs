@@ -8,9 +8,9 @@ use tessera::hints;
 use tessera::ir::{Graph, Op, TensorType};
 use tessera::nn::{MultiHeadAttention, ParamStore};
 use tessera::passes::{PassContext, PassManager};
-use tessera::seed_table::{sdpa, SEED_HINT};
 use tessera::tensor::{trace, Generator};
 use tessera::{compile, DType, Tensor};
+use tessera_apps::seed_table::{sdpa, SEED_HINT};
 
 /// The graph of `f` on f32 inputs of `shapes`, after the default passes.
 fn optimised(shapes: &[&[usize]], f: impl FnOnce(&[Tensor]) -> Tensor) -> Graph {

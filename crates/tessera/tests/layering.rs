@@ -43,9 +43,6 @@ const LAYERS: &[(&str, usize)] = &[
     ("runtime::interpret", 13),
     ("runtime::replay", 13),
     ("compile", 14),
-    // Applications still inside the library (issue 16 moves them out).
-    ("seed_table", 15),
-    ("train", 15),
 ];
 
 /// Upward imports that predate the rule: (importing file, imported layer
@@ -54,11 +51,6 @@ const KNOWN_UPWARD: &[(&str, &str)] = &[
     // The aot partition runs the forward graph with the interpreter: the
     // evaluator belongs below autograd.
     ("autograd/aot.rs", "runtime::interpret"),
-    // The order enum belongs to the hints (its values are `order` hints).
-    ("hints.rs", "schedule"),
-    // Custom-op signatures (type inference, parsing) belong to the IR.
-    ("ir/op.rs", "custom_op"),
-    ("ir/text/ops.rs", "custom_op"),
     // The tape lives in autograd, and custom calls dispatch through
     // custom_op: the tape's data and the kernel registry belong below.
     ("tensor/mod.rs", "autograd"),

@@ -41,7 +41,7 @@ fn forward_and_backward(g: &Graph, inputs: usize) -> (Graph, Graph) {
 /// Attention as the seed writes it: `softmax(q·kᵀ·scale)·v`, over
 /// `slices` parts of the flattened leading dims.
 fn attention(x: &[Tensor], slices: usize) -> Tensor {
-    tessera::seed_table::sdpa(&x[0], &x[1], &x[2], false, slices)
+    tessera_apps::seed_table::sdpa(&x[0], &x[1], &x[2], false, slices)
 }
 
 /// Plain matrices: `softmax(q·kᵀ / 5)·v`.

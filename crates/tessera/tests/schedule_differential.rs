@@ -19,8 +19,9 @@
 //! (`focused_graphs_match_eager_0` … `_5`, [`FOCUSED_CASES`] cases each)
 //! and two of the broad generator of `compile_differential.rs`
 //! (`broad_graphs_match_eager_0`, `_1`, [`BROAD_CASES`] each), now under
-//! every schedule. About a minute of CPU in release mode in all (CI's
-//! mode); a debug build runs a twentieth of the cases.
+//! every schedule. When nothing fails that is 60–100 s of CPU in
+//! release mode (CI's mode) on the 2-core dev machine, depending on its
+//! load; a debug build runs a twentieth of the cases.
 //! `PROPTEST_CASES` sets every shard's count; `PROPTEST_RNG_SEED` moves
 //! every shard to other cases (shard `k` uses the seed plus `k`). A long
 //! run (a fresh 50 000 focused and 16 000 broad cases):

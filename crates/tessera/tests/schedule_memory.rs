@@ -214,7 +214,7 @@ fn the_seed_forward_and_backward_with_and_without_the_hint() {
     let inputs: Vec<Tensor> = (0..3)
         .map(|i| randn(&[2, 4, 32, 8], DType::F32, 20 + i))
         .collect();
-    for hint in [None, Some(tessera::seed_table::SEED_HINT)] {
+    for hint in [None, Some(tessera_apps::seed_table::SEED_HINT)] {
         let g = traced("attention", &inputs, |a| {
             let f = |a: &[Tensor]| sliced_attention(&a[0], &a[1], &a[2], 8);
             vec![match hint {

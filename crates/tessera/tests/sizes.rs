@@ -225,6 +225,24 @@ fn an_allocation_the_system_refuses_is_an_out_of_memory_error() {
     );
 }
 
+#[test]
+fn reducing_an_empty_dim_into_a_huge_output_is_an_error_not_an_abort() {
+    // [2^23, 2^23, 0] holds nothing, but its sum over the empty dim is
+    // 2^46 f64 zeros (2^49 bytes): the kernel's output must come from
+    // fallible, tracked storage (it once came from a `vec!` that aborted).
+    let empty = Tensor::zeros(&[HUGE[0], HUGE[1], 0], DType::F64);
+    let e = empty.try_sum(&[2], false).unwrap_err();
+    assert_eq!(e.kind, ErrorKind::OutOfMemory, "{e}");
+    assert!(e.to_string().starts_with("sum: out of memory"), "{e}");
+    assert!(this_file(&e.to_string()), "{e}");
+    // A small one gets its identity.
+    let small = Tensor::zeros(&[2, 0], DType::F32);
+    assert_eq!(
+        small.sum(&[1], false).to_vec::<f32>().unwrap(),
+        vec![0.0; 2]
+    );
+}
+
 /// Whether the system refuses one allocation of `bytes` although it is
 /// within the address space: Linux's default heuristic overcommit (mode 0)
 /// refuses more than RAM + swap; strict accounting (2) refuses it too.

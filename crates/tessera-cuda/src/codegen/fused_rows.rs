@@ -11,7 +11,7 @@
 //! reduction folds the thread's elements and then the row's threads
 //! ([`ROW_ALL`]), leaving the per-row scalar in every thread; row outputs
 //! are written once. Steps are written by the pointwise generator's
-//! [`point_expr`], so a step computes here what it computes there.
+//! `point_expr`, so a step computes here what it computes there.
 //!
 //! Inputs are read through their layouts broadcast to `outer ++ [len]`
 //! (per-row scalars, full rows, any view); outputs are new contiguous
@@ -32,7 +32,7 @@ use tessera::tensor::Layout;
 use tessera::DType;
 
 use super::pointwise::{f, point_expr, Operand};
-use super::rows::{RowPlan, ROW_ALL};
+use super::softmax::{RowPlan, ROW_ALL};
 use super::{
     aligned, at_least_one, c_type, convert, decompose, index_type, load, padded, prelude,
     vector_width, widen, Compute, Launch, Words, ENTRY,
@@ -89,7 +89,7 @@ pub fn fused_rows(
 const ITEMS_MAX: usize = 16;
 
 /// [`fused_rows`] with `threads` per row (a tuner's choice among
-/// [`super::rows::THREAD_CANDIDATES`]; `None`: about four accesses a
+/// [`super::softmax::THREAD_CANDIDATES`]; `None`: about four accesses a
 /// thread). A choice that would keep more than 16 accesses a thread per row
 /// value is refused.
 pub fn fused_rows_threads(

@@ -13,6 +13,7 @@ pub mod fused_rows;
 pub mod index;
 pub mod pointwise;
 pub mod rows;
+pub mod softmax;
 
 use tessera::DType;
 

@@ -502,10 +502,7 @@ enum Sink {
 impl Sink {
     fn leaf(&mut self, leaf: &Tensor, g: Tensor) -> Result<()> {
         match self {
-            Sink::Leaves => {
-                accumulate_leaf(leaf, g);
-                Ok(())
-            }
+            Sink::Leaves => accumulate_leaf(leaf, g),
             Sink::Capture(..) => self.capture(slot_of(leaf), &g),
         }
     }
@@ -772,11 +769,15 @@ fn check_gradient(name: &str, input: &Tensor, g: &Tensor) -> Result<()> {
     Ok(())
 }
 
-fn accumulate_leaf(leaf: &Tensor, g: Tensor) {
+/// Adds `g` to the leaf's gradient; on an error (no memory for the sum) the
+/// gradient is left as it was.
+fn accumulate_leaf(leaf: &Tensor, g: Tensor) -> Result<()> {
     let meta = leaf.autograd_meta().expect("a leaf that requires grad");
     let mut slot = meta.grad.lock().expect("grad lock");
-    *slot = Some(match slot.take() {
-        Some(prev) => &prev + &g,
+    let sum = match slot.as_ref() {
+        Some(prev) => prev.try_add(&g)?,
         None => g,
-    });
+    };
+    *slot = Some(sum);
+    Ok(())
 }

@@ -7,181 +7,52 @@
 //! lse, d_out[, mask]) → (dq, dk, dv) recomputes the probabilities block by
 //! block from it. [`scaled_dot_product_attention`] is the user-facing call
 //! with PyTorch's semantics; the attention-recognition pass rewrites
-//! matched attention in captured graphs into the same op.
+//! matched attention in captured graphs into the same op. The ops'
+//! signatures (names, attributes, type rules) are the IR's
+//! (`ir::custom::flash_attention`); their kernels and backward are here.
 
 use std::panic::Location;
 use std::sync::Arc;
 
 use half::{bf16, f16};
 
-use super::{Attrs, BackwardCtx, CustomOp};
+use super::{Attrs, BackwardCtx, CustomCall, CustomOp};
 use crate::error::{op_err, Error, Result, SourceLoc};
-use crate::ir::{DType, Dim, Shape, TensorType};
+use crate::ir::custom::flash_attention::causal_and_scale;
+use crate::ir::DType;
 use crate::runtime::cpu::flash::{
     flash_backward, flash_forward, AdditiveMask, AttentionParams, AttentionShape,
 };
 use crate::runtime::cpu::{Element, Storage};
 use crate::tensor::Tensor;
 
-/// The forward op's registered name.
-pub const FORWARD: &str = "tessera::flash_attention";
-/// The backward op's registered name.
-pub const BACKWARD: &str = "tessera::flash_attention_backward";
-/// The largest head dim the kernels take.
-pub const MAX_HEAD_DIM: usize = 256;
+pub use crate::ir::custom::flash_attention::{attrs, BACKWARD, FORWARD, MAX_HEAD_DIM};
 
 const USER_NAME: &str = "scaled_dot_product_attention";
 
-/// The built-in custom ops this module registers.
+/// The built-in custom ops this module implements: the kernels and the
+/// backward of the signatures `ir::custom::flash_attention` registers.
 pub(super) fn builtins() -> Vec<Arc<CustomOp>> {
     let forward = CustomOp::builder(FORWARD)
-        .shape(forward_types)
         .cpu(forward_kernel)
         .backward(forward_backward)
-        .build()
-        .expect("a valid built-in op");
+        .implement_builtin()
+        .expect("a built-in signature");
     let backward = CustomOp::builder(BACKWARD)
-        .shape(|_, inputs| backward_types(inputs))
         .cpu(backward_kernel)
-        .build()
-        .expect("a valid built-in op");
+        .implement_builtin()
+        .expect("a built-in signature");
     vec![forward, backward]
-}
-
-/// The attributes of one attention call.
-pub fn attrs(causal: bool, scale: f64) -> Attrs {
-    let mut a = Attrs::new();
-    a.insert("causal".into(), causal.into());
-    a.insert("scale".into(), scale.into());
-    a
 }
 
 /// The `causal` and `scale` attributes of a call (every backend reads
 /// them through here).
 pub fn params(attrs: &Attrs) -> Result<AttentionParams> {
-    let causal = attrs.get("causal").and_then(|v| v.as_bool());
-    let scale = attrs.get("scale").and_then(|v| v.as_f64());
-    match (causal, scale) {
-        (Some(causal), Some(scale)) => Ok(AttentionParams {
-            causal,
-            scale: scale as f32,
-        }),
-        _ => Err(op_err!(
-            Argument,
-            FORWARD,
-            "needs attributes {{\"causal\": bool, \"scale\": number}}, got {}",
-            serde_json::Value::Object(attrs.clone())
-        )),
-    }
-}
-
-/// `(q, k, v[, mask])` → `(out, lse)`; every rule of the op is here.
-fn forward_types(attrs: &Attrs, inputs: &[TensorType]) -> Result<Vec<TensorType>> {
-    params(attrs)?;
-    let (q, k, v) = match inputs {
-        [q, k, v] | [q, k, v, _] => (q, k, v),
-        _ => {
-            return Err(op_err!(
-                Argument,
-                FORWARD,
-                "takes (q, k, v) or (q, k, v, mask), got {} inputs",
-                inputs.len()
-            ))
-        }
-    };
-    let all = format!("q {q}, k {k}, v {v}");
-    if !matches!(q.dtype, DType::F32 | DType::F16 | DType::BF16)
-        || k.dtype != q.dtype
-        || v.dtype != q.dtype
-    {
-        return Err(op_err!(
-            DType,
-            FORWARD,
-            "takes f32, f16 or bf16 q, k and v of one dtype, got {all}"
-        ));
-    }
-    let rank = q.rank();
-    if rank < 2 || k.rank() != rank || v.rank() != rank {
-        return Err(op_err!(
-            Shape,
-            FORWARD,
-            "q, k and v must have one rank ≥ 2 ([..., len, dim]), got {all}"
-        ));
-    }
-    let (lead, qd) = (&q.shape.0[..rank - 2], &q.shape.0[rank - 2..]);
-    let (kd, vd) = (&k.shape.0[rank - 2..], &v.shape.0[rank - 2..]);
-    if k.shape.0[..rank - 2] != *lead || v.shape.0[..rank - 2] != *lead {
-        return Err(op_err!(
-            Shape,
-            FORWARD,
-            "q, k and v must share their leading (batch, head) dims, got {all}"
-        ));
-    }
-    if kd[1] != qd[1] || vd[0] != kd[0] {
-        return Err(op_err!(
-            Shape,
-            FORWARD,
-            "needs q [..., Lq, E], k [..., Lk, E], v [..., Lk, Ev], got {all}"
-        ));
-    }
-    for d in [&qd[1], &vd[1]] {
-        if let Dim::Const(n) = d {
-            if *n == 0 || *n > MAX_HEAD_DIM {
-                return Err(op_err!(
-                    Unsupported,
-                    FORWARD,
-                    "head dims from 1 to {MAX_HEAD_DIM} are supported, got {all}"
-                ));
-            }
-        }
-    }
-    if let Some(mask) = inputs.get(3) {
-        let scores = Shape(vec![qd[0].clone(), kd[0].clone()]);
-        let full = Shape([lead, &scores.0[..]].concat());
-        if mask.dtype != DType::F32 || (mask.shape != scores && mask.shape != full) {
-            return Err(op_err!(
-                Shape,
-                FORWARD,
-                "the mask must be f32{scores} or f32{full}, got {mask}"
-            ));
-        }
-    }
-    let out = Shape([lead, &[qd[0].clone(), vd[1].clone()][..]].concat());
-    let lse = Shape([lead, &[qd[0].clone()][..]].concat());
-    Ok(vec![
-        TensorType::new(q.dtype, out),
-        TensorType::new(DType::F32, lse),
-    ])
-}
-
-/// `(q, k, v, out, lse, d_out[, mask])` → `(dq, dk, dv)`.
-fn backward_types(inputs: &[TensorType]) -> Result<Vec<TensorType>> {
-    let (q, k, v, rest) = match inputs {
-        [q, k, v, out, lse, d_out] => (q, k, v, (out, lse, d_out, None)),
-        [q, k, v, out, lse, d_out, mask] => (q, k, v, (out, lse, d_out, Some(mask))),
-        _ => {
-            return Err(op_err!(
-                Argument,
-                BACKWARD,
-                "takes (q, k, v, out, lse, d_out[, mask]), got {} inputs",
-                inputs.len()
-            ))
-        }
-    };
-    let (out, lse, d_out, mask) = rest;
-    let mut forward_inputs = vec![q.clone(), k.clone(), v.clone()];
-    forward_inputs.extend(mask.cloned());
-    let expected = forward_types(&attrs(false, 1.0), &forward_inputs)?;
-    if *out != expected[0] || *d_out != expected[0] || *lse != expected[1] {
-        return Err(op_err!(
-            Shape,
-            BACKWARD,
-            "out and d_out must be {} and lse {}, got out {out}, lse {lse}, d_out {d_out}",
-            expected[0],
-            expected[1]
-        ));
-    }
-    Ok(vec![q.clone(), k.clone(), v.clone()])
+    let (causal, scale) = causal_and_scale(attrs)?;
+    Ok(AttentionParams {
+        causal,
+        scale: scale as f32,
+    })
 }
 
 /// The kernel's view of concrete operands.
@@ -390,11 +261,7 @@ pub fn try_scaled_dot_product_attention(
     }
     let mut inputs = vec![q, k, v];
     inputs.extend(mask.as_ref());
-    let op = super::lookup(FORWARD).map_err(at)?;
-    let call = super::CustomCall {
-        op,
-        attrs: Arc::new(attrs(options.causal, scale)),
-    };
+    let call = CustomCall::new(FORWARD, attrs(options.causal, scale)).map_err(at)?;
     let mut outs = super::apply(&call, &inputs, caller)?;
     Ok(outs.swap_remove(0))
 }
@@ -410,8 +277,17 @@ fn kernel_mask(mask: &Tensor, q: &Tensor, k: &Tensor) -> Result<Tensor> {
             mask.ty()
         ));
     }
-    let r = q.rank();
-    let (lq, lk) = (q.shape()[r - 2], k.shape()[r - 2]);
+    let (r, rk) = (q.rank(), k.rank());
+    if r < 2 || rk < 2 {
+        return Err(op_err!(
+            Shape,
+            USER_NAME,
+            "q and k need at least 2 dims (…, L, E), got q {} and k {}",
+            q.ty(),
+            k.ty()
+        ));
+    }
+    let (lq, lk) = (q.shape()[r - 2], k.shape()[rk - 2]);
     let neg_inf = Tensor::scalar(f64::NEG_INFINITY, DType::F32);
     let additive = match mask.dtype() {
         DType::Bool => Tensor::try_where(mask, &Tensor::scalar(0.0, DType::F32), &neg_inf)?,

@@ -7,8 +7,11 @@
 //! (`cpu` now; the `cuda` slot is filled by the CUDA backend), an optional
 //! backward written with tensor ops (other custom ops included), and it may
 //! return several outputs. Ops are built with [`CustomOp::builder`] and
-//! registered in a process-wide registry so that the IR text form can name
-//! them. The compiler treats a custom op as one opaque extern kernel.
+//! registered in a process-wide registry. The name and the shape function
+//! (the op's [`Signature`]) go to the IR's registry (`crate::ir::custom`),
+//! where type inference, the verifier and the text parser find them; the
+//! kernels and the backward stay here, found by name when a call runs. The
+//! compiler treats a custom op as one opaque extern kernel.
 //!
 //! In the IR a call is one `custom` node whose value is the op's first
 //! output; every further output that something reads is a `custom_output`
@@ -24,17 +27,12 @@ use std::sync::{Arc, LazyLock, RwLock};
 
 use crate::autograd;
 use crate::error::{op_err, Error, ErrorKind, Result, SourceLoc};
+use crate::ir::custom;
 use crate::ir::infer::TensorType;
 use crate::ir::Op;
 use crate::tensor::{trace, Tensor};
 
-/// A custom op's attributes: a JSON object (ordered by key, so that equal
-/// attributes print, hash and compare alike).
-pub type Attrs = serde_json::Map<String, serde_json::Value>;
-
-/// The shape function: input types → output types (may be symbolic).
-pub type ShapeFn =
-    dyn Fn(&Attrs, &[TensorType]) -> Result<Vec<TensorType>> + Send + Sync + RefUnwindSafe;
+pub use crate::ir::custom::{Attrs, CustomCall, ShapeFn, Signature};
 
 /// A kernel: concrete inputs → outputs, of the types the shape function said.
 pub type KernelFn = dyn Fn(&Attrs, &[&Tensor]) -> Result<Vec<Tensor>> + Send + Sync + RefUnwindSafe;
@@ -69,17 +67,17 @@ impl Backend {
     }
 }
 
-/// A registered custom op.
+/// A registered custom op: its signature (the IR's) and its
+/// implementation (kernels, backward).
 pub struct CustomOp {
-    name: String,
-    shape_fn: Arc<ShapeFn>,
+    signature: Arc<Signature>,
     kernels: RwLock<HashMap<Backend, Arc<KernelFn>>>,
     backward: Option<Arc<CustomBackwardFn>>,
 }
 
 impl fmt::Debug for CustomOp {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "CustomOp({})", self.name)
+        write!(f, "CustomOp({})", self.name())
     }
 }
 
@@ -136,70 +134,64 @@ impl CustomOpBuilder {
         self
     }
 
-    /// Checks the op and adds it to the registry. A name already registered
-    /// is an error (ops are looked up by name when graphs are parsed).
+    /// Checks the op and adds it to the registry, its signature to the
+    /// IR's. A name already registered is an error (ops are looked up by
+    /// name when graphs are parsed).
     pub fn register(self) -> Result<Arc<CustomOp>> {
-        let op = self.build()?;
-        let mut registry = REGISTRY.write().expect("custom op registry");
-        if registry.contains_key(&op.name) {
-            return Err(op_err!(
-                Argument,
-                op.name.clone(),
-                "a custom op of this name is already registered"
-            ));
-        }
-        registry.insert(op.name.clone(), op.clone());
-        Ok(op)
-    }
-
-    fn build(self) -> Result<Arc<CustomOp>> {
-        check_name(&self.name)?;
+        let name = self.name;
+        custom::check_name(&name)?;
         let shape_fn = self.shape_fn.ok_or_else(|| {
             op_err!(
                 Argument,
-                self.name.clone(),
+                name.clone(),
                 "needs a shape function (`.shape(…)`)"
             )
         })?;
-        if self.kernels.is_empty() {
-            return Err(op_err!(
-                Argument,
-                self.name.clone(),
-                "needs at least one kernel (`.cpu(…)`)"
-            ));
-        }
+        let signature = Signature::new(&name, shape_fn)?;
+        check_kernels(&name, &self.kernels)?;
+        // The implementation registry's lock is held across the IR's
+        // registration, so that the two registries agree at every moment.
+        let mut registry = REGISTRY.write().expect("custom op registry");
+        let op = Arc::new(CustomOp {
+            signature: custom::register(signature)?,
+            kernels: RwLock::new(self.kernels),
+            backward: self.backward,
+        });
+        registry.insert(name, op.clone());
+        Ok(op)
+    }
+
+    /// The implementation of a built-in op, whose signature the IR
+    /// registers itself (`ir::custom`): no shape function of its own.
+    fn implement_builtin(self) -> Result<Arc<CustomOp>> {
+        let signature = custom::lookup(&self.name)?;
+        check_kernels(&self.name, &self.kernels)?;
         Ok(Arc::new(CustomOp {
-            name: self.name,
-            shape_fn,
+            signature,
             kernels: RwLock::new(self.kernels),
             backward: self.backward,
         }))
     }
 }
 
-/// `ns::name`: two identifiers joined by `::`.
-fn check_name(name: &str) -> Result<()> {
-    let ident = |s: &str| {
-        !s.is_empty()
-            && !s.starts_with(|c: char| c.is_ascii_digit())
-            && s.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
-    };
-    match name.split_once("::") {
-        Some((ns, op)) if ident(ns) && ident(op) => Ok(()),
-        _ => Err(op_err!(
+fn check_kernels(name: &str, kernels: &HashMap<Backend, Arc<KernelFn>>) -> Result<()> {
+    match kernels.is_empty() {
+        true => Err(op_err!(
             Argument,
             name,
-            "a custom op's name must be `namespace::name` (identifiers), got {name:?}"
+            "needs at least one kernel (`.cpu(…)`)"
         )),
+        false => Ok(()),
     }
 }
 
+/// The implementations, by name; every name is also in the IR's registry.
 static REGISTRY: LazyLock<RwLock<HashMap<String, Arc<CustomOp>>>> = LazyLock::new(|| {
     let builtins = flash_attention::builtins();
     RwLock::new(
         builtins
             .into_iter()
-            .map(|op| (op.name.clone(), op))
+            .map(|op| (op.name().to_string(), op))
             .collect(),
     )
 });
@@ -239,7 +231,12 @@ impl CustomOp {
     }
 
     pub fn name(&self) -> &str {
-        &self.name
+        self.signature.name()
+    }
+
+    /// The op's name and shape function, as the IR has them.
+    pub fn signature(&self) -> &Arc<Signature> {
+        &self.signature
     }
 
     /// Whether a backward is registered.
@@ -262,18 +259,7 @@ impl CustomOp {
 
     /// The output types for `inputs`, from the shape function.
     pub fn infer(&self, attrs: &Attrs, inputs: &[TensorType]) -> Result<Vec<TensorType>> {
-        let types = (self.shape_fn)(attrs, inputs).map_err(|e| self.own(e))?;
-        if types.is_empty() {
-            return Err(op_err!(
-                Verify,
-                self.name.clone(),
-                "the shape function returned no outputs"
-            ));
-        }
-        for ty in &types {
-            ty.check_size(&self.name)?;
-        }
-        Ok(types)
+        self.signature.infer(attrs, inputs)
     }
 
     /// Runs the op on `inputs`: eagerly (the kernel of the inputs' backend),
@@ -282,18 +268,15 @@ impl CustomOp {
     #[track_caller]
     pub fn call(self: &Arc<Self>, attrs: Attrs, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
         let call = CustomCall {
-            op: self.clone(),
+            op: self.signature.clone(),
             attrs: Arc::new(attrs),
         };
-        apply(&call, inputs, Location::caller())
+        apply_op(self, &call, inputs, Location::caller())
     }
 
     /// Errors from the user's functions name this op.
-    fn own(&self, mut e: Error) -> Error {
-        if e.op.is_none() {
-            e.op = Some(self.name.clone());
-        }
-        e
+    fn own(&self, e: Error) -> Error {
+        self.signature.own(e)
     }
 
     fn kernel(&self, backend: Backend) -> Result<Arc<KernelFn>> {
@@ -305,7 +288,7 @@ impl CustomOp {
             .ok_or_else(|| {
                 op_err!(
                     Unsupported,
-                    self.name.clone(),
+                    self.name().to_string(),
                     "has no {} kernel registered",
                     backend.name()
                 )
@@ -320,7 +303,7 @@ impl CustomOp {
         expected: &[TensorType],
     ) -> Result<Vec<Tensor>> {
         // The kernel of the inputs' device (host scalars go with any).
-        let backend = match crate::runtime::device::of_inputs(&self.name, inputs)? {
+        let backend = match crate::runtime::device::of_inputs(self.name(), inputs)? {
             crate::runtime::device::Device::Cpu => Backend::Cpu,
             crate::runtime::device::Device::Cuda => Backend::Cuda,
         };
@@ -329,13 +312,13 @@ impl CustomOp {
             .and_then(|r| r)
             .map_err(|e| {
                 let output = expected.iter().map(|t| t.to_string()).collect::<Vec<_>>();
-                crate::runtime::cpu::in_kernel(e, &self.name, &output.join(", "))
+                crate::runtime::cpu::in_kernel(e, self.name(), &output.join(", "))
             })
             .map_err(|e| self.own(e))?;
         if outputs.len() != expected.len() {
             return Err(op_err!(
                 Verify,
-                self.name.clone(),
+                self.name().to_string(),
                 "the kernel returned {} outputs but the shape function declares {}",
                 outputs.len(),
                 expected.len()
@@ -345,7 +328,7 @@ impl CustomOp {
             if t.ty() != *ty {
                 return Err(op_err!(
                     Verify,
-                    self.name.clone(),
+                    self.name().to_string(),
                     "output {i}: the kernel produced {} but the shape function says {ty}",
                     t.ty()
                 ));
@@ -355,44 +338,21 @@ impl CustomOp {
     }
 }
 
-/// One call of a custom op with its attributes: the payload of `Op::Custom`.
-/// Two calls are equal when they name the same op with equal attributes.
-#[derive(Clone)]
-pub struct CustomCall {
-    pub op: Arc<CustomOp>,
-    pub attrs: Arc<Attrs>,
-}
-
-impl CustomCall {
-    pub fn name(&self) -> &str {
-        &self.op.name
-    }
-
-    /// The attributes as compact JSON (the text form and cache keys use it).
-    pub fn attrs_json(&self) -> String {
-        serde_json::Value::Object((*self.attrs).clone()).to_string()
-    }
-
-    pub fn infer(&self, inputs: &[TensorType]) -> Result<Vec<TensorType>> {
-        self.op.infer(&self.attrs, inputs)
-    }
-}
-
-impl PartialEq for CustomCall {
-    fn eq(&self, other: &CustomCall) -> bool {
-        self.op.name == other.op.name && self.attrs == other.attrs
-    }
-}
-
-impl fmt::Debug for CustomCall {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{} {}", self.op.name, self.attrs_json())
-    }
-}
-
 /// Runs (or records) `call` on `inputs`; every output, the first included.
 /// The one place custom ops enter eager execution, tracing and autograd.
 pub(crate) fn apply(
+    call: &CustomCall,
+    inputs: &[&Tensor],
+    caller: &'static Location<'static>,
+) -> Result<Vec<Tensor>> {
+    let at = |e: Error| e.at(SourceLoc::from_location(caller));
+    let op = lookup(call.name()).map_err(at)?;
+    apply_op(&op, call, inputs, caller)
+}
+
+/// [`apply`] with the op's implementation at hand.
+fn apply_op(
+    op: &Arc<CustomOp>,
     call: &CustomCall,
     inputs: &[&Tensor],
     caller: &'static Location<'static>,
@@ -411,9 +371,9 @@ pub(crate) fn apply(
                 t.ty()
             )));
         }
-        autograd::no_grad(|| call.op.run_kernel(&call.attrs, inputs, &expected)).map_err(at)?
+        autograd::no_grad(|| op.run_kernel(&call.attrs, inputs, &expected)).map_err(at)?
     };
-    Ok(connect_autograd(call, inputs, outputs, caller))
+    Ok(connect_autograd(op, call, inputs, outputs, caller))
 }
 
 /// Records the `custom` node and a `custom_output` node per further output.
@@ -437,12 +397,13 @@ fn record(
 }
 
 fn connect_autograd(
+    op: &Arc<CustomOp>,
     call: &CustomCall,
     inputs: &[&Tensor],
     outputs: Vec<Tensor>,
     caller: &'static Location<'static>,
 ) -> Vec<Tensor> {
-    let op = call.op.clone();
+    let op = op.clone();
     let attrs = call.attrs.clone();
     let saved_inputs: Vec<Tensor> = inputs.iter().map(|t| t.detach()).collect();
     let saved_outputs: Vec<Tensor> = outputs.iter().map(|t| t.detach()).collect();
@@ -450,10 +411,10 @@ fn connect_autograd(
         let Some(backward) = &op.backward else {
             return Err(Error::op(
                 ErrorKind::Unsupported,
-                op.name.clone(),
+                op.name(),
                 format!(
                     "Trying to backward through {} but no autograd formula was registered",
-                    op.name
+                    op.name()
                 ),
             ));
         };

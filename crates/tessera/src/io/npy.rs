@@ -27,8 +27,13 @@ pub fn read_npy(path: impl AsRef<Path>) -> Result<Tensor> {
     let file = File::open(path).map_err(|e| file_error(path, e))?;
     let file_len = file.metadata().map_err(|e| file_error(path, e))?.len();
     let mut reader = BufReader::new(file);
-    let header = NpyHeader::from_reader(&mut reader)
-        .map_err(|e| file_error(path, format!("not a valid .npy file: {e}")))?;
+    check_header_len(&mut reader, file_len).map_err(|what| file_error(path, what))?;
+    let header = NpyHeader::from_reader(&mut reader).map_err(|e| {
+        file_error(
+            path,
+            format!("not a valid .npy file: {}", one_line(&e.to_string())),
+        )
+    })?;
     let (dtype, swap) = tessera_dtype(&header.dtype()).map_err(|what| file_error(path, what))?;
     let shape = header
         .shape()
@@ -63,6 +68,63 @@ pub fn read_npy(path: impl AsRef<Path>) -> Result<Tensor> {
                 .map_err(|e| file_error(path, e))
         }
     }
+}
+
+/// The header parser's message (which points at the column over several
+/// lines) as one line.
+fn one_line(message: &str) -> String {
+    message.split_whitespace().collect::<Vec<_>>().join(" ")
+}
+
+/// Checks the header length the preamble declares against the file's
+/// size before the header is read (the reader allocates that length: a
+/// 12-byte file declaring a 4 GiB header would abort the process). The
+/// reader is left at the start of the file.
+fn check_header_len<R: Read + std::io::Seek>(reader: &mut R, file_len: u64) -> Result<(), String> {
+    // Magic (6 bytes), version (2), header length: 2 bytes (v1) or 4 (v2, v3).
+    let mut preamble = [0u8; 12];
+    let mut read = 0;
+    while read < preamble.len() {
+        match reader.read(&mut preamble[read..]) {
+            Ok(0) => break,
+            Ok(n) => read += n,
+            Err(e) => return Err(e.to_string()),
+        }
+    }
+    reader
+        .seek(std::io::SeekFrom::Start(0))
+        .map_err(|e| e.to_string())?;
+    if read < 10 || &preamble[..6] != b"\x93NUMPY" {
+        return Err("not a valid .npy file: no .npy preamble".into());
+    }
+    let (header_len, start) = match preamble[6] {
+        1 => (
+            u64::from(u16::from_le_bytes([preamble[8], preamble[9]])),
+            10,
+        ),
+        2 | 3 if read < 12 => return Err("not a valid .npy file: truncated preamble".into()),
+        2 | 3 => (
+            u64::from(u32::from_le_bytes([
+                preamble[8],
+                preamble[9],
+                preamble[10],
+                preamble[11],
+            ])),
+            12,
+        ),
+        major => {
+            return Err(format!(
+                "not a valid .npy file: unsupported version {major}.{}",
+                preamble[7]
+            ))
+        }
+    };
+    if start + header_len > file_len {
+        return Err(format!(
+            "not a valid .npy file: the header is {header_len} bytes long, the file has {file_len} bytes"
+        ));
+    }
+    Ok(())
 }
 
 /// Fills `buf` from the data section, saying plainly when the file is short.

@@ -1,6 +1,7 @@
 //! The intermediate representation: dtypes, shapes, ops, graphs, their text
-//! form and the verifier.
+//! form and the verifier, and the signatures of custom ops (`custom`).
 
+pub mod custom;
 pub mod dtype;
 pub mod graph;
 pub mod infer;

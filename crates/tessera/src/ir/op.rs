@@ -10,9 +10,9 @@
 
 use std::hash::{Hash, Hasher};
 
+pub use super::custom::CustomCall;
 use super::dtype::DType;
 use super::shape::Shape;
-pub use crate::custom_op::CustomCall;
 
 /// A scalar value in an op attribute.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -367,7 +367,7 @@ pub enum Op {
     /// (base, index: i64/i32, src of index's shape) `out[index[i][j]][j] +=
     /// src[i][j]` for dim 0 (`torch.scatter_add`): the gradient of gather.
     ScatterAdd { dim: usize },
-    /// (x0, x1, …) a call of a registered custom op (`crate::custom_op`);
+    /// (x0, x1, …) a call of a registered custom op (`super::custom`);
     /// the node's value is the op's first output.
     Custom(CustomCall),
     /// (c) output `index` (≥ 1) of the `custom` node `c`, of the declared

@@ -6,7 +6,8 @@
 //! ```
 //!
 //! becomes one `tessera::flash_attention` node (see
-//! `crate::custom_op::flash_attention`): tiled, no `[Lq, Lk]` scores in
+//! `crate::custom_op::flash_attention`; its signature is
+//! `crate::ir::custom::flash_attention`): tiled, no `[Lq, Lk]` scores in
 //! memory, and differentiated by the op's registered backward, which
 //! recomputes the probabilities. The pipeline runs before AOT autograd, so
 //! the backward graph gets the op's backward instead of the composite's.
@@ -45,14 +46,12 @@
 //! sums the softmax in another order, so results move by rounding; it runs
 //! only under [`PassContext::allow_reassociation`] (the default).
 
-use std::sync::Arc;
-
 use super::pattern::{same_hints, uniform_value};
 use super::rewrite::{append, use_counts, Replacements};
 use super::PassContext;
-use crate::custom_op::flash_attention::{self, FORWARD};
-use crate::custom_op::{self, CustomCall};
 use crate::error::Result;
+use crate::ir::custom::flash_attention::{self, FORWARD};
+use crate::ir::custom::CustomCall;
 use crate::ir::{BinaryOp, DType, Dim, Graph, LiteralData, NodeId, Op, Scalar, Shape, TensorType};
 use crate::logging::log;
 
@@ -407,10 +406,7 @@ fn operand_types(g: &Graph, m: &Attention) -> Option<Vec<TensorType>> {
 }
 
 fn call(m: &Attention) -> Result<CustomCall> {
-    Ok(CustomCall {
-        op: custom_op::lookup(FORWARD)?,
-        attrs: Arc::new(flash_attention::attrs(m.causal, m.scale)),
-    })
+    CustomCall::new(FORWARD, flash_attention::attrs(m.causal, m.scale))
 }
 
 /// Replaces the final matmul `id` by the op (the checks are done).

@@ -45,10 +45,10 @@
 use super::pattern::same_hints;
 use super::rewrite::{use_counts, Replacements};
 use super::PassContext;
-use crate::custom_op::flash_attention::FORWARD;
-use crate::custom_op::CustomCall;
 use crate::error::Result;
 use crate::hints::{Hint, HintMap, Order};
+use crate::ir::custom::flash_attention::FORWARD;
+use crate::ir::custom::CustomCall;
 use crate::ir::{Dim, Graph, NodeId, Op, TensorType};
 use crate::logging::log;
 

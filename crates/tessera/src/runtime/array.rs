@@ -247,6 +247,18 @@ impl Array {
         (T::DTYPE == self.dtype).then(|| &storage.as_slice::<T>()[range])
     }
 
+    /// A host copy of a device array (the array itself when on the host):
+    /// its whole buffer, downloaded, under the same layout.
+    pub fn to_host(&self) -> Result<Array> {
+        match &self.buffer {
+            Buffer::Host(_) => Ok(self.clone()),
+            Buffer::Device(s) => {
+                let storage = super::device::backend(s.device())?.download(s)?;
+                Ok(Array::from_parts(Arc::new(storage), self.layout.clone()))
+            }
+        }
+    }
+
     /// The elements of a host array in row-major order. Errors when `T` is
     /// not the dtype, when the values are on a device, or when the host has
     /// no memory for them (`OutOfMemory`, naming the type).

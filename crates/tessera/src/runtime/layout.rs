@@ -16,13 +16,15 @@ pub struct Layout {
     pub offset: usize,
 }
 
-/// Row-major strides of `shape`.
+/// Row-major strides of `shape` (saturating: a shape past the size limit,
+/// which no tensor has, gets strides that [`Layout::fits`] refuses rather
+/// than wrapped ones).
 pub fn contiguous_strides(shape: &[usize]) -> Vec<usize> {
     let mut strides = vec![0; shape.len()];
-    let mut acc = 1;
+    let mut acc: usize = 1;
     for i in (0..shape.len()).rev() {
         strides[i] = acc;
-        acc *= shape[i];
+        acc = acc.saturating_mul(shape[i]);
     }
     strides
 }

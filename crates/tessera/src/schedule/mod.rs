@@ -32,8 +32,9 @@ mod list;
 pub mod memory;
 mod search;
 
-use std::fmt;
-
+/// How kernels are ordered; defined in `hints` (a layer below), whose
+/// `order` key takes the same values.
+pub use crate::hints::Strategy;
 pub use memory::{Donation, MemoryPlan, PlannedBuffer};
 
 use crate::error::Result;
@@ -41,44 +42,6 @@ use crate::fusion::Plan;
 use crate::ir::Graph;
 use crate::logging::log;
 use crate::runtime::device::Device;
-
-/// How kernels are ordered (also the values of the `order` hint).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-pub enum Strategy {
-    #[default]
-    Bfs,
-    Dfs,
-    Strict,
-    Auto,
-}
-
-impl Strategy {
-    pub fn name(self) -> &'static str {
-        match self {
-            Strategy::Bfs => "bfs",
-            Strategy::Dfs => "dfs",
-            Strategy::Strict => "strict",
-            Strategy::Auto => "auto",
-        }
-    }
-
-    pub fn from_name(name: &str) -> Option<Strategy> {
-        [
-            Strategy::Bfs,
-            Strategy::Dfs,
-            Strategy::Strict,
-            Strategy::Auto,
-        ]
-        .into_iter()
-        .find(|s| s.name() == name)
-    }
-}
-
-impl fmt::Display for Strategy {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
 
 /// What the scheduler is asked for.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]

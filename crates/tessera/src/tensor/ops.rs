@@ -13,19 +13,21 @@ use crate::ir::{ArgReduceOp, BinaryOp, CompareOp, DType, Op, ReduceOp, Shape, Un
 
 /// The second operand of a binary op: a tensor or a scalar. A scalar becomes
 /// a 0-dim tensor of the other operand's dtype.
+/// A scalar that the dtype cannot hold (NaN or 1e30 against an integer
+/// tensor) is the op's error, as any other bad argument.
 pub trait Operand {
-    fn into_operand(self, like: &Tensor) -> Tensor;
+    fn into_operand(self, like: &Tensor) -> Result<Tensor>;
 }
 
 impl Operand for &Tensor {
-    fn into_operand(self, _: &Tensor) -> Tensor {
-        self.clone()
+    fn into_operand(self, _: &Tensor) -> Result<Tensor> {
+        Ok(self.clone())
     }
 }
 
 impl Operand for Tensor {
-    fn into_operand(self, _: &Tensor) -> Tensor {
-        self
+    fn into_operand(self, _: &Tensor) -> Result<Tensor> {
+        Ok(self)
     }
 }
 
@@ -33,8 +35,8 @@ macro_rules! scalar_operand {
     ($($t:ty),*) => {$(
         impl Operand for $t {
             #[track_caller]
-            fn into_operand(self, like: &Tensor) -> Tensor {
-                Tensor::scalar(self as f64, like.dtype())
+            fn into_operand(self, like: &Tensor) -> Result<Tensor> {
+                Tensor::try_full(&[], self as f64, like.dtype())
             }
         }
     )*};
@@ -63,6 +65,23 @@ pub(crate) fn norm_dim(op: &str, dim: isize, rank: usize) -> Result<usize> {
         ));
     }
     Ok(d as usize)
+}
+
+/// `tensor_split` makes at most this many parts, or one per element of
+/// a larger dim.
+const MAX_EMPTY_PARTS: usize = 1 << 16;
+
+/// [`norm_dim`] for ops that index the shape at `dim` (slicing,
+/// splitting, concatenating, indexing): a 0-dim tensor has no dim to index.
+#[track_caller]
+fn norm_indexed_dim(op: &str, dim: isize, rank: usize) -> Result<usize> {
+    if rank == 0 {
+        return Err(arg_error(
+            op,
+            format!("cannot be applied to a 0-dim tensor (dim {dim})"),
+        ));
+    }
+    norm_dim(op, dim, rank)
 }
 
 #[track_caller]
@@ -133,7 +152,7 @@ macro_rules! binary_ops {
         tensor_ops! {$(
             #[doc = concat!("Elementwise `", stringify!($name), "` with NumPy broadcasting; `other` is a tensor or a scalar.")]
             fn $name / $try_name(&self, other: impl Operand) {
-                let other = other.into_operand(self);
+                let other = other.into_operand(self)?;
                 run($op, &[self, &other])
             }
         )*}
@@ -282,7 +301,7 @@ tensor_ops! {
 
     /// Dims `a` and `b` swapped. A view.
     fn transpose / try_transpose(&self, a: isize, b: isize) {
-        let (a, b) = (norm_dim("transpose", a, self.rank())?, norm_dim("transpose", b, self.rank())?);
+        let (a, b) = (norm_indexed_dim("transpose", a, self.rank())?, norm_indexed_dim("transpose", b, self.rank())?);
         let mut perm: Vec<usize> = (0..self.rank()).collect();
         perm.swap(a, b);
         run(Op::Permute(perm), &[self])
@@ -317,7 +336,7 @@ tensor_ops! {
     /// Python-style slice `start:end:step` along `dim` (negative bounds count
     /// from the end, bounds are clamped; `step` must be positive). A view.
     fn slice / try_slice(&self, dim: isize, start: isize, end: isize, step: usize) {
-        let d = norm_dim("slice", dim, self.rank())?;
+        let d = norm_indexed_dim("slice", dim, self.rank())?;
         if step == 0 {
             return Err(arg_error("slice", "step must be positive".into()));
         }
@@ -329,7 +348,7 @@ tensor_ops! {
 
     /// `len` elements from `start` along `dim`. A view.
     fn narrow / try_narrow(&self, dim: isize, start: usize, len: usize) {
-        let d = norm_dim("narrow", dim, self.rank())?;
+        let d = norm_indexed_dim("narrow", dim, self.rank())?;
         run(Op::Slice { dim: d, start, end: start + len, step: 1 }, &[self])
     }
 
@@ -344,25 +363,25 @@ tensor_ops! {
 
     /// Entries along `dim` picked by the 1-D i64/i32 `index`.
     fn index_select / try_index_select(&self, dim: isize, index: &Tensor) {
-        let dim = norm_dim("index_select", dim, self.rank())?;
+        let dim = norm_indexed_dim("index_select", dim, self.rank())?;
         run(Op::IndexSelect { dim }, &[self, index])
     }
 
     /// `torch.gather`: `out[i][j] = self[index[i][j]][j]` for dim 0.
     fn gather / try_gather(&self, dim: isize, index: &Tensor) {
-        let dim = norm_dim("gather", dim, self.rank())?;
+        let dim = norm_indexed_dim("gather", dim, self.rank())?;
         run(Op::Gather { dim }, &[self, index])
     }
 
     /// `torch.index_add`: `src`'s slices along `dim` added at `index`.
     fn index_add / try_index_add(&self, dim: isize, index: &Tensor, src: &Tensor) {
-        let dim = norm_dim("index_add", dim, self.rank())?;
+        let dim = norm_indexed_dim("index_add", dim, self.rank())?;
         run(Op::IndexAdd { dim }, &[self, index, src])
     }
 
     /// `torch.scatter_add`: `out[index[i][j]][j] += src[i][j]` for dim 0.
     fn scatter_add / try_scatter_add(&self, dim: isize, index: &Tensor, src: &Tensor) {
-        let dim = norm_dim("scatter_add", dim, self.rank())?;
+        let dim = norm_indexed_dim("scatter_add", dim, self.rank())?;
         run(Op::ScatterAdd { dim }, &[self, index, src])
     }
 
@@ -425,7 +444,7 @@ impl Tensor {
         let first = tensors
             .first()
             .ok_or_else(|| arg_error("cat", "needs at least one tensor".into()))?;
-        let dim = norm_dim("cat", dim, first.rank())?;
+        let dim = norm_indexed_dim("cat", dim, first.rank())?;
         run(Op::Cat { dim }, tensors)
     }
 
@@ -476,8 +495,17 @@ impl Tensor {
                 "the number of parts must be at least 1".into(),
             ));
         }
-        let d = norm_dim("tensor_split", dim, self.rank())?;
+        let d = norm_indexed_dim("tensor_split", dim, self.rank())?;
         let size = self.shape()[d];
+        // Parts past the size are empty; a bound keeps a huge `n` from
+        // asking for a list of parts no memory holds.
+        let most = size.max(MAX_EMPTY_PARTS);
+        if n > most {
+            return Err(arg_error(
+                "tensor_split",
+                format!("{n} parts of a dim of size {size}: at most {most} parts"),
+            ));
+        }
         let sizes: Vec<usize> = (0..n)
             .map(|i| size / n + usize::from(i < size % n))
             .collect();
@@ -499,7 +527,7 @@ impl Tensor {
                 "the number of chunks must be at least 1".into(),
             ));
         }
-        let d = norm_dim("chunk", dim, self.rank())?;
+        let d = norm_indexed_dim("chunk", dim, self.rank())?;
         let size = self.shape()[d];
         self.try_split(size.div_ceil(n).max(1), dim)
     }
@@ -518,7 +546,7 @@ impl Tensor {
                 "the part size must be at least 1".into(),
             ));
         }
-        let d = norm_dim("split", dim, self.rank())?;
+        let d = norm_indexed_dim("split", dim, self.rank())?;
         let size = self.shape()[d];
         let sizes: Vec<usize> = (0..size)
             .step_by(part)
@@ -535,7 +563,7 @@ impl Tensor {
 
     #[track_caller]
     pub fn try_split_sizes(&self, sizes: &[usize], dim: isize) -> Result<Vec<Tensor>> {
-        let d = norm_dim("split", dim, self.rank())?;
+        let d = norm_indexed_dim("split", dim, self.rank())?;
         if sizes.iter().sum::<usize>() != self.shape()[d] {
             return Err(Error::op(
                 ErrorKind::Shape,

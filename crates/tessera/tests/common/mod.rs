@@ -20,12 +20,12 @@ pub fn sdpa(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool) -> Tensor {
     s.softmax(-1).matmul(v)
 }
 
-pub use tessera::seed_table::causal_mask;
+pub use tessera_apps::seed_table::causal_mask;
 
 /// The seed's sliced attention (one slice per batch·head), as the seed
 /// table runs it.
 pub fn sdpa_sliced(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool) -> Tensor {
-    tessera::seed_table::sdpa(q, k, v, causal, q.shape()[0] * q.shape()[1])
+    tessera_apps::seed_table::sdpa(q, k, v, causal, q.shape()[0] * q.shape()[1])
 }
 
 /// Layer norm over the last dim: biased variance, eps = 1e-5, affine.

@@ -338,15 +338,20 @@ fn broken(rng: &mut Rng) -> Case {
         }
     }
     bytes.extend(&data);
-    // The reader's own limits: a byte size past usize is "too large", one
-    // past the file "truncated".
+    // The reader's own limits: a shape past the size limit (2^46 elements,
+    // a 0 dim counting as 1: `tessera::limits`) or a byte size past usize
+    // is "too large", one past the file "truncated".
     if let (Some(dims), false, "False" | "True", "huge or bad dims") =
         (&parsed, structured, fortran.as_str(), how[0])
     {
         let need = dims
             .iter()
             .try_fold(size as u128, |n, &d| n.checked_mul(d as u128));
+        let counted = dims
+            .iter()
+            .try_fold(1u128, |n, &d| n.checked_mul(u128::from(d.max(1))));
         expect = match need {
+            _ if counted.is_none_or(|n| n > 1 << 46) => Expect::Error("too large"),
             Some(n) if n > usize::MAX as u128 => Expect::Error("too large"),
             Some(n) if n > data.len() as u128 => Expect::Error("truncated"),
             None => Expect::Error("too large"),

@@ -9,12 +9,13 @@
 //!    under an address-space limit (`ulimit -v`) so that a huge allocation
 //!    fails at once instead of paging the machine to death;
 //! 2. the child runs cases `start..cases`, writing the index of the case in
-//!    progress to a file before each one; a panic is caught
-//!    (`catch_unwind`) and recorded, and the loop goes on; at the end it
-//!    prints one line per distinct failure;
-//! 3. if the child dies of a signal (or exits without its summary), the
-//!    parent reads the case in progress from the file, records the crash
-//!    and starts a new child after that case, up to [`MAX_CRASHES`] times;
+//!    progress to a file before each one (and, through [`note`], the step
+//!    in progress); a panic is caught (`catch_unwind`) and recorded, and
+//!    the loop goes on; at the end it prints one line per distinct failure;
+//! 3. if the child dies of a signal (or exits without its summary, or hangs
+//!    [`HANG_GRACE`] past its time limit and is killed), the parent reads
+//!    the case in progress from the file, records the crash and starts a
+//!    new child after that case, up to [`MAX_CRASHES`] times;
 //! 4. the test fails if any case failed, listing each distinct failure once
 //!    with its first input and the command that replays it.
 //!
@@ -230,7 +231,15 @@ fn child<I>(target: &Target<I>, settings: &Settings) {
             *current = index;
         }
         note("", "");
-        let input = (target.generate)(&mut Rng::for_case(settings.seed, index));
+        let input = panic::catch_unwind(AssertUnwindSafe(|| {
+            (target.generate)(&mut Rng::for_case(settings.seed, index))
+        }));
+        let Ok(input) = input else {
+            let message = take_last_panic().unwrap_or_default();
+            // The hook printed nothing: say it here, for the parent.
+            eprintln!("the generator panicked (a bug of the fuzz target): {message}");
+            panic!("case {index}: the generator panicked: {message}");
+        };
         let outcome = panic::catch_unwind(AssertUnwindSafe(|| (target.check)(&input)));
         let failure = match outcome {
             Ok(Ok(())) => None,
@@ -364,7 +373,8 @@ fn parent<I>(target: &Target<I>, settings: &Settings) {
             Some(s) => cmd.env("TESSERA_FUZZ_SECONDS", s.to_string()),
             None => cmd.env_remove("TESSERA_FUZZ_SECONDS"),
         };
-        let out = cmd.output().expect("the fuzz child starts");
+        let deadline = left.map(|s| Duration::from_secs(s) + HANG_GRACE);
+        let out = run_with_deadline(cmd, deadline);
         let stdout = String::from_utf8_lossy(&out.stdout);
         let mut done = None;
         for line in stdout.lines() {
@@ -382,7 +392,7 @@ fn parent<I>(target: &Target<I>, settings: &Settings) {
                 _ => {}
             }
         }
-        if let (Some(cases), true) = (done, out.status.success()) {
+        if let (Some(cases), Some(true)) = (done, out.status.map(|s| s.success())) {
             ran += cases;
             break;
         }
@@ -392,7 +402,13 @@ fn parent<I>(target: &Target<I>, settings: &Settings) {
         let tail = stderr_tail(&stderr);
         let message = format!(
             "the process died ({}){}: {}\n{}{}",
-            describe_status(&out.status),
+            match &out.status {
+                Some(status) => describe_status(status),
+                None => format!(
+                    "killed after hanging past its time limit by {} s",
+                    HANG_GRACE.as_secs()
+                ),
+            },
             match what.is_empty() {
                 true => String::new(),
                 false => format!(" in `{what}`"),
@@ -493,6 +509,65 @@ fn indent(text: &str) -> String {
         .join("\n")
 }
 
+/// How long past its time limit a child may run before it is taken for
+/// hung and killed.
+const HANG_GRACE: Duration = Duration::from_secs(60);
+
+/// What a child left: its exit status (`None`: killed at the deadline),
+/// stdout and stderr.
+struct ChildOutput {
+    status: Option<std::process::ExitStatus>,
+    stdout: Vec<u8>,
+    stderr: Vec<u8>,
+}
+
+/// Runs `cmd` to its end, or kills it at `deadline`.
+fn run_with_deadline(mut cmd: Command, deadline: Option<Duration>) -> ChildOutput {
+    let mut child = cmd
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("the fuzz child starts");
+    let drain = |pipe: Option<Box<dyn Read + Send>>| {
+        std::thread::spawn(move || {
+            let mut bytes = Vec::new();
+            if let Some(mut pipe) = pipe {
+                let _ = pipe.read_to_end(&mut bytes);
+            }
+            bytes
+        })
+    };
+    let stdout = drain(
+        child
+            .stdout
+            .take()
+            .map(|p| Box::new(p) as Box<dyn Read + Send>),
+    );
+    let stderr = drain(
+        child
+            .stderr
+            .take()
+            .map(|p| Box::new(p) as Box<dyn Read + Send>),
+    );
+    let began = Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("waiting for the fuzz child") {
+            break Some(status);
+        }
+        if deadline.is_some_and(|d| began.elapsed() > d) {
+            let _ = child.kill();
+            let _ = child.wait();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    ChildOutput {
+        status,
+        stdout: stdout.join().unwrap_or_default(),
+        stderr: stderr.join().unwrap_or_default(),
+    }
+}
+
 /// A command that runs `exe` with its address space limited to `mb` MiB
 /// (through the shell's `ulimit -v`, where there is one).
 fn limited_command(exe: &std::path::Path, mb: u64) -> Command {
@@ -500,7 +575,7 @@ fn limited_command(exe: &std::path::Path, mb: u64) -> Command {
         let mut cmd = Command::new("/bin/sh");
         cmd.arg("-c")
             .arg(format!(
-                "ulimit -c 0; ulimit -v {} && exec \"$0\" \"$@\"",
+                "ulimit -c 0; ulimit -S -v {} 2>/dev/null; exec \"$0\" \"$@\"",
                 mb * 1024
             ))
             .arg(exe);
@@ -552,13 +627,15 @@ fn describe_status(status: &std::process::ExitStatus) -> String {
     }
 }
 
-/// The last lines of a dead child's stderr, without backtraces.
+/// The last lines of a dead child's stderr, without backtraces and
+/// tessera's warnings.
 fn stderr_tail(stderr: &str) -> Vec<&str> {
     let lines: Vec<&str> = stderr
         .lines()
         .filter(|l| {
             let t = l.trim_start();
             !(t.is_empty()
+                || t.starts_with("tessera: warning")
                 || t.starts_with("stack backtrace")
                 || t.starts_with("note:")
                 || t.starts_with("at ")

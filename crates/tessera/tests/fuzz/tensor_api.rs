@@ -2,7 +2,9 @@
 //! of `try_*` calls on a pool of tensors, with arguments that are mostly
 //! sensible and often not (dims out of range, negative sizes, bad
 //! permutations, mismatched dtypes and shapes, empty lists, steps of 0),
-//! sometimes gradients and a backward pass.
+//! sometimes gradients and a backward pass; and calls whose other
+//! arguments are fitted to the operand (`Step::Fit`), to get past the
+//! argument checks into the kernels.
 //!
 //! Two targets share the generator:
 //! - `tensor_api_small`: every shape has at most a few thousand elements;
@@ -522,7 +524,7 @@ impl Gen<'_> {
             0..=5 => self.creation(),
             6 | 7 => Step::Unary(*self.rng.pick(UNARY), x),
             8..=10 => Step::Binary(*self.rng.pick(BINARY), x, y),
-            11 => Step::Scalar(*self.rng.pick(&BINARY[..13]), x, self.value()),
+            11 => Step::Scalar(*self.rng.pick(BINARY), x, self.value()),
             12 | 13 => Step::Reduce(*self.rng.pick(REDUCE), x, self.axes(), self.rng.chance(0.5)),
             14 => Step::Cast(x, *self.rng.pick(DTYPES)),
             15 => Step::ArgMax(x, self.axis(), self.rng.chance(0.5), self.rng.chance(0.5)),
@@ -780,7 +782,7 @@ fn run(step: &Step, pool: &[Tensor]) -> Result<Vec<Tensor>, Error> {
             }
         }
         Step::Indices { values, shape, i32 } => {
-            let t = Tensor::from_vec(values.clone(), shape);
+            let t = Tensor::try_from_vec(values.clone(), shape)?;
             match i32 {
                 true => one(t.try_cast(DType::I32)),
                 false => Ok(vec![t]),
@@ -850,7 +852,8 @@ fn run(step: &Step, pool: &[Tensor]) -> Result<Vec<Tensor>, Error> {
                 Binary::Lt => x.try_lt(c),
                 Binary::Le => x.try_le(c),
                 Binary::Gt => x.try_gt(c),
-                Binary::Ge | Binary::MatMul => x.try_ge(c),
+                Binary::Ge => x.try_ge(c),
+                Binary::MatMul => x.try_matmul(&Tensor::try_full(&[], c, x.dtype())?),
             })
         }
         Step::Reduce(op, x, dims, keepdim) => {
@@ -963,7 +966,8 @@ fn made(rng: &mut Rng, shape: &[usize], dtype: DType) -> Result<Tensor, Error> {
         true => (0..n).map(|_| rng.between(-8, 8) as f32 / 4.0).collect(),
         false => (0..n).map(|_| rng.below(3) as f32).collect(),
     };
-    Tensor::from_vec(values, shape).try_cast(dtype)
+    // Fallible: a 0-element shape can still be past the size limit.
+    Tensor::try_from_vec(values, shape)?.try_cast(dtype)
 }
 
 /// An index tensor of `shape` (always small) with values below `bound`

@@ -6,11 +6,15 @@
 //!   write that kernel's output in place of the viewed buffer;
 //! - fused kernels with several outputs: `y = f(view(x))` used directly
 //!   later and through further elementwise ops (`y*y`), with reductions,
-//!   softmax and matmuls after them that force kernel boundaries;
-//! - hinted regions: `group_id`, `order`, `backward_group_id` and
-//!   `memory_budget_mb` on a step's nodes (hints change fusion, the
-//!   order and the backward's order), including ops whose backward reads
-//!   the hinted op's value (`tanh`, `sigmoid`, `exp`, `x*x`);
+//!   softmax and matmuls after them that force kernel boundaries, and `y`
+//!   read again after later kernels allocated (`FStep::LateRead`);
+//! - returned views (`expand`, `reshape`, … of a value as an extra
+//!   output), whose backward sums and reshapes;
+//! - hinted regions: `group_id`, `order`, `backward_group_id`,
+//!   `memory_budget_mb` and `recompute` on a step's nodes (hints change
+//!   fusion, the order and the backward's order), including ops whose
+//!   backward reads the hinted op's value (`tanh`, `sigmoid`, `exp`,
+//!   `x*x`);
 //! - small graphs (≤ 24 elements a value, 2–10 steps), so that hundreds of
 //!   cases run per second.
 //!
@@ -41,7 +45,7 @@ pub const INPUT_SHAPES: &[&[usize]] = &[
     &[2, 3, 2],
 ];
 
-/// Unary ops, those whose backward reads their own output or input first.
+/// Unary ops; the backward of most of them reads the op's input or output.
 const UNARY: &[UnaryOp] = &[
     UnaryOp::Relu,
     UnaryOp::Tanh,
@@ -90,12 +94,14 @@ pub enum FStep {
     /// `r = sum(z, -1, keepdim)`, `m = op2(r @ w)` (`w: [1, n]`, a new
     /// weight), then `m op3 y` — defect 2 in general (view kind, ops).
     LateRead(u8, u8, u8, Pick),
-    /// sum, mean, max or amax over the dims of a mask, keepdim or not
+    /// sum (half the time), mean or max, mostly over the last dim, else
+    /// over the dims of a mask; keepdim or not
     Reduce(u8, u8, bool, Pick),
     /// softmax / log_softmax along the last dim (a row kernel)
     Softmax(bool, Pick),
     /// `x @ w` with a new weight input `w: [k, n]` (`x` made rank 2 first
-    /// when it is a vector), optionally an epilogue `relu`/`+x`
+    /// when it is a vector); then `relu` of the product (an epilogue), or
+    /// both the product and its `tanh`, or the product alone
     MatMulW(u8, u8, Pick),
     /// `x @ y` when they fit, `x @ yᵀ` when that fits
     MatMul(Pick, Pick),
@@ -154,6 +160,9 @@ impl FHint {
                 "memory_budget_mb".into(),
                 json!(if b { 0.0005 } else { 0.0 }),
             );
+        }
+        if let Some(r) = self.recompute {
+            map.insert("recompute".into(), json!(r));
         }
         map
     }

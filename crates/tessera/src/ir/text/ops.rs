@@ -288,8 +288,8 @@ pub(super) fn build(op_name: &str, attrs: &[Attr], ty: &TensorType) -> Result<Op
 }
 
 /// The registered custom op `name` with `attrs` (a JSON object).
-fn custom_call(name: &str, attrs: &str) -> Result<crate::custom_op::CustomCall, String> {
-    let op = crate::custom_op::lookup(name).map_err(|e| e.to_string())?;
+fn custom_call(name: &str, attrs: &str) -> Result<crate::ir::custom::CustomCall, String> {
+    let op = crate::ir::custom::lookup(name).map_err(|e| e.to_string())?;
     let attrs = match serde_json::from_str::<serde_json::Value>(attrs) {
         Ok(serde_json::Value::Object(map)) => map,
         _ => {
@@ -298,7 +298,7 @@ fn custom_call(name: &str, attrs: &str) -> Result<crate::custom_op::CustomCall, 
             ))
         }
     };
-    Ok(crate::custom_op::CustomCall {
+    Ok(crate::ir::custom::CustomCall {
         op,
         attrs: std::sync::Arc::new(attrs),
     })

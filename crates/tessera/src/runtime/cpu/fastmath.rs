@@ -1,6 +1,12 @@
 //! f32 transcendentals the compiler can vectorise (libm's are calls per
-//! element): exp, tanh and erfc within a few ulp, shared by the elementwise
-//! and softmax kernels.
+//! element): exp, tanh and erfc within a few ulp, shared by the elementwise,
+//! softmax and flash attention kernels.
+//!
+//! The exponential is written once: the scalar [`exp_f32`] and
+//! [`exp_nonpositive_f32`], and the explicit vector forms of the latter
+//! ([`avx2::exp_nonpositive`], [`avx512::exp_nonpositive`]) that flash
+//! attention's SIMD kernels and the AVX-512 tanh/sigmoid inline; all of
+//! them give the scalar's bits (tested).
 
 /// Whether this CPU has AVX-512 (F, VL, BW, DQ): hot loops are then also
 /// compiled for it and chosen at run time. The results are the same bits
@@ -78,15 +84,17 @@ fn exp2_f32(hi: f32, lo: f32) -> f32 {
     }
 }
 
+/// Where [`exp_nonpositive_f32`] clamps its argument: e^-150 is below half
+/// the smallest subnormal, so the scaling rounds it (and anything less) to 0.
+pub(crate) const NONPOSITIVE_EXP_MIN: f32 = -150.0;
+
 /// e^x for x <= 0 (or NaN): what softmax needs after subtracting the max.
 /// The same reduction and polynomial as [`exp_f32`] (equal bits down to
 /// -103.97), without its range branches: nothing overflows, and with x
 /// clamped at -150 the scaling itself rounds results below half the
-/// smallest subnormal to 0 (e^-inf too).
-/// Where [`exp_nonpositive_f32`] clamps its argument: e^-150 is below half
-/// the smallest subnormal, so the scaling rounds it (and anything less) to 0.
-const NONPOSITIVE_EXP_MIN: f32 = -150.0;
-
+/// smallest subnormal to 0 (e^-inf too). Right for small positive x as
+/// well (up to 88.7, where e^x is still finite): a softmax's `s - max`
+/// may round a little above 0.
 #[inline(always)]
 pub(crate) fn exp_nonpositive_f32(x: f32) -> f32 {
     // `<` rather than `max`, so NaN stays NaN.
@@ -221,9 +229,67 @@ pub(crate) fn unary_simd_f32(op: crate::ir::UnaryOp, src: &[f32], dst: &mut [f32
 }
 
 #[cfg(target_arch = "x86_64")]
-mod avx512 {
-    //! The AVX-512 forms of [`super::tanh_f32`] and of `elementwise`'s
-    //! sigmoid, 16 lanes at a time, operation for operation the scalar ones.
+pub(crate) mod avx2 {
+    //! The AVX2 form of [`super::exp_nonpositive_f32`], 8 lanes at a time,
+    //! operation for operation the scalar one (flash attention's AVX2
+    //! kernels inline it).
+
+    use super::*;
+    use std::arch::x86_64::*;
+
+    #[inline(always)]
+    unsafe fn splat(c: f32) -> __m256 {
+        _mm256_set1_ps(c)
+    }
+
+    /// [`super::exp_poly`]: 1 + r + r²·P(r).
+    #[inline(always)]
+    unsafe fn exp_poly(r: __m256) -> __m256 {
+        let mut q = splat(EXP_POLY[0]);
+        for &c in &EXP_POLY[1..] {
+            q = _mm256_fmadd_ps(q, r, splat(c));
+        }
+        _mm256_add_ps(_mm256_fmadd_ps(q, _mm256_mul_ps(r, r), r), splat(1.0))
+    }
+
+    /// 2^e for an exponent `e` of a normal float, per lane.
+    #[inline(always)]
+    unsafe fn pow2(e: __m256i) -> __m256 {
+        _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_add_epi32(
+            e,
+            _mm256_set1_epi32(127),
+        )))
+    }
+
+    /// e^y for y <= 0 (or a little above, see the scalar one) clamped at
+    /// `lo` (NaN stays NaN): [`super::exp_nonpositive_f32`]'s reduction,
+    /// polynomial and two-step scaling (the first step exact), so subnormal
+    /// results round once and every lane has the scalar's bits.
+    ///
+    /// # Safety
+    /// The CPU has AVX2 and FMA (the caller is compiled with them, so that
+    /// this inlines).
+    #[inline(always)]
+    pub(crate) unsafe fn exp_nonpositive(y: __m256, lo: f32) -> __m256 {
+        // vmaxps returns its second operand when either is NaN.
+        let y = _mm256_max_ps(splat(lo), y);
+        let k = _mm256_fmadd_ps(y, splat(std::f32::consts::LOG2_E), splat(SHIFT));
+        let n = _mm256_sub_ps(k, splat(SHIFT));
+        let r = _mm256_fnmadd_ps(n, splat(LN2_HI), y);
+        let p = exp_poly(_mm256_fnmadd_ps(n, splat(LN2_LO), r));
+        // n is k's low mantissa bits: k's bits minus those of SHIFT.
+        let ni = _mm256_sub_epi32(_mm256_castps_si256(k), _mm256_set1_epi32(0x4B40_0000));
+        let n1 = _mm256_srai_epi32::<1>(ni);
+        let n2 = _mm256_sub_epi32(ni, n1);
+        _mm256_mul_ps(_mm256_mul_ps(p, pow2(n1)), pow2(n2))
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod avx512 {
+    //! The AVX-512 forms of [`super::exp_nonpositive_f32`], of
+    //! [`super::tanh_f32`] and of `elementwise`'s sigmoid, 16 lanes at a
+    //! time, operation for operation the scalar ones.
 
     use super::*;
     use std::arch::x86_64::*;
@@ -293,11 +359,17 @@ mod avx512 {
         _mm512_add_ps(_mm512_fmadd_ps(q, _mm512_mul_ps(r, r), r), splat(1.0))
     }
 
-    /// e^y for y <= 0 clamped at `lo`: the reduction of the scalar code,
-    /// then p·2^n rounded once by `vscalefps`, which is what the scalar
-    /// two-step scaling (and, for normal results, the one-step one) gives.
+    /// e^y for y <= 0 (or a little above, see the scalar one) clamped at
+    /// `lo` (NaN stays NaN): the reduction of the scalar code, then p·2^n
+    /// rounded once by `vscalefps`, which is what the scalar two-step
+    /// scaling (and, for normal results, the one-step one) gives. Uses
+    /// AVX-512 F only, so it inlines into callers built for just that
+    /// (flash attention's kernels).
+    ///
+    /// # Safety
+    /// The CPU has AVX-512 F (the caller is compiled with it).
     #[inline(always)]
-    unsafe fn exp_nonpositive(y: __m512, lo: f32) -> __m512 {
+    pub(crate) unsafe fn exp_nonpositive(y: __m512, lo: f32) -> __m512 {
         let y = clamp_below(y, lo);
         let k = _mm512_fmadd_ps(y, splat(std::f32::consts::LOG2_E), splat(SHIFT));
         let n = _mm512_sub_ps(k, splat(SHIFT));
@@ -580,6 +652,132 @@ mod tests {
             &mut dst
         ));
         assert_eq!(dst, [7.0; 3]);
+    }
+
+    /// `exp_nonpositive` of each of `xs`, clamped at `lo`, by every vector
+    /// form this CPU runs, with its name.
+    fn vector_exps(xs: &[f32], lo: f32) -> Vec<(&'static str, Vec<f32>)> {
+        #[allow(unused_mut)]
+        let mut out = Vec::new();
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::x86_64::*;
+            /// # Safety
+            /// The CPU has AVX2 and FMA.
+            #[target_feature(enable = "avx2,fma")]
+            unsafe fn by_avx2(xs: &[f32], lo: f32) -> Vec<f32> {
+                let mut out = xs.to_vec();
+                out.resize(xs.len().next_multiple_of(8), 0.0);
+                let mut i = 0;
+                while i < out.len() {
+                    let p = out.as_mut_ptr().add(i);
+                    _mm256_storeu_ps(p, avx2::exp_nonpositive(_mm256_loadu_ps(p), lo));
+                    i += 8;
+                }
+                out.truncate(xs.len());
+                out
+            }
+            /// # Safety
+            /// The CPU has AVX-512 F (and only that is enabled: flash
+            /// attention's kernels are built so).
+            #[target_feature(enable = "avx512f")]
+            unsafe fn by_avx512(xs: &[f32], lo: f32) -> Vec<f32> {
+                let mut out = xs.to_vec();
+                out.resize(xs.len().next_multiple_of(16), 0.0);
+                let mut i = 0;
+                while i < out.len() {
+                    let p = out.as_mut_ptr().add(i);
+                    _mm512_storeu_ps(p, avx512::exp_nonpositive(_mm512_loadu_ps(p), lo));
+                    i += 16;
+                }
+                out.truncate(xs.len());
+                out
+            }
+            if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+                // SAFETY: the CPU has AVX2 and FMA.
+                out.push(("avx2", unsafe { by_avx2(xs, lo) }));
+            }
+            if std::is_x86_feature_detected!("avx512f") {
+                // SAFETY: the CPU has AVX-512 F.
+                out.push(("avx512", unsafe { by_avx512(xs, lo) }));
+            }
+        }
+        if out.is_empty() {
+            eprintln!("no AVX2 or AVX-512 here: the vector exps are not exercised");
+        }
+        out
+    }
+
+    #[test]
+    fn the_vector_exps_give_the_scalar_bits() {
+        // Every kind of f32 up to 88 (above, e^x overflows: the scalar
+        // wraps the exponent, vscalefps saturates; no caller gets there).
+        let xs: Vec<f32> = all_kinds_of_f32()
+            .into_iter()
+            .filter(|x| x.is_nan() || *x <= 88.0)
+            .collect();
+        for lo in [NONPOSITIVE_EXP_MIN, TANH_EXP_MIN] {
+            let clamped = |x: f32| exp_nonpositive_f32(if x < lo { lo } else { x });
+            for (isa, got) in vector_exps(&xs, lo) {
+                for (&x, &y) in xs.iter().zip(&got) {
+                    let want = clamped(x);
+                    assert_eq!(
+                        bits(y),
+                        bits(want),
+                        "{isa} exp({x:e}) at {lo}: {y:e} vs {want:e}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn the_vector_exps_are_accurate_over_the_softmax_range() {
+        // Against f64 exp over what softmax and flash attention ask
+        // (arguments <= ~0, a little above by rounding): within 2 ulp down
+        // to the smallest normal result, then to half a subnormal step; 0
+        // for -inf and far below; NaN stays NaN.
+        let xs: Vec<f32> = (0..=200_000)
+            .map(|i| -87.3 + 90.0 * i as f32 / 200_000.0)
+            .collect();
+        let edges = [
+            -87.4f32,
+            -100.0,
+            -103.9,
+            -1e30,
+            f32::NEG_INFINITY,
+            f32::NAN,
+            0.0,
+        ];
+        let subnormal_step = 1.401298464324817e-45;
+        let scalar = (
+            "scalar",
+            xs.iter()
+                .chain(&edges)
+                .map(|&x| exp_nonpositive_f32(x))
+                .collect(),
+        );
+        let all: Vec<f32> = xs.iter().chain(&edges).copied().collect();
+        for (isa, got) in std::iter::once(scalar).chain(vector_exps(&all, NONPOSITIVE_EXP_MIN)) {
+            for (&x, &y) in xs.iter().zip(&got) {
+                let want = (x as f64).exp();
+                let ulps = (y as f64 - want).abs() / want / f32::EPSILON as f64;
+                assert!(
+                    ulps < 2.0,
+                    "{isa}: exp({x}) = {y}, want {want} ({ulps:.1} ulp)"
+                );
+            }
+            let edge = &got[xs.len()..];
+            for (&x, &y) in edges[..3].iter().zip(edge) {
+                let want = (x as f64).exp();
+                assert!(
+                    y > 0.0 && (y as f64 - want).abs() <= 0.5 * subnormal_step,
+                    "{isa}: exp({x}) = {y:e}, want {want:e}"
+                );
+            }
+            assert_eq!(&edge[3..5], &[0.0, 0.0], "{isa}");
+            assert!(edge[5].is_nan() && edge[6] == 1.0, "{isa}: {edge:?}");
+        }
     }
 
     #[test]

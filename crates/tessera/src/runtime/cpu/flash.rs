@@ -21,23 +21,23 @@
 //! f32 copies of the operands that are not f32 already and one f32 dQ
 //! accumulator: O(bh · len · dim), like the inputs, never `len²`.
 //!
-//! Every product is one micro-tiled kernel ([`Gemm`]) written once over a
-//! small SIMD abstraction ([`Simd`]) and compiled for AVX-512 and AVX2
+//! Every product is one micro-tiled kernel (`Gemm`) written once over a
+//! small SIMD abstraction (`Simd`) and compiled for AVX-512 and AVX2
 //! (picked at run time: the build's floor is x86-64-v3, the dev machines
 //! have AVX-512) and for plain Rust elsewhere; the softmax's exp is
-//! vectorised the same way. Half-precision inputs are converted to f32 once;
+//! `fastmath`'s, whose vector forms inline into these kernels. Half-precision inputs are converted to f32 once;
 //! all accumulation is f32.
 //!
 //! Parallelism: the forward has one task per (batch × head, query block);
 //! the backward one per (batch × head, run of key blocks), see
-//! [`blocks_per_task`].
+//! `blocks_per_task`.
 
 use std::borrow::Cow;
 
 use rayon::prelude::*;
 
 use super::element::Float;
-use super::fastmath::exp_f32;
+use super::fastmath::{exp_f32, exp_nonpositive_f32};
 use crate::error::{op_err, Result};
 use crate::ir::DType;
 
@@ -1077,10 +1077,8 @@ trait Simd: Copy {
     unsafe fn sub(a: Self::V, b: Self::V) -> Self::V;
     unsafe fn mul(a: Self::V, b: Self::V) -> Self::V;
     unsafe fn max(a: Self::V, b: Self::V) -> Self::V;
-    /// e^x within 2 ulp for -87.3 <= x <= 88.7, and 0 below (flushing the
-    /// subnormal results: relative to anything a softmax adds them to, they
-    /// are nothing); NaN stays NaN. Above 88.7 the result is wrong (no
-    /// overflow handling): softmax only asks for x <= ~0.
+    /// e^x for the softmax's x <= ~0: `fastmath::exp_nonpositive_f32` on
+    /// every lane (its vector forms, the same bits; tested there).
     unsafe fn exp(x: Self::V) -> Self::V;
     /// The tile product with this instruction set's micro-tile shape.
     unsafe fn gemm(g: &Gemm);
@@ -1177,19 +1175,6 @@ unsafe fn micro<S: Simd, const MR: usize, const NV: usize, const MASKED: bool>(
     }
 }
 
-/// `x ← e^x` (for the tests of [`Simd::exp`]; `x.len()` a multiple of
-/// the lanes).
-#[cfg(test)]
-#[inline(always)]
-unsafe fn exp_slice<S: Simd>(x: &mut [f32]) {
-    for c in x.chunks_exact_mut(S::LANES) {
-        S::store(c.as_mut_ptr(), S::exp(S::load(c.as_ptr())));
-    }
-}
-
-/// Below this, [`Simd::exp`] is 0 (e^-87.3 is the smallest normal f32).
-const EXP_MIN: f32 = -87.33654;
-
 /// Plain Rust vectors of 8 lanes, for targets without a dedicated path.
 #[derive(Clone, Copy)]
 struct Portable;
@@ -1235,7 +1220,7 @@ impl Simd for Portable {
         std::array::from_fn(|i| if b[i] > a[i] { b[i] } else { a[i] })
     }
     unsafe fn exp(x: Self::V) -> Self::V {
-        std::array::from_fn(|i| if x[i] < EXP_MIN { 0.0 } else { exp_f32(x[i]) })
+        std::array::from_fn(|i| exp_nonpositive_f32(x[i]))
     }
     unsafe fn gemm(g: &Gemm) {
         gemm_tiled::<Self, 4, 2>(g)
@@ -1248,27 +1233,12 @@ mod x86 {
     //! features enabled (the generic kernels inline into them).
 
     use super::*;
+    use crate::runtime::cpu::fastmath::{avx2, avx512, NONPOSITIVE_EXP_MIN};
     use std::arch::x86_64::*;
 
     /// 8 lanes; micro-tiles 6 × 2 vectors: 12 accumulators of 16 registers.
     #[derive(Clone, Copy)]
     pub(super) struct Avx2;
-
-    // e^x as in `fastmath::exp_f32` (Cody-Waite reduction, Cephes' expf
-    // polynomial), with a single 2^n scaling, which is a normal float (n >=
-    // -126) above EXP_MIN.
-    const SHIFT: f32 = 12_582_912.0; // 1.5 · 2^23
-    const LN2_HI: f32 = 0.693_359_4;
-    const LN2_LO: f32 = -2.121_944_4e-4;
-    /// The polynomial P with e^r ≈ 1 + r + r² P(r), highest power first.
-    const EXP_POLY: [f32; 6] = [
-        1.987_569_1e-4,
-        1.398_199_9e-3,
-        8.333_452e-3,
-        4.166_579_6e-2,
-        1.666_666_5e-1,
-        0.5,
-    ];
 
     /// 16 lanes; micro-tiles 8 × 2 vectors: 16 accumulators of 32 registers,
     /// 10 loads per 16 FMAs (the FMA ports, not the loads, are the limit).
@@ -1330,24 +1300,7 @@ mod x86 {
         }
         #[inline(always)]
         unsafe fn exp(x: __m256) -> __m256 {
-            let c = |v: f32| _mm256_set1_ps(v);
-            // n = round(x / ln 2) by the shifter trick; r = x - n ln 2.
-            let k = _mm256_fmadd_ps(x, c(std::f32::consts::LOG2_E), c(SHIFT));
-            let n = _mm256_sub_ps(k, c(SHIFT));
-            let r = _mm256_fnmadd_ps(n, c(LN2_HI), x);
-            let r = _mm256_fnmadd_ps(n, c(LN2_LO), r);
-            let mut p = c(EXP_POLY[0]);
-            for &coef in &EXP_POLY[1..] {
-                p = _mm256_fmadd_ps(p, r, c(coef));
-            }
-            let p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, c(1.0)));
-            let pow2 = _mm256_slli_epi32::<23>(_mm256_add_epi32(
-                _mm256_cvtps_epi32(n),
-                _mm256_set1_epi32(127),
-            ));
-            let y = _mm256_mul_ps(p, _mm256_castsi256_ps(pow2));
-            // Not-less-than keeps NaN lanes (NaN in, NaN out).
-            _mm256_and_ps(y, _mm256_cmp_ps::<_CMP_NLT_UQ>(x, c(EXP_MIN)))
+            avx2::exp_nonpositive(x, NONPOSITIVE_EXP_MIN)
         }
         #[inline(always)]
         unsafe fn gemm(g: &Gemm) {
@@ -1409,22 +1362,7 @@ mod x86 {
         }
         #[inline(always)]
         unsafe fn exp(x: __m512) -> __m512 {
-            let c = |v: f32| _mm512_set1_ps(v);
-            let k = _mm512_fmadd_ps(x, c(std::f32::consts::LOG2_E), c(SHIFT));
-            let n = _mm512_sub_ps(k, c(SHIFT));
-            let r = _mm512_fnmadd_ps(n, c(LN2_HI), x);
-            let r = _mm512_fnmadd_ps(n, c(LN2_LO), r);
-            let mut p = c(EXP_POLY[0]);
-            for &coef in &EXP_POLY[1..] {
-                p = _mm512_fmadd_ps(p, r, c(coef));
-            }
-            let p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, c(1.0)));
-            let pow2 = _mm512_slli_epi32::<23>(_mm512_add_epi32(
-                _mm512_cvtps_epi32(n),
-                _mm512_set1_epi32(127),
-            ));
-            let keep = _mm512_cmp_ps_mask::<_CMP_NLT_UQ>(x, c(EXP_MIN));
-            _mm512_maskz_mul_ps(keep, p, _mm512_castsi512_ps(pow2))
+            avx512::exp_nonpositive(x, NONPOSITIVE_EXP_MIN)
         }
         #[inline(always)]
         unsafe fn gemm(g: &Gemm) {
@@ -1435,18 +1373,6 @@ mod x86 {
     #[target_feature(enable = "avx2,fma")]
     pub(super) unsafe fn gemm_avx2(g: &Gemm) {
         gemm_tiled::<Avx2, 6, 2>(g)
-    }
-
-    #[cfg(test)]
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn exp_slice_avx2(x: &mut [f32]) {
-        exp_slice::<Avx2>(x)
-    }
-
-    #[cfg(test)]
-    #[target_feature(enable = "avx512f")]
-    pub(super) unsafe fn exp_slice_avx512(x: &mut [f32]) {
-        exp_slice::<Avx512>(x)
     }
 
     #[target_feature(enable = "avx512f")]
@@ -1997,13 +1923,6 @@ mod tests {
         );
     }
 
-    /// Runs `f` on every instruction set the machine has.
-    fn each_isa(f: &dyn Fn(Isa)) {
-        for isa in Isa::available() {
-            f(isa)
-        }
-    }
-
     /// Every instruction set with both of its tile shapes.
     fn each_tile(f: &dyn Fn(Isa, bool)) {
         for isa in Isa::available() {
@@ -2013,24 +1932,6 @@ mod tests {
     }
 
     impl Isa {
-        /// `Simd::exp` of each of `xs`.
-        fn exp(self, xs: &[f32]) -> Vec<f32> {
-            let mut out = xs.to_vec();
-            out.resize(xs.len().next_multiple_of(16), 0.0);
-            // SAFETY: available() found the instruction set.
-            unsafe {
-                match self {
-                    Isa::Portable => exp_slice::<Portable>(&mut out),
-                    #[cfg(target_arch = "x86_64")]
-                    Isa::Avx2 => x86::exp_slice_avx2(&mut out),
-                    #[cfg(target_arch = "x86_64")]
-                    Isa::Avx512 => x86::exp_slice_avx512(&mut out),
-                }
-            }
-            out.truncate(xs.len());
-            out
-        }
-
         /// The tile product with flash attention's micro-tile, or with the
         /// matmul path's (`wide`, different only with AVX-512).
         fn gemm(self, g: &Gemm, wide: bool) {
@@ -2047,30 +1948,6 @@ mod tests {
                 }
             }
         }
-    }
-
-    #[test]
-    fn vector_exp_is_accurate() {
-        // Against f64 exp over the range softmax uses (arguments <= ~0),
-        // within 2 ulp like fastmath::exp_f32; 0 below -87.34 (flushed
-        // subnormals) and for -inf; NaN stays NaN.
-        let xs: Vec<f32> = (0..=200_000)
-            .map(|i| -87.3 + 90.0 * i as f32 / 200_000.0)
-            .collect();
-        each_isa(&|isa| {
-            let got = isa.exp(&xs);
-            for (&x, &y) in xs.iter().zip(&got) {
-                let want = (x as f64).exp();
-                let ulps = (y as f64 - want).abs() / want / f32::EPSILON as f64;
-                assert!(
-                    ulps < 2.0,
-                    "{isa:?}: exp({x}) = {y}, want {want} ({ulps:.1} ulp)"
-                );
-            }
-            let edge = isa.exp(&[-87.4, -100.0, -1e30, f32::NEG_INFINITY, f32::NAN, 0.0]);
-            assert_eq!(&edge[..4], &[0.0; 4], "{isa:?}");
-            assert!(edge[4].is_nan() && edge[5] == 1.0, "{isa:?}: {edge:?}");
-        });
     }
 
     #[test]

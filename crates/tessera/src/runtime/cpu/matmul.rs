@@ -717,11 +717,17 @@ fn to_f32<T: Float<Acc = f32>>(x: &Array) -> Array {
         ..l.clone()
     };
     let data = x.storage().as_slice::<T>();
-    let mut values = Vec::with_capacity(src.numel());
+    // Tracked storage (not a Vec): the memory plan and the size limit see it.
+    let mut storage = Storage::new(DType::F32, src.numel());
+    let values = storage.as_mut_slice::<f32>();
+    let mut at = 0;
     src.for_each_run(|start, stride, len| {
-        values.extend((0..len).map(|j| data[start + j * stride].to_acc()));
+        for (j, v) in values[at..at + len].iter_mut().enumerate() {
+            *v = data[start + j * stride].to_acc();
+        }
+        at += len;
     });
-    let storage = std::sync::Arc::new(Storage::from_slice(&values));
+    let storage = std::sync::Arc::new(storage);
     Array::from_parts(storage, Layout::contiguous(&compact).expanded(&l.shape))
 }
 

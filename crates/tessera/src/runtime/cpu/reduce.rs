@@ -256,9 +256,13 @@ fn empty_reduction<T: Reducible>(op: ReduceOp, x: &Array, shape: &[usize]) -> Re
             )
         })?,
     };
-    let numel = shape.iter().product();
-    let data = vec![T::from_acc(value); numel];
-    Ok(Array::from_storage(Storage::from_slice(&data), shape))
+    // Straight into tracked, fallible storage: the output of an empty
+    // reduction can be huge (`[2^40, 0].sum(1)`), and an untracked `vec!`
+    // of that size would abort instead of failing as OutOfMemory.
+    let numel = crate::limits::check(op.name(), T::DTYPE, shape)?;
+    let mut out = Storage::try_new(T::DTYPE, numel)?;
+    out.as_mut_slice::<T>().fill(T::from_acc(value));
+    Ok(Array::from_storage(out, shape))
 }
 
 /// `x`'s layout split into the kept dims (carrying x's offset; they index

@@ -7,8 +7,8 @@ use serde::{Deserialize, Serialize};
 
 use super::schedule::{Decay, LrSchedule};
 use super::task::{ReversalTask, VOCAB};
-use crate::error::{Error, ErrorKind, Result};
-use crate::nn::TransformerConfig;
+use tessera::error::{Error, ErrorKind, Result};
+use tessera::nn::TransformerConfig;
 
 /// A training run. The defaults are the run recorded in `BENCHMARKS.md`:
 /// they reach ≥ 95 % held-out exact match within two minutes on a 2-core

@@ -12,7 +12,7 @@ use plotters::prelude::*;
 use plotters::style::FontStyle;
 
 use super::eval::EvalPoint;
-use crate::error::{Error, Result};
+use tessera::error::{Error, Result};
 
 const FONT: &[u8] = include_bytes!("../../assets/fonts/DejaVuSans-ascii.ttf");
 const FAMILY: &str = "sans-serif";

@@ -10,7 +10,7 @@
 //! [`TrainReport`].
 //!
 //! ```no_run
-//! use tessera::train::{train, TrainConfig};
+//! use tessera_apps::train::{train, TrainConfig};
 //!
 //! let config = TrainConfig { steps: 300, ..TrainConfig::default() };
 //! let report = train(&config, |p| {
@@ -38,12 +38,12 @@ pub use eval::{Accuracy, EvalPoint};
 pub use schedule::{Decay, LrSchedule};
 pub use task::{ReversalTask, IGNORE_INDEX, SEP, VOCAB};
 
-use crate::error::{Error, Result};
-use crate::nn::{try_cross_entropy, ParamStore, TransformerLM};
-use crate::optim::{clip_grad_norm, AdamW, AdamWConfig, Optimizer};
-use crate::runtime::device::{self, Device};
-use crate::tensor::Generator;
 use task::{Batch, Digits, Sampler};
+use tessera::error::{Error, Result};
+use tessera::nn::{try_cross_entropy, ParamStore, TransformerLM};
+use tessera::optim::{clip_grad_norm, AdamW, AdamWConfig, Optimizer};
+use tessera::runtime::device::{self, Device};
+use tessera::tensor::Generator;
 
 /// What the callback of [`train`] sees after each step.
 #[derive(Clone, Copy, Debug)]

@@ -12,7 +12,7 @@ use std::collections::HashSet;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-use crate::tensor::Tensor;
+use tessera::tensor::Tensor;
 
 /// The separator token between the digits and their reversal (the digits
 /// are tokens 0–9).

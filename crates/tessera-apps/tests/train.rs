@@ -5,10 +5,12 @@ use std::collections::HashSet;
 
 use tessera::nn::{ParamStore, TransformerLM};
 use tessera::tensor::Generator;
-use tessera::train::eval::{evaluate, greedy_decode, score};
-use tessera::train::task::{answer, Sampler};
-use tessera::train::{evaluate_model, train, ReversalTask, TrainConfig, IGNORE_INDEX, SEP, VOCAB};
 use tessera::{DType, ErrorKind, Result, Tensor};
+use tessera_apps::train::eval::{evaluate, greedy_decode, score};
+use tessera_apps::train::task::{answer, Sampler};
+use tessera_apps::train::{
+    evaluate_model, train, ReversalTask, TrainConfig, IGNORE_INDEX, SEP, VOCAB,
+};
 
 const I: i64 = IGNORE_INDEX;
 

@@ -3,9 +3,9 @@
 use serde::{Deserialize, Serialize};
 
 use super::task::{answer, Digits, ReversalTask};
-use crate::autograd::no_grad;
-use crate::error::Result;
-use crate::tensor::Tensor;
+use tessera::autograd::no_grad;
+use tessera::error::Result;
+use tessera::tensor::Tensor;
 
 /// How well the decoded outputs match the answers.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
@@ -86,7 +86,7 @@ pub fn evaluate(
     logits: impl FnMut(&Tensor) -> Result<Tensor>,
 ) -> Result<Accuracy> {
     // On the current device (`train_on` runs there).
-    let prompts = task.prompts(set).to(crate::runtime::device::current())?;
+    let prompts = task.prompts(set).to(tessera::runtime::device::current())?;
     let outputs = greedy_decode(&prompts, task.digits, logits)?;
     let expected: Vec<i64> = set.iter().flat_map(|d| answer(d)).collect();
     Ok(score(&outputs.to_vec::<i64>()?, &expected, task.digits))

@@ -6,13 +6,13 @@
 
 use std::time::Instant;
 
-use crate::compile::{compile, CompileStats};
-use crate::custom_op::flash_attention::{scaled_dot_product_attention, SdpaOptions};
-use crate::error::Result;
-use crate::hints;
-use crate::ir::DType;
-use crate::runtime::device::{self, Device};
-use crate::tensor::{Generator, Tensor};
+use tessera::compile::{compile, CompileStats};
+use tessera::custom_op::flash_attention::{scaled_dot_product_attention, SdpaOptions};
+use tessera::error::Result;
+use tessera::hints;
+use tessera::ir::DType;
+use tessera::runtime::device::{self, Device};
+use tessera::tensor::{Generator, Tensor};
 
 /// What to run.
 #[derive(Clone, Debug)]

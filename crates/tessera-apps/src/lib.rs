@@ -1,0 +1,13 @@
+//! Applications built on the tessera library, kept out of it so that the
+//! library carries no plotting crate or font:
+//!
+//! - [`seed_table`]: the seed experiment (sliced scaled dot-product
+//!   attention, eager and compiled, hinted and fused) measured for working
+//!   memory, time, compile time and error; `tessera seed-table` prints it;
+//! - [`train`]: a complete training run on a self-checking synthetic task,
+//!   with a checkpoint and a loss-curve plot; `tessera train` runs it.
+//!
+//! Both use only tessera's public API.
+
+pub mod seed_table;
+pub mod train;
