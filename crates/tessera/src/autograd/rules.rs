@@ -123,23 +123,6 @@ pub fn vjp(op: &Op, inputs: &[Tensor], output: &Tensor, g: &Tensor) -> Result<Ve
     })
 }
 
-/// Ops whose output carries a gradient back to (some of) their inputs.
-pub fn has_gradient(op: &Op) -> bool {
-    !matches!(
-        op,
-        Op::Input
-            | Op::Constant(_)
-            | Op::Full { .. }
-            | Op::Arange { .. }
-            | Op::Rand { .. }
-            | Op::Randn { .. }
-            | Op::Compare(_)
-            | Op::ArgReduce { .. }
-            | Op::Custom(_)
-            | Op::CustomOutput { .. }
-    )
-}
-
 fn signed(shape: &[usize]) -> Vec<isize> {
     shape.iter().map(|&d| d as isize).collect()
 }

@@ -20,13 +20,13 @@ use super::cpu::fused::{FusedInput, FusedKernel};
 use super::cpu::rows::RowKernel;
 use super::cpu::{self, BlockedProduct, Storage};
 use super::device::{self, Device, DeviceStorage};
-use super::interpret::{bind_symbols, node_error};
 use crate::autograd;
 use crate::error::{ErrorKind, Result};
 use crate::fusion::{Kernel, Plan};
 use crate::ir::{Graph, NodeId, Op};
 use crate::logging::log;
 use crate::schedule::{MemoryPlan, Schedule};
+use crate::tensor::interpret::{bind_symbols, inputs_device, node_error};
 use crate::tensor::{trace, Tensor};
 
 /// Runs `plan` (made by `fusion::fuse(graph)`) on `inputs`, one per
@@ -455,14 +455,6 @@ fn on_lanes(
     }
 }
 
-/// The device of a program's inputs (scalars on the host go with any);
-/// inputs on different devices are an error naming the program.
-pub(crate) fn inputs_device(graph: &Graph, inputs: &[&Tensor]) -> Result<Device> {
-    device::of_inputs("input", inputs).map_err(|e| {
-        crate::error::Error::new(e.kind, format!("graph `{}`: {}", graph.name, e.message))
-    })
-}
-
 /// The device of a cat's inputs (all on one device: the executor's).
 fn on_device(args: &[Arg]) -> Device {
     args.iter()
@@ -701,7 +693,7 @@ impl<'a> Job<'a> {
                     .map(|a| a.tensor("custom kernels"))
                     .collect();
                 let outs = trace::with_origin(&n.meta, || {
-                    crate::custom_op::apply(call, &args, Location::caller())
+                    crate::tensor::custom::apply(call, &args, Location::caller())
                 })
                 .map_err(|e| node_error(graph, *node, e))?;
                 let mut written = vec![(*node, outs[0].clone())];
