@@ -40,12 +40,12 @@ use std::sync::{Arc, OnceLock};
 
 use tessera::error::{Error, ErrorKind, Result};
 use tessera::ir::{DType, Op};
+use tessera::runtime::array::Array;
 use tessera::runtime::cpu::fused::FusedKernel;
 use tessera::runtime::cpu::rows::RowKernel;
 use tessera::runtime::cpu::{MemoryStats, Storage};
 use tessera::runtime::device::{self, Backend, Device, DeviceGraph, DeviceStorage};
 use tessera::tensor::Layout;
-use tessera::runtime::array::Array;
 use tessera::Tensor;
 
 pub use matmul::Epilogue;

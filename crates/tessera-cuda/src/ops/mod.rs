@@ -21,9 +21,9 @@ use std::sync::Arc;
 
 use tessera::error::{Error, ErrorKind, Result};
 use tessera::ir::{DType, Op};
+use tessera::runtime::array::Array;
 use tessera::runtime::cpu;
 use tessera::runtime::device::DeviceStorage;
-use tessera::runtime::array::Array;
 use tessera::tensor::Layout;
 
 use crate::matmul::Epilogue;

@@ -6,9 +6,9 @@ use std::sync::Arc;
 
 use tessera::error::Result;
 use tessera::ir::{DType, Op};
+use tessera::runtime::array::Array;
 use tessera::runtime::cpu::fused::{FusedKernel, Step};
 use tessera::runtime::device::{Device, DeviceStorage};
-use tessera::runtime::array::Array;
 use tessera::tensor::Layout;
 
 use super::{base, device_err, unsupported};

@@ -3,10 +3,10 @@
 
 use tessera::error::Result;
 use tessera::ir::{ArgReduceOp, DType, ReduceOp};
+use tessera::runtime::array::Array;
 use tessera::runtime::cpu::arena;
 use tessera::runtime::cpu::rows::RowKernel;
 use tessera::runtime::device::DeviceStorage;
-use tessera::runtime::array::Array;
 use tessera::tensor::Layout;
 
 use super::{base, unsupported};
