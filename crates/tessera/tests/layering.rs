@@ -318,7 +318,10 @@ fn an_upward_import_is_caught() {
     );
     // The tape, tracing and custom calls are the tensor layer's: reaching
     // up into the engine or the user-facing custom-op module is caught.
-    assert_eq!(upward("tensor::trace", "use crate::autograd::no_grad;").len(), 1);
+    assert_eq!(
+        upward("tensor::trace", "use crate::autograd::no_grad;").len(),
+        1
+    );
     assert_eq!(
         upward("tensor", "fn f() { crate::custom_op::call(n, a, i); }").len(),
         1

@@ -474,8 +474,8 @@ pub fn reached_inputs(graph: &Graph, wrt: &[usize]) -> Vec<bool> {
         }
         let node = graph.node(id);
         // Custom ops carry gradients through their registered backward.
-        let carries = node.op.has_gradient()
-            || matches!(node.op, Op::Custom(_) | Op::CustomOutput { .. });
+        let carries =
+            node.op.has_gradient() || matches!(node.op, Op::Custom(_) | Op::CustomOutput { .. });
         if carries && node.ty.dtype.is_float() {
             stack.extend(node.inputs.iter().copied());
         }

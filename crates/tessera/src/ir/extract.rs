@@ -170,7 +170,7 @@ mod tests {
 
     #[test]
     fn late_nodes_come_just_before_their_first_reader() {
-        let (g, [x, y, a, b, c, d, e]) = chain();
+        let (g, [x, y, _, b, c, d, e]) = chain();
         let inputs = [("x".to_string(), x), ("y".to_string(), y)];
         let outputs = [("e".to_string(), e)];
         let plain = extract(&g, "p", &inputs, &outputs).unwrap();

@@ -1,8 +1,11 @@
-//! Runs a graph node by node on the CPU.
+//! Runs a graph node by node, on its inputs' device.
 //!
 //! Each node goes through [`Tensor::apply`], the path eager mode takes, so
 //! the interpreter computes exactly what eager execution would: it is the
-//! reference that compiled executables are checked against.
+//! reference that compiled executables are checked against. It belongs to
+//! the tensor layer, since it only runs `Tensor::apply`: a graph break runs
+//! the pending part of a trace with it (`trace`), and ahead-of-time
+//! autograd traces its joint graph through it.
 //!
 //! Symbolic dims (`s0`) get their values from the concrete input shapes;
 //! ops whose attributes hold a symbolic shape (`reshape`, `expand`, `full`,

@@ -347,7 +347,9 @@ mod tests {
         let x = leaf();
         x.set_grad(Some(Tensor::ones(&[2], DType::F32))).unwrap();
         assert_eq!(x.grad().unwrap().to_vec::<f32>().unwrap(), [1.0, 1.0]);
-        let err = x.set_grad(Some(Tensor::ones(&[3], DType::F32))).unwrap_err();
+        let err = x
+            .set_grad(Some(Tensor::ones(&[3], DType::F32)))
+            .unwrap_err();
         assert!(err.to_string().contains("does not match"), "{err}");
         let err = x.exp().set_grad(None).unwrap_err();
         assert!(err.to_string().contains("not a leaf"), "{err}");

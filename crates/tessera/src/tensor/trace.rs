@@ -232,9 +232,7 @@ fn read_node(
     )?;
     // `extract` takes every boundary value as an input, in boundary order.
     let feed: Vec<Tensor> = boundary.iter().map(|(_, n)| known[n].clone()).collect();
-    let value = interpret::run_graph(&part, &feed)?
-        .remove(0)
-        .1;
+    let value = interpret::run_graph(&part, &feed)?.remove(0).1;
     known.insert(node, value.clone());
     state.breaks.push(caller);
     Ok(value)
