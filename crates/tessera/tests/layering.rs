@@ -38,7 +38,6 @@ const LAYERS: &[(&str, usize)] = &[
     ("passes", 10),
     ("fusion", 11),
     ("schedule", 12),
-    ("runtime::autotune", 13),
     ("runtime::execute", 13),
     ("runtime::interpret", 13),
     ("runtime::replay", 13),

@@ -5,8 +5,8 @@
 
 use tessera::error::{Error, ErrorKind, Result};
 use tessera::ir::{DType, Op};
-use tessera::tensor::layout::contiguous_strides;
 use tessera::runtime::array::Array;
+use tessera::tensor::layout::contiguous_strides;
 
 use super::{base, unsupported};
 use crate::codegen::index::{self, Indexed, Strided};

@@ -4,8 +4,8 @@
 
 use tessera::error::Result;
 use tessera::ir::{DType, Op};
-use tessera::runtime::cpu::arena;
 use tessera::runtime::array::Array;
+use tessera::runtime::cpu::arena;
 use tessera::tensor::Layout;
 
 use super::{base, device_err, first, ViewExt};

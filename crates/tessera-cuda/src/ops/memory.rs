@@ -3,10 +3,10 @@
 
 use tessera::error::{Error, ErrorKind, Result};
 use tessera::ir::DType;
+use tessera::runtime::array::Array;
 use tessera::runtime::cpu::fused::Step;
 use tessera::runtime::cpu::{self, arena, Storage};
 use tessera::runtime::device::{Device, DeviceStorage};
-use tessera::runtime::array::Array;
 use tessera::tensor::Layout;
 
 use super::{base, device_err, unsupported};

@@ -32,7 +32,9 @@ impl DenseBytes {
     /// the host has no memory for the copy of a view.
     fn new(t: &Tensor) -> crate::error::Result<DenseBytes> {
         let host = t.to_host()?;
-        crate::runtime::cpu::alloc::catching(|| DenseBytes(copy::contiguous(host.array()).into_owned()))
+        crate::runtime::cpu::alloc::catching(|| {
+            DenseBytes(copy::contiguous(host.array()).into_owned())
+        })
     }
 
     fn bytes(&self) -> &[u8] {

@@ -745,7 +745,9 @@ mod tests {
             block: MAX_BLOCK,
         };
         let want = k.run(&[x.array(), w.array()]).unwrap()[0].to_f64_vec();
-        let storage = x.into_unique_storage().expect("x is not shared");
+        let storage = (x.into_unique_array().ok())
+            .and_then(|a| a.into_unique_storage())
+            .expect("x is not shared");
         let address = storage.as_bytes().as_ptr();
         let got = k
             .run_with(vec![
