@@ -348,3 +348,67 @@ fn rehome(
         })
         .collect()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fusion::fuse;
+    use crate::ir::text::parse;
+
+    const CHAIN: &str = "graph g(%x) {
+      %x = input : f32[8]
+      %e = exp(%x) : f32[8]
+      %t = tanh(%e) : f32[8]
+      return %t as t
+    }";
+
+    /// The fused kernel of `CHAIN`, its output value and the values slot
+    /// list holding `x`.
+    fn setup(x: &Tensor) -> (Graph, crate::fusion::Plan, Vec<Option<Tensor>>) {
+        let graph = parse(CHAIN).unwrap();
+        let plan = fuse(&graph);
+        assert_eq!(plan.kernels.len(), 1, "exp and tanh fuse");
+        let mut values = vec![None; graph.len()];
+        values[graph.inputs[0].index()] = Some(x.clone());
+        (graph, plan, values)
+    }
+
+    #[test]
+    fn an_input_held_by_nothing_else_is_donated_to_its_output() {
+        let x = Tensor::from_vec(vec![0.5f32; 8], &[8]);
+        let (graph, plan, mut values) = setup(&x);
+        let (input, output) = (graph.inputs[0], graph.outputs[0].node);
+        drop(x);
+        let job = Job::gather(&graph, 0, &plan.kernels[0], &[(input, output)], &mut values);
+        assert!(values[input.index()].is_none(), "moved out of the values");
+        assert!(job.undonated.is_empty());
+        let [Arg::Donated(array, 0)] = &job.args[..] else {
+            panic!("not donated to output 0")
+        };
+        let addr = array.buffer_addr();
+        let out = job.run(&graph).unwrap();
+        assert_eq!(out[0].1.array().buffer_addr(), addr, "written in place");
+        assert_eq!(
+            out[0].1.to_vec::<f32>().unwrap(),
+            vec![0.5f32.exp().tanh(); 8]
+        );
+    }
+
+    #[test]
+    fn a_shared_input_is_read_and_its_output_gets_its_own_buffer() {
+        let x = Tensor::from_vec(vec![0.25f32; 8], &[8]);
+        let (graph, plan, mut values) = setup(&x);
+        let (input, output) = (graph.inputs[0], graph.outputs[0].node);
+        let job = Job::gather(&graph, 0, &plan.kernels[0], &[(input, output)], &mut values);
+        // `x` is still held here: the plan's donation cannot happen.
+        assert_eq!(job.undonated, vec![output]);
+        assert!(matches!(&job.args[..], [Arg::Shared(_)]));
+        let out = job.run(&graph).unwrap();
+        assert_ne!(out[0].1.array().buffer_addr(), x.array().buffer_addr());
+        assert_eq!(
+            x.to_vec::<f32>().unwrap(),
+            vec![0.25; 8],
+            "the input is intact"
+        );
+    }
+}

@@ -259,3 +259,64 @@ pub(super) fn run_fused(kernel: &FusedKernel, args: Vec<Arg>) -> Result<Vec<Tens
     let outs = backend.run_fused(kernel, inputs)?;
     Ok(outs.into_iter().map(Tensor::from_array).collect())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fusion::{fuse, Kernel};
+    use crate::ir::text::parse;
+
+    #[test]
+    fn a_group_run_op_by_op_equals_eager() {
+        let graph = parse(
+            "graph g(%x) {
+              %x = input : f32[2,3]
+              %m = max(%x) {dims=[1], keepdim=true} : f32[2,1]
+              %d = sub(%x, %m) : f32[2,3]
+              %e = exp(%d) : f32[2,3]
+              return %e as e
+            }",
+        )
+        .unwrap();
+        let members: Vec<NodeId> = (1..graph.len()).map(|i| NodeId(i as u32)).collect();
+        let x = Tensor::from_vec(vec![1.0f32, 2.0, 3.0, -1.0, 0.0, 4.0], &[2, 3]);
+        let out = graph.outputs[0].node;
+        let got = run_members(&graph, &members, &[graph.inputs[0]], &[&x], &[out]).unwrap();
+        let want = (&x - &x.max(&[1], true)).exp();
+        assert_eq!(got[0].0, out);
+        assert_eq!(
+            got[0].1.to_vec::<f32>().unwrap(),
+            want.to_vec::<f32>().unwrap()
+        );
+    }
+
+    #[test]
+    fn a_fused_kernel_on_a_donated_array_writes_over_it() {
+        let graph = parse(
+            "graph g(%x) {
+              %x = input : f32[64]
+              %y = mul(%x, %x) : f32[64]
+              %z = add(%y, %x) : f32[64]
+              return %z as z
+            }",
+        )
+        .unwrap();
+        let plan = fuse(&graph);
+        let [Kernel::Fused { kernel, .. }] = &plan.kernels[..] else {
+            panic!("one fused kernel: {:?}", plan.kernels.len())
+        };
+        let values: Vec<f32> = (0..64).map(|i| i as f32 / 8.0).collect();
+        let want: Vec<f32> = values.iter().map(|v| v * v + v).collect();
+        let shared = Tensor::from_vec(values.clone(), &[64]);
+        let got = run_fused(kernel, vec![Arg::Shared(shared.clone())]).unwrap();
+        assert_eq!(got[0].to_vec::<f32>().unwrap(), want);
+        let array = Tensor::from_vec(values, &[64])
+            .into_unique_array()
+            .ok()
+            .unwrap();
+        let addr = array.buffer_addr();
+        let got = run_fused(kernel, vec![Arg::Donated(array, 0)]).unwrap();
+        assert_eq!(got[0].array().buffer_addr(), addr, "written in place");
+        assert_eq!(got[0].to_vec::<f32>().unwrap(), want);
+    }
+}

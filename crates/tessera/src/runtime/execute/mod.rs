@@ -410,3 +410,86 @@ fn frees_after_each_step(graph: &Graph, plan: &Plan, steps: &[Vec<usize>]) -> Ve
     }
     frees
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fusion::fuse;
+    use crate::ir::text::parse;
+
+    /// `exp(x)` feeds a matmul (an extern kernel) and a sum; the product is
+    /// the output.
+    const GRAPH: &str = "graph g(%x) {
+      %x = input : f32[4,4]
+      %e = exp(%x) : f32[4,4]
+      %m = matmul(%e, %e) : f32[4,4]
+      %s = sum(%e) {dims=[0,1], keepdim=false} : f32[]
+      return %m as m, %s as s
+    }";
+
+    #[test]
+    fn each_value_is_freed_after_the_last_step_that_reads_it() {
+        let graph = parse(GRAPH).unwrap();
+        let plan = fuse(&graph);
+        let steps: Vec<Vec<usize>> = (0..plan.kernels.len()).map(|k| vec![k]).collect();
+        let frees = frees_after_each_step(&graph, &plan, &steps);
+        let freed: Vec<NodeId> = frees.iter().flatten().copied().collect();
+        let x = graph.inputs[0];
+        let e = graph.node(graph.outputs[0].node).inputs[0];
+        // The input and exp's value die once their last reader ran …
+        let last_reader = |v: NodeId| {
+            steps
+                .iter()
+                .rposition(|s| {
+                    s.iter()
+                        .any(|&k| plan.kernels[k].reads(&graph).contains(&v))
+                })
+                .unwrap()
+        };
+        assert!(frees[last_reader(x)].contains(&x), "{frees:?}");
+        assert!(frees[last_reader(e)].contains(&e), "{frees:?}");
+        // … and no output is ever freed.
+        for out in &graph.outputs {
+            assert!(!freed.contains(&out.node), "{frees:?}");
+        }
+        // Nothing is freed twice.
+        let mut sorted = freed.clone();
+        sorted.sort();
+        sorted.dedup();
+        assert_eq!(sorted.len(), freed.len());
+    }
+
+    #[test]
+    fn plan_order_computes_what_eager_does() {
+        let graph = parse(GRAPH).unwrap();
+        let plan = fuse(&graph);
+        let x = Tensor::from_vec((0..16).map(|i| i as f32 / 16.0).collect(), &[4, 4]);
+        let got = run_plan(&graph, &plan, std::slice::from_ref(&x)).unwrap();
+        let e = x.exp();
+        let want = [e.matmul(&e), e.sum(&[0, 1], false)];
+        for ((name, g), w) in got.iter().zip(&want) {
+            let (g, w) = (g.to_f64_vec(), w.to_f64_vec());
+            for (a, b) in g.iter().zip(&w) {
+                assert!(
+                    (a - b).abs() <= 1e-5 * b.abs().max(1.0),
+                    "{name}: {g:?} vs {w:?}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn a_plan_made_for_another_devices_kernels_takes_no_arena() {
+        let graph = parse(GRAPH).unwrap();
+        let plan = fuse(&graph);
+        let scheduled =
+            crate::schedule::build(&graph, &plan, &crate::schedule::ScheduleOptions::default())
+                .unwrap();
+        assert_eq!(
+            device_arena_unfit(&plan, &scheduled.memory, Device::Cpu),
+            None
+        );
+        let why = device_arena_unfit(&plan, &scheduled.memory, Device::Cuda).unwrap();
+        assert!(why.contains("made for the scratch of cpu"), "{why}");
+    }
+}
