@@ -1,12 +1,35 @@
 //! Type and shape inference: one function, used by eager execution, by graph
 //! building and by the verifier, so the three can never disagree.
+//!
+//! [`Op::infer`] checks the arity, dispatches to the rules of the op's
+//! family and checks the result against the size limit. One file per
+//! family: [`creation`] (constants, fills, ranges, random), [`elementwise`]
+//! (unary, cast, binary and compare ops with broadcasting, `where`, the
+//! `tril`/`triu` masks), [`reduce`] (reductions, arg-reductions, softmax),
+//! [`matmul`] (matmul and its transposed-operand form), [`view`] (reshape,
+//! permute, expand, slice, cat, contiguous), [`index`] (index_select,
+//! gather and their gradients index_add, scatter_add) and [`custom`]
+//! (custom calls, flash attention among them, and their extra outputs).
+//! Every error names the op and the input types.
+
+mod creation;
+mod custom;
+mod elementwise;
+mod index;
+mod matmul;
+mod reduce;
+mod view;
 
 use std::fmt;
 
 use super::dtype::DType;
-use super::op::{LiteralData, Op};
+use super::op::Op;
 use super::shape::{Dim, Shape};
-use crate::error::{op_err, Result};
+use crate::error::{op_err, Error, Result};
+
+pub use creation::arange_len;
+pub use reduce::reduced_shape;
+pub use view::slice_len;
 
 /// The type of a value: dtype and shape.
 #[derive(Clone, PartialEq, Eq, Hash)]
@@ -78,6 +101,7 @@ pub fn broadcast_shapes(a: &Shape, b: &Shape) -> Option<Shape> {
     Some(Shape(out))
 }
 
+/// The one dtype of `inputs`; tessera does not promote.
 fn same_dtype(op: &Op, inputs: &[TensorType]) -> Result<DType> {
     let d = inputs[0].dtype;
     if inputs.iter().any(|t| t.dtype != d) {
@@ -91,21 +115,7 @@ fn same_dtype(op: &Op, inputs: &[TensorType]) -> Result<DType> {
     Ok(d)
 }
 
-fn broadcast_all(op: &Op, inputs: &[TensorType]) -> Result<Shape> {
-    let mut shape = inputs[0].shape.clone();
-    for t in &inputs[1..] {
-        shape = broadcast_shapes(&shape, &t.shape).ok_or_else(|| {
-            op_err!(
-                Shape,
-                op.name(),
-                "shapes {} cannot be broadcast together",
-                describe(inputs)
-            )
-        })?;
-    }
-    Ok(shape)
-}
-
+/// `dim` is a dim of `t`.
 fn check_dim(op: &Op, dim: usize, t: &TensorType) -> Result<()> {
     if dim >= t.rank() {
         return Err(op_err!(
@@ -118,43 +128,14 @@ fn check_dim(op: &Op, dim: usize, t: &TensorType) -> Result<()> {
     Ok(())
 }
 
-fn require_float(op: &Op, t: &TensorType) -> Result<()> {
-    if !t.dtype.is_float() {
-        return Err(op_err!(
-            DType,
-            op.name(),
-            "needs a floating-point input, got {t}"
-        ));
-    }
-    Ok(())
-}
-
-fn require_index(op: &Op, t: &TensorType) -> Result<()> {
-    if !t.dtype.is_int() {
-        return Err(op_err!(
-            DType,
-            op.name(),
-            "index must be i64 or i32, got {t}"
-        ));
-    }
-    Ok(())
-}
-
-/// Number of elements of `arange(start, end, step)`.
-pub fn arange_len(start: f64, end: f64, step: f64) -> Option<usize> {
-    if step == 0.0 || !step.is_finite() || !start.is_finite() || !end.is_finite() {
-        return None;
-    }
-    Some(((end - start) / step).ceil().max(0.0) as usize)
-}
-
-/// Output length of a slice along a dim of size `size` (bounds already clamped).
-pub fn slice_len(start: usize, end: usize, step: usize) -> usize {
-    if end <= start {
-        0
-    } else {
-        (end - start).div_ceil(step)
-    }
+/// The error of a family's rules called with an op of another family (the
+/// dispatch in [`Op::infer`] never does).
+fn not_in_family(op: &Op, family: &str) -> Error {
+    op_err!(
+        Verify,
+        op.name(),
+        "is not a {family} op (type inference dispatched it wrongly)"
+    )
 }
 
 impl Op {
@@ -170,6 +151,47 @@ impl Op {
     }
 
     fn infer_type(&self, inputs: &[TensorType]) -> Result<TensorType> {
+        self.check_arity(inputs)?;
+        match self {
+            Op::Input => Err(op_err!(
+                Verify,
+                "input",
+                "an input's type is declared, not inferred"
+            )),
+            Op::Constant(_)
+            | Op::Full { .. }
+            | Op::Arange { .. }
+            | Op::Rand { .. }
+            | Op::Randn { .. } => creation::infer(self),
+            Op::Unary(_)
+            | Op::Cast(_)
+            | Op::Binary(_)
+            | Op::Compare(_)
+            | Op::Where
+            | Op::Tril { .. }
+            | Op::Triu { .. } => elementwise::infer(self, inputs),
+            Op::Reduce { .. }
+            | Op::ArgReduce { .. }
+            | Op::Softmax { .. }
+            | Op::LogSoftmax { .. } => reduce::infer(self, inputs),
+            Op::MatMul | Op::MatMulT { .. } => matmul::infer(self, inputs),
+            Op::Reshape(_)
+            | Op::Permute(_)
+            | Op::Expand(_)
+            | Op::Slice { .. }
+            | Op::Cat { .. }
+            | Op::Contiguous => view::infer(self, inputs),
+            Op::IndexSelect { .. }
+            | Op::Gather { .. }
+            | Op::IndexAdd { .. }
+            | Op::ScatterAdd { .. } => index::infer(self, inputs),
+            Op::Custom(_) | Op::CustomOutput { .. } => custom::infer(self, inputs),
+        }
+    }
+
+    /// The op's fixed number of inputs, or at least one (custom calls may
+    /// take none).
+    fn check_arity(&self, inputs: &[TensorType]) -> Result<()> {
         if let Some(n) = self.arity() {
             if inputs.len() != n {
                 return Err(op_err!(
@@ -182,616 +204,128 @@ impl Op {
         } else if inputs.is_empty() && !matches!(self, Op::Custom(_)) {
             return Err(op_err!(Argument, self.name(), "needs at least one input"));
         }
-        match self {
-            Op::Input => Err(op_err!(
-                Verify,
-                "input",
-                "an input's type is declared, not inferred"
-            )),
-            Op::Constant(lit) => {
-                let numel = crate::limits::check("constant", lit.dtype, &lit.shape)?;
-                let kind_ok = match &lit.data {
-                    LiteralData::Float(_) => lit.dtype.is_float(),
-                    LiteralData::Int(_) => lit.dtype.is_int(),
-                    LiteralData::Bool(_) => lit.dtype == DType::Bool,
-                };
-                if let (LiteralData::Int(values), true) = (&lit.data, kind_ok) {
-                    if let Some(v) = values.iter().find(|&&v| !lit.dtype.holds_int(v)) {
-                        return Err(op_err!(
-                            Argument,
-                            "constant",
-                            "value {v} does not fit in {}",
-                            lit.dtype
-                        ));
-                    }
-                }
-                if numel != lit.data.len() || !kind_ok {
-                    return Err(op_err!(
-                        Shape,
-                        "constant",
-                        "{} values of kind {:?} do not fill {}{:?}",
-                        lit.data.len(),
-                        std::mem::discriminant(&lit.data),
-                        lit.dtype,
-                        lit.shape
-                    ));
-                }
-                Ok(TensorType::new(lit.dtype, Shape::from_concrete(&lit.shape)))
-            }
-            Op::Full {
-                shape,
-                dtype,
-                value,
-            } => {
-                if let (super::op::Scalar::Int(v), true) = (value, dtype.is_int()) {
-                    if !dtype.holds_int(*v) {
-                        return Err(op_err!(
-                            Argument,
-                            "full",
-                            "value {v} does not fit in {dtype}"
-                        ));
-                    }
-                }
-                Ok(TensorType {
-                    dtype: *dtype,
-                    shape: shape.clone(),
-                })
-            }
-            Op::Arange {
-                start,
-                end,
-                step,
-                dtype,
-            } => {
-                let n = arange_len(*start, *end, *step).ok_or_else(|| {
-                    op_err!(
-                        Argument,
-                        "arange",
-                        "bad range start={start} end={end} step={step}"
-                    )
-                })?;
-                if *dtype == DType::Bool {
-                    return Err(op_err!(DType, "arange", "cannot produce bool"));
-                }
-                Ok(TensorType::new(*dtype, vec![n]))
-            }
-            Op::Rand { shape, dtype, .. } | Op::Randn { shape, dtype, .. } => {
-                if !dtype.is_float() {
-                    return Err(op_err!(
-                        DType,
-                        self.name(),
-                        "produces floats, asked for {dtype}"
-                    ));
-                }
-                Ok(TensorType {
-                    dtype: *dtype,
-                    shape: shape.clone(),
-                })
-            }
-            Op::Unary(u) => {
-                let t = &inputs[0];
-                if t.dtype == DType::Bool || (!u.accepts_int() && !t.dtype.is_float()) {
-                    return Err(op_err!(DType, u.name(), "is not defined for {t}"));
-                }
-                Ok(t.clone())
-            }
-            Op::Cast(d) => Ok(TensorType {
-                dtype: *d,
-                shape: inputs[0].shape.clone(),
-            }),
-            Op::Binary(b) => {
-                let dtype = same_dtype(self, inputs)?;
-                if dtype == DType::Bool {
-                    return Err(op_err!(
-                        DType,
-                        b.name(),
-                        "is not defined for bool ({})",
-                        describe(inputs)
-                    ));
-                }
-                Ok(TensorType {
-                    dtype,
-                    shape: broadcast_all(self, inputs)?,
-                })
-            }
-            Op::Compare(_) => {
-                same_dtype(self, inputs)?;
-                Ok(TensorType {
-                    dtype: DType::Bool,
-                    shape: broadcast_all(self, inputs)?,
-                })
-            }
-            Op::Where => {
-                if inputs[0].dtype != DType::Bool {
-                    return Err(op_err!(
-                        DType,
-                        "where",
-                        "condition must be bool, got {}",
-                        inputs[0]
-                    ));
-                }
-                let dtype = same_dtype(self, &inputs[1..])?;
-                Ok(TensorType {
-                    dtype,
-                    shape: broadcast_all(self, inputs)?,
-                })
-            }
-            Op::Reduce { op, dims, keepdim } => {
-                let t = &inputs[0];
-                if t.dtype == DType::Bool
-                    || (*op == super::op::ReduceOp::Mean && !t.dtype.is_float())
-                {
-                    return Err(op_err!(DType, op.name(), "is not defined for {t}"));
-                }
-                for w in dims.windows(2) {
-                    if w[0] >= w[1] {
-                        return Err(op_err!(
-                            Argument,
-                            op.name(),
-                            "dims {dims:?} must be sorted and unique"
-                        ));
-                    }
-                }
-                for &d in dims {
-                    check_dim(self, d, t)?;
-                }
-                Ok(TensorType {
-                    dtype: t.dtype,
-                    shape: reduced_shape(&t.shape, dims, *keepdim),
-                })
-            }
-            Op::ArgReduce { dim, keepdim, .. } => {
-                let t = &inputs[0];
-                check_dim(self, *dim, t)?;
-                if t.dtype == DType::Bool {
-                    return Err(op_err!(DType, self.name(), "is not defined for {t}"));
-                }
-                Ok(TensorType {
-                    dtype: DType::I64,
-                    shape: reduced_shape(&t.shape, &[*dim], *keepdim),
-                })
-            }
-            Op::Softmax { dim } | Op::LogSoftmax { dim } => {
-                require_float(self, &inputs[0])?;
-                check_dim(self, *dim, &inputs[0])?;
-                Ok(inputs[0].clone())
-            }
-            Op::MatMul => infer_matmul(inputs),
-            Op::MatMulT {
-                transpose_a,
-                transpose_b,
-            } => {
-                let a = transposed_last2(self, &inputs[0], *transpose_a)?;
-                let b = transposed_last2(self, &inputs[1], *transpose_b)?;
-                infer_matmul(&[a, b])
-            }
-            Op::Reshape(shape) => {
-                let t = &inputs[0];
-                TensorType {
-                    dtype: t.dtype,
-                    shape: shape.clone(),
-                }
-                .check_size("reshape")?;
-                let (from, to) = match (t.shape.checked_numel(), shape.checked_numel()) {
-                    (Some(from), Some(to)) => (from, to),
-                    _ => {
-                        return Err(op_err!(
-                            Shape,
-                            "reshape",
-                            "the element count of {t} or {shape} overflows"
-                        ))
-                    }
-                };
-                if from != to {
-                    return Err(op_err!(
-                        Shape,
-                        "reshape",
-                        "cannot reshape {t} ({from} elements) to {shape} ({to} elements)"
-                    ));
-                }
-                Ok(TensorType {
-                    dtype: t.dtype,
-                    shape: shape.clone(),
-                })
-            }
-            Op::Permute(perm) => {
-                let t = &inputs[0];
-                let mut seen = vec![false; t.rank()];
-                let valid = perm.len() == t.rank()
-                    && perm
-                        .iter()
-                        .all(|&p| p < t.rank() && !std::mem::replace(&mut seen[p], true));
-                if !valid {
-                    return Err(op_err!(
-                        Argument,
-                        "permute",
-                        "{perm:?} is not a permutation of the dims of {t}"
-                    ));
-                }
-                Ok(TensorType {
-                    dtype: t.dtype,
-                    shape: Shape(perm.iter().map(|&p| t.shape.0[p].clone()).collect()),
-                })
-            }
-            Op::Expand(shape) => {
-                let t = &inputs[0];
-                let ok = shape.rank() >= t.rank()
-                    && broadcast_shapes(&t.shape, shape).as_ref() == Some(shape);
-                if !ok {
-                    return Err(op_err!(Shape, "expand", "cannot expand {t} to {shape}"));
-                }
-                Ok(TensorType {
-                    dtype: t.dtype,
-                    shape: shape.clone(),
-                })
-            }
-            Op::Slice {
-                dim,
-                start,
-                end,
-                step,
-            } => {
-                let t = &inputs[0];
-                check_dim(self, *dim, t)?;
-                if *step == 0 {
-                    return Err(op_err!(Argument, "slice", "step must be positive"));
-                }
-                let mut shape = t.shape.clone();
-                match &t.shape.0[*dim] {
-                    Dim::Const(size) => {
-                        if start > end || end > size {
-                            return Err(op_err!(
-                                Argument,
-                                "slice",
-                                "range {start}..{end} is out of bounds for dim {dim} of {t}"
-                            ));
-                        }
-                    }
-                    Dim::Sym(_) => {
-                        return Err(op_err!(
-                            Unsupported,
-                            "slice",
-                            "slicing symbolic dim {dim} of {t}"
-                        ));
-                    }
-                }
-                shape.0[*dim] = Dim::Const(slice_len(*start, *end, *step));
-                Ok(TensorType {
-                    dtype: t.dtype,
-                    shape,
-                })
-            }
-            Op::Cat { dim } => {
-                let dtype = same_dtype(self, inputs)?;
-                let first = &inputs[0];
-                check_dim(self, *dim, first)?;
-                let mut shape = first.shape.clone();
-                for t in &inputs[1..] {
-                    let fits = t.rank() == first.rank()
-                        && (0..t.rank()).all(|i| i == *dim || t.shape.0[i] == first.shape.0[i]);
-                    if !fits {
-                        return Err(op_err!(
-                            Shape,
-                            "cat",
-                            "inputs must match in every dim but {dim}: {}",
-                            describe(inputs)
-                        ));
-                    }
-                    shape.0[*dim] =
-                        shape.0[*dim].checked_add(&t.shape.0[*dim]).ok_or_else(|| {
-                            op_err!(
-                                Shape,
-                                "cat",
-                                "the size of dim {dim} overflows: {}",
-                                describe(inputs)
-                            )
-                        })?;
-                }
-                Ok(TensorType { dtype, shape })
-            }
-            Op::Contiguous => Ok(inputs[0].clone()),
-            Op::Tril { .. } | Op::Triu { .. } => {
-                if inputs[0].rank() < 2 {
-                    return Err(op_err!(
-                        Shape,
-                        self.name(),
-                        "needs at least 2 dims, got {}",
-                        inputs[0]
-                    ));
-                }
-                Ok(inputs[0].clone())
-            }
-            Op::IndexSelect { dim } => {
-                let (x, idx) = (&inputs[0], &inputs[1]);
-                check_dim(self, *dim, x)?;
-                require_index(self, idx)?;
-                if idx.rank() != 1 {
-                    return Err(op_err!(
-                        Shape,
-                        "index_select",
-                        "index must be 1-D, got {idx}"
-                    ));
-                }
-                let mut shape = x.shape.clone();
-                shape.0[*dim] = idx.shape.0[0].clone();
-                Ok(TensorType {
-                    dtype: x.dtype,
-                    shape,
-                })
-            }
-            Op::Gather { dim } => {
-                let (x, idx) = (&inputs[0], &inputs[1]);
-                check_dim(self, *dim, x)?;
-                require_index(self, idx)?;
-                let fits = idx.rank() == x.rank()
-                    && (0..x.rank()).all(|i| {
-                        i == *dim
-                            || match (&idx.shape.0[i], &x.shape.0[i]) {
-                                (Dim::Const(a), Dim::Const(b)) => a <= b,
-                                (a, b) => a == b,
-                            }
-                    });
-                if !fits {
-                    return Err(op_err!(
-                        Shape,
-                        "gather",
-                        "index {idx} must have the rank of {x} and no larger dims except dim {dim}"
-                    ));
-                }
-                Ok(TensorType {
-                    dtype: x.dtype,
-                    shape: idx.shape.clone(),
-                })
-            }
-            Op::IndexAdd { dim } => {
-                let (base, idx, src) = (&inputs[0], &inputs[1], &inputs[2]);
-                check_dim(self, *dim, base)?;
-                require_index(self, idx)?;
-                same_dtype(self, &[base.clone(), src.clone()])?;
-                let mut want = base.shape.clone();
-                if idx.rank() == 1 {
-                    want.0[*dim] = idx.shape.0[0].clone();
-                }
-                if idx.rank() != 1 || src.shape != want {
-                    return Err(op_err!(
-                        Shape,
-                        "index_add",
-                        "needs a 1-D index and a source of shape {want}, got {}",
-                        describe(inputs)
-                    ));
-                }
-                Ok(base.clone())
-            }
-            Op::ScatterAdd { dim } => {
-                let (base, idx, src) = (&inputs[0], &inputs[1], &inputs[2]);
-                check_dim(self, *dim, base)?;
-                require_index(self, idx)?;
-                same_dtype(self, &[base.clone(), src.clone()])?;
-                let fits = idx.shape == src.shape
-                    && idx.rank() == base.rank()
-                    && (0..base.rank()).all(|i| {
-                        i == *dim
-                            || match (&idx.shape.0[i], &base.shape.0[i]) {
-                                (Dim::Const(a), Dim::Const(b)) => a <= b,
-                                (a, b) => a == b,
-                            }
-                    });
-                if !fits {
-                    return Err(op_err!(
-                        Shape,
-                        "scatter_add",
-                        "index and source must share a shape no larger than the base outside dim {dim}: {}",
-                        describe(inputs)
-                    ));
-                }
-                Ok(base.clone())
-            }
-            Op::Custom(call) => Ok(call.infer(inputs)?.swap_remove(0)),
-            Op::CustomOutput {
-                index,
-                dtype,
-                shape,
-            } => {
-                if *index == 0 {
-                    return Err(op_err!(
-                        Argument,
-                        "custom_output",
-                        "output 0 is the custom node itself; indices start at 1"
-                    ));
-                }
-                Ok(TensorType::new(*dtype, shape.clone()))
-            }
+        Ok(())
+    }
+}
+
+/// Helpers of the families' tests.
+#[cfg(test)]
+pub(crate) mod testing {
+    use super::*;
+
+    /// An f32 type of concrete `dims`.
+    pub fn t(dims: &[usize]) -> TensorType {
+        TensorType::new(DType::F32, dims.to_vec())
+    }
+
+    /// A type of `dtype` and concrete `dims`.
+    pub fn ty(dtype: DType, dims: &[usize]) -> TensorType {
+        TensorType::new(dtype, dims.to_vec())
+    }
+
+    /// The error message of inferring `op` on `inputs`, which must fail.
+    pub fn err(op: &Op, inputs: &[TensorType]) -> String {
+        match op.infer(inputs) {
+            Ok(out) => panic!(
+                "{} on {} gave {out}, expected an error",
+                op.name(),
+                describe(inputs)
+            ),
+            Err(e) => e.to_string(),
         }
     }
-}
-
-/// The shape after reducing `dims` (kept as 1s with `keepdim`).
-pub fn reduced_shape(shape: &Shape, dims: &[usize], keepdim: bool) -> Shape {
-    let mut out = Vec::with_capacity(shape.rank());
-    for (i, d) in shape.0.iter().enumerate() {
-        if dims.contains(&i) {
-            if keepdim {
-                out.push(Dim::Const(1));
-            }
-        } else {
-            out.push(d.clone());
-        }
-    }
-    Shape(out)
-}
-
-/// `t` with its last two dims swapped when `transpose` (`matmul_t`'s view
-/// of an operand); a transposed operand needs two dims to swap.
-fn transposed_last2(op: &Op, t: &TensorType, transpose: bool) -> Result<TensorType> {
-    if !transpose {
-        return Ok(t.clone());
-    }
-    let r = t.rank();
-    if r < 2 {
-        return Err(op_err!(
-            Shape,
-            op.name(),
-            "a transposed operand needs at least 2 dims, got {t}"
-        ));
-    }
-    let mut shape = t.shape.clone();
-    shape.0.swap(r - 2, r - 1);
-    Ok(TensorType {
-        dtype: t.dtype,
-        shape,
-    })
-}
-
-fn infer_matmul(inputs: &[TensorType]) -> Result<TensorType> {
-    let (a, b) = (&inputs[0], &inputs[1]);
-    let dtype = same_dtype(&Op::MatMul, inputs)?;
-    if dtype == DType::Bool {
-        return Err(op_err!(
-            DType,
-            "matmul",
-            "is not defined for bool ({})",
-            describe(inputs)
-        ));
-    }
-    if a.rank() == 0 || b.rank() == 0 {
-        return Err(op_err!(
-            Shape,
-            "matmul",
-            "operands must have at least 1 dim, got {}",
-            describe(inputs)
-        ));
-    }
-    // Promote 1-D operands as torch.matmul does.
-    let a_shape: Vec<Dim> = if a.rank() == 1 {
-        vec![Dim::Const(1), a.shape.0[0].clone()]
-    } else {
-        a.shape.0.clone()
-    };
-    let b_shape: Vec<Dim> = if b.rank() == 1 {
-        vec![b.shape.0[0].clone(), Dim::Const(1)]
-    } else {
-        b.shape.0.clone()
-    };
-    let (ra, rb) = (a_shape.len(), b_shape.len());
-    let (m, k1) = (&a_shape[ra - 2], &a_shape[ra - 1]);
-    let (k2, n) = (&b_shape[rb - 2], &b_shape[rb - 1]);
-    if k1 != k2 {
-        return Err(op_err!(
-            Shape,
-            "matmul",
-            "inner dims differ: {} and {} (contracting {k1} with {k2})",
-            a,
-            b
-        ));
-    }
-    let batch = broadcast_shapes(
-        &Shape(a_shape[..ra - 2].to_vec()),
-        &Shape(b_shape[..rb - 2].to_vec()),
-    )
-    .ok_or_else(|| {
-        op_err!(
-            Shape,
-            "matmul",
-            "batch dims of {a} and {b} cannot be broadcast"
-        )
-    })?;
-    let mut out = batch.0;
-    if a.rank() > 1 {
-        out.push(m.clone());
-    }
-    if b.rank() > 1 {
-        out.push(n.clone());
-    }
-    Ok(TensorType {
-        dtype,
-        shape: Shape(out),
-    })
 }
 
 #[cfg(test)]
 mod tests {
+    use super::testing::{err, t, ty};
     use super::*;
-    use crate::ir::op::BinaryOp;
-
-    fn t(d: &[usize]) -> TensorType {
-        TensorType::new(DType::F32, d.to_vec())
-    }
+    use crate::error::ErrorKind;
+    use crate::ir::op::{BinaryOp, UnaryOp};
 
     #[test]
-    fn broadcasting() {
-        let out = Op::Binary(BinaryOp::Add)
-            .infer(&[t(&[4, 1, 3]), t(&[5, 1])])
-            .unwrap();
-        assert_eq!(out, t(&[4, 5, 3]));
-        let err = Op::Binary(BinaryOp::Add)
-            .infer(&[t(&[4, 2]), t(&[3])])
-            .unwrap_err();
-        assert!(
-            err.to_string()
-                .contains("add: shapes f32[4,2], f32[3] cannot be broadcast"),
-            "{err}"
-        );
-    }
-
-    #[test]
-    fn matmul_shapes() {
+    fn broadcasting_is_right_aligned() {
+        let s = |d: &[usize]| Shape::from_concrete(d);
         assert_eq!(
-            Op::MatMul
-                .infer(&[t(&[2, 1, 3, 4]), t(&[5, 4, 6])])
-                .unwrap(),
-            t(&[2, 5, 3, 6])
+            broadcast_shapes(&s(&[4, 1, 3]), &s(&[5, 1])),
+            Some(s(&[4, 5, 3]))
         );
-        assert_eq!(Op::MatMul.infer(&[t(&[4]), t(&[4])]).unwrap(), t(&[]));
-        assert_eq!(Op::MatMul.infer(&[t(&[3, 4]), t(&[4])]).unwrap(), t(&[3]));
+        assert_eq!(broadcast_shapes(&s(&[]), &s(&[2, 3])), Some(s(&[2, 3])));
+        assert_eq!(broadcast_shapes(&s(&[4, 2]), &s(&[3])), None);
+        let sym = Shape(vec![Dim::sym("s0"), Dim::Const(1)]);
         assert_eq!(
-            Op::MatMul.infer(&[t(&[4]), t(&[2, 4, 5])]).unwrap(),
-            t(&[2, 5])
+            broadcast_shapes(&sym, &s(&[3])).unwrap().to_string(),
+            "[s0,3]"
         );
-        let err = Op::MatMul.infer(&[t(&[3, 4]), t(&[5, 6])]).unwrap_err();
-        assert!(
-            err.to_string()
-                .contains("inner dims differ: f32[3,4] and f32[5,6]"),
-            "{err}"
+        assert_eq!(
+            broadcast_shapes(&sym, &Shape(vec![Dim::sym("s1"), Dim::Const(3)])),
+            None
         );
     }
 
     #[test]
-    fn matmul_t_shapes() {
-        let op = |transpose_a, transpose_b| Op::MatMulT {
-            transpose_a,
-            transpose_b,
-        };
+    fn the_arity_is_checked_first_naming_the_op() {
         assert_eq!(
-            op(true, false).infer(&[t(&[2, 4, 3]), t(&[4, 5])]).unwrap(),
-            t(&[2, 3, 5])
+            err(&Op::Binary(BinaryOp::Add), &[t(&[2])]),
+            "add: takes 2 inputs, got 1"
         );
         assert_eq!(
-            op(true, true).infer(&[t(&[4, 3]), t(&[5, 4])]).unwrap(),
-            t(&[3, 5])
+            err(&Op::Cat { dim: 0 }, &[]),
+            "cat: needs at least one input"
         );
+        let e = Op::Unary(UnaryOp::Exp).infer(&[]).unwrap_err();
+        assert_eq!(e.kind, ErrorKind::Argument);
+        assert_eq!(e.op.as_deref(), Some("exp"));
+    }
+
+    #[test]
+    fn an_input_has_no_rule() {
+        let e = Op::Input.infer(&[]).unwrap_err();
+        assert_eq!(e.kind, ErrorKind::Verify);
         assert_eq!(
-            op(false, true).infer(&[t(&[4]), t(&[5, 4])]).unwrap(),
-            t(&[5])
-        );
-        let err = op(true, false).infer(&[t(&[4]), t(&[4])]).unwrap_err();
-        assert!(
-            err.to_string()
-                .contains("matmul_t: a transposed operand needs at least 2 dims, got f32[4]"),
-            "{err}"
+            e.to_string(),
+            "input: an input's type is declared, not inferred"
         );
     }
 
     #[test]
-    fn symbolic_cat_and_reshape() {
-        let x = TensorType {
-            dtype: DType::F32,
-            shape: Shape(vec![Dim::sym("s0"), Dim::Const(4)]),
-        };
-        let out = Op::Cat { dim: 0 }.infer(&[x.clone(), x.clone()]).unwrap();
-        assert_eq!(out.shape.to_string(), "[2*s0,4]");
-        let flat = Op::Reshape(Shape(vec![&Dim::sym("s0") * &Dim::Const(4)]))
-            .infer(&[x])
-            .unwrap();
-        assert_eq!(flat.shape.to_string(), "[4*s0]");
+    fn a_result_past_the_size_limit_is_an_error() {
+        let huge = ty(DType::F64, &[1 << 31, 1 << 31]);
+        let e = Op::Unary(UnaryOp::Exp).infer(&[huge]).unwrap_err();
+        assert_eq!(e.op.as_deref(), Some("exp"));
+        assert!(e.to_string().contains("too large"), "{e}");
+    }
+
+    #[test]
+    fn dtypes_are_never_promoted() {
+        let e = err(&Op::Binary(BinaryOp::Mul), &[t(&[2]), ty(DType::F64, &[2])]);
+        assert_eq!(
+            e,
+            "mul: dtypes differ (f32[2], f64[2]); tessera does not promote implicitly, cast one input with .cast()"
+        );
+    }
+
+    #[test]
+    fn a_family_refuses_an_op_of_another() {
+        let e = view::infer(&Op::MatMul, &[t(&[2, 2]), t(&[2, 2])]).unwrap_err();
+        assert_eq!(e.kind, ErrorKind::Verify);
+        assert!(e.to_string().starts_with("matmul: is not a view op"), "{e}");
+        for (family, result) in [
+            ("creation", creation::infer(&Op::Contiguous)),
+            (
+                "elementwise",
+                elementwise::infer(&Op::Contiguous, &[t(&[1])]),
+            ),
+            ("reduce", reduce::infer(&Op::Contiguous, &[t(&[1])])),
+            ("matmul", matmul::infer(&Op::Contiguous, &[t(&[1])])),
+            ("index", index::infer(&Op::Contiguous, &[t(&[1])])),
+            ("custom", custom::infer(&Op::Contiguous, &[t(&[1])])),
+        ] {
+            let e = result.unwrap_err();
+            assert_eq!(
+                e.to_string(),
+                format!("contiguous: is not a {family} op (type inference dispatched it wrongly)")
+            );
+        }
     }
 }
