@@ -12,7 +12,7 @@
 //! Dynamic shapes (`dynamic`: `None` = automatic, `Some(true)` = every dim
 //! symbolic from the start, `Some(false)` = never): after a recompile caused
 //! by changed sizes, those dims become symbolic and the graph is generalised
-//! over them ([`dynamic`]), so one executable then serves every size.
+//! over them (`compile/dynamic.rs`), so one executable then serves every size.
 
 mod build;
 mod cache;

@@ -3,12 +3,12 @@
 //!
 //! [`Op::infer`] checks the arity, dispatches to the rules of the op's
 //! family and checks the result against the size limit. One file per
-//! family: [`creation`] (constants, fills, ranges, random), [`elementwise`]
+//! family: `creation` (constants, fills, ranges, random), `elementwise`
 //! (unary, cast, binary and compare ops with broadcasting, `where`, the
-//! `tril`/`triu` masks), [`reduce`] (reductions, arg-reductions, softmax),
-//! [`matmul`] (matmul and its transposed-operand form), [`view`] (reshape,
-//! permute, expand, slice, cat, contiguous), [`index`] (index_select,
-//! gather and their gradients index_add, scatter_add) and [`custom`]
+//! `tril`/`triu` masks), `reduce` (reductions, arg-reductions, softmax),
+//! `matmul` (matmul and its transposed-operand form), `view` (reshape,
+//! permute, expand, slice, cat, contiguous), `index` (index_select,
+//! gather and their gradients index_add, scatter_add) and `custom`
 //! (custom calls, flash attention among them, and their extra outputs).
 //! Every error names the op and the input types.
 

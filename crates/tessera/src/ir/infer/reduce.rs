@@ -102,7 +102,7 @@ mod tests {
         let x = t(&[2, 3, 4]);
         let sum = |dims: &[usize], keep| {
             reduce(ReduceOp::Sum, dims, keep)
-                .infer(&[x.clone()])
+                .infer(std::slice::from_ref(&x))
                 .unwrap()
         };
         assert_eq!(sum(&[1], false), t(&[2, 4]));
@@ -120,11 +120,17 @@ mod tests {
     fn reduction_errors_name_the_op_the_dims_and_the_type() {
         let x = t(&[2, 3]);
         assert_eq!(
-            err(&reduce(ReduceOp::Sum, &[1, 0], false), &[x.clone()]),
+            err(
+                &reduce(ReduceOp::Sum, &[1, 0], false),
+                std::slice::from_ref(&x)
+            ),
             "sum: dims [1, 0] must be sorted and unique"
         );
         assert_eq!(
-            err(&reduce(ReduceOp::Sum, &[1, 1], false), &[x.clone()]),
+            err(
+                &reduce(ReduceOp::Sum, &[1, 1], false),
+                std::slice::from_ref(&x)
+            ),
             "sum: dims [1, 1] must be sorted and unique"
         );
         assert_eq!(
@@ -175,7 +181,12 @@ mod tests {
     #[test]
     fn softmax_needs_floats_and_a_dim() {
         let x = ty(DType::BF16, &[4, 8]);
-        assert_eq!(Op::Softmax { dim: 1 }.infer(&[x.clone()]).unwrap(), x);
+        assert_eq!(
+            Op::Softmax { dim: 1 }
+                .infer(std::slice::from_ref(&x))
+                .unwrap(),
+            x
+        );
         assert_eq!(
             err(&Op::LogSoftmax { dim: 0 }, &[ty(DType::I64, &[4])]),
             "log_softmax: needs a floating-point input, got i64[4]"
