@@ -45,6 +45,7 @@ use tessera::runtime::cpu::rows::RowKernel;
 use tessera::runtime::cpu::{MemoryStats, Storage};
 use tessera::runtime::device::{self, Backend, Device, DeviceGraph, DeviceStorage};
 use tessera::tensor::Layout;
+use tessera::runtime::array::Array;
 use tessera::Tensor;
 
 pub use matmul::Epilogue;
@@ -134,16 +135,17 @@ impl CudaBackend {
                 ));
             }
         }
-        self.matmul(
+        let out = self.matmul(
             "matmul_epilogue",
-            a,
-            b,
+            a.array(),
+            b.array(),
             false,
             false,
             &shape,
-            bias,
+            bias.map(Tensor::array),
             epilogue,
-        )
+        )?;
+        Ok(Tensor::from_array(out))
     }
 }
 
@@ -164,7 +166,7 @@ impl Backend for CudaBackend {
         self.download_storage(storage)
     }
 
-    fn eval(&self, op: &Op, inputs: &[&Tensor], dtype: DType, shape: &[usize]) -> Result<Tensor> {
+    fn eval(&self, op: &Op, inputs: &[&Array], dtype: DType, shape: &[usize]) -> Result<Array> {
         let name = || match op {
             Op::Reduce { dims, .. } => format!("{}{dims:?}", op.name()),
             _ => op.name().to_string(),
@@ -174,7 +176,7 @@ impl Backend for CudaBackend {
         })
     }
 
-    fn run_fused(&self, kernel: &FusedKernel, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
+    fn run_fused(&self, kernel: &FusedKernel, inputs: &[&Array]) -> Result<Vec<Array>> {
         let name = || format!("fused[{} steps]", kernel.steps.len());
         profile::timed(self, name, inputs, || self.fused(kernel, inputs, &[]))
     }
@@ -182,9 +184,9 @@ impl Backend for CudaBackend {
     fn run_fused_into(
         &self,
         kernel: &FusedKernel,
-        inputs: &[&Tensor],
+        inputs: &[&Array],
         donated: &[(usize, usize)],
-    ) -> Result<Vec<Tensor>> {
+    ) -> Result<Vec<Array>> {
         let name = || format!("fused[{} steps]", kernel.steps.len());
         profile::timed(self, name, inputs, || self.fused(kernel, inputs, donated))
     }
@@ -193,7 +195,7 @@ impl Backend for CudaBackend {
         codegen::fused_rows::refusal(kernel)
     }
 
-    fn run_rows(&self, kernel: &RowKernel, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
+    fn run_rows(&self, kernel: &RowKernel, inputs: &[&Array]) -> Result<Vec<Array>> {
         let name = || format!("rows[{} steps]", kernel.steps.len());
         profile::timed(self, name, inputs, || self.rows(kernel, inputs))
     }

@@ -18,8 +18,9 @@ use schedule_util::{chain, planned_on, sliced_attention, traced};
 use tessera::compile::Mode;
 use tessera::fusion::Plan;
 use tessera::ir::{DType, Graph, Op};
+use tessera::runtime::array::Array;
 use tessera::runtime::cpu::fused::FusedKernel;
-use tessera::runtime::cpu::{arena, copy};
+use tessera::runtime::cpu::{self, arena, copy};
 use tessera::runtime::cpu::{MemoryStats, Storage};
 use tessera::runtime::device::{self, Backend, Device, DeviceMemory, DeviceStorage};
 use tessera::runtime::execute::{run_plan, run_scheduled};
@@ -98,18 +99,18 @@ impl Fake {
         unsafe { std::ptr::copy(bytes.as_ptr(), dst.ptr() as *mut u8, bytes.len()) }
     }
 
-    /// A host tensor with `t`'s values and layout.
-    fn host(&self, t: &Tensor) -> Tensor {
+    /// A host array with `t`'s values and layout.
+    fn host(&self, t: &Array) -> Array {
         match t.device_storage() {
-            Some(s) => Tensor::from_parts(Arc::new(self.download(s).unwrap()), t.layout().clone()),
+            Some(s) => Array::from_parts(Arc::new(self.download(s).unwrap()), t.layout().clone()),
             None => t.clone(),
         }
     }
 
-    fn up(&self, host: &Tensor) -> Tensor {
+    fn up(&self, host: &Array) -> Array {
         let dense = copy::contiguous(host);
         let s = self.upload(dense.storage()).unwrap();
-        Tensor::from_device_storage(s, host.shape())
+        Array::from_device_storage(s, host.shape())
     }
 }
 
@@ -134,27 +135,31 @@ impl Backend for Fake {
         Ok(host)
     }
 
-    fn eval(&self, op: &Op, inputs: &[&Tensor], _: DType, _: &[usize]) -> tessera::Result<Tensor> {
-        let host: Vec<Tensor> = inputs.iter().map(|t| self.host(t)).collect();
-        let refs: Vec<&Tensor> = host.iter().collect();
-        let out = device::with_device(Device::Cpu, || {
-            Tensor::apply(op, &refs, std::panic::Location::caller())
-        })?;
+    fn eval(
+        &self,
+        op: &Op,
+        inputs: &[&Array],
+        dtype: DType,
+        shape: &[usize],
+    ) -> tessera::Result<Array> {
+        let host: Vec<Array> = inputs.iter().map(|t| self.host(t)).collect();
+        let refs: Vec<&Array> = host.iter().collect();
+        let out = cpu::eval(op, &refs, dtype, shape)?;
         Ok(self.up(&out))
     }
 
-    fn run_fused(&self, kernel: &FusedKernel, inputs: &[&Tensor]) -> tessera::Result<Vec<Tensor>> {
+    fn run_fused(&self, kernel: &FusedKernel, inputs: &[&Array]) -> tessera::Result<Vec<Array>> {
         self.run_fused_into(kernel, inputs, &[])
     }
 
     fn run_fused_into(
         &self,
         kernel: &FusedKernel,
-        inputs: &[&Tensor],
+        inputs: &[&Array],
         donated: &[(usize, usize)],
-    ) -> tessera::Result<Vec<Tensor>> {
-        let host: Vec<Tensor> = inputs.iter().map(|t| self.host(t)).collect();
-        let refs: Vec<&Tensor> = host.iter().collect();
+    ) -> tessera::Result<Vec<Array>> {
+        let host: Vec<Array> = inputs.iter().map(|t| self.host(t)).collect();
+        let refs: Vec<&Array> = host.iter().collect();
         let outs = kernel.run(&refs)?;
         Ok(outs
             .iter()
@@ -167,7 +172,7 @@ impl Backend for Fake {
                     let numel = s.numel();
                     let over =
                         DeviceStorage::new(Device::Cuda, out.dtype(), numel, Box::new(Over(s)));
-                    Tensor::from_device_storage(over, out.shape())
+                    Array::from_device_storage(over, out.shape())
                 }
                 None => self.up(out),
             })

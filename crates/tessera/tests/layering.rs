@@ -24,8 +24,10 @@ const LAYERS: &[(&str, usize)] = &[
     ("lib", 0),
     ("ir", 1),
     ("hints", 2),
+    ("runtime::array", 3),
     ("runtime::cpu", 3),
     ("runtime::device", 3),
+    ("runtime::layout", 3),
     ("runtime", 3),
     ("tensor", 4),
     ("autograd", 5),
@@ -49,19 +51,6 @@ const KNOWN_UPWARD: &[(&str, &str)] = &[
     // The aot partition runs the forward graph with the interpreter: the
     // evaluator belongs below autograd.
     ("autograd/aot.rs", "runtime::interpret"),
-    // CPU kernels and the device trait take `Tensor`s and `Layout` from the
-    // tensor layer: they should take buffers and layouts of their own.
-    ("runtime/cpu/copy.rs", "tensor"),
-    ("runtime/cpu/creation.rs", "tensor"),
-    ("runtime/cpu/elementwise.rs", "tensor"),
-    ("runtime/cpu/fused.rs", "tensor"),
-    ("runtime/cpu/index.rs", "tensor"),
-    ("runtime/cpu/matmul.rs", "tensor"),
-    ("runtime/cpu/mod.rs", "tensor"),
-    ("runtime/cpu/reduce.rs", "tensor"),
-    ("runtime/cpu/rows.rs", "tensor"),
-    ("runtime/cpu/scatter.rs", "tensor"),
-    ("runtime/device.rs", "tensor"),
     // The tape lives in autograd, and custom calls dispatch through
     // custom_op: the tape's data and the kernel registry belong below.
     ("tensor/mod.rs", "autograd"),

@@ -23,7 +23,8 @@ use tessera::error::{Error, ErrorKind, Result};
 use tessera::ir::{DType, Op};
 use tessera::runtime::cpu;
 use tessera::runtime::device::DeviceStorage;
-use tessera::tensor::{Layout, Tensor};
+use tessera::runtime::array::Array;
+use tessera::tensor::Layout;
 
 use crate::matmul::Epilogue;
 use crate::{autotune, CudaBackend};
@@ -39,12 +40,12 @@ fn unsupported(op: &str, message: impl Into<String>) -> Error {
 }
 
 /// The device address of element 0 of `t`'s storage.
-fn base(t: &Tensor) -> u64 {
+fn base(t: &Array) -> u64 {
     t.device_storage().map_or(0, |s| s.ptr())
 }
 
 /// The address of `t`'s first element (its layout's offset applied).
-pub(crate) fn first(t: &Tensor) -> u64 {
+pub(crate) fn first(t: &Array) -> u64 {
     base(t) + (t.layout().offset * t.dtype().size_bytes()) as u64
 }
 
@@ -91,10 +92,10 @@ impl CudaBackend {
     pub(crate) fn eval_op(
         &self,
         op: &Op,
-        inputs: &[&Tensor],
+        inputs: &[&Array],
         dtype: DType,
         shape: &[usize],
-    ) -> Result<Tensor> {
+    ) -> Result<Array> {
         let name = op.name();
         match op {
             Op::Constant(_) | Op::Arange { .. } | Op::Rand { .. } | Op::Randn { .. } => {
@@ -191,18 +192,18 @@ pub(crate) fn scratch_bytes(
 
 /// Shared-ownership helpers the dispatcher needs on tensors.
 trait ViewExt {
-    fn view_with_layout(&self, layout: Layout) -> Tensor;
-    fn view_of_shape(&self, shape: &[usize]) -> Tensor;
+    fn view_with_layout(&self, layout: Layout) -> Array;
+    fn view_of_shape(&self, shape: &[usize]) -> Array;
 }
 
-impl ViewExt for Tensor {
-    fn view_with_layout(&self, layout: Layout) -> Tensor {
+impl ViewExt for Array {
+    fn view_with_layout(&self, layout: Layout) -> Array {
         let s: Arc<DeviceStorage> = self.device_storage().expect("a device tensor").clone();
-        Tensor::from_device_parts(s, layout)
+        Array::from_device_parts(s, layout)
     }
 
     /// A contiguous tensor seen with another shape of the same size.
-    fn view_of_shape(&self, shape: &[usize]) -> Tensor {
+    fn view_of_shape(&self, shape: &[usize]) -> Array {
         let mut l = Layout::contiguous(shape);
         l.offset = self.layout().offset;
         self.view_with_layout(l)

@@ -8,7 +8,8 @@ use tessera::error::Result;
 use tessera::ir::{DType, Op};
 use tessera::runtime::cpu::fused::{FusedKernel, Step};
 use tessera::runtime::device::{Device, DeviceStorage};
-use tessera::tensor::{Layout, Tensor};
+use tessera::runtime::array::Array;
+use tessera::tensor::Layout;
 
 use super::{base, device_err, unsupported};
 use crate::codegen::pointwise::{self, Operand, Output};
@@ -40,10 +41,10 @@ impl CudaBackend {
     pub(super) fn elementwise(
         &self,
         op: &Op,
-        inputs: &[&Tensor],
+        inputs: &[&Array],
         dtype: DType,
         shape: &[usize],
-    ) -> Result<Tensor> {
+    ) -> Result<Array> {
         let name = op.name();
         let (steps, compute) = elementwise_steps(op, inputs.first().map(|t| t.dtype()), dtype)
             .ok_or_else(|| unsupported(name, "is no elementwise op of the CUDA kernels"))?;
@@ -55,9 +56,10 @@ impl CudaBackend {
 
     /// A pointwise operand: a device tensor through its broadcast layout,
     /// or a host scalar as a constant.
-    pub(super) fn operand(&self, t: &Tensor, shape: &[usize]) -> Operand {
+    pub(super) fn operand(&self, t: &Array, shape: &[usize]) -> Operand {
         match t.device() {
-            Device::Cpu => Operand::Scalar(t.item()),
+            // A 0-dim host array: a scalar operand (checked by the caller).
+            Device::Cpu => Operand::Scalar(t.to_f64_vec()[0]),
             Device::Cuda => Operand::Buffer {
                 dtype: t.dtype(),
                 ptr: base(t),
@@ -71,11 +73,11 @@ impl CudaBackend {
         &self,
         op: &str,
         steps: &[Step],
-        inputs: &[&Tensor],
+        inputs: &[&Array],
         outputs: &[(usize, DType)],
         shape: &[usize],
         compute: Compute,
-    ) -> Result<Vec<Tensor>> {
+    ) -> Result<Vec<Array>> {
         self.pointwise_into(op, steps, inputs, outputs, shape, compute, &[])
     }
 
@@ -89,12 +91,12 @@ impl CudaBackend {
         &self,
         op: &str,
         steps: &[Step],
-        inputs: &[&Tensor],
+        inputs: &[&Array],
         outputs: &[(usize, DType)],
         shape: &[usize],
         compute: Compute,
         donated: &[(usize, usize)],
-    ) -> Result<Vec<Tensor>> {
+    ) -> Result<Vec<Array>> {
         let numel: usize = shape.iter().product();
         let operands: Vec<Operand> = inputs.iter().map(|t| self.operand(t, shape)).collect();
         let storages: Vec<DeviceStorage> = outputs
@@ -147,7 +149,7 @@ impl CudaBackend {
         }
         Ok(storages
             .into_iter()
-            .map(|s| Tensor::from_device_storage(s, shape))
+            .map(|s| Array::from_device_storage(s, shape))
             .collect())
     }
 
@@ -190,9 +192,9 @@ impl CudaBackend {
     pub(crate) fn fused(
         &self,
         kernel: &FusedKernel,
-        inputs: &[&Tensor],
+        inputs: &[&Array],
         donated: &[(usize, usize)],
-    ) -> Result<Vec<Tensor>> {
+    ) -> Result<Vec<Array>> {
         let compute = if kernel.wide {
             Compute::F64
         } else {

@@ -72,7 +72,10 @@ pub fn tune(kernel: &FusedKernel, inputs: &[&Tensor]) -> Result<FusedKernel> {
         tuned.block = block;
         let mut best = f64::INFINITY;
         for _ in 0..TRIALS {
-            let shared = inputs.iter().map(|&t| FusedInput::Shared(t)).collect();
+            let shared = inputs
+                .iter()
+                .map(|&t| FusedInput::Shared(t.array()))
+                .collect();
             let started = Instant::now();
             drop(tuned.run_with(shared)?);
             best = best.min(started.elapsed().as_secs_f64());

@@ -3,21 +3,23 @@
 //! [`DeviceStorage`], the bytes of a tensor that lives on a device.
 //!
 //! The core crate knows no device API: a backend crate (`tessera-cuda`)
-//! implements [`Backend`] and registers it with [`register`]. Tensors on a
+//! implements [`Backend`] and registers it with [`register`]. Arrays on a
 //! device carry a [`DeviceStorage`]; an op whose inputs live on a device is
 //! sent to that device's backend (see `Tensor::apply`), and a compiled
-//! executable runs each kernel on its inputs' device.
+//! executable runs each kernel on its inputs' device. Backends take and
+//! return [`Array`]s, never the user-facing `Tensor`.
 
 use std::cell::Cell;
 use std::fmt;
 use std::sync::{Arc, RwLock};
 
+use super::array::Array;
 use super::cpu::fused::FusedKernel;
 use super::cpu::rows::RowKernel;
 use super::cpu::{MemoryStats, Storage};
+use super::layout::Layout;
 use crate::error::{Error, ErrorKind, Result};
-use crate::ir::{DType, Op};
-use crate::tensor::{Layout, Tensor};
+use crate::ir::{DType, Op, TensorType};
 
 /// Where a tensor's values are.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
@@ -120,8 +122,8 @@ impl DeviceStorage {
     }
 }
 
-/// What a device implements. Every method that takes tensors gets them on
-/// this backend's device, except 0-dim host tensors, which stand for
+/// What a device implements. Every method that takes arrays gets them on
+/// this backend's device, except 0-dim host arrays, which stand for
 /// scalars (as in PyTorch) and which the backend reads on the host.
 pub trait Backend: Send + Sync {
     fn device(&self) -> Device;
@@ -141,11 +143,11 @@ pub trait Backend: Send + Sync {
     /// and checked). Views are handled by the caller: `op` is never a view
     /// here. An op the backend has no kernel for is an `Unsupported` error
     /// that names it.
-    fn eval(&self, op: &Op, inputs: &[&Tensor], dtype: DType, shape: &[usize]) -> Result<Tensor>;
+    fn eval(&self, op: &Op, inputs: &[&Array], dtype: DType, shape: &[usize]) -> Result<Array>;
 
     /// Runs a fused elementwise kernel (see [`FusedKernel`]); `inputs` as
     /// numbered by its loads.
-    fn run_fused(&self, kernel: &FusedKernel, inputs: &[&Tensor]) -> Result<Vec<Tensor>>;
+    fn run_fused(&self, kernel: &FusedKernel, inputs: &[&Array]) -> Result<Vec<Array>>;
 
     /// [`Backend::run_fused`], where each `(input, output)` of `donated`
     /// says that output `output` may be written over input `input`'s
@@ -155,9 +157,9 @@ pub trait Backend: Send + Sync {
     fn run_fused_into(
         &self,
         kernel: &FusedKernel,
-        inputs: &[&Tensor],
+        inputs: &[&Array],
         donated: &[(usize, usize)],
-    ) -> Result<Vec<Tensor>> {
+    ) -> Result<Vec<Array>> {
         let _ = donated;
         self.run_fused(kernel, inputs)
     }
@@ -178,7 +180,7 @@ pub trait Backend: Send + Sync {
     /// [`Backend::row_kernel_refusal`] takes; `inputs` as numbered by its
     /// loads, each broadcastable to `outer ++ [len]`. Its outputs are
     /// allocated in `kernel.outputs` order (the memory plan's order).
-    fn run_rows(&self, kernel: &RowKernel, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
+    fn run_rows(&self, kernel: &RowKernel, inputs: &[&Array]) -> Result<Vec<Array>> {
         let _ = (kernel, inputs);
         Err(unsupported(self.device(), "row kernels"))
     }
@@ -359,10 +361,31 @@ pub fn with_device<R>(device: Device, f: impl FnOnce() -> R) -> R {
     f()
 }
 
+/// What [`of_inputs`] reads of an op's input: its device and type. Arrays
+/// have it, and so do the tensors of the layers above.
+pub trait Placed {
+    /// Where the values are.
+    fn device(&self) -> Device;
+    fn rank(&self) -> usize;
+    fn ty(&self) -> TensorType;
+}
+
+impl Placed for Array {
+    fn device(&self) -> Device {
+        Array::device(self)
+    }
+    fn rank(&self) -> usize {
+        Array::rank(self)
+    }
+    fn ty(&self) -> TensorType {
+        Array::ty(self)
+    }
+}
+
 /// The device an op runs on: the device of its inputs, where 0-dim host
-/// tensors (scalars) go with any device; [`current`] for an op without
+/// values (scalars) go with any device; [`current`] for an op without
 /// inputs. Inputs on different devices are an error naming the op.
-pub fn of_inputs(op: &str, inputs: &[&Tensor]) -> Result<Device> {
+pub fn of_inputs<T: Placed>(op: &str, inputs: &[&T]) -> Result<Device> {
     let mut found: Option<(Device, usize)> = None;
     for (i, t) in inputs.iter().enumerate() {
         let d = t.device();
@@ -389,7 +412,7 @@ pub fn of_inputs(op: &str, inputs: &[&Tensor]) -> Result<Device> {
     Ok(match found {
         Some((d, _)) => d,
         None if inputs.is_empty() => current(),
-        // Only 0-dim host tensors: a host op.
+        // Only 0-dim host values: a host op.
         None => Device::Cpu,
     })
 }

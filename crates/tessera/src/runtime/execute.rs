@@ -13,6 +13,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use super::array::Array;
 use super::autotune;
 use super::cpu::arena::{self, Arena, Block, Place, Slots, Taken};
 use super::cpu::fused::{FusedInput, FusedKernel};
@@ -779,13 +780,14 @@ fn run_rows(
     (members, inputs, outputs): RowGroup<'_>,
     args: &[&Tensor],
 ) -> Result<Vec<(NodeId, Tensor)>> {
+    let arrays: Vec<&Array> = args.iter().map(|t| t.array()).collect();
     if let Some(on) = args.iter().map(|t| t.device()).find(|&d| d != Device::Cpu) {
         let backend = device::backend(on)?;
         let Some(why) = backend.row_kernel_refusal(kernel) else {
             let outs = backend
-                .run_rows(kernel, args)
+                .run_rows(kernel, &arrays)
                 .map_err(|e| node_error(graph, members[0], e))?;
-            return Ok(outputs.iter().copied().zip(outs).collect());
+            return Ok(tensors_of(outputs, outs));
         };
         log("fusion", || {
             format!(
@@ -796,9 +798,18 @@ fn run_rows(
         return run_members(graph, members, inputs, args, outputs);
     }
     let outs = kernel
-        .run(args)
+        .run(&arrays)
         .map_err(|e| node_error(graph, members[0], e))?;
-    Ok(outputs.iter().copied().zip(outs).collect())
+    Ok(tensors_of(outputs, outs))
+}
+
+/// Kernel outputs as the tensors of the values `outputs` names.
+fn tensors_of(outputs: &[NodeId], arrays: Vec<Array>) -> Vec<(NodeId, Tensor)> {
+    outputs
+        .iter()
+        .copied()
+        .zip(arrays.into_iter().map(Tensor::from_array))
+        .collect()
 }
 
 /// Matmuls and the row kernel that alone reads their products (`args`:
@@ -833,14 +844,15 @@ fn run_matmul_rows(
             .map(|(&m, ops)| {
                 let node = graph.node(m);
                 let shape = node.ty.shape.as_concrete()?;
-                BlockedProduct::new(ops[0], ops[1], cpu::transposes(&node.op), &shape)
+                let (a, b) = (ops[0].array(), ops[1].array());
+                BlockedProduct::new(a, b, cpu::transposes(&node.op), &shape)
             })
             .collect();
         if let Some(products) = blocked.filter(|p| cpu::alike(p)) {
             let mut rest = rest.iter();
-            let row_args: Vec<Option<&Tensor>> = inputs
+            let row_args: Vec<Option<&Array>> = inputs
                 .iter()
-                .map(|x| (!matmuls.contains(x)).then(|| *rest.next().expect("an input")))
+                .map(|x| (!matmuls.contains(x)).then(|| rest.next().expect("an input").array()))
                 .collect();
             let fed: Vec<usize> = matmuls
                 .iter()
@@ -849,7 +861,7 @@ fn run_matmul_rows(
             let outs = kernel
                 .run_fed(&row_args, &fed, |each| cpu::for_each_block(&products, each))
                 .map_err(|e| node_error(graph, row_members[0], e))?;
-            return Ok(outputs.iter().copied().zip(outs).collect());
+            return Ok(tensors_of(outputs, outs));
         }
     }
     let products = matmuls
@@ -1069,7 +1081,10 @@ fn run_fused(kernel: &FusedKernel, args: Vec<Arg>, tune: bool) -> Result<Vec<Ten
         _ => None,
     });
     if let Some(d) = on_device {
-        let tensors: Vec<&Tensor> = args.iter().map(|a| a.tensor("device kernels")).collect();
+        let arrays: Vec<&Array> = args
+            .iter()
+            .map(|a| a.tensor("device kernels").array())
+            .collect();
         let donated: Vec<(usize, usize)> = args
             .iter()
             .enumerate()
@@ -1078,8 +1093,9 @@ fn run_fused(kernel: &FusedKernel, args: Vec<Arg>, tune: bool) -> Result<Vec<Ten
                 _ => None,
             })
             .collect();
-        device::of_inputs("fused", &tensors)?;
-        return device::backend(d)?.run_fused_into(kernel, &tensors, &donated);
+        device::of_inputs("fused", &arrays)?;
+        let outs = device::backend(d)?.run_fused_into(kernel, &arrays, &donated)?;
+        return Ok(outs.into_iter().map(Tensor::from_array).collect());
     }
     if tune {
         let (kernel, args) = tuned(kernel, args)?;
@@ -1106,10 +1122,11 @@ fn run_fused(kernel: &FusedKernel, args: Vec<Arg>, tune: bool) -> Result<Vec<Ten
         .zip(donated)
         .map(|(t, d)| match d {
             Some((storage, output)) => FusedInput::Donated { storage, output },
-            None => FusedInput::Shared(t.as_ref().expect("a shared input")),
+            None => FusedInput::Shared(t.as_ref().expect("a shared input").array()),
         })
         .collect();
-    kernel.run_with(inputs)
+    let outs = kernel.run_with(inputs)?;
+    Ok(outs.into_iter().map(Tensor::from_array).collect())
 }
 
 /// For each step, the values read for the last time in it (or made in it

@@ -254,11 +254,11 @@ fn traced_tensor(trace: u64, node: NodeId, ty: &TensorType) -> Result<Tensor> {
         shape,
         offset: 0,
     };
-    Ok(Tensor::from_data(
-        ty.dtype,
+    Ok(Tensor::from_data(Data::Traced {
+        dtype: ty.dtype,
         layout,
-        Data::Traced(TracedValue { trace, node }),
-    ))
+        value: TracedValue { trace, node },
+    }))
 }
 
 /// The node of `t` in the current trace, lifting a host tensor to an input.
@@ -267,15 +267,15 @@ fn node_of(t: &Tensor) -> Result<NodeId> {
         let mut guard = c.borrow_mut();
         let state = guard.as_mut().expect("a trace is active");
         match t.data() {
-            Data::Traced(v) if v.trace == state.id => Ok(v.node),
-            Data::Traced(_) => Err(Error::new(
+            Data::Traced { value, .. } if value.trace == state.id => Ok(value.node),
+            Data::Traced { .. } => Err(Error::new(
                 ErrorKind::Argument,
                 format!(
                     "a tensor {} from another trace was used in this one",
                     t.ty()
                 ),
             )),
-            Data::Host(_) | Data::Device(_) => Ok(lift(state, t)),
+            Data::Values(_) => Ok(lift(state, t)),
         }
     })
 }

@@ -24,7 +24,8 @@ use super::stream::stream_min_bytes;
 use super::{Element, Storage};
 use crate::error::{op_err, Result};
 use crate::ir::{DType, ReduceOp};
-use crate::tensor::{Layout, Tensor};
+use crate::runtime::array::Array;
+use crate::runtime::layout::Layout;
 use crate::with_dtype;
 
 /// The longest row a row kernel takes (its registers stay in L2).
@@ -73,7 +74,7 @@ impl RowKernel {
     /// The kernel's full shape, `outer ++ [len]`, once every input is
     /// checked to broadcast to it (every backend's row kernel reads its
     /// inputs through that broadcast).
-    pub fn checked_shape(&self, inputs: &[&Tensor]) -> Result<Vec<usize>> {
+    pub fn checked_shape(&self, inputs: &[&Array]) -> Result<Vec<usize>> {
         let full: Vec<usize> = self.outer.iter().copied().chain([self.len]).collect();
         for (i, t) in inputs.iter().enumerate() {
             let fits = t.rank() <= full.len()
@@ -96,7 +97,7 @@ impl RowKernel {
 
     /// Runs the kernel on `inputs` (numbered by `Step::Load`), each
     /// broadcastable to `outer ++ [len]`.
-    pub fn run(&self, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
+    pub fn run(&self, inputs: &[&Array]) -> Result<Vec<Array>> {
         let full = self.checked_shape(inputs)?;
         let sources: Vec<Option<Source<'_>>> =
             inputs.iter().map(|t| Some(Source::new(t, &full))).collect();
@@ -118,11 +119,11 @@ impl RowKernel {
     /// [`run`]: RowKernel::run
     pub fn run_fed(
         &self,
-        inputs: &[Option<&Tensor>],
+        inputs: &[Option<&Array>],
         fed: &[usize],
         feed: impl FnOnce(&(dyn Fn(usize, &[&[f32]]) + Sync)),
-    ) -> Result<Vec<Tensor>> {
-        let read: Vec<&Tensor> = inputs.iter().flatten().copied().collect();
+    ) -> Result<Vec<Array>> {
+        let read: Vec<&Array> = inputs.iter().flatten().copied().collect();
         let full = self.checked_shape(&read)?;
         let unread = inputs.iter().filter(|t| t.is_none()).count();
         let steps: Option<Vec<usize>> = fed
@@ -155,10 +156,7 @@ impl RowKernel {
         Ok(eval.finish())
     }
 
-    fn run_as<A: Transcendental + SoftmaxExp>(
-        &self,
-        sources: &[Option<Source<'_>>],
-    ) -> Vec<Tensor> {
+    fn run_as<A: Transcendental + SoftmaxExp>(&self, sources: &[Option<Source<'_>>]) -> Vec<Array> {
         let rows = self.rows();
         let eval = Evaluation::<A>::new(self, sources, Vec::new());
         let per_task = (super::copy::PAR_THRESHOLD / self.len.max(1)).max(1);
@@ -416,11 +414,11 @@ impl<'k, 's, A: Transcendental + SoftmaxExp> Evaluation<'k, 's, A> {
         }
     }
 
-    fn finish(self) -> Vec<Tensor> {
+    fn finish(self) -> Vec<Array> {
         self.outs
             .into_iter()
             .zip(&self.kernel.outputs)
-            .map(|(s, (_, _, shape))| Tensor::from_storage(s, shape))
+            .map(|(s, (_, _, shape))| Array::from_storage(s, shape))
             .collect()
     }
 }
@@ -528,13 +526,13 @@ unsafe fn store<A: AccFloat>(ptr: *mut u8, dtype: DType, start: usize, vals: &[A
 /// An input, with its layout broadcast to `outer ++ [len]` (row loads) and
 /// to `outer ++ [1]` (scalar loads).
 struct Source<'a> {
-    tensor: &'a Tensor,
+    tensor: &'a Array,
     full: Layout,
     per_row: Layout,
 }
 
 impl<'a> Source<'a> {
-    fn new(t: &'a Tensor, full: &[usize]) -> Source<'a> {
+    fn new(t: &'a Array, full: &[usize]) -> Source<'a> {
         let mut per_row_shape = full.to_vec();
         *per_row_shape.last_mut().expect("rank >= 1") = 1;
         let layout = t.layout();
@@ -613,6 +611,7 @@ impl Slots {
 mod tests {
     use super::*;
     use crate::ir::BinaryOp;
+    use crate::tensor::Tensor;
 
     #[test]
     fn a_streamed_softmax_row_kernel_gives_the_eager_bits() {
@@ -635,7 +634,7 @@ mod tests {
                 outputs: vec![(1, DType::F32, vec![rows, len])],
                 wide: false,
             };
-            let run = || k.run(&[&x]).unwrap();
+            let run = || k.run(&[x.array()]).unwrap();
             let got = super::super::stream::with_stream_min_bytes(1 << 20, run);
             let eager = if log {
                 x.log_softmax(-1)
@@ -673,7 +672,7 @@ mod tests {
             ],
             wide: false,
         };
-        let out = k.run(&[&x]).unwrap();
+        let out = k.run(&[x.array()]).unwrap();
         let (dec, sm) = (out[0].to_f64_vec(), out[1].to_f64_vec());
         let eager = x.softmax(-1).to_f64_vec();
         assert_eq!(sm, eager, "the softmax step is the eager kernel");
