@@ -194,7 +194,7 @@ fn tuned_variant(
     scale: f32,
     ptrs: &FwdPtrs,
 ) -> Result<Option<flash::WgFwd>> {
-    if !tessera::runtime::autotune::device_tuning() {
+    if !tessera::runtime::device::tuning() {
         return Ok(None);
     }
     let variants =

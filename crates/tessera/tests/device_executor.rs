@@ -22,7 +22,9 @@ use tessera::runtime::array::Array;
 use tessera::runtime::cpu::fused::FusedKernel;
 use tessera::runtime::cpu::{self, arena, copy};
 use tessera::runtime::cpu::{MemoryStats, Storage};
-use tessera::runtime::device::{self, Backend, Device, DeviceMemory, DeviceStorage};
+use tessera::runtime::device::{
+    self, Backend, Device, DeviceBackend, DeviceMemory, DeviceStorage, FusedArg,
+};
 use tessera::runtime::execute::{run_plan, run_scheduled};
 use tessera::schedule::{Scheduled, Strategy};
 use tessera::tensor::Generator;
@@ -119,22 +121,6 @@ impl Backend for Fake {
         Device::Cuda
     }
 
-    fn alloc(&self, dtype: DType, numel: usize) -> tessera::Result<DeviceStorage> {
-        Ok(self.storage(dtype, numel))
-    }
-
-    fn upload(&self, host: &Storage) -> tessera::Result<DeviceStorage> {
-        let s = self.storage(host.dtype(), host.numel());
-        Fake::write(&s, &host.as_bytes()[..s.size_bytes()]);
-        Ok(s)
-    }
-
-    fn download(&self, s: &DeviceStorage) -> tessera::Result<Storage> {
-        let mut host = Storage::new(s.dtype(), s.numel());
-        host.as_bytes_mut()[..s.size_bytes()].copy_from_slice(Fake::bytes(s));
-        Ok(host)
-    }
-
     fn eval(
         &self,
         op: &Op,
@@ -148,16 +134,20 @@ impl Backend for Fake {
         Ok(self.up(&out))
     }
 
-    fn run_fused(&self, kernel: &FusedKernel, inputs: &[&Array]) -> tessera::Result<Vec<Array>> {
-        self.run_fused_into(kernel, inputs, &[])
-    }
-
-    fn run_fused_into(
+    fn run_fused(
         &self,
         kernel: &FusedKernel,
-        inputs: &[&Array],
-        donated: &[(usize, usize)],
+        args: Vec<FusedArg<'_>>,
     ) -> tessera::Result<Vec<Array>> {
+        let donated: Vec<(usize, usize)> = args
+            .iter()
+            .enumerate()
+            .filter_map(|(i, a)| match a {
+                FusedArg::Donated { output, .. } => Some((i, *output)),
+                FusedArg::Shared(_) => None,
+            })
+            .collect();
+        let inputs: Vec<&Array> = args.iter().map(FusedArg::array).collect();
         let host: Vec<Array> = inputs.iter().map(|t| self.host(t)).collect();
         let refs: Vec<&Array> = host.iter().collect();
         let outs = kernel.run(&refs)?;
@@ -196,11 +186,6 @@ impl Backend for Fake {
 
     fn empty_cache(&self) {}
 
-    fn copy(&self, dst: &DeviceStorage, src: &DeviceStorage) -> tessera::Result<()> {
-        Fake::write(dst, Fake::bytes(src));
-        Ok(())
-    }
-
     fn lanes(&self) -> usize {
         3
     }
@@ -217,6 +202,29 @@ impl Backend for Fake {
 
     fn join(&self) -> tessera::Result<()> {
         LANES.lock().unwrap().push("join".into());
+        Ok(())
+    }
+}
+
+impl DeviceBackend for Fake {
+    fn alloc(&self, dtype: DType, numel: usize) -> tessera::Result<DeviceStorage> {
+        Ok(self.storage(dtype, numel))
+    }
+
+    fn upload(&self, host: &Storage) -> tessera::Result<DeviceStorage> {
+        let s = self.storage(host.dtype(), host.numel());
+        Fake::write(&s, &host.as_bytes()[..s.size_bytes()]);
+        Ok(s)
+    }
+
+    fn download(&self, s: &DeviceStorage) -> tessera::Result<Storage> {
+        let mut host = Storage::new(s.dtype(), s.numel());
+        host.as_bytes_mut()[..s.size_bytes()].copy_from_slice(Fake::bytes(s));
+        Ok(host)
+    }
+
+    fn copy(&self, dst: &DeviceStorage, src: &DeviceStorage) -> tessera::Result<()> {
+        Fake::write(dst, Fake::bytes(src));
         Ok(())
     }
 }

@@ -35,7 +35,6 @@ const LAYERS: &[(&str, usize)] = &[
     ("passes", 10),
     ("fusion", 11),
     ("schedule", 12),
-    ("runtime::autotune", 13),
     ("runtime::execute", 13),
     ("runtime::replay", 13),
     ("compile", 14),

@@ -55,7 +55,7 @@ impl CudaBackend {
         self.gpu.launch(launch).map_err(|m| device_err(op, m))
     }
 
-    /// Under a `max-autotune` run (see `tessera::runtime::autotune`), the
+    /// Under a `max-autotune` run (see `tessera::runtime::device::tuning`), the
     /// block choice among `candidates` for the kernel whose default launch
     /// is `default`: cached, or timed once on the device with `trial(c)`,
     /// a launch of candidate `c` that writes only what it may overwrite
@@ -68,7 +68,7 @@ impl CudaBackend {
         candidates: &[C],
         trial: impl Fn(C) -> std::result::Result<crate::codegen::Launch, String>,
     ) -> Result<Option<C>> {
-        if !tessera::runtime::autotune::device_tuning() || candidates.len() < 2 {
+        if !tessera::runtime::device::tuning() || candidates.len() < 2 {
             return Ok(None);
         }
         let key = autotune::key(&default.source, &format!("{shape:?}"), &self.gpu.name);

@@ -82,7 +82,7 @@ impl CudaBackend {
     }
 
     /// [`Self::pointwise`], output `o` written over input `i`'s storage for
-    /// each `(i, o)` of `donated` that fits (see `Backend::run_fused_into`).
+    /// each `(i, o)` of `donated` that fits (see `Backend::run_fused`).
     /// Each thread reads its element of every input before it writes that
     /// element of the outputs, so an output may overwrite an input of its
     /// own shape and dense layout.
@@ -164,7 +164,7 @@ impl CudaBackend {
         outs: &[Output],
         make: &MakeLaunch<'_>,
     ) -> Result<Option<u32>> {
-        if !tessera::runtime::autotune::device_tuning() {
+        if !tessera::runtime::device::tuning() {
             return Ok(None);
         }
         let numel: usize = shape.iter().product();
@@ -188,7 +188,7 @@ impl CudaBackend {
     }
 
     /// Runs a fused kernel of the fusion plan (outputs over the `donated`
-    /// inputs' storages, see `Backend::run_fused_into`).
+    /// inputs' storages, see `Backend::run_fused`).
     pub(crate) fn fused(
         &self,
         kernel: &FusedKernel,
@@ -242,7 +242,7 @@ fn elementwise_steps(op: &Op, input: Option<DType>, dtype: DType) -> Option<(Vec
 }
 
 /// Whether output `o` may be written over input `x`'s storage (see
-/// `Backend::run_fused_into`): `x` is of the output's dtype and `shape`,
+/// `Backend::run_fused`): `x` is of the output's dtype and `shape`,
 /// dense from element 0 of a storage of exactly its elements, so each
 /// thread reads its element of `x` before writing the same element.
 fn donation_fits(

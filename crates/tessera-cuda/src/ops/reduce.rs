@@ -160,7 +160,7 @@ impl CudaBackend {
             // Under max-autotune, the threads a row; the trials write the
             // outputs, new buffers that no input shares. (Outside it no
             // candidate is generated: a run has hundreds of row kernels.)
-            let chosen = match tessera::runtime::autotune::device_tuning() {
+            let chosen = match tessera::runtime::device::tuning() {
                 true => {
                     let candidates: Vec<usize> = softmax::THREAD_CANDIDATES
                         .into_iter()

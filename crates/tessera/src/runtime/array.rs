@@ -194,6 +194,45 @@ impl Array {
         self.buffer
     }
 
+    /// The storage of a dense host array whose buffer nothing else holds,
+    /// by value (a kernel may write over it); `None` otherwise.
+    pub fn into_unique_storage(self) -> Option<Storage> {
+        if !self.is_dense() {
+            return None;
+        }
+        match self.buffer {
+            Buffer::Host(s) => Arc::try_unwrap(s).ok(),
+            Buffer::Device(_) => None,
+        }
+    }
+
+    /// The address of the first byte of the buffer (host or device).
+    pub fn buffer_addr(&self) -> u64 {
+        match &self.buffer {
+            Buffer::Host(s) => s.as_bytes().as_ptr() as u64,
+            Buffer::Device(s) => s.ptr(),
+        }
+    }
+
+    /// A copy of the whole buffer in a new allocation on the same device,
+    /// under the same layout.
+    pub fn fresh_copy(&self) -> Result<Array> {
+        let layout = self.layout.clone();
+        match &self.buffer {
+            Buffer::Device(src) => {
+                let backend = super::device::device_backend(src.device())?;
+                let dst = backend.alloc(src.dtype(), src.numel())?;
+                backend.copy(&dst, src)?;
+                Ok(Array::from_device_parts(Arc::new(dst), layout))
+            }
+            Buffer::Host(src) => {
+                let mut dst = Storage::try_new(self.dtype, src.numel())?;
+                dst.as_bytes_mut().copy_from_slice(src.as_bytes());
+                Ok(Array::from_parts(Arc::new(dst), layout))
+            }
+        }
+    }
+
     /// The elements of the buffer (which a view may read only part of).
     pub fn storage_numel(&self) -> usize {
         self.buffer.numel()
@@ -253,7 +292,7 @@ impl Array {
         match &self.buffer {
             Buffer::Host(_) => Ok(self.clone()),
             Buffer::Device(s) => {
-                let storage = super::device::backend(s.device())?.download(s)?;
+                let storage = super::device::device_backend(s.device())?.download(s)?;
                 Ok(Array::from_parts(Arc::new(storage), self.layout.clone()))
             }
         }

@@ -41,7 +41,7 @@ pub use ops::Operand;
 
 use crate::error::{Error, ErrorKind, Result, SourceLoc};
 use crate::ir::{DType, Op, Shape, TensorType};
-use crate::runtime::array::{Array, Buffer};
+use crate::runtime::array::Array;
 use crate::runtime::cpu::{self, Element, Storage};
 use crate::runtime::device::{self, Device, DeviceStorage};
 use tape::AutogradMeta;
@@ -154,47 +154,25 @@ impl Tensor {
         Arc::as_ptr(&self.0) as usize
     }
 
-    /// Whether this is a device tensor that no other handle or view shares
-    /// and that covers its storage densely: a buffer a device kernel may
-    /// overwrite (the device's in-place reuse; see `Backend::run_fused_into`).
-    pub(crate) fn is_unique_device(&self) -> bool {
-        match &self.0.data {
-            Data::Values(a) => {
-                a.device_storage().is_some()
-                    && Arc::strong_count(&self.0) == 1
-                    && a.buffer().is_unique()
-                    && self.0.autograd.is_none()
-                    && a.is_dense()
-            }
-            Data::Traced { .. } => false,
-        }
-    }
-
-    /// The storage of a host tensor that no other handle or view shares and
-    /// that it covers densely, taken by value so a kernel may overwrite it
-    /// (in-place reuse); the tensor back otherwise.
-    pub(crate) fn into_unique_storage(self) -> std::result::Result<Storage, Tensor> {
+    /// The values of a tensor that no other handle, view or autograd record
+    /// holds and that cover their buffer densely, by value, on any device:
+    /// a kernel may write over them (the memory plan's in-place reuse). The
+    /// tensor back otherwise.
+    pub(crate) fn into_unique_array(self) -> std::result::Result<Array, Tensor> {
         let dense = match &self.0.data {
-            Data::Values(a) => a.host_storage().is_some() && a.is_dense(),
+            Data::Values(a) => a.is_dense(),
             Data::Traced { .. } => false,
         };
         if !dense || self.0.autograd.is_some() {
             return Err(self);
         }
         let inner = Arc::try_unwrap(self.0).map_err(Tensor)?;
-        let Data::Values(array) = inner.data else {
-            unreachable!("checked: a host tensor")
-        };
-        let layout = array.layout().clone();
-        let Buffer::Host(storage) = array.into_buffer() else {
-            unreachable!("checked: a host tensor")
-        };
-        Arc::try_unwrap(storage).map_err(|shared| {
-            Tensor(Arc::new(TensorImpl {
-                data: Data::Values(Array::from_parts(shared, layout)),
-                ..inner
-            }))
-        })
+        // Checked once the handle is ours: until then another handle could
+        // still have made a view of the buffer.
+        match inner.data {
+            Data::Values(array) if array.buffer().is_unique() => Ok(array),
+            data => Err(Tensor(Arc::new(TensorImpl { data, ..inner }))),
+        }
     }
 
     /// Whether this tensor is a node of a graph being traced.
@@ -286,7 +264,7 @@ impl Tensor {
         match target {
             Device::Cpu => self.to_host(),
             d => {
-                let backend = device::backend(d)?;
+                let backend = device::device_backend(d)?;
                 let host = if self.device() == Device::Cpu {
                     self.clone()
                 } else {
@@ -304,7 +282,7 @@ impl Tensor {
         let Some(storage) = self.device_storage() else {
             return Ok(self.clone());
         };
-        let backend = device::backend(storage.device())?;
+        let backend = device::device_backend(storage.device())?;
         let dense = storage.numel() == self.numel() && self.is_contiguous();
         let (storage, layout) = if dense || self.numel() * 2 > storage.numel() {
             (backend.download(storage)?, self.layout().clone())
@@ -431,11 +409,10 @@ impl Tensor {
             trace::record(op, inputs, ty, caller).map_err(at)?
         } else {
             with_arrays(op, inputs, |arrays| {
-                let array = match device::of_inputs(op.name(), arrays)? {
-                    Device::Cpu => cpu::eval(op, arrays, ty.dtype, &shape)?,
-                    d => eval_on_device(d, op, arrays, ty.dtype, &shape)?,
-                };
-                Ok(Tensor::from_array(array))
+                let on = device::of_inputs(op.name(), arrays)?;
+                Ok(Tensor::from_array(eval_on(
+                    on, op, arrays, ty.dtype, &shape,
+                )?))
             })
             .map_err(at)?
         };
@@ -491,8 +468,8 @@ fn with_arrays<R>(
 const STACK_INPUTS: usize = 8;
 
 /// Runs a non-traced op on `device`'s backend; views are made here, with
-/// the CPU's rule ([`cpu::view_layout`]), so both devices alias alike.
-fn eval_on_device(
+/// one rule ([`cpu::view_layout`]), so every device aliases alike.
+fn eval_on(
     device: Device,
     op: &Op,
     inputs: &[&Array],

@@ -13,7 +13,7 @@
 //! the part of it two blocks ahead prefetched into L2 while this one is
 //! computed, and outputs far larger than the caches are written with
 //! non-temporal stores (`super::stream`), each block's a piece at a time
-//! while the next block is computed (see [`Spread`]). Every step computes exactly what the
+//! while the next block is computed (see `Spread`). Every step computes exactly what the
 //! eager kernel of its op computes (the same functions), so results are
 //! bit-identical to op-by-op evaluation in the compute type.
 
@@ -211,7 +211,7 @@ impl FusedKernel {
     }
 
     /// The largest block (in [256, 4096], a multiple of 64) whose live
-    /// register slots fit in [`L1_BYTES`].
+    /// register slots fit in `L1_BYTES`.
     pub fn default_block(&self) -> usize {
         let slots = Registers::allocate(&self.steps, &self.outputs, false)
             .count
@@ -745,7 +745,9 @@ mod tests {
             block: MAX_BLOCK,
         };
         let want = k.run(&[x.array(), w.array()]).unwrap()[0].to_f64_vec();
-        let storage = x.into_unique_storage().expect("x is not shared");
+        let storage = (x.into_unique_array().ok())
+            .and_then(|a| a.into_unique_storage())
+            .expect("x is not shared");
         let address = storage.as_bytes().as_ptr();
         let got = k
             .run_with(vec![

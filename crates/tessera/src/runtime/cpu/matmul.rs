@@ -234,7 +234,7 @@ fn is_thin(plan: &Plan) -> bool {
     thin_dims(plan.m, plan.n, plan.k) && super::flash::simd_tiles()
 }
 
-/// Whether an m×k by k×n product has thin dims (see [`is_thin`]).
+/// Whether an m×k by k×n product has thin dims (see `is_thin`).
 pub fn thin_dims(m: usize, n: usize, k: usize) -> bool {
     m >= 16 && n >= 16 && k > 0 && k.min(n) <= 256
 }
@@ -279,7 +279,7 @@ fn thin_storage(plan: &Plan, a: &Storage, b: &Storage) -> Storage {
 /// handed to a consumer while the block is in cache, never written whole:
 /// the matmuls of a `matmul + row kernel` (fusion's `Kernel::MatmulRows`,
 /// e.g. attention's `q·kᵀ` with its softmax). Same micro-tiles, panels and
-/// task split as [`thin_storage`].
+/// task split as `thin_storage`.
 pub struct BlockedProduct<'a> {
     plan: Plan,
     a: &'a [f32],
@@ -317,7 +317,7 @@ impl<'a> BlockedProduct<'a> {
 }
 
 /// Calls `each(first row, blocks)` for consecutive blocks of at most
-/// [`BLOCK_ROWS`] rows of the `products` (alike: [`alike`]), `blocks[i]`
+/// `BLOCK_ROWS` rows of the `products` (alike: [`alike`]), `blocks[i]`
 /// the rows of product `i` (rows of all batches counted row-major, `n`
 /// values each), covering every row once, from rayon's threads. Each task
 /// packs the `B`s it multiplies once, for all its blocks.

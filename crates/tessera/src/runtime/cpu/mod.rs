@@ -3,6 +3,8 @@
 
 pub mod alloc;
 pub mod arena;
+pub mod autotune;
+mod backend;
 pub mod copy;
 mod creation;
 mod element;
@@ -19,6 +21,8 @@ mod storage;
 mod stream;
 
 pub use alloc::{empty_cache, memory_stats, reset_peak, MemoryStats};
+pub(crate) use backend::cpu_backend;
+pub use backend::CpuBackend;
 pub use element::{Element, Float};
 pub use matmul::{
     alike, blocks_products, for_each_block, thin_dims, transposes, BlockedProduct, DescribedProduct,

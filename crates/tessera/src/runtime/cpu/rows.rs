@@ -1,6 +1,6 @@
 //! The fused row kernel: reductions along the last dim together with their
 //! pointwise producers (prologue) and consumers (epilogue), evaluated one
-//! row at a time. A row (at most [`ROW_MAX`] elements) stays in cache from
+//! row at a time. A row (at most `ROW_MAX` elements) stays in cache from
 //! its load to its store, so e.g. softmax — as one op or decomposed into
 //! max, sub, exp, sum, div — reads its input once and writes its output
 //! once.
