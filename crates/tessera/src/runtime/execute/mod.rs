@@ -35,7 +35,7 @@ pub fn run_plan(graph: &Graph, plan: &Plan, inputs: &[Tensor]) -> Result<Vec<(St
 }
 
 /// [`run_plan`], with fused kernels' block sizes autotuned when `tune`
-/// (see [`super::autotune`]).
+/// (see [`super::cpu::autotune`]).
 pub fn run_plan_with(
     graph: &Graph,
     plan: &Plan,
@@ -77,7 +77,7 @@ pub fn run_scheduled(
 }
 
 /// [`run_scheduled`], with fused kernels' block sizes autotuned when `tune`
-/// (see [`super::autotune`]).
+/// (see [`super::cpu::autotune`]).
 pub fn run_scheduled_with(
     graph: &Graph,
     plan: &Plan,
