@@ -6,6 +6,5 @@ pub mod array;
 pub mod cpu;
 pub mod device;
 pub mod execute;
-pub mod interpret;
 pub mod layout;
 pub mod replay;

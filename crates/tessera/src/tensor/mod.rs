@@ -3,7 +3,16 @@
 //! A `Tensor` is a cheap, clonable handle to a strided view over a shared
 //! storage. Every op goes through one path, [`Tensor::apply`]: type inference
 //! with the IR's rule (so eager and graph mode agree on every shape), then
-//! the CPU kernel.
+//! the kernel of the inputs' backend — or, while a [`trace`] is active, a
+//! node of the traced graph — and then the autograd tape.
+//!
+//! The tensor layer also holds what that path needs: creation
+//! ([`creation`]), the tape ops record on (`tape`: the data of autograd;
+//! the engine that walks it back is the `autograd` layer above), custom
+//! ops' implementations and their registry (`custom`, public as
+//! `tessera::custom_op`), tracing ([`trace`]), and the interpreter that
+//! runs a graph node by node through `Tensor::apply` ([`interpret`]: the
+//! reference for compiled code, and what a graph break runs).
 //!
 //! # Errors: panic or `Result`
 //!
@@ -14,7 +23,10 @@
 //! `try_reshape`, `try_cat` …). File I/O and parsing always return `Result`.
 
 pub mod creation;
+pub(crate) mod custom;
+pub mod interpret;
 mod ops;
+pub(crate) mod tape;
 pub mod trace;
 
 use std::fmt;
@@ -27,12 +39,12 @@ pub use crate::runtime::layout::{self, Layout};
 pub use creation::Generator;
 pub use ops::Operand;
 
-use crate::autograd::{self, AutogradMeta};
 use crate::error::{Error, ErrorKind, Result, SourceLoc};
 use crate::ir::{DType, Op, Shape, TensorType};
 use crate::runtime::array::Array;
 use crate::runtime::cpu::{self, Element, Storage};
 use crate::runtime::device::{self, Device, DeviceStorage};
+use tape::AutogradMeta;
 
 /// An n-dimensional array: values on the CPU or a device, or a node of a
 /// graph being traced (see [`trace`]).
@@ -371,9 +383,9 @@ impl Tensor {
         let at = |e: Error| e.at(SourceLoc::from_location(caller));
         match op {
             // The first output; a graph's later `custom_output` nodes are
-            // bound by whoever runs the graph (see `runtime::interpret`).
+            // bound by whoever runs the graph (see [`interpret`]).
             Op::Custom(call) => {
-                return crate::custom_op::apply(call, inputs, caller).map(|mut o| o.swap_remove(0))
+                return custom::apply(call, inputs, caller).map(|mut o| o.swap_remove(0))
             }
             Op::CustomOutput { .. } => {
                 return Err(at(Error::op(
@@ -404,7 +416,7 @@ impl Tensor {
             })
             .map_err(at)?
         };
-        Ok(autograd::record(op, inputs, out, caller))
+        Ok(tape::record(op, inputs, out, caller))
     }
 }
 

@@ -13,8 +13,9 @@ use std::collections::HashMap;
 use std::panic::Location;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use super::{Data, Layout, Tensor};
+use super::{interpret, Data, Layout, Tensor};
 use crate::error::{Error, ErrorKind, Result, SourceLoc};
+use crate::ir::extract::extract;
 use crate::ir::{Graph, Node, NodeId, NodeMeta, Op, TensorType};
 
 /// A traced tensor's place: which trace, which node.
@@ -196,7 +197,7 @@ pub(crate) fn materialize(t: &Tensor, what: &str, caller: SourceLoc) -> Result<T
     let mut state = CURRENT
         .with(|c| c.borrow_mut().take())
         .expect("a trace is active");
-    let result = crate::autograd::no_grad(|| read_node(&mut state, node, t, what, caller));
+    let result = super::tape::no_grad(|| read_node(&mut state, node, t, what, caller));
     CURRENT.with(|c| *c.borrow_mut() = Some(state));
     result
 }
@@ -223,7 +224,7 @@ fn read_node(
         return Ok(v.clone());
     }
     let boundary: Vec<(String, NodeId)> = known.keys().map(|n| (format!("v{}", n.0), *n)).collect();
-    let part = crate::autograd::aot::extract(
+    let part = extract(
         &state.graph,
         "graph_break",
         &boundary,
@@ -231,9 +232,7 @@ fn read_node(
     )?;
     // `extract` takes every boundary value as an input, in boundary order.
     let feed: Vec<Tensor> = boundary.iter().map(|(_, n)| known[n].clone()).collect();
-    let value = crate::runtime::interpret::run_graph(&part, &feed)?
-        .remove(0)
-        .1;
+    let value = interpret::run_graph(&part, &feed)?.remove(0).1;
     known.insert(node, value.clone());
     state.breaks.push(caller);
     Ok(value)

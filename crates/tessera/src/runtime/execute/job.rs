@@ -12,7 +12,7 @@ use crate::logging::log;
 use crate::runtime::array::Array;
 use crate::runtime::cpu::arena::{self, Slots, Taken};
 use crate::runtime::device::{Device, DeviceStorage};
-use crate::runtime::interpret::node_error;
+use crate::tensor::interpret::node_error;
 use crate::tensor::{trace, Tensor};
 
 /// The device of a cat's inputs (all on one device: the executor's).
@@ -247,7 +247,7 @@ impl<'a> Job<'a> {
                     .map(|a| a.tensor("custom kernels"))
                     .collect();
                 let outs = trace::with_origin(&n.meta, || {
-                    crate::custom_op::apply(call, &args, Location::caller())
+                    crate::tensor::custom::apply(call, &args, Location::caller())
                 })
                 .map_err(|e| node_error(graph, *node, e))?;
                 let mut written = vec![(*node, outs[0].clone())];

@@ -13,7 +13,7 @@ use crate::runtime::cpu::arena;
 use crate::runtime::cpu::fused::FusedKernel;
 use crate::runtime::cpu::rows::RowKernel;
 use crate::runtime::device::{self, FusedArg};
-use crate::runtime::interpret::node_error;
+use crate::tensor::interpret::node_error;
 use crate::tensor::Tensor;
 
 /// A row kernel's (`members`, `inputs`, `outputs`) — group members, the

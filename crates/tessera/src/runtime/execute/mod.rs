@@ -18,13 +18,13 @@ use self::pool::{on_pool_worker, POOL_WORKER_MIN_STEPS};
 use super::cpu::arena::{Arena, Block, Place};
 use super::cpu::rows::RowKernel;
 use super::device::{self, Backend, Device};
-use super::interpret::bind_symbols;
 use crate::autograd;
 use crate::error::Result;
 use crate::fusion::{Kernel, Plan};
 use crate::ir::{Graph, NodeId};
 use crate::logging::log;
 use crate::schedule::{MemoryPlan, Schedule};
+use crate::tensor::interpret::{bind_symbols, inputs_device};
 use crate::tensor::{trace, Tensor};
 
 /// Runs `plan` (made by `fusion::fuse(graph)`) on `inputs`, one per
@@ -35,7 +35,7 @@ pub fn run_plan(graph: &Graph, plan: &Plan, inputs: &[Tensor]) -> Result<Vec<(St
 }
 
 /// [`run_plan`], with fused kernels' block sizes autotuned when `tune`
-/// (see [`super::autotune`]).
+/// (see [`super::cpu::autotune`]).
 pub fn run_plan_with(
     graph: &Graph,
     plan: &Plan,
@@ -77,7 +77,7 @@ pub fn run_scheduled(
 }
 
 /// [`run_scheduled`], with fused kernels' block sizes autotuned when `tune`
-/// (see [`super::autotune`]).
+/// (see [`super::cpu::autotune`]).
 pub fn run_scheduled_with(
     graph: &Graph,
     plan: &Plan,
@@ -377,14 +377,6 @@ fn on_lanes(
         Err(e) if results.iter().all(Result::is_ok) => Err(e),
         _ => Ok(results),
     }
-}
-
-/// The device of a program's inputs (scalars on the host go with any);
-/// inputs on different devices are an error naming the program.
-pub(crate) fn inputs_device(graph: &Graph, inputs: &[&Tensor]) -> Result<Device> {
-    device::of_inputs("input", inputs).map_err(|e| {
-        crate::error::Error::new(e.kind, format!("graph `{}`: {}", graph.name, e.message))
-    })
 }
 
 /// For each step, the values read for the last time in it (or made in it
