@@ -16,7 +16,7 @@ use clap::{Args, Parser, Subcommand};
 use tessera::ir::text;
 use tessera::ir::EvalError;
 use tessera::passes::{PassContext, PassManager};
-use tessera::runtime::interpret;
+use tessera::tensor::interpret;
 use tessera::tensor::Generator;
 use tessera::{DType, Error, ErrorKind, Graph, Tensor};
 

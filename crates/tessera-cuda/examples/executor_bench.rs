@@ -94,7 +94,7 @@ fn bench(
 /// bytes read + written).
 fn bandwidth(reps: usize) -> tessera::Result<()> {
     let n = 1usize << 26;
-    let backend = device::backend(Device::Cuda)?;
+    let backend = device::device_backend(Device::Cuda)?;
     for dtype in [DType::F32, DType::BF16] {
         let a = randn(&[n], dtype, 40)?;
         let b = randn(&[n], dtype, 41)?;

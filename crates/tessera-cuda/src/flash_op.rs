@@ -20,7 +20,6 @@ use tessera::runtime::device::DeviceStorage;
 use tessera::Tensor;
 
 use crate::flash::{self, BwdPtrs, FlashDType, FlashDims, FwdPtrs, Queue};
-use crate::ops::first as ptr;
 use crate::CudaBackend;
 
 /// Fills the CUDA slots of the flash attention ops.
@@ -99,6 +98,11 @@ fn dims(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<FlashDims> {
         kv_len: k.shape()[r - 2],
         head_dim: d,
     })
+}
+
+/// The device address of `t`'s first element (a device tensor with values).
+fn ptr(t: &Tensor) -> u64 {
+    crate::ops::first(t.array())
 }
 
 fn empty(backend: &CudaBackend, dtype: DType, shape: &[usize]) -> Result<Tensor> {
@@ -190,7 +194,7 @@ fn tuned_variant(
     scale: f32,
     ptrs: &FwdPtrs,
 ) -> Result<Option<flash::WgFwd>> {
-    if !tessera::runtime::autotune::device_tuning() {
+    if !tessera::runtime::device::tuning() {
         return Ok(None);
     }
     let variants =

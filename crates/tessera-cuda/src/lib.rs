@@ -41,8 +41,11 @@ use std::sync::{Arc, OnceLock};
 use tessera::error::{Error, ErrorKind, Result};
 use tessera::ir::kernel::{FusedKernel, RowKernel};
 use tessera::ir::{DType, Op};
+use tessera::runtime::array::Array;
 use tessera::runtime::cpu::{MemoryStats, Storage};
-use tessera::runtime::device::{self, Backend, Device, DeviceGraph, DeviceStorage};
+use tessera::runtime::device::{
+    self, Backend, Device, DeviceBackend, DeviceGraph, DeviceStorage, FusedArg,
+};
 use tessera::tensor::Layout;
 use tessera::Tensor;
 
@@ -133,16 +136,17 @@ impl CudaBackend {
                 ));
             }
         }
-        self.matmul(
+        let out = self.matmul(
             "matmul_epilogue",
-            a,
-            b,
+            a.array(),
+            b.array(),
             false,
             false,
             &shape,
-            bias,
+            bias.map(Tensor::array),
             epilogue,
-        )
+        )?;
+        Ok(Tensor::from_array(out))
     }
 }
 
@@ -151,19 +155,7 @@ impl Backend for CudaBackend {
         Device::Cuda
     }
 
-    fn alloc(&self, dtype: DType, numel: usize) -> Result<DeviceStorage> {
-        self.empty(dtype, numel)
-    }
-
-    fn upload(&self, host: &Storage) -> Result<DeviceStorage> {
-        self.upload_storage(host)
-    }
-
-    fn download(&self, storage: &DeviceStorage) -> Result<Storage> {
-        self.download_storage(storage)
-    }
-
-    fn eval(&self, op: &Op, inputs: &[&Tensor], dtype: DType, shape: &[usize]) -> Result<Tensor> {
+    fn eval(&self, op: &Op, inputs: &[&Array], dtype: DType, shape: &[usize]) -> Result<Array> {
         let name = || match op {
             Op::Reduce { dims, .. } => format!("{}{dims:?}", op.name()),
             _ => op.name().to_string(),
@@ -173,26 +165,27 @@ impl Backend for CudaBackend {
         })
     }
 
-    fn run_fused(&self, kernel: &FusedKernel, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
+    fn run_fused(&self, kernel: &FusedKernel, inputs: Vec<FusedArg<'_>>) -> Result<Vec<Array>> {
         let name = || format!("fused[{} steps]", kernel.steps.len());
-        profile::timed(self, name, inputs, || self.fused(kernel, inputs, &[]))
-    }
-
-    fn run_fused_into(
-        &self,
-        kernel: &FusedKernel,
-        inputs: &[&Tensor],
-        donated: &[(usize, usize)],
-    ) -> Result<Vec<Tensor>> {
-        let name = || format!("fused[{} steps]", kernel.steps.len());
-        profile::timed(self, name, inputs, || self.fused(kernel, inputs, donated))
+        let donated: Vec<(usize, usize)> = inputs
+            .iter()
+            .enumerate()
+            .filter_map(|(i, a)| match a {
+                FusedArg::Donated { output, .. } => Some((i, *output)),
+                FusedArg::Shared(_) => None,
+            })
+            .collect();
+        let arrays: Vec<&Array> = inputs.iter().map(FusedArg::array).collect();
+        profile::timed(self, name, &arrays, || {
+            self.fused(kernel, &arrays, &donated)
+        })
     }
 
     fn row_kernel_refusal(&self, kernel: &RowKernel) -> Option<String> {
         codegen::fused_rows::refusal(kernel)
     }
 
-    fn run_rows(&self, kernel: &RowKernel, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
+    fn run_rows(&self, kernel: &RowKernel, inputs: &[&Array]) -> Result<Vec<Array>> {
         let name = || format!("rows[{} steps]", kernel.steps.len());
         profile::timed(self, name, inputs, || self.rows(kernel, inputs))
     }
@@ -224,22 +217,6 @@ impl Backend for CudaBackend {
         self.gpu.empty_cache()
     }
 
-    fn copy(&self, dst: &DeviceStorage, src: &DeviceStorage) -> Result<()> {
-        if dst.size_bytes() != src.size_bytes() {
-            return Err(Error::new(
-                ErrorKind::Argument,
-                format!(
-                    "device copy of {} bytes into {} bytes",
-                    src.size_bytes(),
-                    dst.size_bytes()
-                ),
-            ));
-        }
-        self.gpu
-            .copy(dst.ptr(), src.ptr(), src.size_bytes())
-            .map_err(device_error)
-    }
-
     fn lanes(&self) -> usize {
         self.gpu.lanes()
     }
@@ -264,6 +241,36 @@ impl Backend for CudaBackend {
     fn end_capture(&self) -> Result<Box<dyn DeviceGraph>> {
         let graph = self.gpu.end_capture().map_err(device_error)?;
         Ok(Box::new(Graph(graph)))
+    }
+}
+
+impl DeviceBackend for CudaBackend {
+    fn alloc(&self, dtype: DType, numel: usize) -> Result<DeviceStorage> {
+        self.empty(dtype, numel)
+    }
+
+    fn upload(&self, host: &Storage) -> Result<DeviceStorage> {
+        self.upload_storage(host)
+    }
+
+    fn download(&self, storage: &DeviceStorage) -> Result<Storage> {
+        self.download_storage(storage)
+    }
+
+    fn copy(&self, dst: &DeviceStorage, src: &DeviceStorage) -> Result<()> {
+        if dst.size_bytes() != src.size_bytes() {
+            return Err(Error::new(
+                ErrorKind::Argument,
+                format!(
+                    "device copy of {} bytes into {} bytes",
+                    src.size_bytes(),
+                    dst.size_bytes()
+                ),
+            ));
+        }
+        self.gpu
+            .copy(dst.ptr(), src.ptr(), src.size_bytes())
+            .map_err(device_error)
     }
 }
 

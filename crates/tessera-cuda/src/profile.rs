@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-use tessera::Tensor;
+use tessera::runtime::array::Array;
 
 use crate::CudaBackend;
 
@@ -25,7 +25,7 @@ static LAST_END: Mutex<Option<Instant>> = Mutex::new(None);
 pub(crate) fn timed<R>(
     backend: &CudaBackend,
     name: impl FnOnce() -> String,
-    inputs: &[&Tensor],
+    inputs: &[&Array],
     f: impl FnOnce() -> R,
 ) -> R {
     if !enabled() {

@@ -475,7 +475,7 @@ fn devices_do_not_mix_and_memory_is_accounted() {
     assert!(device::memory_stats(Device::Cuda).unwrap().peak_bytes >= before + 4_000_000);
 
     let backend = tessera_cuda::backend().unwrap();
-    let e = match tessera::runtime::device::Backend::alloc(&*backend, DType::F32, 1 << 44) {
+    let e = match tessera::runtime::device::DeviceBackend::alloc(&*backend, DType::F32, 1 << 44) {
         Ok(_) => panic!("64 TiB allocated"),
         Err(e) => e.to_string(),
     };

@@ -16,7 +16,7 @@ use graph_gen::*;
 use proptest::prelude::*;
 use tessera::ir::Graph;
 use tessera::runtime::device::Device;
-use tessera::runtime::interpret::run_graph;
+use tessera::tensor::interpret::run_graph;
 use tessera::Tensor;
 
 fn gpu() -> bool {

@@ -42,7 +42,7 @@ fn best_cpu_ms(reps: usize, runs: usize, k: &FusedKernel, x: &Tensor) -> f64 {
         .map(|_| {
             let t = cpu_ms();
             for _ in 0..runs {
-                drop(k.run(&[x]).unwrap());
+                drop(k.run(&[x.array()]).unwrap());
             }
             cpu_ms() - t
         })

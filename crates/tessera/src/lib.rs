@@ -1,8 +1,12 @@
 //! tessera: a deep-learning graph compiler.
 //!
 //! - [`ir`]: the graph IR (dtypes, shapes, ops, graphs, text form, verifier);
-//! - [`tensor`]: the eager `Tensor` API;
-//! - [`runtime`]: the CPU backend's kernels and the graph interpreter;
+//! - [`tensor`]: the eager `Tensor` API, tracing, the autograd tape and
+//!   the graph interpreter ([`tensor::interpret`]);
+//! - [`autograd`]: VJP rules, the backward engine, ahead-of-time
+//!   forward/backward graphs; [`custom_op`]: user-defined ops;
+//! - [`runtime`]: the backends (the CPU's kernels, the device trait) and
+//!   the executor of compiled plans;
 //! - [`io`]: `.npy` and safetensors files;
 //! - [`nn`]: modules, parameters and losses; [`optim`]: optimizers;
 //! - [`passes`]: graph rewrites and the pass manager;

@@ -13,7 +13,7 @@ use std::collections::HashSet;
 use common::{fixtures, max_error, model, sdpa_sliced};
 use tessera::autograd::{aot_autograd, grad, AotGraphs, Partition};
 use tessera::ir::{Graph, Op};
-use tessera::runtime::interpret::run_graph;
+use tessera::tensor::interpret::run_graph;
 use tessera::tensor::trace::trace;
 use tessera::tensor::Generator;
 use tessera::{DType, Tensor};

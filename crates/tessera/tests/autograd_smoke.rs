@@ -1,5 +1,5 @@
 use tessera::autograd::{aot_autograd, Partition};
-use tessera::runtime::interpret::run_graph;
+use tessera::tensor::interpret::run_graph;
 use tessera::tensor::trace::trace;
 use tessera::tensor::Generator;
 use tessera::{DType, Tensor};

@@ -282,12 +282,12 @@ fn max_autotune_keeps_the_results_bit_for_bit() {
         Tensor::randn(&[300, 257], DType::F32, &mut g),
         Tensor::randn(&[257], DType::F32, &mut g),
     ];
-    let before = tessera::runtime::autotune::tuned_count();
+    let before = tessera::runtime::cpu::autotune::tuned_count();
     let tuned = compile(chain).mode(Mode::MaxAutotune);
     let plain = compile(chain);
     let (a, b) = (tuned.call(&args), plain.call(&args));
     assert!(
-        tessera::runtime::autotune::tuned_count() > before,
+        tessera::runtime::cpu::autotune::tuned_count() > before,
         "a block was tuned and cached"
     );
     assert_eq!(a[0].to_f64_vec(), b[0].to_f64_vec());

@@ -18,7 +18,7 @@ use graph_gen::*;
 use proptest::prelude::*;
 use tessera::compile::{Backend, Mode};
 use tessera::ir::Graph;
-use tessera::runtime::interpret::run_graph;
+use tessera::tensor::interpret::run_graph;
 use tessera::tensor::Generator;
 use tessera::{DType, Tensor};
 

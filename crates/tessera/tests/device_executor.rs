@@ -19,9 +19,12 @@ use tessera::compile::Mode;
 use tessera::fusion::Plan;
 use tessera::ir::kernel::FusedKernel;
 use tessera::ir::{DType, Graph, Op};
-use tessera::runtime::cpu::{arena, copy};
+use tessera::runtime::array::Array;
+use tessera::runtime::cpu::{self, arena, copy};
 use tessera::runtime::cpu::{MemoryStats, Storage};
-use tessera::runtime::device::{self, Backend, Device, DeviceMemory, DeviceStorage};
+use tessera::runtime::device::{
+    self, Backend, Device, DeviceBackend, DeviceMemory, DeviceStorage, FusedArg,
+};
 use tessera::runtime::execute::{run_plan, run_scheduled};
 use tessera::schedule::{Scheduled, Strategy};
 use tessera::tensor::Generator;
@@ -98,18 +101,18 @@ impl Fake {
         unsafe { std::ptr::copy(bytes.as_ptr(), dst.ptr() as *mut u8, bytes.len()) }
     }
 
-    /// A host tensor with `t`'s values and layout.
-    fn host(&self, t: &Tensor) -> Tensor {
+    /// A host array with `t`'s values and layout.
+    fn host(&self, t: &Array) -> Array {
         match t.device_storage() {
-            Some(s) => Tensor::from_parts(Arc::new(self.download(s).unwrap()), t.layout().clone()),
+            Some(s) => Array::from_parts(Arc::new(self.download(s).unwrap()), t.layout().clone()),
             None => t.clone(),
         }
     }
 
-    fn up(&self, host: &Tensor) -> Tensor {
+    fn up(&self, host: &Array) -> Array {
         let dense = copy::contiguous(host);
         let s = self.upload(dense.storage()).unwrap();
-        Tensor::from_device_storage(s, host.shape())
+        Array::from_device_storage(s, host.shape())
     }
 }
 
@@ -118,43 +121,35 @@ impl Backend for Fake {
         Device::Cuda
     }
 
-    fn alloc(&self, dtype: DType, numel: usize) -> tessera::Result<DeviceStorage> {
-        Ok(self.storage(dtype, numel))
-    }
-
-    fn upload(&self, host: &Storage) -> tessera::Result<DeviceStorage> {
-        let s = self.storage(host.dtype(), host.numel());
-        Fake::write(&s, &host.as_bytes()[..s.size_bytes()]);
-        Ok(s)
-    }
-
-    fn download(&self, s: &DeviceStorage) -> tessera::Result<Storage> {
-        let mut host = Storage::new(s.dtype(), s.numel());
-        host.as_bytes_mut()[..s.size_bytes()].copy_from_slice(Fake::bytes(s));
-        Ok(host)
-    }
-
-    fn eval(&self, op: &Op, inputs: &[&Tensor], _: DType, _: &[usize]) -> tessera::Result<Tensor> {
-        let host: Vec<Tensor> = inputs.iter().map(|t| self.host(t)).collect();
-        let refs: Vec<&Tensor> = host.iter().collect();
-        let out = device::with_device(Device::Cpu, || {
-            Tensor::apply(op, &refs, std::panic::Location::caller())
-        })?;
+    fn eval(
+        &self,
+        op: &Op,
+        inputs: &[&Array],
+        dtype: DType,
+        shape: &[usize],
+    ) -> tessera::Result<Array> {
+        let host: Vec<Array> = inputs.iter().map(|t| self.host(t)).collect();
+        let refs: Vec<&Array> = host.iter().collect();
+        let out = cpu::eval(op, &refs, dtype, shape)?;
         Ok(self.up(&out))
     }
 
-    fn run_fused(&self, kernel: &FusedKernel, inputs: &[&Tensor]) -> tessera::Result<Vec<Tensor>> {
-        self.run_fused_into(kernel, inputs, &[])
-    }
-
-    fn run_fused_into(
+    fn run_fused(
         &self,
         kernel: &FusedKernel,
-        inputs: &[&Tensor],
-        donated: &[(usize, usize)],
-    ) -> tessera::Result<Vec<Tensor>> {
-        let host: Vec<Tensor> = inputs.iter().map(|t| self.host(t)).collect();
-        let refs: Vec<&Tensor> = host.iter().collect();
+        args: Vec<FusedArg<'_>>,
+    ) -> tessera::Result<Vec<Array>> {
+        let donated: Vec<(usize, usize)> = args
+            .iter()
+            .enumerate()
+            .filter_map(|(i, a)| match a {
+                FusedArg::Donated { output, .. } => Some((i, *output)),
+                FusedArg::Shared(_) => None,
+            })
+            .collect();
+        let inputs: Vec<&Array> = args.iter().map(FusedArg::array).collect();
+        let host: Vec<Array> = inputs.iter().map(|t| self.host(t)).collect();
+        let refs: Vec<&Array> = host.iter().collect();
         let outs = kernel.run(&refs)?;
         Ok(outs
             .iter()
@@ -167,7 +162,7 @@ impl Backend for Fake {
                     let numel = s.numel();
                     let over =
                         DeviceStorage::new(Device::Cuda, out.dtype(), numel, Box::new(Over(s)));
-                    Tensor::from_device_storage(over, out.shape())
+                    Array::from_device_storage(over, out.shape())
                 }
                 None => self.up(out),
             })
@@ -191,11 +186,6 @@ impl Backend for Fake {
 
     fn empty_cache(&self) {}
 
-    fn copy(&self, dst: &DeviceStorage, src: &DeviceStorage) -> tessera::Result<()> {
-        Fake::write(dst, Fake::bytes(src));
-        Ok(())
-    }
-
     fn lanes(&self) -> usize {
         3
     }
@@ -212,6 +202,29 @@ impl Backend for Fake {
 
     fn join(&self) -> tessera::Result<()> {
         LANES.lock().unwrap().push("join".into());
+        Ok(())
+    }
+}
+
+impl DeviceBackend for Fake {
+    fn alloc(&self, dtype: DType, numel: usize) -> tessera::Result<DeviceStorage> {
+        Ok(self.storage(dtype, numel))
+    }
+
+    fn upload(&self, host: &Storage) -> tessera::Result<DeviceStorage> {
+        let s = self.storage(host.dtype(), host.numel());
+        Fake::write(&s, &host.as_bytes()[..s.size_bytes()]);
+        Ok(s)
+    }
+
+    fn download(&self, s: &DeviceStorage) -> tessera::Result<Storage> {
+        let mut host = Storage::new(s.dtype(), s.numel());
+        host.as_bytes_mut()[..s.size_bytes()].copy_from_slice(Fake::bytes(s));
+        Ok(host)
+    }
+
+    fn copy(&self, dst: &DeviceStorage, src: &DeviceStorage) -> tessera::Result<()> {
+        Fake::write(dst, Fake::bytes(src));
         Ok(())
     }
 }

@@ -8,7 +8,7 @@
 use proptest::prelude::*;
 use tessera::fusion::{describe, fuse, Kernel};
 use tessera::runtime::execute::run_plan;
-use tessera::runtime::interpret::run_graph;
+use tessera::tensor::interpret::run_graph;
 use tessera::tensor::trace::trace;
 use tessera::tensor::Generator;
 use tessera::{DType, Tensor};

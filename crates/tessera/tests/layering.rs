@@ -7,10 +7,7 @@
 //! in [`LAYERS`]) and fails on an import that goes up. Imports inside one
 //! layer's own module are free; two modules of the same rank may not
 //! import each other (each layer is one module, so that cannot happen).
-//!
-//! [`KNOWN_UPWARD`] lists the upward imports that remain from before the
-//! rule (each is work left in issue 16, named there); the test fails as
-//! well when one of them is gone, so the list only shrinks.
+//! There are no exceptions.
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
@@ -24,8 +21,10 @@ const LAYERS: &[(&str, usize)] = &[
     ("lib", 0),
     ("ir", 1),
     ("hints", 2),
+    ("runtime::array", 3),
     ("runtime::cpu", 3),
     ("runtime::device", 3),
+    ("runtime::layout", 3),
     ("runtime", 3),
     ("tensor", 4),
     ("autograd", 5),
@@ -36,39 +35,9 @@ const LAYERS: &[(&str, usize)] = &[
     ("passes", 10),
     ("fusion", 11),
     ("schedule", 12),
-    ("runtime::autotune", 13),
     ("runtime::execute", 13),
-    ("runtime::interpret", 13),
     ("runtime::replay", 13),
     ("compile", 14),
-];
-
-/// Upward imports that predate the rule: (importing file, imported layer
-/// prefix). Remove an entry when its import goes; never add one.
-const KNOWN_UPWARD: &[(&str, &str)] = &[
-    // The aot partition runs the forward graph with the interpreter: the
-    // evaluator belongs below autograd.
-    ("autograd/aot.rs", "runtime::interpret"),
-    // CPU kernels and the device trait take `Tensor`s and `Layout` from the
-    // tensor layer: they should take buffers and layouts of their own.
-    ("runtime/cpu/copy.rs", "tensor"),
-    ("runtime/cpu/creation.rs", "tensor"),
-    ("runtime/cpu/elementwise.rs", "tensor"),
-    ("runtime/cpu/fused.rs", "tensor"),
-    ("runtime/cpu/index.rs", "tensor"),
-    ("runtime/cpu/matmul.rs", "tensor"),
-    ("runtime/cpu/mod.rs", "tensor"),
-    ("runtime/cpu/reduce.rs", "tensor"),
-    ("runtime/cpu/rows.rs", "tensor"),
-    ("runtime/cpu/scatter.rs", "tensor"),
-    ("runtime/device.rs", "tensor"),
-    // The tape lives in autograd, and custom calls dispatch through
-    // custom_op: the tape's data and the kernel registry belong below.
-    ("tensor/mod.rs", "autograd"),
-    ("tensor/mod.rs", "custom_op"),
-    // Graph breaks extract and run the pending graph from inside tracing.
-    ("tensor/trace.rs", "autograd"),
-    ("tensor/trace.rs", "runtime::interpret"),
 ];
 
 fn rank(module: &str) -> (&'static str, usize) {
@@ -304,31 +273,14 @@ fn imports_only_go_down() {
             }
         }
     }
-    let known: BTreeSet<(String, &str)> = KNOWN_UPWARD
-        .iter()
-        .map(|&(f, l)| (f.to_string(), l))
-        .collect();
-    let new: Vec<&String> = report
-        .iter()
-        .zip(&found)
-        .filter(|(_, key)| !known.contains(&(key.0.clone(), key.1)))
-        .map(|(line, _)| line)
-        .collect();
-    let gone: Vec<_> = known
-        .iter()
-        .filter(|(f, l)| !found.iter().any(|(g, m)| g == f && m == l))
-        .collect();
     assert!(
-        new.is_empty(),
+        report.is_empty(),
         "upward imports (see docs/ARCHITECTURE.md):\n{}",
-        new.iter()
+        report
+            .iter()
             .map(|l| format!("  {l}"))
             .collect::<Vec<_>>()
             .join("\n")
-    );
-    assert!(
-        gone.is_empty(),
-        "KNOWN_UPWARD lists imports that are gone; remove them: {gone:?}"
     );
 }
 
@@ -363,6 +315,17 @@ fn an_upward_import_is_caught() {
         upward("runtime::cpu::fused", "use super::super::execute::run;").len(),
         1
     );
+    // The tape, tracing and custom calls are the tensor layer's: reaching
+    // up into the engine or the user-facing custom-op module is caught.
+    assert_eq!(
+        upward("tensor::trace", "use crate::autograd::no_grad;").len(),
+        1
+    );
+    assert_eq!(
+        upward("tensor", "fn f() { crate::custom_op::call(n, a, i); }").len(),
+        1
+    );
+    assert!(upward("autograd::engine", "use crate::tensor::tape::GradNode;").is_empty());
     assert_eq!(rank("runtime::execute::run").0, "runtime::execute");
     assert_eq!(rank("runtime::cpu::fused").0, "runtime::cpu");
 }

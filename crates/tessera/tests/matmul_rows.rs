@@ -13,7 +13,7 @@ use tessera::autograd::{aot_autograd, Partition};
 use tessera::fusion::{describe, fuse, Kernel, Plan};
 use tessera::ir::Graph;
 use tessera::runtime::execute::run_plan;
-use tessera::runtime::interpret::run_graph;
+use tessera::tensor::interpret::run_graph;
 use tessera::tensor::Generator;
 use tessera::{DType, Tensor};
 

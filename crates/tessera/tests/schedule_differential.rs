@@ -52,8 +52,8 @@ use proptest::test_runner::{RngSeed, TestError, TestRunner};
 use std::cell::OnceCell;
 use tessera::compile::{Backend, Compiled, Mode};
 use tessera::ir::Graph;
-use tessera::runtime::interpret::run_graph;
 use tessera::schedule::Strategy as Order;
+use tessera::tensor::interpret::run_graph;
 use tessera::tensor::Generator;
 use tessera::{DType, Tensor};
 

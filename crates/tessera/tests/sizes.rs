@@ -12,7 +12,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use tessera::custom_op::{Attrs, CustomOp};
 use tessera::ir::text::parse;
-use tessera::runtime::interpret::run_graph;
+use tessera::tensor::interpret::run_graph;
 use tessera::tensor::Generator;
 use tessera::{compile, DType, ErrorKind, Tensor};
 

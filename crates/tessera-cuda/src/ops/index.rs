@@ -5,8 +5,8 @@
 
 use tessera::error::{Error, ErrorKind, Result};
 use tessera::ir::{DType, Op};
+use tessera::runtime::array::Array;
 use tessera::tensor::layout::contiguous_strides;
-use tessera::tensor::Tensor;
 
 use super::{base, unsupported};
 use crate::codegen::index::{self, Indexed, Strided};
@@ -18,11 +18,11 @@ impl CudaBackend {
     pub(super) fn triangle(
         &self,
         name: &str,
-        x: &Tensor,
+        x: &Array,
         diagonal: i64,
         upper: bool,
         dtype: DType,
-    ) -> Result<Tensor> {
+    ) -> Result<Array> {
         let x = self.on_device(x)?;
         let out = self.empty(dtype, x.numel())?;
         if x.numel() > 0 {
@@ -40,18 +40,18 @@ impl CudaBackend {
             );
             self.launch(name, &launch)?;
         }
-        Ok(Tensor::from_device_storage(out, x.shape()))
+        Ok(Array::from_device_storage(out, x.shape()))
     }
 
     /// index_select and gather.
     pub(super) fn read_indexed(
         &self,
         op: &Op,
-        inputs: &[&Tensor],
+        inputs: &[&Array],
         dim: usize,
         dtype: DType,
         shape: &[usize],
-    ) -> Result<Tensor> {
+    ) -> Result<Array> {
         let name = op.name();
         let x = self.on_device(inputs[0])?;
         let idx = self.on_device(inputs[1])?;
@@ -95,18 +95,18 @@ impl CudaBackend {
             .map_err(|m| unsupported(name, m))?;
             self.launch(name, &launch)?;
         }
-        Ok(Tensor::from_device_storage(out, shape))
+        Ok(Array::from_device_storage(out, shape))
     }
 
     /// index_add and scatter_add: a copy of the base, then atomic adds.
     pub(super) fn add_indexed(
         &self,
         op: &Op,
-        inputs: &[&Tensor],
+        inputs: &[&Array],
         dim: usize,
         dtype: DType,
         shape: &[usize],
-    ) -> Result<Tensor> {
+    ) -> Result<Array> {
         let name = op.name();
         let basis = self.on_device(inputs[0])?;
         let idx = self.on_device(inputs[1])?;
@@ -160,7 +160,7 @@ impl CudaBackend {
 
 /// Index values must be in `0..bound` (checked on the host, as the CPU
 /// does: a kernel cannot report the error).
-fn check_indices(op: &str, index: &Tensor, bound: usize) -> Result<()> {
+fn check_indices(op: &str, index: &Array, bound: usize) -> Result<()> {
     let host = index.to_host()?;
     let values: Vec<i64> = match host.dtype() {
         DType::I32 => host.to_vec::<i32>()?.into_iter().map(i64::from).collect(),

@@ -4,8 +4,9 @@
 
 use tessera::error::Result;
 use tessera::ir::{DType, Op};
+use tessera::runtime::array::Array;
 use tessera::runtime::cpu::arena;
-use tessera::tensor::{Layout, Tensor};
+use tessera::tensor::Layout;
 
 use super::{base, device_err, first, ViewExt};
 use crate::matmul::{Epilogue, Mat};
@@ -18,14 +19,14 @@ impl CudaBackend {
     pub(crate) fn matmul(
         &self,
         name: &str,
-        a: &Tensor,
-        b: &Tensor,
+        a: &Array,
+        b: &Array,
         ta: bool,
         tb: bool,
         shape: &[usize],
-        bias: Option<&Tensor>,
+        bias: Option<&Array>,
         epilogue: Epilogue,
-    ) -> Result<Tensor> {
+    ) -> Result<Array> {
         let dtype = a.dtype();
         let la = matrix_layout(a.layout(), ta, true);
         let lb = matrix_layout(b.layout(), tb, false);
@@ -48,15 +49,15 @@ impl CudaBackend {
             return Ok(zero);
         }
         let out = self.empty(dtype, batch * m * n)?;
-        let result = Tensor::from_device_storage(out, shape);
+        let result = Array::from_device_storage(out, shape);
         if batch * m * n == 0 {
             return Ok(result);
         }
         // Operands that cuBLASLt cannot read in place are copied
         // (contiguous): the kernel's scratch, after its output
         // (`matmul_scratch_bytes` says how much).
-        let mut keep: Vec<Tensor> = Vec::new();
-        let mut operand = |t: &Tensor, l: Layout, rows: usize, cols: usize| -> Result<Mat> {
+        let mut keep: Vec<Array> = Vec::new();
+        let mut operand = |t: &Array, l: Layout, rows: usize, cols: usize| -> Result<Mat> {
             let full: Vec<usize> = batch_shape.iter().copied().chain([rows, cols]).collect();
             let e = l.expanded(&full);
             if let Some(mat) = as_mat(&e, base(t), dtype) {

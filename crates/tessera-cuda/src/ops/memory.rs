@@ -4,9 +4,10 @@
 use tessera::error::{Error, ErrorKind, Result};
 use tessera::ir::kernel::Step;
 use tessera::ir::DType;
+use tessera::runtime::array::Array;
 use tessera::runtime::cpu::{self, arena, Storage};
 use tessera::runtime::device::{Device, DeviceStorage};
-use tessera::tensor::{Layout, Tensor};
+use tessera::tensor::Layout;
 
 use super::{base, device_err, unsupported};
 use crate::codegen::pointwise::{self, Output};
@@ -41,7 +42,7 @@ impl CudaBackend {
 
     /// Copies `x` (any layout, on the device) into `dst` written through
     /// `layout` (of `x`'s shape).
-    pub(super) fn copy_into(&self, op: &str, x: &Tensor, dst: u64, layout: Layout) -> Result<()> {
+    pub(super) fn copy_into(&self, op: &str, x: &Array, dst: u64, layout: Layout) -> Result<()> {
         if x.numel() == 0 {
             return Ok(());
         }
@@ -77,16 +78,16 @@ impl CudaBackend {
     }
 
     /// A contiguous copy of device tensor `x`.
-    pub(crate) fn contiguous(&self, op: &str, x: &Tensor) -> Result<Tensor> {
+    pub(crate) fn contiguous(&self, op: &str, x: &Array) -> Result<Array> {
         let s = self.empty(x.dtype(), x.numel())?;
         self.copy_into(op, x, s.ptr(), Layout::contiguous(x.shape()))?;
-        Ok(Tensor::from_device_storage(s, x.shape()))
+        Ok(Array::from_device_storage(s, x.shape()))
     }
 
-    pub(super) fn upload_tensor(&self, host: &Tensor) -> Result<Tensor> {
+    pub(super) fn upload_tensor(&self, host: &Array) -> Result<Array> {
         let dense = cpu::copy::contiguous(host);
         let s = self.upload_storage(dense.storage())?;
-        Ok(Tensor::from_device_storage(s, host.shape()))
+        Ok(Array::from_device_storage(s, host.shape()))
     }
 
     pub(crate) fn upload_storage(&self, host: &Storage) -> Result<DeviceStorage> {
@@ -108,7 +109,7 @@ impl CudaBackend {
     }
 
     /// `x` on the device (a host scalar is copied up).
-    pub(super) fn on_device(&self, x: &Tensor) -> Result<Tensor> {
+    pub(super) fn on_device(&self, x: &Array) -> Result<Array> {
         match x.device() {
             Device::Cuda => Ok(x.clone()),
             Device::Cpu => self.upload_tensor(x),
@@ -120,18 +121,18 @@ impl CudaBackend {
     pub(super) fn cat(
         &self,
         name: &str,
-        inputs: &[&Tensor],
+        inputs: &[&Array],
         dim: usize,
         dtype: DType,
         shape: &[usize],
-    ) -> Result<Tensor> {
+    ) -> Result<Array> {
         let out = self.empty(dtype, shape.iter().product())?;
         let lens: Vec<usize> = inputs.iter().map(|x| x.shape()[dim]).collect();
         for (x, part) in inputs.iter().zip(cat_parts(shape, dim, &lens)) {
             let x = self.on_device(x)?;
             self.copy_into(name, &x, out.ptr(), part)?;
         }
-        Ok(Tensor::from_device_storage(out, shape))
+        Ok(Array::from_device_storage(out, shape))
     }
 }
 

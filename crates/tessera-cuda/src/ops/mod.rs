@@ -21,9 +21,10 @@ use std::sync::Arc;
 
 use tessera::error::{Error, ErrorKind, Result};
 use tessera::ir::{DType, Op};
+use tessera::runtime::array::Array;
 use tessera::runtime::cpu;
 use tessera::runtime::device::DeviceStorage;
-use tessera::tensor::{Layout, Tensor};
+use tessera::tensor::Layout;
 
 use crate::matmul::Epilogue;
 use crate::{autotune, CudaBackend};
@@ -39,12 +40,12 @@ fn unsupported(op: &str, message: impl Into<String>) -> Error {
 }
 
 /// The device address of element 0 of `t`'s storage.
-fn base(t: &Tensor) -> u64 {
+fn base(t: &Array) -> u64 {
     t.device_storage().map_or(0, |s| s.ptr())
 }
 
 /// The address of `t`'s first element (its layout's offset applied).
-pub(crate) fn first(t: &Tensor) -> u64 {
+pub(crate) fn first(t: &Array) -> u64 {
     base(t) + (t.layout().offset * t.dtype().size_bytes()) as u64
 }
 
@@ -54,7 +55,7 @@ impl CudaBackend {
         self.gpu.launch(launch).map_err(|m| device_err(op, m))
     }
 
-    /// Under a `max-autotune` run (see `tessera::runtime::autotune`), the
+    /// Under a `max-autotune` run (see `tessera::runtime::device::tuning`), the
     /// block choice among `candidates` for the kernel whose default launch
     /// is `default`: cached, or timed once on the device with `trial(c)`,
     /// a launch of candidate `c` that writes only what it may overwrite
@@ -67,7 +68,7 @@ impl CudaBackend {
         candidates: &[C],
         trial: impl Fn(C) -> std::result::Result<crate::codegen::Launch, String>,
     ) -> Result<Option<C>> {
-        if !tessera::runtime::autotune::device_tuning() || candidates.len() < 2 {
+        if !tessera::runtime::device::tuning() || candidates.len() < 2 {
             return Ok(None);
         }
         let key = autotune::key(&default.source, &format!("{shape:?}"), &self.gpu.name);
@@ -91,10 +92,10 @@ impl CudaBackend {
     pub(crate) fn eval_op(
         &self,
         op: &Op,
-        inputs: &[&Tensor],
+        inputs: &[&Array],
         dtype: DType,
         shape: &[usize],
-    ) -> Result<Tensor> {
+    ) -> Result<Array> {
         let name = op.name();
         match op {
             Op::Constant(_) | Op::Arange { .. } | Op::Rand { .. } | Op::Randn { .. } => {
@@ -191,18 +192,18 @@ pub(crate) fn scratch_bytes(
 
 /// Shared-ownership helpers the dispatcher needs on tensors.
 trait ViewExt {
-    fn view_with_layout(&self, layout: Layout) -> Tensor;
-    fn view_of_shape(&self, shape: &[usize]) -> Tensor;
+    fn view_with_layout(&self, layout: Layout) -> Array;
+    fn view_of_shape(&self, shape: &[usize]) -> Array;
 }
 
-impl ViewExt for Tensor {
-    fn view_with_layout(&self, layout: Layout) -> Tensor {
+impl ViewExt for Array {
+    fn view_with_layout(&self, layout: Layout) -> Array {
         let s: Arc<DeviceStorage> = self.device_storage().expect("a device tensor").clone();
-        Tensor::from_device_parts(s, layout)
+        Array::from_device_parts(s, layout)
     }
 
     /// A contiguous tensor seen with another shape of the same size.
-    fn view_of_shape(&self, shape: &[usize]) -> Tensor {
+    fn view_of_shape(&self, shape: &[usize]) -> Array {
         let mut l = Layout::contiguous(shape);
         l.offset = self.layout().offset;
         self.view_with_layout(l)

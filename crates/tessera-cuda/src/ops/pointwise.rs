@@ -7,8 +7,9 @@ use std::sync::Arc;
 use tessera::error::Result;
 use tessera::ir::kernel::{FusedKernel, Step};
 use tessera::ir::{DType, Op};
+use tessera::runtime::array::Array;
 use tessera::runtime::device::{Device, DeviceStorage};
-use tessera::tensor::{Layout, Tensor};
+use tessera::tensor::Layout;
 
 use super::{base, device_err, unsupported};
 use crate::codegen::pointwise::{self, Operand, Output};
@@ -40,10 +41,10 @@ impl CudaBackend {
     pub(super) fn elementwise(
         &self,
         op: &Op,
-        inputs: &[&Tensor],
+        inputs: &[&Array],
         dtype: DType,
         shape: &[usize],
-    ) -> Result<Tensor> {
+    ) -> Result<Array> {
         let name = op.name();
         let (steps, compute) = elementwise_steps(op, inputs.first().map(|t| t.dtype()), dtype)
             .ok_or_else(|| unsupported(name, "is no elementwise op of the CUDA kernels"))?;
@@ -55,9 +56,10 @@ impl CudaBackend {
 
     /// A pointwise operand: a device tensor through its broadcast layout,
     /// or a host scalar as a constant.
-    pub(super) fn operand(&self, t: &Tensor, shape: &[usize]) -> Operand {
+    pub(super) fn operand(&self, t: &Array, shape: &[usize]) -> Operand {
         match t.device() {
-            Device::Cpu => Operand::Scalar(t.item()),
+            // A 0-dim host array: a scalar operand (checked by the caller).
+            Device::Cpu => Operand::Scalar(t.to_f64_vec()[0]),
             Device::Cuda => Operand::Buffer {
                 dtype: t.dtype(),
                 ptr: base(t),
@@ -71,16 +73,16 @@ impl CudaBackend {
         &self,
         op: &str,
         steps: &[Step],
-        inputs: &[&Tensor],
+        inputs: &[&Array],
         outputs: &[(usize, DType)],
         shape: &[usize],
         compute: Compute,
-    ) -> Result<Vec<Tensor>> {
+    ) -> Result<Vec<Array>> {
         self.pointwise_into(op, steps, inputs, outputs, shape, compute, &[])
     }
 
     /// [`Self::pointwise`], output `o` written over input `i`'s storage for
-    /// each `(i, o)` of `donated` that fits (see `Backend::run_fused_into`).
+    /// each `(i, o)` of `donated` that fits (see `Backend::run_fused`).
     /// Each thread reads its element of every input before it writes that
     /// element of the outputs, so an output may overwrite an input of its
     /// own shape and dense layout.
@@ -89,12 +91,12 @@ impl CudaBackend {
         &self,
         op: &str,
         steps: &[Step],
-        inputs: &[&Tensor],
+        inputs: &[&Array],
         outputs: &[(usize, DType)],
         shape: &[usize],
         compute: Compute,
         donated: &[(usize, usize)],
-    ) -> Result<Vec<Tensor>> {
+    ) -> Result<Vec<Array>> {
         let numel: usize = shape.iter().product();
         let operands: Vec<Operand> = inputs.iter().map(|t| self.operand(t, shape)).collect();
         let storages: Vec<DeviceStorage> = outputs
@@ -147,7 +149,7 @@ impl CudaBackend {
         }
         Ok(storages
             .into_iter()
-            .map(|s| Tensor::from_device_storage(s, shape))
+            .map(|s| Array::from_device_storage(s, shape))
             .collect())
     }
 
@@ -162,7 +164,7 @@ impl CudaBackend {
         outs: &[Output],
         make: &MakeLaunch<'_>,
     ) -> Result<Option<u32>> {
-        if !tessera::runtime::autotune::device_tuning() {
+        if !tessera::runtime::device::tuning() {
             return Ok(None);
         }
         let numel: usize = shape.iter().product();
@@ -186,13 +188,13 @@ impl CudaBackend {
     }
 
     /// Runs a fused kernel of the fusion plan (outputs over the `donated`
-    /// inputs' storages, see `Backend::run_fused_into`).
+    /// inputs' storages, see `Backend::run_fused`).
     pub(crate) fn fused(
         &self,
         kernel: &FusedKernel,
-        inputs: &[&Tensor],
+        inputs: &[&Array],
         donated: &[(usize, usize)],
-    ) -> Result<Vec<Tensor>> {
+    ) -> Result<Vec<Array>> {
         kernel.check(inputs.len())?;
         let compute = if kernel.wide {
             Compute::F64
@@ -241,7 +243,7 @@ fn elementwise_steps(op: &Op, input: Option<DType>, dtype: DType) -> Option<(Vec
 }
 
 /// Whether output `o` may be written over input `x`'s storage (see
-/// `Backend::run_fused_into`): `x` is of the output's dtype and `shape`,
+/// `Backend::run_fused`): `x` is of the output's dtype and `shape`,
 /// dense from element 0 of a storage of exactly its elements, so each
 /// thread reads its element of `x` before writing the same element.
 fn donation_fits(

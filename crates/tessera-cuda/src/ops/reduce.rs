@@ -4,9 +4,10 @@
 use tessera::error::Result;
 use tessera::ir::kernel::RowKernel;
 use tessera::ir::{ArgReduceOp, DType, ReduceOp};
+use tessera::runtime::array::Array;
 use tessera::runtime::cpu::arena;
 use tessera::runtime::device::DeviceStorage;
-use tessera::tensor::{Layout, Tensor};
+use tessera::tensor::Layout;
 
 use super::{base, unsupported};
 use crate::codegen::{fused_rows, rows, softmax};
@@ -21,10 +22,10 @@ impl CudaBackend {
         name: &str,
         r: ReduceOp,
         dims: &[usize],
-        x: &Tensor,
+        x: &Array,
         dtype: DType,
         shape: &[usize],
-    ) -> Result<Tensor> {
+    ) -> Result<Array> {
         let x = self.on_device(x)?;
         let out = self.empty(dtype, shape.iter().product())?;
         let sms = self.gpu.sms;
@@ -60,7 +61,7 @@ impl CudaBackend {
             self.launch(name, &first)?;
             self.launch(name, &second)?;
         }
-        Ok(Tensor::from_device_storage(out, shape))
+        Ok(Array::from_device_storage(out, shape))
     }
 
     /// The index of `r` along `dim` of `x` (i64) into a new tensor of `shape`.
@@ -69,9 +70,9 @@ impl CudaBackend {
         name: &str,
         r: ArgReduceOp,
         dim: usize,
-        x: &Tensor,
+        x: &Array,
         shape: &[usize],
-    ) -> Result<Tensor> {
+    ) -> Result<Array> {
         let x = self.on_device(x)?;
         let out = self.empty(DType::I64, shape.iter().product())?;
         if x.numel() > 0 {
@@ -86,26 +87,26 @@ impl CudaBackend {
             );
             self.launch(name, &launch)?;
         }
-        Ok(Tensor::from_device_storage(out, shape))
+        Ok(Array::from_device_storage(out, shape))
     }
 
     /// (Log-)softmax of `x` along `dim` into a new contiguous tensor.
     pub(super) fn softmax(
         &self,
         name: &str,
-        x: &Tensor,
+        x: &Array,
         dim: usize,
         log: bool,
         dtype: DType,
         shape: &[usize],
-    ) -> Result<Tensor> {
+    ) -> Result<Array> {
         let x = self.on_device(x)?;
         let out = self.empty(dtype, x.numel())?;
         if x.numel() > 0 {
             let launch = self.softmax_launch(name, &x, dim, log, out.ptr())?;
             self.launch(name, &launch)?;
         }
-        Ok(Tensor::from_device_storage(out, shape))
+        Ok(Array::from_device_storage(out, shape))
     }
 
     /// The softmax launch: the generator's default, or under `max-autotune`
@@ -114,7 +115,7 @@ impl CudaBackend {
     pub(super) fn softmax_launch(
         &self,
         op: &str,
-        x: &Tensor,
+        x: &Array,
         dim: usize,
         log: bool,
         y: u64,
@@ -141,7 +142,7 @@ impl CudaBackend {
     /// Runs a fused row kernel of the fusion plan as one generated kernel
     /// (see `codegen::fused_rows`), its outputs allocated in the kernel's
     /// output order (the memory plan's).
-    pub(crate) fn rows(&self, kernel: &RowKernel, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
+    pub(crate) fn rows(&self, kernel: &RowKernel, inputs: &[&Array]) -> Result<Vec<Array>> {
         let op = "fused_rows";
         let full = kernel.checked_shape(inputs)?;
         kernel.check(inputs.len())?;
@@ -160,7 +161,7 @@ impl CudaBackend {
             // Under max-autotune, the threads a row; the trials write the
             // outputs, new buffers that no input shares. (Outside it no
             // candidate is generated: a run has hundreds of row kernels.)
-            let chosen = match tessera::runtime::autotune::device_tuning() {
+            let chosen = match tessera::runtime::device::tuning() {
                 true => {
                     let candidates: Vec<usize> = softmax::THREAD_CANDIDATES
                         .into_iter()
@@ -178,7 +179,7 @@ impl CudaBackend {
         }
         Ok(storages
             .into_iter()
-            .map(|(s, shape)| Tensor::from_device_storage(s, shape))
+            .map(|(s, shape)| Array::from_device_storage(s, shape))
             .collect())
     }
 }

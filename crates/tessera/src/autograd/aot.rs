@@ -17,13 +17,12 @@
 //! sit in the backward graph just before the first op that needs them, so
 //! a strict backward recomputes one slice at a time.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 
 use super::mincut;
 use crate::error::{Error, ErrorKind, Result};
-use crate::ir::{Graph, Node, NodeId, NodeMeta, Op, TensorType};
-use crate::runtime::interpret;
-use crate::tensor::{trace, Tensor};
+use crate::ir::{extract, Graph, NodeId, NodeMeta, Op, TensorType};
+use crate::tensor::{interpret, trace, Tensor};
 
 /// How the forward/backward split chooses what to save.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -145,7 +144,7 @@ pub fn aot_autograd(graph: &Graph, wrt: &[usize], partition: Partition) -> Resul
         .map(|o| (o.name.clone(), o.node))
         .collect();
     fwd_outputs.extend(saved_named.iter().cloned());
-    let forward = extract(
+    let forward = extract::extract(
         &joint.graph,
         &format!("{}_forward", graph.name),
         &named_inputs(&joint.graph, &primals),
@@ -160,7 +159,7 @@ pub fn aot_autograd(graph: &Graph, wrt: &[usize], partition: Partition) -> Resul
         .iter()
         .map(|o| (o.name.clone(), o.node))
         .collect();
-    let backward = extract_ordered(
+    let backward = extract_backward(
         &joint.graph,
         &format!("{}_backward", graph.name),
         &bwd_inputs,
@@ -202,48 +201,6 @@ pub(crate) fn bytes_of(ty: &TensorType) -> usize {
         .as_concrete()
         .map_or(0, |s| s.iter().product::<usize>())
         * ty.dtype.size_bytes()
-}
-
-/// The `wanted` nodes in joint order, except that those in `late` come
-/// just before the first node that reads them (depth first, operands in
-/// order), or at the end when only an output needs them.
-fn lazy_order(
-    joint: &Graph,
-    late: &HashSet<NodeId>,
-    outputs: &[(String, NodeId)],
-    wanted: &dyn Fn(&NodeId) -> bool,
-) -> Vec<NodeId> {
-    let mut order = Vec::new();
-    let mut placed = HashSet::new();
-    // Places the late nodes `id` reads (and, if `id` is late, `id` itself).
-    let mut place = |id: NodeId, order: &mut Vec<NodeId>| {
-        let mut stack = vec![(id, 0usize)];
-        while let Some(&mut (v, ref mut i)) = stack.last_mut() {
-            if let Some(&x) = joint.node(v).inputs.get(*i) {
-                *i += 1;
-                if late.contains(&x) && wanted(&x) && !placed.contains(&x) {
-                    stack.push((x, 0));
-                }
-            } else {
-                stack.pop();
-                if (late.contains(&v) || v == id) && placed.insert(v) {
-                    order.push(v);
-                }
-            }
-        }
-    };
-    for i in 0..joint.len() {
-        let id = NodeId(i as u32);
-        if wanted(&id) && !late.contains(&id) {
-            place(id, &mut order);
-        }
-    }
-    for (_, id) in outputs {
-        if wanted(id) {
-            place(*id, &mut order);
-        }
-    }
-    order
 }
 
 /// Traces forward + backward: inputs are the primals, then the tangents;
@@ -474,79 +431,28 @@ fn made_before_the_backward(
     found
 }
 
-/// The subgraph of `joint` computing `outputs` from `inputs` (which become
-/// input nodes of the same types), in joint order. Errors if an output
-/// needs a joint input that is not among `inputs` (a partitioner bug).
-pub(crate) fn extract(
-    joint: &Graph,
-    name: &str,
-    inputs: &[(String, NodeId)],
-    outputs: &[(String, NodeId)],
-) -> Result<Graph> {
-    extract_ordered(joint, name, inputs, outputs, &HashSet::new())
-}
-
-/// As [`extract`], except that the nodes in `recomputed` (forward values
-/// and constants the backward computes) take the
+/// The backward graph: the subgraph of `joint` computing `outputs` from
+/// `inputs` ([`extract::extract_late`]), where the nodes in `recomputed`
+/// (forward values and constants the backward computes) take the
 /// backward's hints ([`crate::hints::for_backward`]) and are placed just
 /// before the first node that reads them (in joint order they would all
 /// come first, and a strict order would recompute every slice before the
 /// backward of the first).
-fn extract_ordered(
+fn extract_backward(
     joint: &Graph,
     name: &str,
     inputs: &[(String, NodeId)],
     outputs: &[(String, NodeId)],
     recomputed: &HashSet<NodeId>,
 ) -> Result<Graph> {
-    let boundary: HashMap<NodeId, &str> = inputs.iter().map(|(n, id)| (*id, n.as_str())).collect();
-    // Nodes needed, walking back from the outputs and stopping at inputs.
-    let mut needed = HashSet::new();
-    let mut stack: Vec<NodeId> = outputs.iter().map(|(_, id)| *id).collect();
-    while let Some(id) = stack.pop() {
-        if !needed.insert(id) || boundary.contains_key(&id) {
-            continue;
+    let (mut backward, map) = extract::extract_late(joint, name, inputs, outputs, recomputed)?;
+    for id in recomputed {
+        if let Some(new) = map.get(id) {
+            let meta = &mut backward.nodes[new.index()].meta;
+            meta.hints = crate::hints::for_backward(meta.hints.take());
         }
-        let node = joint.node(id);
-        if matches!(node.op, Op::Input) {
-            return Err(Error::new(
-                ErrorKind::Verify,
-                format!(
-                    "internal error: {name} needs joint input {} that it does not take",
-                    joint.display_name(id)
-                ),
-            ));
-        }
-        stack.extend(node.inputs.iter().copied());
     }
-    let mut g = Graph::new(name);
-    let mut map: HashMap<NodeId, NodeId> = HashMap::new();
-    for (input_name, id) in inputs {
-        map.insert(
-            *id,
-            g.add_input(input_name.clone(), joint.node(*id).ty.clone()),
-        );
-    }
-    let wanted = |id: &NodeId| needed.contains(id) && !boundary.contains_key(id);
-    for id in lazy_order(joint, recomputed, outputs, &wanted) {
-        let node = joint.node(id);
-        let mut meta = node.meta.clone();
-        if recomputed.contains(&id) {
-            meta.hints = crate::hints::for_backward(meta.hints);
-        }
-        let new = g.push(Node {
-            op: node.op.clone(),
-            inputs: node.inputs.iter().map(|x| map[x]).collect(),
-            ty: node.ty.clone(),
-            meta,
-        });
-        map.insert(id, new);
-    }
-    for (out_name, id) in outputs {
-        g.add_output(out_name.clone(), map[id]);
-    }
-    g.verify()?;
-    Ok(g)
+    Ok(backward)
 }
 
 /// Per input in `wrt`: whether a float output depends on it through ops
@@ -568,8 +474,8 @@ pub fn reached_inputs(graph: &Graph, wrt: &[usize]) -> Vec<bool> {
         }
         let node = graph.node(id);
         // Custom ops carry gradients through their registered backward.
-        let carries = super::rules::has_gradient(&node.op)
-            || matches!(node.op, Op::Custom(_) | Op::CustomOutput { .. });
+        let carries =
+            node.op.has_gradient() || matches!(node.op, Op::Custom(_) | Op::CustomOutput { .. });
         if carries && node.ty.dtype.is_float() {
             stack.extend(node.inputs.iter().copied());
         }

@@ -1,312 +1,47 @@
-//! The eager autograd engine: a graph of `GradNode`s hung on result tensors,
-//! walked backwards by `Tensor::backward` and [`grad`].
-//!
-//! A node is one recorded op (its VJP rule is in [`rules`]) or a custom
-//! function with several outputs and its own backward (a compiled graph, a
-//! custom op). Each output tensor points at its node and its output index.
+//! The eager autograd engine: walks the tape (`tensor::tape`: the
+//! `GradNode`s hung on result tensors) backwards for `Tensor::backward` and
+//! [`grad`], applying each node's VJP rule ([`rules`]) or its custom
+//! backward.
 
-use std::cell::Cell;
 use std::collections::{HashMap, HashSet};
-use std::panic::Location;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use super::rules;
 use crate::error::{Error, ErrorKind, Result, SourceLoc};
-use crate::ir::{DType, NodeMeta, Op};
+use crate::ir::Op;
+use crate::tensor::tape::{no_grad, Backward, GradNode};
 use crate::tensor::{trace, Tensor};
 
-/// Autograd state of a tensor that requires grad.
-pub(crate) struct AutogradMeta {
-    /// The accumulated gradient of a leaf.
-    grad: Mutex<Option<Tensor>>,
-    /// The node that computed this tensor and which of its outputs it is;
-    /// `None` for a leaf.
-    grad_fn: Option<(Arc<GradNode>, usize)>,
-}
-
-/// A backward function for [`custom_function`]: output gradients (zeros
-/// where an output got none) → one optional gradient per input.
-pub type BackwardFn =
-    dyn Fn(&[Tensor]) -> Result<Vec<Option<Tensor>>> + Send + Sync + std::panic::RefUnwindSafe;
-
-enum Backward {
-    /// One IR op; its output is kept detached (no reference cycle).
-    Op { op: Op, output: Tensor },
-    Custom {
-        name: String,
-        backward: Arc<BackwardFn>,
-    },
-}
-
-struct GradNode {
-    backward: Backward,
-    inputs: Vec<Tensor>,
-    /// Shapes and dtypes of the outputs, to make zero gradients.
-    outputs: Vec<(Vec<usize>, DType)>,
-    /// The forward op's call site and hints, as its backward ops inherit
-    /// them (see `backward_origin`).
-    origin: NodeMeta,
-    /// Where a `backward` that did not retain the graph went through this
-    /// node: a second one through it is an error (see [`Tensor::backward`]).
-    used_by: Mutex<Option<SourceLoc>>,
-}
-
-impl GradNode {
-    fn id(self: &Arc<Self>) -> usize {
-        Arc::as_ptr(self) as usize
-    }
-
-    fn name(&self) -> &str {
-        match &self.backward {
-            Backward::Op { op, .. } => op.name(),
-            Backward::Custom { name, .. } => name,
-        }
-    }
-
-    /// Input gradients from output gradients.
-    fn apply(&self, grads: Vec<Option<Tensor>>) -> Result<Vec<Option<Tensor>>> {
-        let filled: Vec<Tensor> = grads
-            .into_iter()
-            .zip(&self.outputs)
-            .map(|(g, (shape, dtype))| g.unwrap_or_else(|| Tensor::zeros(shape, *dtype)))
-            .collect();
-        let result = trace::with_origin(&self.origin, || match &self.backward {
-            Backward::Op { op, output } => rules::vjp(op, &self.inputs, output, &filled[0]),
-            Backward::Custom { backward, .. } => backward(&filled),
-        });
-        let result = result.map_err(|e| match &self.origin.location {
-            Some(loc) => e.at(loc.clone()),
-            None => e,
-        })?;
-        if result.len() != self.inputs.len() {
-            return Err(Error::op(
-                ErrorKind::Verify,
-                self.name(),
-                format!(
-                    "backward returned {} gradients for {} inputs",
-                    result.len(),
-                    self.inputs.len()
-                ),
-            ));
-        }
-        Ok(result)
-    }
-}
-
-thread_local! {
-    static GRAD_ENABLED: Cell<bool> = const { Cell::new(true) };
-}
-
-/// Whether ops record for autograd on this thread.
-pub fn is_grad_enabled() -> bool {
-    GRAD_ENABLED.with(Cell::get)
-}
-
-/// Runs `f` with autograd recording off (like `torch.no_grad()`).
-pub fn no_grad<R>(f: impl FnOnce() -> R) -> R {
-    struct Restore(bool);
-    impl Drop for Restore {
-        fn drop(&mut self) {
-            GRAD_ENABLED.with(|g| g.set(self.0));
-        }
-    }
-    let _restore = Restore(GRAD_ENABLED.with(|g| g.replace(false)));
-    f()
-}
-
-/// Whether a node recording `inputs` → outputs of `dtypes` is worth keeping.
-fn tracks(inputs: &[&Tensor], any_float_output: bool) -> bool {
-    is_grad_enabled() && any_float_output && inputs.iter().any(|t| t.requires_grad())
-}
-
-/// Hangs the op's node on `out` when an input requires grad.
-pub(crate) fn record(
-    op: &Op,
-    inputs: &[&Tensor],
-    out: Tensor,
-    caller: &'static Location<'static>,
-) -> Tensor {
-    if !rules::has_gradient(op) || !out.dtype().is_float() {
-        // Remember the cut, so a later `backward` can name the op.
-        return match inputs.iter().any(|t| t.requires_grad()) && is_grad_enabled() {
-            true => out.cut_by(op.name()),
-            false => inherit_cut(inputs, out),
-        };
-    }
-    if !tracks(inputs, true) {
-        return inherit_cut(inputs, out);
-    }
-    let node = Arc::new(GradNode {
-        backward: Backward::Op {
-            op: op.clone(),
-            output: out.clone(),
-        },
-        inputs: inputs.iter().map(|&t| t.clone()).collect(),
-        outputs: vec![(out.shape().to_vec(), out.dtype())],
-        origin: backward_origin(caller),
-        used_by: Mutex::new(None),
+/// The input gradients of `node` from its output gradients.
+fn input_gradients(node: &GradNode, grads: Vec<Option<Tensor>>) -> Result<Vec<Option<Tensor>>> {
+    let filled: Vec<Tensor> = grads
+        .into_iter()
+        .zip(&node.outputs)
+        .map(|(g, (shape, dtype))| g.unwrap_or_else(|| Tensor::zeros(shape, *dtype)))
+        .collect();
+    let result = trace::with_origin(&node.origin, || match &node.backward {
+        Backward::Op { op, output } => rules::vjp(op, &node.inputs, output, &filled[0]),
+        Backward::Custom { backward, .. } => backward(&filled),
     });
-    attach(&out, &node, 0)
-}
-
-/// A result of a cut tensor stays cut (by the same op).
-fn inherit_cut(inputs: &[&Tensor], out: Tensor) -> Tensor {
-    match inputs.iter().find_map(|t| t.cut_op()) {
-        Some(op) => out.cut_by(op),
-        None => out,
+    let result = result.map_err(|e| match &node.origin.location {
+        Some(loc) => e.at(loc.clone()),
+        None => e,
+    })?;
+    if result.len() != node.inputs.len() {
+        return Err(Error::op(
+            ErrorKind::Verify,
+            node.name(),
+            format!(
+                "backward returned {} gradients for {} inputs",
+                result.len(),
+                node.inputs.len()
+            ),
+        ));
     }
-}
-
-/// What a node's backward ops inherit: the forward op's call site and hints,
-/// with the hints' `backward_group_id` as their `group_id` (the one place
-/// backward hints are derived; see `hints::for_backward`).
-fn backward_origin(caller: &'static Location<'static>) -> NodeMeta {
-    let mut meta = trace::node_meta(caller);
-    meta.hints = crate::hints::for_backward(meta.hints);
-    meta
-}
-
-fn attach(out: &Tensor, node: &Arc<GradNode>, index: usize) -> Tensor {
-    out.with_autograd(Some(Arc::new(AutogradMeta {
-        grad: Mutex::new(None),
-        grad_fn: Some((node.clone(), index)),
-    })))
-}
-
-/// Connects `outputs` (computed from `inputs` without recording, e.g. by a
-/// compiled graph or a custom kernel) to the autograd graph with one node
-/// whose gradient is `backward`. Returns the outputs as tensors that carry
-/// it (unchanged when no input requires grad or grad mode is off).
-#[track_caller]
-pub fn custom_function(
-    name: &str,
-    inputs: &[&Tensor],
-    outputs: Vec<Tensor>,
-    backward: Arc<BackwardFn>,
-) -> Vec<Tensor> {
-    custom_function_at(name, inputs, outputs, backward, Location::caller())
-}
-
-/// [`custom_function`] with the forward's call site given.
-pub fn custom_function_at(
-    name: &str,
-    inputs: &[&Tensor],
-    outputs: Vec<Tensor>,
-    backward: Arc<BackwardFn>,
-    caller: &'static Location<'static>,
-) -> Vec<Tensor> {
-    if !tracks(inputs, outputs.iter().any(|t| t.dtype().is_float())) {
-        return outputs;
-    }
-    let node = Arc::new(GradNode {
-        backward: Backward::Custom {
-            name: name.to_string(),
-            backward,
-        },
-        inputs: inputs.iter().map(|&t| t.clone()).collect(),
-        outputs: outputs
-            .iter()
-            .map(|t| (t.shape().to_vec(), t.dtype()))
-            .collect(),
-        origin: backward_origin(caller),
-        used_by: Mutex::new(None),
-    });
-    outputs
-        .iter()
-        .enumerate()
-        .map(|(i, t)| {
-            if t.dtype().is_float() {
-                attach(&t.detach(), &node, i)
-            } else {
-                t.clone()
-            }
-        })
-        .collect()
+    Ok(result)
 }
 
 impl Tensor {
-    /// Whether gradients flow to this tensor.
-    pub fn requires_grad(&self) -> bool {
-        self.autograd_meta().is_some()
-    }
-
-    /// A new leaf handle over the same values that requires grad (`true`) or
-    /// not (`false`). Gradients accumulate on the returned handle and its
-    /// clones.
-    #[track_caller]
-    pub fn set_requires_grad(&self, requires: bool) -> Tensor {
-        if requires && !self.dtype().is_float() {
-            panic!(
-                "{}",
-                Error::op(
-                    ErrorKind::DType,
-                    "requires_grad",
-                    format!("only float tensors can require grad, got {}", self.ty())
-                )
-                .at(SourceLoc::caller())
-            );
-        }
-        let meta = requires.then(|| {
-            Arc::new(AutogradMeta {
-                grad: Mutex::new(None),
-                grad_fn: None,
-            })
-        });
-        self.with_autograd(meta)
-    }
-
-    /// The same values, cut from the autograd graph.
-    pub fn detach(&self) -> Tensor {
-        self.with_autograd(None)
-    }
-
-    /// A leaf: not computed by a recorded op.
-    pub fn is_leaf(&self) -> bool {
-        self.autograd_meta().is_none_or(|m| m.grad_fn.is_none())
-    }
-
-    /// The gradient accumulated in this leaf by `backward` calls.
-    pub fn grad(&self) -> Option<Tensor> {
-        self.autograd_meta()
-            .and_then(|m| m.grad.lock().expect("grad lock").clone())
-    }
-
-    /// Replaces the accumulated gradient of this leaf (like assigning
-    /// `p.grad` in PyTorch; gradient clipping needs it). The gradient must
-    /// have this tensor's type.
-    pub fn set_grad(&self, grad: Option<Tensor>) -> Result<()> {
-        let meta = self
-            .autograd_meta()
-            .filter(|_| self.is_leaf())
-            .ok_or_else(|| {
-                Error::op(
-                    ErrorKind::Argument,
-                    "set_grad",
-                    format!("{} is not a leaf that requires grad", self.ty()),
-                )
-            })?;
-        if let Some(g) = grad.as_ref().filter(|g| g.ty() != self.ty()) {
-            return Err(Error::op(
-                ErrorKind::Shape,
-                "set_grad",
-                format!(
-                    "the gradient {} does not match the tensor {}",
-                    g.ty(),
-                    self.ty()
-                ),
-            ));
-        }
-        *meta.grad.lock().expect("grad lock") = grad.map(|g| g.detach());
-        Ok(())
-    }
-
-    /// Clears the accumulated gradient.
-    pub fn zero_grad(&self) {
-        if let Some(m) = self.autograd_meta() {
-            *m.grad.lock().expect("grad lock") = None;
-        }
-    }
-
     /// Backpropagates from this scalar, accumulating into the leaves' `grad()`.
     ///
     /// As in PyTorch, a graph is backpropagated through once: a second
@@ -439,10 +174,6 @@ fn seed_gradient(out: &Tensor, grad: Option<&Tensor>) -> Result<Tensor> {
     }
 }
 
-fn grad_fn(t: &Tensor) -> Option<&(Arc<GradNode>, usize)> {
-    t.autograd_meta().and_then(|m| m.grad_fn.as_ref())
-}
-
 /// The nodes reachable from `roots`, each before every node that computed
 /// one of its inputs (reverse topological order).
 fn reverse_topological(roots: &[Tensor]) -> Vec<Arc<GradNode>> {
@@ -452,7 +183,7 @@ fn reverse_topological(roots: &[Tensor]) -> Vec<Arc<GradNode>> {
     let mut stack: Vec<(Arc<GradNode>, bool)> = roots
         .iter()
         .rev()
-        .filter_map(grad_fn)
+        .filter_map(Tensor::grad_fn)
         .map(|(n, _)| (n.clone(), false))
         .collect();
     while let Some((node, expanded)) = stack.pop() {
@@ -465,7 +196,7 @@ fn reverse_topological(roots: &[Tensor]) -> Vec<Arc<GradNode>> {
         }
         stack.push((node.clone(), true));
         for input in &node.inputs {
-            if let Some((n, _)) = grad_fn(input) {
+            if let Some((n, _)) = input.grad_fn() {
                 if !seen.contains(&n.id()) {
                     stack.push((n.clone(), false));
                 }
@@ -616,7 +347,7 @@ impl Pending {
 
 /// Sends `g` to where `t`'s gradient goes.
 fn route(t: &Tensor, g: Partial, pending: &mut Pending, sink: &mut Sink) -> Result<()> {
-    match grad_fn(t) {
+    match t.grad_fn() {
         None => sink.leaf(t, g.dense()?),
         Some((node, i)) => pending.add(node, *i, g),
     }
@@ -655,7 +386,7 @@ fn propagate(
     for (root, seed) in roots.iter().zip(seeds) {
         // Summing the seeds of a root given twice belongs to the backward of
         // the op that computed it (its line and hints).
-        match grad_fn(root) {
+        match root.grad_fn() {
             Some((node, _)) => trace::with_origin(&node.origin, || {
                 route(root, Partial::Dense(seed), &mut pending, sink)
             })?,
@@ -687,7 +418,7 @@ fn propagate(
             })?;
             continue;
         }
-        let input_grads = node.apply(grads)?;
+        let input_grads = input_gradients(node, grads)?;
         // The sums of partial gradients are part of this node's backward too:
         // in an AOT backward graph they carry the forward op's line and hints.
         trace::with_origin(&node.origin, || -> Result<()> {

@@ -1,12 +1,19 @@
-//! Autograd: one VJP rule per op ([`rules`]), used by eager `backward()`
-//! and — by running the same engine on traced tensors — by the ahead-of-time
+//! Autograd: one VJP rule per op ([`rules`]), applied by the eager engine
+//! when it walks the tape back (`Tensor::backward`, [`grad`]) and — by
+//! running the same engine on traced tensors — by the ahead-of-time
 //! forward/backward graphs ([`aot`]).
+//!
+//! The tape itself (what ops record, the grad mode, custom functions) is
+//! the tensor layer's (`tensor::tape`); its public items are re-exported
+//! here.
 
 pub mod aot;
 mod engine;
 mod mincut;
 pub mod rules;
 
+pub use crate::tensor::tape::{
+    custom_function, custom_function_at, is_grad_enabled, no_grad, BackwardFn,
+};
 pub use aot::{aot_autograd, AotGraphs, Partition};
-pub use engine::{custom_function, custom_function_at, grad, is_grad_enabled, no_grad, BackwardFn};
-pub(crate) use engine::{record, AutogradMeta};
+pub use engine::grad;

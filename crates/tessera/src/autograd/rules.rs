@@ -123,23 +123,6 @@ pub fn vjp(op: &Op, inputs: &[Tensor], output: &Tensor, g: &Tensor) -> Result<Ve
     })
 }
 
-/// Ops whose output carries a gradient back to (some of) their inputs.
-pub fn has_gradient(op: &Op) -> bool {
-    !matches!(
-        op,
-        Op::Input
-            | Op::Constant(_)
-            | Op::Full { .. }
-            | Op::Arange { .. }
-            | Op::Rand { .. }
-            | Op::Randn { .. }
-            | Op::Compare(_)
-            | Op::ArgReduce { .. }
-            | Op::Custom(_)
-            | Op::CustomOutput { .. }
-    )
-}
-
 fn signed(shape: &[usize]) -> Vec<isize> {
     shape.iter().map(|&d| d as isize).collect()
 }
@@ -366,8 +349,38 @@ pub(crate) fn slice_backward(
 mod tests {
     use std::panic::Location;
 
-    use crate::ir::{DType, Op};
+    use crate::ir::{ArgReduceOp, CompareOp, DType, Op, UnaryOp};
     use crate::tensor::{Generator, Tensor};
+
+    /// The tape records an op only when the IR's table says it has a
+    /// gradient (`Op::has_gradient`); the rules agree: an op without one
+    /// gives no input gradient, one with one does.
+    #[test]
+    fn the_irs_gradient_table_agrees_with_the_rules() {
+        let x = Tensor::from_vec(vec![1.0f32, -2.0, 3.0], &[3]);
+        let y = Tensor::from_vec(vec![0.5f32, 0.5, 0.5], &[3]);
+        let cases: [(Op, Vec<&Tensor>); 3] = [
+            (Op::Compare(CompareOp::Gt), vec![&x, &y]),
+            (
+                Op::ArgReduce {
+                    op: ArgReduceOp::ArgMax,
+                    dim: 0,
+                    keepdim: false,
+                },
+                vec![&x],
+            ),
+            (Op::Unary(UnaryOp::Exp), vec![&x]),
+        ];
+        for (op, inputs) in cases {
+            let out = Tensor::apply(&op, &inputs, Location::caller()).unwrap();
+            let owned: Vec<Tensor> = inputs.iter().map(|&t| t.clone()).collect();
+            let g = Tensor::ones(out.shape(), DType::F32);
+            let grads = super::vjp(&op, &owned, &out, &g).unwrap();
+            assert_eq!(grads.len(), inputs.len(), "{}", op.name());
+            let any = grads.iter().any(Option::is_some);
+            assert_eq!(any, op.has_gradient(), "{}", op.name());
+        }
+    }
 
     /// `matmul_t`'s gradients are those of the matmul of explicit transposes.
     #[test]

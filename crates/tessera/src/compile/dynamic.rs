@@ -22,11 +22,46 @@
 
 use std::collections::{BTreeSet, HashMap};
 
+use super::cache::structure_key;
 use super::InputGuard;
 use crate::ir::{Dim, Graph, Op, Shape};
+use crate::tensor::trace::Traced;
 
 /// (user input, dim) pairs that are dynamic.
 pub type DynamicDims = BTreeSet<(usize, usize)>;
+
+/// A trace as the cache sees it.
+pub struct Generalised {
+    pub key: u64,
+    /// The generalised trace, when the dynamic dims generalise the graph.
+    pub traced: Option<Traced>,
+}
+
+/// The trace as the cache sees it: generalised over `dims` (when there are
+/// any, the trace has no graph breaks and the graph generalises), with its
+/// key; else the concrete trace's key.
+pub fn view(traced: &Traced, guards: &[InputGuard], dims: &DynamicDims) -> Generalised {
+    let general = traced
+        .breaks
+        .is_empty()
+        .then(|| generalise(&traced.graph, guards, dims))
+        .flatten();
+    match general {
+        Some((graph, masked)) => Generalised {
+            key: structure_key(&graph, &masked, &traced.lifted),
+            traced: Some(Traced {
+                graph,
+                lifted: traced.lifted.clone(),
+                materialized: Vec::new(),
+                breaks: Vec::new(),
+            }),
+        },
+        None => Generalised {
+            key: structure_key(&traced.graph, guards, &traced.lifted),
+            traced: None,
+        },
+    }
+}
 
 /// `graph` with the `dims` of its first `guards.len()` inputs symbolic, and
 /// the guards with those sizes masked (replaced by their symbol's number);
@@ -118,13 +153,8 @@ mod tests {
     use crate::{DType, Tensor};
 
     fn traced(n: usize, f: impl FnOnce(&[Tensor]) -> Tensor) -> (Graph, Vec<InputGuard>) {
-        let x = Tensor::zeros(&[n, 4], DType::F32);
-        let y = Tensor::zeros(&[n, 4], DType::F32);
-        let t = trace("g", &[("x".into(), x.ty()), ("y".into(), y.ty())], |a| {
-            Ok(vec![("out".into(), f(a))])
-        })
-        .unwrap();
-        (t.graph, vec![InputGuard::of(&x), InputGuard::of(&y)])
+        let (t, guards) = traced_full(n, f);
+        (t.graph, guards)
     }
 
     #[test]
@@ -141,6 +171,65 @@ mod tests {
         let (sym16, masked16) = generalise(&g16, &guards16, &dims).unwrap();
         assert_eq!(sym.to_string(), sym16.to_string());
         assert_eq!(masked, masked16);
+    }
+
+    fn traced_full(n: usize, f: impl FnOnce(&[Tensor]) -> Tensor) -> (Traced, Vec<InputGuard>) {
+        let x = Tensor::zeros(&[n, 4], DType::F32);
+        let y = Tensor::zeros(&[n, 4], DType::F32);
+        let t = trace("g", &[("x".into(), x.ty()), ("y".into(), y.ty())], |a| {
+            Ok(vec![("out".into(), f(a))])
+        })
+        .unwrap();
+        (t, vec![InputGuard::of(&x), InputGuard::of(&y)])
+    }
+
+    #[test]
+    fn one_key_serves_every_size_of_a_dynamic_dim() {
+        let f = |a: &[Tensor]| (&a[0] * &a[1]).exp();
+        let dims: DynamicDims = [(0, 0), (1, 0)].into();
+        let (t8, g8) = traced_full(8, f);
+        let (t16, g16) = traced_full(16, f);
+        let (v8, v16) = (view(&t8, &g8, &dims), view(&t16, &g16, &dims));
+        assert_eq!(v8.key, v16.key);
+        let general = v8.traced.expect("generalised");
+        assert_eq!(
+            general
+                .graph
+                .node(general.graph.inputs[0])
+                .ty
+                .shape
+                .to_string(),
+            "[s0,4]"
+        );
+        assert!(general.breaks.is_empty() && general.materialized.is_empty());
+        // Without dynamic dims: the concrete graphs, one key per size.
+        let none = DynamicDims::new();
+        let (c8, c16) = (view(&t8, &g8, &none), view(&t16, &g16, &none));
+        assert!(c8.traced.is_none());
+        assert_ne!(c8.key, c16.key);
+        assert_eq!(c8.key, structure_key(&t8.graph, &g8, &t8.lifted));
+    }
+
+    #[test]
+    fn a_trace_with_graph_breaks_stays_concrete() {
+        let (mut t, g) = traced_full(8, |a| &a[0] + &a[1]);
+        t.breaks.push(crate::error::SourceLoc::caller());
+        let v = view(&t, &g, &all_dims(&g));
+        assert!(v.traced.is_none());
+        assert_eq!(v.key, structure_key(&t.graph, &g, &t.lifted));
+    }
+
+    #[test]
+    fn changed_and_all_dims() {
+        let guard = |s: &[usize]| InputGuard::of(&Tensor::zeros(s, DType::F32));
+        let before = [guard(&[8, 4]), guard(&[2])];
+        let now = [guard(&[8, 5]), guard(&[2, 2])];
+        assert_eq!(changed_dims(&before, &now), DynamicDims::from([(0, 1)]));
+        assert!(changed_dims(&before, &before).is_empty());
+        assert_eq!(
+            all_dims(&now),
+            DynamicDims::from([(0, 0), (0, 1), (1, 0), (1, 1)])
+        );
     }
 
     #[test]

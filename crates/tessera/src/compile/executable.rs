@@ -12,9 +12,9 @@ use crate::logging::log;
 use crate::passes::{PassContext, PassManager};
 use crate::runtime::device::Device;
 use crate::runtime::execute::{run_plan_with, run_scheduled_with};
-use crate::runtime::interpret::{bind_symbols, concretise, run_graph};
 use crate::runtime::replay::{ReplayStats, Replayer};
 use crate::schedule::{self, ScheduleOptions, Scheduled};
+use crate::tensor::interpret::{bind_symbols, concretise, run_graph};
 use crate::tensor::trace::Traced;
 use crate::tensor::Tensor;
 
@@ -405,5 +405,5 @@ fn cut_at_breaks(traced: &Traced) -> Result<Graph> {
     );
     let outputs: Vec<(String, NodeId)> =
         g.outputs.iter().map(|o| (o.name.clone(), o.node)).collect();
-    autograd::aot::extract(g, &g.name, &inputs, &outputs)
+    crate::ir::extract::extract(g, &g.name, &inputs, &outputs)
 }

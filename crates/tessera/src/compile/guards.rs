@@ -2,6 +2,7 @@
 //! reason a call misses ("input 0, dim 0: expected 8, got 16").
 
 use crate::ir::DType;
+use crate::runtime::device::Device;
 use crate::tensor::Tensor;
 
 /// What one input must look like for an executable to serve it.
@@ -87,6 +88,21 @@ pub fn miss_reason(expected: &[InputGuard], actual: &[InputGuard]) -> Option<Str
         .find_map(|(i, (e, a))| e.mismatch(i, a))
 }
 
+/// The device the executable's kernels run on: its inputs' (as
+/// `device::of_inputs` decides: 0-dim host tensors are scalars, read on any
+/// device), the host when none says otherwise.
+pub(super) fn guards_device(guards: &[InputGuard], lifted: &[Tensor]) -> Device {
+    let user = guards
+        .iter()
+        .filter(|g| !(g.device == Device::Cpu.name() && g.shape.is_empty()))
+        .map(|g| Device::parse(g.device).unwrap_or_default());
+    let captured = lifted
+        .iter()
+        .filter(|t| !(t.device() == Device::Cpu && t.rank() == 0))
+        .map(Tensor::device);
+    user.chain(captured).next().unwrap_or_default()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -107,5 +123,48 @@ mod tests {
         let g = a.set_requires_grad(true);
         let r = miss_reason(&[InputGuard::of(&a)], &[InputGuard::of(&g)]).unwrap();
         assert_eq!(r, "input 0: expected requires_grad=false, got true");
+        let on_gpu = InputGuard {
+            device: Device::Cuda.name(),
+            ..InputGuard::of(&a)
+        };
+        let r = miss_reason(&[InputGuard::of(&a)], &[on_gpu]).unwrap();
+        assert_eq!(r, "input 0: expected device cpu, got cuda");
+        let r = miss_reason(
+            &[InputGuard::of(&a)],
+            &[InputGuard::of(&a), InputGuard::of(&a)],
+        );
+        assert_eq!(r.unwrap(), "expected 1 inputs, got 2");
+    }
+
+    #[test]
+    fn the_first_input_other_than_a_host_scalar_picks_the_device() {
+        let host = InputGuard::of(&Tensor::zeros(&[2], DType::F32));
+        let scalar = InputGuard::of(&Tensor::zeros(&[], DType::F32));
+        let gpu = |shape: Vec<usize>| InputGuard {
+            device: Device::Cuda.name(),
+            shape,
+            ..host.clone()
+        };
+        assert_eq!(guards_device(&[], &[]), Device::Cpu);
+        assert_eq!(
+            guards_device(&[scalar.clone(), gpu(vec![2])], &[]),
+            Device::Cuda
+        );
+        assert_eq!(
+            guards_device(&[gpu(vec![]), host.clone()], &[]),
+            Device::Cuda,
+            "a device scalar counts"
+        );
+        assert_eq!(
+            guards_device(&[host.clone(), gpu(vec![2])], &[]),
+            Device::Cpu
+        );
+        // Lifted tensors decide only after the user inputs.
+        let lifted = [Tensor::zeros(&[3], DType::F32)];
+        assert_eq!(
+            guards_device(&[scalar.clone(), gpu(vec![2])], &lifted),
+            Device::Cuda
+        );
+        assert_eq!(guards_device(&[scalar], &lifted), Device::Cpu);
     }
 }

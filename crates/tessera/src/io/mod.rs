@@ -14,6 +14,7 @@ use std::path::Path;
 
 use crate::error::Error;
 use crate::ir::DType;
+use crate::runtime::array::Array;
 use crate::runtime::cpu::{copy, Storage};
 use crate::tensor::Tensor;
 
@@ -24,14 +25,16 @@ fn file_error(path: &Path, what: impl std::fmt::Display) -> Error {
 
 /// A tensor's elements as native-endian bytes in row-major order (a
 /// contiguous copy when the tensor is a strided view).
-struct DenseBytes(Tensor);
+struct DenseBytes(Array);
 
 impl DenseBytes {
     /// Errors when `t` is on a device that cannot copy it back, or when
     /// the host has no memory for the copy of a view.
     fn new(t: &Tensor) -> crate::error::Result<DenseBytes> {
         let host = t.to_host()?;
-        crate::runtime::cpu::alloc::catching(|| DenseBytes(copy::contiguous(&host)))
+        crate::runtime::cpu::alloc::catching(|| {
+            DenseBytes(copy::contiguous(host.array()).into_owned())
+        })
     }
 
     fn bytes(&self) -> &[u8] {

@@ -63,8 +63,9 @@ pub fn read_npy(path: impl AsRef<Path>) -> Result<Tensor> {
                 read_data(&mut reader, buf)
             })?;
             let perm: Vec<usize> = (0..shape.len()).rev().collect();
-            let view = Tensor::from_parts(t.storage().clone(), t.layout().permuted(&perm));
-            alloc::catching(|| copy::contiguous(&view)).map_err(|e| file_error(path, e))
+            let view = t.array().view(t.layout().permuted(&perm));
+            alloc::catching(|| Tensor::from_array(copy::into_contiguous(view)))
+                .map_err(|e| file_error(path, e))
         }
     }
 }

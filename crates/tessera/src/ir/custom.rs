@@ -6,9 +6,10 @@
 //! inference, the verifier and the text parser find them without reaching
 //! up into the layers that run ops. What runs a call (the kernels of each
 //! backend, the backward, eager execution and tracing) belongs to the
-//! `custom_op` module, a layer above: registering an op there registers
-//! its signature here. The built-in ops' signatures ([`flash_attention`]) are here from
-//! the start, so a graph naming them parses before anything else runs.
+//! tensor layer (`tensor::custom`, public as `tessera::custom_op`):
+//! registering an op there registers its signature here. The built-in ops'
+//! signatures ([`flash_attention`]) are here from the start, so a graph
+//! naming them parses before anything else runs.
 
 pub mod flash_attention;
 
@@ -109,7 +110,8 @@ static SIGNATURES: LazyLock<RwLock<HashMap<String, Arc<Signature>>>> = LazyLock:
 
 /// Adds `signature` to the registry. A name already registered is an
 /// error (ops are looked up by name when graphs are parsed). Only
-/// the `custom_op` module registers, together with the op's kernels.
+/// the tensor layer's registry (`tensor::custom`) registers, together with
+/// the op's kernels.
 pub(crate) fn register(signature: Signature) -> Result<Arc<Signature>> {
     let mut registry = SIGNATURES.write().expect("custom op signatures");
     if registry.contains_key(&signature.name) {

@@ -1,8 +1,10 @@
 //! The intermediate representation: dtypes, shapes, ops, graphs, their text
-//! form and the verifier, and the signatures of custom ops (`custom`).
+//! form and the verifier, the signatures of custom ops (`custom`), and
+//! graph surgery (`extract`).
 
 pub mod custom;
 pub mod dtype;
+pub mod extract;
 pub mod graph;
 pub mod infer;
 pub mod kernel;

@@ -532,6 +532,27 @@ impl Op {
             _ => Some(1),
         }
     }
+
+    /// Whether the op's output carries a gradient back to (some of) its
+    /// inputs through a VJP rule (`autograd::rules`). The tape records an
+    /// op only when it has one; sources (inputs, constants, random
+    /// numbers), comparisons and arg-reductions have none, and custom ops
+    /// are differentiated by their registered backward instead.
+    pub fn has_gradient(&self) -> bool {
+        !matches!(
+            self,
+            Op::Input
+                | Op::Constant(_)
+                | Op::Full { .. }
+                | Op::Arange { .. }
+                | Op::Rand { .. }
+                | Op::Randn { .. }
+                | Op::Compare(_)
+                | Op::ArgReduce { .. }
+                | Op::Custom(_)
+                | Op::CustomOutput { .. }
+        )
+    }
 }
 
 fn hash_scalar<H: Hasher>(value: Scalar, h: &mut H) {

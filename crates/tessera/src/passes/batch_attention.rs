@@ -24,7 +24,7 @@
 //! `[Lq, Lk]` scores either, only O(1) f32 statistics per query row, so it
 //! bounds memory as well while running as one launch. The pass estimates
 //! the bytes live at once, forward or backward, for the graph it sees
-//! ([`MemoryEstimate`]):
+//! (`MemoryEstimate`):
 //! - per slice, one slice at a time: at the `cat`, every part (output and
 //!   saved row statistics; in the backward the q, k and v gradient parts)
 //!   next to the concatenation, plus one slice's statistics;

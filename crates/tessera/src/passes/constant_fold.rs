@@ -23,6 +23,7 @@ use super::rewrite::Replacements;
 use super::PassContext;
 use crate::error::Result;
 use crate::ir::{DType, Graph, Literal, LiteralData, NodeId, Op, Scalar, Shape};
+use crate::runtime::array::Array;
 use crate::runtime::cpu;
 use crate::tensor::Tensor;
 
@@ -69,13 +70,13 @@ fn fold(g: &Graph, id: NodeId, inputs: &[NodeId], ctx: &PassContext) -> Option<O
     if !input_shapes.iter().all(|s| small(s)) {
         return None;
     }
-    let values: Vec<Tensor> = inputs
+    let values: Vec<Array> = inputs
         .iter()
         .map(|&x| evaluate_source(g, x))
         .collect::<Option<_>>()?;
-    let refs: Vec<&Tensor> = values.iter().collect();
+    let refs: Vec<&Array> = values.iter().collect();
     let value = cpu::eval(&node.op, &refs, node.ty.dtype, &shape).ok()?;
-    Some(source_op(&value))
+    Some(source_op(&Tensor::from_array(value)))
 }
 
 /// Ops that map `full`s to a `full`: elementwise ops and views.
@@ -99,7 +100,7 @@ fn keeps_uniform(op: &Op) -> bool {
 /// result fills the node's shape (symbolic or not).
 fn fold_uniform(g: &Graph, id: NodeId, inputs: &[NodeId]) -> Option<Op> {
     let node = g.node(id);
-    let scalars: Vec<Tensor> = inputs
+    let scalars: Vec<Array> = inputs
         .iter()
         .map(|&x| {
             let dtype = g.node(x).ty.dtype;
@@ -111,7 +112,7 @@ fn fold_uniform(g: &Graph, id: NodeId, inputs: &[NodeId]) -> Option<Op> {
             cpu::eval(&one, &[], dtype, &[]).ok()
         })
         .collect::<Option<_>>()?;
-    let refs: Vec<&Tensor> = scalars.iter().collect();
+    let refs: Vec<&Array> = scalars.iter().collect();
     let op = match &node.op {
         // On one element, a view is the element itself.
         Op::Reshape(_) | Op::Permute(_) | Op::Expand(_) | Op::Slice { .. } | Op::Contiguous => {
@@ -121,14 +122,14 @@ fn fold_uniform(g: &Graph, id: NodeId, inputs: &[NodeId]) -> Option<Op> {
     };
     let one = cpu::eval(&op, &refs, node.ty.dtype, &[]).ok()?;
     Some(Op::Full {
-        value: scalar_of(&one, 0),
+        value: scalar_of(&Tensor::from_array(one), 0),
         shape: node.ty.shape.clone(),
         dtype: node.ty.dtype,
     })
 }
 
 /// The value of a `constant`, `full` or `arange` node with a concrete shape.
-fn evaluate_source(g: &Graph, id: NodeId) -> Option<Tensor> {
+fn evaluate_source(g: &Graph, id: NodeId) -> Option<Array> {
     let node = g.node(id);
     let shape = node.ty.shape.as_concrete()?;
     cpu::eval(&node.op, &[], node.ty.dtype, &shape).ok()

@@ -1,22 +1,28 @@
-//! Devices other than the host: the [`Backend`] trait a device implements,
-//! the registry that maps a [`Device`] to its backend at run time, and
-//! [`DeviceStorage`], the bytes of a tensor that lives on a device.
+//! Where computation runs: the [`Backend`] trait every device implements
+//! (the CPU too: [`super::cpu::CpuBackend`]), [`DeviceBackend`], what a
+//! device with memory of its own adds (uploads, downloads, allocation), the
+//! registry that maps a [`Device`] to its backend at run time, and
+//! [`DeviceStorage`], the bytes of an array that lives on a device.
 //!
-//! The core crate knows no device API: a backend crate (`tessera-cuda`)
-//! implements [`Backend`] and registers it with [`register`]. Tensors on a
+//! Callers never branch on the device to compute: they ask [`backend`] for
+//! the inputs' device and call it. The core crate knows no device API: a
+//! backend crate (`tessera-cuda`) implements [`DeviceBackend`] and
+//! registers it with [`register`]. Arrays on a
 //! device carry a [`DeviceStorage`]; an op whose inputs live on a device is
 //! sent to that device's backend (see `Tensor::apply`), and a compiled
-//! executable runs each kernel on its inputs' device.
+//! executable runs each kernel on its inputs' device. Backends take and
+//! return [`Array`]s, never the user-facing `Tensor`.
 
 use std::cell::Cell;
 use std::fmt;
 use std::sync::{Arc, RwLock};
 
-use super::cpu::{MemoryStats, Storage};
+use super::array::Array;
+use super::cpu::{DescribedProduct, MemoryStats, Storage};
+use super::layout::Layout;
 use crate::error::{Error, ErrorKind, Result};
 use crate::ir::kernel::{FusedKernel, RowKernel};
-use crate::ir::{DType, Op};
-use crate::tensor::{Layout, Tensor};
+use crate::ir::{DType, Op, TensorType};
 
 /// Where a tensor's values are.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
@@ -119,47 +125,48 @@ impl DeviceStorage {
     }
 }
 
-/// What a device implements. Every method that takes tensors gets them on
-/// this backend's device, except 0-dim host tensors, which stand for
-/// scalars (as in PyTorch) and which the backend reads on the host.
+/// One argument of a fused kernel.
+pub enum FusedArg<'a> {
+    /// An array the kernel reads (broadcast to the kernel's shape).
+    Shared(&'a Array),
+    /// A dense array that nothing else holds (its buffer is unique), of the
+    /// kernel's shape, which output `output` (of the same dtype) overwrites:
+    /// the memory plan's in-place write. The output keeps its buffer and
+    /// allocates nothing. In place is safe because every block of a fused
+    /// kernel loads all of its inputs before it stores its outputs, at the
+    /// same element range, and blocks are disjoint.
+    Donated { array: Array, output: usize },
+}
+
+impl FusedArg<'_> {
+    /// The array read, donated or not.
+    pub fn array(&self) -> &Array {
+        match self {
+            FusedArg::Shared(a) => a,
+            FusedArg::Donated { array, .. } => array,
+        }
+    }
+}
+
+/// What every device implements, the CPU included: its kernels on arrays,
+/// its clock (synchronisation, streams) and its memory accounting. Every
+/// method that takes arrays gets them on this backend's device, except
+/// 0-dim host arrays, which stand for scalars (as in PyTorch) and which
+/// the backend reads on the host.
 pub trait Backend: Send + Sync {
     fn device(&self) -> Device;
-
-    /// Storage for `numel` elements of `dtype` (contents undefined; kernels
-    /// overwrite what they hand out). Out of memory is an error that names
-    /// the bytes asked for and the bytes free.
-    fn alloc(&self, dtype: DType, numel: usize) -> Result<DeviceStorage>;
-
-    /// A copy of host storage on the device.
-    fn upload(&self, host: &Storage) -> Result<DeviceStorage>;
-
-    /// A copy of device storage on the host (waits for pending work).
-    fn download(&self, storage: &DeviceStorage) -> Result<Storage>;
 
     /// Computes `op(inputs)` whose output has `dtype` and `shape` (inferred
     /// and checked). Views are handled by the caller: `op` is never a view
     /// here. An op the backend has no kernel for is an `Unsupported` error
     /// that names it.
-    fn eval(&self, op: &Op, inputs: &[&Tensor], dtype: DType, shape: &[usize]) -> Result<Tensor>;
+    fn eval(&self, op: &Op, inputs: &[&Array], dtype: DType, shape: &[usize]) -> Result<Array>;
 
-    /// Runs a fused elementwise kernel (see [`FusedKernel`]); `inputs` as
-    /// numbered by its loads.
-    fn run_fused(&self, kernel: &FusedKernel, inputs: &[&Tensor]) -> Result<Vec<Tensor>>;
-
-    /// [`Backend::run_fused`], where each `(input, output)` of `donated`
-    /// says that output `output` may be written over input `input`'s
-    /// storage (a dense buffer of the output's shape and dtype that nothing
-    /// else holds: the memory plan's in-place writes). The output then
-    /// keeps that storage; it allocates nothing.
-    fn run_fused_into(
-        &self,
-        kernel: &FusedKernel,
-        inputs: &[&Tensor],
-        donated: &[(usize, usize)],
-    ) -> Result<Vec<Tensor>> {
-        let _ = donated;
-        self.run_fused(kernel, inputs)
-    }
+    /// Runs a fused elementwise kernel (see [`FusedKernel`]) on `inputs`,
+    /// numbered by its loads, writing donated inputs over in place. Under
+    /// [`tuning`], a backend may first pick the kernel's launch shape (the
+    /// CPU its block size) by trial runs on these inputs.
+    fn run_fused(&self, kernel: &FusedKernel, inputs: Vec<FusedArg<'_>>) -> Result<Vec<Array>>;
 
     /// Why this backend does not run `kernel` as one kernel, if it does not
     /// (the executor then runs the group's ops one by one through
@@ -177,7 +184,7 @@ pub trait Backend: Send + Sync {
     /// [`Backend::row_kernel_refusal`] takes; `inputs` as numbered by its
     /// loads, each broadcastable to `outer ++ [len]`. Its outputs are
     /// allocated in `kernel.outputs` order (the memory plan's order).
-    fn run_rows(&self, kernel: &RowKernel, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
+    fn run_rows(&self, kernel: &RowKernel, inputs: &[&Array]) -> Result<Vec<Array>> {
         let _ = (kernel, inputs);
         Err(unsupported(self.device(), "row kernels"))
     }
@@ -209,16 +216,43 @@ pub trait Backend: Send + Sync {
     /// Gives cached free blocks back to the driver.
     fn empty_cache(&self);
 
-    /// Queues a copy of `src`'s bytes into `dst` (same size) on the device.
-    fn copy(&self, dst: &DeviceStorage, src: &DeviceStorage) -> Result<()> {
-        let _ = (dst, src);
-        Err(unsupported(self.device(), "device-to-device copies"))
-    }
-
     /// How many streams (lanes) the kernels of one schedule step may be
     /// spread over; 1 runs everything in order on one stream.
     fn lanes(&self) -> usize {
         1
+    }
+
+    /// Whether the kernels of one schedule step may run at once on host
+    /// threads (the CPU's; a device queues its kernels from one thread and
+    /// spreads them over [`Backend::lanes`] instead).
+    fn runs_on_host_threads(&self) -> bool {
+        false
+    }
+
+    /// Runs `kernel` with the products of `products` (row-major `[.., m,
+    /// n]` of each matmul: its op, its operands, its output shape) fed to
+    /// it block of rows by block of rows, never made whole, if this backend
+    /// can (`None`: the caller makes the products and calls
+    /// [`Backend::run_rows`]). `row_args[i]` is load `i`'s array, `None`
+    /// for the loads `fed` names (the products, in `products`' order).
+    fn run_rows_fed(
+        &self,
+        kernel: &RowKernel,
+        products: &[(&Op, [&Array; 2], &[usize])],
+        row_args: &[Option<&Array>],
+        fed: &[usize],
+    ) -> Option<Result<Vec<Array>>> {
+        let _ = (kernel, products, row_args, fed);
+        None
+    }
+
+    /// Whether [`Backend::run_rows_fed`] takes matmul products like these
+    /// (each: its operands' layouts and dtypes, its transposes, its output
+    /// shape) of a row kernel that is not wide: the memory plan then
+    /// reserves no scratch for them.
+    fn feeds_products(&self, products: &[DescribedProduct<'_>]) -> bool {
+        let _ = products;
+        false
     }
 
     /// Starts a step on `lanes` lanes: each lane waits for the work queued
@@ -256,6 +290,24 @@ pub trait Backend: Send + Sync {
     }
 }
 
+/// What a device with memory of its own adds to [`Backend`]: allocation
+/// and the copies between it and the host.
+pub trait DeviceBackend: Backend {
+    /// Storage for `numel` elements of `dtype` (contents undefined; kernels
+    /// overwrite what they hand out). Out of memory is an error that names
+    /// the bytes asked for and the bytes free.
+    fn alloc(&self, dtype: DType, numel: usize) -> Result<DeviceStorage>;
+
+    /// A copy of host storage on the device.
+    fn upload(&self, host: &Storage) -> Result<DeviceStorage>;
+
+    /// A copy of device storage on the host (waits for pending work).
+    fn download(&self, storage: &DeviceStorage) -> Result<Storage>;
+
+    /// Queues a copy of `src`'s bytes into `dst` (same size) on the device.
+    fn copy(&self, dst: &DeviceStorage, src: &DeviceStorage) -> Result<()>;
+}
+
 /// Recorded device work that can be queued again with the same buffers.
 pub trait DeviceGraph: Send + Sync {
     /// Queues the recorded work once more.
@@ -269,10 +321,10 @@ fn unsupported(device: Device, what: &str) -> Error {
     )
 }
 
-static CUDA: RwLock<Option<Arc<dyn Backend>>> = RwLock::new(None);
+static CUDA: RwLock<Option<Arc<dyn DeviceBackend>>> = RwLock::new(None);
 
-/// Makes `backend` the one that runs tensors on `backend.device()`.
-pub fn register(backend: Arc<dyn Backend>) -> Result<()> {
+/// Makes `backend` the one that runs arrays on `backend.device()`.
+pub fn register(backend: Arc<dyn DeviceBackend>) -> Result<()> {
     match backend.device() {
         Device::Cpu => Err(Error::new(
             ErrorKind::Argument,
@@ -285,11 +337,26 @@ pub fn register(backend: Arc<dyn Backend>) -> Result<()> {
     }
 }
 
-/// The backend registered for `device`; an error when none is (the CPU
-/// has no `Backend` object: its kernels are called directly).
+/// The backend that computes on `device`: the CPU's, or the one registered
+/// for a device (an error when none is).
 pub fn backend(device: Device) -> Result<Arc<dyn Backend>> {
+    match device {
+        Device::Cpu => Ok(super::cpu::cpu_backend()),
+        d => Ok(device_backend(d)?),
+    }
+}
+
+/// The backend registered for a device with memory of its own; an error
+/// for the CPU (host memory is not a device's) and for a device nobody
+/// registered.
+pub fn device_backend(device: Device) -> Result<Arc<dyn DeviceBackend>> {
     let slot = match device {
-        Device::Cpu => None,
+        Device::Cpu => {
+            return Err(Error::new(
+                ErrorKind::Argument,
+                "the CPU has no device memory: its arrays are host arrays",
+            ))
+        }
         Device::Cuda => CUDA.read().expect("backend registry poisoned").clone(),
     };
     slot.ok_or_else(|| {
@@ -303,33 +370,52 @@ pub fn backend(device: Device) -> Result<Arc<dyn Backend>> {
     })
 }
 
-/// Whether a backend is registered for `device` (the CPU always is).
+/// Whether a backend computes on `device` (the CPU's always does).
 pub fn is_available(device: Device) -> bool {
-    device == Device::Cpu || backend(device).is_ok()
+    backend(device).is_ok()
 }
 
-/// Memory accounting of `device` (host pool for the CPU).
+/// Memory accounting of `device` (the host pool for the CPU).
 pub fn memory_stats(device: Device) -> Result<MemoryStats> {
-    match device {
-        Device::Cpu => Ok(super::cpu::memory_stats()),
-        d => Ok(backend(d)?.memory_stats()),
-    }
+    Ok(backend(device)?.memory_stats())
 }
 
 /// Starts a new peak measurement on `device`.
 pub fn reset_peak(device: Device) -> Result<()> {
-    match device {
-        Device::Cpu => super::cpu::reset_peak(),
-        d => backend(d)?.reset_peak(),
-    }
+    backend(device)?.reset_peak();
     Ok(())
 }
 
 /// Waits for the work queued on `device` (nothing to wait for on the CPU).
 pub fn synchronize(device: Device) -> Result<()> {
-    match device {
-        Device::Cpu => Ok(()),
-        d => backend(d)?.synchronize(),
+    backend(device)?.synchronize()
+}
+
+thread_local! {
+    static TUNING: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Whether the kernels run or queued from this thread now belong to a
+/// `max-autotune` run: backends then tune them (the CPU the block of its
+/// fused kernels, a device its launches) and cache what they chose.
+pub fn tuning() -> bool {
+    TUNING.with(Cell::get)
+}
+
+/// Sets [`tuning`] on this thread while alive; dropping it (also
+/// in a panic's unwinding) restores the previous setting.
+#[must_use = "the setting lasts while the guard lives"]
+pub struct Tuning(bool);
+
+impl Tuning {
+    pub fn set(on: bool) -> Tuning {
+        Tuning(TUNING.with(|t| t.replace(on)))
+    }
+}
+
+impl Drop for Tuning {
+    fn drop(&mut self) {
+        TUNING.with(|t| t.set(self.0));
     }
 }
 
@@ -358,10 +444,31 @@ pub fn with_device<R>(device: Device, f: impl FnOnce() -> R) -> R {
     f()
 }
 
+/// What [`of_inputs`] reads of an op's input: its device and type. Arrays
+/// have it, and so do the tensors of the layers above.
+pub trait Placed {
+    /// Where the values are.
+    fn device(&self) -> Device;
+    fn rank(&self) -> usize;
+    fn ty(&self) -> TensorType;
+}
+
+impl Placed for Array {
+    fn device(&self) -> Device {
+        Array::device(self)
+    }
+    fn rank(&self) -> usize {
+        Array::rank(self)
+    }
+    fn ty(&self) -> TensorType {
+        Array::ty(self)
+    }
+}
+
 /// The device an op runs on: the device of its inputs, where 0-dim host
-/// tensors (scalars) go with any device; [`current`] for an op without
+/// values (scalars) go with any device; [`current`] for an op without
 /// inputs. Inputs on different devices are an error naming the op.
-pub fn of_inputs(op: &str, inputs: &[&Tensor]) -> Result<Device> {
+pub fn of_inputs<T: Placed>(op: &str, inputs: &[&T]) -> Result<Device> {
     let mut found: Option<(Device, usize)> = None;
     for (i, t) in inputs.iter().enumerate() {
         let d = t.device();
@@ -388,7 +495,34 @@ pub fn of_inputs(op: &str, inputs: &[&Tensor]) -> Result<Device> {
     Ok(match found {
         Some((d, _)) => d,
         None if inputs.is_empty() => current(),
-        // Only 0-dim host tensors: a host op.
+        // Only 0-dim host values: a host op.
         None => Device::Cpu,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tuning_is_scoped_to_the_thread_and_the_call() {
+        assert!(!tuning());
+        {
+            let _on = Tuning::set(true);
+            assert!(tuning());
+            // Another thread queues no kernels of this run.
+            assert!(!std::thread::spawn(tuning).join().unwrap());
+            {
+                let _off = Tuning::set(false);
+                assert!(!tuning());
+            }
+            assert!(tuning());
+        }
+        assert!(!tuning());
+        let _ = std::panic::catch_unwind(|| {
+            let _on = Tuning::set(true);
+            panic!("boom")
+        });
+        assert!(!tuning());
+    }
 }

@@ -1,9 +1,10 @@
-//! Backends that run ops and graphs: the CPU's kernels, and the
-//! [`device::Backend`] trait other devices (CUDA) implement.
+//! Backends that run ops and graphs: the [`device::Backend`] trait every
+//! device implements (the CPU's kernels in [`cpu`], CUDA in tessera-cuda),
+//! the arrays they compute on, and the executors above them.
 
-pub mod autotune;
+pub mod array;
 pub mod cpu;
 pub mod device;
 pub mod execute;
-pub mod interpret;
+pub mod layout;
 pub mod replay;

@@ -28,7 +28,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use super::device::{self, Backend, Device, DeviceGraph};
+use super::device::{self, Device, DeviceBackend, DeviceGraph};
 use crate::error::Result;
 use crate::ir::DType;
 use crate::logging::log;
@@ -138,7 +138,7 @@ impl Replayer {
             Ok(d) if d != Device::Cpu && !args.is_empty() => d,
             _ => return run(args),
         };
-        let backend = device::backend(on)?;
+        let backend = device::device_backend(on)?;
         let key: Vec<ArgKey> = args.iter().map(ArgKey::of).collect();
         // Held throughout: replays share the static buffers.
         let mut guard = self.state.lock().expect("replayer poisoned");
@@ -182,7 +182,7 @@ impl Replayer {
 
 /// Records `run` on static copies of `args`.
 fn record(
-    backend: &dyn Backend,
+    backend: &dyn DeviceBackend,
     args: &[Tensor],
     run: &impl Fn(&[Tensor]) -> Result<Vec<Tensor>>,
 ) -> Result<Recording> {
@@ -204,7 +204,7 @@ fn record(
 
 /// A copy of `t` with the same layout in storage of its own (host tensors
 /// are immutable values: shared).
-fn copy_of(backend: &dyn Backend, t: &Tensor) -> Result<Tensor> {
+fn copy_of(backend: &dyn DeviceBackend, t: &Tensor) -> Result<Tensor> {
     let Some(src) = t.device_storage() else {
         return Ok(t.clone());
     };
@@ -214,7 +214,7 @@ fn copy_of(backend: &dyn Backend, t: &Tensor) -> Result<Tensor> {
 }
 
 impl Recording {
-    fn replay(&self, backend: &dyn Backend, args: &[Tensor]) -> Result<Vec<Tensor>> {
+    fn replay(&self, backend: &dyn DeviceBackend, args: &[Tensor]) -> Result<Vec<Tensor>> {
         for (fixed, arg) in self.inputs.iter().zip(args) {
             if let (Some(dst), Some(src)) = (fixed.device_storage(), arg.device_storage()) {
                 if !Arc::ptr_eq(dst, src) {

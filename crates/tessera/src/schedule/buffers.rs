@@ -86,18 +86,15 @@ pub(crate) struct BufferModel {
     pub joins: Vec<bool>,
     /// The device whose kernels' scratch the model reserves.
     pub device: Device,
-    /// Its backend (`None`: the CPU).
-    backend: Option<Arc<dyn Backend>>,
+    /// Its backend.
+    backend: Arc<dyn Backend>,
 }
 
 impl BufferModel {
     /// The buffers of `plan` run on `device` (errors when no backend is
     /// registered for it).
     pub fn new(graph: &Graph, plan: &Plan, kg: &KernelGraph, on: Device) -> Result<BufferModel> {
-        let backend = match on {
-            Device::Cpu => None,
-            d => Some(device::backend(d)?),
-        };
+        let backend = device::backend(on)?;
         let mut model = BufferModel {
             device: on,
             backend,
@@ -346,8 +343,8 @@ impl BufferModel {
     }
 
     /// The scratch of a matmul row kernel (`inputs`: the matmuls'
-    /// operands first). Products the CPU hands to the row kernel block by
-    /// block are never allocated (their blocks are the tasks' own, like the
+    /// operands first). Products the backend hands to the row kernel block
+    /// by block (the CPU's thin f32 products) are never allocated (their blocks are the tasks' own, like the
     /// row kernel's registers); otherwise each product is made whole,
     /// after its matmul's own scratch, in the kernel's scratch region
     /// (`execute::run_matmul_rows`), every piece at a 64-byte boundary.
@@ -370,9 +367,8 @@ impl BufferModel {
             at += n;
             products.push((node, described, concrete(graph, m)?));
         }
-        let blocked = self.device == Device::Cpu
-            && !wide
-            && cpu::blocks_products(
+        let blocked = !wide
+            && self.backend.feeds_products(
                 &products
                     .iter()
                     .map(|(node, d, shape)| {
@@ -444,10 +440,7 @@ impl BufferModel {
         inputs: &[(&Layout, DType, usize)],
         out_shape: &[usize],
     ) -> usize {
-        match &self.backend {
-            Some(backend) => backend.scratch_bytes(op, inputs, out_shape),
-            None => cpu::scratch_bytes(op, inputs, out_shape),
-        }
+        self.backend.scratch_bytes(op, inputs, out_shape)
     }
 
     fn new_value(&mut self, graph: &Graph, k: usize, id: NodeId) -> Result<ValueLayout> {

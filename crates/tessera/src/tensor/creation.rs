@@ -8,7 +8,7 @@ use rand::SeedableRng;
 use super::{unwrap_or_panic, Tensor};
 use crate::error::{Error, ErrorKind, Result};
 use crate::ir::{DType, Literal, Op, Scalar, Shape};
-use crate::runtime::cpu::{copy, in_kernel as cpu_in_kernel, Element, Storage};
+use crate::runtime::cpu::{in_kernel as cpu_in_kernel, Element, Storage};
 use crate::with_dtype;
 
 /// An explicit, seeded source of randomness. Each random op draws a fresh
@@ -227,24 +227,7 @@ impl Tensor {
             return self.to_host()?.to_vec();
         }
         let at = crate::error::SourceLoc::caller();
-        let c = crate::runtime::cpu::alloc::catching(|| copy::contiguous(self))
-            .map_err(|e| cpu_error(e, "to_vec", self.dtype(), self.shape()).at(at.clone()))?;
-        let values = c.contiguous_slice::<T>().expect("contiguous");
-        let mut out = Vec::new();
-        out.try_reserve_exact(values.len()).map_err(|_| {
-            Error::op(
-                ErrorKind::OutOfMemory,
-                "to_vec",
-                format!(
-                    "out of memory: a Vec of {} bytes for the values of {} could not be allocated",
-                    std::mem::size_of_val(values),
-                    self.ty()
-                ),
-            )
-            .at(at)
-        })?;
-        out.extend_from_slice(values);
-        Ok(out)
+        self.array().to_vec().map_err(|e| e.at(at))
     }
 
     /// The elements converted to f64, in row-major order (bools as 0/1).

@@ -3,7 +3,16 @@
 //! A `Tensor` is a cheap, clonable handle to a strided view over a shared
 //! storage. Every op goes through one path, [`Tensor::apply`]: type inference
 //! with the IR's rule (so eager and graph mode agree on every shape), then
-//! the CPU kernel.
+//! the kernel of the inputs' backend — or, while a [`trace`] is active, a
+//! node of the traced graph — and then the autograd tape.
+//!
+//! The tensor layer also holds what that path needs: creation
+//! ([`creation`]), the tape ops record on (`tape`: the data of autograd;
+//! the engine that walks it back is the `autograd` layer above), custom
+//! ops' implementations and their registry (`custom`, public as
+//! `tessera::custom_op`), tracing ([`trace`]), and the interpreter that
+//! runs a graph node by node through `Tensor::apply` ([`interpret`]: the
+//! reference for compiled code, and what a graph break runs).
 //!
 //! # Errors: panic or `Result`
 //!
@@ -14,32 +23,35 @@
 //! `try_reshape`, `try_cat` …). File I/O and parsing always return `Result`.
 
 pub mod creation;
-pub mod layout;
+pub(crate) mod custom;
+pub mod interpret;
 mod ops;
+pub(crate) mod tape;
 pub mod trace;
 
 use std::fmt;
 use std::panic::Location;
 use std::sync::Arc;
 
+/// Strided layouts live with the backends (`runtime::layout`); the public
+/// paths `tensor::layout` and `tensor::Layout` name the same items.
+pub use crate::runtime::layout::{self, Layout};
 pub use creation::Generator;
-pub use layout::Layout;
 pub use ops::Operand;
 
-use crate::autograd::{self, AutogradMeta};
 use crate::error::{Error, ErrorKind, Result, SourceLoc};
 use crate::ir::{DType, Op, Shape, TensorType};
+use crate::runtime::array::Array;
 use crate::runtime::cpu::{self, Element, Storage};
 use crate::runtime::device::{self, Device, DeviceStorage};
+use tape::AutogradMeta;
 
-/// An n-dimensional array: values on the CPU, or a node of a graph being
-/// traced (see [`trace`]).
+/// An n-dimensional array: values on the CPU or a device, or a node of a
+/// graph being traced (see [`trace`]).
 #[derive(Clone)]
 pub struct Tensor(Arc<TensorImpl>);
 
 struct TensorImpl {
-    dtype: DType,
-    layout: Layout,
     data: Data,
     /// Present when the tensor takes part in autograd (a leaf that requires
     /// grad, or the result of a differentiable op on one).
@@ -49,14 +61,18 @@ struct TensorImpl {
     cut_by: Option<&'static str>,
 }
 
-/// Where a tensor's values are.
+/// What a tensor is.
 #[derive(Clone)]
 pub(crate) enum Data {
-    Host(Arc<Storage>),
-    /// Values in the memory of a device (a GPU).
-    Device(Arc<DeviceStorage>),
-    /// A node of the graph traced on this thread; it has no values.
-    Traced(trace::TracedValue),
+    /// Values, on the host or a device: what backends compute with.
+    Values(Array),
+    /// A node of the graph traced on this thread; it has a type but no
+    /// values.
+    Traced {
+        dtype: DType,
+        layout: Layout,
+        value: trace::TracedValue,
+    },
 }
 
 impl Tensor {
@@ -64,20 +80,16 @@ impl Tensor {
     /// shared). Panics when the layout reaches outside the storage
     /// ([`Layout::fits`]): reading it would read out of bounds.
     pub fn from_parts(storage: Arc<Storage>, layout: Layout) -> Tensor {
-        check_fits(&layout, storage.numel(), storage.dtype());
-        Tensor(Arc::new(TensorImpl {
-            dtype: storage.dtype(),
-            layout,
-            data: Data::Host(storage),
-            autograd: None,
-            cut_by: None,
-        }))
+        Tensor::from_array(Array::from_parts(storage, layout))
     }
 
-    pub(crate) fn from_data(dtype: DType, layout: Layout, data: Data) -> Tensor {
+    /// A tensor holding `array`'s values.
+    pub fn from_array(array: Array) -> Tensor {
+        Tensor::from_data(Data::Values(array))
+    }
+
+    pub(crate) fn from_data(data: Data) -> Tensor {
         Tensor(Arc::new(TensorImpl {
-            dtype,
-            layout,
             data,
             autograd: None,
             cut_by: None,
@@ -88,6 +100,28 @@ impl Tensor {
         &self.0.data
     }
 
+    /// The values as the backends' [`Array`], if this tensor has values
+    /// (a traced one has none).
+    pub fn try_array(&self) -> Option<&Array> {
+        match &self.0.data {
+            Data::Values(a) => Some(a),
+            Data::Traced { .. } => None,
+        }
+    }
+
+    /// The values as the backends' [`Array`]. Kernels only ever see
+    /// tensors with values; calling this on a traced tensor is a bug in
+    /// tessera (see [`Tensor::try_array`]).
+    pub fn array(&self) -> &Array {
+        match &self.0.data {
+            Data::Values(a) => a,
+            Data::Traced { .. } => panic!(
+                "internal error: a traced tensor ({}) has no values",
+                self.ty()
+            ),
+        }
+    }
+
     pub(crate) fn autograd_meta(&self) -> Option<&Arc<AutogradMeta>> {
         self.0.autograd.as_ref()
     }
@@ -95,8 +129,6 @@ impl Tensor {
     /// The same values under a new handle carrying `meta` (none: detached).
     pub(crate) fn with_autograd(&self, meta: Option<Arc<AutogradMeta>>) -> Tensor {
         Tensor(Arc::new(TensorImpl {
-            dtype: self.0.dtype,
-            layout: self.0.layout.clone(),
             data: self.0.data.clone(),
             autograd: meta,
             cut_by: None,
@@ -106,8 +138,6 @@ impl Tensor {
     /// The same values, marked as cut from autograd by `op`.
     pub(crate) fn cut_by(&self, op: &'static str) -> Tensor {
         Tensor(Arc::new(TensorImpl {
-            dtype: self.0.dtype,
-            layout: self.0.layout.clone(),
             data: self.0.data.clone(),
             autograd: None,
             cut_by: Some(op),
@@ -124,144 +154,95 @@ impl Tensor {
         Arc::as_ptr(&self.0) as usize
     }
 
-    /// Whether this is a device tensor that no other handle or view shares
-    /// and that covers its storage densely: a buffer a device kernel may
-    /// overwrite (the device's in-place reuse; see `Backend::run_fused_into`).
-    pub(crate) fn is_unique_device(&self) -> bool {
-        match &self.0.data {
-            Data::Device(s) => {
-                Arc::strong_count(&self.0) == 1
-                    && Arc::strong_count(s) == 1
-                    && self.0.autograd.is_none()
-                    && cpu::copy::is_dense(&self.0.layout, s.numel())
-            }
-            Data::Host(_) | Data::Traced(_) => false,
-        }
-    }
-
-    /// The storage of a host tensor that no other handle or view shares and
-    /// that it covers densely, taken by value so a kernel may overwrite it
-    /// (in-place reuse); the tensor back otherwise.
-    pub(crate) fn into_unique_storage(self) -> std::result::Result<Storage, Tensor> {
+    /// The values of a tensor that no other handle, view or autograd record
+    /// holds and that cover their buffer densely, by value, on any device:
+    /// a kernel may write over them (the memory plan's in-place reuse). The
+    /// tensor back otherwise.
+    pub(crate) fn into_unique_array(self) -> std::result::Result<Array, Tensor> {
         let dense = match &self.0.data {
-            Data::Host(s) => cpu::copy::is_dense(&self.0.layout, s.numel()),
-            Data::Device(_) | Data::Traced(_) => false,
+            Data::Values(a) => a.is_dense(),
+            Data::Traced { .. } => false,
         };
         if !dense || self.0.autograd.is_some() {
             return Err(self);
         }
         let inner = Arc::try_unwrap(self.0).map_err(Tensor)?;
-        let Data::Host(storage) = inner.data else {
-            unreachable!("checked: a host tensor")
-        };
-        Arc::try_unwrap(storage).map_err(|shared| {
-            Tensor(Arc::new(TensorImpl {
-                data: Data::Host(shared),
-                ..inner
-            }))
-        })
+        // Checked once the handle is ours: until then another handle could
+        // still have made a view of the buffer.
+        match inner.data {
+            Data::Values(array) if array.buffer().is_unique() => Ok(array),
+            data => Err(Tensor(Arc::new(TensorImpl { data, ..inner }))),
+        }
     }
 
     /// Whether this tensor is a node of a graph being traced.
     pub fn is_traced(&self) -> bool {
-        matches!(self.0.data, Data::Traced(_))
+        matches!(self.0.data, Data::Traced { .. })
     }
 
     /// A contiguous tensor owning `storage`, which must hold exactly the
     /// elements of `shape` (else a panic: see [`Tensor::from_parts`]).
     pub fn from_storage(storage: Storage, shape: &[usize]) -> Tensor {
-        if crate::limits::numel(shape) != Some(storage.numel()) {
-            panic!(
-                "from_storage: a storage of {} elements of {} does not hold shape {shape:?}",
-                storage.numel(),
-                storage.dtype()
-            );
-        }
-        Tensor::from_parts(Arc::new(storage), Layout::contiguous(shape))
+        Tensor::from_array(Array::from_storage(storage, shape))
     }
 
     pub fn dtype(&self) -> DType {
-        self.0.dtype
+        match &self.0.data {
+            Data::Values(a) => a.dtype(),
+            Data::Traced { dtype, .. } => *dtype,
+        }
     }
 
     pub fn shape(&self) -> &[usize] {
-        &self.0.layout.shape
+        &self.layout().shape
     }
 
     pub fn strides(&self) -> &[usize] {
-        &self.0.layout.strides
+        &self.layout().strides
     }
 
     pub fn layout(&self) -> &Layout {
-        &self.0.layout
+        match &self.0.data {
+            Data::Values(a) => a.layout(),
+            Data::Traced { layout, .. } => layout,
+        }
     }
 
     /// The storage behind a host tensor. CPU kernels only ever see host
     /// tensors; calling this on a traced or device tensor is a bug in
     /// tessera (public readers copy device tensors to the host first).
     pub fn storage(&self) -> &Arc<Storage> {
-        match &self.0.data {
-            Data::Host(s) => s,
-            Data::Device(s) => panic!(
-                "internal error: a tensor on {} ({}) has no host storage; use .to_host()",
-                s.device(),
-                self.ty()
-            ),
-            Data::Traced(_) => panic!(
-                "internal error: a traced tensor ({}) has no storage",
-                self.ty()
-            ),
-        }
+        self.array().storage()
     }
 
     /// A tensor over device `storage` with `layout` (checked as in
     /// [`Tensor::from_parts`]).
     pub fn from_device_parts(storage: Arc<DeviceStorage>, layout: Layout) -> Tensor {
-        check_fits(&layout, storage.numel(), storage.dtype());
-        Tensor::from_data(storage.dtype(), layout, Data::Device(storage))
+        Tensor::from_array(Array::from_device_parts(storage, layout))
     }
 
     /// A contiguous tensor owning device `storage`, which must hold exactly
     /// the elements of `shape`.
     pub fn from_device_storage(storage: DeviceStorage, shape: &[usize]) -> Tensor {
-        if crate::limits::numel(shape) != Some(storage.numel()) {
-            panic!(
-                "from_device_storage: a storage of {} elements of {} does not hold shape {shape:?}",
-                storage.numel(),
-                storage.dtype()
-            );
-        }
-        Tensor::from_device_parts(Arc::new(storage), Layout::contiguous(shape))
+        Tensor::from_array(Array::from_device_storage(storage, shape))
     }
 
     /// The storage behind a device tensor, if it is one.
     pub fn device_storage(&self) -> Option<&Arc<DeviceStorage>> {
-        match &self.0.data {
-            Data::Device(s) => Some(s),
-            _ => None,
-        }
+        self.try_array().and_then(Array::device_storage)
     }
 
     /// Where the values are (a traced tensor reports the CPU: it has none).
     pub fn device(&self) -> Device {
         match &self.0.data {
-            Data::Device(s) => s.device(),
-            Data::Host(_) | Data::Traced(_) => Device::Cpu,
+            Data::Values(a) => a.device(),
+            Data::Traced { .. } => Device::Cpu,
         }
     }
 
     /// The elements of storage behind this tensor (host or device).
     pub(crate) fn storage_numel(&self) -> Option<usize> {
-        match &self.0.data {
-            Data::Host(s) => Some(s.numel()),
-            Data::Device(s) => Some(s.numel()),
-            Data::Traced(_) => None,
-        }
-    }
-
-    /// A view of the same storage (host or device) with another layout.
-    pub(crate) fn view_as(&self, layout: Layout) -> Tensor {
-        Tensor::from_data(self.0.dtype, layout, self.0.data.clone())
+        self.try_array().map(Array::storage_numel)
     }
 
     /// This tensor on `device` ("cpu" or "cuda"): the same tensor when it
@@ -283,13 +264,13 @@ impl Tensor {
         match target {
             Device::Cpu => self.to_host(),
             d => {
-                let backend = device::backend(d)?;
+                let backend = device::device_backend(d)?;
                 let host = if self.device() == Device::Cpu {
                     self.clone()
                 } else {
                     self.to_host()?
                 };
-                let dense = cpu::copy::contiguous(&host);
+                let dense = cpu::copy::contiguous(host.array());
                 let storage = backend.upload(dense.storage())?;
                 Ok(Tensor::from_device_storage(storage, host.shape()))
             }
@@ -298,32 +279,32 @@ impl Tensor {
 
     /// A host copy of a device tensor (the tensor itself when on the host).
     pub fn to_host(&self) -> Result<Tensor> {
-        let Data::Device(storage) = &self.0.data else {
+        let Some(storage) = self.device_storage() else {
             return Ok(self.clone());
         };
-        let backend = device::backend(storage.device())?;
+        let backend = device::device_backend(storage.device())?;
         let dense = storage.numel() == self.numel() && self.is_contiguous();
         let (storage, layout) = if dense || self.numel() * 2 > storage.numel() {
-            (backend.download(storage)?, self.0.layout.clone())
+            (backend.download(storage)?, self.layout().clone())
         } else {
             // A small view of a large buffer: gather it on the device first.
             let c = Tensor::apply(&Op::Contiguous, &[self], Location::caller())?;
             let s = c.device_storage().expect("on the device");
-            (backend.download(s)?, c.0.layout.clone())
+            (backend.download(s)?, c.layout().clone())
         };
         Ok(Tensor::from_parts(Arc::new(storage), layout))
     }
 
     pub fn rank(&self) -> usize {
-        self.0.layout.rank()
+        self.layout().rank()
     }
 
     pub fn numel(&self) -> usize {
-        self.0.layout.numel()
+        self.layout().numel()
     }
 
     pub fn is_contiguous(&self) -> bool {
-        self.0.layout.is_contiguous()
+        self.layout().is_contiguous()
     }
 
     /// The IR type of this tensor.
@@ -336,9 +317,8 @@ impl Tensor {
 
     /// Whether two tensors share storage (one is a view of the other).
     pub fn shares_storage(&self, other: &Tensor) -> bool {
-        match (&self.0.data, &other.0.data) {
-            (Data::Host(a), Data::Host(b)) => Arc::ptr_eq(a, b),
-            (Data::Device(a), Data::Device(b)) => Arc::ptr_eq(a, b),
+        match (self.try_array(), other.try_array()) {
+            (Some(a), Some(b)) => a.shares_buffer(b),
             _ => false,
         }
     }
@@ -364,9 +344,7 @@ impl Tensor {
 
     /// The elements as `&[T]` in row-major order, if contiguous.
     pub fn contiguous_slice<T: Element>(&self) -> Option<&[T]> {
-        let range = self.0.layout.contiguous_range()?;
-        (T::DTYPE == self.dtype() && matches!(self.0.data, Data::Host(_)))
-            .then(|| &self.storage().as_slice::<T>()[range])
+        self.try_array()?.contiguous_slice()
     }
 
     /// Reading values needs a host tensor: a traced one has none yet.
@@ -405,9 +383,9 @@ impl Tensor {
         let at = |e: Error| e.at(SourceLoc::from_location(caller));
         match op {
             // The first output; a graph's later `custom_output` nodes are
-            // bound by whoever runs the graph (see `runtime::interpret`).
+            // bound by whoever runs the graph (see [`interpret`]).
             Op::Custom(call) => {
-                return crate::custom_op::apply(call, inputs, caller).map(|mut o| o.swap_remove(0))
+                return custom::apply(call, inputs, caller).map(|mut o| o.swap_remove(0))
             }
             Op::CustomOutput { .. } => {
                 return Err(at(Error::op(
@@ -430,52 +408,83 @@ impl Tensor {
         let out = if trace::is_active() {
             trace::record(op, inputs, ty, caller).map_err(at)?
         } else {
-            if let Some(t) = inputs.iter().find(|t| t.is_traced()) {
-                return Err(at(Error::op(
-                    ErrorKind::Argument,
-                    op.name(),
-                    format!("input {} is a traced tensor used outside its trace", t.ty()),
-                )));
-            }
-            match device::of_inputs(op.name(), inputs).map_err(at)? {
-                Device::Cpu => cpu::eval(op, inputs, ty.dtype, &shape).map_err(at)?,
-                d => eval_on_device(d, op, inputs, ty.dtype, &shape).map_err(at)?,
-            }
+            with_arrays(op, inputs, |arrays| {
+                let on = device::of_inputs(op.name(), arrays)?;
+                Ok(Tensor::from_array(eval_on(
+                    on, op, arrays, ty.dtype, &shape,
+                )?))
+            })
+            .map_err(at)?
         };
-        Ok(autograd::record(op, inputs, out, caller))
+        Ok(tape::record(op, inputs, out, caller))
     }
 }
 
-/// Runs a non-traced op on `device`'s backend; views are made here, with
-/// the CPU's rule ([`cpu::view_layout`]), so both devices alias alike.
-fn eval_on_device(
-    device: Device,
+impl device::Placed for Tensor {
+    fn device(&self) -> Device {
+        Tensor::device(self)
+    }
+    fn rank(&self) -> usize {
+        Tensor::rank(self)
+    }
+    fn ty(&self) -> TensorType {
+        Tensor::ty(self)
+    }
+}
+
+/// Calls `f` with the arrays of `inputs`, which must all have values (a
+/// traced tensor outside its trace is an error naming `op`). Up to
+/// [`STACK_INPUTS`] inputs are passed on the stack: eager dispatch
+/// allocates nothing for them.
+fn with_arrays<R>(
     op: &Op,
     inputs: &[&Tensor],
+    f: impl FnOnce(&[&Array]) -> Result<R>,
+) -> Result<R> {
+    fn get<'a>(op: &Op, t: &'a Tensor) -> Result<&'a Array> {
+        t.try_array().ok_or_else(|| {
+            Error::op(
+                ErrorKind::Argument,
+                op.name(),
+                format!("input {} is a traced tensor used outside its trace", t.ty()),
+            )
+        })
+    }
+    let Some(first) = inputs.first() else {
+        return f(&[]);
+    };
+    if inputs.len() > STACK_INPUTS {
+        let arrays = inputs.iter().map(|t| get(op, t));
+        return f(&arrays.collect::<Result<Vec<_>>>()?);
+    }
+    let mut arrays = [get(op, first)?; STACK_INPUTS];
+    for (slot, t) in arrays.iter_mut().zip(inputs).skip(1) {
+        *slot = get(op, t)?;
+    }
+    f(&arrays[..inputs.len()])
+}
+
+/// Inputs of one eager op whose arrays [`with_arrays`] keeps on the stack.
+const STACK_INPUTS: usize = 8;
+
+/// Runs a non-traced op on `device`'s backend; views are made here, with
+/// one rule ([`cpu::view_layout`]), so every device aliases alike.
+fn eval_on(
+    device: Device,
+    op: &Op,
+    inputs: &[&Array],
     dtype: DType,
     shape: &[usize],
-) -> Result<Tensor> {
+) -> Result<Array> {
     if let Some(x) = inputs.first() {
         if x.device() == device {
-            let numel = x.storage_numel().expect("not traced");
-            if let Some(layout) = cpu::view_layout(op, (x.layout(), x.dtype(), numel), shape) {
-                return Ok(x.view_as(layout));
+            let input = (x.layout(), x.dtype(), x.storage_numel());
+            if let Some(layout) = cpu::view_layout(op, input, shape) {
+                return Ok(x.view(layout));
             }
         }
     }
     device::backend(device)?.eval(op, inputs, dtype, shape)
-}
-
-/// Panics unless `layout` stays inside a storage of `numel` elements: a
-/// tensor is never made that would read or write out of bounds.
-fn check_fits(layout: &Layout, numel: usize, dtype: DType) {
-    if !layout.fits(numel) {
-        panic!(
-            "a layout with shape {:?}, strides {:?} and offset {} reaches outside \
-             its storage of {numel} elements of {dtype}",
-            layout.shape, layout.strides, layout.offset
-        );
-    }
 }
 
 /// Panics with the error's message; used by the panicking op methods so the

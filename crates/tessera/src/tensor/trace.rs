@@ -13,8 +13,9 @@ use std::collections::HashMap;
 use std::panic::Location;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use super::{Data, Layout, Tensor};
+use super::{interpret, Data, Layout, Tensor};
 use crate::error::{Error, ErrorKind, Result, SourceLoc};
+use crate::ir::extract::extract;
 use crate::ir::{Graph, Node, NodeId, NodeMeta, Op, TensorType};
 
 /// A traced tensor's place: which trace, which node.
@@ -196,7 +197,7 @@ pub(crate) fn materialize(t: &Tensor, what: &str, caller: SourceLoc) -> Result<T
     let mut state = CURRENT
         .with(|c| c.borrow_mut().take())
         .expect("a trace is active");
-    let result = crate::autograd::no_grad(|| read_node(&mut state, node, t, what, caller));
+    let result = super::tape::no_grad(|| read_node(&mut state, node, t, what, caller));
     CURRENT.with(|c| *c.borrow_mut() = Some(state));
     result
 }
@@ -223,7 +224,7 @@ fn read_node(
         return Ok(v.clone());
     }
     let boundary: Vec<(String, NodeId)> = known.keys().map(|n| (format!("v{}", n.0), *n)).collect();
-    let part = crate::autograd::aot::extract(
+    let part = extract(
         &state.graph,
         "graph_break",
         &boundary,
@@ -231,9 +232,7 @@ fn read_node(
     )?;
     // `extract` takes every boundary value as an input, in boundary order.
     let feed: Vec<Tensor> = boundary.iter().map(|(_, n)| known[n].clone()).collect();
-    let value = crate::runtime::interpret::run_graph(&part, &feed)?
-        .remove(0)
-        .1;
+    let value = interpret::run_graph(&part, &feed)?.remove(0).1;
     known.insert(node, value.clone());
     state.breaks.push(caller);
     Ok(value)
@@ -254,11 +253,11 @@ fn traced_tensor(trace: u64, node: NodeId, ty: &TensorType) -> Result<Tensor> {
         shape,
         offset: 0,
     };
-    Ok(Tensor::from_data(
-        ty.dtype,
+    Ok(Tensor::from_data(Data::Traced {
+        dtype: ty.dtype,
         layout,
-        Data::Traced(TracedValue { trace, node }),
-    ))
+        value: TracedValue { trace, node },
+    }))
 }
 
 /// The node of `t` in the current trace, lifting a host tensor to an input.
@@ -267,15 +266,15 @@ fn node_of(t: &Tensor) -> Result<NodeId> {
         let mut guard = c.borrow_mut();
         let state = guard.as_mut().expect("a trace is active");
         match t.data() {
-            Data::Traced(v) if v.trace == state.id => Ok(v.node),
-            Data::Traced(_) => Err(Error::new(
+            Data::Traced { value, .. } if value.trace == state.id => Ok(value.node),
+            Data::Traced { .. } => Err(Error::new(
                 ErrorKind::Argument,
                 format!(
                     "a tensor {} from another trace was used in this one",
                     t.ty()
                 ),
             )),
-            Data::Host(_) | Data::Device(_) => Ok(lift(state, t)),
+            Data::Values(_) => Ok(lift(state, t)),
         }
     })
 }

@@ -20,7 +20,7 @@ use proptest::strategy::{Strategy, ValueTree};
 use proptest::test_runner::{Config, RngAlgorithm, TestRng, TestRunner};
 use tessera::ir::text::{parse, parse_named};
 use tessera::ir::{Dim, Graph};
-use tessera::runtime::interpret;
+use tessera::tensor::interpret;
 use tessera::tensor::Generator;
 use tessera::{DType, ErrorKind, Tensor};
 

@@ -21,7 +21,7 @@ use tessera::ir::{
     BinaryOp, CompareOp, DType, Graph, Literal, LiteralData, NodeId, NodeMeta, Op, ReduceOp,
     Scalar, Shape, UnaryOp,
 };
-use tessera::runtime::interpret::run_graph;
+use tessera::tensor::interpret::run_graph;
 use tessera::tensor::Generator;
 use tessera::Tensor;
 

@@ -1,5 +1,6 @@
-//! The signatures of the built-in flash attention ops (their kernels,
-//! backward and user-facing call are the `custom_op::flash_attention` module's).
+//! The signatures of the built-in flash attention ops (their kernels and
+//! backward are `tensor::custom::flash_attention`'s, their user-facing call
+//! `custom_op::flash_attention`'s).
 //!
 //! `tessera::flash_attention` (q, k, v[, mask]) {causal, scale} → (out, lse)
 //! and `tessera::flash_attention_backward` (q, k, v, out, lse, d_out[, mask])

@@ -7,13 +7,13 @@
 //!
 //! # Out of memory
 //!
-//! Allocation is fallible: [`RawBuffer::try_new`] returns an
+//! Allocation is fallible: `RawBuffer::try_new` returns an
 //! `ErrorKind::OutOfMemory` error naming the bytes asked for when the system
 //! refuses them (never `handle_alloc_error`'s abort). Callers that return a
 //! `Result` use it directly. Kernels allocate with the infallible
 //! `Storage::new`, so that their code stays plain; a failure there is
-//! [`raise`]d and unwinds to the op boundary that runs the kernel
-//! ([`catching`]: `cpu::eval`, the compiled executor's kernels, custom ops),
+//! raised (`raise`) and unwinds to the op boundary that runs the kernel
+//! (`catching`: `cpu::eval`, the compiled executor's kernels, custom ops),
 //! which returns it as the op's error, naming the op and its output type.
 //! Outside any boundary it is an ordinary panic with the same message, as
 //! the panicking API reports every error. Nothing is left half-done: the

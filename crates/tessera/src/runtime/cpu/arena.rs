@@ -48,7 +48,9 @@ impl Memory {
         Ok(match device {
             Device::Cpu => Memory::Host(Arc::new(RawBuffer::try_new(bytes)?)),
             // Bool: one byte per element.
-            d => Memory::Device(Arc::new(device::backend(d)?.alloc(DType::Bool, bytes)?)),
+            d => Memory::Device(Arc::new(
+                device::device_backend(d)?.alloc(DType::Bool, bytes)?,
+            )),
         })
     }
 

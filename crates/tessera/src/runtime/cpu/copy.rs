@@ -1,9 +1,12 @@
 //! Materialising strided views: `contiguous` and copying `reshape`.
 
+use std::borrow::Cow;
+
 use rayon::prelude::*;
 
+use super::super::array::Array;
+use super::super::layout::Layout;
 use super::Storage;
-use crate::tensor::{Layout, Tensor};
 use crate::with_dtype;
 
 /// Work below this many elements runs on the calling thread: a rayon fork
@@ -16,26 +19,38 @@ pub fn is_dense(layout: &Layout, storage_numel: usize) -> bool {
     layout.is_contiguous() && layout.offset == 0 && layout.numel() == storage_numel
 }
 
-/// A row-major dense copy of `x`, or `x` itself when it already is one.
-pub fn contiguous(x: &Tensor) -> Tensor {
-    let l = x.layout();
-    if is_dense(l, x.storage().numel()) {
-        return x.clone();
+/// A row-major dense copy of `x`, or `x` itself (borrowed) when it already
+/// is one.
+pub fn contiguous(x: &Array) -> Cow<'_, Array> {
+    match is_dense(x.layout(), x.storage().numel()) {
+        true => Cow::Borrowed(x),
+        false => Cow::Owned(dense_copy(x)),
     }
+}
+
+/// [`contiguous`] of an owned array: the array itself when it is dense.
+pub fn into_contiguous(x: Array) -> Array {
+    match is_dense(x.layout(), x.storage().numel()) {
+        true => x,
+        false => dense_copy(&x),
+    }
+}
+
+fn dense_copy(x: &Array) -> Array {
     with_dtype!(x.dtype(), T => {
         let mut out = Storage::new(x.dtype(), x.numel());
-        copy_strided(x.storage().as_slice::<T>(), l, out.as_mut_slice::<T>());
-        Tensor::from_storage(out, x.shape())
+        copy_strided(x.storage().as_slice::<T>(), x.layout(), out.as_mut_slice::<T>());
+        Array::from_storage(out, x.shape())
     })
 }
 
 /// `reshape` as a view when the layout allows one, else a copy.
-pub fn reshape(x: &Tensor, shape: &[usize]) -> Tensor {
+pub fn reshape(x: &Array, shape: &[usize]) -> Array {
     match x.layout().reshaped(shape) {
-        Some(layout) => Tensor::from_parts(x.storage().clone(), layout),
+        Some(layout) => x.view(layout),
         None => {
             let c = contiguous(x);
-            Tensor::from_parts(c.storage().clone(), Layout::contiguous(shape))
+            c.view(Layout::contiguous(shape))
         }
     }
 }

@@ -14,7 +14,7 @@ use super::elementwise::{Castable, Wide, CHUNK};
 use super::Storage;
 use crate::error::{op_err, Result};
 use crate::ir::{DType, Literal, LiteralData, Scalar};
-use crate::tensor::Tensor;
+use crate::runtime::array::Array;
 use crate::with_dtype;
 
 /// Elements drawn from one random stream. Fixed, so that the values depend
@@ -22,7 +22,7 @@ use crate::with_dtype;
 const RNG_BLOCK: usize = 4096;
 
 /// The literal's values in its dtype.
-pub fn constant(lit: &Literal) -> Result<Tensor> {
+pub fn constant(lit: &Literal) -> Result<Array> {
     let numel = crate::limits::check("constant", lit.dtype, &lit.shape)?;
     if lit.data.len() != numel {
         return Err(op_err!(
@@ -42,7 +42,7 @@ pub fn constant(lit: &Literal) -> Result<Tensor> {
 }
 
 /// `shape` filled with `value` converted to `dtype`.
-pub fn full(value: Scalar, dtype: DType, shape: &[usize]) -> Tensor {
+pub fn full(value: Scalar, dtype: DType, shape: &[usize]) -> Array {
     let wide = match value {
         Scalar::Float(v) => Wide::F64(v),
         Scalar::Int(v) => Wide::Int(v),
@@ -56,7 +56,7 @@ pub fn full(value: Scalar, dtype: DType, shape: &[usize]) -> Tensor {
 
 /// `len` values `start + i * step`, computed in f64 (not by accumulation, so
 /// errors do not build up) and then converted to `dtype`.
-pub fn arange(start: f64, step: f64, dtype: DType, len: usize) -> Tensor {
+pub fn arange(start: f64, step: f64, dtype: DType, len: usize) -> Array {
     with_dtype!(dtype, T => generate(&[len], |i| T::narrow(Wide::F64(start + i as f64 * step))))
 }
 
@@ -64,7 +64,7 @@ pub fn arange(start: f64, step: f64, dtype: DType, len: usize) -> Tensor {
 /// of 2^-p, p being the dtype's significand bits (24 for f32, 53 for f64, 11
 /// for f16, 8 for bf16): exact in the dtype, so rounding can never produce
 /// 1.0. Non-float dtypes (rejected by inference) get the f64 samples cast.
-pub fn rand(seed: u64, dtype: DType, shape: &[usize]) -> Tensor {
+pub fn rand(seed: u64, dtype: DType, shape: &[usize]) -> Array {
     let bits = match dtype {
         DType::F32 => 24,
         DType::F16 => 11,
@@ -79,14 +79,14 @@ pub fn rand(seed: u64, dtype: DType, shape: &[usize]) -> Tensor {
 
 /// Standard normal samples for `seed`, drawn in f64 and rounded to `dtype`
 /// (so one seed gives the same values in every float dtype, up to rounding).
-pub fn randn(seed: u64, dtype: DType, shape: &[usize]) -> Tensor {
+pub fn randn(seed: u64, dtype: DType, shape: &[usize]) -> Array {
     with_dtype!(dtype, T => random(seed, shape, |rng| {
         T::narrow(Wide::F64(rng.sample::<f64, _>(StandardNormal)))
     }))
 }
 
 /// A contiguous tensor of `shape` whose element `i` is `f(i)`.
-fn generate<T: Castable>(shape: &[usize], f: impl Fn(usize) -> T + Sync) -> Tensor {
+fn generate<T: Castable>(shape: &[usize], f: impl Fn(usize) -> T + Sync) -> Array {
     let mut storage = Storage::new(T::DTYPE, shape.iter().product());
     let fill = |(c, chunk): (usize, &mut [T])| {
         for (j, o) in chunk.iter_mut().enumerate() {
@@ -99,7 +99,7 @@ fn generate<T: Castable>(shape: &[usize], f: impl Fn(usize) -> T + Sync) -> Tens
     } else {
         out.par_chunks_mut(CHUNK).enumerate().for_each(fill);
     }
-    Tensor::from_storage(storage, shape)
+    Array::from_storage(storage, shape)
 }
 
 /// A contiguous tensor of `shape` filled by `sample`, block `b` of
@@ -110,7 +110,7 @@ fn random<T: Castable>(
     seed: u64,
     shape: &[usize],
     sample: impl Fn(&mut ChaCha8Rng) -> T + Sync,
-) -> Tensor {
+) -> Array {
     let mut storage = Storage::new(T::DTYPE, shape.iter().product());
     let fill = |(b, block): (usize, &mut [T])| {
         let mut rng = ChaCha8Rng::seed_from_u64(seed);
@@ -125,11 +125,12 @@ fn random<T: Castable>(
     } else {
         out.par_chunks_mut(RNG_BLOCK).enumerate().for_each(fill);
     }
-    Tensor::from_storage(storage, shape)
+    Array::from_storage(storage, shape)
 }
 
 #[cfg(test)]
 mod tests {
+    use crate::tensor::Tensor;
     use half::{bf16, f16};
 
     use super::*;

@@ -23,7 +23,8 @@ use super::fastmath::{erfc_f32, exp_f32, exp_nonpositive_f32, tanh_f32, unary_si
 use super::Storage;
 use crate::error::{op_err, Result};
 use crate::ir::{BinaryOp, CompareOp, DType, UnaryOp};
-use crate::tensor::{Layout, Tensor};
+use crate::runtime::array::Array;
+use crate::runtime::layout::Layout;
 use crate::{with_dtype, with_float_dtype};
 
 /// Output elements per parallel task: 256 KiB of f32, big enough to amortise
@@ -38,7 +39,7 @@ const TILE: usize = 32;
 // Unary ops
 
 /// `op(x)`; floats compute in `Acc`, integers accept only neg, abs and relu.
-pub fn unary(op: UnaryOp, x: &Tensor) -> Result<Tensor> {
+pub fn unary(op: UnaryOp, x: &Array) -> Result<Array> {
     with_float_dtype!(x.dtype(), T => Ok(float_unary::<T>(op, x)), _ => match x.dtype() {
         DType::I64 => int_unary::<i64>(op, x),
         DType::I32 => int_unary::<i32>(op, x),
@@ -116,7 +117,7 @@ macro_rules! with_unary_fn {
     }};
 }
 
-fn float_unary<T: Float>(op: UnaryOp, x: &Tensor) -> Tensor
+fn float_unary<T: Float>(op: UnaryOp, x: &Array) -> Array
 where
     T::Acc: Transcendental,
 {
@@ -268,7 +269,7 @@ impl Transcendental for f32 {
 }
 
 /// Maps `g` over `x` in `T::Acc` precision.
-fn lift1<T: Float>(x: &Tensor, g: impl Fn(T::Acc) -> T::Acc + Sync) -> Tensor {
+fn lift1<T: Float>(x: &Array, g: impl Fn(T::Acc) -> T::Acc + Sync) -> Array {
     // Forced: LLVM declines to inline a closure this large (gelu's) into the
     // loop, which then makes a call per element and never vectorises.
     map1(
@@ -278,7 +279,7 @@ fn lift1<T: Float>(x: &Tensor, g: impl Fn(T::Acc) -> T::Acc + Sync) -> Tensor {
     )
 }
 
-fn int_unary<T: Int>(op: UnaryOp, x: &Tensor) -> Result<Tensor> {
+fn int_unary<T: Int>(op: UnaryOp, x: &Array) -> Result<Array> {
     match op {
         UnaryOp::Neg => Ok(map1(x, |v: T| v.wrapping_neg())),
         UnaryOp::Abs => Ok(map1(x, |v: T| v.wrapping_abs())),
@@ -445,7 +446,7 @@ castable!(
 /// `x` as `dtype`. Floats to ints truncate toward zero (NaN becomes 0, out of
 /// range saturates); anything to bool is `!= 0` (so NaN is true); bool to a
 /// number is 0/1; ints to ints wrap; to f16/bf16 rounds to nearest even.
-pub fn cast(x: &Tensor, dtype: DType) -> Tensor {
+pub fn cast(x: &Array, dtype: DType) -> Array {
     if x.dtype() == dtype {
         return x.clone();
     }
@@ -456,7 +457,7 @@ pub fn cast(x: &Tensor, dtype: DType) -> Tensor {
 // Binary ops, comparisons, where
 
 /// `op(a, b)` broadcast to `shape`.
-pub fn binary(op: BinaryOp, a: &Tensor, b: &Tensor, shape: &[usize]) -> Result<Tensor> {
+pub fn binary(op: BinaryOp, a: &Array, b: &Array, shape: &[usize]) -> Result<Array> {
     with_float_dtype!(a.dtype(), T => Ok(float_binary::<T>(op, a, b, shape)), _ => match a.dtype() {
         DType::I64 => int_binary::<i64>(op, a, b, shape),
         DType::I32 => int_binary::<i32>(op, a, b, shape),
@@ -502,7 +503,7 @@ macro_rules! with_binary_fn {
     }};
 }
 
-fn float_binary<T: Float>(op: BinaryOp, a: &Tensor, b: &Tensor, shape: &[usize]) -> Tensor {
+fn float_binary<T: Float>(op: BinaryOp, a: &Array, b: &Array, shape: &[usize]) -> Array {
     with_binary_fn!(op, T::Acc, f => lift2::<T>(a, b, shape, f))
 }
 
@@ -540,11 +541,11 @@ fn const_binary_into_body<A: AccFloat>(op: BinaryOp, c: A, ys: &[A], dst: &mut [
 
 /// Maps `g` over `a` and `b` in `T::Acc` precision.
 fn lift2<T: Float>(
-    a: &Tensor,
-    b: &Tensor,
+    a: &Array,
+    b: &Array,
     shape: &[usize],
     g: impl Fn(T::Acc, T::Acc) -> T::Acc + Sync,
-) -> Tensor {
+) -> Array {
     map2(
         a,
         b,
@@ -554,7 +555,7 @@ fn lift2<T: Float>(
     )
 }
 
-fn int_binary<T: Int>(op: BinaryOp, a: &Tensor, b: &Tensor, shape: &[usize]) -> Result<Tensor> {
+fn int_binary<T: Int>(op: BinaryOp, a: &Array, b: &Array, shape: &[usize]) -> Result<Array> {
     // Set by the kernel on an invalid divisor or exponent; the (partial)
     // output is then dropped and the op fails, rather than panicking mid-way.
     let bad = AtomicBool::new(false);
@@ -601,11 +602,11 @@ fn int_binary<T: Int>(op: BinaryOp, a: &Tensor, b: &Tensor, shape: &[usize]) -> 
 
 /// `op(a, b)` as bool (0/1) broadcast to `shape`. Any comparison with NaN
 /// is false except `ne`, as in IEEE and torch.
-pub fn compare(op: CompareOp, a: &Tensor, b: &Tensor, shape: &[usize]) -> Tensor {
+pub fn compare(op: CompareOp, a: &Array, b: &Array, shape: &[usize]) -> Array {
     with_dtype!(a.dtype(), T => compare_typed::<T>(op, a, b, shape))
 }
 
-fn compare_typed<T: Element>(op: CompareOp, a: &Tensor, b: &Tensor, shape: &[usize]) -> Tensor {
+fn compare_typed<T: Element>(op: CompareOp, a: &Array, b: &Array, shape: &[usize]) -> Array {
     match op {
         CompareOp::Eq => map2(a, b, shape, |x: T, y: T| (x == y) as u8),
         CompareOp::Ne => map2(a, b, shape, |x: T, y: T| (x != y) as u8),
@@ -617,7 +618,7 @@ fn compare_typed<T: Element>(op: CompareOp, a: &Tensor, b: &Tensor, shape: &[usi
 }
 
 /// `cond ? a : b` broadcast over all three to `shape`.
-pub fn where_(cond: &Tensor, a: &Tensor, b: &Tensor, shape: &[usize]) -> Tensor {
+pub fn where_(cond: &Array, a: &Array, b: &Array, shape: &[usize]) -> Array {
     with_dtype!(a.dtype(), T => {
         map3(cond, a, b, shape, |c: u8, x: T, y: T| if c != 0 { x } else { y })
     })
@@ -630,11 +631,11 @@ pub fn where_(cond: &Tensor, a: &Tensor, b: &Tensor, shape: &[usize]) -> Tensor 
 /// `diagonal` of each matrix in the last two dims, like torch.triu/tril:
 /// diagonal 0 is the main one, positive ones lie above it. A 1-D input (which
 /// inference rejects) is treated as a single row.
-pub fn triangle(x: &Tensor, diagonal: i64, upper: bool) -> Tensor {
+pub fn triangle(x: &Array, diagonal: i64, upper: bool) -> Array {
     with_dtype!(x.dtype(), T => triangle_typed::<T>(x, diagonal, upper))
 }
 
-fn triangle_typed<T: Element>(x: &Tensor, diagonal: i64, upper: bool) -> Tensor {
+fn triangle_typed<T: Element>(x: &Array, diagonal: i64, upper: bool) -> Array {
     let shape = x.shape();
     let rank = shape.len();
     let cols = shape.last().copied().unwrap_or(1);
@@ -643,7 +644,7 @@ fn triangle_typed<T: Element>(x: &Tensor, diagonal: i64, upper: bool) -> Tensor 
     let dst = out.as_mut_slice::<T>();
     copy_strided(x.storage().as_slice::<T>(), x.layout(), dst);
     if cols == 0 || rows == 0 {
-        return Tensor::from_storage(out, shape);
+        return Array::from_storage(out, shape);
     }
     let clear_rows = |first_row: usize, chunk: &mut [T]| {
         for (r, row) in chunk.chunks_mut(cols).enumerate() {
@@ -667,7 +668,7 @@ fn triangle_typed<T: Element>(x: &Tensor, diagonal: i64, upper: bool) -> Tensor 
             .enumerate()
             .for_each(|(t, chunk)| clear_rows(t * rows_per_task, chunk));
     }
-    Tensor::from_storage(out, shape)
+    Array::from_storage(out, shape)
 }
 
 // ---------------------------------------------------------------------------
@@ -905,18 +906,18 @@ fn build<O: Element, const N: usize>(
     shape: &[usize],
     layouts: [&Layout; N],
     segment: impl Fn(&mut [O], [usize; N], [usize; N]) + Sync,
-) -> Tensor {
+) -> Array {
     let numel = shape.iter().product();
     let mut out = Storage::new(O::DTYPE, numel);
     if numel > 0 {
         Plan::new(shape, layouts).run(out.as_mut_slice::<O>(), segment);
     }
-    Tensor::from_storage(out, shape)
+    Array::from_storage(out, shape)
 }
 
 /// `f(x)` elementwise, same shape.
 #[inline(always)]
-fn map1<A: Element, O: Element>(x: &Tensor, f: impl Fn(A) -> O + Sync) -> Tensor {
+fn map1<A: Element, O: Element>(x: &Array, f: impl Fn(A) -> O + Sync) -> Array {
     let src = x.storage().as_slice::<A>();
     build(
         x.shape(),
@@ -935,11 +936,11 @@ fn map1<A: Element, O: Element>(x: &Tensor, f: impl Fn(A) -> O + Sync) -> Tensor
 /// `f(a, b)` elementwise, broadcast to `shape`.
 #[inline(always)]
 fn map2<A: Element, B: Element, O: Element>(
-    a: &Tensor,
-    b: &Tensor,
+    a: &Array,
+    b: &Array,
     shape: &[usize],
     f: impl Fn(A, B) -> O + Sync,
-) -> Tensor {
+) -> Array {
     let (da, db) = (a.storage().as_slice::<A>(), b.storage().as_slice::<B>());
     let layouts = [a.layout(), b.layout()];
     build(shape, layouts, |out: &mut [O], [ba, bb], [sa, sb]| {
@@ -966,12 +967,12 @@ fn map2<A: Element, B: Element, O: Element>(
 
 /// `f(a, b, c)` elementwise, broadcast to `shape`.
 fn map3<A: Element, B: Element, C: Element, O: Element>(
-    a: &Tensor,
-    b: &Tensor,
-    c: &Tensor,
+    a: &Array,
+    b: &Array,
+    c: &Array,
     shape: &[usize],
     f: impl Fn(A, B, C) -> O + Sync,
-) -> Tensor {
+) -> Array {
     let (da, db, dc) = (
         a.storage().as_slice::<A>(),
         b.storage().as_slice::<B>(),
@@ -1006,6 +1007,7 @@ fn map3<A: Element, B: Element, C: Element, O: Element>(
 
 #[cfg(test)]
 mod tests {
+    use crate::tensor::Tensor;
     use std::panic::Location;
 
     use half::{bf16, f16};
@@ -1319,9 +1321,9 @@ mod tests {
         );
         assert_eq!(un(UnaryOp::Relu, &x).to_vec::<i32>().unwrap(), [0, 7, 0]);
         // Float-only ops and bools fail rather than panic, even past inference.
-        assert!(unary(UnaryOp::Exp, &x).is_err());
+        assert!(unary(UnaryOp::Exp, x.array()).is_err());
         let b = Tensor::from_vec(vec![1u8], &[1]);
-        assert!(unary(UnaryOp::Neg, &b).is_err());
+        assert!(unary(UnaryOp::Neg, b.array()).is_err());
     }
 
     #[test]
@@ -1373,7 +1375,8 @@ mod tests {
         assert_eq!(cases.len(), BinaryOp::ALL.len());
         for (op, e) in cases {
             assert_close(&bin(op, &a, &b).to_vec::<f64>().unwrap(), &e, 1e-15);
-            let (a32, b32) = (cast(&a, DType::F32), cast(&b, DType::F32));
+            let a32 = Tensor::from_array(cast(a.array(), DType::F32));
+            let b32 = Tensor::from_array(cast(b.array(), DType::F32));
             assert_close(&bin(op, &a32, &b32).to_f64_vec(), &e, 1e-7);
         }
     }
@@ -1382,8 +1385,14 @@ mod tests {
     fn maximum_minimum_propagate_nan() {
         let nan = f64::NAN;
         for dtype in [DType::F32, DType::F64, DType::F16, DType::BF16] {
-            let a = cast(&Tensor::from_vec(vec![nan, 1.0, 2.0, nan], &[4]), dtype);
-            let b = cast(&Tensor::from_vec(vec![1.0, nan, 3.0, nan], &[4]), dtype);
+            let a = Tensor::from_array(cast(
+                Tensor::from_vec(vec![nan, 1.0, 2.0, nan], &[4]).array(),
+                dtype,
+            ));
+            let b = Tensor::from_array(cast(
+                Tensor::from_vec(vec![1.0, nan, 3.0, nan], &[4]).array(),
+                dtype,
+            ));
             assert_close(
                 &bin(BinaryOp::Maximum, &a, &b).to_f64_vec(),
                 &[nan, nan, 3.0, nan],
@@ -1548,7 +1557,7 @@ mod tests {
         let pow = bin(BinaryOp::Pow, &base, &exp).to_vec::<i64>().unwrap();
         assert_eq!(pow, [81, -8, 1, 1, 1024, -1]);
         // Division truncates toward zero.
-        let (a4, b4) = (cast(&a, DType::I32), cast(&b, DType::I32));
+        let (a4, b4) = (cast(a.array(), DType::I32), cast(b.array(), DType::I32));
         let (a4, b4) = (
             Tensor::from_parts(a4.storage().clone(), a4.layout().sliced(0, 0, 6, 1)),
             Tensor::from_parts(b4.storage().clone(), b4.layout().sliced(0, 0, 6, 1)),
@@ -1589,14 +1598,14 @@ mod tests {
         divisors[PAR_THRESHOLD + 1] = 0;
         let d = Tensor::from_vec(divisors, &[PAR_THRESHOLD + 3]);
         assert_eq!(
-            binary(BinaryOp::Div, &big, &d, big.shape())
+            binary(BinaryOp::Div, big.array(), d.array(), big.shape())
                 .unwrap_err()
                 .op
                 .as_deref(),
             Some("div")
         );
         let e = Tensor::from_vec(vec![2i64, -1, 0], &[3]);
-        let err = binary(BinaryOp::Pow, &a, &e, &[3]).unwrap_err();
+        let err = binary(BinaryOp::Pow, a.array(), e.array(), &[3]).unwrap_err();
         assert_eq!(err.op.as_deref(), Some("pow"));
         // Float division by zero is IEEE, not an error.
         let f = Tensor::from_vec(vec![1.0f32, -1.0, 0.0], &[3]);
@@ -1635,7 +1644,7 @@ mod tests {
                         _ => v,
                     })
                     .collect();
-                let y = cast(&x, to);
+                let y = cast(x.array(), to);
                 assert_eq!(y.dtype(), to);
                 assert_eq!(y.to_f64_vec(), expected, "{from} -> {to}");
             }
@@ -1646,7 +1655,7 @@ mod tests {
     fn cast_rounding_and_edges() {
         let x = Tensor::from_vec(vec![0.1f32], &[1]);
         assert_eq!(
-            cast(&x, DType::F16).to_vec::<f16>().unwrap()[0].to_bits(),
+            cast(x.array(), DType::F16).to_vec::<f16>().unwrap()[0].to_bits(),
             0x2e66
         );
         // Ties round to even (see binary_half_types_round_to_nearest_even).
@@ -1654,20 +1663,26 @@ mod tests {
             vec![1.0 + 0.5f64.powi(11), 1.0 + 3.0 * 0.5f64.powi(11)],
             &[2],
         );
-        assert_eq!(cast(&ties, DType::F16).to_f64_vec(), [1.0, 1.001953125]);
+        assert_eq!(
+            cast(ties.array(), DType::F16).to_f64_vec(),
+            [1.0, 1.001953125]
+        );
         let ties = Tensor::from_vec(vec![1.0 + 0.5f64.powi(8), 1.0 + 3.0 * 0.5f64.powi(8)], &[2]);
-        assert_eq!(cast(&ties, DType::BF16).to_f64_vec(), [1.0, 1.015625]);
+        assert_eq!(
+            cast(ties.array(), DType::BF16).to_f64_vec(),
+            [1.0, 1.015625]
+        );
         let f = Tensor::from_vec(vec![2.9f64, -2.9, -0.7, f64::NAN, 1e20, -1e20], &[6]);
         assert_eq!(
-            cast(&f, DType::I64).to_vec::<i64>().unwrap(),
+            cast(f.array(), DType::I64).to_vec::<i64>().unwrap(),
             [2, -2, 0, 0, i64::MAX, i64::MIN]
         );
         assert_eq!(
-            cast(&f, DType::I32).to_vec::<i32>().unwrap(),
+            cast(f.array(), DType::I32).to_vec::<i32>().unwrap(),
             [2, -2, 0, 0, i32::MAX, i32::MIN]
         );
         assert_eq!(
-            cast(&f, DType::Bool).to_vec::<u8>().unwrap(),
+            cast(f.array(), DType::Bool).to_vec::<u8>().unwrap(),
             [1, 1, 1, 1, 1, 1]
         );
         let i = Tensor::from_vec(
@@ -1675,17 +1690,20 @@ mod tests {
             &[3],
         );
         assert_eq!(
-            cast(&i, DType::I32).to_vec::<i32>().unwrap(),
+            cast(i.array(), DType::I32).to_vec::<i32>().unwrap(),
             [5, i32::MAX, (1 << 24) + 1]
         );
         // 2^24 + 1 is a tie in f32: to even, 2^24.
-        assert_eq!(cast(&i, DType::F32).to_vec::<f32>().unwrap()[2], 16777216.0);
+        assert_eq!(
+            cast(i.array(), DType::F32).to_vec::<f32>().unwrap()[2],
+            16777216.0
+        );
         // Same dtype: the same tensor; strided input: row-major output.
-        assert!(cast(&f, DType::F64).shares_storage(&f));
+        assert!(cast(f.array(), DType::F64).shares_buffer(f.array()));
         let m = Tensor::from_vec(vec![1.5f32, 2.5, 3.5, 4.5, 5.5, 6.5], &[2, 3]);
         let t = Tensor::from_parts(m.storage().clone(), m.layout().permuted(&[1, 0]));
         assert_eq!(
-            cast(&t, DType::I32).to_vec::<i32>().unwrap(),
+            cast(t.array(), DType::I32).to_vec::<i32>().unwrap(),
             [1, 4, 2, 5, 3, 6]
         );
     }
@@ -1710,8 +1728,11 @@ mod tests {
             assert_eq!(out.to_vec::<u8>().unwrap(), e, "{op:?}");
         }
         for dtype in DType::ALL {
-            let x = cast(&Tensor::from_vec(vec![0.0f64, 1.0, 1.0], &[3]), dtype);
-            let y = cast(&Tensor::from_vec(vec![1.0f64], &[]), dtype);
+            let x = Tensor::from_array(cast(
+                Tensor::from_vec(vec![0.0f64, 1.0, 1.0], &[3]).array(),
+                dtype,
+            ));
+            let y = Tensor::from_array(cast(Tensor::from_vec(vec![1.0f64], &[]).array(), dtype));
             let lt = apply(Op::Compare(CompareOp::Lt), &[&x, &y]).unwrap();
             assert_eq!(lt.to_vec::<u8>().unwrap(), [1, 0, 0], "{dtype}");
             let eq = apply(Op::Compare(CompareOp::Eq), &[&y, &x]).unwrap();
@@ -1733,9 +1754,9 @@ mod tests {
         let (va, vb) = (f32s(n, |i| i as f64), f32s(n, |i| -(i as f64)));
         let c = Tensor::from_vec(vc.clone(), &[n]);
         let out = where_(
-            &c,
-            &Tensor::from_vec(va.clone(), &[n]),
-            &Tensor::from_vec(vb.clone(), &[n]),
+            c.array(),
+            Tensor::from_vec(va.clone(), &[n]).array(),
+            Tensor::from_vec(vb.clone(), &[n]).array(),
             &[n],
         );
         let expected: Vec<f32> = (0..n)
@@ -1756,7 +1777,7 @@ mod tests {
     fn tril_and_triu() {
         let m: Vec<i32> = (1..=12).collect();
         let x = Tensor::from_vec(m.clone(), &[3, 4]);
-        let tri = |d: i64, upper: bool| triangle(&x, d, upper).to_vec::<i32>().unwrap();
+        let tri = |d: i64, upper: bool| triangle(x.array(), d, upper).to_vec::<i32>().unwrap();
         assert_eq!(tri(0, false), [1, 0, 0, 0, 5, 6, 0, 0, 9, 10, 11, 0]);
         assert_eq!(tri(0, true), [1, 2, 3, 4, 0, 6, 7, 8, 0, 0, 11, 12]);
         assert_eq!(tri(1, true), [0, 2, 3, 4, 0, 0, 7, 8, 0, 0, 0, 12]);
@@ -1791,6 +1812,9 @@ mod tests {
                 0.0
             }
         });
-        assert_eq!(triangle(&big, -3, true).to_vec::<f64>().unwrap(), expected);
+        assert_eq!(
+            triangle(big.array(), -3, true).to_vec::<f64>().unwrap(),
+            expected
+        );
     }
 }

@@ -13,7 +13,7 @@
 //! the part of it two blocks ahead prefetched into L2 while this one is
 //! computed, and outputs far larger than the caches are written with
 //! non-temporal stores (`super::stream`), each block's a piece at a time
-//! while the next block is computed (see [`Spread`]). Every step computes exactly what the
+//! while the next block is computed (see `Spread`). Every step computes exactly what the
 //! eager kernel of its op computes (the same functions), so results are
 //! bit-identical to op-by-op evaluation in the compute type.
 //!
@@ -32,13 +32,14 @@ use super::{Element, Storage};
 use crate::error::{op_err, Result};
 use crate::ir::kernel::{FusedKernel, FusedRegisters, Step};
 use crate::ir::{CompareOp, DType, UnaryOp};
-use crate::tensor::{Layout, Tensor};
+use crate::runtime::array::Array;
+use crate::runtime::layout::Layout;
 use crate::with_dtype;
 
 /// One input of a fused kernel.
 pub enum FusedInput<'a> {
-    /// A tensor the kernel reads (broadcast to the kernel's shape).
-    Shared(&'a Tensor),
+    /// An array the kernel reads (broadcast to the kernel's shape).
+    Shared(&'a Array),
     /// The storage of an input that nobody else holds, dense over the
     /// kernel's shape, which output `output` (of the same dtype) overwrites.
     /// In place is safe here because every block loads all of its inputs
@@ -49,12 +50,12 @@ pub enum FusedInput<'a> {
 
 impl FusedKernel {
     /// Runs the kernel; `inputs` as numbered by `Step::Load`.
-    pub fn run(&self, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
+    pub fn run(&self, inputs: &[&Array]) -> Result<Vec<Array>> {
         self.run_with(inputs.iter().map(|&t| FusedInput::Shared(t)).collect())
     }
 
     /// Runs the kernel, writing donated inputs' outputs in place.
-    pub fn run_with(&self, inputs: Vec<FusedInput<'_>>) -> Result<Vec<Tensor>> {
+    pub fn run_with(&self, inputs: Vec<FusedInput<'_>>) -> Result<Vec<Array>> {
         let numel: usize = self.shape.iter().product();
         self.check(inputs.len())?;
         for (i, input) in inputs.iter().enumerate() {
@@ -102,7 +103,7 @@ impl FusedKernel {
         Ok(())
     }
 
-    fn run_as<A: Transcendental>(&self, inputs: Vec<FusedInput<'_>>) -> Vec<Tensor> {
+    fn run_as<A: Transcendental>(&self, inputs: Vec<FusedInput<'_>>) -> Vec<Array> {
         let numel: usize = self.shape.iter().product();
         let (sources, mut outs) = self.sources_and_outputs(inputs, numel);
         let sinks: Vec<Sink> = outs
@@ -176,7 +177,7 @@ impl FusedKernel {
                 .for_each(|t| run_blocks(t * per..((t + 1) * per).min(blocks)));
         }
         outs.into_iter()
-            .map(|s| Tensor::from_storage(s, &self.shape))
+            .map(|s| Array::from_storage(s, &self.shape))
             .collect()
     }
 
@@ -348,7 +349,7 @@ fn same_repr<T: Element, A: AccFloat>() -> bool {
 
 /// Reads elements `start..start+dst.len()` (row-major over the kernel's
 /// shape) of `t` through its broadcast layout.
-pub(crate) fn load<A: AccFloat>(t: &Tensor, layout: &Layout, start: usize, dst: &mut [A]) {
+pub(crate) fn load<A: AccFloat>(t: &Array, layout: &Layout, start: usize, dst: &mut [A]) {
     with_dtype!(t.dtype(), T => {
         let src = t.storage().as_slice::<T>();
         if let Some(range) = layout.contiguous_range() {
@@ -375,7 +376,7 @@ pub(crate) fn load<A: AccFloat>(t: &Tensor, layout: &Layout, start: usize, dst: 
 /// Where a `Step::Load` reads: a shared tensor through its broadcast
 /// layout, or the buffer of output `o` (a donated input, read in place).
 enum Source<'a> {
-    Shared(&'a Tensor, Layout),
+    Shared(&'a Array, Layout),
     Output(usize),
 }
 
@@ -518,9 +519,9 @@ impl Sink {
 #[cfg(test)]
 mod tests {
     use super::*;
-
     use crate::ir::kernel::MAX_BLOCK;
     use crate::ir::BinaryOp;
+    use crate::tensor::Tensor;
 
     #[test]
     fn a_chain_with_broadcast_and_two_outputs() {
@@ -543,7 +544,7 @@ mod tests {
             wide: false,
             block: 64,
         };
-        let out = k.run(&[&x, &w]).unwrap();
+        let out = k.run(&[x.array(), w.array()]).unwrap();
         let want: Vec<f64> = [0.0f64, 0.5, -2.0, -1.0, 0.25, -3.0]
             .iter()
             .map(|v| v.exp() + 1.0)
@@ -575,13 +576,15 @@ mod tests {
             wide: false,
             block: MAX_BLOCK,
         };
-        let want = k.run(&[&x, &w]).unwrap()[0].to_f64_vec();
-        let storage = x.into_unique_storage().expect("x is not shared");
+        let want = k.run(&[x.array(), w.array()]).unwrap()[0].to_f64_vec();
+        let storage = (x.into_unique_array().ok())
+            .and_then(|a| a.into_unique_storage())
+            .expect("x is not shared");
         let address = storage.as_bytes().as_ptr();
         let got = k
             .run_with(vec![
                 FusedInput::Donated { storage, output: 0 },
-                FusedInput::Shared(&w),
+                FusedInput::Shared(w.array()),
             ])
             .unwrap();
         assert_eq!(
@@ -630,7 +633,11 @@ mod tests {
             .collect();
         for block in [64, 256, 1024, 4096] {
             k.block = block;
-            assert_eq!(k.run(&[&x]).unwrap()[0].to_f64_vec(), want, "block {block}");
+            assert_eq!(
+                k.run(&[x.array()]).unwrap()[0].to_f64_vec(),
+                want,
+                "block {block}"
+            );
         }
     }
 
@@ -661,7 +668,9 @@ mod tests {
             vec![(7, DType::F32), (7, DType::F64)],
             false,
         );
-        let got = super::super::stream::with_stream_min_bytes(min, || k.run(&[&x, &w]).unwrap());
+        let got = super::super::stream::with_stream_min_bytes(min, || {
+            k.run(&[x.array(), w.array()]).unwrap()
+        });
         let want = ((x.sigmoid() * &w - 0.5).tanh() + &x).to_f64_vec();
         assert_eq!(got[0].to_f64_vec(), want);
         assert_eq!(got[1].to_f64_vec(), want);
@@ -724,8 +733,9 @@ mod tests {
                     block,
                 };
                 for min in [usize::MAX, 64] {
-                    let got =
-                        super::super::stream::with_stream_min_bytes(min, || k.run(&[&x]).unwrap());
+                    let got = super::super::stream::with_stream_min_bytes(min, || {
+                        k.run(&[x.array()]).unwrap()
+                    });
                     let y = got[0].to_vec::<f32>().unwrap();
                     let t = got[1].to_vec::<f32>().unwrap();
                     let y64 = got[2].to_vec::<f64>().unwrap();
@@ -801,7 +811,8 @@ mod tests {
             false,
         );
         for min in [usize::MAX, 64] {
-            let got = super::super::stream::with_stream_min_bytes(min, || k.run(&[&x]).unwrap());
+            let got =
+                super::super::stream::with_stream_min_bytes(min, || k.run(&[x.array()]).unwrap());
             assert_eq!(got[0].to_f64_vec(), vec![2.5; n], "streaming from {min}");
             assert_eq!(got[1].to_f64_vec(), x.neg().to_f64_vec());
         }

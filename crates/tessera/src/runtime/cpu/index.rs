@@ -11,11 +11,12 @@ use super::reduce::for_chunks;
 use super::Storage;
 use crate::error::{op_err, Result};
 use crate::ir::DType;
-use crate::tensor::{Layout, Tensor};
+use crate::runtime::array::Array;
+use crate::runtime::layout::Layout;
 use crate::with_dtype;
 
 /// `inputs` joined along `dim` into a tensor of `shape`.
-pub fn cat(inputs: &[&Tensor], dim: usize, shape: &[usize]) -> Tensor {
+pub fn cat(inputs: &[&Array], dim: usize, shape: &[usize]) -> Array {
     with_dtype!(inputs[0].dtype(), T => cat_typed::<T>(inputs, dim, shape))
 }
 
@@ -32,7 +33,7 @@ fn sub_layout(l: &Layout, dims: Range<usize>, offset: usize) -> Layout {
 
 /// Each output row (one index of the dims before `dim`) is the inputs'
 /// blocks for that index, back to back.
-fn cat_typed<T: Element>(inputs: &[&Tensor], dim: usize, shape: &[usize]) -> Tensor {
+fn cat_typed<T: Element>(inputs: &[&Array], dim: usize, shape: &[usize]) -> Array {
     let mut out = Storage::new(T::DTYPE, shape.iter().product());
     let row: usize = shape[dim..].iter().product();
     let dst = out.as_mut_slice::<T>();
@@ -64,12 +65,12 @@ fn cat_typed<T: Element>(inputs: &[&Tensor], dim: usize, shape: &[usize]) -> Ten
             }
         });
     }
-    Tensor::from_storage(out, shape)
+    Array::from_storage(out, shape)
 }
 
 /// The entries of the i64/i32 `index` in row-major order, each checked to
 /// lie in `0..size` (the extent of `dim` it indexes).
-fn read_indices(op: &str, index: &Tensor, dim: usize, size: usize) -> Result<Vec<usize>> {
+fn read_indices(op: &str, index: &Array, dim: usize, size: usize) -> Result<Vec<usize>> {
     let values: Vec<i64> = match index.dtype() {
         DType::I64 => index.to_vec::<i64>()?,
         DType::I32 => index.to_vec::<i32>()?.into_iter().map(i64::from).collect(),
@@ -93,14 +94,14 @@ fn read_indices(op: &str, index: &Tensor, dim: usize, size: usize) -> Result<Vec
 }
 
 /// The slices of `x` at positions `index` along `dim`.
-pub fn index_select(x: &Tensor, index: &Tensor, dim: usize) -> Result<Tensor> {
+pub fn index_select(x: &Array, index: &Array, dim: usize) -> Result<Array> {
     let idx = read_indices("index_select", index, dim, x.shape()[dim])?;
     Ok(with_dtype!(x.dtype(), T => select_typed::<T>(x, &idx, dim)))
 }
 
 /// The output is `outer × idx.len()` blocks, each one slice of x after
 /// `dim`; block `g` is slice `idx[g % n]` of outer index `g / n`.
-fn select_typed<T: Element>(x: &Tensor, idx: &[usize], dim: usize) -> Tensor {
+fn select_typed<T: Element>(x: &Array, idx: &[usize], dim: usize) -> Array {
     let mut shape = x.shape().to_vec();
     shape[dim] = idx.len();
     let mut out = Storage::new(T::DTYPE, shape.iter().product());
@@ -123,19 +124,19 @@ fn select_typed<T: Element>(x: &Tensor, idx: &[usize], dim: usize) -> Tensor {
             }
         });
     }
-    Tensor::from_storage(out, &shape)
+    Array::from_storage(out, &shape)
 }
 
 /// torch.gather: `out[i][j] = x[index[i][j]][j]` for dim 0, and likewise
 /// for other dims; the output has the index's shape.
-pub fn gather(x: &Tensor, index: &Tensor, dim: usize) -> Result<Tensor> {
+pub fn gather(x: &Array, index: &Array, dim: usize) -> Result<Array> {
     let idx = read_indices("gather", index, dim, x.shape()[dim])?;
     Ok(with_dtype!(x.dtype(), T => gather_typed::<T>(x, &idx, dim, index.shape())))
 }
 
 /// `base` maps an output position to x's offset with the `dim` coordinate
 /// zeroed (x's strides over the index's shape); the index adds the rest.
-fn gather_typed<T: Element>(x: &Tensor, idx: &[usize], dim: usize, shape: &[usize]) -> Tensor {
+fn gather_typed<T: Element>(x: &Array, idx: &[usize], dim: usize, shape: &[usize]) -> Array {
     let mut out = Storage::new(T::DTYPE, idx.len());
     let dst = out.as_mut_slice::<T>();
     if !dst.is_empty() {
@@ -161,12 +162,13 @@ fn gather_typed<T: Element>(x: &Tensor, idx: &[usize], dim: usize, shape: &[usiz
             }
         });
     }
-    Tensor::from_storage(out, shape)
+    Array::from_storage(out, shape)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::tensor::Tensor;
 
     fn permuted(t: &Tensor, perm: &[usize]) -> Tensor {
         Tensor::from_parts(t.storage().clone(), t.layout().permuted(perm))
@@ -204,7 +206,9 @@ mod tests {
             let (a, b) = (coded(0.0, sa), coded(1e6, sb));
             let mut shape = vec![2, 3, 4];
             shape[dim] = 4;
-            let got = cat(&[&a, &b], dim, &shape).to_vec::<f32>().unwrap();
+            let got = cat(&[a.array(), b.array()], dim, &shape)
+                .to_vec::<f32>()
+                .unwrap();
             let mut want = Vec::new();
             for i in 0..shape[0] {
                 for j in 0..shape[1] {
@@ -228,7 +232,9 @@ mod tests {
         let a = Tensor::from_vec((0..300 * 200).map(|i| i as i64).collect(), &[300, 200]);
         let b = Tensor::from_vec((0..300 * 56).map(|i| -(i as i64)).collect(), &[300, 56]);
         let e = Tensor::from_vec(Vec::<i64>::new(), &[300, 0]);
-        let got = cat(&[&a, &e, &b], 1, &[300, 256]).to_vec::<i64>().unwrap();
+        let got = cat(&[a.array(), e.array(), b.array()], 1, &[300, 256])
+            .to_vec::<i64>()
+            .unwrap();
         for r in [0, 1, 150, 299] {
             let row = &got[r * 256..][..256];
             assert!(row[..200]
@@ -242,17 +248,19 @@ mod tests {
         }
         let bools = Tensor::from_vec(vec![1u8, 0], &[2]);
         assert_eq!(
-            cat(&[&bools, &bools], 0, &[4]).to_vec::<u8>().unwrap(),
+            cat(&[bools.array(), bools.array()], 0, &[4])
+                .to_vec::<u8>()
+                .unwrap(),
             vec![1, 0, 1, 0]
         );
-        assert_eq!(cat(&[&e, &e], 0, &[600, 0]).numel(), 0);
+        assert_eq!(cat(&[e.array(), e.array()], 0, &[600, 0]).numel(), 0);
     }
 
     #[test]
     fn index_select_rows_and_columns() {
         let x = coded(0.0, [3, 4, 2]);
         let idx = Tensor::from_vec(vec![2i64, 0, 2], &[3]);
-        let got = index_select(&x, &idx, 0).unwrap();
+        let got = index_select(x.array(), idx.array(), 0).unwrap();
         assert_eq!(got.shape(), &[3, 4, 2]);
         let want: Vec<f32> = [2, 0, 2]
             .iter()
@@ -260,7 +268,7 @@ mod tests {
             .collect();
         assert_eq!(got.to_vec::<f32>().unwrap(), want);
         let idx = Tensor::from_vec(vec![3i32, 1], &[2]);
-        let got = index_select(&x, &idx, 1).unwrap();
+        let got = index_select(x.array(), idx.array(), 1).unwrap();
         assert_eq!(
             got.to_vec::<f32>().unwrap(),
             vec![
@@ -270,7 +278,10 @@ mod tests {
         );
         let idx = Tensor::from_vec(vec![1i64], &[1]);
         assert_eq!(
-            index_select(&x, &idx, 2).unwrap().to_vec::<f32>().unwrap(),
+            index_select(x.array(), idx.array(), 2)
+                .unwrap()
+                .to_vec::<f32>()
+                .unwrap(),
             vec![
                 1.0, 101.0, 201.0, 301.0, 10001.0, 10101.0, 10201.0, 10301.0, 20001.0, 20101.0,
                 20201.0, 20301.0
@@ -283,7 +294,12 @@ mod tests {
         // An embedding lookup: 5000 ids into a [100, 16] table (parallel path).
         let table = Tensor::from_vec((0..1600).map(|i| i as f32).collect(), &[100, 16]);
         let ids: Vec<i64> = (0..5000).map(|i| (i * 37 % 100) as i64).collect();
-        let got = index_select(&table, &Tensor::from_vec(ids.clone(), &[5000]), 0).unwrap();
+        let got = index_select(
+            table.array(),
+            Tensor::from_vec(ids.clone(), &[5000]).array(),
+            0,
+        )
+        .unwrap();
         let got = got.to_vec::<f32>().unwrap();
         for (n, &id) in ids.iter().enumerate() {
             assert_eq!(got[n * 16 + 5], (id * 16 + 5) as f32);
@@ -295,7 +311,7 @@ mod tests {
         let x = Tensor::from_vec(vec![1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0], &[2, 3]);
         for bad in [3i64, -1] {
             let idx = Tensor::from_vec(vec![0i64, bad], &[2]);
-            let err = index_select(&x, &idx, 1).unwrap_err();
+            let err = index_select(x.array(), idx.array(), 1).unwrap_err();
             let msg = err.to_string();
             assert!(
                 msg.contains("index_select")
@@ -304,7 +320,7 @@ mod tests {
                 "{msg}"
             );
             let gidx = Tensor::from_vec(vec![0i64, bad], &[1, 2]);
-            let msg = gather(&x, &gidx, 1).unwrap_err().to_string();
+            let msg = gather(x.array(), gidx.array(), 1).unwrap_err().to_string();
             assert!(
                 msg.contains("gather")
                     && msg.contains(&format!("index {bad}"))
@@ -313,7 +329,7 @@ mod tests {
             );
         }
         let idx = Tensor::from_vec(vec![2i32], &[1]);
-        assert!(index_select(&x, &idx, 0)
+        assert!(index_select(x.array(), idx.array(), 0)
             .unwrap_err()
             .to_string()
             .contains("size 2"));
@@ -325,13 +341,19 @@ mod tests {
         let x = Tensor::from_vec(vec![1i64, 2, 3, 4], &[2, 2]);
         let idx = Tensor::from_vec(vec![0i64, 0, 1, 0], &[2, 2]);
         assert_eq!(
-            gather(&x, &idx, 1).unwrap().to_vec::<i64>().unwrap(),
+            gather(x.array(), idx.array(), 1)
+                .unwrap()
+                .to_vec::<i64>()
+                .unwrap(),
             vec![1, 1, 4, 3]
         );
         // Along dim 0: out[i][j] = x[idx[i][j]][j] -> [[3, 2], [1, 4], [3, 4]].
         let idx0 = Tensor::from_vec(vec![1i32, 0, 0, 1, 1, 1], &[3, 2]);
         assert_eq!(
-            gather(&x, &idx0, 0).unwrap().to_vec::<i64>().unwrap(),
+            gather(x.array(), idx0.array(), 0)
+                .unwrap()
+                .to_vec::<i64>()
+                .unwrap(),
             vec![3, 2, 1, 4, 3, 4]
         );
         // An index smaller than x in the other dims, on a transposed x.
@@ -342,12 +364,18 @@ mod tests {
         // xt = [[1, 3, 5], [2, 4, 6]]
         let idx = Tensor::from_vec(vec![2i64, 0], &[1, 2]);
         assert_eq!(
-            gather(&xt, &idx, 1).unwrap().to_vec::<f32>().unwrap(),
+            gather(xt.array(), idx.array(), 1)
+                .unwrap()
+                .to_vec::<f32>()
+                .unwrap(),
             vec![5.0, 1.0]
         );
         let idx = Tensor::from_vec(vec![1i64, 0], &[1, 2]);
         assert_eq!(
-            gather(&xt, &idx, 0).unwrap().to_vec::<f32>().unwrap(),
+            gather(xt.array(), idx.array(), 0)
+                .unwrap()
+                .to_vec::<f32>()
+                .unwrap(),
             vec![2.0, 3.0]
         );
         // A transposed index over a 3-D x, big enough for the parallel path.
@@ -355,7 +383,10 @@ mod tests {
         let phys: Vec<i64> = (0..8 * 64 * 70).map(|p| (p * 7 % 64) as i64).collect();
         let idx = permuted(&Tensor::from_vec(phys, &[70, 64, 8]), &[2, 1, 0]);
         let iv = idx.to_vec::<i64>().unwrap();
-        let got = gather(&x, &idx, 1).unwrap().to_vec::<f32>().unwrap();
+        let got = gather(x.array(), idx.array(), 1)
+            .unwrap()
+            .to_vec::<f32>()
+            .unwrap();
         for (p, (&g, &j)) in got.iter().zip(&iv).enumerate() {
             let (i, k) = (p / (64 * 70), p % 70);
             assert_eq!(g, code(i, j as usize, k) as f32, "at {p}");

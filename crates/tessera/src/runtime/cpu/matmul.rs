@@ -19,7 +19,8 @@ use super::element::{Element, Float};
 use super::Storage;
 use crate::error::{op_err, Result};
 use crate::ir::{DType, Op};
-use crate::tensor::{Layout, Tensor};
+use crate::runtime::array::Array;
+use crate::runtime::layout::Layout;
 
 /// Per-matmul work (m·n·k) from which one gemm call is split over threads;
 /// gemm's own default threading threshold, so we never ask for threads it
@@ -31,7 +32,7 @@ const GEMM_PAR_WORK: usize = 48 * 48 * 256;
 const TASK_WORK: usize = 1 << 16;
 
 /// `a @ b` into a new contiguous tensor of `out_shape`.
-pub fn matmul(a: &Tensor, b: &Tensor, out_shape: &[usize]) -> Result<Tensor> {
+pub fn matmul(a: &Array, b: &Array, out_shape: &[usize]) -> Result<Array> {
     let plan = Plan::new(a.layout(), b.layout(), out_shape);
     let out = match a.dtype() {
         DType::F32 if is_thin(&plan) => thin_storage(&plan, a.storage(), b.storage()),
@@ -43,19 +44,19 @@ pub fn matmul(a: &Tensor, b: &Tensor, out_shape: &[usize]) -> Result<Tensor> {
         DType::I32 => int_storage::<i32>(&plan, a.storage(), b.storage()),
         DType::Bool => return Err(op_err!(DType, "matmul", "is not defined for bool")),
     };
-    Ok(Tensor::from_storage(out, out_shape))
+    Ok(Array::from_storage(out, out_shape))
 }
 
 /// `a' @ b'` where `a'` is `a` with its last two dims swapped when
 /// `transpose_a` (likewise `b'`). The swap is a strided view, which gemm
 /// reads in place: nothing is copied.
 pub fn matmul_t(
-    a: &Tensor,
-    b: &Tensor,
+    a: &Array,
+    b: &Array,
     transpose_a: bool,
     transpose_b: bool,
     out_shape: &[usize],
-) -> Result<Tensor> {
+) -> Result<Array> {
     matmul(
         &swapped_last2(a, transpose_a),
         &swapped_last2(b, transpose_b),
@@ -76,11 +77,11 @@ pub fn transposes(op: &Op) -> (bool, bool) {
 }
 
 /// A view of `x` with its last two dims swapped (`x` itself unless `swap`).
-fn swapped_last2(x: &Tensor, swap: bool) -> Tensor {
+fn swapped_last2(x: &Array, swap: bool) -> Array {
     if !swap {
         return x.clone();
     }
-    Tensor::from_parts(x.storage().clone(), swapped_layout(x.layout(), true))
+    Array::from_parts(x.storage().clone(), swapped_layout(x.layout(), true))
 }
 
 /// `l` with its last two dims swapped when `swap`.
@@ -233,7 +234,7 @@ fn is_thin(plan: &Plan) -> bool {
     thin_dims(plan.m, plan.n, plan.k) && super::flash::simd_tiles()
 }
 
-/// Whether an m×k by k×n product has thin dims (see [`is_thin`]).
+/// Whether an m×k by k×n product has thin dims (see `is_thin`).
 pub fn thin_dims(m: usize, n: usize, k: usize) -> bool {
     m >= 16 && n >= 16 && k > 0 && k.min(n) <= 256
 }
@@ -278,7 +279,7 @@ fn thin_storage(plan: &Plan, a: &Storage, b: &Storage) -> Storage {
 /// handed to a consumer while the block is in cache, never written whole:
 /// the matmuls of a `matmul + row kernel` (fusion's `Kernel::MatmulRows`,
 /// e.g. attention's `q·kᵀ` with its softmax). Same micro-tiles, panels and
-/// task split as [`thin_storage`].
+/// task split as `thin_storage`.
 pub struct BlockedProduct<'a> {
     plan: Plan,
     a: &'a [f32],
@@ -296,8 +297,8 @@ impl<'a> BlockedProduct<'a> {
     /// f32 product this machine computes by tiles (else `None`: the caller
     /// computes it whole).
     pub fn new(
-        a: &'a Tensor,
-        b: &'a Tensor,
+        a: &'a Array,
+        b: &'a Array,
         (transpose_a, transpose_b): (bool, bool),
         out_shape: &[usize],
     ) -> Option<BlockedProduct<'a>> {
@@ -316,7 +317,7 @@ impl<'a> BlockedProduct<'a> {
 }
 
 /// Calls `each(first row, blocks)` for consecutive blocks of at most
-/// [`BLOCK_ROWS`] rows of the `products` (alike: [`alike`]), `blocks[i]`
+/// `BLOCK_ROWS` rows of the `products` (alike: [`alike`]), `blocks[i]`
 /// the rows of product `i` (rows of all batches counted row-major, `n`
 /// values each), covering every row once, from rayon's threads. Each task
 /// packs the `B`s it multiplies once, for all its blocks.
@@ -688,7 +689,7 @@ fn gemm_one<T: GemmElement>(
 /// f16 and bf16: multiply in f32 and round once at the end. (bf16 has no
 /// gemm kernel; gemm's f16 kernel accumulates in f16, which loses ~1% at
 /// k = 129 — we promise f32 accumulation for the half types.)
-fn matmul_via_f32<T: Float<Acc = f32>>(a: &Tensor, b: &Tensor, out_shape: &[usize]) -> Tensor {
+fn matmul_via_f32<T: Float<Acc = f32>>(a: &Array, b: &Array, out_shape: &[usize]) -> Array {
     // The f32 operands and product are the kernel's scratch (see
     // `scratch_bytes`).
     let wide = super::arena::scratch(|| {
@@ -701,12 +702,12 @@ fn matmul_via_f32<T: Float<Acc = f32>>(a: &Tensor, b: &Tensor, out_shape: &[usiz
     for (o, &v) in dst.iter_mut().zip(wide.as_slice::<f32>()) {
         *o = T::from_acc(v);
     }
-    Tensor::from_storage(out, out_shape)
+    Array::from_storage(out, out_shape)
 }
 
 /// A half-precision tensor converted to f32 with the same shape. Broadcast (stride-0)
 /// dims stay broadcast, so an expanded operand is not materialised.
-fn to_f32<T: Float<Acc = f32>>(x: &Tensor) -> Tensor {
+fn to_f32<T: Float<Acc = f32>>(x: &Array) -> Array {
     let l = x.layout();
     let compact: Vec<usize> = (0..l.rank())
         .map(|d| if l.strides[d] == 0 { 1 } else { l.shape[d] })
@@ -727,7 +728,7 @@ fn to_f32<T: Float<Acc = f32>>(x: &Tensor) -> Tensor {
         at += len;
     });
     let storage = std::sync::Arc::new(storage);
-    Tensor::from_parts(storage, Layout::contiguous(&compact).expanded(&l.shape))
+    Array::from_parts(storage, Layout::contiguous(&compact).expanded(&l.shape))
 }
 
 /// Integer matmul: not performance critical, a plain loop in i-k-j order
@@ -776,6 +777,7 @@ fn int_one<T: WrappingInt>(plan: &Plan, i: usize, a: &[T], b: &[T], dst: &mut [T
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::tensor::Tensor;
 
     use crate::runtime::cpu::test_values as values;
 
@@ -825,9 +827,9 @@ mod tests {
     }
 
     fn run(a: &Tensor, b: &Tensor, shape: &[usize]) -> Tensor {
-        let out = matmul(a, b, shape).unwrap();
+        let out = matmul(a.array(), b.array(), shape).unwrap();
         assert_eq!(out.shape(), shape);
-        out
+        Tensor::from_array(out)
     }
 
     #[test]
@@ -1177,8 +1179,13 @@ mod tests {
     fn via_dispatcher() {
         let a = f32_tensor(&values(6, 25), &[2, 3]);
         let b = f32_tensor(&values(3, 26), &[3]);
-        let out =
-            crate::runtime::cpu::eval(&crate::ir::Op::MatMul, &[&a, &b], DType::F32, &[2]).unwrap();
+        let out = crate::runtime::cpu::eval(
+            &crate::ir::Op::MatMul,
+            &[a.array(), b.array()],
+            DType::F32,
+            &[2],
+        )
+        .unwrap();
         assert_close(
             &out.to_f64_vec(),
             &naive(&a.to_f64_vec(), &b.to_f64_vec(), 2, 3, 1),
@@ -1190,9 +1197,9 @@ mod tests {
     fn matmul_t_reads_transposed_views() {
         let a = f32_tensor(&values(12, 27), &[2, 3, 2]); // a' is [2, 2, 3]
         let b = f32_tensor(&values(12, 28), &[4, 3]); // b' is [3, 4]
-        let out = matmul_t(&a, &b, true, true, &[2, 2, 4]).unwrap();
-        let a_t = swapped_last2(&a, true).to_f64_vec();
-        let b_t = swapped_last2(&b, true).to_f64_vec();
+        let out = matmul_t(a.array(), b.array(), true, true, &[2, 2, 4]).unwrap();
+        let a_t = swapped_last2(a.array(), true).to_f64_vec();
+        let b_t = swapped_last2(b.array(), true).to_f64_vec();
         let mut want = naive(&a_t[..6], &b_t, 2, 3, 4);
         want.extend(naive(&a_t[6..], &b_t, 2, 3, 4));
         assert_close(&out.to_f64_vec(), &want, 1e-6);

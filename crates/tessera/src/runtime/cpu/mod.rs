@@ -1,8 +1,10 @@
 //! The CPU backend: storage, kernels, and the op dispatcher eager mode and
-//! the graph interpreter share.
+//! the graph interpreter share. Kernels take and return [`Array`]s.
 
 pub mod alloc;
 pub mod arena;
+pub mod autotune;
+mod backend;
 pub mod copy;
 mod creation;
 mod element;
@@ -19,25 +21,28 @@ mod storage;
 mod stream;
 
 pub use alloc::{empty_cache, memory_stats, reset_peak, MemoryStats};
+pub(crate) use backend::cpu_backend;
+pub use backend::CpuBackend;
 pub use element::{Element, Float};
 pub use matmul::{
     alike, blocks_products, for_each_block, thin_dims, transposes, BlockedProduct, DescribedProduct,
 };
 pub use storage::Storage;
 
+use super::array::Array;
+use super::layout::Layout;
 use crate::error::Result;
 use crate::ir::{DType, Op, TensorType};
-use crate::tensor::{Layout, Tensor};
 
 /// Computes `op(inputs)` whose output has `dtype` and `shape` (already
 /// inferred and checked by `Op::infer`). Movement ops return views (see
 /// [`view_layout`]). Memory the kernel cannot get is an `OutOfMemory`
 /// error that names the op and its output type.
-pub fn eval(op: &Op, inputs: &[&Tensor], dtype: DType, shape: &[usize]) -> Result<Tensor> {
+pub fn eval(op: &Op, inputs: &[&Array], dtype: DType, shape: &[usize]) -> Result<Array> {
     if let Some(x) = inputs.first() {
         let input = (x.layout(), x.dtype(), x.storage().numel());
         if let Some(layout) = view_layout(op, input, shape) {
-            return Ok(view(x, layout));
+            return Ok(x.view(layout));
         }
     }
     alloc::catching(|| run_kernel(op, inputs, dtype, shape))
@@ -55,7 +60,7 @@ pub(crate) fn in_kernel(mut e: crate::error::Error, op: &str, output: &str) -> c
     e
 }
 
-fn run_kernel(op: &Op, inputs: &[&Tensor], dtype: DType, shape: &[usize]) -> Result<Tensor> {
+fn run_kernel(op: &Op, inputs: &[&Array], dtype: DType, shape: &[usize]) -> Result<Array> {
     match op {
         Op::Input => unreachable!("inputs are bound by the caller, never evaluated"),
         Op::Constant(lit) => creation::constant(lit),
@@ -84,7 +89,7 @@ fn run_kernel(op: &Op, inputs: &[&Tensor], dtype: DType, shape: &[usize]) -> Res
             unreachable!("{} is always a view", op.name())
         }
         Op::Cat { dim } => Ok(index::cat(inputs, *dim, shape)),
-        Op::Contiguous => Ok(copy::contiguous(inputs[0])),
+        Op::Contiguous => Ok(copy::contiguous(inputs[0]).into_owned()),
         Op::Tril { diagonal } => Ok(elementwise::triangle(inputs[0], *diagonal, false)),
         Op::Triu { diagonal } => Ok(elementwise::triangle(inputs[0], *diagonal, true)),
         Op::IndexSelect { dim } => index::index_select(inputs[0], inputs[1], *dim),
@@ -111,10 +116,6 @@ fn run_kernel(op: &Op, inputs: &[&Tensor], dtype: DType, shape: &[usize]) -> Res
             op.name()
         );
     })
-}
-
-fn view(x: &Tensor, layout: Layout) -> Tensor {
-    Tensor::from_parts(x.storage().clone(), layout)
 }
 
 /// The layout of `op`'s output when it is a view of its first input

@@ -27,7 +27,8 @@ use super::stream::{prefetch, stream_copy, stream_min_bytes};
 use super::Storage;
 use crate::error::{op_err, Result};
 use crate::ir::{ArgReduceOp, DType, ReduceOp};
-use crate::tensor::{Layout, Tensor};
+use crate::runtime::array::Array;
+use crate::runtime::layout::Layout;
 use crate::with_float_dtype;
 
 /// Contiguous runs longer than this are summed in two halves on two rayon
@@ -183,9 +184,9 @@ int_reducible!(i32);
 
 /// `op` over `dims` of `x`. Errors for max/min of integers over an empty
 /// extent (there is no value to return); for floats that case gives NaN.
-pub fn reduce(op: ReduceOp, x: &Tensor, dims: &[usize], keepdim: bool) -> Result<Tensor> {
+pub fn reduce(op: ReduceOp, x: &Array, dims: &[usize], keepdim: bool) -> Result<Array> {
     if dims.is_empty() {
-        return Ok(copy::contiguous(x));
+        return Ok(copy::contiguous(x).into_owned());
     }
     let shape = reduced_shape(x.shape(), dims, keepdim);
     with_float_dtype!(x.dtype(), T => reduce_typed::<T>(op, x, dims, &shape), _ => match x.dtype() {
@@ -207,10 +208,10 @@ fn reduced_shape(shape: &[usize], dims: &[usize], keepdim: bool) -> Vec<usize> {
 
 fn reduce_typed<T: Reducible>(
     op: ReduceOp,
-    x: &Tensor,
+    x: &Array,
     dims: &[usize],
     shape: &[usize],
-) -> Result<Tensor> {
+) -> Result<Array> {
     let count: usize = dims.iter().map(|&d| x.shape()[d]).product();
     if count == 0 {
         return empty_reduction::<T>(op, x, shape);
@@ -234,13 +235,13 @@ fn reduce_typed<T: Reducible>(
             Fold::new(A::<T>::HIGHEST, A::<T>::min_nan, T::from_acc),
         ),
     };
-    Ok(Tensor::from_storage(out, shape))
+    Ok(Array::from_storage(out, shape))
 }
 
 /// The result of reducing zero elements: sum 0, prod 1, mean NaN, and
 /// max/min NaN for floats (torch raises; our IR accepts the shapes, so the
 /// kernel answers NaN) or an error for integers.
-fn empty_reduction<T: Reducible>(op: ReduceOp, x: &Tensor, shape: &[usize]) -> Result<Tensor> {
+fn empty_reduction<T: Reducible>(op: ReduceOp, x: &Array, shape: &[usize]) -> Result<Array> {
     let value = match op {
         ReduceOp::Sum => T::Acc::ZERO,
         ReduceOp::Prod => T::Acc::ONE,
@@ -261,7 +262,7 @@ fn empty_reduction<T: Reducible>(op: ReduceOp, x: &Tensor, shape: &[usize]) -> R
     let numel = crate::limits::check(op.name(), T::DTYPE, shape)?;
     let mut out = Storage::try_new(T::DTYPE, numel)?;
     out.as_mut_slice::<T>().fill(T::from_acc(value));
-    Ok(Tensor::from_storage(out, shape))
+    Ok(Array::from_storage(out, shape))
 }
 
 /// `x`'s layout split into the kept dims (carrying x's offset; they index
@@ -313,7 +314,7 @@ impl<A, F, G> Fold<A, F, G> {
 
 /// Folds the elements of `x` over `dims`. See the module docs for the
 /// three strategies.
-fn fold_dims<T: Reducible, F, G>(x: &Tensor, dims: &[usize], fold: Fold<T::Acc, F, G>) -> Storage
+fn fold_dims<T: Reducible, F, G>(x: &Array, dims: &[usize], fold: Fold<T::Acc, F, G>) -> Storage
 where
     F: Fn(T::Acc, T::Acc) -> T::Acc + Sync + Send + Copy,
     G: Fn(T::Acc) -> T + Sync,
@@ -339,11 +340,8 @@ fn folds_by_rows(split: &Split) -> bool {
 }
 
 /// A contiguous copy of `x` with the kept dims first, then `dims`.
-fn reduced_dims_last(x: &Tensor, dims: &[usize]) -> Tensor {
-    copy::contiguous(&Tensor::from_parts(
-        x.storage().clone(),
-        kept_dims_first(x.layout(), dims),
-    ))
+fn reduced_dims_last(x: &Array, dims: &[usize]) -> Array {
+    copy::into_contiguous(x.view(kept_dims_first(x.layout(), dims)))
 }
 
 fn kept_dims_first(layout: &Layout, dims: &[usize]) -> Layout {
@@ -578,7 +576,7 @@ impl<T: Reducible> Rows<'_, T> {
 /// The i64 index of the max (min) along `dim`: the first on ties, and the
 /// first NaN if there is one (NaN counts as both the max and the min, as in
 /// torch). Errors when `dim` is empty but the output is not.
-pub fn arg_reduce(op: ArgReduceOp, x: &Tensor, dim: usize, keepdim: bool) -> Result<Tensor> {
+pub fn arg_reduce(op: ArgReduceOp, x: &Array, dim: usize, keepdim: bool) -> Result<Array> {
     let shape = reduced_shape(x.shape(), &[dim], keepdim);
     let numel: usize = shape.iter().product();
     if x.shape()[dim] == 0 && numel > 0 {
@@ -596,12 +594,12 @@ pub fn arg_reduce(op: ArgReduceOp, x: &Tensor, dim: usize, keepdim: bool) -> Res
         DType::I32 => arg_typed::<i32>(op, x, dim, dst),
         d => return Err(op_err!(DType, op.name(), "is not defined for {d}")),
     });
-    Ok(Tensor::from_storage(out, &shape))
+    Ok(Array::from_storage(out, &shape))
 }
 
 /// Scans each line along `dim` in place, strided: arg-reductions are not on
 /// hot paths, and consecutive outputs share the cache lines they read.
-fn arg_typed<T: Reducible>(op: ArgReduceOp, x: &Tensor, dim: usize, out: &mut [i64]) {
+fn arg_typed<T: Reducible>(op: ArgReduceOp, x: &Array, dim: usize, out: &mut [i64]) {
     let split = Split::new(x.layout(), &[dim]);
     let (len, stride) = (x.shape()[dim], x.strides()[dim]);
     let data = x.storage().as_slice::<T>();
@@ -662,7 +660,7 @@ impl SoftmaxExp for f32 {
 
 /// softmax (or log_softmax with `log`) of `x` along `dim`, max-subtracted,
 /// computed in `Float::Acc`. Rows of all -inf give NaN, like torch.
-pub fn softmax(x: &Tensor, dim: usize, log: bool) -> Result<Tensor> {
+pub fn softmax(x: &Array, dim: usize, log: bool) -> Result<Array> {
     with_float_dtype!(x.dtype(), T => Ok(softmax_typed::<T>(x, dim, log)), _ => Err(op_err!(
         DType,
         if log { "log_softmax" } else { "softmax" },
@@ -671,7 +669,7 @@ pub fn softmax(x: &Tensor, dim: usize, log: bool) -> Result<Tensor> {
     )))
 }
 
-fn softmax_typed<T: Float>(x: &Tensor, dim: usize, log: bool) -> Tensor
+fn softmax_typed<T: Float>(x: &Array, dim: usize, log: bool) -> Array
 where
     T::Acc: SoftmaxExp,
 {
@@ -683,7 +681,7 @@ where
     if !src.is_empty() {
         softmax_blocks(src, out.as_mut_slice::<T>(), len, inner, log);
     }
-    Tensor::from_storage(out, x.shape())
+    Array::from_storage(out, x.shape())
 }
 
 /// `src` and `dst` are non-empty `[outer, len, inner]` row-major. Rows along
@@ -964,6 +962,7 @@ where
 
 #[cfg(test)]
 mod tests {
+    use crate::tensor::Tensor;
     #[test]
     fn streamed_softmax_rows_match_an_f64_reference() {
         // Enough rows that the output is streamed (through the scratch row)
@@ -981,7 +980,7 @@ mod tests {
         xs[4 * len + 1] = 1e30;
         let x = Tensor::from_vec(xs.clone(), &[rows, len]);
         for log in [false, true] {
-            let run = || softmax(&x, 1, log).unwrap();
+            let run = || softmax(x.array(), 1, log).unwrap();
             let got = super::super::stream::with_stream_min_bytes(min, run)
                 .to_vec::<f32>()
                 .unwrap();
@@ -1076,7 +1075,7 @@ mod tests {
             for op in ReduceOp::ALL {
                 let want = naive(&logical, x.shape(), &dims, op);
                 for keepdim in [false, true] {
-                    let got = reduce(op, x, &dims, keepdim).unwrap();
+                    let got = reduce(op, x.array(), &dims, keepdim).unwrap();
                     assert_eq!(got.shape(), reduced_shape(x.shape(), &dims, keepdim));
                     assert_close(&got.to_f64_vec(), &want, tol);
                 }
@@ -1115,20 +1114,20 @@ mod tests {
         let logical: Vec<f64> = v.iter().map(|&i| i as f64).collect();
         for dims in subsets(3) {
             for op in [ReduceOp::Sum, ReduceOp::Max, ReduceOp::Min, ReduceOp::Prod] {
-                let got = reduce(op, &x, &dims, false).unwrap();
+                let got = reduce(op, x.array(), &dims, false).unwrap();
                 assert_eq!(got.to_f64_vec(), naive(&logical, &[2, 3, 4], &dims, op));
                 let xt = permuted(&Tensor::from_vec(v.clone(), &[4, 2, 3]), &[1, 2, 0]);
                 let lt = xt.to_f64_vec();
-                let got = reduce(op, &xt, &dims, true).unwrap();
+                let got = reduce(op, xt.array(), &dims, true).unwrap();
                 assert_eq!(got.to_f64_vec(), naive(&lt, &[2, 3, 4], &dims, op));
             }
         }
         let big = Tensor::from_vec(vec![i32::MAX, 1], &[2]);
-        let sum = reduce(ReduceOp::Sum, &big, &[0], false).unwrap();
+        let sum = reduce(ReduceOp::Sum, big.array(), &[0], false).unwrap();
         assert_eq!(sum.to_vec::<i32>().unwrap(), vec![i32::MIN]);
         let p = Tensor::from_vec(vec![1i64, 2, 3, 4], &[4]);
         assert_eq!(
-            reduce(ReduceOp::Prod, &p, &[0], false)
+            reduce(ReduceOp::Prod, p.array(), &[0], false)
                 .unwrap()
                 .to_vec::<i64>()
                 .unwrap(),
@@ -1141,15 +1140,17 @@ mod tests {
         let n = 1 << 22;
         let x = Tensor::from_vec(vec![0.1f32; n], &[n]);
         let want = 0.1f32 as f64 * n as f64;
-        let got = reduce(ReduceOp::Sum, &x, &[0], false).unwrap().to_f64_vec()[0];
+        let got = reduce(ReduceOp::Sum, x.array(), &[0], false)
+            .unwrap()
+            .to_f64_vec()[0];
         assert!((got - want).abs() / want < 1e-6, "{got} vs {want}");
-        let mean = reduce(ReduceOp::Mean, &x, &[0], false)
+        let mean = reduce(ReduceOp::Mean, x.array(), &[0], false)
             .unwrap()
             .to_f64_vec()[0];
         assert!((mean - 0.1f32 as f64).abs() < 1e-7, "{mean}");
         // Summing down the columns (the row strategy) is pairwise too.
         let cols = Tensor::from_vec(vec![0.1f32; n], &[n / 8, 8]);
-        let got = reduce(ReduceOp::Sum, &cols, &[0], false)
+        let got = reduce(ReduceOp::Sum, cols.array(), &[0], false)
             .unwrap()
             .to_f64_vec();
         let want = 0.1f32 as f64 * (n / 8) as f64;
@@ -1164,7 +1165,7 @@ mod tests {
         let v = values(1000 * 64, 2);
         let x = Tensor::from_vec(v.iter().map(|&x| x as f32).collect(), &[1000, 64]);
         for dims in [vec![0], vec![1], vec![0, 1]] {
-            let got = reduce(ReduceOp::Sum, &x, &dims, false).unwrap();
+            let got = reduce(ReduceOp::Sum, x.array(), &dims, false).unwrap();
             assert_close(
                 &got.to_f64_vec(),
                 &naive(&v, &[1000, 64], &dims, ReduceOp::Sum),
@@ -1172,7 +1173,7 @@ mod tests {
             );
         }
         let xt = permuted(&x, &[1, 0]);
-        let got = reduce(ReduceOp::Max, &xt, &[0], false).unwrap();
+        let got = reduce(ReduceOp::Max, xt.array(), &[0], false).unwrap();
         assert_close(
             &got.to_f64_vec(),
             &naive(&xt.to_f64_vec(), &[64, 1000], &[0], ReduceOp::Max),
@@ -1185,20 +1186,20 @@ mod tests {
         // In f16 (bf16) arithmetic, 1 + 2048 (1 + 256) rounds back down, so a
         // half-precision accumulator would stall there.
         let ones = Tensor::from_vec(vec![bf16::ONE; 4096], &[4096]);
-        let s = reduce(ReduceOp::Sum, &ones, &[0], false).unwrap();
+        let s = reduce(ReduceOp::Sum, ones.array(), &[0], false).unwrap();
         assert_eq!(s.to_vec::<bf16>().unwrap(), vec![bf16::from_f32(4096.0)]);
         let ones = Tensor::from_vec(vec![f16::ONE; 4096], &[4096]);
-        let s = reduce(ReduceOp::Sum, &ones, &[0], false).unwrap();
+        let s = reduce(ReduceOp::Sum, ones.array(), &[0], false).unwrap();
         assert_eq!(s.to_vec::<f16>().unwrap(), vec![f16::from_f32(4096.0)]);
         let ones = Tensor::from_vec(vec![bf16::ONE; 10000], &[10000]);
-        let m = reduce(ReduceOp::Mean, &ones, &[0], false).unwrap();
+        let m = reduce(ReduceOp::Mean, ones.array(), &[0], false).unwrap();
         assert_eq!(m.to_vec::<bf16>().unwrap(), vec![bf16::ONE]);
         let cols = Tensor::from_vec(vec![f16::ONE; 3000 * 8], &[3000, 8]);
-        let s = reduce(ReduceOp::Sum, &cols, &[0], false).unwrap();
+        let s = reduce(ReduceOp::Sum, cols.array(), &[0], false).unwrap();
         assert_eq!(s.to_vec::<f16>().unwrap(), vec![f16::from_f32(3000.0); 8]);
         let v = values(4 * 9, 3);
         let h = Tensor::from_vec(v.iter().map(|&x| f16::from_f64(x)).collect(), &[4, 9]);
-        let got = reduce(ReduceOp::Mean, &h, &[1], true).unwrap();
+        let got = reduce(ReduceOp::Mean, h.array(), &[1], true).unwrap();
         assert_eq!(got.shape(), &[4, 1]);
         assert_close(
             &got.to_f64_vec(),
@@ -1214,36 +1215,36 @@ mod tests {
             v[at] = f64::NAN;
             let x = Tensor::from_vec(v.iter().map(|&x| x as f32).collect(), &[1000]);
             for op in [ReduceOp::Max, ReduceOp::Min, ReduceOp::Sum] {
-                assert!(reduce(op, &x, &[0], false).unwrap().to_f64_vec()[0].is_nan());
+                assert!(reduce(op, x.array(), &[0], false).unwrap().to_f64_vec()[0].is_nan());
             }
             // Down columns: only column `at % 8` holds the NaN.
             let cols = Tensor::from_vec(v.iter().map(|&x| x as f32).collect(), &[125, 8]);
-            let got = reduce(ReduceOp::Max, &cols, &[0], false)
+            let got = reduce(ReduceOp::Max, cols.array(), &[0], false)
                 .unwrap()
                 .to_f64_vec();
             assert_close(&got, &naive(&v, &[125, 8], &[0], ReduceOp::Max), 0.0);
             assert!(got[at % 8].is_nan());
         }
         let x = Tensor::from_vec(vec![f32::NEG_INFINITY, f32::NEG_INFINITY], &[2]);
-        let m = reduce(ReduceOp::Max, &x, &[0], false).unwrap();
+        let m = reduce(ReduceOp::Max, x.array(), &[0], false).unwrap();
         assert_eq!(m.to_vec::<f32>().unwrap(), vec![f32::NEG_INFINITY]);
     }
 
     #[test]
     fn empty_extents() {
         let x = Tensor::from_vec(Vec::<f32>::new(), &[3, 0]);
-        let at = |op| reduce(op, &x, &[1], false).unwrap().to_f64_vec();
+        let at = |op| reduce(op, x.array(), &[1], false).unwrap().to_f64_vec();
         assert_eq!(at(ReduceOp::Sum), vec![0.0; 3]);
         assert_eq!(at(ReduceOp::Prod), vec![1.0; 3]);
         assert!(at(ReduceOp::Mean).iter().all(|v| v.is_nan()));
         assert!(at(ReduceOp::Max).iter().all(|v| v.is_nan()));
         let xi = Tensor::from_vec(Vec::<i64>::new(), &[3, 0]);
-        let err = reduce(ReduceOp::Min, &xi, &[1], false).unwrap_err();
+        let err = reduce(ReduceOp::Min, xi.array(), &[1], false).unwrap_err();
         assert!(err.to_string().contains("min"), "{err}");
         // An empty output needs no value.
-        let e = reduce(ReduceOp::Max, &xi, &[0], false).unwrap();
+        let e = reduce(ReduceOp::Max, xi.array(), &[0], false).unwrap();
         assert_eq!(e.shape(), &[0]);
-        let got = reduce(ReduceOp::Sum, &xi, &[0, 1], true).unwrap();
+        let got = reduce(ReduceOp::Sum, xi.array(), &[0, 1], true).unwrap();
         assert_eq!(
             (got.shape(), got.to_vec::<i64>().unwrap()),
             (&[1, 1][..], vec![0])
@@ -1253,7 +1254,7 @@ mod tests {
     #[test]
     fn no_dims_is_identity() {
         let x = Tensor::from_vec(vec![1.0f32, 2.0, 3.0, 4.0], &[2, 2]);
-        let got = reduce(ReduceOp::Sum, &permuted(&x, &[1, 0]), &[], false).unwrap();
+        let got = reduce(ReduceOp::Sum, permuted(&x, &[1, 0]).array(), &[], false).unwrap();
         assert_eq!(got.to_vec::<f32>().unwrap(), vec![1.0, 3.0, 2.0, 4.0]);
     }
 
@@ -1261,7 +1262,7 @@ mod tests {
     fn arg_reductions() {
         let x = Tensor::from_vec(vec![1.0f32, 3.0, 3.0, 2.0, -1.0, -1.0], &[6]);
         let at = |op, x: &Tensor, dim, keep| {
-            arg_reduce(op, x, dim, keep)
+            arg_reduce(op, x.array(), dim, keep)
                 .unwrap()
                 .to_vec::<i64>()
                 .unwrap()
@@ -1276,7 +1277,7 @@ mod tests {
         let m = permuted(&t, &[1, 0]);
         assert_eq!(at(ArgReduceOp::ArgMax, &m, 0, false), vec![0, 1, 0]);
         assert_eq!(at(ArgReduceOp::ArgMin, &m, 1, false), vec![1, 2]);
-        let kept = arg_reduce(ArgReduceOp::ArgMax, &m, 1, true).unwrap();
+        let kept = arg_reduce(ArgReduceOp::ArgMax, m.array(), 1, true).unwrap();
         assert_eq!(
             (kept.shape(), kept.to_vec::<i64>().unwrap()),
             (&[2, 1][..], vec![2, 1])
@@ -1289,12 +1290,12 @@ mod tests {
         let want: Vec<i64> = (0..400).map(|r| r % 100).collect();
         assert_eq!(at(ArgReduceOp::ArgMax, &big, 1, false), want);
         let empty = Tensor::from_vec(Vec::<f32>::new(), &[2, 0]);
-        let err = arg_reduce(ArgReduceOp::ArgMax, &empty, 1, false).unwrap_err();
+        let err = arg_reduce(ArgReduceOp::ArgMax, empty.array(), 1, false).unwrap_err();
         assert!(err.to_string().contains("argmax"), "{err}");
     }
 
     fn softmax_f64(x: &Tensor, dim: usize, log: bool) -> Vec<f64> {
-        softmax(x, dim, log).unwrap().to_f64_vec()
+        softmax(x.array(), dim, log).unwrap().to_f64_vec()
     }
 
     #[test]

@@ -25,7 +25,8 @@ use super::{Element, Storage};
 use crate::error::{op_err, Result};
 use crate::ir::kernel::{RowKernel, RowRegisters, RowStep, Step, MAX_ROW};
 use crate::ir::DType;
-use crate::tensor::{Layout, Tensor};
+use crate::runtime::array::Array;
+use crate::runtime::layout::Layout;
 use crate::with_dtype;
 
 // The row kernel's limit (`ir::kernel::MAX_ROW`) is the longest row the
@@ -36,7 +37,7 @@ impl RowKernel {
     /// The kernel's full shape, `outer ++ [len]`, once every input is
     /// checked to broadcast to it (every backend's row kernel reads its
     /// inputs through that broadcast).
-    pub fn checked_shape(&self, inputs: &[&Tensor]) -> Result<Vec<usize>> {
+    pub fn checked_shape(&self, inputs: &[&Array]) -> Result<Vec<usize>> {
         let full: Vec<usize> = self.outer.iter().copied().chain([self.len]).collect();
         for (i, t) in inputs.iter().enumerate() {
             let fits = t.rank() <= full.len()
@@ -59,7 +60,7 @@ impl RowKernel {
 
     /// Runs the kernel on `inputs` (numbered by `Step::Load`), each
     /// broadcastable to `outer ++ [len]`.
-    pub fn run(&self, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
+    pub fn run(&self, inputs: &[&Array]) -> Result<Vec<Array>> {
         let full = self.checked_shape(inputs)?;
         self.check(inputs.len())?;
         let sources: Vec<Option<Source<'_>>> =
@@ -82,11 +83,11 @@ impl RowKernel {
     /// [`run`]: RowKernel::run
     pub fn run_fed(
         &self,
-        inputs: &[Option<&Tensor>],
+        inputs: &[Option<&Array>],
         fed: &[usize],
         feed: impl FnOnce(&(dyn Fn(usize, &[&[f32]]) + Sync)),
-    ) -> Result<Vec<Tensor>> {
-        let read: Vec<&Tensor> = inputs.iter().flatten().copied().collect();
+    ) -> Result<Vec<Array>> {
+        let read: Vec<&Array> = inputs.iter().flatten().copied().collect();
         let full = self.checked_shape(&read)?;
         let unread = inputs.iter().filter(|t| t.is_none()).count();
         self.check(inputs.len())?;
@@ -120,10 +121,7 @@ impl RowKernel {
         Ok(eval.finish())
     }
 
-    fn run_as<A: Transcendental + SoftmaxExp>(
-        &self,
-        sources: &[Option<Source<'_>>],
-    ) -> Vec<Tensor> {
+    fn run_as<A: Transcendental + SoftmaxExp>(&self, sources: &[Option<Source<'_>>]) -> Vec<Array> {
         let rows = self.rows();
         let eval = Evaluation::<A>::new(self, sources, Vec::new());
         let per_task = (super::copy::PAR_THRESHOLD / self.len.max(1)).max(1);
@@ -381,11 +379,11 @@ impl<'k, 's, A: Transcendental + SoftmaxExp> Evaluation<'k, 's, A> {
         }
     }
 
-    fn finish(self) -> Vec<Tensor> {
+    fn finish(self) -> Vec<Array> {
         self.outs
             .into_iter()
             .zip(&self.kernel.outputs)
-            .map(|(s, (_, _, shape))| Tensor::from_storage(s, shape))
+            .map(|(s, (_, _, shape))| Array::from_storage(s, shape))
             .collect()
     }
 }
@@ -500,13 +498,13 @@ unsafe fn store<A: AccFloat>(ptr: *mut u8, dtype: DType, start: usize, vals: &[A
 /// An input, with its layout broadcast to `outer ++ [len]` (row loads) and
 /// to `outer ++ [1]` (scalar loads).
 struct Source<'a> {
-    tensor: &'a Tensor,
+    tensor: &'a Array,
     full: Layout,
     per_row: Layout,
 }
 
 impl<'a> Source<'a> {
-    fn new(t: &'a Tensor, full: &[usize]) -> Source<'a> {
+    fn new(t: &'a Array, full: &[usize]) -> Source<'a> {
         let mut per_row_shape = full.to_vec();
         *per_row_shape.last_mut().expect("rank >= 1") = 1;
         let layout = t.layout();
@@ -540,9 +538,8 @@ impl<'a> Source<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ir::BinaryOp;
-
-    use crate::ir::ReduceOp;
+    use crate::ir::{BinaryOp, ReduceOp};
+    use crate::tensor::Tensor;
 
     #[test]
     fn a_streamed_softmax_row_kernel_gives_the_eager_bits() {
@@ -565,7 +562,7 @@ mod tests {
                 outputs: vec![(1, DType::F32, vec![rows, len])],
                 wide: false,
             };
-            let run = || k.run(&[&x]).unwrap();
+            let run = || k.run(&[x.array()]).unwrap();
             let got = super::super::stream::with_stream_min_bytes(1 << 20, run);
             let eager = if log {
                 x.log_softmax(-1)
@@ -603,7 +600,7 @@ mod tests {
             ],
             wide: false,
         };
-        let out = k.run(&[&x]).unwrap();
+        let out = k.run(&[x.array()]).unwrap();
         let (dec, sm) = (out[0].to_f64_vec(), out[1].to_f64_vec());
         let eager = x.softmax(-1).to_f64_vec();
         assert_eq!(sm, eager, "the softmax step is the eager kernel");

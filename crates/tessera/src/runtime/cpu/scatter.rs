@@ -1,12 +1,15 @@
 //! Scatter-add kernels: `index_add` and `scatter_add`, the gradients of
 //! `index_select` and `gather`.
 
+use std::borrow::Cow;
+
 use half::{bf16, f16};
 
 use super::{copy, Element, Storage};
 use crate::error::{op_err, Result};
 use crate::ir::DType;
-use crate::tensor::{Layout, Tensor};
+use crate::runtime::array::Array;
+use crate::runtime::layout::Layout;
 use crate::with_dtype;
 
 /// Addition in the element type (f32 arithmetic for the half types; bool: or).
@@ -49,9 +52,9 @@ impl Accumulate for u8 {
 /// (counted by [`scratch_bytes`], so the memory plan holds it). Kernels read
 /// their index and source through this rather than copying them into
 /// `Vec`s the allocator would not see.
-fn row_major(x: &Tensor) -> Tensor {
+fn row_major(x: &Array) -> Cow<'_, Array> {
     match x.is_contiguous() {
-        true => x.clone(),
+        true => Cow::Borrowed(x),
         false => super::arena::scratch(|| copy::contiguous(x)),
     }
 }
@@ -92,7 +95,7 @@ impl Indices<'_> {
 }
 
 /// The values of `index` (row-major, from [`row_major`]), checked against `bound`.
-fn indices<'a>(op: &str, index: &'a Tensor, bound: usize) -> Result<Indices<'a>> {
+fn indices<'a>(op: &str, index: &'a Array, bound: usize) -> Result<Indices<'a>> {
     let values = match index.dtype() {
         DType::I32 => Indices::I32(index.contiguous_slice::<i32>().expect("row-major i32")),
         _ => Indices::I64(index.contiguous_slice::<i64>().expect("row-major i64")),
@@ -113,7 +116,7 @@ fn indices<'a>(op: &str, index: &'a Tensor, bound: usize) -> Result<Indices<'a>>
 }
 
 /// A contiguous copy of `base` to accumulate into.
-fn fresh_copy<T: Element>(base: &Tensor) -> Storage {
+fn fresh_copy<T: Element>(base: &Array) -> Storage {
     let mut out = Storage::new(base.dtype(), base.numel());
     copy::copy_strided(
         base.storage().as_slice::<T>(),
@@ -124,7 +127,7 @@ fn fresh_copy<T: Element>(base: &Tensor) -> Storage {
 }
 
 /// `torch.index_add(base, dim, index, src)`.
-pub fn index_add(base: &Tensor, index: &Tensor, src: &Tensor, dim: usize) -> Result<Tensor> {
+pub fn index_add(base: &Array, index: &Array, src: &Array, dim: usize) -> Result<Array> {
     let size = base.shape()[dim];
     let index = row_major(index);
     let idx = indices("index_add", &index, size)?;
@@ -145,15 +148,15 @@ pub fn index_add(base: &Tensor, index: &Tensor, src: &Tensor, dim: usize) -> Res
                 }
             }
         }
-        Ok(Tensor::from_storage(out, base.shape()))
+        Ok(Array::from_storage(out, base.shape()))
     })
 }
 
 /// `torch.scatter_add(base, dim, index, src)`.
-pub fn scatter_add(base: &Tensor, index: &Tensor, src: &Tensor, dim: usize) -> Result<Tensor> {
+pub fn scatter_add(base: &Array, index: &Array, src: &Array, dim: usize) -> Result<Array> {
     let index = row_major(index);
     let idx = indices("scatter_add", &index, base.shape()[dim])?;
-    let strides = crate::tensor::layout::contiguous_strides(base.shape());
+    let strides = crate::runtime::layout::contiguous_strides(base.shape());
     let shape = index.shape();
     let src = row_major(src);
     with_dtype!(base.dtype(), T => {
@@ -178,7 +181,7 @@ pub fn scatter_add(base: &Tensor, index: &Tensor, src: &Tensor, dim: usize) -> R
                 pos[d] = 0;
             }
         }
-        Ok(Tensor::from_storage(out, base.shape()))
+        Ok(Array::from_storage(out, base.shape()))
     })
 }
 

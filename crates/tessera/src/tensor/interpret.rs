@@ -1,8 +1,11 @@
-//! Runs a graph node by node on the CPU.
+//! Runs a graph node by node, on its inputs' device.
 //!
 //! Each node goes through [`Tensor::apply`], the path eager mode takes, so
 //! the interpreter computes exactly what eager execution would: it is the
-//! reference that compiled executables are checked against.
+//! reference that compiled executables are checked against. It belongs to
+//! the tensor layer, since it only runs `Tensor::apply`: a graph break runs
+//! the pending part of a trace with it (`trace`), and ahead-of-time
+//! autograd traces its joint graph through it.
 //!
 //! Symbolic dims (`s0`) get their values from the concrete input shapes;
 //! ops whose attributes hold a symbolic shape (`reshape`, `expand`, `full`,
@@ -14,9 +17,11 @@ use std::collections::{HashMap, HashSet};
 use std::panic::Location;
 use std::sync::Arc;
 
+use super::{custom, trace, Tensor};
 use crate::error::{Error, ErrorKind, Result};
+use crate::ir::custom::CustomCall;
 use crate::ir::{Dim, EvalError, Graph, NodeId, Op, Shape};
-use crate::tensor::{trace, Tensor};
+use crate::runtime::device::{self, Device};
 
 /// The value of each symbol, bound from the inputs' shapes.
 pub type Symbols = HashMap<Arc<str>, usize>;
@@ -30,8 +35,15 @@ pub fn run_graph(graph: &Graph, inputs: &[Tensor]) -> Result<Vec<(String, Tensor
     let symbols = bind_symbols(graph, &given)?;
     // Nodes without inputs (full, randn …) run on the inputs' device.
     let refs: Vec<&Tensor> = inputs.iter().collect();
-    let on = super::execute::inputs_device(graph, &refs)?;
-    super::device::with_device(on, || run_nodes(graph, inputs, &symbols))
+    let on = inputs_device(graph, &refs)?;
+    device::with_device(on, || run_nodes(graph, inputs, &symbols))
+}
+
+/// The device of a program's inputs (scalars on the host go with any);
+/// inputs on different devices are an error naming the program.
+pub(crate) fn inputs_device(graph: &Graph, inputs: &[&Tensor]) -> Result<Device> {
+    device::of_inputs("input", inputs)
+        .map_err(|e| Error::new(e.kind, format!("graph `{}`: {}", graph.name, e.message)))
 }
 
 fn run_nodes(graph: &Graph, inputs: &[Tensor], symbols: &Symbols) -> Result<Vec<(String, Tensor)>> {
@@ -298,7 +310,7 @@ fn eval_node(
 fn eval_custom(
     graph: &Graph,
     id: NodeId,
-    call: &crate::custom_op::CustomCall,
+    call: &CustomCall,
     values: &[Option<Tensor>],
     symbols: &Symbols,
 ) -> Result<Vec<Tensor>> {
@@ -309,7 +321,7 @@ fn eval_custom(
         .map(|x| values[x.index()].as_ref().expect("live until its last use"))
         .collect();
     let outs = trace::with_origin(&node.meta, || {
-        crate::custom_op::apply(call, &args, Location::caller())
+        custom::apply(call, &args, Location::caller())
     })
     .map_err(|e| node_error(graph, id, e))?;
     let declared = eval_shape(&node.ty.shape, symbols).map_err(|e| node_error(graph, id, e))?;

@@ -1,4 +1,4 @@
-//! Strided layouts: how a tensor's logical indices map into its storage.
+//! Strided layouts: how an array's logical indices map into its storage.
 //!
 //! The size arithmetic here (strides, offsets, element counts) is
 //! unchecked: every shape a layout is made for is within the size limit

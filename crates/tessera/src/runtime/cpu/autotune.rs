@@ -6,22 +6,22 @@
 //! `autotune`. A block size changes only how the work is cut, never the
 //! arithmetic: results are the same bits whatever is chosen.
 //!
-//! On a device the kernels are the backend's own: a max-autotune run marks
-//! the thread that queues them ([`device_tuning`]) and the backend tunes
-//! and caches its launches itself (tessera-cuda's `autotune`).
+//! A max-autotune run marks the threads that run its kernels
+//! ([`crate::runtime::device::tuning`]); the CPU backend then tunes its
+//! fused kernels here, and a device backend tunes and caches its launches
+//! itself (tessera-cuda's `autotune`).
 
-use std::cell::Cell;
 use std::collections::hash_map::DefaultHasher;
 use std::collections::HashMap;
 use std::hash::{Hash, Hasher};
 use std::sync::Mutex;
 use std::time::Instant;
 
-use super::cpu::fused::FusedInput;
+use super::fused::FusedInput;
 use crate::error::Result;
 use crate::ir::kernel::FusedKernel;
 use crate::logging::log;
-use crate::tensor::Tensor;
+use crate::runtime::array::Array;
 
 /// The block sizes tried (elements).
 pub const CANDIDATES: [usize; 5] = [256, 512, 1024, 2048, 4096];
@@ -32,7 +32,7 @@ static TUNED: Mutex<Option<HashMap<u64, usize>>> = Mutex::new(None);
 
 /// A kernel's signature: its code (not its block) and its inputs' dtypes,
 /// shapes and strides.
-fn signature(kernel: &FusedKernel, inputs: &[&Tensor]) -> u64 {
+fn signature(kernel: &FusedKernel, inputs: &[&Array]) -> u64 {
     let mut h = DefaultHasher::new();
     format!(
         "{:?}|{:?}|{:?}|{}",
@@ -46,7 +46,7 @@ fn signature(kernel: &FusedKernel, inputs: &[&Tensor]) -> u64 {
 }
 
 /// The cached block for this kernel on inputs like these, if tuned.
-pub fn cached(kernel: &FusedKernel, inputs: &[&Tensor]) -> Option<usize> {
+pub fn cached(kernel: &FusedKernel, inputs: &[&Array]) -> Option<usize> {
     let sig = signature(kernel, inputs);
     TUNED.lock().ok()?.as_ref()?.get(&sig).copied()
 }
@@ -62,7 +62,7 @@ pub fn tuned_count() -> usize {
 
 /// The kernel with its tuned block: from the cache, or found by timing
 /// every candidate on `inputs` (which are only read).
-pub fn tune(kernel: &FusedKernel, inputs: &[&Tensor]) -> Result<FusedKernel> {
+pub fn tune(kernel: &FusedKernel, inputs: &[&Array]) -> Result<FusedKernel> {
     let mut tuned = kernel.clone();
     if let Some(block) = cached(kernel, inputs) {
         tuned.block = block;
@@ -104,58 +104,4 @@ pub fn tune(kernel: &FusedKernel, inputs: &[&Tensor]) -> Result<FusedKernel> {
     }
     tuned.block = block;
     Ok(tuned)
-}
-
-thread_local! {
-    static DEVICE_TUNING: Cell<bool> = const { Cell::new(false) };
-}
-
-/// Whether device kernels queued from this thread now belong to a
-/// `max-autotune` run (device backends then tune their launches).
-pub fn device_tuning() -> bool {
-    DEVICE_TUNING.with(Cell::get)
-}
-
-/// Sets [`device_tuning`] on this thread while alive; dropping it (also
-/// in a panic's unwinding) restores the previous setting.
-#[must_use = "the setting lasts while the guard lives"]
-pub struct DeviceTuning(bool);
-
-impl DeviceTuning {
-    pub fn set(on: bool) -> DeviceTuning {
-        DeviceTuning(DEVICE_TUNING.with(|t| t.replace(on)))
-    }
-}
-
-impl Drop for DeviceTuning {
-    fn drop(&mut self) {
-        DEVICE_TUNING.with(|t| t.set(self.0));
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn device_tuning_is_scoped_to_the_thread_and_the_call() {
-        assert!(!device_tuning());
-        {
-            let _on = DeviceTuning::set(true);
-            assert!(device_tuning());
-            // Another thread queues no kernels of this run.
-            assert!(!std::thread::spawn(device_tuning).join().unwrap());
-            {
-                let _off = DeviceTuning::set(false);
-                assert!(!device_tuning());
-            }
-            assert!(device_tuning());
-        }
-        assert!(!device_tuning());
-        let _ = std::panic::catch_unwind(|| {
-            let _on = DeviceTuning::set(true);
-            panic!("boom")
-        });
-        assert!(!device_tuning());
-    }
 }

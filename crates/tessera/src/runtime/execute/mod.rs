@@ -1,0 +1,487 @@
+//! Runs a fused [`Plan`]: in plan order ([`run_plan`]) or in a schedule's
+//! steps ([`run_scheduled`]). Each value is freed right after the last step
+//! that reads it, so the bytes alive over time follow the memory plan.
+//! Results equal the interpreter's (checked by the differential tests);
+//! only the work and its order differ.
+
+mod job;
+mod kernels;
+mod pool;
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+
+use rayon::prelude::*;
+
+use self::job::{Job, Planned};
+use self::pool::{on_pool_worker, POOL_WORKER_MIN_STEPS};
+use super::cpu::arena::{Arena, Block, Place};
+use super::device::{self, Backend, Device};
+use crate::autograd;
+use crate::error::Result;
+use crate::fusion::{Kernel, Plan};
+use crate::ir::kernel::RowKernel;
+use crate::ir::{Graph, NodeId};
+use crate::logging::log;
+use crate::schedule::{MemoryPlan, Schedule};
+use crate::tensor::interpret::{bind_symbols, inputs_device};
+use crate::tensor::{trace, Tensor};
+
+/// Runs `plan` (made by `fusion::fuse(graph)`) on `inputs`, one per
+/// `graph.inputs`, one kernel at a time in plan order, returning the named
+/// outputs.
+pub fn run_plan(graph: &Graph, plan: &Plan, inputs: &[Tensor]) -> Result<Vec<(String, Tensor)>> {
+    run_plan_with(graph, plan, inputs, false)
+}
+
+/// [`run_plan`], with fused kernels' block sizes autotuned when `tune`
+/// (see [`super::cpu::autotune`]).
+pub fn run_plan_with(
+    graph: &Graph,
+    plan: &Plan,
+    inputs: &[Tensor],
+    tune: bool,
+) -> Result<Vec<(String, Tensor)>> {
+    let steps: Vec<Vec<usize>> = (0..plan.kernels.len()).map(|k| vec![k]).collect();
+    execute(
+        graph,
+        plan,
+        &steps,
+        |_| Ok(KernelMemory::default()),
+        inputs,
+        tune,
+    )
+}
+
+/// Runs `plan` in `schedule`'s steps: the kernels of a step with several
+/// run concurrently on the rayon pool (each kernel may itself be parallel),
+/// a step of one runs alone. Fused kernels write in place where `memory`
+/// says so. Kernels that need scratch memory run first in their step, one
+/// at a time, so that the bytes alive never depend on how threads
+/// interleave. Under an active trace, every kernel runs on this thread
+/// (traced tensors belong to it).
+///
+/// One arena of `memory.arena_bytes` is allocated for the run, and every
+/// buffer a kernel creates (outputs and scratch) lands at its planned
+/// offset in it (`cpu::arena`), except the values that escape (outputs),
+/// which come from the pool: the measured peak is
+/// `memory.run_peak_bytes()`.
+pub fn run_scheduled(
+    graph: &Graph,
+    plan: &Plan,
+    schedule: &Schedule,
+    memory: &MemoryPlan,
+    inputs: &[Tensor],
+) -> Result<Vec<(String, Tensor)>> {
+    run_scheduled_with(graph, plan, schedule, memory, inputs, false)
+}
+
+/// [`run_scheduled`], with fused kernels' block sizes autotuned when `tune`
+/// (see [`super::cpu::autotune`]).
+pub fn run_scheduled_with(
+    graph: &Graph,
+    plan: &Plan,
+    schedule: &Schedule,
+    memory: &MemoryPlan,
+    inputs: &[Tensor],
+    tune: bool,
+) -> Result<Vec<(String, Tensor)>> {
+    let refs: Vec<&Tensor> = inputs.iter().collect();
+    let on = inputs_device(graph, &refs)?;
+    if let Some(why) = device_arena_unfit(plan, memory, on) {
+        log("memory", || {
+            format!(
+                "graph `{}` on {on}: {why}; no arena, buffers from the device's allocator",
+                graph.name
+            )
+        });
+        let unplanned = |k: usize| -> Result<KernelMemory> {
+            Ok(KernelMemory {
+                in_place: memory.in_place(k).collect(),
+                ..KernelMemory::default()
+            })
+        };
+        return execute(graph, plan, &schedule.steps, unplanned, inputs, tune);
+    }
+    // On a device the arena and blocks are device memory (see `cpu::arena`).
+    let arena = Arena::on(on, memory.arena_bytes).map_err(|mut e| {
+        e.message = format!(
+            "graph `{}`: the arena of its memory plan ({} bytes, the predicted peak \
+             of its intermediates): {}",
+            graph.name, memory.arena_bytes, e.message
+        );
+        e
+    })?;
+    let mut created = vec![Vec::new(); plan.kernels.len()];
+    for (i, buffer) in memory.buffers.iter().enumerate() {
+        created[buffer.kernel].push(i);
+    }
+    // The escaping outputs of cats in place, by buffer: allocated with
+    // their first piece.
+    // A Mutex so that the executor may run on a pool worker (only that
+    // one thread takes it).
+    let blocks: Mutex<HashMap<usize, Block>> = Mutex::new(HashMap::new());
+    let block = |b: usize| -> Result<Block> {
+        let mut blocks = blocks.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(block) = blocks.get(&b) {
+            return Ok(block.clone());
+        }
+        let block = Block::on(on, memory.buffers[b].bytes)?;
+        blocks.insert(b, block.clone());
+        Ok(block)
+    };
+    let slots = |k: usize| -> Result<Planned> {
+        let mut slots = arena.slots();
+        let mut in_place = Vec::new();
+        for &i in &created[k] {
+            let b = &memory.buffers[i];
+            let place = match (b.within, b.escapes) {
+                (_, false) => Place::Arena(b.offset),
+                (Some((parent, at)), true) => Place::Block(block(parent)?, at),
+                (None, true) if memory.joins[k] => Place::Block(block(i)?, 0),
+                (None, true) => Place::Pool,
+            };
+            match (b.value, b.reuses) {
+                // The planner reserved the size rounded up to the alignment.
+                (None, _) => slots.scratch(b.offset, b.bytes.div_ceil(64) * 64),
+                (Some(_), None) => slots.value(b.bytes, place),
+                // Written over its input's storage: allocates nothing.
+                (Some(v), Some(_)) => in_place.push((v, slots.in_place(b.bytes))),
+            }
+        }
+        Ok(Planned {
+            slots,
+            joins: memory.joins[k],
+            in_place,
+        })
+    };
+    let kernel_memory = |k: usize| -> Result<KernelMemory> {
+        Ok(KernelMemory {
+            in_place: memory.in_place(k).collect(),
+            alone: memory.scratch_bytes(k) > 0,
+            planned: Some(slots(k)?),
+        })
+    };
+    execute(graph, plan, &schedule.steps, kernel_memory, inputs, tune)
+}
+
+/// What the memory plan says about one kernel.
+#[derive(Default)]
+struct KernelMemory {
+    /// (input, output) pairs the kernel writes in place.
+    in_place: Vec<(NodeId, NodeId)>,
+    /// It needs scratch, so runs alone in its step.
+    alone: bool,
+    /// The places of the buffers it creates (compiled runs with a plan).
+    planned: Option<Planned>,
+}
+
+/// Runs `steps` of `plan`. On the host the loop itself runs on a rayon
+/// worker (see [`on_pool_worker`]), except under a trace, whose tensors
+/// belong to this thread.
+fn execute(
+    graph: &Graph,
+    plan: &Plan,
+    steps: &[Vec<usize>],
+    memory: impl Fn(usize) -> Result<KernelMemory> + Sync,
+    inputs: &[Tensor],
+    tune: bool,
+) -> Result<Vec<(String, Tensor)>> {
+    let refs: Vec<&Tensor> = inputs.iter().collect();
+    let here = || execute_here(graph, plan, steps, &memory, inputs, tune);
+    let many_kernels = steps.len() >= POOL_WORKER_MIN_STEPS;
+    let on_threads = device::backend(inputs_device(graph, &refs)?)?.runs_on_host_threads();
+    match many_kernels && !trace::is_active() && on_threads {
+        true => on_pool_worker(here),
+        false => here(),
+    }
+}
+
+fn execute_here(
+    graph: &Graph,
+    plan: &Plan,
+    steps: &[Vec<usize>],
+    memory: &(impl Fn(usize) -> Result<KernelMemory> + Sync),
+    inputs: &[Tensor],
+    tune: bool,
+) -> Result<Vec<(String, Tensor)>> {
+    let given: Vec<Option<&Tensor>> = inputs.iter().map(Some).collect();
+    bind_symbols(graph, &given)?;
+    // Every kernel runs on the inputs' device, kernels without inputs too.
+    let refs: Vec<&Tensor> = inputs.iter().collect();
+    let on = inputs_device(graph, &refs)?;
+    let backend = device::backend(on)?;
+    // The backend tunes the kernels run or queued from this thread (and
+    // from the workers that run a step's kernels, below).
+    let _tuning = device::Tuning::set(tune);
+    device::with_device(on, || {
+        let frees = frees_after_each_step(graph, plan, steps);
+        let mut values: Vec<Option<Tensor>> = vec![None; graph.len()];
+        for (&id, t) in graph.inputs.iter().zip(inputs) {
+            values[id.index()] = Some(t.clone());
+        }
+        // Device kernels are queued from this thread: a step's kernels go
+        // to the device's lanes (streams) instead of threads.
+        let concurrent = !trace::is_active() && backend.runs_on_host_threads();
+        let grad = autograd::is_grad_enabled();
+        let lanes = backend.lanes();
+        for (step, free) in steps.iter().zip(&frees) {
+            let jobs: Vec<(Job<'_>, bool)> = step
+                .iter()
+                .map(|&k| {
+                    let mem = memory(k)?;
+                    let job = Job::gather(graph, k, &plan.kernels[k], &mem.in_place, &mut values)
+                        .with_plan(
+                            mem.planned
+                                .filter(|_| placed_as_planned(graph, &plan.kernels[k], &*backend)),
+                        );
+                    Ok((job, mem.alone))
+                })
+                .collect::<Result<_>>()?;
+            let concurrent = concurrent && jobs.len() > 1;
+            let (serial, parallel): (Vec<_>, Vec<_>) = jobs
+                .into_iter()
+                .partition(|(_, alone)| !concurrent || *alone);
+            let serial: Vec<Job<'_>> = serial.into_iter().map(|(job, _)| job).collect();
+            let parallel: Vec<Job<'_>> = parallel.into_iter().map(|(job, _)| job).collect();
+            let mut results = match lanes.min(serial.len()) {
+                0 | 1 => serial.into_iter().map(|job| job.run(graph)).collect(),
+                n => on_lanes(&*backend, n, serial, graph)?,
+            };
+            // Rayon's workers start with grad mode on and tuning off: carry
+            // the caller's.
+            results.par_extend(parallel.into_par_iter().map(|job| {
+                let _tuning = device::Tuning::set(tune);
+                match grad {
+                    true => job.run(graph),
+                    false => autograd::no_grad(|| job.run(graph)),
+                }
+            }));
+            for result in results {
+                for (id, t) in result? {
+                    values[id.index()] = Some(t);
+                }
+            }
+            for id in free {
+                values[id.index()] = None;
+            }
+        }
+        Ok(graph
+            .outputs
+            .iter()
+            .map(|o| {
+                (
+                    o.name.clone(),
+                    values[o.node.index()].clone().expect("outputs are kept"),
+                )
+            })
+            .collect())
+    })
+}
+
+/// Why a run on device `on` cannot take the memory plan's arena, if it
+/// cannot (never on the CPU with a plan made for it). The plan is exact
+/// on a device only
+/// - when made for that device: its scratch is the scratch that device's
+///   kernels allocate (`ScheduleOptions::device`); a plan for another
+///   device's kernels would reserve bytes nobody uses, or too few (the
+///   CPU's f32 copies of half-precision matmul operands are 4 GiB for the
+///   seed's bf16 attention, which the GPU never makes);
+/// - with every row kernel run as one kernel by the device (one it refuses
+///   runs op by op, with intermediates the plan does not hold).
+///
+/// Such plans run on the device's caching allocator instead, in place
+/// where planned.
+pub fn device_arena_unfit(plan: &Plan, memory: &MemoryPlan, on: Device) -> Option<String> {
+    if memory.device != on {
+        return Some(format!(
+            "the plan was made for the scratch of {}'s kernels, not {on}'s",
+            memory.device
+        ));
+    }
+    plan.kernels.iter().find_map(|k| match k {
+        Kernel::Rows { kernel, .. } | Kernel::MatmulRows { kernel, .. } => row_refusal(on, kernel).map(|why| {
+            format!(
+                "a row kernel runs op by op on the device ({why}), with intermediates the plan does not hold"
+            )
+        }),
+        _ => None,
+    })
+}
+
+/// Why device `on` does not run `kernel` as one kernel, if it does not.
+fn row_refusal(on: Device, kernel: &RowKernel) -> Option<String> {
+    match device::backend(on) {
+        Ok(backend) => backend.row_kernel_refusal(kernel),
+        Err(e) => Some(e.message),
+    }
+}
+
+/// What a kernel computed: (value, tensor) pairs.
+type KernelResult = Result<Vec<(NodeId, Tensor)>>;
+
+/// Whether a kernel's allocations may take their planned places (always
+/// on the CPU, which runs every row kernel as one). Slots are matched by size in allocation order, so a kernel that
+/// allocates temporaries before outputs of the same size could put an
+/// output in another output's place (with another lifetime). Custom ops
+/// (their device code allocates as it likes) take their places, and an
+/// output found in another's is moved to the pool ([`rehome`]); row groups
+/// the device runs as one kernel allocate their outputs in the plan's
+/// order; those it runs op by op with two outputs of one size allocate
+/// from the pool instead, their outputs counted beside the arena.
+fn placed_as_planned(graph: &Graph, kernel: &Kernel, backend: &dyn Backend) -> bool {
+    match kernel {
+        Kernel::Custom { .. } => true,
+        Kernel::Rows { kernel, .. } | Kernel::MatmulRows { kernel, .. }
+            if backend.row_kernel_refusal(kernel).is_none() =>
+        {
+            true
+        }
+        Kernel::Rows { outputs, .. } | Kernel::MatmulRows { outputs, .. } => {
+            let mut sizes: Vec<usize> = outputs
+                .iter()
+                .map(|&o| {
+                    let ty = &graph.node(o).ty;
+                    let numel: usize = ty.shape.as_concrete().map_or(0, |s| s.iter().product());
+                    numel * ty.dtype.size_bytes()
+                })
+                .collect();
+            sizes.sort_unstable();
+            sizes.windows(2).all(|w| w[0] != w[1])
+        }
+        _ => true,
+    }
+}
+
+/// Runs the kernels of one step on `lanes` streams of `backend`'s device,
+/// kernel i on lane i mod `lanes` (a `bfs` level's kernels are
+/// independent); the step ends with every lane joined, also when a kernel
+/// failed.
+fn on_lanes(
+    backend: &dyn Backend,
+    lanes: usize,
+    jobs: Vec<Job<'_>>,
+    graph: &Graph,
+) -> Result<Vec<KernelResult>> {
+    backend.fork(lanes)?;
+    let results: Vec<KernelResult> = jobs
+        .into_iter()
+        .enumerate()
+        .map(|(i, job)| {
+            backend.lane(i % lanes)?;
+            job.run(graph)
+        })
+        .collect();
+    // A kernel's own error says more than the join's that may follow it.
+    match backend.join() {
+        Err(e) if results.iter().all(Result::is_ok) => Err(e),
+        _ => Ok(results),
+    }
+}
+
+/// For each step, the values read for the last time in it (or made in it
+/// and never read); graph outputs are kept.
+fn frees_after_each_step(graph: &Graph, plan: &Plan, steps: &[Vec<usize>]) -> Vec<Vec<NodeId>> {
+    let mut last: Vec<Option<usize>> = vec![None; graph.len()];
+    for (s, step) in steps.iter().enumerate() {
+        for &k in step {
+            let kernel = &plan.kernels[k];
+            for v in kernel.writes().into_iter().chain(kernel.reads(graph)) {
+                last[v.index()] = Some(last[v.index()].map_or(s, |l| l.max(s)));
+            }
+        }
+    }
+    for out in &graph.outputs {
+        last[out.node.index()] = None;
+    }
+    let mut frees = vec![Vec::new(); steps.len()];
+    for (i, l) in last.into_iter().enumerate() {
+        if let Some(s) = l {
+            frees[s].push(NodeId(i as u32));
+        }
+    }
+    frees
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fusion::fuse;
+    use crate::ir::text::parse;
+
+    /// `exp(x)` feeds a matmul (an extern kernel) and a sum; the product is
+    /// the output.
+    const GRAPH: &str = "graph g(%x) {
+      %x = input : f32[4,4]
+      %e = exp(%x) : f32[4,4]
+      %m = matmul(%e, %e) : f32[4,4]
+      %s = sum(%e) {dims=[0,1], keepdim=false} : f32[]
+      return %m as m, %s as s
+    }";
+
+    #[test]
+    fn each_value_is_freed_after_the_last_step_that_reads_it() {
+        let graph = parse(GRAPH).unwrap();
+        let plan = fuse(&graph);
+        let steps: Vec<Vec<usize>> = (0..plan.kernels.len()).map(|k| vec![k]).collect();
+        let frees = frees_after_each_step(&graph, &plan, &steps);
+        let freed: Vec<NodeId> = frees.iter().flatten().copied().collect();
+        let x = graph.inputs[0];
+        let e = graph.node(graph.outputs[0].node).inputs[0];
+        // The input and exp's value die once their last reader ran …
+        let last_reader = |v: NodeId| {
+            steps
+                .iter()
+                .rposition(|s| {
+                    s.iter()
+                        .any(|&k| plan.kernels[k].reads(&graph).contains(&v))
+                })
+                .unwrap()
+        };
+        assert!(frees[last_reader(x)].contains(&x), "{frees:?}");
+        assert!(frees[last_reader(e)].contains(&e), "{frees:?}");
+        // … and no output is ever freed.
+        for out in &graph.outputs {
+            assert!(!freed.contains(&out.node), "{frees:?}");
+        }
+        // Nothing is freed twice.
+        let mut sorted = freed.clone();
+        sorted.sort();
+        sorted.dedup();
+        assert_eq!(sorted.len(), freed.len());
+    }
+
+    #[test]
+    fn plan_order_computes_what_eager_does() {
+        let graph = parse(GRAPH).unwrap();
+        let plan = fuse(&graph);
+        let x = Tensor::from_vec((0..16).map(|i| i as f32 / 16.0).collect(), &[4, 4]);
+        let got = run_plan(&graph, &plan, std::slice::from_ref(&x)).unwrap();
+        let e = x.exp();
+        let want = [e.matmul(&e), e.sum(&[0, 1], false)];
+        for ((name, g), w) in got.iter().zip(&want) {
+            let (g, w) = (g.to_f64_vec(), w.to_f64_vec());
+            for (a, b) in g.iter().zip(&w) {
+                assert!(
+                    (a - b).abs() <= 1e-5 * b.abs().max(1.0),
+                    "{name}: {g:?} vs {w:?}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn a_plan_made_for_another_devices_kernels_takes_no_arena() {
+        let graph = parse(GRAPH).unwrap();
+        let plan = fuse(&graph);
+        let scheduled =
+            crate::schedule::build(&graph, &plan, &crate::schedule::ScheduleOptions::default())
+                .unwrap();
+        assert_eq!(
+            device_arena_unfit(&plan, &scheduled.memory, Device::Cpu),
+            None
+        );
+        let why = device_arena_unfit(&plan, &scheduled.memory, Device::Cuda).unwrap();
+        assert!(why.contains("made for the scratch of cpu"), "{why}");
+    }
+}

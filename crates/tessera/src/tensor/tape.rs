@@ -1,0 +1,359 @@
+//! The autograd tape: what eager ops record for a later backward.
+//!
+//! A tensor that takes part in autograd carries an [`AutogradMeta`]: the
+//! gradient a leaf accumulates, or the [`GradNode`] that computed it. A
+//! node is one recorded op (its saved inputs and output) or a custom
+//! function with several outputs and its own backward (a compiled graph, a
+//! custom op). Recording is data only: whether an op is recorded depends
+//! on the op ([`Op::has_gradient`], the IR's table), the output's dtype, the
+//! inputs and the grad mode ([`no_grad`]) — never on the VJP rules, which
+//! the engine (`autograd`, the layer above) applies at backward time.
+
+use std::cell::Cell;
+use std::panic::Location;
+use std::sync::{Arc, Mutex};
+
+use super::{trace, Tensor};
+use crate::error::{Error, ErrorKind, Result, SourceLoc};
+use crate::ir::{DType, NodeMeta, Op};
+
+/// Autograd state of a tensor that requires grad.
+pub(crate) struct AutogradMeta {
+    /// The accumulated gradient of a leaf.
+    pub(crate) grad: Mutex<Option<Tensor>>,
+    /// The node that computed this tensor and which of its outputs it is;
+    /// `None` for a leaf.
+    pub(crate) grad_fn: Option<(Arc<GradNode>, usize)>,
+}
+
+/// A backward function for [`custom_function`]: output gradients (zeros
+/// where an output got none) → one optional gradient per input.
+pub type BackwardFn =
+    dyn Fn(&[Tensor]) -> Result<Vec<Option<Tensor>>> + Send + Sync + std::panic::RefUnwindSafe;
+
+/// How a node's input gradients are computed from its output gradients.
+pub(crate) enum Backward {
+    /// One IR op, differentiated by its VJP rule; its output is kept
+    /// detached (no reference cycle).
+    Op { op: Op, output: Tensor },
+    Custom {
+        name: String,
+        backward: Arc<BackwardFn>,
+    },
+}
+
+/// One recorded computation.
+pub(crate) struct GradNode {
+    pub(crate) backward: Backward,
+    /// The inputs, as the backward sees them (saved).
+    pub(crate) inputs: Vec<Tensor>,
+    /// Shapes and dtypes of the outputs, to make zero gradients.
+    pub(crate) outputs: Vec<(Vec<usize>, DType)>,
+    /// The forward op's call site and hints, as its backward ops inherit
+    /// them (see `backward_origin`).
+    pub(crate) origin: NodeMeta,
+    /// Where a `backward` that did not retain the graph went through this
+    /// node: a second one through it is an error (see `Tensor::backward`).
+    pub(crate) used_by: Mutex<Option<SourceLoc>>,
+}
+
+impl GradNode {
+    /// A stable identity for this node.
+    pub(crate) fn id(self: &Arc<Self>) -> usize {
+        Arc::as_ptr(self) as usize
+    }
+
+    /// The op's name, or the custom function's.
+    pub(crate) fn name(&self) -> &str {
+        match &self.backward {
+            Backward::Op { op, .. } => op.name(),
+            Backward::Custom { name, .. } => name,
+        }
+    }
+}
+
+thread_local! {
+    static GRAD_ENABLED: Cell<bool> = const { Cell::new(true) };
+}
+
+/// Whether ops record for autograd on this thread.
+pub fn is_grad_enabled() -> bool {
+    GRAD_ENABLED.with(Cell::get)
+}
+
+/// Runs `f` with autograd recording off (like `torch.no_grad()`).
+pub fn no_grad<R>(f: impl FnOnce() -> R) -> R {
+    struct Restore(bool);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            GRAD_ENABLED.with(|g| g.set(self.0));
+        }
+    }
+    let _restore = Restore(GRAD_ENABLED.with(|g| g.replace(false)));
+    f()
+}
+
+/// Whether a node recording `inputs` → outputs of `dtypes` is worth keeping.
+fn tracks(inputs: &[&Tensor], any_float_output: bool) -> bool {
+    is_grad_enabled() && any_float_output && inputs.iter().any(|t| t.requires_grad())
+}
+
+/// Hangs the op's node on `out` when an input requires grad.
+pub(crate) fn record(
+    op: &Op,
+    inputs: &[&Tensor],
+    out: Tensor,
+    caller: &'static Location<'static>,
+) -> Tensor {
+    if !op.has_gradient() || !out.dtype().is_float() {
+        // Remember the cut, so a later `backward` can name the op.
+        return match inputs.iter().any(|t| t.requires_grad()) && is_grad_enabled() {
+            true => out.cut_by(op.name()),
+            false => inherit_cut(inputs, out),
+        };
+    }
+    if !tracks(inputs, true) {
+        return inherit_cut(inputs, out);
+    }
+    let node = Arc::new(GradNode {
+        backward: Backward::Op {
+            op: op.clone(),
+            output: out.clone(),
+        },
+        inputs: inputs.iter().map(|&t| t.clone()).collect(),
+        outputs: vec![(out.shape().to_vec(), out.dtype())],
+        origin: backward_origin(caller),
+        used_by: Mutex::new(None),
+    });
+    attach(&out, &node, 0)
+}
+
+/// A result of a cut tensor stays cut (by the same op).
+fn inherit_cut(inputs: &[&Tensor], out: Tensor) -> Tensor {
+    match inputs.iter().find_map(|t| t.cut_op()) {
+        Some(op) => out.cut_by(op),
+        None => out,
+    }
+}
+
+/// What a node's backward ops inherit: the forward op's call site and hints,
+/// with the hints' `backward_group_id` as their `group_id` (the one place
+/// backward hints are derived; see `hints::for_backward`).
+fn backward_origin(caller: &'static Location<'static>) -> NodeMeta {
+    let mut meta = trace::node_meta(caller);
+    meta.hints = crate::hints::for_backward(meta.hints);
+    meta
+}
+
+fn attach(out: &Tensor, node: &Arc<GradNode>, index: usize) -> Tensor {
+    out.with_autograd(Some(Arc::new(AutogradMeta {
+        grad: Mutex::new(None),
+        grad_fn: Some((node.clone(), index)),
+    })))
+}
+
+/// Connects `outputs` (computed from `inputs` without recording, e.g. by a
+/// compiled graph or a custom kernel) to the autograd graph with one node
+/// whose gradient is `backward`. Returns the outputs as tensors that carry
+/// it (unchanged when no input requires grad or grad mode is off).
+#[track_caller]
+pub fn custom_function(
+    name: &str,
+    inputs: &[&Tensor],
+    outputs: Vec<Tensor>,
+    backward: Arc<BackwardFn>,
+) -> Vec<Tensor> {
+    custom_function_at(name, inputs, outputs, backward, Location::caller())
+}
+
+/// [`custom_function`] with the forward's call site given.
+pub fn custom_function_at(
+    name: &str,
+    inputs: &[&Tensor],
+    outputs: Vec<Tensor>,
+    backward: Arc<BackwardFn>,
+    caller: &'static Location<'static>,
+) -> Vec<Tensor> {
+    if !tracks(inputs, outputs.iter().any(|t| t.dtype().is_float())) {
+        return outputs;
+    }
+    let node = Arc::new(GradNode {
+        backward: Backward::Custom {
+            name: name.to_string(),
+            backward,
+        },
+        inputs: inputs.iter().map(|&t| t.clone()).collect(),
+        outputs: outputs
+            .iter()
+            .map(|t| (t.shape().to_vec(), t.dtype()))
+            .collect(),
+        origin: backward_origin(caller),
+        used_by: Mutex::new(None),
+    });
+    outputs
+        .iter()
+        .enumerate()
+        .map(|(i, t)| {
+            if t.dtype().is_float() {
+                attach(&t.detach(), &node, i)
+            } else {
+                t.clone()
+            }
+        })
+        .collect()
+}
+
+impl Tensor {
+    /// Whether gradients flow to this tensor.
+    pub fn requires_grad(&self) -> bool {
+        self.autograd_meta().is_some()
+    }
+
+    /// A new leaf handle over the same values that requires grad (`true`) or
+    /// not (`false`). Gradients accumulate on the returned handle and its
+    /// clones.
+    #[track_caller]
+    pub fn set_requires_grad(&self, requires: bool) -> Tensor {
+        if requires && !self.dtype().is_float() {
+            panic!(
+                "{}",
+                Error::op(
+                    ErrorKind::DType,
+                    "requires_grad",
+                    format!("only float tensors can require grad, got {}", self.ty())
+                )
+                .at(SourceLoc::caller())
+            );
+        }
+        let meta = requires.then(|| {
+            Arc::new(AutogradMeta {
+                grad: Mutex::new(None),
+                grad_fn: None,
+            })
+        });
+        self.with_autograd(meta)
+    }
+
+    /// The same values, cut from the autograd graph.
+    pub fn detach(&self) -> Tensor {
+        self.with_autograd(None)
+    }
+
+    /// A leaf: not computed by a recorded op.
+    pub fn is_leaf(&self) -> bool {
+        self.autograd_meta().is_none_or(|m| m.grad_fn.is_none())
+    }
+
+    /// The gradient accumulated in this leaf by `backward` calls.
+    pub fn grad(&self) -> Option<Tensor> {
+        self.autograd_meta()
+            .and_then(|m| m.grad.lock().expect("grad lock").clone())
+    }
+
+    /// Replaces the accumulated gradient of this leaf (like assigning
+    /// `p.grad` in PyTorch; gradient clipping needs it). The gradient must
+    /// have this tensor's type.
+    pub fn set_grad(&self, grad: Option<Tensor>) -> Result<()> {
+        let meta = self
+            .autograd_meta()
+            .filter(|_| self.is_leaf())
+            .ok_or_else(|| {
+                Error::op(
+                    ErrorKind::Argument,
+                    "set_grad",
+                    format!("{} is not a leaf that requires grad", self.ty()),
+                )
+            })?;
+        if let Some(g) = grad.as_ref().filter(|g| g.ty() != self.ty()) {
+            return Err(Error::op(
+                ErrorKind::Shape,
+                "set_grad",
+                format!(
+                    "the gradient {} does not match the tensor {}",
+                    g.ty(),
+                    self.ty()
+                ),
+            ));
+        }
+        *meta.grad.lock().expect("grad lock") = grad.map(|g| g.detach());
+        Ok(())
+    }
+
+    /// Clears the accumulated gradient.
+    pub fn zero_grad(&self) {
+        if let Some(m) = self.autograd_meta() {
+            *m.grad.lock().expect("grad lock") = None;
+        }
+    }
+
+    /// The node that computed this tensor and which of its outputs it is;
+    /// `None` for a leaf or a tensor outside autograd.
+    pub(crate) fn grad_fn(&self) -> Option<&(Arc<GradNode>, usize)> {
+        self.autograd_meta().and_then(|m| m.grad_fn.as_ref())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ir::UnaryOp;
+
+    fn leaf() -> Tensor {
+        Tensor::from_vec(vec![1.0f32, 2.0], &[2]).set_requires_grad(true)
+    }
+
+    #[test]
+    fn an_op_on_a_leaf_records_its_inputs_and_output() {
+        let x = leaf();
+        let y = x.exp();
+        let (node, index) = y.grad_fn().expect("recorded");
+        assert_eq!((node.name(), *index), ("exp", 0));
+        assert_eq!(node.inputs.len(), 1);
+        assert!(node.inputs[0].shares_storage(&x));
+        assert_eq!(node.outputs, [(vec![2], DType::F32)]);
+        match &node.backward {
+            Backward::Op { op, output } => {
+                assert_eq!(*op, Op::Unary(UnaryOp::Exp));
+                assert!(output.shares_storage(&y) && output.grad_fn().is_none());
+            }
+            Backward::Custom { .. } => panic!("an op node"),
+        }
+        assert!(x.is_leaf() && !y.is_leaf() && y.requires_grad());
+    }
+
+    #[test]
+    fn nothing_is_recorded_without_grad_or_under_no_grad() {
+        let plain = Tensor::from_vec(vec![1.0f32], &[1]);
+        assert!(plain.exp().grad_fn().is_none() && !plain.exp().requires_grad());
+        let x = leaf();
+        assert!(is_grad_enabled());
+        assert!(no_grad(|| x.exp()).grad_fn().is_none());
+        assert!(!no_grad(is_grad_enabled) && is_grad_enabled());
+        assert!(x.detach().grad_fn().is_none() && !x.detach().requires_grad());
+    }
+
+    #[test]
+    fn an_op_without_a_gradient_cuts_and_its_results_stay_cut() {
+        let x = leaf();
+        let flag = x.try_gt(1.5).unwrap();
+        assert_eq!(flag.cut_op(), Some("gt"));
+        let n = flag.cast(DType::F32);
+        assert_eq!(n.cut_op(), Some("gt"));
+        assert!(!n.requires_grad());
+    }
+
+    #[test]
+    fn set_grad_checks_the_leaf_and_the_type() {
+        let x = leaf();
+        x.set_grad(Some(Tensor::ones(&[2], DType::F32))).unwrap();
+        assert_eq!(x.grad().unwrap().to_vec::<f32>().unwrap(), [1.0, 1.0]);
+        let err = x
+            .set_grad(Some(Tensor::ones(&[3], DType::F32)))
+            .unwrap_err();
+        assert!(err.to_string().contains("does not match"), "{err}");
+        let err = x.exp().set_grad(None).unwrap_err();
+        assert!(err.to_string().contains("not a leaf"), "{err}");
+        x.zero_grad();
+        assert!(x.grad().is_none());
+    }
+}
