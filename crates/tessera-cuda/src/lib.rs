@@ -39,10 +39,9 @@ pub mod profile;
 use std::sync::{Arc, OnceLock};
 
 use tessera::error::{Error, ErrorKind, Result};
+use tessera::ir::kernel::{FusedKernel, RowKernel};
 use tessera::ir::{DType, Op};
 use tessera::runtime::array::Array;
-use tessera::runtime::cpu::fused::FusedKernel;
-use tessera::runtime::cpu::rows::RowKernel;
 use tessera::runtime::cpu::{MemoryStats, Storage};
 use tessera::runtime::device::{
     self, Backend, Device, DeviceBackend, DeviceGraph, DeviceStorage, FusedArg,

@@ -5,9 +5,8 @@
 //! `TESSERA_NVRTC_TESTS=1`; without that variable the test says so and
 //! passes, as there is no NVRTC to test with.
 
+use tessera::ir::kernel::{RowKernel, RowStep, Step, MAX_ROW};
 use tessera::ir::{ArgReduceOp, BinaryOp, CompareOp, ReduceOp, UnaryOp};
-use tessera::runtime::cpu::fused::Step;
-use tessera::runtime::cpu::rows::{RowKernel, RowStep, MAX_ROW};
 use tessera::tensor::Layout;
 use tessera::DType;
 use tessera_cuda::codegen::fused_rows::fused_rows;

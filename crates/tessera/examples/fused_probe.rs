@@ -12,8 +12,8 @@
 //! `RAYON_NUM_THREADS=1 cargo run --release -p tessera --example fused_probe`
 mod common;
 use common::cpu_ms;
+use tessera::ir::kernel::{FusedKernel, Step};
 use tessera::ir::{BinaryOp, DType, UnaryOp};
-use tessera::runtime::cpu::fused::{FusedKernel, Step};
 use tessera::tensor::Generator;
 use tessera::Tensor;
 use Step::*;

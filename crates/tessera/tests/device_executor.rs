@@ -17,9 +17,9 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use schedule_util::{chain, planned_on, sliced_attention, traced};
 use tessera::compile::Mode;
 use tessera::fusion::Plan;
+use tessera::ir::kernel::FusedKernel;
 use tessera::ir::{DType, Graph, Op};
 use tessera::runtime::array::Array;
-use tessera::runtime::cpu::fused::FusedKernel;
 use tessera::runtime::cpu::{self, arena, copy};
 use tessera::runtime::cpu::{MemoryStats, Storage};
 use tessera::runtime::device::{

@@ -25,9 +25,8 @@
 //! [`MAX_ROW`] (16 doubles a thread per row value) spill about 600 bytes
 //! a thread to local memory: correct, slower.
 
+use tessera::ir::kernel::{RowKernel, RowStep, Step, MAX_ROW};
 use tessera::ir::ReduceOp;
-use tessera::runtime::cpu::fused::Step;
-use tessera::runtime::cpu::rows::{RowKernel, RowStep, MAX_ROW};
 use tessera::tensor::Layout;
 use tessera::DType;
 

@@ -1,5 +1,5 @@
 //! Pointwise kernels from a fused step list (the fusion plan's
-//! [`FusedKernel`](tessera::runtime::cpu::fused::FusedKernel) steps): one
+//! [`FusedKernel`](tessera::ir::kernel::FusedKernel) steps): one
 //! thread per output element in a grid-stride loop, every step a register,
 //! inputs read through their own (broadcast, strided) layouts, outputs
 //! written through theirs. Eager elementwise ops, casts, copies and `cat`
@@ -11,8 +11,8 @@
 //! loop takes only the tail: one 16-byte access instead of 4–8 narrow
 //! ones is what gets these kernels to the copy rate (BENCHMARKS.md).
 
+use tessera::ir::kernel::Step;
 use tessera::ir::{BinaryOp, CompareOp, UnaryOp};
-use tessera::runtime::cpu::fused::Step;
 use tessera::tensor::Layout;
 use tessera::DType;
 

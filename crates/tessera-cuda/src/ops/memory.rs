@@ -2,9 +2,9 @@
 //! allocator), host transfers, copies between layouts, concatenation.
 
 use tessera::error::{Error, ErrorKind, Result};
+use tessera::ir::kernel::Step;
 use tessera::ir::DType;
 use tessera::runtime::array::Array;
-use tessera::runtime::cpu::fused::Step;
 use tessera::runtime::cpu::{self, arena, Storage};
 use tessera::runtime::device::{Device, DeviceStorage};
 use tessera::tensor::Layout;

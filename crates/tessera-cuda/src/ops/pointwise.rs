@@ -5,9 +5,9 @@
 use std::sync::Arc;
 
 use tessera::error::Result;
+use tessera::ir::kernel::{FusedKernel, Step};
 use tessera::ir::{DType, Op};
 use tessera::runtime::array::Array;
-use tessera::runtime::cpu::fused::{FusedKernel, Step};
 use tessera::runtime::device::{Device, DeviceStorage};
 use tessera::tensor::Layout;
 
@@ -195,6 +195,7 @@ impl CudaBackend {
         inputs: &[&Array],
         donated: &[(usize, usize)],
     ) -> Result<Vec<Array>> {
+        kernel.check(inputs.len())?;
         let compute = if kernel.wide {
             Compute::F64
         } else {

@@ -2,10 +2,10 @@
 //! the generated row kernels of `codegen::rows` and `codegen::fused_rows`.
 
 use tessera::error::Result;
+use tessera::ir::kernel::RowKernel;
 use tessera::ir::{ArgReduceOp, DType, ReduceOp};
 use tessera::runtime::array::Array;
 use tessera::runtime::cpu::arena;
-use tessera::runtime::cpu::rows::RowKernel;
 use tessera::runtime::device::DeviceStorage;
 use tessera::tensor::Layout;
 
@@ -145,6 +145,7 @@ impl CudaBackend {
     pub(crate) fn rows(&self, kernel: &RowKernel, inputs: &[&Array]) -> Result<Vec<Array>> {
         let op = "fused_rows";
         let full = kernel.checked_shape(inputs)?;
+        kernel.check(inputs.len())?;
         let operands: Vec<_> = inputs.iter().map(|t| self.operand(t, &full)).collect();
         let storages: Vec<(DeviceStorage, &Vec<usize>)> = kernel
             .outputs

@@ -7,6 +7,7 @@ pub mod dtype;
 pub mod extract;
 pub mod graph;
 pub mod infer;
+pub mod kernel;
 pub mod op;
 pub mod shape;
 pub mod text;

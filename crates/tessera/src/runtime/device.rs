@@ -18,11 +18,10 @@ use std::fmt;
 use std::sync::{Arc, RwLock};
 
 use super::array::Array;
-use super::cpu::fused::FusedKernel;
-use super::cpu::rows::RowKernel;
 use super::cpu::{DescribedProduct, MemoryStats, Storage};
 use super::layout::Layout;
 use crate::error::{Error, ErrorKind, Result};
+use crate::ir::kernel::{FusedKernel, RowKernel};
 use crate::ir::{DType, Op, TensorType};
 
 /// Where a tensor's values are.

@@ -17,8 +17,9 @@ use std::hash::{Hash, Hasher};
 use std::sync::Mutex;
 use std::time::Instant;
 
-use super::fused::{FusedInput, FusedKernel};
+use super::fused::FusedInput;
 use crate::error::Result;
+use crate::ir::kernel::FusedKernel;
 use crate::logging::log;
 use crate::runtime::array::Array;
 

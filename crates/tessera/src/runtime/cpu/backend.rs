@@ -4,10 +4,10 @@
 
 use std::sync::Arc;
 
-use super::fused::{FusedInput, FusedKernel};
-use super::rows::RowKernel;
+use super::fused::FusedInput;
 use super::{autotune, matmul, BlockedProduct, DescribedProduct, MemoryStats};
 use crate::error::Result;
+use crate::ir::kernel::{FusedKernel, RowKernel};
 use crate::ir::{DType, Op};
 use crate::runtime::array::Array;
 use crate::runtime::device::{self, Backend, Device, FusedArg};

@@ -16,6 +16,10 @@
 //! while the next block is computed (see `Spread`). Every step computes exactly what the
 //! eager kernel of its op computes (the same functions), so results are
 //! bit-identical to op-by-op evaluation in the compute type.
+//!
+//! The kernel's description ([`FusedKernel`]: its [`Step`]s, its outputs,
+//! its block size and its register slots) is IR data, in `ir::kernel`;
+//! this file runs it.
 
 use rayon::prelude::*;
 
@@ -26,47 +30,11 @@ use super::elementwise::{
 use super::stream::{prefetch_l2, store_fence, stream_copy_unfenced, stream_min_bytes};
 use super::{Element, Storage};
 use crate::error::{op_err, Result};
-use crate::ir::{BinaryOp, CompareOp, DType, UnaryOp};
+use crate::ir::kernel::{FusedKernel, FusedRegisters, Step};
+use crate::ir::{CompareOp, DType, UnaryOp};
 use crate::runtime::array::Array;
 use crate::runtime::layout::Layout;
 use crate::with_dtype;
-
-/// The bytes of live register slots a block should fit in: most of a
-/// 32-48 KiB L1 data cache.
-const L1_BYTES: usize = 24 << 10;
-/// Block sizes (elements) the default choice stays within: below 256 the
-/// per-step dispatch shows, above 4096 nothing is gained.
-const MIN_BLOCK: usize = 256;
-const MAX_BLOCK: usize = 4096;
-
-/// One step; operands are indices of earlier steps.
-#[derive(Clone, Debug, PartialEq)]
-pub enum Step {
-    /// Kernel input `i`, broadcast to the kernel's shape.
-    Load(usize),
-    Const(f64),
-    Unary(UnaryOp, usize),
-    Binary(BinaryOp, usize, usize),
-    /// 1.0 where the comparison holds, else 0.0.
-    Compare(CompareOp, usize, usize),
-    /// `a` where `cond != 0`, else `b`.
-    Where(usize, usize, usize),
-    /// A rounding to a narrower float dtype (the value stays in the block's type).
-    Round(DType, usize),
-}
-
-/// A fused elementwise kernel over one output shape.
-#[derive(Clone, Debug, PartialEq)]
-pub struct FusedKernel {
-    pub shape: Vec<usize>,
-    pub steps: Vec<Step>,
-    /// The steps written to memory, with their dtypes.
-    pub outputs: Vec<(usize, DType)>,
-    /// Compute in f64 (any f64 value involved), else f32.
-    pub wide: bool,
-    /// Elements per block (a multiple of 64); see [`FusedKernel::default_block`].
-    pub block: usize,
-}
 
 /// One input of a fused kernel.
 pub enum FusedInput<'a> {
@@ -80,146 +48,7 @@ pub enum FusedInput<'a> {
     Donated { storage: Storage, output: usize },
 }
 
-impl Step {
-    /// The steps this one reads.
-    pub fn operands(&self) -> Vec<usize> {
-        match *self {
-            Step::Load(_) | Step::Const(_) => vec![],
-            Step::Unary(_, a) | Step::Round(_, a) => vec![a],
-            Step::Binary(_, a, b) | Step::Compare(_, a, b) => vec![a, b],
-            Step::Where(c, a, b) => vec![c, a, b],
-        }
-    }
-}
-
-/// The register slot of each step: a slot is reused once its value has
-/// been read for the last time. Constants (filled once per task) and
-/// outputs (stored after the block) keep theirs; outputs streamed while
-/// the next block runs have slots of their own, which no step of that
-/// block writes before the output's own step.
-#[derive(Clone, Debug)]
-struct Registers {
-    slot: Vec<usize>,
-    count: usize,
-    /// The constants read as blocks: their slots are filled once per task.
-    filled: Vec<bool>,
-}
-
-/// The operands step `i` reads as blocks (a binary op's constant operand
-/// is read as a scalar instead; see `FusedKernel::eval_block`).
-fn block_operands(steps: &[Step], i: usize) -> Vec<usize> {
-    let is_const = |j: usize| matches!(steps[j], Step::Const(_));
-    match steps[i] {
-        Step::Binary(_, a, b) => match (is_const(a), is_const(b)) {
-            (_, true) => vec![a],
-            (true, false) => vec![b],
-            (false, false) => vec![a, b],
-        },
-        ref step => step.operands(),
-    }
-}
-
-impl Registers {
-    /// `own_outputs`: the outputs' slots are reserved for them (see above).
-    fn allocate(steps: &[Step], outputs: &[(usize, DType)], own_outputs: bool) -> Registers {
-        let n = steps.len();
-        // Constants read as blocks somewhere get a slot, filled once.
-        let mut block_const = vec![false; n];
-        for i in 0..n {
-            for a in block_operands(steps, i) {
-                block_const[a] |= matches!(steps[a], Step::Const(_));
-            }
-        }
-        // The last step reading each value; its own index when none does.
-        let mut last: Vec<usize> = (0..n).collect();
-        for (i, step) in steps.iter().enumerate() {
-            for a in step.operands() {
-                last[a] = i;
-            }
-        }
-        for (i, step) in steps.iter().enumerate() {
-            if matches!(step, Step::Const(_)) {
-                last[i] = usize::MAX;
-            }
-        }
-        for &(o, _) in outputs {
-            last[o] = usize::MAX;
-        }
-        let (mut slot, mut free, mut count) = (vec![0; n], Vec::new(), 0);
-        // Constants first: their slots are filled before any block runs, so
-        // no other value may ever use them. (The others keep slot 0, never
-        // read as a block.)
-        for i in 0..n {
-            if block_const[i] {
-                slot[i] = count;
-                count += 1;
-            }
-        }
-        let mut reserved = vec![false; n];
-        if own_outputs {
-            for &(o, _) in outputs {
-                if !reserved[o] && !matches!(steps[o], Step::Const(_)) {
-                    reserved[o] = true;
-                    slot[o] = count;
-                    count += 1;
-                }
-            }
-        }
-        for (i, step) in steps.iter().enumerate() {
-            if matches!(step, Step::Const(_)) {
-                continue;
-            }
-            // The destination is taken before the operands are released, so
-            // a step never writes the slot it reads.
-            if !reserved[i] {
-                slot[i] = free.pop().unwrap_or_else(|| {
-                    count += 1;
-                    count - 1
-                });
-            }
-            let mut done = step.operands();
-            done.push(i);
-            done.sort_unstable();
-            done.dedup();
-            free.extend(done.into_iter().filter(|&a| last[a] == i).map(|a| slot[a]));
-        }
-        Registers {
-            slot,
-            count,
-            filled: block_const,
-        }
-    }
-}
-
 impl FusedKernel {
-    /// A kernel with the default block size.
-    pub fn new(
-        shape: Vec<usize>,
-        steps: Vec<Step>,
-        outputs: Vec<(usize, DType)>,
-        wide: bool,
-    ) -> FusedKernel {
-        let mut k = FusedKernel {
-            shape,
-            steps,
-            outputs,
-            wide,
-            block: MIN_BLOCK,
-        };
-        k.block = k.default_block();
-        k
-    }
-
-    /// The largest block (in [256, 4096], a multiple of 64) whose live
-    /// register slots fit in `L1_BYTES`.
-    pub fn default_block(&self) -> usize {
-        let slots = Registers::allocate(&self.steps, &self.outputs, false)
-            .count
-            .max(1);
-        let width = if self.wide { 8 } else { 4 };
-        (L1_BYTES / (slots * width) / 64 * 64).clamp(MIN_BLOCK, MAX_BLOCK)
-    }
-
     /// Runs the kernel; `inputs` as numbered by `Step::Load`.
     pub fn run(&self, inputs: &[&Array]) -> Result<Vec<Array>> {
         self.run_with(inputs.iter().map(|&t| FusedInput::Shared(t)).collect())
@@ -228,6 +57,7 @@ impl FusedKernel {
     /// Runs the kernel, writing donated inputs' outputs in place.
     pub fn run_with(&self, inputs: Vec<FusedInput<'_>>) -> Result<Vec<Array>> {
         let numel: usize = self.shape.iter().product();
+        self.check(inputs.len())?;
         for (i, input) in inputs.iter().enumerate() {
             self.check_input(i, input, numel)?;
         }
@@ -291,7 +121,7 @@ impl FusedKernel {
             .map(|s| s.direct::<A>().map(|p| p as usize))
             .collect();
         let stream = numel * std::mem::size_of::<A>() >= stream_min_bytes();
-        let regs = Registers::allocate(&self.steps, &self.outputs, stream);
+        let regs = FusedRegisters::allocate(&self.steps, &self.outputs, stream);
         let spread = Spread::new(&self.steps, &direct);
         let run = Run {
             sources: &sources,
@@ -441,7 +271,7 @@ impl FusedKernel {
                         continue;
                     }
                     let part = spread.part(i, out, prev.len, 16);
-                    // SAFETY: the output's slot is its own (`Registers`),
+                    // SAFETY: the output's slot is its own (`FusedRegisters`),
                     // written again only by step `out` of this block, after
                     // its last piece is stored; `prev`'s range of the output
                     // is this task's.
@@ -573,7 +403,7 @@ struct Run<'r, 'a> {
     sources: &'r [Source<'a>],
     direct: &'r [Option<usize>],
     sinks: &'r [Sink],
-    regs: &'r Registers,
+    regs: &'r FusedRegisters,
     spread: &'r Spread,
 }
 
@@ -689,6 +519,8 @@ impl Sink {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ir::kernel::MAX_BLOCK;
+    use crate::ir::BinaryOp;
     use crate::tensor::Tensor;
 
     #[test]
@@ -785,7 +617,7 @@ mod tests {
             Step::Const(2.0),
             Step::Binary(BinaryOp::Add, 8, 9),
         ];
-        let regs = Registers::allocate(&steps, &[(10, DType::F32)], false);
+        let regs = FusedRegisters::allocate(&steps, &[(10, DType::F32)], false);
         assert!(regs.count < steps.len(), "dead values' slots are reused");
         let mut k = FusedKernel::new(vec![n], steps, vec![(10, DType::F32)], false);
         let want: Vec<f64> = xs
@@ -960,6 +792,30 @@ mod tests {
         let parts: Vec<_> = (0..5).map(|i| spread.part(i, 4, 8192, 64)).collect();
         assert!(parts[0].is_empty() && parts[1].is_empty(), "{parts:?}");
         assert!(parts[3].len() > 4 * parts[2].len(), "{parts:?}");
+    }
+
+    #[test]
+    fn a_constant_output_is_the_constant() {
+        // A constant that is an output and read by nothing: it has a slot
+        // of its own, filled once, whatever the other steps write.
+        let n = 2 * MAX_BLOCK + 5;
+        let x = Tensor::from_vec((0..n).map(|i| i as f32).collect(), &[n]);
+        let k = FusedKernel::new(
+            vec![n],
+            vec![
+                Step::Load(0),
+                Step::Const(2.5),
+                Step::Unary(UnaryOp::Neg, 0),
+            ],
+            vec![(1, DType::F32), (2, DType::F32)],
+            false,
+        );
+        for min in [usize::MAX, 64] {
+            let got =
+                super::super::stream::with_stream_min_bytes(min, || k.run(&[x.array()]).unwrap());
+            assert_eq!(got[0].to_f64_vec(), vec![2.5; n], "streaming from {min}");
+            assert_eq!(got[1].to_f64_vec(), x.neg().to_f64_vec());
+        }
     }
 
     #[test]

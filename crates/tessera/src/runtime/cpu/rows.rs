@@ -1,6 +1,6 @@
 //! The fused row kernel: reductions along the last dim together with their
 //! pointwise producers (prologue) and consumers (epilogue), evaluated one
-//! row at a time. A row (at most `ROW_MAX` elements) stays in cache from
+//! row at a time. A row (at most [`MAX_ROW`] elements) stays in cache from
 //! its load to its store, so e.g. softmax — as one op or decomposed into
 //! max, sub, exp, sum, div — reads its input once and writes its output
 //! once.
@@ -18,59 +18,22 @@ use super::element::num_like::AccFloat;
 use super::elementwise::{
     binary_const_into, binary_into, const_binary_into, unary_into, Transcendental,
 };
-use super::fused::{compare_block, load, round_block, Step};
+use super::fused::{compare_block, load, round_block};
 use super::reduce::{reduce_row, softmax_row, Arith, RowIo, SoftmaxExp, ROW_MAX};
 use super::stream::stream_min_bytes;
 use super::{Element, Storage};
 use crate::error::{op_err, Result};
-use crate::ir::{DType, ReduceOp};
+use crate::ir::kernel::{RowKernel, RowRegisters, RowStep, Step, MAX_ROW};
+use crate::ir::DType;
 use crate::runtime::array::Array;
 use crate::runtime::layout::Layout;
 use crate::with_dtype;
 
-/// The longest row a row kernel takes (its registers stay in L2).
-pub const MAX_ROW: usize = ROW_MAX;
-
-/// One step of a row kernel; operands are indices of earlier steps.
-#[derive(Clone, Debug, PartialEq)]
-pub enum RowStep {
-    /// A pointwise step (`Step::Load(i)` loads kernel input `i`).
-    Point(Step),
-    /// A row value reduced to one scalar per row.
-    Reduce(ReduceOp, usize),
-    /// softmax (or log_softmax) of a row value.
-    Softmax { log: bool, arg: usize },
-}
-
-impl RowStep {
-    fn operands(&self) -> Vec<usize> {
-        match self {
-            RowStep::Point(s) => s.operands(),
-            RowStep::Reduce(_, a) | RowStep::Softmax { arg: a, .. } => vec![*a],
-        }
-    }
-}
-
-/// A row kernel over `rows` rows of `len` elements.
-#[derive(Clone, Debug, PartialEq)]
-pub struct RowKernel {
-    /// The leading (outer) dims; the rows are their row-major positions.
-    pub outer: Vec<usize>,
-    pub len: usize,
-    pub steps: Vec<RowStep>,
-    /// Whether each step is a row value (else a scalar per row).
-    pub is_row: Vec<bool>,
-    /// The steps written to memory: (step, dtype, shape).
-    pub outputs: Vec<(usize, DType, Vec<usize>)>,
-    /// Compute in f64 (any f64 value involved), else f32.
-    pub wide: bool,
-}
+// The row kernel's limit (`ir::kernel::MAX_ROW`) is the longest row the
+// fold of `reduce_row` takes in one pass.
+const _: () = assert!(MAX_ROW == ROW_MAX);
 
 impl RowKernel {
-    fn rows(&self) -> usize {
-        self.outer.iter().product()
-    }
-
     /// The kernel's full shape, `outer ++ [len]`, once every input is
     /// checked to broadcast to it (every backend's row kernel reads its
     /// inputs through that broadcast).
@@ -99,6 +62,7 @@ impl RowKernel {
     /// broadcastable to `outer ++ [len]`.
     pub fn run(&self, inputs: &[&Array]) -> Result<Vec<Array>> {
         let full = self.checked_shape(inputs)?;
+        self.check(inputs.len())?;
         let sources: Vec<Option<Source<'_>>> =
             inputs.iter().map(|t| Some(Source::new(t, &full))).collect();
         Ok(if self.wide {
@@ -126,6 +90,7 @@ impl RowKernel {
         let read: Vec<&Array> = inputs.iter().flatten().copied().collect();
         let full = self.checked_shape(&read)?;
         let unread = inputs.iter().filter(|t| t.is_none()).count();
+        self.check(inputs.len())?;
         let steps: Option<Vec<usize>> = fed
             .iter()
             .map(|&j| {
@@ -337,7 +302,7 @@ struct Evaluation<'k, 's, A> {
     sources: &'k [Option<Source<'s>>],
     outs: Vec<Storage>,
     sinks: Sinks,
-    slots: Slots,
+    slots: RowRegisters,
     direct: Direct,
     /// Rows written straight into outputs far larger than the caches are
     /// stored non-temporally (softmax, through a scratch row).
@@ -377,7 +342,7 @@ impl<'k, 's, A: Transcendental + SoftmaxExp> Evaluation<'k, 's, A> {
         Evaluation {
             kernel,
             sources,
-            slots: Slots::allocate(kernel),
+            slots: RowRegisters::allocate(kernel),
             direct,
             stream: bytes >= stream_min_bytes(),
             softmax: kernel
@@ -486,7 +451,14 @@ impl Direct {
     }
 
     /// Points each row step of row `r` at its place.
-    fn place_row<A>(&self, r: usize, len: usize, slots: &Slots, file: &mut [A], at: &mut [*mut A]) {
+    fn place_row<A>(
+        &self,
+        r: usize,
+        len: usize,
+        slots: &RowRegisters,
+        file: &mut [A],
+        at: &mut [*mut A],
+    ) {
         let width = std::mem::size_of::<A>();
         for (i, place) in at.iter_mut().enumerate() {
             *place = match self.base[i] {
@@ -563,54 +535,10 @@ impl<'a> Source<'a> {
     }
 }
 
-/// The register slot of each row value, reused once the value is dead
-/// (outputs keep theirs: they are stored after the row).
-struct Slots {
-    slot: Vec<usize>,
-    /// Whether the step has a slot (row values do).
-    used: Vec<bool>,
-    count: usize,
-}
-
-impl Slots {
-    fn allocate(k: &RowKernel) -> Slots {
-        let n = k.steps.len();
-        let mut last: Vec<usize> = (0..n).collect();
-        for (i, step) in k.steps.iter().enumerate() {
-            for a in step.operands() {
-                last[a] = i;
-            }
-        }
-        for &(o, _, _) in &k.outputs {
-            last[o] = usize::MAX;
-        }
-        let (mut slot, mut free, mut count) = (vec![0; n], Vec::new(), 0);
-        for (i, step) in k.steps.iter().enumerate() {
-            if k.is_row[i] {
-                slot[i] = free.pop().unwrap_or_else(|| {
-                    count += 1;
-                    count - 1
-                });
-            }
-            let mut done = step.operands();
-            done.push(i);
-            done.sort_unstable();
-            done.dedup();
-            free.extend(
-                done.into_iter()
-                    .filter(|&a| k.is_row[a] && last[a] == i)
-                    .map(|a| slot[a]),
-            );
-        }
-        let used = k.is_row.clone();
-        Slots { slot, used, count }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ir::BinaryOp;
+    use crate::ir::{BinaryOp, ReduceOp};
     use crate::tensor::Tensor;
 
     #[test]

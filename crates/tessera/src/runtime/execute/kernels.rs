@@ -6,12 +6,11 @@ use std::panic::Location;
 
 use super::job::Arg;
 use crate::error::Result;
+use crate::ir::kernel::{FusedKernel, RowKernel};
 use crate::ir::{Graph, NodeId, Op};
 use crate::logging::log;
 use crate::runtime::array::Array;
 use crate::runtime::cpu::arena;
-use crate::runtime::cpu::fused::FusedKernel;
-use crate::runtime::cpu::rows::RowKernel;
 use crate::runtime::device::{self, FusedArg};
 use crate::tensor::interpret::node_error;
 use crate::tensor::Tensor;
