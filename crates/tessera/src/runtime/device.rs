@@ -370,6 +370,27 @@ pub fn device_backend(device: Device) -> Result<Arc<dyn DeviceBackend>> {
     })
 }
 
+/// Computes `op(inputs)` (its output `dtype` and `shape` inferred) on
+/// `device`'s backend; views are made here, with one rule
+/// ([`super::cpu::view_layout`]), so every device aliases alike.
+pub fn eval(
+    device: Device,
+    op: &Op,
+    inputs: &[&Array],
+    dtype: DType,
+    shape: &[usize],
+) -> Result<Array> {
+    if let Some(x) = inputs.first() {
+        if x.device() == device {
+            let input = (x.layout(), x.dtype(), x.storage_numel());
+            if let Some(layout) = super::cpu::view_layout(op, input, shape) {
+                return Ok(x.view(layout));
+            }
+        }
+    }
+    backend(device)?.eval(op, inputs, dtype, shape)
+}
+
 /// Whether a backend computes on `device` (the CPU's always does).
 pub fn is_available(device: Device) -> bool {
     backend(device).is_ok()

@@ -410,7 +410,7 @@ impl Tensor {
         } else {
             with_arrays(op, inputs, |arrays| {
                 let on = device::of_inputs(op.name(), arrays)?;
-                Ok(Tensor::from_array(eval_on(
+                Ok(Tensor::from_array(device::eval(
                     on, op, arrays, ty.dtype, &shape,
                 )?))
             })
@@ -466,26 +466,6 @@ fn with_arrays<R>(
 
 /// Inputs of one eager op whose arrays [`with_arrays`] keeps on the stack.
 const STACK_INPUTS: usize = 8;
-
-/// Runs a non-traced op on `device`'s backend; views are made here, with
-/// one rule ([`cpu::view_layout`]), so every device aliases alike.
-fn eval_on(
-    device: Device,
-    op: &Op,
-    inputs: &[&Array],
-    dtype: DType,
-    shape: &[usize],
-) -> Result<Array> {
-    if let Some(x) = inputs.first() {
-        if x.device() == device {
-            let input = (x.layout(), x.dtype(), x.storage_numel());
-            if let Some(layout) = cpu::view_layout(op, input, shape) {
-                return Ok(x.view(layout));
-            }
-        }
-    }
-    device::backend(device)?.eval(op, inputs, dtype, shape)
-}
 
 /// Panics with the error's message; used by the panicking op methods so the
 /// panic points at the user's line.

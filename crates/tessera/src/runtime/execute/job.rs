@@ -5,13 +5,14 @@
 use std::panic::Location;
 
 use super::kernels::{run_epilogue, run_fused, run_matmul_rows, run_rows};
-use crate::error::{ErrorKind, Result};
+use crate::autograd;
+use crate::error::{Error, ErrorKind, Result};
 use crate::fusion::Kernel;
-use crate::ir::{Graph, NodeId, Op};
+use crate::ir::{Graph, NodeId, Op, TensorType};
 use crate::logging::log;
 use crate::runtime::array::Array;
 use crate::runtime::cpu::arena::{self, Slots, Taken};
-use crate::runtime::device::{Device, DeviceStorage};
+use crate::runtime::device::{self, Device, DeviceStorage};
 use crate::tensor::interpret::node_error;
 use crate::tensor::{trace, Tensor};
 
@@ -232,8 +233,7 @@ impl<'a> Job<'a> {
                     .iter()
                     .map(|a| a.tensor("extern kernels"))
                     .collect();
-                let out = Tensor::apply(&node.op, &args, Location::caller())
-                    .map_err(|e| node_error(graph, *id, e))?;
+                let out = extern_kernel(&node.op, &args).map_err(|e| node_error(graph, *id, e))?;
                 Ok(vec![(*id, out)])
             }
             Kernel::Custom { node, outputs } => {
@@ -310,6 +310,34 @@ impl<'a> Job<'a> {
             }
         }
     }
+}
+
+/// One op between fused kernels, on its inputs' backend. Where the op
+/// must be recorded instead — into an enclosing trace (its inputs are
+/// traced values) or onto the tape (grad mode on and an input requires
+/// grad; an input cut from autograd passes its cut on) — it goes through
+/// `Tensor::apply`, which records.
+fn extern_kernel(op: &Op, args: &[&Tensor]) -> Result<Tensor> {
+    let records = trace::is_active()
+        || (autograd::is_grad_enabled() && args.iter().any(|t| t.requires_grad()))
+        || args.iter().any(|t| t.cut_op().is_some())
+        || matches!(op, Op::Custom(_) | Op::CustomOutput { .. });
+    if records {
+        return Tensor::apply(op, args, Location::caller());
+    }
+    let types: Vec<TensorType> = args.iter().map(|t| t.ty()).collect();
+    let ty = op.infer(&types)?;
+    let shape = ty.shape.as_concrete().ok_or_else(|| {
+        Error::op(
+            ErrorKind::Unsupported,
+            op.name(),
+            format!("a compiled run needs concrete shapes, got {}", ty.shape),
+        )
+    })?;
+    let arrays: Vec<&Array> = args.iter().map(|t| t.array()).collect();
+    let on = device::of_inputs(op.name(), &arrays)?;
+    let array = device::eval(on, op, &arrays, ty.dtype, &shape)?;
+    Ok(Tensor::from_array(array))
 }
 
 /// A custom kernel's outputs, each where the plan put it or in the pool.
@@ -410,5 +438,20 @@ mod tests {
             vec![0.25; 8],
             "the input is intact"
         );
+    }
+
+    #[test]
+    fn an_extern_kernel_computes_on_the_backend_and_records_only_when_it_must() {
+        let op = Op::MatMul;
+        let a = Tensor::from_vec(vec![1.0f32, 2.0, 3.0, 4.0], &[2, 2]);
+        let out = extern_kernel(&op, &[&a, &a]).unwrap();
+        assert_eq!(out.to_vec::<f32>().unwrap(), vec![7.0, 10.0, 15.0, 22.0]);
+        assert!(!out.requires_grad());
+        // An input that requires grad, grad mode on: the tape records.
+        let w = a.detach().set_requires_grad(true);
+        assert!(extern_kernel(&op, &[&w, &a]).unwrap().requires_grad());
+        // Grad mode off: nothing to record.
+        let off = autograd::no_grad(|| extern_kernel(&op, &[&w, &a])).unwrap();
+        assert!(!off.requires_grad());
     }
 }
