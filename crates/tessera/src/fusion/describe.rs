@@ -85,29 +85,12 @@ pub fn describe(graph: &Graph, plan: &Plan) -> String {
 #[cfg(test)]
 mod tests {
     use super::super::fuse;
-    use super::super::testing::graph;
+    use super::super::testing::{every_kind, graph};
     use super::*;
 
     #[test]
     fn each_kernel_is_a_line_with_its_nodes() {
-        let g = graph(
-            "%x, %w, %b, %v",
-            "  %x = input : f32[32,32]
-  %w = input : f32[32,32]
-  %b = input : f32[32]
-  %v = input : f32[32,32]
-  %two = full {value=2.0, shape=[], dtype=f32} : f32[]
-  %m = matmul(%x, %w) : f32[32,32]
-  %h = add(%m, %b) : f32[32,32]
-  %r = relu(%h) : f32[32,32]
-  %s = matmul(%r, %v) : f32[32,32]
-  %p = softmax(%s) {dim=1} : f32[32,32]
-  %q = mul(%p, %two) : f32[32,32]
-  %e = exp(%x) : f32[32,32]
-  %f = tanh(%e) : f32[32,32]
-  %t = permute(%f) {perm=[1,0]} : f32[32,32]
-  return %q as q, %t as t, %m as m",
-        );
+        let g = every_kind();
         assert_eq!(
             describe(&g, &fuse(&g)),
             "graph `g`: 10 ops -> 4 kernels

@@ -272,6 +272,30 @@ mod testing {
             .unwrap_or_else(|| panic!("no node `{name}`"))
     }
 
+    /// One kernel of each kind: a matmul with its bias + relu epilogue, a
+    /// matmul fed to its softmax row kernel (then scaled), a pointwise chain
+    /// ending in a view, and a matmul whose product is an output.
+    pub(super) fn every_kind() -> Graph {
+        graph(
+            "%x, %w, %b, %v",
+            "  %x = input : f32[32,32]
+  %w = input : f32[32,32]
+  %b = input : f32[32]
+  %v = input : f32[32,32]
+  %two = full {value=2.0, shape=[], dtype=f32} : f32[]
+  %m = matmul(%x, %w) : f32[32,32]
+  %h = add(%m, %b) : f32[32,32]
+  %r = relu(%h) : f32[32,32]
+  %s = matmul(%r, %v) : f32[32,32]
+  %p = softmax(%s) {dim=1} : f32[32,32]
+  %q = mul(%p, %two) : f32[32,32]
+  %e = exp(%x) : f32[32,32]
+  %f = tanh(%e) : f32[32,32]
+  %t = permute(%f) {perm=[1,0]} : f32[32,32]
+  return %q as q, %t as t, %m as m",
+        )
+    }
+
     /// The nodes named `names`.
     pub(super) fn ids(graph: &Graph, names: &[&str]) -> Vec<NodeId> {
         names.iter().map(|n| id(graph, n)).collect()
@@ -280,7 +304,7 @@ mod testing {
 
 #[cfg(test)]
 mod tests {
-    use super::testing::{graph, id, ids};
+    use super::testing::{every_kind, graph, id, ids};
     use super::*;
     use crate::ir::kernel::{RowStep, Step};
 
@@ -304,24 +328,7 @@ mod tests {
 
     #[test]
     fn each_kind_of_kernel_reads_and_writes_its_values() {
-        let g = graph(
-            "%x, %w, %b, %v",
-            "  %x = input : f32[32,32]
-  %w = input : f32[32,32]
-  %b = input : f32[32]
-  %v = input : f32[32,32]
-  %two = full {value=2.0, shape=[], dtype=f32} : f32[]
-  %m = matmul(%x, %w) : f32[32,32]
-  %h = add(%m, %b) : f32[32,32]
-  %r = relu(%h) : f32[32,32]
-  %s = matmul(%r, %v) : f32[32,32]
-  %p = softmax(%s) {dim=1} : f32[32,32]
-  %q = mul(%p, %two) : f32[32,32]
-  %e = exp(%x) : f32[32,32]
-  %f = tanh(%e) : f32[32,32]
-  %t = permute(%f) {perm=[1,0]} : f32[32,32]
-  return %q as q, %t as t, %m as m",
-        );
+        let g = every_kind();
         let plan = fuse(&g);
         assert_ordered(&g, &plan);
         let kinds: Vec<&str> = plan
