@@ -282,7 +282,7 @@ fn every_op_kind_round_trips() {
         Op::Slice {
             dim: 2,
             start: 1,
-            end: 4,
+            end: Dim::Const(4),
             step: 2,
         },
         Op::Cat { dim: 1 },
@@ -976,7 +976,7 @@ impl Builder {
                         Op::Slice {
                             dim,
                             start,
-                            end,
+                            end: Dim::Const(end),
                             step,
                         },
                         &[x],

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use super::cache::Entry;
 use super::debug;
-use super::dynamic::Generalised;
+use super::dynamic::{DynamicDims, Generalised, Refusal};
 use super::recompile::{self, Decision};
 use super::{guards_device, Compiled, Executable, InputGuard};
 use crate::error::Result;
@@ -16,59 +16,117 @@ use crate::tensor::Tensor;
 
 impl<F: Fn(&[Tensor]) -> Vec<Tensor>> Compiled<F> {
     /// Compiles the generalised trace; if that fails to build (a pass or
-    /// the AOT partition needing concrete sizes), the concrete one.
+    /// the AOT partition needing concrete sizes), the concrete one. One
+    /// recompile either way.
     pub(super) fn compile_generalised(
         &self,
         view: &Generalised,
         guards: &[InputGuard],
         traced: &Traced,
     ) -> Result<Option<Arc<Executable>>> {
+        let lifted: Vec<InputGuard> = traced.lifted.iter().map(InputGuard::of).collect();
+        if let Some(refusal) = &view.refusal {
+            log("recompiles", || {
+                format!(
+                    "{}: the graph stays concrete for these sizes: {refusal}",
+                    self.name
+                )
+            });
+        }
+        if !self.admit(guards, &lifted, view.refusal.as_ref()) {
+            return Ok(None);
+        }
+        let concrete = |key| self.build_entry(key, guards, &lifted, traced, &DynamicDims::new());
         let Some(general) = &view.traced else {
-            return self.compile_entry(view.key, guards, traced);
+            return concrete(view.key).map(Some);
         };
-        match self.compile_entry(view.key, guards, general) {
+        match self.build_entry(view.key, guards, &lifted, general, &view.dims) {
             Err(e) => {
+                let mut state = self.state.lock().expect("compile cache");
+                state.symbolic_failed.push(view.key);
+                drop(state);
                 log("recompiles", || {
                     format!(
                         "{}: the symbolic graph does not build ({e}); compiling it for these sizes",
                         self.name
                     )
                 });
-                let key = super::cache::structure_key(&traced.graph, guards, &traced.lifted);
-                self.compile_entry(key, guards, traced)
+                concrete(super::cache::structure_key(
+                    &traced.graph,
+                    guards,
+                    &traced.lifted,
+                ))
+                .map(Some)
             }
-            done => done,
+            done => done.map(Some),
         }
     }
 
-    /// Builds and caches an executable, or `None` past the recompile limit
-    /// (then every later call runs eagerly).
+    /// Builds and caches an executable for a concrete trace, or `None` past
+    /// the recompile limit (then every later call runs eagerly).
+    #[cfg(test)]
     pub(super) fn compile_entry(
         &self,
         key: u64,
         guards: &[InputGuard],
         traced: &Traced,
     ) -> Result<Option<Arc<Executable>>> {
+        let lifted: Vec<InputGuard> = traced.lifted.iter().map(InputGuard::of).collect();
+        if !self.admit(guards, &lifted, None) {
+            return Ok(None);
+        }
+        self.build_entry(key, guards, &lifted, traced, &DynamicDims::new())
+            .map(Some)
+    }
+
+    /// The recompile decision for a miss: counts and logs a recompile with
+    /// its reason (and why the graph stays concrete, if it does), or falls
+    /// back to eager past the limit. Whether to build.
+    fn admit(
+        &self,
+        guards: &[InputGuard],
+        lifted: &[InputGuard],
+        refusal: Option<&Refusal>,
+    ) -> bool {
         let mut state = self.state.lock().expect("compile cache");
         let limit = self.options.recompile_limit;
-        match recompile::decide(state.last_guards(), guards, state.entries.len(), limit) {
-            Decision::First => {}
+        let decision = recompile::decide(&state.seen(), guards, lifted, limit);
+        let with_refusal = |reason: String| match refusal {
+            Some(r) => format!("{reason} (the graph stays concrete: {r})"),
+            None => reason,
+        };
+        match decision {
+            Decision::First => true,
             Decision::FallBack(reason) => {
                 state.fell_back = true;
                 eprintln!(
                     "{}",
-                    recompile::fallback_warning(&self.name, limit, &reason)
+                    recompile::fallback_warning(&self.name, limit, &with_refusal(reason))
                 );
-                return Ok(None);
+                false
             }
             Decision::Recompile(reason) => {
+                let reason = with_refusal(reason);
                 state.stats.recompiles += 1;
                 log("recompiles", || {
                     recompile::recompile_message(&self.name, &reason)
                 });
                 state.recompile_reasons.push(reason);
+                true
             }
         }
+    }
+
+    /// Builds the executable for `traced` and caches it under `key`.
+    fn build_entry(
+        &self,
+        key: u64,
+        guards: &[InputGuard],
+        lifted: &[InputGuard],
+        traced: &Traced,
+        dynamic: &DynamicDims,
+    ) -> Result<Arc<Executable>> {
+        let mut state = self.state.lock().expect("compile cache");
         debug::log_inputs(&self.name, guards, traced);
         let wrt = grad_inputs(guards, &traced.lifted);
         let started = std::time::Instant::now();
@@ -83,10 +141,12 @@ impl<F: Fn(&[Tensor]) -> Vec<Tensor>> Compiled<F> {
         state.insert(Entry {
             key,
             guards: guards.to_vec(),
+            lifted: lifted.to_vec(),
+            dynamic: dynamic.clone(),
             had_breaks: !traced.breaks.is_empty(),
             exe: exe.clone(),
         });
-        Ok(Some(exe))
+        Ok(exe)
     }
 }
 

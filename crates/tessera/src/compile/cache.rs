@@ -7,6 +7,7 @@ use std::hash::{Hash, Hasher};
 use std::sync::Arc;
 
 use super::dynamic::DynamicDims;
+use super::recompile::Seen;
 use super::{Executable, InputGuard};
 use crate::hints::HintMap;
 use crate::ir::Graph;
@@ -37,6 +38,11 @@ pub struct CompileStats {
 pub(super) struct Entry {
     pub key: u64,
     pub guards: Vec<InputGuard>,
+    /// The guards of the tensors the trace lifted (parameters, captured
+    /// state), for the reason of a later miss.
+    pub lifted: Vec<InputGuard>,
+    /// The (input, dim) pairs the executable has symbolic.
+    pub dynamic: DynamicDims,
     /// Whether the trace had graph breaks (then it is always re-traced).
     pub had_breaks: bool,
     pub exe: Arc<Executable>,
@@ -61,6 +67,9 @@ pub(super) struct CacheState {
     pub recompile_reasons: Vec<String>,
     /// The (input, dim) pairs made symbolic so far (automatic mode).
     pub dynamic_dims: DynamicDims,
+    /// Keys of generalised graphs whose symbolic build failed: calls with
+    /// them use their concrete graph (see `Compiled::generalised`).
+    pub symbolic_failed: Vec<u64>,
     /// The key of the entry that served the last call.
     pub last_key: Option<u64>,
 }
@@ -111,10 +120,22 @@ impl CacheState {
         self.entries.push(entry);
     }
 
-    /// The guards of the executable built last (what a miss is compared
-    /// with), `None` before the first compile.
+    /// The guards of the executable built last (what automatic dynamic
+    /// dims compare a miss with), `None` before the first compile.
     pub fn last_guards(&self) -> Option<&[InputGuard]> {
         self.entries.last().map(|e| e.guards.as_slice())
+    }
+
+    /// What every cached executable was built for, oldest first.
+    pub fn seen(&self) -> Vec<Seen<'_>> {
+        self.entries
+            .iter()
+            .map(|e| Seen {
+                inputs: &e.guards,
+                lifted: &e.lifted,
+                dynamic: &e.dynamic,
+            })
+            .collect()
     }
 }
 
@@ -145,7 +166,7 @@ pub(super) fn structure_key(graph: &Graph, guards: &[InputGuard], lifted: &[Tens
     guards.hash(&mut h);
     lifted
         .iter()
-        .map(|t| (t.requires_grad(), t.is_contiguous()))
+        .map(|t| (t.requires_grad(), (!t.is_contiguous()).then(|| t.strides())))
         .collect::<Vec<_>>()
         .hash(&mut h);
     h.finish()
@@ -261,6 +282,8 @@ mod tests {
         Entry {
             key,
             guards: guards(shape),
+            lifted: Vec::new(),
+            dynamic: DynamicDims::new(),
             had_breaks,
             exe: Arc::new(exe.unwrap()),
         }

@@ -172,11 +172,7 @@ impl Program {
             memory_budget: options.memory_budget,
             device: on,
         };
-        let symbolic = graph
-            .nodes
-            .iter()
-            .any(|n| n.ty.shape.as_concrete().is_none());
-        let sized = symbolic.then(|| {
+        let sized = is_symbolic(&graph).then(|| {
             Arc::new(SizedPlans {
                 options: schedule_options,
                 plans: Mutex::new(Vec::new()),
@@ -301,7 +297,11 @@ impl Executable {
         let (forward, backward) = if wrt.is_empty() || eager_autograd {
             (Program::new(graph, fused, options, on)?, None)
         } else {
-            let aot = aot_autograd(&graph, &wrt, options.partition)?;
+            let aot = match is_symbolic(&graph) {
+                // Tracing the joint graph needs concrete shapes.
+                true => super::dynamic::aot_symbolic(&graph, &wrt, options.partition)?,
+                false => aot_autograd(&graph, &wrt, options.partition)?,
+            };
             let tangent_outputs = (0..num_outputs)
                 .filter(|&i| graph.node(graph.outputs[i].node).ty.dtype.is_float())
                 .collect();
@@ -382,6 +382,13 @@ impl Executable {
             Arc::new(backward),
         ))
     }
+}
+
+fn is_symbolic(graph: &Graph) -> bool {
+    graph
+        .nodes
+        .iter()
+        .any(|n| n.ty.shape.as_concrete().is_none())
 }
 
 /// The traced graph with the nodes read at graph breaks turned into inputs

@@ -1,6 +1,7 @@
 //! Guards: what a cached executable assumes about its inputs, and the
 //! reason a call misses ("input 0, dim 0: expected 8, got 16").
 
+use super::dynamic::DynamicDims;
 use crate::ir::DType;
 use crate::runtime::device::Device;
 use crate::tensor::Tensor;
@@ -10,7 +11,9 @@ use crate::tensor::Tensor;
 pub struct InputGuard {
     pub dtype: DType,
     pub shape: Vec<usize>,
-    pub contiguous: bool,
+    /// `None` for a contiguous (row-major) tensor, else its strides: the
+    /// kernels' index arithmetic is made for the layout they were built for.
+    pub strides: Option<Vec<usize>>,
     pub requires_grad: bool,
     /// The device's name: an executable's memory plan is made for its
     /// inputs' device, so a call on another device recompiles.
@@ -22,49 +25,80 @@ impl InputGuard {
         InputGuard {
             dtype: t.dtype(),
             shape: t.shape().to_vec(),
-            contiguous: t.is_contiguous(),
+            strides: (!t.is_contiguous()).then(|| t.strides().to_vec()),
             requires_grad: t.requires_grad(),
             device: t.device().name(),
         }
     }
 
-    /// Why `actual` fails this guard (input `index`), or `None` if it passes.
-    pub fn mismatch(&self, index: usize, actual: &InputGuard) -> Option<String> {
-        let at = format!("input {index}");
+    pub fn is_contiguous(&self) -> bool {
+        self.strides.is_none()
+    }
+
+    /// How far `actual` is from passing this guard: 0 when it passes; a
+    /// dtype, rank or device change counts more than a size, a layout or a
+    /// `requires_grad` flag (the dims `dynamic` says are count nothing).
+    pub fn distance(&self, actual: &InputGuard, dynamic: &dyn Fn(usize) -> bool) -> usize {
+        if self.dtype != actual.dtype || self.shape.len() != actual.shape.len() {
+            return 4 + usize::from(self.device != actual.device) * 2;
+        }
+        let sizes = (0..self.shape.len())
+            .filter(|&d| self.shape[d] != actual.shape[d] && !dynamic(d))
+            .count();
+        sizes
+            + usize::from(self.strides != actual.strides)
+            + usize::from(self.requires_grad != actual.requires_grad)
+            + usize::from(self.device != actual.device) * 2
+    }
+
+    /// Why `actual` fails this guard (`what`: "input 0"), or `None` if it
+    /// passes; the sizes of the dims `dynamic` says are may differ.
+    pub fn mismatch(
+        &self,
+        what: &str,
+        actual: &InputGuard,
+        dynamic: &dyn Fn(usize) -> bool,
+    ) -> Option<String> {
         if self.dtype != actual.dtype {
             return Some(format!(
-                "{at}: expected dtype {}, got {}",
+                "{what}: expected dtype {}, got {}",
                 self.dtype, actual.dtype
             ));
         }
         if self.shape.len() != actual.shape.len() {
             return Some(format!(
-                "{at}: expected rank {}, got {}",
+                "{what}: expected rank {}, got {}",
                 self.shape.len(),
                 actual.shape.len()
             ));
         }
-        if let Some(d) = (0..self.shape.len()).find(|&d| self.shape[d] != actual.shape[d]) {
+        let differs = |d: &usize| self.shape[*d] != actual.shape[*d] && !dynamic(*d);
+        if let Some(d) = (0..self.shape.len()).find(differs) {
             return Some(format!(
-                "{at}, dim {d}: expected {}, got {}",
+                "{what}, dim {d}: expected {}, got {}",
                 self.shape[d], actual.shape[d]
             ));
         }
-        if self.contiguous != actual.contiguous {
+        if self.strides != actual.strides {
+            let describe = |s: &Option<Vec<usize>>| match s {
+                None => "contiguous".to_string(),
+                Some(s) => format!("strides {s:?}"),
+            };
             return Some(format!(
-                "{at}: expected contiguous={}, got {}",
-                self.contiguous, actual.contiguous
+                "{what}: expected {}, got {}",
+                describe(&self.strides),
+                describe(&actual.strides)
             ));
         }
         if self.requires_grad != actual.requires_grad {
             return Some(format!(
-                "{at}: expected requires_grad={}, got {}",
+                "{what}: expected requires_grad={}, got {}",
                 self.requires_grad, actual.requires_grad
             ));
         }
         if self.device != actual.device {
             return Some(format!(
-                "{at}: expected device {}, got {}",
+                "{what}: expected device {}, got {}",
                 self.device, actual.device
             ));
         }
@@ -72,11 +106,23 @@ impl InputGuard {
     }
 }
 
-/// The first reason `actual` misses `expected`, input by input.
+/// The first reason `actual` misses `expected`, input by input (user
+/// inputs; none of them dynamic).
 pub fn miss_reason(expected: &[InputGuard], actual: &[InputGuard]) -> Option<String> {
+    miss_reason_with(expected, actual, "input", &DynamicDims::new())
+}
+
+/// [`miss_reason`] naming inputs `{what} {i}`, with the `dynamic` (input,
+/// dim) pairs free to differ.
+pub(super) fn miss_reason_with(
+    expected: &[InputGuard],
+    actual: &[InputGuard],
+    what: &str,
+    dynamic: &DynamicDims,
+) -> Option<String> {
     if expected.len() != actual.len() {
         return Some(format!(
-            "expected {} inputs, got {}",
+            "expected {} {what}s, got {}",
             expected.len(),
             actual.len()
         ));
@@ -85,7 +131,9 @@ pub fn miss_reason(expected: &[InputGuard], actual: &[InputGuard]) -> Option<Str
         .iter()
         .zip(actual)
         .enumerate()
-        .find_map(|(i, (e, a))| e.mismatch(i, a))
+        .find_map(|(i, (e, a))| {
+            e.mismatch(&format!("{what} {i}"), a, &|d| dynamic.contains(&(i, d)))
+        })
 }
 
 /// The device the executable's kernels run on: its inputs' (as
@@ -119,6 +167,17 @@ mod tests {
         let t = a.t();
         let r = miss_reason(&[InputGuard::of(&a)], &[InputGuard::of(&t)]).unwrap();
         assert_eq!(r, "input 0, dim 0: expected 8, got 4");
+        // Same shape, other strides: a column of a wider tensor.
+        let wide = Tensor::zeros(&[8, 8], DType::F32).narrow(1, 0, 4);
+        let r = miss_reason(&[InputGuard::of(&a)], &[InputGuard::of(&wide)]).unwrap();
+        assert_eq!(r, "input 0: expected contiguous, got strides [8, 1]");
+        let t2 = Tensor::zeros(&[4, 8], DType::F32).t();
+        let r = miss_reason(&[InputGuard::of(&t2)], &[InputGuard::of(&wide)]).unwrap();
+        assert_eq!(r, "input 0: expected strides [1, 8], got strides [8, 1]");
+        // A dynamic dim may differ.
+        let dynamic = DynamicDims::from([(0, 0)]);
+        let b16 = [InputGuard::of(&b)];
+        assert!(miss_reason_with(&[InputGuard::of(&a)], &b16, "input", &dynamic).is_none());
         assert!(miss_reason(&[InputGuard::of(&a)], &[InputGuard::of(&a.clone())]).is_none());
         let g = a.set_requires_grad(true);
         let r = miss_reason(&[InputGuard::of(&a)], &[InputGuard::of(&g)]).unwrap();

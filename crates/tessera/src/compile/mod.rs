@@ -11,7 +11,8 @@
 //!
 //! Dynamic shapes (`dynamic`: `None` = automatic, `Some(true)` = every dim
 //! symbolic from the start, `Some(false)` = never): after a recompile caused
-//! by changed sizes, those dims become symbolic and the graph is generalised
+//! by changed sizes, every dim becomes symbolic (those that meet constants of
+//! their size are specialised again) and the graph is generalised
 //! over them (`compile/dynamic.rs`), so one executable then serves every size.
 
 mod build;
@@ -174,7 +175,8 @@ impl<F: Fn(&[Tensor]) -> Vec<Tensor>> Compiled<F> {
     }
 
     /// The trace as the cache sees it: generalised over the dynamic dims
-    /// the options and the recompiles so far make (see [`dynamic::view`]).
+    /// the options and the recompiles so far make (see [`dynamic::view`]),
+    /// unless that graph's symbolic build failed before.
     fn generalised(&self, traced: &Traced, guards: &[InputGuard]) -> Generalised {
         let dims = self.options.dynamic_dims(guards, || {
             self.state
@@ -183,7 +185,17 @@ impl<F: Fn(&[Tensor]) -> Vec<Tensor>> Compiled<F> {
                 .dynamic_dims
                 .clone()
         });
-        dynamic::view(traced, guards, &dims)
+        let view = dynamic::view(traced, guards, &dims);
+        let failed = self
+            .state
+            .lock()
+            .expect("compile cache")
+            .symbolic_failed
+            .contains(&view.key);
+        match failed {
+            true => dynamic::view(traced, guards, &dynamic::DynamicDims::new()),
+            false => view,
+        }
     }
 
     /// Automatic mode, on a miss: the dims whose sizes changed since the
@@ -194,8 +206,8 @@ impl<F: Fn(&[Tensor]) -> Vec<Tensor>> Compiled<F> {
         }
         let mut state = self.state.lock().expect("compile cache");
         let state = &mut *state;
-        let last = state.entries.last().map(|e| e.guards.as_slice());
-        let widened = recompile::widen(&mut state.dynamic_dims, last, guards);
+        let last = state.last_guards().map(<[InputGuard]>::to_vec);
+        let widened = recompile::widen(&mut state.dynamic_dims, last.as_deref(), guards);
         if widened {
             let dims = state.dynamic_dims.clone();
             log("recompiles", || {
@@ -286,7 +298,7 @@ mod tests {
     }
 
     #[test]
-    fn a_size_recompile_makes_the_changed_dim_dynamic_in_automatic_mode() {
+    fn a_size_recompile_makes_the_dims_dynamic_in_automatic_mode() {
         let f = compile(|x: &[Tensor]| vec![x[0].exp() * 2.0]);
         let g = |n: usize| vec![InputGuard::of(&Tensor::zeros(&[n], DType::F64))];
         assert!(!f.widen_dynamic_dims(&g(3)), "nothing compiled yet");

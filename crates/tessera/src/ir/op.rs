@@ -12,7 +12,7 @@ use std::hash::{Hash, Hasher};
 
 pub use super::custom::CustomCall;
 use super::dtype::DType;
-use super::shape::Shape;
+use super::shape::{Dim, Shape};
 
 /// A scalar value in an op attribute.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -343,10 +343,13 @@ pub enum Op {
     /// (x) broadcast to `shape` (size-1 dims stretched, new leading dims). A view.
     Expand(Shape),
     /// (x) elements `start, start+step, …` below `end` along `dim`. A view.
+    /// `end` may be symbolic (a graph generalised over a dynamic size slices
+    /// `0..s1`) only with `start` 0 and `step` 1; the bound is then checked
+    /// when the symbols are bound.
     Slice {
         dim: usize,
         start: usize,
-        end: usize,
+        end: Dim,
         step: usize,
     },
     /// (x0, x1, …) joined along `dim`.
@@ -493,7 +496,8 @@ impl Op {
                 end,
                 step,
             } => {
-                [dim, start, end, step].hash(h);
+                [dim, start, step].hash(h);
+                end.hash(h);
             }
             Op::Tril { diagonal } | Op::Triu { diagonal } => diagonal.hash(h),
             Op::Custom(call) => {
@@ -579,7 +583,7 @@ mod tests {
         let slice = |start, end| Op::Slice {
             dim: 0,
             start,
-            end,
+            end: Dim::Const(end),
             step: 1,
         };
         assert_eq!(digest(&slice(0, 2)), digest(&slice(0, 2)));

@@ -139,6 +139,19 @@ impl Dim {
         }
     }
 
+    /// `self - rhs` (a polynomial that may be negative for some symbol
+    /// values: evaluating it then fails), or `None` on overflow or when
+    /// both are constants and `rhs` is larger.
+    pub fn checked_sub(&self, rhs: &Dim) -> Option<Dim> {
+        match (self, rhs) {
+            (Dim::Const(a), Dim::Const(b)) => a.checked_sub(*b).map(Dim::Const),
+            _ => {
+                let negated = rhs.poly()?.mul(&Poly::constant(-1))?;
+                Some(self.poly()?.add(&negated)?.into_dim())
+            }
+        }
+    }
+
     /// `self * rhs`, or `None` on overflow.
     pub fn checked_mul(&self, rhs: &Dim) -> Option<Dim> {
         match (self, rhs) {

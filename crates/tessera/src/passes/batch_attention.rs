@@ -222,13 +222,13 @@ fn whole_of_slices(g: &Graph, slices: &[NodeId], dim: usize) -> Option<NodeId> {
     let mut next = 0;
     for &s in slices {
         let node = g.node(s);
-        match node.op {
+        match &node.op {
             Op::Slice {
                 dim: d,
                 start,
-                end,
+                end: Dim::Const(end),
                 step: 1,
-            } if d == dim && start == next => next = end,
+            } if *d == dim && *start == next => next = *end,
             _ => return None,
         }
         if *whole.get_or_insert(node.inputs[0]) != node.inputs[0] {

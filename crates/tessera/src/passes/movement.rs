@@ -51,9 +51,9 @@ fn simplify(g: &Graph, id: NodeId) -> Option<Simpler> {
         start: 0,
         end,
         step: 1,
-    } = node.op
+    } = &node.op
     {
-        if g.node(x).ty.shape.0[dim] == Dim::Const(end) {
+        if g.node(x).ty.shape.0[*dim] == *end {
             return Some(Simpler::Input(x));
         }
     }
@@ -89,7 +89,7 @@ fn compose_slices(inner: &Op, outer: &Op) -> Option<Op> {
             step: s1,
             ..
         },
-        &Op::Slice {
+        Op::Slice {
             dim: d2,
             start: a2,
             end: e2,
@@ -99,7 +99,8 @@ fn compose_slices(inner: &Op, outer: &Op) -> Option<Op> {
     else {
         return None;
     };
-    let len = slice_len(a2, e2, s2);
+    let (d2, a2, s2) = (*d2, *a2, *s2);
+    let len = slice_len(a2, e2.as_const()?, s2);
     if d1 != d2 || len == 0 {
         return None;
     }
@@ -108,7 +109,7 @@ fn compose_slices(inner: &Op, outer: &Op) -> Option<Op> {
     Some(Op::Slice {
         dim: d1,
         start,
-        end: start + (len - 1) * step + 1,
+        end: Dim::Const(start + (len - 1) * step + 1),
         step,
     })
 }

@@ -340,14 +340,21 @@ fn eval_custom(
 /// attribute concrete (a symbolic program at one binding of its sizes).
 pub(crate) fn concretise(graph: &Graph, symbols: &Symbols) -> Result<Graph> {
     let mut g = graph.clone();
-    for (i, node) in g.nodes.iter_mut().enumerate() {
+    for i in 0..g.nodes.len() {
         let id = NodeId(i as u32);
-        let fixed = concrete_op(&node.op, symbols).map_err(|e| node_error(graph, id, e))?;
+        let fixed = concrete_op(&g.nodes[i].op, symbols).map_err(|e| node_error(graph, id, e))?;
         if let Cow::Owned(op) = fixed {
-            node.op = op;
+            // A slice to a symbolic end could only be bounds-checked now.
+            if matches!(op, Op::Slice { .. }) {
+                let x = g.nodes[i].inputs[0];
+                op.infer(&[g.node(x).ty.clone()])
+                    .map_err(|e| node_error(graph, id, e))?;
+            }
+            g.nodes[i].op = op;
         }
-        let sizes = eval_shape(&node.ty.shape, symbols).map_err(|e| node_error(graph, id, e))?;
-        node.ty.shape = Shape::from_concrete(&sizes);
+        let sizes =
+            eval_shape(&g.nodes[i].ty.shape, symbols).map_err(|e| node_error(graph, id, e))?;
+        g.nodes[i].ty.shape = Shape::from_concrete(&sizes);
     }
     Ok(g)
 }
@@ -378,6 +385,17 @@ fn concrete_op<'a>(op: &'a Op, symbols: &Symbols) -> Result<Cow<'a, Op>> {
         }),
         Op::Reshape(shape) if symbolic(shape) => Cow::Owned(Op::Reshape(fix(shape)?)),
         Op::Expand(shape) if symbolic(shape) => Cow::Owned(Op::Expand(fix(shape)?)),
+        Op::Slice {
+            dim,
+            start,
+            end: end @ Dim::Sym(_),
+            step,
+        } => Cow::Owned(Op::Slice {
+            dim: *dim,
+            start: *start,
+            end: Dim::Const(eval_shape(&Shape(vec![end.clone()]), symbols)?[0]),
+            step: *step,
+        }),
         _ => Cow::Borrowed(op),
     })
 }
@@ -466,7 +484,7 @@ mod tests {
         let slice = Op::Slice {
             dim: 1,
             start: 1,
-            end: 3,
+            end: Dim::Const(3),
             step: 1,
         };
         let s = g.add(slice, &[p], named("s")).unwrap();

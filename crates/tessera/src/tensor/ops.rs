@@ -9,7 +9,7 @@ use std::panic::Location;
 
 use super::{unwrap_or_panic, Tensor};
 use crate::error::{Error, ErrorKind, Result, SourceLoc};
-use crate::ir::{ArgReduceOp, BinaryOp, CompareOp, DType, Op, ReduceOp, Shape, UnaryOp};
+use crate::ir::{ArgReduceOp, BinaryOp, CompareOp, DType, Dim, Op, ReduceOp, Shape, UnaryOp};
 
 /// The second operand of a binary op: a tensor or a scalar. A scalar becomes
 /// a 0-dim tensor of the other operand's dtype.
@@ -343,13 +343,13 @@ tensor_ops! {
         let size = self.shape()[d] as isize;
         let clamp = |i: isize| (if i < 0 { i + size } else { i }).clamp(0, size) as usize;
         let (start, end) = (clamp(start), clamp(end).max(clamp(start)));
-        run(Op::Slice { dim: d, start, end, step }, &[self])
+        run(Op::Slice { dim: d, start, end: Dim::Const(end), step }, &[self])
     }
 
     /// `len` elements from `start` along `dim`. A view.
     fn narrow / try_narrow(&self, dim: isize, start: usize, len: usize) {
         let d = norm_indexed_dim("narrow", dim, self.rank())?;
-        run(Op::Slice { dim: d, start, end: start + len, step: 1 }, &[self])
+        run(Op::Slice { dim: d, start, end: Dim::Const(start + len), step: 1 }, &[self])
     }
 
     /// A row-major dense copy (or the tensor itself if already one).
@@ -585,7 +585,7 @@ impl Tensor {
                     Op::Slice {
                         dim,
                         start,
-                        end: start + len,
+                        end: Dim::Const(start + len),
                         step: 1,
                     },
                     &[self],

@@ -25,7 +25,7 @@
 use proptest::prelude::*;
 use serde_json::{json, Map, Value};
 use tessera::ir::{
-    broadcast_shapes, BinaryOp, DType, Graph, NodeId, NodeMeta, Op, ReduceOp, Scalar, Shape,
+    broadcast_shapes, BinaryOp, DType, Dim, Graph, NodeId, NodeMeta, Op, ReduceOp, Scalar, Shape,
     TensorType, UnaryOp,
 };
 
@@ -323,7 +323,7 @@ impl FocusedBuilder {
                 let slice = Op::Slice {
                     dim,
                     start,
-                    end: (start + len).min(size),
+                    end: Dim::Const((start + len).min(size)),
                     step,
                 };
                 self.add(slice, &[x])

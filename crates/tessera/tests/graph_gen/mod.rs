@@ -18,7 +18,7 @@ pub mod focused;
 use proptest::prelude::*;
 use serde_json::json;
 use tessera::ir::{
-    BinaryOp, CompareOp, DType, Graph, Literal, LiteralData, NodeId, NodeMeta, Op, ReduceOp,
+    BinaryOp, CompareOp, DType, Dim, Graph, Literal, LiteralData, NodeId, NodeMeta, Op, ReduceOp,
     Scalar, Shape, UnaryOp,
 };
 use tessera::tensor::interpret::run_graph;
@@ -309,7 +309,7 @@ impl Builder {
                     Op::Slice {
                         dim,
                         start,
-                        end,
+                        end: Dim::Const(end),
                         step,
                     },
                     &[x],
@@ -425,7 +425,7 @@ impl Builder {
                 let slice = Op::Slice {
                     dim: 0,
                     start,
-                    end: start + rows / 2,
+                    end: Dim::Const(start + rows / 2),
                     step: 1,
                 };
                 b.add(slice, &[x])

@@ -92,8 +92,8 @@ pub(super) fn infer(op: &Op, inputs: &[TensorType]) -> Result<TensorType> {
                 return Err(op_err!(Argument, "slice", "step must be positive"));
             }
             let mut shape = t.shape.clone();
-            match &t.shape.0[*dim] {
-                Dim::Const(size) => {
+            shape.0[*dim] = match (&t.shape.0[*dim], end) {
+                (Dim::Const(size), Dim::Const(end)) => {
                     if start > end || end > size {
                         return Err(op_err!(
                             Argument,
@@ -101,16 +101,26 @@ pub(super) fn infer(op: &Op, inputs: &[TensorType]) -> Result<TensorType> {
                             "range {start}..{end} is out of bounds for dim {dim} of {t}"
                         ));
                     }
+                    Dim::Const(slice_len(*start, *end, *step))
                 }
-                Dim::Sym(_) => {
+                // `0..end` of a dim the symbols bind: its bound is checked
+                // when they are (the graph is made concrete to run).
+                (_, Dim::Sym(_)) if *start == 0 && *step == 1 => end.clone(),
+                (Dim::Sym(_), _) => {
                     return Err(op_err!(
                         Unsupported,
                         "slice",
                         "slicing symbolic dim {dim} of {t}"
                     ));
                 }
-            }
-            shape.0[*dim] = Dim::Const(slice_len(*start, *end, *step));
+                (_, Dim::Sym(_)) => {
+                    return Err(op_err!(
+                        Unsupported,
+                        "slice",
+                        "a symbolic end {end} needs start 0 and step 1, got {start} and {step}"
+                    ));
+                }
+            };
             Ok(TensorType {
                 dtype: t.dtype,
                 shape,
@@ -252,7 +262,7 @@ mod tests {
         let slice = |dim, start, end, step| Op::Slice {
             dim,
             start,
-            end,
+            end: Dim::Const(end),
             step,
         };
         assert_eq!(slice(1, 1, 8, 3).infer(&[t(&[2, 8])]).unwrap(), t(&[2, 3]));
@@ -277,6 +287,20 @@ mod tests {
         assert_eq!(
             err(&slice(0, 0, 1, 1), &[s]),
             "slice: slicing symbolic dim 0 of f32[n,8]"
+        );
+        // A symbolic end: `0..n` of a concrete or symbolic dim, step 1.
+        let upto_n = |start, step| Op::Slice {
+            dim: 0,
+            start,
+            end: Dim::sym("n"),
+            step,
+        };
+        let n8 = TensorType::new(DType::F32, sym(&["n", "8"]));
+        assert_eq!(upto_n(0, 1).infer(&[t(&[16, 8])]).unwrap(), n8);
+        assert_eq!(upto_n(0, 1).infer(std::slice::from_ref(&n8)).unwrap(), n8);
+        assert_eq!(
+            err(&upto_n(1, 1), &[t(&[16, 8])]),
+            "slice: a symbolic end n needs start 0 and step 1, got 1 and 1"
         );
         assert_eq!(
             (slice_len(0, 10, 3), slice_len(4, 4, 1), slice_len(5, 2, 1)),

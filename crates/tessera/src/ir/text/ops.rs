@@ -11,7 +11,7 @@ use crate::ir::infer::TensorType;
 use crate::ir::op::{
     ArgReduceOp, BinaryOp, CompareOp, Literal, LiteralData, Op, ReduceOp, Scalar, UnaryOp,
 };
-use crate::ir::shape::Shape;
+use crate::ir::shape::{Dim, Shape};
 
 /// How an attribute's value is written (and so how the parser reads it).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -31,6 +31,8 @@ pub(super) enum AttrKind {
     DType,
     /// `[2*s0,4]`
     Shape,
+    /// One dim: `8`, `s1`, `2*s0+1`.
+    Dim,
     /// `[0,2]`
     Dims,
     /// A constant's data: one value for a rank-0 constant, else a flat
@@ -51,6 +53,7 @@ pub(super) enum Attr {
     Scalar(Scalar),
     DType(DType),
     Shape(Shape),
+    Dim(Dim),
     Dims(Vec<usize>),
     /// `list` says whether the values were written as a list (`[1.0]`) or
     /// as a single value (`1.0`).
@@ -121,7 +124,7 @@ pub(super) fn signature(op_name: &str) -> Option<&'static [(&'static str, AttrKi
         "slice" => &[
             ("dim", Usize),
             ("start", Usize),
-            ("end", Usize),
+            ("end", Dim),
             ("step", Usize),
         ],
         "tril" | "triu" => &[("diagonal", I64)],
@@ -186,7 +189,7 @@ pub(super) fn attrs_of(op: &Op) -> Vec<Attr> {
         } => vec![
             A::Usize(*dim),
             A::Usize(*start),
-            A::Usize(*end),
+            A::Dim(end.clone()),
             A::Usize(*step),
         ],
         Op::Tril { diagonal } | Op::Triu { diagonal } => vec![A::I64(*diagonal)],
@@ -248,10 +251,10 @@ pub(super) fn build(op_name: &str, attrs: &[Attr], ty: &TensorType) -> Result<Op
         ("reshape", [A::Shape(shape)]) => Op::Reshape(shape.clone()),
         ("expand", [A::Shape(shape)]) => Op::Expand(shape.clone()),
         ("permute", [A::Dims(perm)]) => Op::Permute(perm.clone()),
-        ("slice", [A::Usize(dim), A::Usize(start), A::Usize(end), A::Usize(step)]) => Op::Slice {
+        ("slice", [A::Usize(dim), A::Usize(start), A::Dim(end), A::Usize(step)]) => Op::Slice {
             dim: *dim,
             start: *start,
-            end: *end,
+            end: end.clone(),
             step: *step,
         },
         ("tril", [A::I64(diagonal)]) => Op::Tril {
@@ -426,6 +429,7 @@ impl fmt::Display for Attr {
             Attr::Scalar(v) => ScalarText(*v).fmt(f),
             Attr::DType(d) => write!(f, "{d}"),
             Attr::Shape(s) => write!(f, "{s}"),
+            Attr::Dim(d) => write!(f, "{d}"),
             Attr::Dims(dims) => write_list(f, dims, |d, f| write!(f, "{d}")),
             Attr::Data { values, list: true } => {
                 write_list(f, values, |v, f| ScalarText(*v).fmt(f))
@@ -459,6 +463,7 @@ mod tests {
             Attr::Scalar(_) => AttrKind::Scalar,
             Attr::DType(_) => AttrKind::DType,
             Attr::Shape(_) => AttrKind::Shape,
+            Attr::Dim(_) => AttrKind::Dim,
             Attr::Dims(_) => AttrKind::Dims,
             Attr::Data { .. } => AttrKind::Data,
             Attr::Str(_) => AttrKind::Str,
@@ -512,8 +517,14 @@ mod tests {
             Op::Slice {
                 dim: 1,
                 start: 0,
-                end: 3,
+                end: Dim::Const(3),
                 step: 2,
+            },
+            Op::Slice {
+                dim: 0,
+                start: 0,
+                end: Dim::sym("s1"),
+                step: 1,
             },
             Op::Cat { dim: 0 },
             Op::Contiguous,

@@ -37,6 +37,7 @@ pub(super) fn attr(cur: &mut Cursor, kind: AttrKind) -> Result<Attr> {
         AttrKind::Scalar => Attr::Scalar(scalar(cur)?),
         AttrKind::DType => Attr::DType(dtype(cur)?),
         AttrKind::Shape => Attr::Shape(shape(cur)?),
+        AttrKind::Dim => Attr::Dim(dim(cur)?.dim),
         AttrKind::Dims => Attr::Dims(list(cur, |c| integer(c, "a dim index"))?),
         AttrKind::Str => match cur.string()? {
             Some(text) => Attr::Str(text),

@@ -4,13 +4,19 @@
 //! Tracing needs concrete shapes, so every call still traces with its own
 //! sizes; the traced graph is then generalised: the dynamic dims become
 //! symbols (one symbol per distinct size, "duck sizing", so that dims equal
-//! in the trace stay provably equal) and every node's type is inferred
-//! again. The cache key is the generalised graph with the dynamic sizes
-//! masked, so calls whose traces differ only in those sizes share one
-//! executable, and a trace whose structure depends on a size (a baked
-//! shape, a size-dependent constant, control flow) gives another key and
-//! compiles anew. Where inference cannot prove a generalised graph valid (a
-//! reshape to a baked size, say), the graph stays concrete.
+//! in the trace stay provably equal), the sizes the trace baked into op
+//! attributes (a reshape's target, a mask's shape, a slice's end) are
+//! re-expressed over the symbols by value matching ([`matching`]), and
+//! every node's type is inferred again and checked against the trace. The
+//! cache key is the generalised graph with the dynamic sizes masked, so
+//! calls whose traces differ only in those sizes share one executable, and
+//! a trace whose structure depends on a size (a size-dependent constant,
+//! control flow) gives another key and compiles anew. A graph that does not
+//! generalise stays concrete, and the refusal names the node and why.
+//!
+//! The backward of a symbolic graph is made at *probe* sizes ([`probe`]):
+//! AOT autograd traces the graph made concrete at distinctive primes, and
+//! the forward and backward it returns are generalised back.
 //!
 //! Sizes 0 and 1 stay concrete (broadcasting and empty tensors behave
 //! differently), as in torch.compile.
@@ -20,12 +26,19 @@
 //! plan (`SizedPlans` in `executable.rs`), so every size runs fused
 //! without a retrace or a recompile.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::BTreeSet;
+use std::sync::Arc;
 
 use super::cache::structure_key;
 use super::InputGuard;
-use crate::ir::{Dim, Graph, Op, Shape};
+use crate::ir::{Dim, Graph, TensorType};
 use crate::tensor::trace::Traced;
+
+mod matching;
+mod probe;
+
+pub use matching::{Binding, Refusal};
+pub use probe::aot_symbolic;
 
 /// (user input, dim) pairs that are dynamic.
 pub type DynamicDims = BTreeSet<(usize, usize)>;
@@ -35,19 +48,28 @@ pub struct Generalised {
     pub key: u64,
     /// The generalised trace, when the dynamic dims generalise the graph.
     pub traced: Option<Traced>,
+    /// The dims the graph is generalised over (empty when concrete).
+    pub dims: DynamicDims,
+    /// Why dynamic dims were asked for but the graph stays concrete.
+    pub refusal: Option<Refusal>,
 }
 
 /// The trace as the cache sees it: generalised over `dims` (when there are
 /// any, the trace has no graph breaks and the graph generalises), with its
 /// key; else the concrete trace's key.
 pub fn view(traced: &Traced, guards: &[InputGuard], dims: &DynamicDims) -> Generalised {
-    let general = traced
-        .breaks
-        .is_empty()
-        .then(|| generalise(&traced.graph, guards, dims))
-        .flatten();
+    let general = match traced.breaks.is_empty() {
+        true => generalise(&traced.graph, guards, dims),
+        false => None,
+    };
+    let concrete = |refusal| Generalised {
+        key: structure_key(&traced.graph, guards, &traced.lifted),
+        traced: None,
+        dims: DynamicDims::new(),
+        refusal,
+    };
     match general {
-        Some((graph, masked)) => Generalised {
+        Some(Ok((graph, masked))) => Generalised {
             key: structure_key(&graph, &masked, &traced.lifted),
             traced: Some(Traced {
                 graph,
@@ -55,23 +77,23 @@ pub fn view(traced: &Traced, guards: &[InputGuard], dims: &DynamicDims) -> Gener
                 materialized: Vec::new(),
                 breaks: Vec::new(),
             }),
+            dims: dims.clone(),
+            refusal: None,
         },
-        None => Generalised {
-            key: structure_key(&traced.graph, guards, &traced.lifted),
-            traced: None,
-        },
+        Some(Err(refusal)) => concrete(Some(refusal)),
+        None => concrete(None),
     }
 }
 
 /// `graph` with the `dims` of its first `guards.len()` inputs symbolic, and
 /// the guards with those sizes masked (replaced by their symbol's number);
-/// `None` when no dim is generalised or the generalised graph does not
-/// infer.
+/// `None` when no dim is generalised, the reason when the graph does not
+/// generalise (a size that no expression of the symbols gives).
 pub fn generalise(
     graph: &Graph,
     guards: &[InputGuard],
     dims: &DynamicDims,
-) -> Option<(Graph, Vec<InputGuard>)> {
+) -> Option<Result<(Graph, Vec<InputGuard>), Refusal>> {
     let generalises = guards.iter().enumerate().any(|(i, guard)| {
         guard
             .shape
@@ -83,42 +105,102 @@ pub fn generalise(
         // Every call asks (no dynamic dims is the common case): no copy.
         return None;
     }
-    let mut g = graph.clone();
-    let mut masked = guards.to_vec();
-    let mut symbol_of: HashMap<usize, usize> = HashMap::new();
-    for (i, &id) in graph.inputs.iter().enumerate().take(guards.len()) {
-        let mut shape = g.nodes[id.index()].ty.shape.0.clone();
-        for (d, dim) in shape.iter_mut().enumerate() {
-            let size = guards[i].shape[d];
-            if !dims.contains(&(i, d)) || size <= 1 {
-                continue;
+    // Sizes that meet a constant of the same value (a feature dim made
+    // symbolic by `dynamic = true` meeting a weight's) are specialised:
+    // made concrete again, and the rest generalised anew.
+    let mut specialised: Vec<usize> = Vec::new();
+    let mut first: Option<Refusal> = None;
+    loop {
+        let attempt = generalise_except(graph, guards, dims, &specialised);
+        let Err(refusal) = &attempt else {
+            return Some(attempt);
+        };
+        if refusal.suspects.is_empty() && first.is_some() {
+            // The first refusal says what the user's graph did.
+            return first.map(Err);
+        }
+        first.get_or_insert_with(|| refusal.clone());
+        let before = specialised.len();
+        for s in &refusal.suspects {
+            let size = attempt_size(graph, guards, dims, &specialised, s);
+            if let Some(size) = size.filter(|v| !specialised.contains(v)) {
+                specialised.push(size);
             }
-            let next = symbol_of.len();
-            let s = *symbol_of.entry(size).or_insert(next);
-            *dim = Dim::sym(&format!("s{s}"));
-            masked[i].shape[d] = usize::MAX - s;
         }
-        g.nodes[id.index()].ty.shape = Shape(shape);
-    }
-    if symbol_of.is_empty() {
-        return None;
-    }
-    for k in 0..g.nodes.len() {
-        if matches!(g.nodes[k].op, Op::Input) {
-            continue;
+        if specialised.len() == before {
+            return first.map(Err);
         }
-        let inputs: Vec<_> = g.nodes[k]
-            .inputs
-            .iter()
-            .map(|x| g.nodes[x.index()].ty.clone())
-            .collect();
-        let ty = g.nodes[k].op.infer(&inputs).ok()?;
-        if ty.dtype != g.nodes[k].ty.dtype || ty.shape.rank() != g.nodes[k].ty.shape.rank() {
-            return None;
-        }
-        g.nodes[k].ty = ty;
     }
-    Some((g, masked))
+}
+
+/// One attempt of [`generalise`], with the dims of the `specialised` sizes
+/// kept concrete.
+fn generalise_except(
+    graph: &Graph,
+    guards: &[InputGuard],
+    dims: &DynamicDims,
+    specialised: &[usize],
+) -> Result<(Graph, Vec<InputGuard>), Refusal> {
+    let (input_types, masked, symbols) = symbolic_inputs(graph, guards, dims, specialised);
+    if symbols.is_empty() {
+        return Err(Refusal {
+            node: "every input".into(),
+            why: format!("each dynamic size meets a constant of its value: {specialised:?}"),
+            suspects: Vec::new(),
+        });
+    }
+    let binding = Binding::new(symbols);
+    matching::generalise_graph(graph, &input_types, &binding, false).map(|g| (g, masked))
+}
+
+/// The size symbol `name` stands for in an attempt.
+fn attempt_size(
+    graph: &Graph,
+    guards: &[InputGuard],
+    dims: &DynamicDims,
+    specialised: &[usize],
+    name: &str,
+) -> Option<usize> {
+    let (_, _, symbols) = symbolic_inputs(graph, guards, dims, specialised);
+    symbols.iter().find(|(s, _)| &**s == name).map(|(_, v)| *v)
+}
+
+/// The inputs' types with the dynamic dims symbolic (one symbol per
+/// distinct size, "duck sizing"), the guards with those sizes masked, and
+/// the symbols with their sizes.
+#[allow(clippy::type_complexity)]
+fn symbolic_inputs(
+    graph: &Graph,
+    guards: &[InputGuard],
+    dims: &DynamicDims,
+    specialised: &[usize],
+) -> (Vec<TensorType>, Vec<InputGuard>, Vec<(Arc<str>, usize)>) {
+    let mut masked = guards.to_vec();
+    let mut symbols: Vec<(Arc<str>, usize)> = Vec::new();
+    let mut input_types = Vec::with_capacity(graph.inputs.len());
+    for (i, &id) in graph.inputs.iter().enumerate() {
+        let mut ty = graph.node(id).ty.clone();
+        if let Some(guard) = guards.get(i) {
+            for (d, dim) in ty.shape.0.iter_mut().enumerate() {
+                let size = guard.shape[d];
+                if !dims.contains(&(i, d)) || size <= 1 || specialised.contains(&size) {
+                    continue;
+                }
+                let s = match symbols.iter().position(|(_, v)| *v == size) {
+                    Some(s) => s,
+                    None => {
+                        let name: Arc<str> = Arc::from(format!("s{}", symbols.len()).as_str());
+                        symbols.push((name, size));
+                        symbols.len() - 1
+                    }
+                };
+                *dim = Dim::sym(&symbols[s].0);
+                masked[i].shape[d] = usize::MAX - s;
+            }
+        }
+        input_types.push(ty);
+    }
+    (input_types, masked, symbols)
 }
 
 /// The dims whose sizes differ between two calls' guards (same rank).
@@ -162,13 +244,15 @@ mod tests {
         let f = |a: &[Tensor]| (&a[0] + &a[1]).softmax(-1).sum(&[0], false);
         let (g, guards) = traced(8, f);
         let dims: DynamicDims = [(0, 0), (1, 0)].into();
-        let (sym, masked) = generalise(&g, &guards, &dims).expect("generalises");
+        let (sym, masked) = generalise(&g, &guards, &dims)
+            .unwrap()
+            .expect("generalises");
         assert_eq!(sym.node(sym.inputs[0]).ty.shape.to_string(), "[s0,4]");
         assert_eq!(sym.node(sym.inputs[1]).ty.shape.to_string(), "[s0,4]");
         assert_eq!(masked[0].shape, vec![usize::MAX, 4]);
         // The same graph at another size generalises to the same thing.
         let (g16, guards16) = traced(16, f);
-        let (sym16, masked16) = generalise(&g16, &guards16, &dims).unwrap();
+        let (sym16, masked16) = generalise(&g16, &guards16, &dims).unwrap().unwrap();
         assert_eq!(sym.to_string(), sym16.to_string());
         assert_eq!(masked, masked16);
     }
@@ -233,10 +317,21 @@ mod tests {
     }
 
     #[test]
-    fn a_baked_size_keeps_the_graph_concrete() {
-        // reshape to [8 * 4]: a size taken from the trace.
+    fn baked_sizes_are_matched_and_what_cannot_be_is_refused_at_its_node() {
+        // reshape to [8 * 4]: the size the trace baked is 4*s0.
         let (g, guards) = traced(8, |a| a[0].reshape(&[32]) * 2.0);
-        assert!(generalise(&g, &guards, &[(0, 0)].into()).is_none());
+        let (sym, _) = generalise(&g, &guards, &[(0, 0)].into()).unwrap().unwrap();
+        assert!(sym.to_string().contains("shape=[4*s0]"), "{sym}");
+        // arange(8) has no symbolic form: the add that meets s0 refuses.
+        let (g, guards) = traced(8, |a| {
+            let r = Tensor::arange(0.0, 8.0, 1.0, DType::F32).unsqueeze(1);
+            &a[0] + &r
+        });
+        let refusal = generalise(&g, &guards, &[(0, 0)].into())
+            .unwrap()
+            .unwrap_err();
+        assert!(refusal.node.contains("(add"), "{refusal}");
+        assert!(refusal.why.contains("does not infer"), "{refusal}");
         // Sizes of 1 are not generalised.
         let (g1, guards1) = traced(1, |a| &a[0] + &a[1]);
         assert!(generalise(&g1, &guards1, &[(0, 0)].into()).is_none());
