@@ -388,10 +388,19 @@ fn random_ops_read_their_seed_like_the_cpu() {
         let what = format!("compiled dropout, call {call}");
         close(&what, &got[0], &want, tol(DType::F32, false));
         let eager = eager_gpu.forward(&xg, true) * 2.0;
-        close(&format!("eager dropout, call {call}"), &eager, &want, tol(DType::F32, false));
+        close(
+            &format!("eager dropout, call {call}"),
+            &eager,
+            &want,
+            tol(DType::F32, false),
+        );
     }
     let s = f.stats();
-    assert_eq!((s.compiles, s.recompiles, s.eager_calls), (1, 0, 0), "{s:?}");
+    assert_eq!(
+        (s.compiles, s.recompiles, s.eager_calls),
+        (1, 0, 0),
+        "{s:?}"
+    );
 }
 
 fn mlp_loss(x: &[Tensor]) -> Vec<Tensor> {

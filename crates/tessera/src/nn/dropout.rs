@@ -46,9 +46,7 @@ impl Dropout {
         // where `x` is (creation ops use the current device).
         let u = {
             let mut g = self.generator.lock().expect("dropout generator");
-            device::with_device(x.device(), || {
-                Tensor::rand(x.shape(), x.dtype(), &mut g)
-            })
+            device::with_device(x.device(), || Tensor::rand(x.shape(), x.dtype(), &mut g))
         };
         // u is uniform in [0, 1): u >= p keeps an element with probability 1 - p.
         let keep = u.ge(self.p).cast(x.dtype()) * (1.0 / (1.0 - self.p));

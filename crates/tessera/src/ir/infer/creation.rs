@@ -258,10 +258,7 @@ mod tests {
             dtype: DType::F32,
         };
         assert_eq!(err(&op, &[]), "rand: takes 1 inputs, got 0");
-        assert_eq!(
-            err(&op, &[seed(), seed()]),
-            "rand: takes 1 inputs, got 2"
-        );
+        assert_eq!(err(&op, &[seed(), seed()]), "rand: takes 1 inputs, got 2");
         assert_eq!(
             err(&op, &[ty(DType::I64, &[1])]),
             "rand: the seed must be an i64[] scalar, got i64[1]"
