@@ -434,3 +434,50 @@ fn a_training_loop_with_dropout_compiles_once_and_tracks_eager() {
         eager[0]
     );
 }
+
+/// Under the min-cut partition with no activation budget the dropout mask
+/// is recomputed in the backward instead of saved: from the same seed
+/// input, so the gradients are those of the forward's mask (eager's).
+#[test]
+fn a_dropout_mask_recomputed_in_the_backward_is_the_forwards() {
+    use tessera::nn::Dropout;
+    let w = randn(&[8, 8], 1).set_requires_grad(true);
+    let x = randn(&[4, 8], 2);
+    let loss = |drop: &Dropout, x: &Tensor| {
+        let h = drop.forward(&x.matmul(&w).tanh(), true);
+        vec![(&h * &h).sum(&[], false)]
+    };
+    let (compiled, eager) = (
+        Dropout::new(0.5, &mut Generator::new(2)),
+        Dropout::new(0.5, &mut Generator::new(2)),
+    );
+    let f = compile(|x: &[Tensor]| loss(&compiled, &x[0])).activation_memory_budget(0.0);
+    let mut grads = Vec::new();
+    for call in 0..3 {
+        w.zero_grad();
+        let out = f.call(std::slice::from_ref(&x));
+        out[0].backward();
+        let got = w.grad().unwrap();
+        w.zero_grad();
+        let want = loss(&eager, &x);
+        want[0].backward();
+        assert_close(&out[0], &want[0], 1e-12);
+        let want = w.grad().unwrap();
+        assert_close(&got, &want, 1e-12);
+        assert!(
+            grads
+                .iter()
+                .all(|g: &Tensor| g.to_f64_vec() != got.to_f64_vec()),
+            "call {call}: a new mask"
+        );
+        grads.push(got);
+    }
+    assert_eq!(f.stats().compiles, 1);
+    let artifacts = f.last_artifacts();
+    let backward = artifacts
+        .iter()
+        .find(|(name, _)| name == "backward.tir")
+        .map(|(_, text)| text)
+        .expect("a backward graph");
+    assert!(backward.contains("= rand(%"), "recomputed: {backward}");
+}

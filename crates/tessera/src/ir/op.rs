@@ -608,5 +608,20 @@ mod tests {
         );
         let lit = |v: f64| Op::Constant(Literal::scalar(Scalar::Float(v), DType::F64));
         assert_ne!(digest(&lit(1.0)), digest(&lit(-1.0)));
+        // A random op is its kind, shape and dtype: the seed is an operand,
+        // so the draws of different calls share one structure.
+        let rand = |n: usize, dtype| Op::Rand {
+            shape: Shape::from_concrete(&[n]),
+            dtype,
+        };
+        assert_eq!(digest(&rand(2, DType::F32)), digest(&rand(2, DType::F32)));
+        assert_ne!(digest(&rand(2, DType::F32)), digest(&rand(3, DType::F32)));
+        assert_ne!(digest(&rand(2, DType::F32)), digest(&rand(2, DType::F16)));
+        let randn = Op::Randn {
+            shape: Shape::from_concrete(&[2]),
+            dtype: DType::F32,
+        };
+        assert_ne!(digest(&rand(2, DType::F32)), digest(&randn));
+        assert_eq!((randn.arity(), randn.has_gradient()), (Some(1), false));
     }
 }
