@@ -349,6 +349,60 @@ fn movement_indexing_and_creation() {
     }
 }
 
+/// Random ops read their seed operand on the host: with a host seed or
+/// one on the device, eagerly or compiled, the GPU draws what the CPU
+/// draws, bit for bit; a compiled function with dropout on GPU inputs takes
+/// a new seed per call from one executable, with the masks of eager code.
+#[test]
+fn random_ops_read_their_seed_like_the_cpu() {
+    if !gpu() {
+        return;
+    }
+    let seed = Generator::new(8).next_seed_tensor();
+    let shape = [37, 129];
+    for d in FLOATS {
+        let cpu_u = Tensor::rand_seeded(&seed, &shape, d);
+        let cpu_n = Tensor::randn_seeded(&seed, &shape, d);
+        // A host seed, the GPU the current device.
+        let (u, n) = device::with_device(Device::Cuda, || {
+            (
+                Tensor::rand_seeded(&seed, &shape, d),
+                Tensor::randn_seeded(&seed, &shape, d),
+            )
+        });
+        close(&format!("rand {d}, host seed"), &u, &cpu_u, (0.0, 0.0));
+        close(&format!("randn {d}, host seed"), &n, &cpu_n, (0.0, 0.0));
+        // A seed on the device is read back.
+        let on = cuda(&seed);
+        let u = Tensor::rand_seeded(&on, &shape, d);
+        close(&format!("rand {d}, device seed"), &u, &cpu_u, (0.0, 0.0));
+    }
+    let x = randn(&[16, 64], DType::F32, 30);
+    let xg = cuda(&x);
+    let module = || tessera::nn::Dropout::new(0.3, &mut Generator::new(4));
+    let (compiled, eager_gpu, eager_cpu) = (module(), module(), module());
+    let f = compile(|a: &[Tensor]| vec![compiled.forward(&a[0], true) * 2.0]);
+    for call in 0..5 {
+        let got = f.call(std::slice::from_ref(&xg));
+        let want = eager_cpu.forward(&x, true) * 2.0;
+        let what = format!("compiled dropout, call {call}");
+        close(&what, &got[0], &want, tol(DType::F32, false));
+        let eager = eager_gpu.forward(&xg, true) * 2.0;
+        close(
+            &format!("eager dropout, call {call}"),
+            &eager,
+            &want,
+            tol(DType::F32, false),
+        );
+    }
+    let s = f.stats();
+    assert_eq!(
+        (s.compiles, s.recompiles, s.eager_calls),
+        (1, 0, 0),
+        "{s:?}"
+    );
+}
+
 fn mlp_loss(x: &[Tensor]) -> Vec<Tensor> {
     let h = (x[0].matmul(&x[1]) + &x[2]).gelu();
     let logits = h.matmul(&x[3]);

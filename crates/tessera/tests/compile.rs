@@ -296,3 +296,189 @@ fn max_autotune_keeps_the_results_bit_for_bit() {
     // The second call reuses the cached choice: the same bits again.
     assert_eq!(tuned.call(&args)[0].to_f64_vec(), b[0].to_f64_vec());
 }
+
+// ------------------------------------------------- randomness as graph ops
+
+/// Dropout-style noise: a uniform mask, normal noise, and their use.
+fn noisy(generator: &std::cell::RefCell<Generator>, x: &Tensor) -> Vec<Tensor> {
+    let mut g = generator.borrow_mut();
+    let u = Tensor::rand(x.shape(), DType::F32, &mut g);
+    let n = Tensor::randn(x.shape(), DType::F32, &mut g);
+    let keep = u.ge(0.25).cast(DType::F32) * (1.0 / 0.75);
+    let y = x * &keep + &n * 0.5;
+    vec![u, n, y]
+}
+
+/// `rand`/`randn` draw a new seed from the generator on every call; the
+/// seed is an input of the executable (a lifted host scalar), not part of
+/// the graph, so 50 calls compile once, and each call draws exactly what
+/// eager code with an identically seeded generator draws.
+#[test]
+fn random_ops_draw_a_new_seed_per_call_from_one_executable() {
+    let compiled_gen = std::cell::RefCell::new(Generator::new(11));
+    let eager_gen = std::cell::RefCell::new(Generator::new(11));
+    let f = compile(|x: &[Tensor]| noisy(&compiled_gen, &x[0]));
+    let x = Tensor::randn(&[6, 40], DType::F32, &mut Generator::new(3));
+    let mut previous: Option<Vec<f32>> = None;
+    for call in 0..50 {
+        let got = f.call(std::slice::from_ref(&x));
+        let want = noisy(&eager_gen, &x);
+        for (name, (g, w)) in ["u", "n", "y"].iter().zip(got.iter().zip(&want)) {
+            assert_eq!(
+                g.to_vec::<f32>().unwrap(),
+                w.to_vec::<f32>().unwrap(),
+                "call {call}, output {name}: compiled != eager"
+            );
+        }
+        let u = got[0].to_vec::<f32>().unwrap();
+        assert_ne!(previous.as_ref(), Some(&u), "call {call} drew new numbers");
+        previous = Some(u);
+    }
+    let s = f.stats();
+    assert_eq!(
+        (s.compiles, s.recompiles, s.cache_hits, s.eager_calls),
+        (1, 0, 49, 0),
+        "{:?}",
+        f.recompile_reasons()
+    );
+    // The seeds are inputs of the forward graph, not attributes.
+    let artifacts = f.last_artifacts();
+    let (_, forward) = artifacts
+        .iter()
+        .find(|(name, _)| name.ends_with(".tir"))
+        .expect("a forward graph");
+    assert!(forward.contains("= rand(%"), "{forward}");
+    assert!(forward.contains("= randn(%"), "{forward}");
+    assert!(!forward.contains("seed="), "{forward}");
+}
+
+/// A small language model with dropout 0.1 and its loss compiled, trained
+/// for 50 AdamW steps: it compiles once (dropout draws a new seed per step,
+/// a new value of the same input), and its losses follow the eager run's,
+/// whose dropout masks come from the same generator states.
+#[test]
+fn a_training_loop_with_dropout_compiles_once_and_tracks_eager() {
+    use tessera::nn::{cross_entropy, ParamStore, TransformerConfig, TransformerLM};
+    use tessera::optim::{AdamW, AdamWConfig, Optimizer};
+
+    const STEPS: usize = 50;
+    const TOL: f64 = 1e-5;
+    let config = TransformerConfig {
+        vocab: 16,
+        d_model: 16,
+        n_heads: 2,
+        n_layers: 2,
+        d_ff: 32,
+        max_len: 8,
+        dropout: 0.1,
+    };
+    let vocab = config.vocab as isize;
+    // Token batches [4, 8] and their next-token targets, the same each run.
+    let mut data = Generator::new(21);
+    let batches: Vec<[Tensor; 2]> = (0..STEPS)
+        .map(|_| {
+            // Casts truncate: uniform [0, vocab) to a token id.
+            let tokens = (Tensor::rand(&[4, 9], DType::F32, &mut data) * config.vocab as f64)
+                .cast(DType::I64);
+            let ids = tokens.narrow(1, 0, 8).contiguous();
+            let targets = tokens.narrow(1, 1, 8).contiguous().reshape(&[-1]);
+            [ids, targets]
+        })
+        .collect();
+    let run = |compiled: bool, train: bool| {
+        let mut store = ParamStore::new();
+        let model = TransformerLM::new(&mut store, "lm", config.clone(), &mut Generator::new(5));
+        let loss_fn = |x: &[Tensor]| {
+            let logits = model.forward(&x[0], train).reshape(&[-1, vocab]);
+            vec![cross_entropy(&logits, &x[1], None)]
+        };
+        let f = compile(loss_fn);
+        let adamw = AdamWConfig {
+            lr: 1e-2,
+            ..AdamWConfig::default()
+        };
+        let mut opt = AdamW::new(store.parameters(), adamw);
+        let mut losses = Vec::with_capacity(STEPS);
+        for batch in &batches {
+            opt.zero_grad();
+            let loss = match compiled {
+                true => f.call(batch).remove(0),
+                false => loss_fn(batch).remove(0),
+            };
+            loss.backward();
+            opt.step();
+            losses.push(loss.item());
+        }
+        (losses, f.stats())
+    };
+    let (eager, _) = run(false, true);
+    let (compiled, stats) = run(true, true);
+    assert_eq!(
+        (stats.compiles, stats.recompiles, stats.eager_calls),
+        (1, 0, 0),
+        "{stats:?}"
+    );
+    for (step, (c, e)) in compiled.iter().zip(&eager).enumerate() {
+        assert!(
+            (c - e).abs() <= TOL * e.abs(),
+            "step {step}: compiled loss {c} vs eager {e}"
+        );
+    }
+    assert!(eager[STEPS - 1] < eager[0], "it learns: {eager:?}");
+    // The tolerance tells masks apart: without dropout the first loss
+    // already differs by far more.
+    let (no_dropout, _) = run(false, false);
+    assert!(
+        (no_dropout[0] - eager[0]).abs() > 10.0 * TOL * eager[0].abs(),
+        "{} vs {}",
+        no_dropout[0],
+        eager[0]
+    );
+}
+
+/// Under the min-cut partition with no activation budget the dropout mask
+/// is recomputed in the backward instead of saved: from the same seed
+/// input, so the gradients are those of the forward's mask (eager's).
+#[test]
+fn a_dropout_mask_recomputed_in_the_backward_is_the_forwards() {
+    use tessera::nn::Dropout;
+    let w = randn(&[8, 8], 1).set_requires_grad(true);
+    let x = randn(&[4, 8], 2);
+    let loss = |drop: &Dropout, x: &Tensor| {
+        let h = drop.forward(&x.matmul(&w).tanh(), true);
+        vec![(&h * &h).sum(&[], false)]
+    };
+    let (compiled, eager) = (
+        Dropout::new(0.5, &mut Generator::new(2)),
+        Dropout::new(0.5, &mut Generator::new(2)),
+    );
+    let f = compile(|x: &[Tensor]| loss(&compiled, &x[0])).activation_memory_budget(0.0);
+    let mut grads = Vec::new();
+    for call in 0..3 {
+        w.zero_grad();
+        let out = f.call(std::slice::from_ref(&x));
+        out[0].backward();
+        let got = w.grad().unwrap();
+        w.zero_grad();
+        let want = loss(&eager, &x);
+        want[0].backward();
+        assert_close(&out[0], &want[0], 1e-12);
+        let want = w.grad().unwrap();
+        assert_close(&got, &want, 1e-12);
+        assert!(
+            grads
+                .iter()
+                .all(|g: &Tensor| g.to_f64_vec() != got.to_f64_vec()),
+            "call {call}: a new mask"
+        );
+        grads.push(got);
+    }
+    assert_eq!(f.stats().compiles, 1);
+    let artifacts = f.last_artifacts();
+    let backward = artifacts
+        .iter()
+        .find(|(name, _)| name == "backward.tir")
+        .map(|(_, text)| text)
+        .expect("a backward graph");
+    assert!(backward.contains("= rand(%"), "recomputed: {backward}");
+}

@@ -167,12 +167,14 @@ fn golden_constants_and_special_floats() {
         dtype: DType::F32,
     };
     g.add(arange, &[], NodeMeta::default()).unwrap();
+    // A u64 seed above i64::MAX is held as the i64 of the same bits.
+    let seed = Literal::scalar(Scalar::Int(Op::seed_value(u64::MAX)), DType::I64);
+    let seed = g.add(Op::Constant(seed), &[], named("seed")).unwrap();
     let rand = Op::Rand {
-        seed: u64::MAX,
         shape: Shape(vec![&Dim::sym("s1") * &Dim::sym("s0"), Dim::Const(2)]),
         dtype: DType::BF16,
     };
-    g.add(rand, &[], NodeMeta::default()).unwrap();
+    g.add(rand, &[seed], NodeMeta::default()).unwrap();
     let b = Literal::scalar(Scalar::Bool(true), DType::Bool);
     g.add(Op::Constant(b), &[], NodeMeta::default()).unwrap();
     g.add_output("c", c);
@@ -181,8 +183,9 @@ fn golden_constants_and_special_floats() {
   %1 = constant {value=[]} : i32[0,2]
   %2 = full {value=-9223372036854775808, shape=[s0], dtype=i64} : i64[s0]
   %3 = arange {start=-0.0, end=0.001, step=0.00025, dtype=f32} : f32[4]
-  %4 = rand {seed=18446744073709551615, shape=[s0*s1,2], dtype=bf16} : bf16[s0*s1,2]
-  %5 = constant {value=true} : bool[]
+  %seed = constant {value=-1} : i64[]
+  %5 = rand(%seed) {shape=[s0*s1,2], dtype=bf16} : bf16[s0*s1,2]
+  %6 = constant {value=true} : bool[]
   return %c as c
 }
 ";
@@ -244,20 +247,26 @@ fn every_op_kind_round_trips() {
             step: 1.0,
             dtype: DType::I32,
         },
-        Op::Rand {
-            seed: 1,
-            shape: Shape::from_concrete(&[2]),
-            dtype: DType::F16,
-        },
-        Op::Randn {
-            seed: 2,
-            shape: Shape::from_concrete(&[2]),
-            dtype: DType::F64,
-        },
     ];
     for op in nullary {
         used(&op);
         add(&mut g, op, &[]);
+    }
+    // The random ops read their seed, an i64 scalar: a graph input here.
+    let seed = g.add_input("seed", ty(DType::I64, &[]));
+    let random = [
+        Op::Rand {
+            shape: Shape::from_concrete(&[2]),
+            dtype: DType::F16,
+        },
+        Op::Randn {
+            shape: Shape(vec![Dim::sym("s0"), Dim::Const(2)]),
+            dtype: DType::F64,
+        },
+    ];
+    for op in random {
+        used(&op);
+        add(&mut g, op, &[seed]);
     }
     let mut unary_like: Vec<Op> = UnaryOp::ALL.map(Op::Unary).to_vec();
     unary_like.extend(ReduceOp::ALL.map(|op| Op::Reduce {
@@ -428,6 +437,12 @@ fn errors_in_node_lines() {
             "4:18",
             "`relu` takes none",
         ),
+        // The seed was an attribute before it became the operand.
+        (
+            "  %y = rand {seed=7, shape=[2], dtype=f32} : f32[2]",
+            "4:14",
+            "`rand` no longer takes `seed`: the seed is the op's operand now",
+        ),
         (
             "  %y = softmax(%x) : f32[2]",
             "4:20",
@@ -573,6 +588,11 @@ fn verification_errors_point_at_the_node() {
         "  %y = softmax(%x) {dim=1} : f32[2]",
         "4:8",
         "dim 1 is out of range",
+    );
+    assert_error(
+        "  %y = randn(%i) {shape=[2], dtype=f32} : f32[2]",
+        "4:8",
+        "randn: the seed must be an i64[] scalar, got i64[2]",
     );
     // The node's own call site is kept out of the message's location.
     assert_error(
@@ -885,13 +905,24 @@ impl Builder {
                 self.add(op, &[], m);
             }
             4 | 5 => {
-                let (seed, shape, dtype) =
-                    (s.int as u64, shape_of(&[b as u8][..a % 2]), DTYPES[c % 6]);
-                let op = match s.kind {
-                    4 => Op::Rand { seed, shape, dtype },
-                    _ => Op::Randn { seed, shape, dtype },
+                let (shape, dtype) = (shape_of(&[b as u8][..a % 2]), DTYPES[c % 6]);
+                // The seed: the picked value when it is an i64 scalar (an
+                // input, another seed), else a new constant.
+                let seed_ty = TensorType::new(DType::I64, Shape::scalar());
+                let seed = match *self.ty(x) == seed_ty {
+                    true => Some(x),
+                    false => {
+                        let lit = Literal::scalar(Scalar::Int(s.int), DType::I64);
+                        self.add(Op::Constant(lit), &[], m)
+                    }
                 };
-                self.add(op, &[], m);
+                let op = match s.kind {
+                    4 => Op::Rand { shape, dtype },
+                    _ => Op::Randn { shape, dtype },
+                };
+                if let Some(seed) = seed {
+                    self.add(op, &[seed], m);
+                }
             }
             6 => {
                 self.add(Op::Unary(UnaryOp::ALL[a % 15]), &[x], m);

@@ -2,7 +2,8 @@
 //! kernel (or cuBLASLt call) that computes it. Views never get here (the
 //! core makes them, with the CPU's rule); creation ops whose values come
 //! from the host generator (`rand`, `randn`, `arange`, `constant`) are made
-//! by the CPU kernel and copied up, so both devices draw the same numbers.
+//! by the CPU kernel and copied up, so both devices draw the same numbers
+//! (a random op's seed operand, where it is on the device, is read back).
 //!
 //! - `pointwise`: elementwise ops and the fusion plan's pointwise kernels;
 //! - `reduce`: reductions, arg-reductions, softmax and the fusion plan's
@@ -98,8 +99,15 @@ impl CudaBackend {
     ) -> Result<Array> {
         let name = op.name();
         match op {
-            Op::Constant(_) | Op::Arange { .. } | Op::Rand { .. } | Op::Randn { .. } => {
+            Op::Constant(_) | Op::Arange { .. } => {
                 let host = cpu::eval(op, &[], dtype, shape)?;
+                self.upload_tensor(&host)
+            }
+            // The seed operand is read on the host: a host scalar as it is,
+            // a seed on the device copied back (one 8-byte read).
+            Op::Rand { .. } | Op::Randn { .. } => {
+                let seed = inputs[0].to_host()?;
+                let host = cpu::eval(op, &[&seed], dtype, shape)?;
                 self.upload_tensor(&host)
             }
             Op::Full { .. }

@@ -286,18 +286,15 @@ pub enum Op {
         step: f64,
         dtype: DType,
     },
-    /// Uniform in [0, 1), from a counter-based generator seeded by `seed`.
-    Rand {
-        seed: u64,
-        shape: Shape,
-        dtype: DType,
-    },
-    /// Standard normal, from a generator seeded by `seed`.
-    Randn {
-        seed: u64,
-        shape: Shape,
-        dtype: DType,
-    },
+    /// (seed) → uniform samples in [0, 1) of `shape`, from a counter-based
+    /// generator seeded by `seed`, an `i64[]` scalar whose 64 bits are the
+    /// generator's `u64` seed (see [`Op::seed_bits`]). The seed is an
+    /// operand, not an attribute, so that a compiled function draws new
+    /// numbers on every call from one graph: its seed is an input of the
+    /// executable (`Tensor::rand` makes it from a `Generator`).
+    Rand { shape: Shape, dtype: DType },
+    /// (seed) → standard normal samples, seeded like [`Op::Rand`].
+    Randn { shape: Shape, dtype: DType },
     /// (x)
     Unary(UnaryOp),
     /// (x) → the same values in another dtype (floats to ints truncate).
@@ -455,8 +452,7 @@ impl Op {
                 [start, end, step].iter().for_each(|x| x.to_bits().hash(h));
                 dtype.hash(h);
             }
-            Op::Rand { seed, shape, dtype } | Op::Randn { seed, shape, dtype } => {
-                seed.hash(h);
+            Op::Rand { shape, dtype } | Op::Randn { shape, dtype } => {
                 shape.hash(h);
                 dtype.hash(h);
             }
@@ -519,12 +515,7 @@ impl Op {
     /// How many inputs the op takes; `None` for variadic (`cat`).
     pub fn arity(&self) -> Option<usize> {
         match self {
-            Op::Input
-            | Op::Constant(_)
-            | Op::Full { .. }
-            | Op::Arange { .. }
-            | Op::Rand { .. }
-            | Op::Randn { .. } => Some(0),
+            Op::Input | Op::Constant(_) | Op::Full { .. } | Op::Arange { .. } => Some(0),
             Op::Binary(_)
             | Op::Compare(_)
             | Op::MatMul
@@ -535,6 +526,22 @@ impl Op {
             Op::Cat { .. } | Op::Custom(_) => None,
             _ => Some(1),
         }
+    }
+
+    /// The dtype of a random op's seed operand (`rand`, `randn`): a rank-0
+    /// `i64` holding the 64 bits of the generator's `u64` seed.
+    pub const SEED_DTYPE: DType = DType::I64;
+
+    /// The value a seed tensor holds for the `u64` seed `seed`: the same
+    /// 64 bits (seeds above `i64::MAX` read as negative numbers).
+    pub fn seed_value(seed: u64) -> i64 {
+        seed as i64
+    }
+
+    /// The `u64` seed a seed tensor's value `value` stands for (the
+    /// inverse of [`Op::seed_value`]).
+    pub fn seed_bits(value: i64) -> u64 {
+        value as u64
     }
 
     /// Whether the op's output carries a gradient back to (some of) its
@@ -605,5 +612,20 @@ mod tests {
         );
         let lit = |v: f64| Op::Constant(Literal::scalar(Scalar::Float(v), DType::F64));
         assert_ne!(digest(&lit(1.0)), digest(&lit(-1.0)));
+        // A random op is its kind, shape and dtype: the seed is an operand,
+        // so the draws of different calls share one structure.
+        let rand = |n: usize, dtype| Op::Rand {
+            shape: Shape::from_concrete(&[n]),
+            dtype,
+        };
+        assert_eq!(digest(&rand(2, DType::F32)), digest(&rand(2, DType::F32)));
+        assert_ne!(digest(&rand(2, DType::F32)), digest(&rand(3, DType::F32)));
+        assert_ne!(digest(&rand(2, DType::F32)), digest(&rand(2, DType::F16)));
+        let randn = Op::Randn {
+            shape: Shape::from_concrete(&[2]),
+            dtype: DType::F32,
+        };
+        assert_ne!(digest(&rand(2, DType::F32)), digest(&randn));
+        assert_eq!((randn.arity(), randn.has_gradient()), (Some(1), false));
     }
 }

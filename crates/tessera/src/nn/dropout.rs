@@ -2,6 +2,7 @@
 
 use std::sync::Mutex;
 
+use crate::runtime::device;
 use crate::tensor::{Generator, Tensor};
 
 /// Zeroes each element with probability `p` in training and scales the
@@ -39,9 +40,13 @@ impl Dropout {
         if self.p == 1.0 {
             return x * 0.0;
         }
+        // One seed per call: under `compile` a new value of the same graph
+        // input (the mask is a `rand` op whose seed operand is lifted), so
+        // the graph does not change from step to step. The mask is made
+        // where `x` is (creation ops use the current device).
         let u = {
             let mut g = self.generator.lock().expect("dropout generator");
-            Tensor::rand(x.shape(), x.dtype(), &mut g)
+            device::with_device(x.device(), || Tensor::rand(x.shape(), x.dtype(), &mut g))
         };
         // u is uniform in [0, 1): u >= p keeps an element with probability 1 - p.
         let keep = u.ge(self.p).cast(x.dtype()) * (1.0 / (1.0 - self.p));

@@ -12,8 +12,8 @@
 //! is made: folding `sum(full [1000000,1000000])` would otherwise allocate
 //! 4 TB at compile time for one number. An op that fails on its
 //! constants (an integer division by zero) is left to fail at run time.
-//! Sources themselves (`full`, `arange`, `rand` …) are not folded: they are
-//! already as small as a value gets.
+//! Sources themselves (`full`, `arange`, `rand` …, a random op even with a
+//! constant seed) are not folded: they are already as small as a value gets.
 //!
 //! The folded value takes the op's metadata (name, call site, hints); the
 //! constants it read have no work to schedule, so their hints are moot.
@@ -39,6 +39,10 @@ pub fn run(graph: &mut Graph, ctx: &PassContext) -> Result<bool> {
             .map(|&x| r.resolve(x))
             .collect();
         if inputs.is_empty() || !inputs.iter().all(|&x| is_constant(graph, x)) {
+            continue;
+        }
+        // A random op is a source too, whose constant operand is its seed.
+        if matches!(graph.node(id).op, Op::Rand { .. } | Op::Randn { .. }) {
             continue;
         }
         if let Some(op) = fold(graph, id, &inputs, ctx) {
@@ -218,7 +222,8 @@ mod tests {
   %n = constant {value=[4,5]} : i64[2]
   %zero = full {value=0, shape=[2], dtype=i64} : i64[2]
   %q = div(%n, %zero) : i64[2]
-  %r = randn {seed=1, shape=[2], dtype=f32} : f32[2]
+  %k = constant {value=1} : i64[]
+  %r = randn(%k) {shape=[2], dtype=f32} : f32[2]
   %t = tanh(%r) : f32[2]
   %huge = full {value=1.0, shape=[1000000,1000000], dtype=f32} : f32[1000000,1000000]
   %total = sum(%huge) {dims=[0,1], keepdim=false} : f32[]

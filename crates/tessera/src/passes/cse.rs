@@ -80,8 +80,10 @@ mod tests {
   %c2 = constant {value=[1.0,2.0,3.0]} : f32[3]
   %s1 = add(%a, %c1) : f32[3]
   %s2 = add(%c2, %b) : f32[3]
-  %r1 = randn {seed=7, shape=[3], dtype=f32} : f32[3]
-  %r2 = randn {seed=7, shape=[3], dtype=f32} : f32[3]
+  %k1 = constant {value=7} : i64[]
+  %k2 = constant {value=7} : i64[]
+  %r1 = randn(%k1) {shape=[3], dtype=f32} : f32[3]
+  %r2 = randn(%k2) {shape=[3], dtype=f32} : f32[3]
   %n1 = mul(%s1, %r1) : f32[3]
   %n2 = mul(%s2, %r2) : f32[3]
   return %n1 as n1, %n2 as n2
@@ -92,7 +94,8 @@ mod tests {
   %a = exp(%x) : f32[3]
   %c1 = constant {value=[1.0,2.0,3.0]} : f32[3]
   %s1 = add(%a, %c1) : f32[3]
-  %r1 = randn {seed=7, shape=[3], dtype=f32} : f32[3]
+  %k1 = constant {value=7} : i64[]
+  %r1 = randn(%k1) {shape=[3], dtype=f32} : f32[3]
   %n1 = mul(%s1, %r1) : f32[3]
   return %n1 as n1, %n1 as n2
 }
@@ -104,11 +107,16 @@ mod tests {
     /// operand order and distinct inputs of equal type all stay apart.
     #[test]
     fn keeps_what_differs() {
-        let before = r#"graph g(%x, %y) {
+        let before = r#"graph g(%x, %y, %k) {
   %x = input : f32[3]
   %y = input : f32[3]
-  %r1 = rand {seed=1, shape=[3], dtype=f32} : f32[3]
-  %r2 = rand {seed=2, shape=[3], dtype=f32} : f32[3]
+  %k = input : i64[]
+  %k1 = constant {value=1} : i64[]
+  %k2 = constant {value=2} : i64[]
+  %r1 = rand(%k1) {shape=[3], dtype=f32} : f32[3]
+  %r2 = rand(%k2) {shape=[3], dtype=f32} : f32[3]
+  %r3 = rand(%k) {shape=[3], dtype=f32} : f32[3]
+  %r4 = randn(%k) {shape=[3], dtype=f32} : f32[3]
   %a = exp(%x) : f32[3]  hints={"group_id":0}
   %b = exp(%x) : f32[3]  hints={"group_id":1}
   %z1 = constant {value=0.0} : f32[]
@@ -117,7 +125,7 @@ mod tests {
   %m2 = maximum(%y, %x) : f32[3]
   %d1 = sub(%x, %y) : f32[3]
   %d2 = sub(%y, %x) : f32[3]
-  return %r1 as r1, %r2 as r2, %a as a, %b as b, %z1 as z1, %z2 as z2, %m1 as m1, %m2 as m2, %d1 as d1, %d2 as d2
+  return %r1 as r1, %r2 as r2, %r3 as r3, %r4 as r4, %a as a, %b as b, %z1 as z1, %z2 as z2, %m1 as m1, %m2 as m2, %d1 as d1, %d2 as d2
 }"#;
         assert_unchanged(run, &PassContext::default(), before);
     }

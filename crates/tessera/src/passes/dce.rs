@@ -45,7 +45,8 @@ mod tests {
         let before = "graph g(%x) {
   %x = input : f32[3]
   %a = exp(%x) : f32[3]
-  %r = randn {seed=3, shape=[3], dtype=f32} : f32[3]
+  %k = constant {value=3} : i64[]
+  %r = randn(%k) {shape=[3], dtype=f32} : f32[3]
   %y = add(%a, %r) : f32[3]
   return %y as y, %a as a
 }";

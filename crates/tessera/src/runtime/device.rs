@@ -521,9 +521,41 @@ pub fn of_inputs<T: Placed>(op: &str, inputs: &[&T]) -> Result<Device> {
     })
 }
 
+/// The device `op` runs on given its inputs: [`of_inputs`], except for the
+/// random ops, whose one input (the seed) is a parameter of the draw, not
+/// data: with a host seed they create their values on [`current`], as every
+/// creation op does, and with a seed on a device, on that device.
+pub fn of_op<T: Placed>(op: &Op, inputs: &[&T]) -> Result<Device> {
+    let on = of_inputs(op.name(), inputs)?;
+    let host_scalars = inputs
+        .iter()
+        .all(|t| t.device() == Device::Cpu && t.rank() == 0);
+    Ok(match op {
+        Op::Rand { .. } | Op::Randn { .. } if host_scalars => current(),
+        _ => on,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_random_op_with_a_host_seed_creates_on_the_current_device() {
+        let seed = Array::from_storage(Storage::from_slice(&[7i64]), &[]);
+        let rand = Op::Rand {
+            shape: crate::ir::Shape::from_concrete(&[2]),
+            dtype: DType::F32,
+        };
+        let neg = Op::Unary(crate::ir::UnaryOp::Neg);
+        assert_eq!(of_op(&rand, &[&seed]).unwrap(), Device::Cpu);
+        with_device(Device::Cuda, || {
+            assert_eq!(of_op(&rand, &[&seed]).unwrap(), Device::Cuda);
+            // Other ops of host scalars stay on the host.
+            assert_eq!(of_op(&neg, &[&seed]).unwrap(), Device::Cpu);
+            assert_eq!(of_inputs("rand", &[&seed]).unwrap(), Device::Cpu);
+        });
+    }
 
     #[test]
     fn tuning_is_scoped_to_the_thread_and_the_call() {

@@ -13,8 +13,10 @@ use crate::with_dtype;
 
 /// An explicit, seeded source of randomness. Each random op draws a fresh
 /// seed from it, so a program that creates its generator with the same seed
-/// gets the same tensors, eagerly or from a graph (the seed is recorded in
-/// the op).
+/// gets the same tensors, eagerly or compiled. The seed is the random op's
+/// operand, a host `i64[]` scalar made per draw: while tracing it is lifted
+/// into an input of the graph, so a compiled function fed a new seed on
+/// every call keeps one graph (and one executable).
 pub struct Generator {
     rng: rand_chacha::ChaCha8Rng,
 }
@@ -29,6 +31,14 @@ impl Generator {
     /// The seed for the next random op.
     pub fn next_seed(&mut self) -> u64 {
         self.rng.next_u64()
+    }
+
+    /// The next seed as a random op's seed operand (what
+    /// [`Tensor::rand_seeded`] takes): a host `i64[]` scalar holding its 64
+    /// bits ([`Op::seed_value`]).
+    pub fn next_seed_tensor(&mut self) -> Tensor {
+        let value = Op::seed_value(self.next_seed());
+        Tensor::from_storage(Storage::from_slice(&[value]), &[])
     }
 }
 
@@ -173,7 +183,7 @@ impl Tensor {
         Tensor::apply(&op, &[], Location::caller())
     }
 
-    /// Uniform samples in [0, 1).
+    /// Uniform samples in [0, 1), with the next seed of `generator`.
     #[track_caller]
     pub fn rand(shape: &[usize], dtype: DType, generator: &mut Generator) -> Tensor {
         unwrap_or_panic(Tensor::try_rand(shape, dtype, generator))
@@ -182,15 +192,11 @@ impl Tensor {
     /// [`Tensor::rand`], returning errors instead of panicking.
     #[track_caller]
     pub fn try_rand(shape: &[usize], dtype: DType, generator: &mut Generator) -> Result<Tensor> {
-        let op = Op::Rand {
-            seed: generator.next_seed(),
-            shape: Shape::from_concrete(shape),
-            dtype,
-        };
-        Tensor::apply(&op, &[], Location::caller())
+        let seed = generator.next_seed_tensor();
+        Tensor::try_rand_seeded(&seed, shape, dtype)
     }
 
-    /// Standard normal samples.
+    /// Standard normal samples, with the next seed of `generator`.
     #[track_caller]
     pub fn randn(shape: &[usize], dtype: DType, generator: &mut Generator) -> Tensor {
         unwrap_or_panic(Tensor::try_randn(shape, dtype, generator))
@@ -199,12 +205,44 @@ impl Tensor {
     /// [`Tensor::randn`], returning errors instead of panicking.
     #[track_caller]
     pub fn try_randn(shape: &[usize], dtype: DType, generator: &mut Generator) -> Result<Tensor> {
-        let op = Op::Randn {
-            seed: generator.next_seed(),
+        let seed = generator.next_seed_tensor();
+        Tensor::try_randn_seeded(&seed, shape, dtype)
+    }
+
+    /// Uniform samples in [0, 1) drawn from `seed`, an `i64[]` scalar (see
+    /// [`Generator::next_seed_tensor`]): the same seed gives the same values, eagerly or
+    /// compiled, on every device. Passed to a compiled function as an
+    /// input, it draws new values per call from one executable.
+    #[track_caller]
+    pub fn rand_seeded(seed: &Tensor, shape: &[usize], dtype: DType) -> Tensor {
+        unwrap_or_panic(Tensor::try_rand_seeded(seed, shape, dtype))
+    }
+
+    /// [`Tensor::rand_seeded`], returning errors (a seed that is not an
+    /// `i64[]` scalar, a non-float dtype) instead of panicking.
+    #[track_caller]
+    pub fn try_rand_seeded(seed: &Tensor, shape: &[usize], dtype: DType) -> Result<Tensor> {
+        let op = Op::Rand {
             shape: Shape::from_concrete(shape),
             dtype,
         };
-        Tensor::apply(&op, &[], Location::caller())
+        Tensor::apply(&op, &[seed], Location::caller())
+    }
+
+    /// Standard normal samples drawn from `seed`, like [`Tensor::rand_seeded`].
+    #[track_caller]
+    pub fn randn_seeded(seed: &Tensor, shape: &[usize], dtype: DType) -> Tensor {
+        unwrap_or_panic(Tensor::try_randn_seeded(seed, shape, dtype))
+    }
+
+    /// [`Tensor::randn_seeded`], returning errors instead of panicking.
+    #[track_caller]
+    pub fn try_randn_seeded(seed: &Tensor, shape: &[usize], dtype: DType) -> Result<Tensor> {
+        let op = Op::Randn {
+            shape: Shape::from_concrete(shape),
+            dtype,
+        };
+        Tensor::apply(&op, &[seed], Location::caller())
     }
 
     /// A constant tensor from a literal (the IR's `constant` op).

@@ -33,7 +33,8 @@ pub fn run_graph(graph: &Graph, inputs: &[Tensor]) -> Result<Vec<(String, Tensor
     graph.verify()?;
     let given: Vec<Option<&Tensor>> = inputs.iter().map(Some).collect();
     let symbols = bind_symbols(graph, &given)?;
-    // Nodes without inputs (full, randn …) run on the inputs' device.
+    // Nodes without inputs (full, arange …) and random ops with a host
+    // seed run on the inputs' device.
     let refs: Vec<&Tensor> = inputs.iter().collect();
     let on = inputs_device(graph, &refs)?;
     device::with_device(on, || run_nodes(graph, inputs, &symbols))
@@ -373,13 +374,11 @@ fn concrete_op<'a>(op: &'a Op, symbols: &Symbols) -> Result<Cow<'a, Op>> {
             shape: fix(shape)?,
             dtype: *dtype,
         }),
-        Op::Rand { seed, shape, dtype } if symbolic(shape) => Cow::Owned(Op::Rand {
-            seed: *seed,
+        Op::Rand { shape, dtype } if symbolic(shape) => Cow::Owned(Op::Rand {
             shape: fix(shape)?,
             dtype: *dtype,
         }),
-        Op::Randn { seed, shape, dtype } if symbolic(shape) => Cow::Owned(Op::Randn {
-            seed: *seed,
+        Op::Randn { shape, dtype } if symbolic(shape) => Cow::Owned(Op::Randn {
             shape: fix(shape)?,
             dtype: *dtype,
         }),
@@ -547,6 +546,39 @@ mod tests {
             !out[0].1.shares_storage(&x),
             "contiguous copies a strided view"
         );
+    }
+
+    /// rand and randn of a symbolic shape, seeded by an input: each size
+    /// draws what eager `rand_seeded` draws at that size.
+    #[test]
+    fn random_ops_of_a_symbolic_shape_run_at_each_size() {
+        let mut g = Graph::new("noise");
+        let x = g.add_input("x", TensorType::new(DType::F32, sym_shape(&["s0", "3"])));
+        let seed = g.add_input("seed", TensorType::new(Op::SEED_DTYPE, Shape::scalar()));
+        let shape = sym_shape(&["s0", "3"]);
+        let rand = Op::Rand {
+            shape: shape.clone(),
+            dtype: DType::F32,
+        };
+        let u = g.add(rand, &[seed], named("u")).unwrap();
+        let randn = Op::Randn {
+            shape,
+            dtype: DType::F32,
+        };
+        let n = g.add(randn, &[seed], named("n")).unwrap();
+        let ux = g.add(Op::Binary(crate::ir::BinaryOp::Add), &[u, x], named("ux"));
+        g.add_output("ux", ux.unwrap());
+        g.add_output("n", n);
+        for rows in [2, 5] {
+            let x = Tensor::zeros(&[rows, 3], DType::F32);
+            let seed = crate::tensor::Generator::new(rows as u64).next_seed_tensor();
+            let out = run(&g, &[x, seed.clone()]);
+            let eager_u = Tensor::rand_seeded(&seed, &[rows, 3], DType::F32);
+            let eager_n = Tensor::randn_seeded(&seed, &[rows, 3], DType::F32);
+            assert_eq!(out[0].2, vec![rows, 3]);
+            assert_eq!(out[0].1, eager_u.to_vec::<f32>().unwrap());
+            assert_eq!(out[1].1, eager_n.to_vec::<f32>().unwrap());
+        }
     }
 
     fn two_input_graph() -> Graph {

@@ -373,7 +373,7 @@ impl Tensor {
     }
 
     /// Runs `op` on `inputs` eagerly: the IR's type rule, then the kernel of
-    /// the inputs' device (see [`device::of_inputs`]). Errors carry `caller`
+    /// the inputs' device (see [`device::of_op`]). Errors carry `caller`
     /// as the user's line.
     pub fn apply(
         op: &Op,
@@ -409,7 +409,7 @@ impl Tensor {
             trace::record(op, inputs, ty, caller).map_err(at)?
         } else {
             with_arrays(op, inputs, |arrays| {
-                let on = device::of_inputs(op.name(), arrays)?;
+                let on = device::of_op(op, arrays)?;
                 Ok(Tensor::from_array(device::eval(
                     on, op, arrays, ty.dtype, &shape,
                 )?))

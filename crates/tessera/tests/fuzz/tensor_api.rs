@@ -758,12 +758,13 @@ fn run(step: &Step, pool: &[Tensor]) -> Result<Vec<Tensor>, Error> {
             seed,
         } => {
             let shape = Shape::from_concrete(shape);
-            let (seed, dtype) = (*seed, *dtype);
+            let dtype = *dtype;
             let op = match normal {
-                true => Op::Randn { seed, shape, dtype },
-                false => Op::Rand { seed, shape, dtype },
+                true => Op::Randn { shape, dtype },
+                false => Op::Rand { shape, dtype },
             };
-            one(Tensor::apply(&op, &[], here))
+            let seed = Tensor::from_slice(&[Op::seed_value(*seed)], &[]);
+            one(Tensor::apply(&op, &[&seed], here))
         }
         Step::FromVec { len, shape } => {
             let data = f32_values(*len);

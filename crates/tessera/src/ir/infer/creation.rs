@@ -1,9 +1,11 @@
-//! Creation ops — `constant`, `full`, `arange`, `rand`, `randn` — take no
-//! inputs: their type comes from their attributes, which are checked here
+//! Creation ops — `constant`, `full`, `arange`, `rand`, `randn` — make
+//! values of a type that comes from their attributes, which are checked here
 //! (a literal fills its shape with values of its dtype's kind, an integer
-//! fits its dtype, a range is finite, random values are floats).
+//! fits its dtype, a range is finite, random values are floats). The random
+//! ops take one input, their seed, an `i64[]` scalar ([`Op::SEED_DTYPE`]);
+//! the others take none.
 
-use super::{not_in_family, TensorType};
+use super::{describe, not_in_family, TensorType};
 use crate::error::{op_err, Result};
 use crate::ir::dtype::DType;
 use crate::ir::op::{LiteralData, Op, Scalar};
@@ -17,8 +19,8 @@ pub fn arange_len(start: f64, end: f64, step: f64) -> Option<usize> {
     Some(((end - start) / step).ceil().max(0.0) as usize)
 }
 
-/// The type a creation op makes.
-pub(super) fn infer(op: &Op) -> Result<TensorType> {
+/// The type a creation op makes from `inputs` (the arity is checked).
+pub(super) fn infer(op: &Op, inputs: &[TensorType]) -> Result<TensorType> {
     match op {
         Op::Constant(lit) => {
             let numel = crate::limits::check("constant", lit.dtype, &lit.shape)?;
@@ -87,7 +89,17 @@ pub(super) fn infer(op: &Op) -> Result<TensorType> {
             }
             Ok(TensorType::new(*dtype, vec![n]))
         }
-        Op::Rand { shape, dtype, .. } | Op::Randn { shape, dtype, .. } => {
+        Op::Rand { shape, dtype } | Op::Randn { shape, dtype } => {
+            let seed = &inputs[0];
+            if seed.dtype != Op::SEED_DTYPE || seed.rank() != 0 {
+                return Err(op_err!(
+                    DType,
+                    op.name(),
+                    "the seed must be an {}[] scalar, got {}",
+                    Op::SEED_DTYPE,
+                    describe(inputs)
+                ));
+            }
             if !dtype.is_float() {
                 return Err(op_err!(
                     DType,
@@ -204,33 +216,70 @@ mod tests {
         assert_eq!(arange_len(0.0, 1.0, 0.3), Some(4));
     }
 
+    fn seed() -> TensorType {
+        ty(DType::I64, &[])
+    }
+
     #[test]
     fn random_ops_make_floats_only() {
         let shape = Shape::from_concrete(&[2, 5]);
         let rand = Op::Rand {
-            seed: 1,
             shape: shape.clone(),
             dtype: DType::BF16,
         };
-        assert_eq!(rand.infer(&[]).unwrap(), ty(DType::BF16, &[2, 5]));
+        assert_eq!(rand.infer(&[seed()]).unwrap(), ty(DType::BF16, &[2, 5]));
         let randn = Op::Randn {
-            seed: 1,
             shape,
             dtype: DType::I32,
         };
-        assert_eq!(err(&randn, &[]), "randn: produces floats, asked for i32");
+        assert_eq!(
+            err(&randn, &[seed()]),
+            "randn: produces floats, asked for i32"
+        );
     }
 
     #[test]
-    fn creation_takes_no_inputs() {
+    fn random_ops_take_a_symbolic_shape() {
+        let shape = Shape(vec![Dim::sym("s0"), Dim::Const(3)]);
+        let randn = Op::Randn {
+            shape: shape.clone(),
+            dtype: DType::F32,
+        };
+        assert_eq!(
+            randn.infer(&[seed()]).unwrap(),
+            TensorType::new(DType::F32, shape)
+        );
+    }
+
+    #[test]
+    fn random_ops_take_one_i64_scalar_seed() {
         let op = Op::Rand {
-            seed: 0,
             shape: Shape::from_concrete(&[1]),
+            dtype: DType::F32,
+        };
+        assert_eq!(err(&op, &[]), "rand: takes 1 inputs, got 0");
+        assert_eq!(err(&op, &[seed(), seed()]), "rand: takes 1 inputs, got 2");
+        assert_eq!(
+            err(&op, &[ty(DType::I64, &[1])]),
+            "rand: the seed must be an i64[] scalar, got i64[1]"
+        );
+        assert_eq!(
+            err(&op, &[ty(DType::I32, &[])]),
+            "rand: the seed must be an i64[] scalar, got i32[]"
+        );
+    }
+
+    #[test]
+    fn other_creation_ops_take_no_inputs() {
+        let op = Op::Arange {
+            start: 0.0,
+            end: 1.0,
+            step: 1.0,
             dtype: DType::F32,
         };
         assert_eq!(
             err(&op, &[ty(DType::F32, &[1])]),
-            "rand: takes 0 inputs, got 1"
+            "arange: takes 0 inputs, got 1"
         );
     }
 }

@@ -162,7 +162,7 @@ impl Op {
             | Op::Full { .. }
             | Op::Arange { .. }
             | Op::Rand { .. }
-            | Op::Randn { .. } => creation::infer(self),
+            | Op::Randn { .. } => creation::infer(self, inputs),
             Op::Unary(_)
             | Op::Cast(_)
             | Op::Binary(_)
@@ -311,7 +311,7 @@ mod tests {
         assert_eq!(e.kind, ErrorKind::Verify);
         assert!(e.to_string().starts_with("matmul: is not a view op"), "{e}");
         for (family, result) in [
-            ("creation", creation::infer(&Op::Contiguous)),
+            ("creation", creation::infer(&Op::Contiguous, &[])),
             (
                 "elementwise",
                 elementwise::infer(&Op::Contiguous, &[t(&[1])]),

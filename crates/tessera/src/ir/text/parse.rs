@@ -325,9 +325,10 @@ fn attribute(
     let name = cur.expect_word("an attribute name")?;
     let Some(slot) = signature.iter().position(|(n, _)| *n == name) else {
         let expected: Vec<_> = signature.iter().map(|(n, _)| *n).collect();
-        let msg = match expected.is_empty() {
-            true => format!("unknown attribute `{name}`: `{op_name}` takes none"),
-            false => format!(
+        let msg = match (ops::retired_attribute(op_name, name), expected.is_empty()) {
+            (Some(instead), _) => format!("`{op_name}` no longer takes `{name}`: {instead}"),
+            (None, true) => format!("unknown attribute `{name}`: `{op_name}` takes none"),
+            (None, false) => format!(
                 "unknown attribute `{name}` of `{op_name}` (it takes {})",
                 expected.join(", ")
             ),

@@ -31,7 +31,6 @@ pub(super) fn attr(cur: &mut Cursor, kind: AttrKind) -> Result<Attr> {
     Ok(match kind {
         AttrKind::Usize => Attr::Usize(integer(cur, "a non-negative integer")?),
         AttrKind::I64 => Attr::I64(integer(cur, "an integer")?),
-        AttrKind::U64 => Attr::U64(integer(cur, "a non-negative 64-bit integer")?),
         AttrKind::Float => Attr::Float(float(cur)?),
         AttrKind::Bool => Attr::Bool(boolean(cur)?),
         AttrKind::Scalar => Attr::Scalar(scalar(cur)?),

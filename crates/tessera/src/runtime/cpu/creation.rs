@@ -13,7 +13,7 @@ use super::copy::PAR_THRESHOLD;
 use super::elementwise::{Castable, Wide, CHUNK};
 use super::Storage;
 use crate::error::{op_err, Result};
-use crate::ir::{DType, Literal, LiteralData, Scalar};
+use crate::ir::{DType, Literal, LiteralData, Op, Scalar};
 use crate::runtime::array::Array;
 use crate::with_dtype;
 
@@ -58,6 +58,20 @@ pub fn full(value: Scalar, dtype: DType, shape: &[usize]) -> Array {
 /// errors do not build up) and then converted to `dtype`.
 pub fn arange(start: f64, step: f64, dtype: DType, len: usize) -> Array {
     with_dtype!(dtype, T => generate(&[len], |i| T::narrow(Wide::F64(start + i as f64 * step))))
+}
+
+/// The `u64` seed that `seed`, a random op's seed operand (a host `i64[]`
+/// scalar, as type inference checks), holds ([`Op::seed_bits`]).
+pub fn seed_of(seed: &Array, op: &str) -> Result<u64> {
+    match seed.to_vec::<i64>()?.as_slice() {
+        [value] => Ok(Op::seed_bits(*value)),
+        _ => Err(op_err!(
+            Argument,
+            op,
+            "the seed must be an i64[] scalar, got {}",
+            seed.ty()
+        )),
+    }
 }
 
 /// Uniform samples in [0, 1) for `seed`. Each element is a random multiple

@@ -68,8 +68,16 @@ fn run_kernel(op: &Op, inputs: &[&Array], dtype: DType, shape: &[usize]) -> Resu
         Op::Arange {
             start, step, dtype, ..
         } => Ok(creation::arange(*start, *step, *dtype, shape[0])),
-        Op::Rand { seed, dtype, .. } => Ok(creation::rand(*seed, *dtype, shape)),
-        Op::Randn { seed, dtype, .. } => Ok(creation::randn(*seed, *dtype, shape)),
+        Op::Rand { dtype, .. } => Ok(creation::rand(
+            creation::seed_of(inputs[0], op.name())?,
+            *dtype,
+            shape,
+        )),
+        Op::Randn { dtype, .. } => Ok(creation::randn(
+            creation::seed_of(inputs[0], op.name())?,
+            *dtype,
+            shape,
+        )),
         Op::Unary(u) => elementwise::unary(*u, inputs[0]),
         Op::Cast(d) => Ok(elementwise::cast(inputs[0], *d)),
         Op::Binary(b) => elementwise::binary(*b, inputs[0], inputs[1], shape),

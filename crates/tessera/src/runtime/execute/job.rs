@@ -335,7 +335,7 @@ fn extern_kernel(op: &Op, args: &[&Tensor]) -> Result<Tensor> {
         )
     })?;
     let arrays: Vec<&Array> = args.iter().map(|t| t.array()).collect();
-    let on = device::of_inputs(op.name(), &arrays)?;
+    let on = device::of_op(op, &arrays)?;
     let array = device::eval(on, op, &arrays, ty.dtype, &shape)?;
     Ok(Tensor::from_array(array))
 }
