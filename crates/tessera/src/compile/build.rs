@@ -84,6 +84,7 @@ impl<F: Fn(&[Tensor]) -> Vec<Tensor>> Compiled<F> {
             key,
             guards: guards.to_vec(),
             had_breaks: !traced.breaks.is_empty(),
+            autocast: crate::tensor::autocast::current(),
             exe: exe.clone(),
         });
         Ok(Some(exe))
