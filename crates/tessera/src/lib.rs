@@ -2,7 +2,8 @@
 //!
 //! - [`ir`]: the graph IR (dtypes, shapes, ops, graphs, text form, verifier);
 //! - [`tensor`]: the eager `Tensor` API, tracing, the autograd tape and
-//!   the graph interpreter ([`tensor::interpret`]);
+//!   the graph interpreter ([`tensor::interpret`]); mixed precision
+//!   ([`autocast`], policy in [`tensor::autocast`]);
 //! - [`autograd`]: VJP rules, the backward engine, ahead-of-time
 //!   forward/backward graphs; [`custom_op`]: user-defined ops;
 //! - [`runtime`]: the backends (the CPU's kernels, the device trait) and
@@ -40,4 +41,5 @@ pub use custom_op::flash_attention::{
 };
 pub use error::{Error, ErrorKind, Result, SourceLoc};
 pub use ir::{DType, Graph};
+pub use tensor::autocast::{autocast, try_autocast};
 pub use tensor::Tensor;

@@ -10,7 +10,15 @@ use super::rules;
 use crate::error::{Error, ErrorKind, Result, SourceLoc};
 use crate::ir::Op;
 use crate::tensor::tape::{no_grad, Backward, GradNode};
-use crate::tensor::{trace, Tensor};
+use crate::tensor::{autocast, trace, Tensor};
+
+/// How the VJP rules run: without recording (`no_grad`) and with autocast
+/// off, so each backward op takes the dtypes of the forward's values (the
+/// casts autocast made are on the tape and have rules of their own),
+/// whatever scope `backward` is called in.
+fn backward_mode<R>(f: impl FnOnce() -> R) -> R {
+    autocast::disabled(|| no_grad(f))
+}
 
 /// The input gradients of `node` from its output gradients.
 fn input_gradients(node: &GradNode, grads: Vec<Option<Tensor>>) -> Result<Vec<Option<Tensor>>> {
@@ -98,7 +106,7 @@ impl Tensor {
             let roots = std::slice::from_ref(self);
             let nodes = reverse_topological(roots);
             check_unused(&nodes).map_err(|e| e.at(at.clone()))?;
-            no_grad(|| propagate(roots, &nodes, vec![seed], &mut Sink::Leaves))
+            backward_mode(|| propagate(roots, &nodes, vec![seed], &mut Sink::Leaves))
                 .map_err(|e| e.at(at.clone()))?;
             if !retain_graph {
                 for node in &nodes {
@@ -475,7 +483,7 @@ pub fn grad(
     check_unused(&order).map_err(|e| e.at(at.clone()))?;
     let on = outputs.first().map_or(Default::default(), Tensor::device);
     crate::runtime::device::with_device(on, || {
-        no_grad(|| propagate(outputs, &order, seeds, &mut sink))
+        backward_mode(|| propagate(outputs, &order, seeds, &mut sink))
     })
     .map_err(|e| e.at(at))?;
     match sink {

@@ -144,6 +144,7 @@ impl<F: Fn(&[Tensor]) -> Vec<Tensor>> Compiled<F> {
             lifted: lifted.to_vec(),
             dynamic: dynamic.clone(),
             had_breaks: !traced.breaks.is_empty(),
+            autocast: crate::tensor::autocast::current(),
             exe: exe.clone(),
         });
         Ok(exe)

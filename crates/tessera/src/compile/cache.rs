@@ -10,8 +10,8 @@ use super::dynamic::DynamicDims;
 use super::recompile::Seen;
 use super::{Executable, InputGuard};
 use crate::hints::HintMap;
-use crate::ir::Graph;
-use crate::tensor::Tensor;
+use crate::ir::{DType, Graph};
+use crate::tensor::{autocast, Tensor};
 
 /// Counters of what the cache did.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -45,14 +45,22 @@ pub(super) struct Entry {
     pub dynamic: DynamicDims,
     /// Whether the trace had graph breaks (then it is always re-traced).
     pub had_breaks: bool,
+    /// The autocast scope the trace ran in: its casts are in the graph, so
+    /// an untraced run needs the same scope (the state PyTorch's Dynamo
+    /// guards on alongside the inputs).
+    pub autocast: Option<DType>,
     pub exe: Arc<Executable>,
 }
 
 impl Entry {
     /// Whether the entry can run from the guards alone, before (or
-    /// without) a trace: it needs no lifted tensors or graph-break values.
+    /// without) a trace: it needs no lifted tensors or graph-break values,
+    /// and the autocast scope is the one it was traced in.
     fn runs_untraced(&self, guards: &[InputGuard]) -> bool {
-        !self.had_breaks && !self.exe.has_lifted() && self.guards == guards
+        !self.had_breaks
+            && !self.exe.has_lifted()
+            && self.guards == guards
+            && self.autocast == autocast::current()
     }
 }
 
@@ -285,6 +293,7 @@ mod tests {
             lifted: Vec::new(),
             dynamic: DynamicDims::new(),
             had_breaks,
+            autocast: None,
             exe: Arc::new(exe.unwrap()),
         }
     }

@@ -13,7 +13,7 @@ use std::panic::Location;
 use super::CustomCall;
 use crate::error::{op_err, Error, Result, SourceLoc};
 use crate::ir::DType;
-use crate::tensor::{custom, Tensor};
+use crate::tensor::{autocast, custom, Tensor};
 
 pub use crate::ir::custom::flash_attention::{attrs, BACKWARD, FORWARD, MAX_HEAD_DIM};
 pub use crate::tensor::custom::flash_attention::params;
@@ -35,7 +35,9 @@ pub struct SdpaOptions<'a> {
 /// `softmax(q·kᵀ·scale + mask) · v` over `[..., L, E]` operands, as
 /// `torch.nn.functional.scaled_dot_product_attention`, through the flash
 /// attention op: O(L) memory, recomputation in the backward. f64 operands
-/// run the plain composite (the kernels accumulate in f32). In f32/f16/bf16,
+/// run the plain composite (the kernels accumulate in f32). Inside
+/// [`crate::tensor::autocast`], f32 operands are cast to its dtype first
+/// (the result is bf16/f16). In f32/f16/bf16,
 /// a row that sees no key (a mask of `-inf` only) gives zeros. The mask gets no gradient:
 /// passing one that requires grad is an error.
 #[track_caller]
@@ -69,6 +71,14 @@ pub fn try_scaled_dot_product_attention(
             q.ty()
         )));
     }
+    // Autocast runs attention in its low precision (f32 accumulation in
+    // the kernels), as PyTorch's autocast does.
+    let (q, k, v) = (
+        autocast::cast_low(q).map_err(at)?,
+        autocast::cast_low(k).map_err(at)?,
+        autocast::cast_low(v).map_err(at)?,
+    );
+    let (q, k, v) = (&q, &k, &v);
     let scale = options
         .scale
         .unwrap_or(1.0 / (q.shape()[q.rank() - 1] as f64).sqrt());

@@ -5,9 +5,11 @@ use std::str::FromStr;
 
 /// The element type of a tensor.
 ///
-/// There is no implicit type promotion anywhere in tessera: the inputs of a
+/// There is no implicit type promotion in tessera's IR: the inputs of a
 /// binary op must share a dtype (cast explicitly with `Tensor::cast`). Scalars
-/// mixed with a tensor take the tensor's dtype.
+/// mixed with a tensor take the tensor's dtype. The one exception is an
+/// autocast scope (`tessera::autocast`), whose op methods insert the casts
+/// that promote mixed float operands, as explicit cast ops.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum DType {
     F32,

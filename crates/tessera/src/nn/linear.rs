@@ -2,7 +2,7 @@
 
 use super::{input_error, join_name, within, ParamStore, Parameter};
 use crate::error::{Result, SourceLoc};
-use crate::tensor::{unwrap_or_panic, Generator, Tensor};
+use crate::tensor::{autocast, unwrap_or_panic, Generator, Tensor};
 
 /// An affine map over the last dim.
 ///
@@ -77,14 +77,16 @@ impl Linear {
     }
 
     /// Flattens the leading dims so the product (and its weight gradient)
-    /// is one tall 2-D matmul rather than a batch of small ones.
+    /// is one tall 2-D matmul rather than a batch of small ones. Inside
+    /// autocast the whole layer runs in its dtype, bias included (PyTorch's
+    /// `linear`): the output is bf16/f16.
     fn apply(&self, x: &Tensor) -> Result<Tensor> {
         let mut out_shape: Vec<isize> = x.shape().iter().map(|&d| d as isize).collect();
         *out_shape.last_mut().expect("rank checked") = self.out_features as isize;
         let rows = x.try_reshape(&[-1, self.in_features as isize])?;
         let mut y = rows.try_matmul(&self.weight.get())?;
         if let Some(b) = &self.bias {
-            y = y.try_add(b.get())?;
+            y = y.try_add(&autocast::cast_low(&b.get())?)?;
         }
         y.try_reshape(&out_shape)
     }

@@ -1,13 +1,15 @@
 //! Losses: mean cross-entropy over class logits, mean squared error.
 
 use crate::error::{Error, ErrorKind, Result, SourceLoc};
-use crate::tensor::{unwrap_or_panic, Tensor};
+use crate::tensor::{autocast, unwrap_or_panic, Tensor};
 
 /// Mean cross-entropy of `logits [N, C]` (float) against class ids
 /// `targets [N]` (i64/i32), as `torch.nn.functional.cross_entropy`: rows
 /// whose target equals `ignore_index` count neither in the sum nor in the
 /// mean. For `[B, T, C]` logits pass `logits.reshape(&[-1, C])` and
 /// `targets.reshape(&[-1])`.
+///
+/// Inside autocast, bf16/f16 logits are cast to f32 first: the loss is f32.
 ///
 /// When every row is ignored the loss is 0 (with zero gradients), not
 /// PyTorch's NaN: a batch of pure padding then leaves a training run intact.
@@ -39,7 +41,8 @@ pub fn try_cross_entropy(
             ),
         ));
     }
-    mean_nll(logits, targets, ignore_index)
+    // Autocast computes losses in f32.
+    mean_nll(&autocast::cast_f32(logits)?, targets, ignore_index)
 }
 
 fn mean_nll(logits: &Tensor, targets: &Tensor, ignore_index: Option<i64>) -> Result<Tensor> {
@@ -64,7 +67,8 @@ fn mean_nll(logits: &Tensor, targets: &Tensor, ignore_index: Option<i64>) -> Res
         .try_neg()
 }
 
-/// Mean squared error of two tensors of the same shape and dtype.
+/// Mean squared error of two tensors of the same shape and dtype (inside
+/// autocast, bf16/f16 operands are cast to f32 first: the loss is f32).
 #[track_caller]
 pub fn mse(pred: &Tensor, target: &Tensor) -> Tensor {
     unwrap_or_panic(try_mse(pred, target))
@@ -74,6 +78,8 @@ pub fn mse(pred: &Tensor, target: &Tensor) -> Tensor {
 /// exactly: a broadcast here is almost always a bug (`[N, 1]` vs `[N]`).
 #[track_caller]
 pub fn try_mse(pred: &Tensor, target: &Tensor) -> Result<Tensor> {
+    // Autocast computes losses in f32: a bf16 prediction meets an f32 target.
+    let (pred, target) = (&autocast::cast_f32(pred)?, &autocast::cast_f32(target)?);
     if pred.ty() != target.ty() || !pred.dtype().is_float() {
         return Err(loss_error(
             "mse",

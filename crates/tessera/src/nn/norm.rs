@@ -2,10 +2,11 @@
 
 use super::{input_error, join_name, within, ParamStore, Parameter};
 use crate::error::{Result, SourceLoc};
-use crate::tensor::{unwrap_or_panic, Tensor};
+use crate::tensor::{autocast, unwrap_or_panic, Tensor};
 
 /// `(x - mean) / sqrt(var + eps) * weight + bias` over the last dim, with the
 /// biased variance (as PyTorch). `affine: false` drops weight and bias.
+/// Inside autocast a bf16/f16 input is normalised in f32 (the output is f32).
 pub struct LayerNorm {
     name: String,
     dim: usize,
@@ -53,6 +54,8 @@ impl LayerNorm {
     }
 
     fn apply(&self, x: &Tensor) -> Result<Tensor> {
+        // Autocast normalises in f32 (the result is f32).
+        let x = &autocast::cast_f32(x)?;
         let centred = x.try_sub(&x.try_mean(&[-1], true)?)?;
         let var = centred.try_mul(&centred)?.try_mean(&[-1], true)?;
         let y = centred.try_mul(&var.try_add(self.eps)?.try_rsqrt()?)?;
@@ -64,7 +67,8 @@ impl LayerNorm {
 }
 
 /// `x / sqrt(mean(x²) + eps) * weight` over the last dim (no centring, no
-/// bias), as `torch.nn.RMSNorm`.
+/// bias), as `torch.nn.RMSNorm`. Inside autocast a bf16/f16 input is
+/// normalised in f32 (the output is f32).
 pub struct RMSNorm {
     name: String,
     dim: usize,
@@ -99,6 +103,7 @@ impl RMSNorm {
     }
 
     fn apply(&self, x: &Tensor) -> Result<Tensor> {
+        let x = &autocast::cast_f32(x)?;
         let mean_square = x.try_mul(x)?.try_mean(&[-1], true)?;
         let y = x.try_mul(&mean_square.try_add(self.eps)?.try_rsqrt()?)?;
         y.try_mul(self.weight.get())

@@ -10,11 +10,20 @@
 //! Every parameter an optimizer is given shares one configuration; to
 //! exempt some (biases, norms) from weight decay, give them to a second
 //! optimizer, e.g. by filtering `store.parameters()` on `Parameter::name`.
+//!
+//! Mixed precision: the forward runs under [`crate::autocast`], the
+//! parameters and the optimizers' state stay f32 (the gradients autograd
+//! returns to them are f32); f16 needs loss scaling ([`GradScaler`]).
+//! [`MixedPrecision`] bundles the three precisions for a training loop.
 
 mod adamw;
+mod amp;
+mod scaler;
 mod sgd;
 
 pub use adamw::{AdamW, AdamWConfig};
+pub use amp::MixedPrecision;
+pub use scaler::{GradScaler, GradScalerConfig};
 pub use sgd::{Sgd, SgdConfig};
 
 use crate::autograd::no_grad;

@@ -13,7 +13,10 @@
 //! the backward graph gets the op's backward instead of the composite's.
 //!
 //! What matches, walking up from the final `matmul(p, v)`:
-//! - `p = softmax(s, dim=-1)`;
+//! - `p = softmax(s, dim=-1)`, or, as autocast writes it with bf16/f16
+//!   scores, `p = cast(softmax(cast(s, f32), dim=-1), half)` (the softmax
+//!   in f32, the probabilities back in `s`'s half type: the op computes its
+//!   softmax in f32 tiles);
 //! - optionally `s = where(keep, s', -inf)` with `keep` lower-triangular
 //!   (`tril(ones)`, a folded bool constant, or `cast(tril(ones), bool)`):
 //!   the op's `causal` (top-left aligned, query `i` sees keys `j <= i`);
@@ -112,15 +115,23 @@ fn attention_at(
         return None;
     }
     let v = node.inputs[1];
-    let p = only_use(uses, node.inputs[0])?;
+    let probs = only_use(uses, node.inputs[0])?;
+    let mut absorbed = vec![id];
+    let (p, up) = match autocast_softmax(g, uses, probs) {
+        Some((p, up)) => {
+            absorbed.extend([probs, up]);
+            (p, Some(up))
+        }
+        None => (probs, None),
+    };
     let Op::Softmax { dim } = g.node(p).op else {
         return None;
     };
     if dim + 1 != g.node(p).ty.rank() {
         return None;
     }
-    let mut absorbed = vec![p, id];
-    let mut s = only_use(uses, g.node(p).inputs[0])?;
+    absorbed.push(p);
+    let mut s = only_use(uses, g.node(up.unwrap_or(p)).inputs[0])?;
     let causal = match causal_fill(g, s) {
         Some(inner) => {
             absorbed.push(s);
@@ -166,6 +177,25 @@ fn attention_at(
         absorbed,
     };
     (operand_types(g, &m)?[0] == node.ty).then_some(m)
+}
+
+/// `(softmax, up)` when `id` is autocast's softmax of half scores:
+/// `cast(softmax(up), h)` with `up = cast(s, f32)`, `s` of the half type
+/// `h`, each read once.
+fn autocast_softmax(g: &Graph, uses: &[usize], id: NodeId) -> Option<(NodeId, NodeId)> {
+    let down = g.node(id);
+    let Op::Cast(half @ (DType::BF16 | DType::F16)) = down.op else {
+        return None;
+    };
+    let p = only_use(uses, down.inputs[0])?;
+    let softmax = g.node(p);
+    if !matches!(softmax.op, Op::Softmax { .. }) || softmax.ty.dtype != DType::F32 {
+        return None;
+    }
+    let up = only_use(uses, softmax.inputs[0])?;
+    let cast = g.node(up);
+    let from_half = g.node(*cast.inputs.first()?).ty.dtype == half;
+    (cast.op == Op::Cast(DType::F32) && from_half).then_some((p, up))
 }
 
 /// `id` when it is read exactly once (so it vanishes with its reader).
@@ -510,6 +540,46 @@ mod tests {
 "#
         );
         assert_rewrites(run, &PassContext::default(), SEED, &after);
+    }
+
+    /// Autocast's attention: half scores, the softmax in f32 between two
+    /// casts, half probabilities times `v`: the op in the half type.
+    #[test]
+    fn autocast_casts_around_the_softmax_are_absorbed() {
+        for half in ["bf16", "f16"] {
+            let before = format!(
+                r#"graph g(%q, %k, %v) {{
+  %q = input : {half}[2,8,4]
+  %k = input : {half}[2,8,4]
+  %v = input : {half}[2,8,4]
+  %kt = permute(%k) {{perm=[0,2,1]}} : {half}[2,4,8]
+  %s = matmul(%q, %kt) : {half}[2,8,8]
+  %c = full {{value=0.5, shape=[], dtype={half}}} : {half}[]
+  %ss = mul(%s, %c) : {half}[2,8,8]
+  %up = cast(%ss) {{dtype=f32}} : f32[2,8,8]
+  %p = softmax(%up) {{dim=2}} : f32[2,8,8]
+  %ph = cast(%p) {{dtype={half}}} : {half}[2,8,8]
+  %o = matmul(%ph, %v) : {half}[2,8,4]  # attn.rs:9:5
+  return %o as o
+}}"#
+            );
+            let after = format!(
+                r#"graph g(%q, %k, %v) {{
+  %q = input : {half}[2,8,4]
+  %k = input : {half}[2,8,4]
+  %v = input : {half}[2,8,4]
+  %o = custom(%q, %k, %v) {{{OP}, attrs="{{\"causal\":false,\"scale\":0.5}}"}} : {half}[2,8,4]  # attn.rs:9:5
+  return %o as o
+}}
+"#
+            );
+            assert_rewrites(run, &PassContext::default(), &before, &after);
+            // The f32 probabilities or scores read elsewhere: no match.
+            for other in ["%p as p", "%up as up"] {
+                let graph = before.replace("return %o as o", &format!("return %o as o, {other}"));
+                assert_unchanged(run, &PassContext::default(), &graph);
+            }
+        }
     }
 
     /// After `transpose_matmul` (`matmul_t`), a division, and the scale on

@@ -7,7 +7,8 @@
 //! node of the traced graph — and then the autograd tape.
 //!
 //! The tensor layer also holds what that path needs: creation
-//! ([`creation`]), the tape ops record on (`tape`: the data of autograd;
+//! ([`creation`]), the mixed-precision scope the op methods obey
+//! ([`autocast`]), the tape ops record on (`tape`: the data of autograd;
 //! the engine that walks it back is the `autograd` layer above), custom
 //! ops' implementations and their registry (`custom`, public as
 //! `tessera::custom_op`), tracing ([`trace`]), and the interpreter that
@@ -22,6 +23,7 @@
 //! shapes also come as `try_*` methods returning [`Result`] (`try_matmul`,
 //! `try_reshape`, `try_cat` …). File I/O and parsing always return `Result`.
 
+pub mod autocast;
 pub mod creation;
 pub(crate) mod custom;
 pub mod interpret;

@@ -43,10 +43,18 @@ macro_rules! scalar_operand {
 }
 scalar_operand!(f64, f32, i64, i32, usize);
 
-/// Runs one IR op eagerly with the caller's location.
+/// Runs one IR op with the caller's location, on its inputs as the
+/// autocast scope in force casts them (see [`super::autocast`]).
 #[track_caller]
 fn run(op: Op, inputs: &[&Tensor]) -> Result<Tensor> {
-    Tensor::apply(&op, inputs, Location::caller())
+    let caller = Location::caller();
+    match super::autocast::cast_inputs(&op, inputs, caller)? {
+        Some(cast) => {
+            let cast: Vec<&Tensor> = cast.iter().collect();
+            Tensor::apply(&op, &cast, caller)
+        }
+        None => Tensor::apply(&op, inputs, caller),
+    }
 }
 
 #[track_caller]
