@@ -290,13 +290,11 @@ fn generalise_op(
             shape: per_dim(shape),
             dtype: *dtype,
         },
-        Op::Rand { seed, shape, dtype } => Op::Rand {
-            seed: *seed,
+        Op::Rand { shape, dtype } => Op::Rand {
             shape: per_dim(shape),
             dtype: *dtype,
         },
-        Op::Randn { seed, shape, dtype } => Op::Randn {
-            seed: *seed,
+        Op::Randn { shape, dtype } => Op::Randn {
             shape: per_dim(shape),
             dtype: *dtype,
         },
