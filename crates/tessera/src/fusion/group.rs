@@ -516,4 +516,85 @@ mod tests {
             ["extern m", "point h r", "rows p q"]
         );
     }
+
+    #[test]
+    fn nodes_that_read_only_inputs_join_their_first_consumers_kernel() {
+        // AdamW's update of `p` from inputs p, m, v and a computed
+        // gradient g: `m·β1`, `v·β2` and `p·d` read only inputs. Placed as
+        // they come, each would start a kernel and split the chain in four.
+        let g = graph(
+            "%p, %m, %v, %x, %d",
+            "  %p = input : f32[4,8]
+  %m = input : f32[4,8]
+  %v = input : f32[4,8]
+  %x = input : f32[4,8]
+  %d = input : f32[]
+  %g = exp(%x) : f32[4,8]
+  %b1 = full {value=0.9, shape=[], dtype=f32} : f32[]
+  %mb = mul(%m, %b1) : f32[4,8]
+  %m2 = add(%mb, %g) : f32[4,8]
+  %gg = mul(%g, %g) : f32[4,8]
+  %vb = mul(%v, %b1) : f32[4,8]
+  %v2 = add(%vb, %gg) : f32[4,8]
+  %pd = mul(%p, %d) : f32[4,8]
+  %s = sqrt(%v2) : f32[4,8]
+  %u = div(%m2, %s) : f32[4,8]
+  %p2 = sub(%pd, %u) : f32[4,8]
+  return %p2 as p2, %m2 as m2, %v2 as v2",
+        );
+        assert_eq!(
+            slots(&g, &group(&g, POINTWISE)),
+            ["point g mb m2 gg vb v2 pd s u p2"]
+        );
+        // With no computed value at all, the chain is one kernel too: each
+        // pending node waits for its consumer, the last one takes them all.
+        let g = graph(
+            "%p, %m, %d",
+            "  %p = input : f32[4,8]
+  %m = input : f32[4,8]
+  %d = input : f32[]
+  %mb = mul(%m, %d) : f32[4,8]
+  %pd = mul(%p, %d) : f32[4,8]
+  %p2 = sub(%pd, %mb) : f32[4,8]
+  return %p2 as p2, %mb as mb",
+        );
+        assert_eq!(slots(&g, &group(&g, ALL)), ["point mb pd p2"]);
+    }
+
+    #[test]
+    fn a_waiting_node_its_consumer_cannot_take_is_placed_just_before_it() {
+        // `a` (shape [8]) cannot join the [4,8] kernel of `b`: it is placed
+        // on its own just before `b`'s, which takes `e`. `c` feeds a sum (an
+        // extern kernel in round 1) and is placed just before it.
+        let g = graph(
+            "%x, %r",
+            "  %x = input : f32[4,8]
+  %r = input : f32[8]
+  %e = exp(%x) : f32[4,8]
+  %a = neg(%r) : f32[8]
+  %b = add(%e, %a) : f32[4,8]
+  %c = abs(%x) : f32[4,8]
+  %s = sum(%c) {dims=[0], keepdim=false} : f32[8]
+  return %b as b, %s as s",
+        );
+        assert_eq!(
+            slots(&g, &group(&g, POINTWISE)),
+            ["point c", "extern s", "point a", "point e b"]
+        );
+        // A waiting node that feeds one the consumer's kernel does not take
+        // (`q`, under other hints) is not taken either: it would be placed
+        // after `q`, which reads it.
+        let g = graph(
+            "%x",
+            r#"  %x = input : f32[4,8]
+  %e = exp(%x) : f32[4,8]
+  %q = neg(%e) : f32[4,8]  hints={"order":"strict"}
+  %b = add(%e, %q) : f32[4,8]
+  return %b as b"#,
+        );
+        assert_eq!(
+            slots(&g, &group(&g, POINTWISE)),
+            ["point e", "point q", "point b"]
+        );
+    }
 }
