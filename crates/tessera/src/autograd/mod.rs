@@ -13,7 +13,7 @@ mod mincut;
 pub mod rules;
 
 pub use crate::tensor::tape::{
-    custom_function, custom_function_at, is_grad_enabled, no_grad, BackwardFn,
+    custom_function, custom_function_at, enable_grad, is_grad_enabled, no_grad, BackwardFn,
 };
 pub use aot::{aot_autograd, AotGraphs, Partition};
 pub use engine::grad;

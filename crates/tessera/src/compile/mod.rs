@@ -24,6 +24,7 @@ mod executable;
 mod guards;
 mod options;
 mod recompile;
+mod train_step;
 
 use std::sync::{Arc, Mutex};
 
@@ -31,6 +32,7 @@ pub use cache::CompileStats;
 pub use executable::Executable;
 pub use guards::{miss_reason, InputGuard};
 pub use options::{Backend, CompileOptions, Mode};
+pub use train_step::{train_step, StepFn, TrainStep};
 
 use crate::error::{Result, SourceLoc};
 use crate::logging::log;

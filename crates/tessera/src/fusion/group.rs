@@ -2,7 +2,7 @@
 //! its producers when that kernel's domain takes it, in rounds (pointwise
 //! only; with reductions; with matmul epilogues).
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeSet, HashMap, HashSet};
 
 use super::matmul::is_epilogue_head;
 use super::nodes::{inline_scalar, is_fusible, shape_of};
@@ -92,45 +92,152 @@ pub(super) fn in_row_kernels(rows: &Grouping) -> HashSet<NodeId> {
 
 /// [`group`], where round 3 starts no epilogue with a node of `in_rows`.
 pub(super) fn group_with(graph: &Graph, rounds: Rounds, in_rows: &HashSet<NodeId>) -> Grouping {
-    let mut kernel_of: HashMap<NodeId, usize> = HashMap::new();
-    let mut groups: Vec<Group> = Vec::new();
-    let mut order: Vec<Result<usize, NodeId>> = Vec::new();
+    let mut grouper = Grouper {
+        graph,
+        rounds,
+        in_rows,
+        kernel_of: HashMap::new(),
+        groups: Vec::new(),
+        order: Vec::new(),
+        pending: BTreeSet::new(),
+    };
     for i in 0..graph.len() {
-        let id = NodeId(i as u32);
+        grouper.visit(NodeId(i as u32));
+    }
+    let rest: Vec<NodeId> = grouper.pending.iter().copied().collect();
+    grouper.flush(&rest);
+    Grouping {
+        groups: grouper.groups,
+        order: grouper.order,
+    }
+}
+
+/// The grouping under way.
+struct Grouper<'g> {
+    graph: &'g Graph,
+    rounds: Rounds,
+    in_rows: &'g HashSet<NodeId>,
+    /// The kernel slot (index into `order`) of each placed node.
+    kernel_of: HashMap<NodeId, usize>,
+    groups: Vec<Group>,
+    order: Vec<Result<usize, NodeId>>,
+    /// Pointwise nodes that read no kernel's value (only graph inputs,
+    /// inlined scalars and other such nodes), not placed yet. Each joins
+    /// the kernel its first consumer goes to, when that kernel's domain and
+    /// hints take it: so `p·d − m/√v` over inputs `p, m, v` and a computed
+    /// `g` is one kernel, where placing each node as it comes would start a
+    /// kernel at every node that reads only inputs (`p·d`, `m·β1`, `v·β2`)
+    /// and split the chain. Otherwise it is placed as it would have been,
+    /// just before that consumer (it reads only inputs, so any place
+    /// before its consumers respects the dependencies).
+    pending: BTreeSet<NodeId>,
+}
+
+/// Where a node goes: into a group of slot `.0` (group `.1`), as the
+/// epilogue of matmul `.1` (slot `.0`), or into a new group.
+enum Target {
+    Join(usize, usize),
+    Epilogue(usize, NodeId),
+    New(Domain),
+}
+
+impl Grouper<'_> {
+    fn visit(&mut self, id: NodeId) {
+        let graph = self.graph;
         let node = graph.node(id);
         if matches!(node.op, Op::Input) || inline_scalar(graph, id).is_some() {
-            continue;
+            return;
         }
         if let Op::CustomOutput { .. } = node.op {
             // Written by its custom op's kernel.
-            kernel_of.insert(id, kernel_of[&node.inputs[0]]);
-            continue;
+            self.kernel_of.insert(id, self.kernel_of[&node.inputs[0]]);
+            return;
         }
-        let reduction = if rounds.reductions {
+        let reduction = if self.rounds.reductions {
             row_reduction(graph, id)
         } else {
             None
         };
         if !is_fusible(graph, id) && reduction.is_none() {
-            kernel_of.insert(id, order.len());
-            order.push(Err(id));
-            continue;
+            let ancestors = self.pending_ancestors(id);
+            self.flush(&ancestors);
+            self.kernel_of.insert(id, self.order.len());
+            self.order.push(Err(id));
+            return;
         }
+        let reads_a_kernel = node.inputs.iter().any(|x| self.kernel_of.contains_key(x));
+        if reduction.is_none() && !reads_a_kernel {
+            self.pending.insert(id);
+            return;
+        }
+        self.settle(id, &reduction);
+    }
+
+    /// Places `id` (not pending) with the pending nodes it reads that its
+    /// kernel takes; those it does not take are placed first, on their own.
+    fn settle(&mut self, id: NodeId, reduction: &Option<(Vec<usize>, usize)>) {
+        loop {
+            let ancestors = self.pending_ancestors(id);
+            let target = self.target(id, reduction);
+            let taken = self.takes(&target, reduction, id, &ancestors);
+            if taken.len() == ancestors.len() {
+                for a in &taken {
+                    self.pending.remove(a);
+                }
+                self.place(id, target, reduction, &taken);
+                return;
+            }
+            let rest: Vec<NodeId> = ancestors
+                .into_iter()
+                .filter(|a| !taken.contains(a))
+                .collect();
+            self.flush(&rest);
+        }
+    }
+
+    /// The pending nodes `id` reads, directly or through other pending
+    /// nodes, in node order.
+    fn pending_ancestors(&self, id: NodeId) -> Vec<NodeId> {
+        let mut found = BTreeSet::new();
+        let mut stack: Vec<NodeId> = self.graph.node(id).inputs.clone();
+        while let Some(x) = stack.pop() {
+            if self.pending.contains(&x) && found.insert(x) {
+                stack.extend(self.graph.node(x).inputs.iter().copied());
+            }
+        }
+        found.into_iter().collect()
+    }
+
+    /// Places the pending nodes among `nodes` (in node order), consumers
+    /// first: each takes what it can of the pending nodes it reads.
+    fn flush(&mut self, nodes: &[NodeId]) {
+        let mut nodes = nodes.to_vec();
+        while let Some(x) = nodes.pop() {
+            if self.pending.remove(&x) {
+                self.settle(x, &None);
+            }
+        }
+    }
+
+    /// Where node `id` goes, given its placed producers.
+    fn target(&self, id: NodeId, reduction: &Option<(Vec<usize>, usize)>) -> Target {
+        let graph = self.graph;
+        let node = graph.node(id);
         let newest = node
             .inputs
             .iter()
-            .filter_map(|x| kernel_of.get(x).copied())
+            .filter_map(|x| self.kernel_of.get(x).copied())
             .max();
         // A kernel never mixes hints (as no pass merges nodes whose hints
         // differ): the scheduler orders kernels by their nodes' hints.
         let same_hints = |g: &Group| graph.node(g.members[0]).meta.hints == node.meta.hints;
         let joined = newest.and_then(|k| {
-            let Ok(g) = order[k] else { return None };
-            let group = &groups[g];
+            let Ok(g) = self.order[k] else { return None };
+            let group = &self.groups[g];
             if !same_hints(group) {
                 return None;
             }
-            let takes = match &reduction {
+            let takes = match reduction {
                 Some((outer, len)) => {
                     let row = Domain::row_shapes(outer, *len).0;
                     group.head.is_none()
@@ -145,64 +252,144 @@ pub(super) fn group_with(graph: &Graph, rounds: Rounds, in_rows: &HashSet<NodeId
             };
             takes.then_some((k, g))
         });
+        if let Some((k, g)) = joined {
+            return Target::Join(k, g);
+        }
         // Round 3: a pointwise node that no group takes may start the
         // epilogue of the matmul it reads (the newest kernel, of its shape).
-        let epilogue = match (joined, newest) {
-            (None, Some(k))
-                if rounds.epilogues && reduction.is_none() && !in_rows.contains(&id) =>
-            {
-                match order[k] {
-                    Err(mm)
-                        if is_epilogue_head(graph, mm)
-                            && shape_of(graph, mm) == shape_of(graph, id)
-                            && graph.node(mm).meta.hints == node.meta.hints =>
+        if let Some(k) = newest {
+            if self.rounds.epilogues && reduction.is_none() && !self.in_rows.contains(&id) {
+                if let Err(mm) = self.order[k] {
+                    if is_epilogue_head(graph, mm)
+                        && shape_of(graph, mm) == shape_of(graph, id)
+                        && graph.node(mm).meta.hints == node.meta.hints
                     {
-                        Some((k, mm))
+                        return Target::Epilogue(k, mm);
                     }
-                    _ => None,
                 }
             }
-            _ => None,
-        };
-        if let Some((k, mm)) = epilogue {
-            order[k] = Ok(groups.len());
-            groups.push(Group {
-                domain: Domain::Point(shape_of(graph, id).expect("concrete")),
-                members: vec![mm, id],
-                head: Some(mm),
-                products: Vec::new(),
-            });
-            kernel_of.insert(id, k);
-            continue;
         }
-        match joined {
-            Some((k, g)) => {
-                if let Some((outer, len)) = &reduction {
-                    groups[g].domain = Domain::Rows {
+        Target::New(match reduction {
+            Some((outer, len)) => Domain::Rows {
+                outer: outer.clone(),
+                len: *len,
+            },
+            None => Domain::Point(shape_of(graph, id).expect("fusible nodes are concrete")),
+        })
+    }
+
+    /// The pending nodes of `ancestors` (those `id` reads) that the kernel
+    /// `target` makes of `id` takes, in node order: of its domain and
+    /// hints, reading no kernel placed after it, and with every pending
+    /// node between it and `id` taken too (so the rest, placed before, never
+    /// reads a node placed after it).
+    fn takes(
+        &self,
+        target: &Target,
+        reduction: &Option<(Vec<usize>, usize)>,
+        id: NodeId,
+        ancestors: &[NodeId],
+    ) -> Vec<NodeId> {
+        let graph = self.graph;
+        let (domain, slot) = match target {
+            Target::Join(k, g) => {
+                let domain = match reduction {
+                    Some((outer, len)) => Domain::Rows {
+                        outer: outer.clone(),
+                        len: *len,
+                    },
+                    None => self.groups[*g].domain.clone(),
+                };
+                (domain, Some(*k))
+            }
+            Target::Epilogue(k, mm) => (
+                Domain::Point(shape_of(graph, *mm).expect("an epilogue head is concrete")),
+                Some(*k),
+            ),
+            Target::New(domain) => (domain.clone(), None),
+        };
+        let empty = Group {
+            domain,
+            members: Vec::new(),
+            head: None,
+            products: Vec::new(),
+        };
+        let hints = &graph.node(id).meta.hints;
+        let epilogue = matches!(target, Target::Epilogue(..));
+        let mut taken: HashSet<NodeId> = HashSet::new();
+        for &a in ancestors.iter().rev() {
+            let node = graph.node(a);
+            let fits = node.meta.hints == *hints
+                && point_joins(graph, &empty, a)
+                && !(epilogue && self.in_rows.contains(&a))
+                && node
+                    .inputs
+                    .iter()
+                    .all(|x| match (self.kernel_of.get(x), slot) {
+                        (Some(&k), Some(at)) => k <= at,
+                        _ => true,
+                    });
+            let consumers_taken = ancestors
+                .iter()
+                .filter(|&&c| graph.node(c).inputs.contains(&a))
+                .all(|c| taken.contains(c));
+            if fits && consumers_taken {
+                taken.insert(a);
+            }
+        }
+        ancestors
+            .iter()
+            .copied()
+            .filter(|a| taken.contains(a))
+            .collect()
+    }
+
+    /// Puts `id`, after the pending nodes `absorbed`, where `target` says.
+    fn place(
+        &mut self,
+        id: NodeId,
+        target: Target,
+        reduction: &Option<(Vec<usize>, usize)>,
+        absorbed: &[NodeId],
+    ) {
+        let members = || absorbed.iter().copied().chain([id]);
+        let k = match target {
+            Target::Join(k, g) => {
+                if let Some((outer, len)) = reduction {
+                    self.groups[g].domain = Domain::Rows {
                         outer: outer.clone(),
                         len: *len,
                     };
                 }
-                groups[g].members.push(id);
-                kernel_of.insert(id, k);
+                self.groups[g].members.extend(members());
+                k
             }
-            None => {
-                let domain = match reduction {
-                    Some((outer, len)) => Domain::Rows { outer, len },
-                    None => Domain::Point(shape_of(graph, id).expect("fusible nodes are concrete")),
-                };
-                kernel_of.insert(id, order.len());
-                order.push(Ok(groups.len()));
-                groups.push(Group {
+            Target::Epilogue(k, mm) => {
+                self.order[k] = Ok(self.groups.len());
+                self.groups.push(Group {
+                    domain: Domain::Point(shape_of(self.graph, id).expect("concrete")),
+                    members: [mm].into_iter().chain(members()).collect(),
+                    head: Some(mm),
+                    products: Vec::new(),
+                });
+                k
+            }
+            Target::New(domain) => {
+                let k = self.order.len();
+                self.order.push(Ok(self.groups.len()));
+                self.groups.push(Group {
                     domain,
-                    members: vec![id],
+                    members: members().collect(),
                     head: None,
                     products: Vec::new(),
                 });
+                k
             }
+        };
+        for x in members() {
+            self.kernel_of.insert(x, k);
         }
     }
-    Grouping { groups, order }
 }
 
 #[cfg(test)]
@@ -327,6 +514,87 @@ mod tests {
         assert_eq!(
             slots(&g, &group_with(&g, ALL, &in_rows)),
             ["extern m", "point h r", "rows p q"]
+        );
+    }
+
+    #[test]
+    fn nodes_that_read_only_inputs_join_their_first_consumers_kernel() {
+        // AdamW's update of `p` from inputs p, m, v and a computed
+        // gradient g: `m·β1`, `v·β2` and `p·d` read only inputs. Placed as
+        // they come, each would start a kernel and split the chain in four.
+        let g = graph(
+            "%p, %m, %v, %x, %d",
+            "  %p = input : f32[4,8]
+  %m = input : f32[4,8]
+  %v = input : f32[4,8]
+  %x = input : f32[4,8]
+  %d = input : f32[]
+  %g = exp(%x) : f32[4,8]
+  %b1 = full {value=0.9, shape=[], dtype=f32} : f32[]
+  %mb = mul(%m, %b1) : f32[4,8]
+  %m2 = add(%mb, %g) : f32[4,8]
+  %gg = mul(%g, %g) : f32[4,8]
+  %vb = mul(%v, %b1) : f32[4,8]
+  %v2 = add(%vb, %gg) : f32[4,8]
+  %pd = mul(%p, %d) : f32[4,8]
+  %s = sqrt(%v2) : f32[4,8]
+  %u = div(%m2, %s) : f32[4,8]
+  %p2 = sub(%pd, %u) : f32[4,8]
+  return %p2 as p2, %m2 as m2, %v2 as v2",
+        );
+        assert_eq!(
+            slots(&g, &group(&g, POINTWISE)),
+            ["point g mb m2 gg vb v2 pd s u p2"]
+        );
+        // With no computed value at all, the chain is one kernel too: each
+        // pending node waits for its consumer, the last one takes them all.
+        let g = graph(
+            "%p, %m, %d",
+            "  %p = input : f32[4,8]
+  %m = input : f32[4,8]
+  %d = input : f32[]
+  %mb = mul(%m, %d) : f32[4,8]
+  %pd = mul(%p, %d) : f32[4,8]
+  %p2 = sub(%pd, %mb) : f32[4,8]
+  return %p2 as p2, %mb as mb",
+        );
+        assert_eq!(slots(&g, &group(&g, ALL)), ["point mb pd p2"]);
+    }
+
+    #[test]
+    fn a_waiting_node_its_consumer_cannot_take_is_placed_just_before_it() {
+        // `a` (shape [8]) cannot join the [4,8] kernel of `b`: it is placed
+        // on its own just before `b`'s, which takes `e`. `c` feeds a sum (an
+        // extern kernel in round 1) and is placed just before it.
+        let g = graph(
+            "%x, %r",
+            "  %x = input : f32[4,8]
+  %r = input : f32[8]
+  %e = exp(%x) : f32[4,8]
+  %a = neg(%r) : f32[8]
+  %b = add(%e, %a) : f32[4,8]
+  %c = abs(%x) : f32[4,8]
+  %s = sum(%c) {dims=[0], keepdim=false} : f32[8]
+  return %b as b, %s as s",
+        );
+        assert_eq!(
+            slots(&g, &group(&g, POINTWISE)),
+            ["point c", "extern s", "point a", "point e b"]
+        );
+        // A waiting node that feeds one the consumer's kernel does not take
+        // (`q`, under other hints) is not taken either: it would be placed
+        // after `q`, which reads it.
+        let g = graph(
+            "%x",
+            r#"  %x = input : f32[4,8]
+  %e = exp(%x) : f32[4,8]
+  %q = neg(%e) : f32[4,8]  hints={"order":"strict"}
+  %b = add(%e, %q) : f32[4,8]
+  return %b as b"#,
+        );
+        assert_eq!(
+            slots(&g, &group(&g, POINTWISE)),
+            ["point e", "point q", "point b"]
         );
     }
 }

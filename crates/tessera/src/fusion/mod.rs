@@ -22,7 +22,12 @@
 //! Grouping walks the nodes in order and puts a node into the newest kernel
 //! among its producers when that kernel's domain takes it (same shape and
 //! hints); all its other inputs then come from older kernels, so running
-//! kernels in creation order respects every dependency.
+//! kernels in creation order respects every dependency. A pointwise node
+//! that reads no kernel's value (only graph inputs and scalars: `m·β1` in
+//! an optimizer's update) waits, and joins the kernel of its first
+//! consumer when that kernel takes it; otherwise it is placed just before
+//! that consumer. It reads only inputs, so either place respects the
+//! dependencies, and a chain over several inputs stays one kernel.
 //!
 //! - `nodes`: what fusion takes of a node (inlined scalars, fusible ops);
 //! - `group`: grouping and domains, rounds 1 to 3;

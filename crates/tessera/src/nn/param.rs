@@ -84,6 +84,15 @@ impl Parameter {
         *self.0.value.write().expect("parameter lock") = as_leaf(value);
         Ok(())
     }
+
+    /// Puts `value` in the slot as it is (no new leaf) and returns the
+    /// value it held: for code that stands a parameter in for a while and
+    /// then puts the original back, its gradient included (a compiled
+    /// training step traces the model with its parameters as the graph's
+    /// inputs). The caller keeps the type.
+    pub(crate) fn replace(&self, value: Tensor) -> Tensor {
+        std::mem::replace(&mut *self.0.value.write().expect("parameter lock"), value)
+    }
 }
 
 impl std::fmt::Debug for Parameter {

@@ -1,8 +1,9 @@
 //! AdamW: Adam with decoupled weight decay.
 
-use super::Optimizer;
+use super::{Optimizer, TraceableOptimizer};
+use crate::error::{Error, ErrorKind, Result};
 use crate::nn::Parameter;
-use crate::tensor::Tensor;
+use crate::tensor::{Operand, Tensor};
 
 /// AdamW's hyper-parameters; the defaults are PyTorch's.
 #[derive(Clone, Debug, PartialEq)]
@@ -74,42 +75,59 @@ impl AdamW {
         &self.params
     }
 
-    /// The new value of one parameter, advancing its moments.
-    fn update(
-        c: &AdamWConfig,
-        p: &Tensor,
-        g: &Tensor,
-        state: Option<Moments>,
-    ) -> (Tensor, Moments) {
+    /// The scalars of step `t` (counted from 1), in f64:
+    /// `[1 − lr·wd, lr/(1 − β1ᵗ), 1/√(1 − β2ᵗ)]`.
+    fn scalars(c: &AdamWConfig, t: i32) -> [f64; 3] {
         let (b1, b2) = c.betas;
-        let (m, v, t) = match state {
-            Some(s) => (
-                s.m * b1 + g * (1.0 - b1),
-                s.v * b2 + g * g * (1.0 - b2),
-                s.t + 1,
-            ),
-            // Zero-initialised moments, without materialising the zeros.
-            None => (g * (1.0 - b1), g * g * (1.0 - b2), 1),
-        };
-        let step_size = c.lr / (1.0 - b1.powi(t));
-        let inv_sqrt_bc2 = 1.0 / (1.0 - b2.powi(t)).sqrt();
-        let denom = v.sqrt() * inv_sqrt_bc2 + c.eps;
-        let decayed = if c.weight_decay != 0.0 {
-            p * (1.0 - c.lr * c.weight_decay)
-        } else {
-            p.clone()
-        };
-        let next = decayed - (&m / &denom) * step_size;
-        (next, Moments { m, v, t })
+        [
+            1.0 - c.lr * c.weight_decay,
+            c.lr / (1.0 - b1.powi(t)),
+            1.0 / (1.0 - b2.powi(t)).sqrt(),
+        ]
     }
+}
+
+/// One AdamW step of `p` with gradient `g` from moments `moments` (`None`:
+/// zero, without materialising the zeros), the step's `scalars` given as
+/// [`AdamW::scalars`] orders them — f64 constants eagerly, 0-dim tensors
+/// when traced. Returns the new value, m and v. The one definition of
+/// AdamW's arithmetic.
+fn adamw_step<S: Operand + Copy>(
+    c: &AdamWConfig,
+    p: &Tensor,
+    g: &Tensor,
+    moments: Option<(&Tensor, &Tensor)>,
+    [decay, step_size, inv_sqrt_bc2]: [S; 3],
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let (b1, b2) = c.betas;
+    let g_scaled = g.try_mul(1.0 - b1)?;
+    let g2_scaled = g.try_mul(g)?.try_mul(1.0 - b2)?;
+    let (m, v) = match moments {
+        Some((m, v)) => (
+            m.try_mul(b1)?.try_add(&g_scaled)?,
+            v.try_mul(b2)?.try_add(&g2_scaled)?,
+        ),
+        None => (g_scaled, g2_scaled),
+    };
+    let denom = v.try_sqrt()?.try_mul(inv_sqrt_bc2)?.try_add(c.eps)?;
+    let decayed = if c.weight_decay != 0.0 {
+        p.try_mul(decay)?
+    } else {
+        p.clone()
+    };
+    let next = decayed.try_sub(&m.try_div(&denom)?.try_mul(step_size)?)?;
+    Ok((next, m, v))
 }
 
 impl Optimizer for AdamW {
     fn step(&mut self) {
         let config = &self.config;
         super::step_each(&self.params, &mut self.states, |p, g, state| {
-            let (next, moments) = AdamW::update(config, p, g, state.take());
-            *state = Some(moments);
+            let t = state.as_ref().map_or(1, |s| s.t + 1);
+            let moments = state.as_ref().map(|s| (&s.m, &s.v));
+            let (next, m, v) = adamw_step(config, p, g, moments, AdamW::scalars(config, t))
+                .unwrap_or_else(|e| panic!("AdamW::step: {e}"));
+            *state = Some(Moments { m, v, t });
             next
         });
     }
@@ -124,5 +142,72 @@ impl Optimizer for AdamW {
 
     fn set_lr(&mut self, lr: f64) {
         self.config.lr = lr;
+    }
+}
+
+impl TraceableOptimizer for AdamW {
+    fn params(&self) -> &[Parameter] {
+        &self.params
+    }
+
+    fn state_len(&self) -> usize {
+        2
+    }
+
+    fn state(&self, i: usize) -> Vec<Tensor> {
+        match &self.states[i] {
+            Some(s) => vec![s.m.clone(), s.v.clone()],
+            None => super::zero_state(&self.params[i].get(), 2),
+        }
+    }
+
+    fn step_scalars(&self, i: usize) -> Vec<f64> {
+        let t = self.states[i].as_ref().map_or(1, |s| s.t + 1);
+        AdamW::scalars(&self.config, t).to_vec()
+    }
+
+    fn update(
+        &self,
+        p: &Tensor,
+        g: &Tensor,
+        state: &[Tensor],
+        scalars: &[Tensor],
+    ) -> Result<(Tensor, Vec<Tensor>)> {
+        let (Ok([m, v]), Ok(scalars)) = (
+            <&[Tensor; 2]>::try_from(state),
+            <&[Tensor; 3]>::try_from(scalars),
+        ) else {
+            return Err(Error::op(
+                ErrorKind::Argument,
+                "AdamW::update",
+                format!(
+                    "needs 2 state tensors (m, v) and 3 scalars, got {} and {}",
+                    state.len(),
+                    scalars.len()
+                ),
+            ));
+        };
+        let [decay, step_size, inv_sqrt_bc2] = scalars;
+        let (next, m, v) = adamw_step(
+            &self.config,
+            p,
+            g,
+            Some((m, v)),
+            [decay, step_size, inv_sqrt_bc2],
+        )?;
+        Ok((next, vec![m, v]))
+    }
+
+    fn advance(&mut self, i: usize, state: Vec<Tensor>) -> Result<()> {
+        let t = self.states[i].as_ref().map_or(1, |s| s.t + 1);
+        let [m, v]: [Tensor; 2] = state.try_into().map_err(|s: Vec<Tensor>| {
+            Error::op(
+                ErrorKind::Argument,
+                "AdamW::advance",
+                format!("needs 2 state tensors (m, v), got {}", s.len()),
+            )
+        })?;
+        self.states[i] = Some(Moments { m, v, t });
+        Ok(())
     }
 }

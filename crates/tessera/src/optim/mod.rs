@@ -15,6 +15,13 @@
 //! parameters and the optimizers' state stay f32 (the gradients autograd
 //! returns to them are f32); f16 needs loss scaling ([`GradScaler`]).
 //! [`MixedPrecision`] bundles the three precisions for a training loop.
+//!
+//! Each optimizer's arithmetic is written once, generic over how its
+//! per-step scalars come (the learning rate, AdamW's bias corrections):
+//! as `f64` constants in the eager [`Optimizer::step`], as scalar tensors
+//! when [`TraceableOptimizer::update`] is traced into a compiled training
+//! step (`tessera::compile::train_step`), so that one compiled step serves
+//! every learning rate and step count. Both give the same values.
 
 mod adamw;
 mod amp;
@@ -27,6 +34,8 @@ pub use scaler::{GradScaler, GradScalerConfig};
 pub use sgd::{Sgd, SgdConfig};
 
 use crate::autograd::no_grad;
+use crate::error::Result;
+use crate::ir::DType;
 use crate::nn::Parameter;
 use crate::tensor::Tensor;
 
@@ -39,6 +48,56 @@ pub trait Optimizer {
     fn lr(&self) -> f64;
     /// Changes the learning rate (for schedules).
     fn set_lr(&mut self, lr: f64);
+}
+
+/// An optimizer whose step can be traced: its state as tensors, the
+/// scalars of each parameter's next step computed on the host, and the
+/// update as tensor ops over both — the same arithmetic its eager
+/// [`Optimizer::step`] runs (see the module docs). What a compiled
+/// training step (`tessera::compile::train_step`) needs.
+pub trait TraceableOptimizer: Optimizer {
+    /// The parameters it updates, in order.
+    fn params(&self) -> &[Parameter];
+
+    /// How many state tensors each parameter carries (AdamW: m and v; SGD:
+    /// the momentum buffer, or none without momentum).
+    fn state_len(&self) -> usize;
+
+    /// The state of parameter `i`, [`TraceableOptimizer::state_len`]
+    /// tensors of its type on its device: zeros before its first step, from
+    /// which [`TraceableOptimizer::update`] computes what the eager first
+    /// step computes.
+    fn state(&self, i: usize) -> Vec<Tensor>;
+
+    /// The scalars of parameter `i`'s next step, computed in f64 as the
+    /// eager step computes them (AdamW: `1 − lr·wd`, `lr/(1 − β1ᵗ)` and
+    /// `1/√(1 − β2ᵗ)`; SGD: `lr`).
+    fn step_scalars(&self, i: usize) -> Vec<f64>;
+
+    /// The new value and state of a parameter `p` with gradient `g`, state
+    /// `state` and the scalars of its step as 0-dim tensors of `p`'s dtype.
+    fn update(
+        &self,
+        p: &Tensor,
+        g: &Tensor,
+        state: &[Tensor],
+        scalars: &[Tensor],
+    ) -> Result<(Tensor, Vec<Tensor>)>;
+
+    /// Installs the state parameter `i` has after a step computed outside
+    /// the optimizer (by `update`), and counts the step. An error when
+    /// `state` is not [`TraceableOptimizer::state_len`] tensors.
+    fn advance(&mut self, i: usize, state: Vec<Tensor>) -> Result<()>;
+}
+
+/// `n` zero tensors of `p`'s type, on its device (the state of a
+/// parameter before its first step).
+fn zero_state(p: &Tensor, n: usize) -> Vec<Tensor> {
+    crate::runtime::device::with_device(p.device(), || {
+        (0..n)
+            .map(|_| Tensor::zeros(p.shape(), p.dtype()))
+            .collect()
+    })
 }
 
 /// The step both optimizers share: under `no_grad`, each parameter with a
@@ -59,11 +118,42 @@ fn step_each<S>(
     })
 }
 
+/// The global L2 norm of `grads` as an f64 0-dim tensor: each `sum(g²)`
+/// in the gradient's dtype, widened to f64 and summed there in order, then
+/// the square root (0 for no gradients). Shared by [`clip_grad_norm`] and
+/// the compiled training step.
+pub fn global_grad_norm(grads: &[Tensor]) -> Result<Tensor> {
+    let mut total: Option<Tensor> = None;
+    for g in grads {
+        let sq = g.try_mul(g)?.try_sum(&[], false)?.try_cast(DType::F64)?;
+        total = Some(match total {
+            Some(t) => t.try_add(&sq)?,
+            None => sq,
+        });
+    }
+    match total {
+        Some(t) => t.try_sqrt(),
+        None => Tensor::try_full(&[], 0.0, DType::F64),
+    }
+}
+
+/// The factor [`clip_grad_norm`] scales gradients by, as an f64 0-dim
+/// tensor: `max_norm / (norm + 1e-6)` (PyTorch's guard) where that is
+/// below 1, else 1 — also for a NaN norm, which leaves gradients as they
+/// are.
+pub fn clip_factor(norm: &Tensor, max_norm: f64) -> Result<Tensor> {
+    let coef = Tensor::try_full(&[], max_norm, DType::F64)?.try_div(&norm.try_add(1e-6)?)?;
+    let one = Tensor::try_full(&[], 1.0, DType::F64)?;
+    Tensor::try_where(&coef.try_lt(1.0)?, &coef, &one)
+}
+
 /// Scales the gradients of `params` in place so their global L2 norm is at
 /// most `max_norm` (as `torch.nn.utils.clip_grad_norm_`, with its 1e-6
 /// guard), and returns the norm before clipping. Parameters without a
-/// gradient are ignored; with none at all the norm is 0. A non-finite norm
-/// is returned as is and leaves the gradients untouched.
+/// gradient are ignored; with none at all the norm is 0. A NaN norm is
+/// returned as is and leaves the gradients untouched. The norm and the
+/// factor are [`global_grad_norm`] and [`clip_factor`], as in a compiled
+/// training step; this eager version skips the scaling when the factor is 1.
 pub fn clip_grad_norm<'a>(params: impl IntoIterator<Item = &'a Parameter>, max_norm: f64) -> f64 {
     no_grad(|| {
         let with_grads: Vec<(Tensor, Tensor)> = params
@@ -73,18 +163,16 @@ pub fn clip_grad_norm<'a>(params: impl IntoIterator<Item = &'a Parameter>, max_n
                 leaf.grad().map(|g| (leaf, g))
             })
             .collect();
-        let total = with_grads
-            .iter()
-            .map(|(_, g)| (g * g).sum(&[], false).item())
-            .sum::<f64>()
-            .sqrt();
-        let coef = max_norm / (total + 1e-6);
-        if coef < 1.0 {
+        let grads: Vec<Tensor> = with_grads.iter().map(|(_, g)| g.clone()).collect();
+        let norm = global_grad_norm(&grads).expect("the squares of gradients sum");
+        let factor = clip_factor(&norm, max_norm).expect("a scalar's arithmetic");
+        if factor.item() < 1.0 {
             for (leaf, g) in &with_grads {
-                leaf.set_grad(Some(g * coef))
-                    .expect("a parameter's value is a leaf and g * coef keeps its type");
+                let scaled = g * &factor.cast(g.dtype());
+                leaf.set_grad(Some(scaled))
+                    .expect("a parameter's value is a leaf and g * factor keeps its type");
             }
         }
-        total
+        norm.item()
     })
 }

@@ -83,13 +83,27 @@ pub fn is_grad_enabled() -> bool {
 
 /// Runs `f` with autograd recording off (like `torch.no_grad()`).
 pub fn no_grad<R>(f: impl FnOnce() -> R) -> R {
+    with_grad_mode(false, f)
+}
+
+/// Runs `f` with autograd recording on (like `torch.enable_grad()`), also
+/// inside a [`no_grad`] region: e.g. the gradients a compiled training
+/// step takes inside its trace, which compile's capture runs under
+/// `no_grad`.
+pub fn enable_grad<R>(f: impl FnOnce() -> R) -> R {
+    with_grad_mode(true, f)
+}
+
+/// Runs `f` with the grad mode `on`, restoring the caller's after (also
+/// when `f` panics).
+fn with_grad_mode<R>(on: bool, f: impl FnOnce() -> R) -> R {
     struct Restore(bool);
     impl Drop for Restore {
         fn drop(&mut self) {
             GRAD_ENABLED.with(|g| g.set(self.0));
         }
     }
-    let _restore = Restore(GRAD_ENABLED.with(|g| g.replace(false)));
+    let _restore = Restore(GRAD_ENABLED.with(|g| g.replace(on)));
     f()
 }
 
@@ -330,6 +344,19 @@ mod tests {
         assert!(no_grad(|| x.exp()).grad_fn().is_none());
         assert!(!no_grad(is_grad_enabled) && is_grad_enabled());
         assert!(x.detach().grad_fn().is_none() && !x.detach().requires_grad());
+    }
+
+    #[test]
+    fn enable_grad_records_inside_no_grad_and_restores_the_mode() {
+        let x = leaf();
+        let y = no_grad(|| enable_grad(|| x.exp()));
+        assert!(y.grad_fn().is_some());
+        assert!(no_grad(|| {
+            enable_grad(|| assert!(is_grad_enabled()));
+            !is_grad_enabled()
+        }));
+        let caught = std::panic::catch_unwind(|| no_grad(|| enable_grad(|| panic!("inside"))));
+        assert!(caught.is_err() && is_grad_enabled(), "restored on unwind");
     }
 
     #[test]

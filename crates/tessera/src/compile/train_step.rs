@@ -1,0 +1,537 @@
+//! The whole training step compiled: forward, loss, backward, gradient
+//! clipping and the optimizer's update traced as ONE graph and compiled
+//! by the ordinary pipeline (a [`Compiled`] function: guards, cache,
+//! passes, fusion, schedule, memory plan), so that a training loop runs
+//! one executable per step and nothing comes back to the host but the
+//! loss, when asked for.
+//!
+//! ```text
+//! inputs:  batch…, step scalars…, parameters…, optimizer state…
+//! graph:   loss = loss_fn(batch)          (the parameters stand in as leaves)
+//!          grads = autograd::grad(loss, parameters)   (inside the trace)
+//!          [norm, grads = clip(grads)]
+//!          parameters', state' = optimizer.update(parameters, grads, state, scalars)
+//! outputs: loss, [norm], parameters'…, state'…
+//! ```
+//!
+//! - **Parameters are inputs.** While `loss_fn` is traced, each
+//!   [`Parameter`] of the optimizer holds the graph input of its value (a
+//!   leaf that requires grad), so the model reads it where it reads its
+//!   weights; the original values are put back right after, also when
+//!   `loss_fn` panics. The gradients are the eager engine's
+//!   ([`autograd::grad`]) run on the traced tensors under
+//!   [`enable_grad`] (compile's capture traces under `no_grad`), so the
+//!   backward ops are part of the graph and the executable itself is
+//!   forward-only: no AOT split, the whole step goes through passes and
+//!   fusion together.
+//! - **Per-step hyper-parameters are inputs.** The learning rate (and
+//!   AdamW's bias corrections, which depend on the step count) enter as
+//!   0-dim tensors computed on the host in f64 exactly as the eager
+//!   optimizer computes them ([`TraceableOptimizer::step_scalars`]), so one
+//!   executable serves a whole run with a learning-rate schedule.
+//!   Parameters whose scalars are equal share them (normally: all).
+//! - **The optimizer's arithmetic is the eager one.** The update is
+//!   [`TraceableOptimizer::update`], the function the eager `step` runs,
+//!   with tensors for scalars; clipping is [`global_grad_norm`] and
+//!   [`clip_factor`], which the eager [`crate::optim::clip_grad_norm`]
+//!   runs. The state starts as zeros, from which the update computes what
+//!   the eager first step computes.
+//! - **Results are installed without copies.** The new values go into the
+//!   parameters' slots with [`Parameter::set`], which shares the output's
+//!   buffer (no copy; on a device nothing moves to the host), and the new
+//!   state into the optimizer ([`TraceableOptimizer::advance`]).
+//!
+//! Parameters without a gradient in the traced step (unused by the loss)
+//! keep their value and state, as in the eager step. Tensors the model
+//! uses that are not the optimizer's parameters are constants of the step
+//! (lifted inputs); should one require grad, the executable also gets a
+//! backward for it, which nothing runs.
+//!
+//! While a step traces, the optimizer's parameters hold graph values:
+//! another thread must not run the model at the same time.
+
+use std::panic::{self, AssertUnwindSafe};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use super::{compile, Backend, CompileStats, Compiled, Mode};
+use crate::autograd::{self, enable_grad, no_grad};
+use crate::error::{Error, ErrorKind, Result, SourceLoc};
+use crate::ir::DType;
+use crate::nn::Parameter;
+use crate::optim::{clip_factor, global_grad_norm, TraceableOptimizer};
+use crate::runtime::device::{with_device, Device};
+use crate::schedule::Strategy;
+use crate::tensor::Tensor;
+
+/// The traced function of a [`TrainStep`]: step inputs to step outputs.
+pub type StepFn<'a> = Box<dyn Fn(&[Tensor]) -> Vec<Tensor> + 'a>;
+
+/// A training step compiled whole; made by [`train_step`], run with
+/// [`TrainStep::step`].
+pub struct TrainStep<'a, O: TraceableOptimizer> {
+    compiled: Compiled<StepFn<'a>>,
+    shared: Arc<Shared<O>>,
+    max_grad_norm: Option<f64>,
+    last_grad_norm: Option<Tensor>,
+}
+
+/// What the traced function and the step share.
+struct Shared<O> {
+    optimizer: Mutex<O>,
+    /// How the inputs of the call under way are laid out.
+    layout: Mutex<Layout>,
+    /// Per parameter, whether the last traced step gave it a gradient.
+    has_grad: Mutex<Vec<bool>>,
+}
+
+/// The order of a step's inputs (after the batch): the scalar groups'
+/// scalars, the parameters' values, then their state.
+#[derive(Clone, Debug, Default)]
+struct Layout {
+    n_batch: usize,
+    /// Per parameter, its scalar group.
+    group_of: Vec<usize>,
+    n_groups: usize,
+    /// Scalars per group.
+    n_scalars: usize,
+    /// State tensors per parameter.
+    state_len: usize,
+    max_grad_norm: Option<f64>,
+}
+
+impl Layout {
+    fn n_inputs(&self, n_params: usize) -> usize {
+        self.n_batch + self.n_groups * self.n_scalars + n_params * (1 + self.state_len)
+    }
+
+    fn n_outputs(&self, n_params: usize) -> usize {
+        1 + usize::from(self.max_grad_norm.is_some()) + n_params * (1 + self.state_len)
+    }
+}
+
+/// Compiles the training step of `loss_fn` (the batch tensors to a float
+/// scalar loss, through modules whose parameters `optimizer` updates):
+/// each [`TrainStep::step`] computes the loss, the gradients of every
+/// parameter, optionally clips them ([`TrainStep::clip_grad_norm`]) and
+/// applies `optimizer`'s update, as one compiled graph — what
+/// `zero_grad(); loss.backward(); clip_grad_norm(…); step()` computes
+/// eagerly.
+///
+/// ```
+/// use tessera::compile::train_step;
+/// use tessera::nn::{mse, Linear, ParamStore};
+/// use tessera::optim::{Optimizer, Sgd, SgdConfig};
+/// use tessera::tensor::Generator;
+/// use tessera::{DType, Tensor};
+///
+/// let (mut store, mut g) = (ParamStore::new(), Generator::new(0));
+/// let layer = Linear::new(&mut store, "fc", 4, 1, true, &mut g);
+/// let sgd = Sgd::new(store.parameters(), SgdConfig { lr: 0.1, ..SgdConfig::default() });
+/// let mut step = train_step(|b: &[Tensor]| mse(&layer.forward(&b[0]), &b[1]), sgd);
+/// let (x, y) = (Tensor::ones(&[8, 4], DType::F32), Tensor::zeros(&[8, 1], DType::F32));
+/// for i in 0..3 {
+///     step.optimizer().set_lr(0.1 / (i + 1) as f64); // an input: no recompile
+///     let loss = step.step(&[x.clone(), y.clone()]);
+///     assert!(loss.item().is_finite());
+/// }
+/// assert_eq!(step.stats().compiles, 1);
+/// ```
+#[track_caller]
+pub fn train_step<'a, L, O>(loss_fn: L, optimizer: O) -> TrainStep<'a, O>
+where
+    L: Fn(&[Tensor]) -> Tensor + 'a,
+    O: TraceableOptimizer + 'a,
+{
+    let shared = Arc::new(Shared {
+        optimizer: Mutex::new(optimizer),
+        layout: Mutex::new(Layout::default()),
+        has_grad: Mutex::new(Vec::new()),
+    });
+    let inner = shared.clone();
+    let f: StepFn<'a> = Box::new(
+        move |args: &[Tensor]| match step_graph(&inner, &loss_fn, args) {
+            Ok(outputs) => outputs,
+            Err(e) => raise(e),
+        },
+    );
+    TrainStep {
+        compiled: compile(f),
+        shared,
+        max_grad_norm: None,
+        last_grad_norm: None,
+    }
+}
+
+impl<'a, O: TraceableOptimizer> TrainStep<'a, O> {
+    /// Clips the gradients to a global L2 norm of at most `max_norm` before
+    /// the update (as [`crate::optim::clip_grad_norm`]); the norm before
+    /// clipping is then [`TrainStep::last_grad_norm`].
+    pub fn clip_grad_norm(mut self, max_norm: f64) -> Self {
+        self.max_grad_norm = Some(max_norm);
+        self
+    }
+
+    /// Runs one step on `batch` (the arguments of the loss function):
+    /// updates the parameters and the optimizer's state and returns the
+    /// loss (a 0-dim tensor on the parameters' device). Panics with the
+    /// error, like an eager op.
+    #[track_caller]
+    pub fn step(&mut self, batch: &[Tensor]) -> Tensor {
+        match self.try_step(batch) {
+            Ok(loss) => loss,
+            Err(e) => panic!("{}", e.at(SourceLoc::caller())),
+        }
+    }
+
+    /// [`TrainStep::step`], returning the error (a loss that is not a float
+    /// scalar, one that no parameter influences, a compile or run error)
+    /// instead of panicking. Panics of the loss function pass on.
+    pub fn try_step(&mut self, batch: &[Tensor]) -> Result<Tensor> {
+        if let Some(max) = self.max_grad_norm.filter(|m| !(*m >= 0.0)) {
+            return Err(Error::op(
+                ErrorKind::Argument,
+                "train_step",
+                format!("clip_grad_norm needs a max norm >= 0, got {max}"),
+            ));
+        }
+        let (inputs, layout, params) = self.inputs(batch)?;
+        let n = params.len();
+        *lock(&self.shared.layout) = layout.clone();
+        let mut outputs = catching(|| self.compiled.try_call(&inputs))?;
+        drop(inputs);
+        if outputs.len() != layout.n_outputs(n) {
+            return Err(Error::new(
+                ErrorKind::Verify,
+                format!(
+                    "train_step: the step gave {} outputs, expected {}",
+                    outputs.len(),
+                    layout.n_outputs(n)
+                ),
+            ));
+        }
+        let mut states = outputs.split_off(outputs.len() - n * layout.state_len);
+        let values = outputs.split_off(outputs.len() - n);
+        let loss = outputs.remove(0);
+        self.last_grad_norm = outputs.pop();
+        let has_grad = lock(&self.shared.has_grad).clone();
+        let mut optimizer = lock(&self.shared.optimizer);
+        for (i, (param, value)) in params.iter().zip(values).enumerate().rev() {
+            let state = states.split_off(i * layout.state_len);
+            if has_grad.get(i).copied().unwrap_or(false) {
+                param.try_set(&value)?;
+                optimizer.advance(i, state)?;
+            }
+        }
+        Ok(loss)
+    }
+
+    /// The step's inputs for `batch`: the batch, the scalar groups, the
+    /// parameters' values and the optimizer's state.
+    fn inputs(&self, batch: &[Tensor]) -> Result<(Vec<Tensor>, Layout, Vec<Parameter>)> {
+        let optimizer = lock(&self.shared.optimizer);
+        let params = optimizer.params().to_vec();
+        let state_len = optimizer.state_len();
+        let mut inputs: Vec<Tensor> = batch.iter().map(Tensor::detach).collect();
+        let mut groups: Vec<(DType, Device, Vec<u64>)> = Vec::new();
+        let mut group_of = Vec::with_capacity(params.len());
+        let mut values = Vec::with_capacity(params.len());
+        for (i, param) in params.iter().enumerate() {
+            let value = param.get().detach();
+            let scalars: Vec<u64> = optimizer
+                .step_scalars(i)
+                .into_iter()
+                .map(f64::to_bits)
+                .collect();
+            let key = (value.dtype(), value.device(), scalars);
+            let group = match groups.iter().position(|g| *g == key) {
+                Some(at) => at,
+                None => {
+                    groups.push(key);
+                    groups.len() - 1
+                }
+            };
+            group_of.push(group);
+            values.push(value);
+        }
+        let n_scalars = groups.first().map_or(0, |g| g.2.len());
+        if groups.iter().any(|g| g.2.len() != n_scalars) {
+            return Err(Error::op(
+                ErrorKind::Argument,
+                "train_step",
+                "the optimizer gives its parameters different numbers of step scalars",
+            ));
+        }
+        for (dtype, device, scalars) in &groups {
+            for &bits in scalars {
+                let v = f64::from_bits(bits);
+                inputs.push(with_device(*device, || Tensor::try_full(&[], v, *dtype))?);
+            }
+        }
+        inputs.extend(values);
+        for i in 0..params.len() {
+            let state = optimizer.state(i);
+            if state.len() != state_len {
+                return Err(Error::op(
+                    ErrorKind::Argument,
+                    "train_step",
+                    format!(
+                        "the optimizer gave {} state tensors for `{}`, expected {state_len}",
+                        state.len(),
+                        params[i].name()
+                    ),
+                ));
+            }
+            inputs.extend(state.iter().map(Tensor::detach));
+        }
+        let layout = Layout {
+            n_batch: batch.len(),
+            group_of,
+            n_groups: groups.len(),
+            n_scalars,
+            state_len,
+            max_grad_norm: self.max_grad_norm,
+        };
+        debug_assert_eq!(inputs.len(), layout.n_inputs(params.len()));
+        Ok((inputs, layout, params))
+    }
+
+    /// The optimizer (e.g. to change its learning rate: an input of the
+    /// step, so no recompile).
+    pub fn optimizer(&self) -> MutexGuard<'_, O> {
+        lock(&self.shared.optimizer)
+    }
+
+    /// The optimizer back, with the state the steps gave it.
+    pub fn into_optimizer(self) -> O {
+        let TrainStep {
+            compiled, shared, ..
+        } = self;
+        // The traced function holds the other handle.
+        drop(compiled);
+        match Arc::try_unwrap(shared) {
+            Ok(shared) => shared
+                .optimizer
+                .into_inner()
+                .unwrap_or_else(|e| e.into_inner()),
+            Err(_) => unreachable!("the compiled function was the only other owner"),
+        }
+    }
+
+    /// The global gradient norm before clipping of the last step (an f64
+    /// 0-dim tensor on the parameters' device), when clipping.
+    pub fn last_grad_norm(&self) -> Option<&Tensor> {
+        self.last_grad_norm.as_ref()
+    }
+
+    pub fn stats(&self) -> CompileStats {
+        self.compiled.stats()
+    }
+
+    /// Why each recompile happened.
+    pub fn recompile_reasons(&self) -> Vec<String> {
+        self.compiled.recompile_reasons()
+    }
+
+    /// The compiled step's artifacts: its graph after the passes
+    /// (`forward.tir`: the whole step is one forward graph), kernels,
+    /// schedule and memory plan (see [`Compiled::last_artifacts`]).
+    pub fn last_artifacts(&self) -> Vec<(String, String)> {
+        self.compiled.last_artifacts()
+    }
+
+    pub fn backend(mut self, backend: Backend) -> Self {
+        self.compiled = self.compiled.backend(backend);
+        self
+    }
+
+    /// `Mode::ReduceOverhead` skips the trace when the inputs' guards match
+    /// (the step's graph must then depend on nothing else).
+    pub fn mode(mut self, mode: Mode) -> Self {
+        self.compiled = self.compiled.mode(mode);
+        self
+    }
+
+    pub fn schedule(mut self, strategy: Strategy) -> Self {
+        self.compiled = self.compiled.schedule(strategy);
+        self
+    }
+
+    pub fn fullgraph(mut self, on: bool) -> Self {
+        self.compiled = self.compiled.fullgraph(on);
+        self
+    }
+
+    pub fn dynamic(mut self, dynamic: Option<bool>) -> Self {
+        self.compiled = self.compiled.dynamic(dynamic);
+        self
+    }
+
+    pub fn memory_budget(mut self, bytes: usize) -> Self {
+        self.compiled = self.compiled.memory_budget(bytes);
+        self
+    }
+
+    pub fn speculate(mut self, on: Option<bool>) -> Self {
+        self.compiled = self.compiled.speculate(on);
+        self
+    }
+
+    pub fn name(mut self, name: &str) -> Self {
+        self.compiled = self.compiled.name(name);
+        self
+    }
+}
+
+/// The step as tensor ops on `args` (laid out as the shared [`Layout`]
+/// says): traced on each call, or run eagerly past the recompile limit.
+fn step_graph<O: TraceableOptimizer>(
+    shared: &Shared<O>,
+    loss_fn: &dyn Fn(&[Tensor]) -> Tensor,
+    args: &[Tensor],
+) -> Result<Vec<Tensor>> {
+    let layout = lock(&shared.layout).clone();
+    let params = lock(&shared.optimizer).params().to_vec();
+    let n = params.len();
+    if args.len() != layout.n_inputs(n) {
+        return Err(Error::new(
+            ErrorKind::Verify,
+            format!(
+                "train_step: {} inputs for a layout of {}",
+                args.len(),
+                layout.n_inputs(n)
+            ),
+        ));
+    }
+    let (batch, rest) = args.split_at(layout.n_batch);
+    let (scalars, rest) = rest.split_at(layout.n_groups * layout.n_scalars);
+    let (values, states) = rest.split_at(n);
+    let leaves: Vec<Tensor> = values
+        .iter()
+        .map(|v| v.detach().set_requires_grad(true))
+        .collect();
+    let (loss, grads) = {
+        let _standing = StandIn::new(&params, &leaves);
+        enable_grad(|| gradients(loss_fn(batch), &leaves))?
+    };
+    let has_grad: Vec<bool> = grads.iter().map(Option::is_some).collect();
+    let outputs = no_grad(|| -> Result<Vec<Tensor>> {
+        let mut grads = grads;
+        let mut outputs = vec![loss.detach()];
+        if let Some(max_norm) = layout.max_grad_norm {
+            let present: Vec<Tensor> = grads.iter().flatten().cloned().collect();
+            let norm = global_grad_norm(&present)?;
+            let factor = clip_factor(&norm, max_norm)?;
+            for g in grads.iter_mut().flatten() {
+                *g = g.try_mul(&factor.try_cast(g.dtype())?)?;
+            }
+            outputs.push(norm);
+        }
+        let optimizer = lock(&shared.optimizer);
+        let mut new_states = Vec::with_capacity(states.len());
+        for (i, (value, grad)) in values.iter().zip(&grads).enumerate() {
+            let state = &states[i * layout.state_len..(i + 1) * layout.state_len];
+            let Some(g) = grad else {
+                outputs.push(value.clone());
+                new_states.extend(state.iter().cloned());
+                continue;
+            };
+            let group = layout.group_of[i] * layout.n_scalars;
+            let scalars = &scalars[group..group + layout.n_scalars];
+            let (next, state) = optimizer.update(value, g, state, scalars)?;
+            outputs.push(next);
+            new_states.extend(state);
+        }
+        outputs.extend(new_states);
+        Ok(outputs)
+    })?;
+    *lock(&shared.has_grad) = has_grad;
+    Ok(outputs)
+}
+
+/// The loss and its gradients with respect to `leaves` (`None` for those
+/// it does not depend on), checked to be a float scalar that some leaf
+/// influences.
+fn gradients(loss: Tensor, leaves: &[Tensor]) -> Result<(Tensor, Vec<Option<Tensor>>)> {
+    if loss.numel() != 1 || !loss.dtype().is_float() {
+        return Err(Error::op(
+            ErrorKind::Shape,
+            "train_step",
+            format!(
+                "the loss function must return a float scalar, got {}",
+                loss.ty()
+            ),
+        ));
+    }
+    if !loss.requires_grad() {
+        return Err(Error::op(
+            ErrorKind::Argument,
+            "train_step",
+            format!(
+                "the loss {} depends on none of the optimizer's {} parameters{}",
+                loss.ty(),
+                leaves.len(),
+                loss.cut_op()
+                    .map(|op| format!(" (it was computed through `{op}`, which has no gradient)"))
+                    .unwrap_or_default()
+            ),
+        ));
+    }
+    let seed = with_device(loss.device(), || {
+        Tensor::try_full(loss.shape(), 1.0, loss.dtype())
+    })?;
+    let grads = autograd::grad(std::slice::from_ref(&loss), &[seed], leaves)?;
+    Ok((loss, grads))
+}
+
+/// The optimizer's parameters holding other values (the step's traced
+/// inputs) until dropped, when the originals go back.
+struct StandIn<'p> {
+    params: &'p [Parameter],
+    originals: Vec<Tensor>,
+}
+
+impl<'p> StandIn<'p> {
+    fn new(params: &'p [Parameter], values: &[Tensor]) -> StandIn<'p> {
+        let originals = params
+            .iter()
+            .zip(values)
+            .map(|(p, v)| p.replace(v.clone()))
+            .collect();
+        StandIn { params, originals }
+    }
+}
+
+impl Drop for StandIn<'_> {
+    fn drop(&mut self) {
+        for (p, original) in self.params.iter().zip(self.originals.drain(..)) {
+            p.replace(original);
+        }
+    }
+}
+
+/// An error of the traced step, unwound through the compiled function
+/// (whose traced function returns tensors, not results) to
+/// [`catching`] in [`TrainStep::try_step`].
+struct Raised(Error);
+
+fn raise(e: Error) -> ! {
+    panic::resume_unwind(Box::new(Raised(e)))
+}
+
+/// Runs `f`, returning an error [`raise`]d inside it as its error; any
+/// other panic (the loss function's own) passes on.
+fn catching<R>(f: impl FnOnce() -> Result<R>) -> Result<R> {
+    match panic::catch_unwind(AssertUnwindSafe(f)) {
+        Ok(r) => r,
+        Err(payload) => match payload.downcast::<Raised>() {
+            Ok(raised) => Err(raised.0),
+            Err(other) => panic::resume_unwind(other),
+        },
+    }
+}
+
+/// A lock that a panic of another holder does not poison for good: every
+/// value behind these locks is whole between statements.
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
