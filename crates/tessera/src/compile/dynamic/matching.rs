@@ -101,7 +101,7 @@ impl Binding {
         let mut multiples: Vec<(usize, Dim)> = self
             .monomials
             .iter()
-            .filter(|(_, v)| *v >= 2 && value > *v && value % v == 0)
+            .filter(|(_, v)| *v >= 2 && value > *v && value.is_multiple_of(*v))
             .map(|(mono, v)| (value / v, &Dim::Const(value / v) * mono))
             .collect();
         multiples.sort_by_key(|(c, _)| *c);

@@ -60,7 +60,7 @@ fn probe_values(graph: &Graph, symbols: &[Arc<str>]) -> Result<[Vec<usize>; 2]> 
         let mut found = (2..=bound)
             .rev()
             .filter(|&p| is_prime(p) && !used.contains(&p))
-            .filter(|&p| constants.iter().all(|c| c % p != 0));
+            .filter(|&p| constants.iter().all(|c| !c.is_multiple_of(p)));
         let (Some(x), Some(y)) = (found.next(), found.next()) else {
             return Err(refused(
                 graph,
@@ -90,7 +90,10 @@ fn upper_bound(graph: &Graph, symbol: &Arc<str>) -> Option<usize> {
 }
 
 fn is_prime(n: usize) -> bool {
-    n >= 2 && (2..).take_while(|k| k * k <= n).all(|k| n % k != 0)
+    n >= 2
+        && (2..)
+            .take_while(|k| k * k <= n)
+            .all(|k| !n.is_multiple_of(k))
 }
 
 /// The symbols of `graph`'s inputs, in order of first appearance.
