@@ -187,7 +187,7 @@ impl<'a, O: TraceableOptimizer> TrainStep<'a, O> {
     /// scalar, one that no parameter influences, a compile or run error)
     /// instead of panicking. Panics of the loss function pass on.
     pub fn try_step(&mut self, batch: &[Tensor]) -> Result<Tensor> {
-        if let Some(max) = self.max_grad_norm.filter(|m| !(*m >= 0.0)) {
+        if let Some(max) = self.max_grad_norm.filter(|m| m.is_nan() || *m < 0.0) {
             return Err(Error::op(
                 ErrorKind::Argument,
                 "train_step",
@@ -268,7 +268,7 @@ impl<'a, O: TraceableOptimizer> TrainStep<'a, O> {
             }
         }
         inputs.extend(values);
-        for i in 0..params.len() {
+        for (i, param) in params.iter().enumerate() {
             let state = optimizer.state(i);
             if state.len() != state_len {
                 return Err(Error::op(
@@ -277,7 +277,7 @@ impl<'a, O: TraceableOptimizer> TrainStep<'a, O> {
                     format!(
                         "the optimizer gave {} state tensors for `{}`, expected {state_len}",
                         state.len(),
-                        params[i].name()
+                        param.name()
                     ),
                 ));
             }
@@ -503,7 +503,10 @@ impl<'p> StandIn<'p> {
 
 impl Drop for StandIn<'_> {
     fn drop(&mut self) {
-        for (p, original) in self.params.iter().zip(self.originals.drain(..)) {
+        // In reverse, so that a parameter listed twice ends with its own
+        // value, not the first stand-in.
+        let originals = std::mem::take(&mut self.originals);
+        for (p, original) in self.params.iter().zip(originals).rev() {
             p.replace(original);
         }
     }
