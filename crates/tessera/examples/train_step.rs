@@ -7,10 +7,13 @@
 //!
 //! The defaults are issue 17's GPT: 4 layers, d256 (4 heads, MLP 1024),
 //! batch 8×128, vocab 1024 — the shapes of `../shared/anchors/gpt_torch.py`.
+//! `STEP_SCHEDULE=strict|dfs|bfs` picks the compiled step's kernel order
+//! (default bfs).
 
 use std::time::Instant;
 
 use tessera::compile::train_step;
+use tessera::hints::Strategy;
 use tessera::nn::{cross_entropy, ParamStore, TransformerConfig, TransformerLM};
 use tessera::optim::{AdamW, AdamWConfig, Optimizer};
 use tessera::tensor::Generator;
@@ -89,6 +92,14 @@ fn main() {
     let (store, lm) = model();
     let opt = AdamW::new(store.parameters(), AdamWConfig::default());
     let mut step = train_step(|b: &[Tensor]| loss_of(&lm, b), opt);
+    if let Ok(order) = std::env::var("STEP_SCHEDULE") {
+        step = step.schedule(match order.as_str() {
+            "strict" => Strategy::Strict,
+            "dfs" => Strategy::Dfs,
+            "bfs" => Strategy::Bfs,
+            other => panic!("STEP_SCHEDULE: strict, dfs or bfs, got {other}"),
+        });
+    }
     let mut compiled_ms = Vec::new();
     let mut compiled_losses = Vec::new();
     let mut first = 0.0;

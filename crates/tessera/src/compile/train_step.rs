@@ -503,7 +503,10 @@ impl<'p> StandIn<'p> {
 
 impl Drop for StandIn<'_> {
     fn drop(&mut self) {
-        for (p, original) in self.params.iter().zip(self.originals.drain(..)) {
+        // In reverse, so that a parameter listed twice ends with its own
+        // value, not the first stand-in.
+        let originals = std::mem::take(&mut self.originals);
+        for (p, original) in self.params.iter().zip(originals).rev() {
             p.replace(original);
         }
     }
@@ -534,4 +537,40 @@ fn catching<R>(f: impl FnOnce() -> Result<R>) -> Result<R> {
 /// value behind these locks is whole between statements.
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_layout_counts_inputs_and_outputs() {
+        let layout = Layout {
+            n_batch: 2,
+            group_of: vec![0, 0, 1],
+            n_groups: 2,
+            n_scalars: 3,
+            state_len: 2,
+            max_grad_norm: Some(1.0),
+        };
+        // batch, 2 groups of 3 scalars, 3 values and 3·2 state tensors.
+        assert_eq!(layout.n_inputs(3), 2 + 6 + 3 + 6);
+        // loss, norm, 3 values, 6 state tensors.
+        assert_eq!(layout.n_outputs(3), 1 + 1 + 3 + 6);
+    }
+
+    #[test]
+    fn a_raised_error_is_caught_and_other_panics_pass_on() {
+        let e = catching(|| -> Result<()> {
+            raise(Error::new(ErrorKind::Shape, "train_step: raised"))
+        })
+        .unwrap_err();
+        assert_eq!(
+            (e.kind, e.message.as_str()),
+            (ErrorKind::Shape, "train_step: raised")
+        );
+        assert_eq!(catching(|| Ok(3)).unwrap(), 3);
+        let other = panic::catch_unwind(|| catching(|| -> Result<()> { panic!("the user's") }));
+        assert!(other.is_err());
+    }
 }

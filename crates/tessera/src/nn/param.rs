@@ -63,7 +63,9 @@ impl Parameter {
     }
 
     /// Replaces the value with a new leaf holding `value`'s values (cut from
-    /// any graph). Panics when the dtype or shape differs.
+    /// any graph). Nothing is copied: the leaf shares `value`'s buffer (on a
+    /// device too), so installing an optimizer's or a compiled step's output
+    /// moves no data. Panics when the dtype or shape differs.
     #[track_caller]
     pub fn set(&self, value: &Tensor) {
         if let Err(e) = self.try_set(value) {
@@ -315,5 +317,43 @@ impl<'a> IntoIterator for &'a ParamStore {
 
     fn into_iter(self) -> Self::IntoIter {
         self.params.iter()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn set_shares_the_values_buffer_and_starts_a_fresh_leaf() {
+        let p = Parameter::new("p", &Tensor::from_vec(vec![1.0f32, 2.0], &[2]));
+        (p.get() * 3.0).sum(&[], false).backward();
+        assert!(p.grad().is_some());
+        let next = Tensor::from_vec(vec![5.0f32, 6.0], &[2]);
+        p.set(&next);
+        let leaf = p.get();
+        assert!(leaf.shares_storage(&next), "no copy");
+        assert!(leaf.is_leaf() && leaf.requires_grad() && leaf.grad().is_none());
+        let err = p.try_set(&Tensor::zeros(&[3], DType::F32)).unwrap_err();
+        assert!(
+            err.to_string().contains("p: expected f32[2], got f32[3]"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn replace_swaps_the_handle_itself_and_gives_back_the_old_one() {
+        let p = Parameter::new("p", &Tensor::from_vec(vec![1.0f64], &[1]));
+        let original = p.get();
+        original.exp().sum(&[], false).backward();
+        let stand_in = Tensor::from_vec(vec![2.0f64], &[1]);
+        let old = p.replace(stand_in.clone());
+        assert!(p.get().shares_storage(&stand_in) && !p.get().requires_grad());
+        p.replace(old);
+        assert!(
+            p.get().grad().is_some(),
+            "the original leaf, its gradient kept"
+        );
+        assert!(p.get().shares_storage(&original));
     }
 }
