@@ -405,7 +405,8 @@ fn load_runs<T: Element, A: AccFloat>(src: &[T], layout: &Layout, start: usize, 
             0 => out.fill(A::from_f64(Element::to_f64(src[offset]))),
             1 if same_repr::<T, A>() => {
                 // SAFETY: T and A are the same float type (checked).
-                let from = unsafe { std::slice::from_raw_parts(src[offset..].as_ptr() as *const A, run) };
+                let from =
+                    unsafe { std::slice::from_raw_parts(src[offset..].as_ptr() as *const A, run) };
                 out.copy_from_slice(from);
             }
             _ => {
@@ -594,15 +595,35 @@ mod tests {
         let wide: Vec<f64> = src.iter().map(|&v| f64::from(v)).collect();
         let layouts = [
             // [4, 5] transposed from [5, 4], offset 3.
-            Layout { shape: vec![4, 5], strides: vec![1, 4], offset: 3 },
+            Layout {
+                shape: vec![4, 5],
+                strides: vec![1, 4],
+                offset: 3,
+            },
             // A row of 7 broadcast over 6 rows.
-            Layout { shape: vec![6, 7], strides: vec![0, 1], offset: 10 },
+            Layout {
+                shape: vec![6, 7],
+                strides: vec![0, 1],
+                offset: 10,
+            },
             // A column broadcast along the last dim.
-            Layout { shape: vec![3, 4, 5], strides: vec![20, 1, 0], offset: 0 },
+            Layout {
+                shape: vec![3, 4, 5],
+                strides: vec![20, 1, 0],
+                offset: 0,
+            },
             // Broadcast in the middle, a stride of 2 last.
-            Layout { shape: vec![2, 3, 2, 4], strides: vec![60, 0, 17, 2], offset: 5 },
+            Layout {
+                shape: vec![2, 3, 2, 4],
+                strides: vec![60, 0, 17, 2],
+                offset: 5,
+            },
             // Length-1 dims.
-            Layout { shape: vec![1, 9, 1], strides: vec![0, 3, 1], offset: 1 },
+            Layout {
+                shape: vec![1, 9, 1],
+                strides: vec![0, 3, 1],
+                offset: 1,
+            },
         ];
         for layout in &layouts {
             let n = layout.numel();
