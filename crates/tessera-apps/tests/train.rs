@@ -9,7 +9,8 @@ use tessera::{DType, ErrorKind, Result, Tensor};
 use tessera_apps::train::eval::{evaluate, greedy_decode, score};
 use tessera_apps::train::task::{answer, Sampler};
 use tessera_apps::train::{
-    evaluate_model, train, ReversalTask, TrainConfig, IGNORE_INDEX, SEP, VOCAB,
+    evaluate_model, train, Execution, ReversalTask, TrainConfig, TrainReport, IGNORE_INDEX, SEP,
+    VOCAB,
 };
 
 const I: i64 = IGNORE_INDEX;
@@ -61,6 +62,10 @@ fn a_short_run_lowers_the_loss_and_writes_its_artifacts() {
     assert_eq!(report.final_accuracy, report.evals[1].accuracy.exact_match);
     assert!(report.tokens_per_s > 0.0 && report.ms_per_step > 0.0);
     assert!(report.wall_time_s >= report.train_time_s);
+    // Compiled by default: one executable for the whole run (the batch
+    // never changes size), its time reported.
+    assert_eq!(report.config.execution, Execution::Compiled);
+    assert_compiled_once(&report);
 
     let png = std::fs::read(dir.path().join("loss.png")).unwrap();
     assert!(png.starts_with(b"\x89PNG\r\n\x1a\n"), "not a PNG");
@@ -83,6 +88,129 @@ fn assert_checkpoint_reproduces(config: &TrainConfig, final_accuracy: &f64) {
     let task = config.task();
     let accuracy = evaluate_model(&model, &task, &task.eval_set(config.eval_size)).unwrap();
     assert_eq!(accuracy.exact_match, *final_accuracy);
+}
+
+/// The loss compiled once: no recompile, no eager fallback, compile and
+/// trace time measured.
+fn assert_compiled_once(report: &TrainReport) {
+    let c = report
+        .compile
+        .as_ref()
+        .expect("a compiled run reports its compiles");
+    assert_eq!(
+        (c.compiles, c.recompiles, c.eager_calls, c.graph_breaks),
+        (1, 0, 0, 0),
+        "{c:?}"
+    );
+    assert_eq!(c.cache_hits, report.losses.len() - 1, "{c:?}");
+    assert!(c.compile_seconds > 0.0 && c.trace_seconds > 0.0, "{c:?}");
+    assert!(report.median_step_ms > 0.0);
+}
+
+/// The largest relative difference between two runs' losses.
+fn worst_gap(a: &[f64], b: &[f64]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .fold(0.0, |m, (x, y)| m.max((x - y).abs() / y.abs()))
+}
+
+/// The same seed compiled and eager, with dropout: the compiled loss (its
+/// dropout seed an input of the one executable) follows the eager run's
+/// masks and arithmetic step by step.
+#[test]
+fn compiled_and_eager_runs_from_the_same_seed_agree() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = TrainConfig {
+        steps: 20,
+        dropout: 0.1,
+        checkpoint: None,
+        plot: None,
+        ..tiny_config(dir.path())
+    };
+    let compiled = train(&config, |_| {}).unwrap();
+    let eager = train(
+        &TrainConfig {
+            execution: Execution::Eager,
+            ..config.clone()
+        },
+        |_| {},
+    )
+    .unwrap();
+    assert_compiled_once(&compiled);
+    assert!(eager.compile.is_none());
+    let gap = worst_gap(&compiled.losses, &eager.losses);
+    eprintln!("compiled vs eager, 20 steps with dropout: worst relative loss gap {gap:.2e}");
+    // Stated tolerance: 1e-4 relative at every step (measured 1.0e-7 on
+    // the 2-core dev machine).
+    assert!(
+        gap <= 1e-4,
+        "{gap}\ncompiled {:?}\neager {:?}",
+        compiled.losses,
+        eager.losses
+    );
+    // Without dropout the first loss differs by far more: the tolerance
+    // tells the masks apart.
+    let no_dropout = train(
+        &TrainConfig {
+            steps: 1,
+            warmup: 1,
+            dropout: 0.0,
+            ..config.clone()
+        },
+        |_| {},
+    )
+    .unwrap();
+    assert!(
+        (no_dropout.losses[0] - eager.losses[0]).abs() > 1e-3 * eager.losses[0],
+        "{} vs {}",
+        no_dropout.losses[0],
+        eager.losses[0]
+    );
+}
+
+/// bf16 and f16 autocast (the loss compiled) train, near the f32 run.
+#[test]
+fn half_precision_runs_train_near_f32() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = TrainConfig {
+        checkpoint: None,
+        plot: None,
+        ..tiny_config(dir.path())
+    };
+    let reference = train(&config, |_| {}).unwrap();
+    for dtype in [DType::BF16, DType::F16] {
+        let run = train(
+            &TrainConfig {
+                dtype,
+                ..config.clone()
+            },
+            |_| {},
+        )
+        .unwrap();
+        let (first, last) = (mean(&run.losses[..10]), mean(&run.losses[30..]));
+        eprintln!(
+            "{dtype}: loss {first:.4} -> {last:.4}; worst relative gap to f32 {:.2e}; scale {:?}",
+            worst_gap(&run.losses, &reference.losses),
+            run.loss_scale
+        );
+        assert!(last < 0.7 * first, "{dtype}: loss {first:.4} -> {last:.4}");
+        assert_eq!(run.config.dtype, dtype);
+        assert_compiled_once(&run);
+        // Stated tolerances: the largest relative gap to the f32 losses over
+        // the 40 steps, bf16 1e-2 and f16 3e-3 (measured on the 2-core dev
+        // machine: bf16 1.8e-3, f16 3.5e-4).
+        let gap = worst_gap(&run.losses, &reference.losses);
+        let tolerance = if dtype == DType::BF16 { 1e-2 } else { 3e-3 };
+        assert!(gap <= tolerance, "{dtype}: {gap} > {tolerance}");
+        match dtype {
+            DType::F16 => {
+                assert_eq!(run.skipped_steps, 0, "the default scale fits this model");
+                assert_eq!(run.loss_scale, Some(65536.0));
+            }
+            _ => assert_eq!((run.skipped_steps, run.loss_scale), (0, None)),
+        }
+    }
 }
 
 #[test]
@@ -223,6 +351,7 @@ fn bad_configs_are_clear_errors_listing_every_problem() {
         max_len: 16,
         d_model: 30,
         n_heads: 4,
+        dtype: DType::F64,
         ..TrainConfig::default()
     };
     let err = train(&config, |_| {}).unwrap_err();
@@ -234,6 +363,10 @@ fn bad_configs_are_clear_errors_listing_every_problem() {
     );
     assert!(
         message.contains("d_model 30 must be a multiple of n_heads 4"),
+        "{message}"
+    );
+    assert!(
+        message.contains("dtype must be f32, bf16 or f16 (the precision of the forward), got f64"),
         "{message}"
     );
 

@@ -7,7 +7,8 @@ use std::time::Duration;
 use anyhow::{anyhow, Result};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
-use tessera_apps::train::{train_on, Decay, Progress, TrainConfig, TrainReport};
+use tessera::DType;
+use tessera_apps::train::{train_on, Decay, Execution, Progress, TrainConfig, TrainReport};
 
 /// The defaults of every flag: one place, the library's.
 fn defaults() -> TrainConfig {
@@ -61,6 +62,15 @@ pub struct TrainArgs {
     /// Dropout on embeddings and residual branches.
     #[arg(long, default_value_t = defaults().dropout)]
     dropout: f64,
+    /// Run every step op by op instead of compiling the loss (forward and
+    /// cross entropy through tessera::compile, the backward compiled ahead
+    /// of time): to compare.
+    #[arg(long)]
+    eager: bool,
+    /// Training precision: f32, or the forward under bf16 or f16 autocast
+    /// (f16 with dynamic loss scaling); weights and optimizer state stay f32.
+    #[arg(long, default_value_t = defaults().dtype)]
+    dtype: DType,
     /// Seeds the initialisation and the training batches.
     #[arg(long, default_value_t = defaults().seed)]
     seed: u64,
@@ -97,6 +107,11 @@ impl TrainArgs {
             d_ff: self.d_ff,
             max_len: self.max_len,
             dropout: self.dropout,
+            execution: match self.eager {
+                true => Execution::Eager,
+                false => Execution::Compiled,
+            },
+            dtype: self.dtype,
             seed: self.seed,
             eval_every: self.eval_every,
             eval_size: self.eval_size,
@@ -114,7 +129,7 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     let c = &config;
     println!(
         "reversing {}-digit strings: TransformerLM d_model {}, {} heads, {} layers, d_ff {}; \
-         {} steps of batch {}, lr {} ({} decay, warmup {}), seed {}, on {device}",
+         {} steps of batch {}, lr {} ({} decay, warmup {}), seed {}, {} {}, on {device}",
         c.digits,
         c.d_model,
         c.n_heads,
@@ -125,7 +140,9 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         c.lr,
         c.decay,
         c.warmup,
-        c.seed
+        c.seed,
+        c.execution,
+        c.dtype
     );
     let bar = progress_bar(c.steps as u64);
     let mut last_accuracy = None;
@@ -177,6 +194,14 @@ fn eval_line(p: &Progress) -> String {
     )
 }
 
+fn plural(n: usize) -> &'static str {
+    if n == 1 {
+        ""
+    } else {
+        "s"
+    }
+}
+
 fn write_summary(path: &Path, report: &TrainReport) -> Result<()> {
     let json = serde_json::to_string_pretty(report)?;
     std::fs::write(path, json + "\n").map_err(|e| anyhow!("{}: {e}", path.display()))
@@ -190,9 +215,41 @@ fn print_summary(report: &TrainReport, out_dir: &Path) {
         report.num_parameters
     );
     println!(
-        "wall time {:.1} s (training {:.1} s, {:.2} ms/step, {:.0} tokens/s)",
-        report.wall_time_s, report.train_time_s, report.ms_per_step, report.tokens_per_s
+        "wall time {:.1} s (training {:.1} s, {:.2} ms/step, median {:.2} ms, {:.0} tokens/s; {} {})",
+        report.wall_time_s,
+        report.train_time_s,
+        report.ms_per_step,
+        report.median_step_ms,
+        report.tokens_per_s,
+        report.config.execution,
+        report.config.dtype
     );
+    if let Some(c) = &report.compile {
+        println!(
+            "compile: {} compile{} ({} recompile{}) in {:.1} ms, tracing {:.1} ms over {} steps{}",
+            c.compiles,
+            plural(c.compiles),
+            c.recompiles,
+            plural(c.recompiles),
+            c.compile_seconds * 1e3,
+            c.trace_seconds * 1e3,
+            report.losses.len(),
+            match c.eager_calls {
+                0 => String::new(),
+                n => format!(", {n} eager calls past the recompile limit"),
+            }
+        );
+    }
+    if let Some(c) = report.compile.as_ref().filter(|c| c.recompiles > 0) {
+        println!("recompiled: {}", c.recompile_reasons.join("; "));
+    }
+    if let Some(scale) = report.loss_scale {
+        println!(
+            "f16 loss scale {scale} at the end; {} step{} skipped (overflowing gradients)",
+            report.skipped_steps,
+            plural(report.skipped_steps)
+        );
+    }
     println!(
         "wrote {0}/model.safetensors, {0}/loss.png, {0}/summary.json",
         out_dir.display()

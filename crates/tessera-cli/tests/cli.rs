@@ -267,10 +267,55 @@ fn train_writes_a_checkpoint_a_plot_and_a_summary() {
     let accuracy = summary["final_accuracy"].as_f64().unwrap();
     assert!((0.0..=1.0).contains(&accuracy));
     assert!(summary["tokens_per_s"].as_f64().unwrap() > 0.0);
+    // Compiled by default, in f32: one compile, its time in the summary.
+    assert_eq!(summary["config"]["execution"], "compiled");
+    assert_eq!(summary["config"]["dtype"], "f32");
+    assert_eq!(summary["compile"]["compiles"], 1);
+    assert_eq!(summary["compile"]["recompiles"], 0);
+    assert!(summary["compile"]["compile_seconds"].as_f64().unwrap() > 0.0);
+    assert!(text.contains("compiled f32"), "{text}");
+    assert!(
+        text.contains("compile: 1 compile (0 recompiles) in "),
+        "{text}"
+    );
     let png = std::fs::read(run.join("loss.png")).unwrap();
     assert!(png.starts_with(b"\x89PNG"));
     let checkpoint = tessera::io::load_safetensors(run.join("model.safetensors")).unwrap();
     assert!(checkpoint.iter().any(|(name, _)| name == "head.weight"));
+}
+
+#[test]
+fn train_eager_in_bf16_says_so_and_reports_no_compile() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut args = TINY_RUN.to_vec();
+    let steps = args.iter().position(|&a| a == "--steps").unwrap();
+    args[steps + 1] = "10";
+    args.extend(["--eager", "--dtype", "bf16"]);
+    let out = tessera(&args, dir.path());
+    assert!(out.status.success(), "stderr: {}", stderr(&out));
+    let text = stdout(&out);
+    assert!(text.contains("eager bf16"), "{text}");
+    assert!(!text.contains("compile:"), "{text}");
+    let summary: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(dir.path().join("run/summary.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(summary["config"]["execution"], "eager");
+    assert_eq!(summary["config"]["dtype"], "bf16");
+    assert!(summary["compile"].is_null());
+    assert_eq!(summary["losses"].as_array().unwrap().len(), 10);
+}
+
+#[test]
+fn train_rejects_a_dtype_it_cannot_train_in() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = tessera(&["train", "--dtype", "f64", "--out-dir", "run"], dir.path());
+    let err = assert_one_line_error(&out);
+    assert!(
+        err.contains("dtype must be f32, bf16 or f16 (the precision of the forward), got f64"),
+        "{err}"
+    );
+    assert!(!dir.path().join("run").exists());
 }
 
 #[test]

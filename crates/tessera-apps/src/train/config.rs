@@ -9,6 +9,40 @@ use super::schedule::{Decay, LrSchedule};
 use super::task::{ReversalTask, VOCAB};
 use tessera::error::{Error, ErrorKind, Result};
 use tessera::nn::TransformerConfig;
+use tessera::DType;
+
+/// How each training step runs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Execution {
+    /// The loss (the model's forward and the cross entropy) through
+    /// `tessera::compile`: traced each step, compiled on the first, its
+    /// backward compiled ahead of time; the optimizer runs eagerly.
+    #[default]
+    Compiled,
+    /// Every op of the forward, the backward and the update run one by one.
+    Eager,
+}
+
+impl Execution {
+    pub fn name(self) -> &'static str {
+        match self {
+            Execution::Compiled => "compiled",
+            Execution::Eager => "eager",
+        }
+    }
+
+    /// What runs recorded before the field existed were.
+    fn before_the_field() -> Execution {
+        Execution::Eager
+    }
+}
+
+impl std::fmt::Display for Execution {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
 
 /// A training run. The defaults are the run recorded in `BENCHMARKS.md`:
 /// they reach ≥ 95 % held-out exact match within two minutes on a 2-core
@@ -38,6 +72,14 @@ pub struct TrainConfig {
     /// The number of learned positions: at least `2 · digits`.
     pub max_len: usize,
     pub dropout: f64,
+    /// Compiled (the default) or eager steps.
+    #[serde(default = "Execution::before_the_field")]
+    pub execution: Execution,
+    /// The training precision (`optim::MixedPrecision`): f32, or the
+    /// forward under bf16 or f16 autocast (f16 with dynamic loss scaling);
+    /// the parameters and the optimizer state stay f32.
+    #[serde(default = "f32", with = "dtype_name")]
+    pub dtype: DType,
     /// Seeds the initialisation and the training batches.
     pub seed: u64,
     /// Evaluate on the held-out set every this many steps (and at the end).
@@ -68,6 +110,8 @@ impl Default for TrainConfig {
             d_ff: 128,
             max_len: 16,
             dropout: 0.0,
+            execution: Execution::Compiled,
+            dtype: DType::F32,
             seed: 0,
             eval_every: 50,
             eval_size: 1000,
@@ -198,6 +242,61 @@ impl TrainConfig {
             (0.0..1.0).contains(&self.dropout),
             format!("dropout must be in [0, 1), got {}", self.dropout),
         );
+        check(
+            matches!(self.dtype, DType::F32 | DType::BF16 | DType::F16),
+            format!(
+                "dtype must be f32, bf16 or f16 (the precision of the forward), got {}",
+                self.dtype
+            ),
+        );
         problems
+    }
+}
+
+fn f32() -> DType {
+    DType::F32
+}
+
+/// A dtype as its name (`"bf16"`) in JSON.
+mod dtype_name {
+    use serde::{de, Deserialize, Deserializer, Serializer};
+    use tessera::DType;
+
+    pub fn serialize<S: Serializer>(dtype: &DType, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(dtype.name())
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<DType, D::Error> {
+        String::deserialize(d)?.parse().map_err(de::Error::custom)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn execution_and_dtype_read_and_write_as_names() {
+        let config = TrainConfig {
+            execution: Execution::Eager,
+            dtype: DType::BF16,
+            ..TrainConfig::default()
+        };
+        let json = serde_json::to_value(&config).unwrap();
+        assert_eq!(json["execution"], "eager");
+        assert_eq!(json["dtype"], "bf16");
+        let back: TrainConfig = serde_json::from_value(json.clone()).unwrap();
+        assert_eq!(back, config);
+        // A summary written before the fields existed: an eager f32 run.
+        let mut old = json;
+        let fields = old.as_object_mut().unwrap();
+        fields.remove("execution");
+        fields.remove("dtype");
+        let old: TrainConfig = serde_json::from_value(old).unwrap();
+        assert_eq!((old.execution, old.dtype), (Execution::Eager, DType::F32));
+        let mut bad = serde_json::to_value(&config).unwrap();
+        bad["dtype"] = "f8".into();
+        let err = serde_json::from_value::<TrainConfig>(bad).unwrap_err();
+        assert!(err.to_string().contains("unknown dtype `f8`"), "{err}");
     }
 }

@@ -9,6 +9,11 @@
 //! reports every step to a callback (the CLI's progress bar) and returns a
 //! [`TrainReport`].
 //!
+//! Each step ([`step`]) computes the loss compiled by `tessera::compile`
+//! (the default, [`Execution::Compiled`]) or op by op
+//! ([`Execution::Eager`]), in the config's precision (f32, or bf16/f16
+//! autocast: `tessera::optim::MixedPrecision`).
+//!
 //! ```no_run
 //! use tessera_apps::train::{train, TrainConfig};
 //!
@@ -26,6 +31,7 @@ mod config;
 pub mod eval;
 pub mod plot;
 pub mod schedule;
+pub mod step;
 pub mod task;
 
 use std::path::Path;
@@ -33,15 +39,16 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
-pub use config::TrainConfig;
+pub use config::{Execution, TrainConfig};
 pub use eval::{Accuracy, EvalPoint};
 pub use schedule::{Decay, LrSchedule};
+pub use step::CompileReport;
 pub use task::{ReversalTask, IGNORE_INDEX, SEP, VOCAB};
 
+use step::Stepper;
 use task::{Batch, Digits, Sampler};
 use tessera::error::{Error, Result};
-use tessera::nn::{try_cross_entropy, ParamStore, TransformerLM};
-use tessera::optim::{clip_grad_norm, AdamW, AdamWConfig, Optimizer};
+use tessera::nn::{ParamStore, TransformerLM};
 use tessera::runtime::device::{self, Device};
 use tessera::tensor::Generator;
 
@@ -77,11 +84,27 @@ pub struct TrainReport {
     pub final_accuracy: f64,
     /// The whole run: setup, steps, evaluations, checkpoint and plot.
     pub wall_time_s: f64,
-    /// The training steps alone (batches, forward, backward, update).
+    /// The training steps alone (batches, forward, backward, update),
+    /// the first step's compile included.
     pub train_time_s: f64,
+    /// `train_time_s` per step.
     pub ms_per_step: f64,
-    /// Model input tokens per second of training.
+    /// The median step's time: the steady state, without the outliers
+    /// (the compile of the first step, a load spike).
+    #[serde(default)]
+    pub median_step_ms: f64,
+    /// Model input tokens per second of training (`train_time_s`).
     pub tokens_per_s: f64,
+    /// What `tessera::compile` did for the loss: compile and trace time,
+    /// compiles and recompiles (compiled runs; `None` for eager ones).
+    #[serde(default)]
+    pub compile: Option<CompileReport>,
+    /// Steps the f16 loss scaler skipped (their gradients overflowed).
+    #[serde(default)]
+    pub skipped_steps: usize,
+    /// The f16 loss scale after the last step (f16 runs).
+    #[serde(default)]
+    pub loss_scale: Option<f64>,
 }
 
 /// Trains a model as `config` says, calling `progress` after every step.
@@ -117,23 +140,27 @@ fn train_here(
     let mut store = ParamStore::new();
     let model = TransformerLM::new(&mut store, "", config.model_config(), &mut g);
     let mut sampler = Sampler::new(task, g.next_seed(), &eval_set);
-    let mut opt = optimizer(config, &store);
+    let mut stepper = Stepper::new(config, &model, &store)?;
     let schedule = config.schedule();
     let mut losses = Vec::with_capacity(config.steps);
+    let mut step_times = Vec::with_capacity(config.steps);
     let mut evals = Vec::new();
+    let mut skipped_steps = 0;
     let mut train_time = Duration::ZERO;
     for step in 0..config.steps {
         let lr = schedule.at(step);
         let t0 = Instant::now();
-        opt.set_lr(lr);
         let batch = sampler.next_batch(config.batch);
         let batch = Batch {
             inputs: batch.inputs.to(device)?,
             targets: batch.targets.to(device)?,
         };
-        let loss = train_step(&model, &store, &mut opt, &batch, config.grad_clip)?;
-        train_time += t0.elapsed();
-        losses.push(loss);
+        let outcome = stepper.step(&batch, lr)?;
+        let took = t0.elapsed();
+        train_time += took;
+        step_times.push(took);
+        losses.push(outcome.loss);
+        skipped_steps += usize::from(!outcome.stepped);
 
         let done = step + 1;
         let eval = if done % config.eval_every == 0 || done == config.steps {
@@ -150,7 +177,7 @@ fn train_here(
         progress(&Progress {
             step: done,
             steps: config.steps,
-            loss,
+            loss: outcome.loss,
             lr,
             tokens_per_s: tokens_per_s(config, done, train_time),
             eval,
@@ -164,42 +191,16 @@ fn train_here(
         num_parameters: store.num_parameters(),
         tokens_per_s: tokens_per_s(config, config.steps, train_time),
         ms_per_step: train_time.as_secs_f64() * 1e3 / config.steps as f64,
+        median_step_ms: median(&mut step_times).as_secs_f64() * 1e3,
         train_time_s: train_time.as_secs_f64(),
         wall_time_s: start.elapsed().as_secs_f64(),
+        compile: stepper.compile_report(),
+        skipped_steps,
+        loss_scale: stepper.loss_scale(),
         losses,
         evals,
         final_accuracy,
     })
-}
-
-fn optimizer(config: &TrainConfig, store: &ParamStore) -> AdamW {
-    AdamW::new(
-        store.parameters(),
-        AdamWConfig {
-            lr: config.lr,
-            weight_decay: config.weight_decay,
-            ..AdamWConfig::default()
-        },
-    )
-}
-
-/// One optimizer step on `batch`; returns the loss. Only the answer
-/// positions count: the prompt's targets are [`IGNORE_INDEX`].
-fn train_step(
-    model: &TransformerLM,
-    store: &ParamStore,
-    opt: &mut AdamW,
-    batch: &Batch,
-    grad_clip: f64,
-) -> Result<f64> {
-    opt.zero_grad();
-    let logits = model.try_forward(&batch.inputs, true)?;
-    let flat = logits.try_reshape(&[-1, VOCAB as isize])?;
-    let loss = try_cross_entropy(&flat, &batch.targets, Some(IGNORE_INDEX))?;
-    loss.try_backward(None)?;
-    clip_grad_norm(store, grad_clip);
-    opt.step();
-    Ok(loss.item())
 }
 
 /// Greedy-decodes the held-out set with `model` (dropout off) and scores it.
@@ -209,6 +210,12 @@ pub fn evaluate_model(
     set: &[Digits],
 ) -> Result<Accuracy> {
     eval::evaluate(task, set, |ids| model.try_forward(ids, false))
+}
+
+/// The middle of `times` (sorted in place); zero for none.
+fn median(times: &mut [Duration]) -> Duration {
+    times.sort();
+    times.get(times.len() / 2).copied().unwrap_or_default()
 }
 
 fn tokens_per_s(config: &TrainConfig, steps: usize, time: Duration) -> f64 {

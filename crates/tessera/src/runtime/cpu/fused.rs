@@ -366,11 +366,74 @@ pub(crate) fn load<A: AccFloat>(t: &Array, layout: &Layout, start: usize, dst: &
         } else if layout.strides.iter().all(|&s| s == 0) {
             dst.fill(A::from_f64(Element::to_f64(src[layout.offset])));
         } else {
-            for (k, d) in dst.iter_mut().enumerate() {
-                *d = A::from_f64(Element::to_f64(src[layout.offset_of(start + k)]));
-            }
+            load_runs(src, layout, start, dst);
         }
     })
+}
+
+/// The most dims [`load_runs`] walks with an index on the stack.
+const RUN_RANK: usize = 8;
+
+/// [`load`] through a strided (broadcast, permuted) layout: the index of
+/// element `start` is computed once, then the elements are read in runs
+/// along the last dim (a fill for a broadcast dim, a copy for a dense one)
+/// and the index carried from run to run, instead of dividing by every
+/// dim for each element.
+fn load_runs<T: Element, A: AccFloat>(src: &[T], layout: &Layout, start: usize, dst: &mut [A]) {
+    let rank = layout.rank();
+    if rank > RUN_RANK || dst.is_empty() {
+        for (k, d) in dst.iter_mut().enumerate() {
+            *d = A::from_f64(Element::to_f64(src[layout.offset_of(start + k)]));
+        }
+        return;
+    }
+    let (shape, strides) = (&layout.shape, &layout.strides);
+    let mut index = [0usize; RUN_RANK];
+    let (mut rest, mut offset) = (start, layout.offset);
+    for d in (0..rank).rev() {
+        index[d] = rest % shape[d];
+        rest /= shape[d];
+        offset += index[d] * strides[d];
+    }
+    let last = rank - 1;
+    let (len, stride) = (shape[last], strides[last]);
+    let mut done = 0;
+    loop {
+        let run = (len - index[last]).min(dst.len() - done);
+        let out = &mut dst[done..done + run];
+        match stride {
+            0 => out.fill(A::from_f64(Element::to_f64(src[offset]))),
+            1 if same_repr::<T, A>() => {
+                // SAFETY: T and A are the same float type (checked).
+                let from =
+                    unsafe { std::slice::from_raw_parts(src[offset..].as_ptr() as *const A, run) };
+                out.copy_from_slice(from);
+            }
+            _ => {
+                for (j, d) in out.iter_mut().enumerate() {
+                    *d = A::from_f64(Element::to_f64(src[offset + j * stride]));
+                }
+            }
+        }
+        done += run;
+        if done == dst.len() {
+            return;
+        }
+        // The next run starts at index 0 of the last dim: carry outwards.
+        offset -= index[last] * stride;
+        index[last] = 0;
+        let mut d = last;
+        while d > 0 {
+            d -= 1;
+            index[d] += 1;
+            offset += strides[d];
+            if index[d] < shape[d] {
+                break;
+            }
+            offset -= shape[d] * strides[d];
+            index[d] = 0;
+        }
+    }
 }
 
 /// Where a `Step::Load` reads: a shared tensor through its broadcast
@@ -522,6 +585,62 @@ mod tests {
     use crate::ir::kernel::MAX_BLOCK;
     use crate::ir::BinaryOp;
     use crate::tensor::Tensor;
+
+    /// Strided loads in runs read what the per-element index reads, for
+    /// permuted, broadcast and offset layouts, from any start, in the
+    /// compute type and converted.
+    #[test]
+    fn strided_loads_in_runs_match_the_element_index() {
+        let src: Vec<f32> = (0..400).map(|i| i as f32 * 0.5 - 7.0).collect();
+        let wide: Vec<f64> = src.iter().map(|&v| f64::from(v)).collect();
+        let layouts = [
+            // [4, 5] transposed from [5, 4], offset 3.
+            Layout {
+                shape: vec![4, 5],
+                strides: vec![1, 4],
+                offset: 3,
+            },
+            // A row of 7 broadcast over 6 rows.
+            Layout {
+                shape: vec![6, 7],
+                strides: vec![0, 1],
+                offset: 10,
+            },
+            // A column broadcast along the last dim.
+            Layout {
+                shape: vec![3, 4, 5],
+                strides: vec![20, 1, 0],
+                offset: 0,
+            },
+            // Broadcast in the middle, a stride of 2 last.
+            Layout {
+                shape: vec![2, 3, 2, 4],
+                strides: vec![60, 0, 17, 2],
+                offset: 5,
+            },
+            // Length-1 dims.
+            Layout {
+                shape: vec![1, 9, 1],
+                strides: vec![0, 3, 1],
+                offset: 1,
+            },
+        ];
+        for layout in &layouts {
+            let n = layout.numel();
+            let want: Vec<f32> = (0..n).map(|i| src[layout.offset_of(i)]).collect();
+            for start in [0, 1, n / 3, n - 1] {
+                for len in [1, 2, 5, n - start] {
+                    let len = len.min(n - start);
+                    let mut got = vec![0f32; len];
+                    load_runs(&src, layout, start, &mut got);
+                    assert_eq!(got, want[start..start + len], "{layout:?} {start}+{len}");
+                    let mut converted = vec![0f32; len];
+                    load_runs(&wide, layout, start, &mut converted);
+                    assert_eq!(converted, want[start..start + len], "f64 {layout:?}");
+                }
+            }
+        }
+    }
 
     #[test]
     fn a_chain_with_broadcast_and_two_outputs() {
