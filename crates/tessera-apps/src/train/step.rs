@@ -124,7 +124,8 @@ impl<'a> Fallible<'a> {
 /// The loss as each [`Execution`] computes it.
 enum LossFn<'a> {
     Eager(&'a TransformerLM),
-    Compiled(Fallible<'a>),
+    /// Boxed: the compiled function's cache is large beside a reference.
+    Compiled(Box<Fallible<'a>>),
 }
 
 /// What one step did.
@@ -156,9 +157,11 @@ impl<'a> Stepper<'a> {
     ) -> Result<Stepper<'a>> {
         let loss = match config.execution {
             Execution::Eager => LossFn::Eager(model),
-            Execution::Compiled => LossFn::Compiled(Fallible::compile("train_loss", |x| {
-                Ok(vec![loss(model, &x[0], &x[1])?])
-            })),
+            Execution::Compiled => {
+                LossFn::Compiled(Box::new(Fallible::compile("train_loss", |x| {
+                    Ok(vec![loss(model, &x[0], &x[1])?])
+                })))
+            }
         };
         let optimizer = AdamW::new(
             store.parameters(),
