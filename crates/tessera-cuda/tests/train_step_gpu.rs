@@ -137,16 +137,14 @@ fn a_small_gpt_step_timed_eagerly_and_compiled_on_the_gpu() {
     };
     let (store, lm) = model(&c, Device::Cuda);
     let mut opt = AdamW::new(store.parameters(), AdamWConfig::default());
-    // Eager code makes its constants (the causal mask) on the current
-    // device; the compiled step makes them on its inputs' device.
+    // Outside `with_device(Cuda, ..)`: the modules make their constants
+    // (the causal mask) on their inputs' device.
     let (eager_ms, eager_losses) = timed(Box::new(|| {
-        device::with_device(Device::Cuda, || {
-            opt.zero_grad();
-            let l = loss(&lm, c.vocab, &data);
-            l.backward();
-            opt.step();
-            l.item()
-        })
+        opt.zero_grad();
+        let l = loss(&lm, c.vocab, &data);
+        l.backward();
+        opt.step();
+        l.item()
     }));
     let (store, lm) = model(&c, Device::Cuda);
     let opt = AdamW::new(store.parameters(), AdamWConfig::default());

@@ -119,9 +119,15 @@ impl MultiHeadAttention {
 
 /// `scores [.., T, T]` with every entry above the diagonal (a query looking
 /// at a later key) set to -inf, so softmax gives it weight 0.
+/// The mask is made on the scores' device, whatever the current one.
 fn causal_mask(scores: &Tensor) -> Result<Tensor> {
     let t = scores.shape()[scores.rank() - 1];
-    let allowed = Tensor::ones(&[t, t], DType::Bool).try_tril(0)?;
-    let blocked = Tensor::scalar(f64::NEG_INFINITY, scores.dtype());
+    let (allowed, blocked) = crate::runtime::device::with_device(scores.device(), || {
+        let allowed = Tensor::ones(&[t, t], DType::Bool).try_tril(0)?;
+        Ok::<_, crate::error::Error>((
+            allowed,
+            Tensor::try_full(&[], f64::NEG_INFINITY, scores.dtype())?,
+        ))
+    })?;
     Tensor::try_where(&allowed, scores, &blocked)
 }
