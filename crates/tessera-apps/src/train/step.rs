@@ -2,9 +2,7 @@
 //! ([`Execution`]): the loss eagerly op by op, or through
 //! `tessera::compile` (its backward compiled ahead of time). Either way the
 //! precision is a [`MixedPrecision`] (f32, bf16 or f16 autocast with loss
-//! scaling) and the clipping and AdamW update run eagerly; a whole-step
-//! compile (forward, backward and update in one graph) is a third arm of
-//! [`Stepper`].
+//! scaling) and the clipping and AdamW update run eagerly.
 
 use std::cell::RefCell;
 use std::rc::Rc;

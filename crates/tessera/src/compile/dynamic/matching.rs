@@ -24,6 +24,8 @@ use crate::ir::{Dim, Graph, Node, NodeId, Op, ReduceOp, Scalar, Shape, TensorTyp
 #[derive(Clone, Debug)]
 pub struct Binding {
     symbols: Vec<(Arc<str>, usize)>,
+    /// `symbols` by name, for evaluating dims (once per node and call).
+    values: HashMap<Arc<str>, usize>,
     /// Every product of up to [`MAX_DEGREE`] symbols, with its value,
     /// lowest degree first.
     monomials: Vec<(Dim, usize)>,
@@ -57,6 +59,7 @@ impl Binding {
             frontier = next;
         }
         Binding {
+            values: symbols.iter().cloned().collect(),
             symbols,
             monomials,
             differences: Vec::new(),
@@ -78,13 +81,13 @@ impl Binding {
         self
     }
 
-    pub fn map(&self) -> HashMap<Arc<str>, usize> {
-        self.symbols.iter().cloned().collect()
+    pub fn map(&self) -> &HashMap<Arc<str>, usize> {
+        &self.values
     }
 
     /// `dim` at this binding (`None`: a symbol it does not bind).
     pub fn eval(&self, dim: &Dim) -> Option<usize> {
-        dim.eval(&self.map()).ok()
+        dim.eval(&self.values).ok()
     }
 
     /// The ways to write `value`, best first: a product of symbols of that

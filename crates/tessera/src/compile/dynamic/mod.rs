@@ -111,58 +111,48 @@ pub fn generalise(
     let mut specialised: Vec<usize> = Vec::new();
     let mut first: Option<Refusal> = None;
     loop {
-        let attempt = generalise_except(graph, guards, dims, &specialised);
-        let Err(refusal) = &attempt else {
+        let (attempt, symbols) = generalise_except(graph, guards, dims, &specialised);
+        let Err(refusal) = attempt else {
             return Some(attempt);
         };
-        if refusal.suspects.is_empty() && first.is_some() {
-            // The first refusal says what the user's graph did.
-            return first.map(Err);
+        let suspects: Vec<usize> = symbols
+            .iter()
+            .filter(|(name, size)| refusal.suspects.contains(name) && !specialised.contains(size))
+            .map(|(_, size)| *size)
+            .collect();
+        // The first refusal says what the user's graph did.
+        let first = first.get_or_insert(refusal);
+        if suspects.is_empty() {
+            return Some(Err(first.clone()));
         }
-        first.get_or_insert_with(|| refusal.clone());
-        let before = specialised.len();
-        for s in &refusal.suspects {
-            let size = attempt_size(graph, guards, dims, &specialised, s);
-            if let Some(size) = size.filter(|v| !specialised.contains(v)) {
-                specialised.push(size);
-            }
-        }
-        if specialised.len() == before {
-            return first.map(Err);
-        }
+        specialised.extend(suspects);
     }
 }
 
 /// One attempt of [`generalise`], with the dims of the `specialised` sizes
-/// kept concrete.
+/// kept concrete; also the symbols it used, with their sizes.
+#[allow(clippy::type_complexity)]
 fn generalise_except(
     graph: &Graph,
     guards: &[InputGuard],
     dims: &DynamicDims,
     specialised: &[usize],
-) -> Result<(Graph, Vec<InputGuard>), Refusal> {
+) -> (
+    Result<(Graph, Vec<InputGuard>), Refusal>,
+    Vec<(Arc<str>, usize)>,
+) {
     let (input_types, masked, symbols) = symbolic_inputs(graph, guards, dims, specialised);
     if symbols.is_empty() {
-        return Err(Refusal {
+        let refusal = Refusal {
             node: "every input".into(),
             why: format!("each dynamic size meets a constant of its value: {specialised:?}"),
             suspects: Vec::new(),
-        });
+        };
+        return (Err(refusal), symbols);
     }
-    let binding = Binding::new(symbols);
-    matching::generalise_graph(graph, &input_types, &binding, false).map(|g| (g, masked))
-}
-
-/// The size symbol `name` stands for in an attempt.
-fn attempt_size(
-    graph: &Graph,
-    guards: &[InputGuard],
-    dims: &DynamicDims,
-    specialised: &[usize],
-    name: &str,
-) -> Option<usize> {
-    let (_, _, symbols) = symbolic_inputs(graph, guards, dims, specialised);
-    symbols.iter().find(|(s, _)| &**s == name).map(|(_, v)| *v)
+    let binding = Binding::new(symbols.clone());
+    let attempt = matching::generalise_graph(graph, &input_types, &binding, false);
+    (attempt.map(|g| (g, masked)), symbols)
 }
 
 /// The inputs' types with the dynamic dims symbolic (one symbol per

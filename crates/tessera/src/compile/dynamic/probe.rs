@@ -130,7 +130,7 @@ fn at_probe(
             .collect(),
     )
     .with_differences(&bounds);
-    let concrete = concretise(graph, &binding.map())?;
+    let concrete = concretise(graph, binding.map())?;
     let aot = aot_autograd(&concrete, wrt, partition)?;
     let forward = back_to_symbols(&aot.forward, &binding)?;
     let backward = back_to_symbols(&aot.backward, &binding)?;
