@@ -13,12 +13,17 @@
 //! for every call, which at these sizes costs as much as the product
 //! (BENCHMARKS.md has the six attention products next to PyTorch's).
 
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::Instant;
+
 use rayon::prelude::*;
 
 use super::element::{Element, Float};
 use super::Storage;
 use crate::error::{op_err, Result};
 use crate::ir::{DType, Op};
+use crate::logging::log;
 use crate::runtime::array::Array;
 use crate::runtime::layout::Layout;
 
@@ -35,7 +40,7 @@ const TASK_WORK: usize = 1 << 16;
 pub fn matmul(a: &Array, b: &Array, out_shape: &[usize]) -> Result<Array> {
     let plan = Plan::new(a.layout(), b.layout(), out_shape);
     let out = match a.dtype() {
-        DType::F32 if is_thin(&plan) => thin_storage(&plan, a.storage(), b.storage()),
+        DType::F32 if is_thin(&plan) => thin_or_gemm(&plan, a.storage(), b.storage()),
         DType::F32 => gemm_storage::<f32>(&plan, a.storage(), b.storage()),
         DType::F64 => gemm_storage::<f64>(&plan, a.storage(), b.storage()),
         DType::F16 => return Ok(matmul_via_f32::<half::f16>(a, b, out_shape)),
@@ -238,6 +243,87 @@ fn is_thin(plan: &Plan) -> bool {
 pub fn thin_dims(m: usize, n: usize, k: usize) -> bool {
     m >= 16 && n >= 16 && k > 0 && k.min(n) <= 256
 }
+
+/// Work (m·n·k) from which a single thin product is raced (see
+/// [`thin_or_gemm`]): a linear layer's over a thousand tokens.
+const RACE_WORK: usize = 1 << 24;
+
+/// The layouts of a raced product: (m, n, k) and the operands' row and
+/// column strides.
+type RaceKey = (usize, usize, usize, [usize; 4]);
+
+/// The kernel each raced layout runs with: `true` for the micro-tiles.
+static RACED: Mutex<Option<HashMap<RaceKey, bool>>> = Mutex::new(None);
+
+/// `plan`'s thin f32 product by the micro-tiles or by gemm. The tiles win
+/// at attention's sizes (many small products), but a single large product
+/// (a linear layer over a thousand tokens: `x·W`, `dy·Wᵀ`, `xᵀ·dy`) runs
+/// up to 1.7× faster one way or the other depending on its layouts and
+/// the machine, with no rule that held across the GPT's products (example
+/// `gpt_matmuls`). So the first product of each layout is timed both ways,
+/// alternately, best of three, and the faster kept for the process (as
+/// cuDNN's benchmark mode does); the race's own products are the results.
+/// Both sum in f32; their roundings differ, so one process's choice is
+/// fixed once made (eager and compiled calls share it).
+fn thin_or_gemm(plan: &Plan, a: &Storage, b: &Storage) -> Storage {
+    if plan.batch() != 1 || plan.m * plan.n * plan.k < RACE_WORK {
+        return thin_storage(plan, a, b);
+    }
+    let key = (
+        plan.m,
+        plan.n,
+        plan.k,
+        [plan.a_rs, plan.a_cs, plan.b_rs, plan.b_cs],
+    );
+    let known = RACED
+        .lock()
+        .ok()
+        .and_then(|r| r.as_ref()?.get(&key).copied());
+    match known {
+        Some(true) => return thin_storage(plan, a, b),
+        Some(false) => return gemm_storage::<f32>(plan, a, b),
+        None => {}
+    }
+    let timed = |f: &dyn Fn() -> Storage| {
+        let started = Instant::now();
+        let out = f();
+        (started.elapsed().as_secs_f64(), out)
+    };
+    let (mut best_thin, mut best_gemm) = (f64::INFINITY, f64::INFINITY);
+    let (mut thin, mut gemm) = (None, None);
+    for _ in 0..RACE_TRIALS {
+        let (t, out) = timed(&|| thin_storage(plan, a, b));
+        best_thin = best_thin.min(t);
+        thin = Some(out);
+        let (t, out) = timed(&|| gemm_storage::<f32>(plan, a, b));
+        best_gemm = best_gemm.min(t);
+        gemm = Some(out);
+    }
+    let tiles = best_thin <= best_gemm;
+    log("autotune", || {
+        format!(
+            "matmul {}x{}x{} strides {:?}: micro-tiles {:.3} ms, gemm {:.3} ms; chose {}",
+            plan.m,
+            plan.n,
+            plan.k,
+            key.3,
+            best_thin * 1e3,
+            best_gemm * 1e3,
+            if tiles { "micro-tiles" } else { "gemm" }
+        )
+    });
+    if let Ok(mut raced) = RACED.lock() {
+        raced.get_or_insert_with(HashMap::new).insert(key, tiles);
+    }
+    match tiles {
+        true => thin,
+        false => gemm,
+    }
+    .expect("the race ran")
+}
+
+/// Timed runs of each kernel in a race; the fastest counts.
+const RACE_TRIALS: usize = 3;
 
 /// `plan`'s f32 product by flash attention's micro-tiles: tasks are
 /// (batch, block of rows) pairs spread over rayon; each walks `B` in
@@ -937,6 +1023,33 @@ mod tests {
             .flat_map(|i| naive(&a[i * m * k..][..m * k], &b, m, k, n))
             .collect();
         assert_close(&got.to_f64_vec(), &want, 1e-5);
+    }
+
+    #[test]
+    fn raced_products_are_right_and_keep_their_kernel() {
+        // A linear layer's three products at the race's size, in their
+        // layouts (`x·W`, `dy·Wᵀ`, `xᵀ·dy`): the race's result, and a
+        // second call's (the kept kernel's), equal the f64 product, and the
+        // second is the first bit for bit.
+        let (m, k, n) = (512, 256, 128);
+        assert!(m * n * k >= RACE_WORK);
+        let (a, b) = (values(m * k, 7), values(k * n, 8));
+        let want = naive(&a, &b, m, k, n);
+        for (ta, tb) in [(false, false), (false, true), (true, false)] {
+            let x = match ta {
+                true => transposed_view(&a, &[m, k]),
+                false => f32_tensor(&a, &[m, k]),
+            };
+            let y = match tb {
+                true => transposed_view(&b, &[k, n]),
+                false => f32_tensor(&b, &[k, n]),
+            };
+            let first = run(&x, &y, &[m, n]).to_vec::<f32>().unwrap();
+            let again = run(&x, &y, &[m, n]).to_vec::<f32>().unwrap();
+            let first_f64: Vec<f64> = first.iter().map(|&v| v as f64).collect();
+            assert_close(&first_f64, &want, 1e-5);
+            assert_eq!(first, again, "transposes {ta} {tb}");
+        }
     }
 
     #[test]

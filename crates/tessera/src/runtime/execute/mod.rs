@@ -7,6 +7,7 @@
 mod job;
 mod kernels;
 mod pool;
+mod profile;
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -15,6 +16,7 @@ use rayon::prelude::*;
 
 use self::job::{Job, Planned};
 use self::pool::{on_pool_worker, POOL_WORKER_MIN_STEPS};
+use self::profile::Profile;
 use super::cpu::arena::{Arena, Block, Place};
 use super::device::{self, Backend, Device};
 use crate::autograd;
@@ -225,7 +227,9 @@ fn execute_here(
         let concurrent = !trace::is_active() && backend.runs_on_host_threads();
         let grad = autograd::is_grad_enabled();
         let lanes = backend.lanes();
+        let mut profile = Profile::start();
         for (step, free) in steps.iter().zip(&frees) {
+            let started = profile.as_ref().map(|_| std::time::Instant::now());
             let jobs: Vec<(Job<'_>, bool)> = step
                 .iter()
                 .map(|&k| {
@@ -265,6 +269,12 @@ fn execute_here(
             for id in free {
                 values[id.index()] = None;
             }
+            if let (Some(profile), Some(started)) = (profile.as_mut(), started) {
+                profile.step(step, started.elapsed());
+            }
+        }
+        if let Some(profile) = profile {
+            profile.report(graph, &plan.kernels);
         }
         Ok(graph
             .outputs
