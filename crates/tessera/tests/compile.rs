@@ -352,6 +352,42 @@ fn random_ops_draw_a_new_seed_per_call_from_one_executable() {
     assert!(!forward.contains("seed="), "{forward}");
 }
 
+/// A call that is traced and then runs eagerly (a graph break with an
+/// input that requires grad) draws its random numbers once, as the eager
+/// call does: the same numbers, and the generator left where eager code
+/// leaves it, call after call.
+#[test]
+fn a_graph_break_that_runs_eagerly_draws_the_seeds_once() {
+    let compiled_gen = std::cell::RefCell::new(Generator::new(12));
+    let eager_gen = std::cell::RefCell::new(Generator::new(12));
+    let with_break = |generator: &std::cell::RefCell<Generator>, x: &Tensor| {
+        let mut out = noisy(generator, x);
+        let scale = out[2].sum(&[], false).item(); // the break
+        out.push(&out[2] * scale);
+        out
+    };
+    let f = compile(|x: &[Tensor]| with_break(&compiled_gen, &x[0]));
+    let x = Tensor::randn(&[4, 10], DType::F32, &mut Generator::new(3)).set_requires_grad(true);
+    for call in 0..3 {
+        let got = f.call(std::slice::from_ref(&x));
+        let want = with_break(&eager_gen, &x);
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert_eq!(
+                g.to_vec::<f32>().unwrap(),
+                w.to_vec::<f32>().unwrap(),
+                "call {call}, output {i}: compiled != eager"
+            );
+        }
+        assert!(got[3].requires_grad(), "the eager run records the tape");
+    }
+    assert_eq!(f.stats().eager_calls, 3, "{:?}", f.stats());
+    assert_eq!(
+        compiled_gen.borrow_mut().next_seed(),
+        eager_gen.borrow_mut().next_seed(),
+        "the generators are at the same state"
+    );
+}
+
 /// A small language model with dropout 0.1 and its loss compiled, trained
 /// for 50 AdamW steps: it compiles once (dropout draws a new seed per step,
 /// a new value of the same input), and its losses follow the eager run's,

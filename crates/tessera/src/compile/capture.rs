@@ -62,7 +62,7 @@ impl<F: Fn(&[Tensor]) -> Vec<Tensor>> Compiled<F> {
             log("graph_breaks", || {
                 format!("{}: inputs require grad: this call runs eagerly", self.name)
             });
-            return self.run_eagerly(inputs).map(Some);
+            return self.run_eagerly_after(traced, inputs).map(Some);
         }
         Ok(None)
     }

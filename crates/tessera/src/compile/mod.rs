@@ -168,7 +168,7 @@ impl<F: Fn(&[Tensor]) -> Vec<Tensor>> Compiled<F> {
             Some(exe) => exe,
             None => match self.compile_generalised(&view, &guards, &traced)? {
                 Some(exe) => exe,
-                None => return self.run_eagerly(inputs),
+                None => return self.run_eagerly_after(&traced, inputs),
             },
         };
         let mut extra: Vec<Tensor> = traced.lifted.clone();
@@ -242,6 +242,13 @@ impl<F: Fn(&[Tensor]) -> Vec<Tensor>> Compiled<F> {
     fn run_eagerly(&self, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
         self.state.lock().expect("compile cache").stats.eager_calls += 1;
         Ok((self.f)(inputs))
+    }
+
+    /// [`Self::run_eagerly`] for a call already traced: its random ops
+    /// take the seeds the trace drew, so the call draws from the
+    /// generators once, as an eager call does.
+    fn run_eagerly_after(&self, traced: &Traced, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
+        crate::tensor::creation::replay_seeds(traced.seeds.clone(), || self.run_eagerly(inputs))
     }
 }
 

@@ -1,5 +1,7 @@
 //! Creating tensors and reading their values back.
 
+use std::cell::RefCell;
+use std::collections::VecDeque;
 use std::panic::Location;
 
 use rand::RngCore;
@@ -28,9 +30,23 @@ impl Generator {
         }
     }
 
-    /// The seed for the next random op.
+    /// The seed for the next random op: drawn from this generator, or,
+    /// while a [`replay_seeds`] runs, the next seed it replays (this
+    /// generator then stays where it is).
     pub fn next_seed(&mut self) -> u64 {
-        self.rng.next_u64()
+        if let Some(seed) = SEED_TAPE.with(|t| match &mut *t.borrow_mut() {
+            Some(SeedTape::Replay(seeds)) => seeds.pop_front(),
+            _ => None,
+        }) {
+            return seed;
+        }
+        let seed = self.rng.next_u64();
+        SEED_TAPE.with(|t| {
+            if let Some(SeedTape::Record(seeds)) = &mut *t.borrow_mut() {
+                seeds.push(seed);
+            }
+        });
+        seed
     }
 
     /// The next seed as a random op's seed operand (what
@@ -40,6 +56,53 @@ impl Generator {
         let value = Op::seed_value(self.next_seed());
         Tensor::from_storage(Storage::from_slice(&[value]), &[])
     }
+}
+
+/// The seeds random ops draw on this thread, recorded or replayed: a
+/// compiled call that traces its function and then runs it eagerly (a
+/// graph break with inputs that require grad, a graph that does not
+/// compile) must draw from the generators once, as one eager call does,
+/// so the eager run takes the seeds the trace drew.
+enum SeedTape {
+    Record(Vec<u64>),
+    Replay(VecDeque<u64>),
+}
+
+thread_local! {
+    static SEED_TAPE: RefCell<Option<SeedTape>> = const { RefCell::new(None) };
+}
+
+/// Puts the thread's previous tape back, also when `f` panics.
+struct RestoreTape(Option<SeedTape>);
+
+impl Drop for RestoreTape {
+    fn drop(&mut self) {
+        let previous = self.0.take();
+        SEED_TAPE.with(|t| *t.borrow_mut() = previous);
+    }
+}
+
+fn with_tape<R>(tape: SeedTape, f: impl FnOnce() -> R) -> (R, Option<SeedTape>) {
+    let restore = RestoreTape(SEED_TAPE.with(|t| t.borrow_mut().replace(tape)));
+    let result = f();
+    let tape = SEED_TAPE.with(|t| t.borrow_mut().take());
+    drop(restore);
+    (result, tape)
+}
+
+/// Runs `f`, returning with its result the seeds every generator drew on
+/// this thread meanwhile, in order.
+pub fn record_seeds<R>(f: impl FnOnce() -> R) -> (R, Vec<u64>) {
+    match with_tape(SeedTape::Record(Vec::new()), f) {
+        (result, Some(SeedTape::Record(seeds))) => (result, seeds),
+        (result, _) => (result, Vec::new()),
+    }
+}
+
+/// Runs `f` with the generators on this thread handing out `seeds`, in
+/// order, instead of drawing (past the last, they draw again).
+pub fn replay_seeds<R>(seeds: Vec<u64>, f: impl FnOnce() -> R) -> R {
+    with_tape(SeedTape::Replay(seeds.into()), f).0
 }
 
 impl Tensor {

@@ -89,6 +89,10 @@ pub struct Traced {
     pub materialized: Vec<(NodeId, Tensor)>,
     /// The call sites of those reads.
     pub breaks: Vec<SourceLoc>,
+    /// The seeds the traced code drew from generators, in order: what an
+    /// eager run of the same call must take instead of drawing again
+    /// ([`super::creation::replay_seeds`]).
+    pub seeds: Vec<u64>,
 }
 
 pub(crate) fn is_active() -> bool {
@@ -160,7 +164,8 @@ fn trace_core(
         })
     });
     let guard = ActiveTrace;
-    let outputs = f(&args)?;
+    let (outputs, seeds) = super::creation::record_seeds(|| f(&args));
+    let outputs = outputs?;
     let mut outs = Vec::with_capacity(outputs.len());
     for (out_name, t) in &outputs {
         outs.push((out_name.clone(), node_of(t)?));
@@ -186,6 +191,7 @@ fn trace_core(
         lifted: state.lifted.into_iter().map(|(_, t)| t).collect(),
         materialized,
         breaks: state.breaks,
+        seeds,
     })
 }
 

@@ -76,6 +76,7 @@ pub fn view(traced: &Traced, guards: &[InputGuard], dims: &DynamicDims) -> Gener
                 lifted: traced.lifted.clone(),
                 materialized: Vec::new(),
                 breaks: Vec::new(),
+                seeds: traced.seeds.clone(),
             }),
             dims: dims.clone(),
             refusal: None,
