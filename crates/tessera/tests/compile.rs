@@ -518,3 +518,40 @@ fn a_dropout_mask_recomputed_in_the_backward_is_the_forwards() {
         .expect("a backward graph");
     assert!(backward.contains("= rand(%"), "recomputed: {backward}");
 }
+
+/// Under `no_grad` nothing needs a gradient, even a captured weight that
+/// requires grad: the call compiles a forward without a backward (no saved
+/// activations), and the same function with grad on compiles its own
+/// executable, whose gradients are eager's.
+#[test]
+fn under_no_grad_a_captured_weight_gets_no_backward() {
+    let w = randn(&[6, 3], 2).set_requires_grad(true);
+    let f = compile(|x: &[Tensor]| vec![x[0].matmul(&w).tanh().sum(&[], false)]);
+    let x = randn(&[4, 6], 1);
+    let has_backward = |f: &tessera::compile::Compiled<_>| {
+        f.last_artifacts()
+            .iter()
+            .any(|(n, _)| n.contains("backward"))
+    };
+    let y = tessera::autograd::no_grad(|| f.call(std::slice::from_ref(&x)).remove(0));
+    assert!(!y.requires_grad());
+    assert!(
+        !has_backward(&f),
+        "{:?}",
+        f.last_artifacts().iter().map(|a| &a.0).collect::<Vec<_>>()
+    );
+    let want = x.matmul(&w).tanh().sum(&[], false);
+    assert_eq!(y.to_vec::<f64>().unwrap(), want.to_vec::<f64>().unwrap());
+    // With grad on: another executable, with a backward.
+    let y = f.call(std::slice::from_ref(&x)).remove(0);
+    assert!(has_backward(&f));
+    y.backward();
+    let compiled_grad = w.grad().expect("a gradient").to_vec::<f64>().unwrap();
+    w.zero_grad();
+    want.backward();
+    let eager_grad = w.grad().expect("a gradient").to_vec::<f64>().unwrap();
+    for (c, e) in compiled_grad.iter().zip(&eager_grad) {
+        assert!((c - e).abs() <= 1e-12 * (1.0 + e.abs()), "{c} vs {e}");
+    }
+    assert_eq!(f.stats().compiles, 2, "{:?}", f.recompile_reasons());
+}

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use super::cache::Entry;
 use super::debug;
 use super::dynamic::{DynamicDims, Generalised, Refusal};
+use super::guards::needs_grad;
 use super::recompile::{self, Decision};
 use super::{guards_device, Compiled, Executable, InputGuard};
 use crate::error::Result;
@@ -157,7 +158,7 @@ fn grad_inputs(guards: &[InputGuard], lifted: &[Tensor]) -> Vec<usize> {
     guards
         .iter()
         .map(|g| g.requires_grad)
-        .chain(lifted.iter().map(Tensor::requires_grad))
+        .chain(lifted.iter().map(needs_grad))
         .enumerate()
         .filter_map(|(i, r)| r.then_some(i))
         .collect()

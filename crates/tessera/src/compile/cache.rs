@@ -7,6 +7,7 @@ use std::hash::{Hash, Hasher};
 use std::sync::Arc;
 
 use super::dynamic::DynamicDims;
+use super::guards::needs_grad;
 use super::recompile::Seen;
 use super::{Executable, InputGuard};
 use crate::hints::HintMap;
@@ -174,7 +175,7 @@ pub(super) fn structure_key(graph: &Graph, guards: &[InputGuard], lifted: &[Tens
     guards.hash(&mut h);
     lifted
         .iter()
-        .map(|t| (t.requires_grad(), (!t.is_contiguous()).then(|| t.strides())))
+        .map(|t| (needs_grad(t), (!t.is_contiguous()).then(|| t.strides())))
         .collect::<Vec<_>>()
         .hash(&mut h);
     h.finish()

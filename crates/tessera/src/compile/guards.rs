@@ -20,13 +20,20 @@ pub struct InputGuard {
     pub device: &'static str,
 }
 
+/// Whether a gradient flows to `t` in this call: it requires grad and grad
+/// mode is on. Under `no_grad` a call compiles (and keys) an executable
+/// without a backward, whatever its tensors require.
+pub fn needs_grad(t: &Tensor) -> bool {
+    t.requires_grad() && crate::autograd::is_grad_enabled()
+}
+
 impl InputGuard {
     pub fn of(t: &Tensor) -> InputGuard {
         InputGuard {
             dtype: t.dtype(),
             shape: t.shape().to_vec(),
             strides: (!t.is_contiguous()).then(|| t.strides().to_vec()),
-            requires_grad: t.requires_grad(),
+            requires_grad: needs_grad(t),
             device: t.device().name(),
         }
     }
