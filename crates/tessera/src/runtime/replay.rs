@@ -60,6 +60,14 @@ impl ArgKey {
             scalar: host_scalar.then(|| t.item().to_bits()),
         }
     }
+
+    /// The key with no scalar value: the input's layout only.
+    fn without_scalar(&self) -> ArgKey {
+        ArgKey {
+            scalar: None,
+            ..self.clone()
+        }
+    }
 }
 
 enum Entry {
@@ -98,10 +106,73 @@ impl std::ops::AddAssign for ReplayStats {
     }
 }
 
+/// Distinct host-scalar values one input layout records before it stops
+/// recording. Kernels take host scalars as constants, so each value is a
+/// recording of its own: a few fixed ones (a flag, a constant scale) replay,
+/// but a value that changes every call (a random op's seed, a scheduled
+/// learning rate) would record on every call and keep every recording.
+pub const MAX_SCALAR_VARIANTS: usize = 4;
+
 /// The recordings of one compiled program, by input signature.
 #[derive(Default)]
 pub struct Replayer {
-    state: Mutex<(HashMap<Vec<ArgKey>, Entry>, ReplayStats)>,
+    state: Mutex<State>,
+}
+
+#[derive(Default)]
+struct State {
+    entries: HashMap<Vec<ArgKey>, Entry>,
+    /// Per input layout (the signature without scalar values), how many
+    /// distinct scalar values it has seen.
+    variants: HashMap<Vec<ArgKey>, usize>,
+    stats: ReplayStats,
+}
+
+/// What a call does, by its signature's entry.
+enum Step {
+    Normal,
+    Record,
+    Replay,
+}
+
+impl State {
+    /// What the call of signature `key` does, the entries and counts
+    /// updated for it.
+    fn step(&mut self, key: &[ArgKey]) -> Step {
+        let layout: Vec<ArgKey> = key.iter().map(ArgKey::without_scalar).collect();
+        if layout != key {
+            if let Some(Entry::Normal(_)) = self.entries.get(&layout) {
+                return Step::Normal;
+            }
+            if !self.entries.contains_key(key) {
+                let seen = self.variants.entry(layout.clone()).or_default();
+                *seen += 1;
+                if *seen > MAX_SCALAR_VARIANTS {
+                    let why = format!(
+                        "host scalars (a seed, a learning rate) took {seen} values: kernels take them as constants, so each value would need a recording of its own; this input layout runs kernel by kernel"
+                    );
+                    log("cudagraphs", || why.clone());
+                    self.entries.retain(|k, _| {
+                        k.iter()
+                            .map(ArgKey::without_scalar)
+                            .ne(layout.iter().cloned())
+                    });
+                    self.entries.insert(layout, Entry::Normal(why));
+                    self.stats.fallbacks += 1;
+                    return Step::Normal;
+                }
+            }
+        }
+        match self.entries.get(key) {
+            None => {
+                self.entries.insert(key.to_vec(), Entry::Warm);
+                Step::Normal
+            }
+            Some(Entry::Normal(_)) => Step::Normal,
+            Some(Entry::Recorded(_)) => Step::Replay,
+            Some(Entry::Warm) => Step::Record,
+        }
+    }
 }
 
 impl Replayer {
@@ -110,14 +181,14 @@ impl Replayer {
     }
 
     pub fn stats(&self) -> ReplayStats {
-        self.state.lock().expect("replayer poisoned").1
+        self.state.lock().expect("replayer poisoned").stats
     }
 
     /// Why recording failed for the signatures that run normally.
     pub fn fallback_reasons(&self) -> Vec<String> {
         let state = self.state.lock().expect("replayer poisoned");
         state
-            .0
+            .entries
             .values()
             .filter_map(|e| match e {
                 Entry::Normal(why) => Some(why.clone()),
@@ -141,28 +212,25 @@ impl Replayer {
         let backend = device::device_backend(on)?;
         let key: Vec<ArgKey> = args.iter().map(ArgKey::of).collect();
         // Held throughout: replays share the static buffers.
-        let mut guard = self.state.lock().expect("replayer poisoned");
-        let (entries, stats) = &mut *guard;
-        match entries.get(&key) {
-            None => {
-                entries.insert(key, Entry::Warm);
-                stats.normal_runs += 1;
+        let mut state = self.state.lock().expect("replayer poisoned");
+        match state.step(&key) {
+            Step::Normal => {
+                state.stats.normal_runs += 1;
                 run(args)
             }
-            Some(Entry::Normal(_)) => {
-                stats.normal_runs += 1;
-                run(args)
+            Step::Replay => {
+                state.stats.replays += 1;
+                match state.entries.get(&key) {
+                    Some(Entry::Recorded(r)) => r.replay(backend.as_ref(), args),
+                    _ => unreachable!("a replayed signature has its recording"),
+                }
             }
-            Some(Entry::Recorded(r)) => {
-                stats.replays += 1;
-                r.replay(backend.as_ref(), args)
-            }
-            Some(Entry::Warm) => match record(backend.as_ref(), args, &run) {
+            Step::Record => match record(backend.as_ref(), args, &run) {
                 Ok(r) => {
-                    stats.recordings += 1;
-                    stats.replays += 1;
+                    state.stats.recordings += 1;
+                    state.stats.replays += 1;
                     let out = r.replay(backend.as_ref(), args);
-                    entries.insert(key, Entry::Recorded(r));
+                    state.entries.insert(key, Entry::Recorded(r));
                     out
                 }
                 Err(e) => {
@@ -170,9 +238,9 @@ impl Replayer {
                     log("cudagraphs", || {
                         format!("not recorded, runs kernel by kernel: {why}")
                     });
-                    stats.fallbacks += 1;
-                    stats.normal_runs += 1;
-                    entries.insert(key, Entry::Normal(why));
+                    state.stats.fallbacks += 1;
+                    state.stats.normal_runs += 1;
+                    state.entries.insert(key, Entry::Normal(why));
                     run(args)
                 }
             },
@@ -224,5 +292,85 @@ impl Recording {
         }
         self.graph.replay()?;
         self.outputs.iter().map(|t| copy_of(backend, t)).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A device input's key and a host scalar's of value `v`.
+    fn signature(v: Option<f64>) -> Vec<ArgKey> {
+        let input = ArgKey {
+            device: Device::Cpu,
+            dtype: DType::F32,
+            shape: vec![4],
+            strides: vec![1],
+            offset: 0,
+            storage_numel: Some(4),
+            scalar: None,
+        };
+        let scalar = ArgKey {
+            shape: vec![],
+            strides: vec![],
+            storage_numel: Some(1),
+            scalar: v.map(f64::to_bits),
+            ..input.clone()
+        };
+        vec![input, scalar]
+    }
+
+    fn steps(state: &mut State, key: &[ArgKey], n: usize) -> Vec<&'static str> {
+        (0..n)
+            .map(|_| {
+                let step = state.step(key);
+                // A recording needs a device: a normal entry stands in.
+                if let Step::Record = step {
+                    state
+                        .entries
+                        .insert(key.to_vec(), Entry::Normal("recorded".into()));
+                }
+                match step {
+                    Step::Normal => "normal",
+                    Step::Record => "record",
+                    Step::Replay => "replay",
+                }
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_fixed_signature_warms_up_then_records() {
+        let mut state = State::default();
+        let key = signature(Some(0.5));
+        assert_eq!(steps(&mut state, &key, 2), ["normal", "record"]);
+    }
+
+    #[test]
+    fn a_scalar_that_changes_every_call_stops_recording_its_layout() {
+        let mut state = State::default();
+        for v in 0..MAX_SCALAR_VARIANTS {
+            let key = signature(Some(v as f64));
+            assert_eq!(
+                steps(&mut state, &key, 2),
+                ["normal", "record"],
+                "value {v}"
+            );
+        }
+        // One value too many: the layout runs normally from now on, its
+        // recordings dropped, whatever the value (old ones too).
+        let next = signature(Some(MAX_SCALAR_VARIANTS as f64));
+        assert_eq!(steps(&mut state, &next, 3), ["normal"; 3]);
+        assert_eq!(steps(&mut state, &signature(Some(0.0)), 2), ["normal"; 2]);
+        assert_eq!(state.entries.len(), 1, "only the layout's entry is left");
+        assert_eq!(state.stats.fallbacks, 1);
+        let why = match state.entries.values().next() {
+            Some(Entry::Normal(why)) => why.clone(),
+            _ => panic!("a normal entry"),
+        };
+        assert!(why.contains("host scalars"), "{why}");
+        // A signature without scalars is not affected.
+        let mut plain = State::default();
+        assert_eq!(steps(&mut plain, &signature(None), 2), ["normal", "record"]);
     }
 }
