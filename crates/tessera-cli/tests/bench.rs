@@ -93,7 +93,10 @@ fn bench_gpt_prints_one_json_line_and_both_modes_start_from_the_same_loss() {
         assert!(last < first, "{line}");
     }
     assert!(eager["compile_s"].is_null(), "{eager}");
+    assert!(eager["trace_s"].is_null(), "{eager}");
     assert!(number(&compiled, "compile_s") > 0.0, "{compiled}");
+    assert!(number(&compiled, "trace_s") > 0.0, "{compiled}");
+    assert_eq!(number(&compiled, "tokens_per_s").fract(), 0.0, "{compiled}");
     assert_eq!(compiled["compiles"], 1, "{compiled}");
     let (a, b) = (
         number(&eager, "loss_first"),
