@@ -181,6 +181,23 @@ impl GptBenchConfig {
                 "--schedule orders the compiled step's kernels: not with --mode eager".into(),
             );
         }
+        if problems.is_empty() && self.param_count().is_none() {
+            problems.push(format!(
+                "the model of {} layers, d_model {}, d_ff {}, vocab {}, seq {} has more \
+                 parameters than a usize counts",
+                self.layers, self.d_model, self.d_ff, self.vocab, self.seq
+            ));
+        }
+        let logits = self
+            .batch
+            .checked_mul(self.seq.saturating_add(1))
+            .and_then(|n| n.checked_mul(self.vocab));
+        if logits.is_none() {
+            problems.push(format!(
+                "batch {} × seq {} × vocab {} logits are more than a usize counts",
+                self.batch, self.seq, self.vocab
+            ));
+        }
         if i64::try_from(self.vocab).is_err() {
             problems.push(format!("vocab {} does not fit token ids (i64)", self.vocab));
         }
@@ -193,6 +210,34 @@ impl GptBenchConfig {
                 problems.join("; "),
             ))
         }
+    }
+
+    /// The parameters of the model (gpt_torch.py's count); `None` past
+    /// `usize`.
+    pub fn param_count(&self) -> Option<usize> {
+        let (d, f, v) = (self.d_model, self.d_ff, self.vocab);
+        let linear = |i: usize, o: usize| i.checked_mul(o)?.checked_add(o);
+        let norm = d.checked_mul(2)?;
+        // ln1, q/k/v/o, ln2, fc1, fc2.
+        let block = [
+            Some(norm),
+            linear(d, d)?.checked_mul(4),
+            Some(norm),
+            linear(d, f),
+            linear(f, d),
+        ]
+        .into_iter()
+        .try_fold(0usize, |sum, n| sum.checked_add(n?))?;
+        // Embeddings, blocks, the final norm and the head.
+        [
+            v.checked_mul(d),
+            self.seq.checked_mul(d),
+            block.checked_mul(self.layers),
+            Some(norm),
+            d.checked_mul(v),
+        ]
+        .into_iter()
+        .try_fold(0usize, |sum, n| sum.checked_add(n?))
     }
 
     fn model_config(&self) -> TransformerConfig {
@@ -293,9 +338,17 @@ fn batch(config: &GptBenchConfig, seed: u64, on: Device) -> Result<Vec<Tensor>> 
     let (b, t) = (config.batch, config.seq);
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     let vocab = config.vocab as i64;
-    let ids: Vec<i64> = (0..b * (t + 1))
-        .map(|_| rng.random_range(0..vocab))
-        .collect();
+    // validate() checked that b·(t+1) counts; memory may still refuse it.
+    let n = b * (t + 1);
+    let mut ids: Vec<i64> = Vec::new();
+    ids.try_reserve_exact(n).map_err(|e| {
+        Error::op(
+            ErrorKind::OutOfMemory,
+            "bench gpt",
+            format!("{n} token ids of batch {b} × seq {t} do not fit in host memory: {e}"),
+        )
+    })?;
+    ids.extend((0..n).map(|_| rng.random_range(0..vocab)));
     let rows = ids.chunks(t + 1);
     let x: Vec<i64> = rows.clone().flat_map(|r| r[..t].to_vec()).collect();
     let y: Vec<i64> = rows.flat_map(|r| r[1..].to_vec()).collect();
@@ -413,6 +466,17 @@ impl<'a> Stepper<'a> {
     }
 }
 
+fn too_large(params: usize, why: String) -> Error {
+    Error::op(
+        ErrorKind::OutOfMemory,
+        "bench gpt",
+        format!(
+            "the model's {params} f32 parameters, their gradients and AdamW's moments \
+             do not fit on this device: {why}"
+        ),
+    )
+}
+
 fn mib(bytes: usize) -> f64 {
     round(bytes as f64 / (1u64 << 20) as f64, 1)
 }
@@ -427,6 +491,16 @@ fn run_here(
     on: Device,
     mut progress: impl FnMut(&StepProgress),
 ) -> Result<GptBenchReport> {
+    // The model's constructor cannot fail: see first that the device has
+    // room for the weights, their gradients and AdamW's two moments.
+    let params = config.param_count().unwrap_or(usize::MAX);
+    let room = params
+        .checked_mul(4)
+        .ok_or_else(|| too_large(params, "more elements than a usize counts".into()))
+        .and_then(|n| {
+            Tensor::try_zeros(&[n], DType::F32).map_err(|e| too_large(params, e.to_string()))
+        })?;
+    drop(room);
     let mut g = Generator::new(config.seed);
     let mut store = ParamStore::new();
     let model = TransformerLM::new(&mut store, "", config.model_config(), &mut g);
@@ -556,6 +630,25 @@ mod tests {
         let e = c.validate().unwrap_err().to_string();
         assert!(e.contains("not with --mode eager"), "{e}");
         assert!(e.contains("dtype must be f32, bf16 or f16, got i64"), "{e}");
+    }
+
+    /// The parameter count is gpt_torch.py's, the one the model has.
+    #[test]
+    fn the_parameter_count_is_the_models() {
+        let c = tiny(Mode::Eager);
+        let mut store = ParamStore::new();
+        TransformerLM::new(&mut store, "", c.model_config(), &mut Generator::new(0));
+        assert_eq!(c.param_count(), Some(store.num_parameters()));
+        let gpt2 = GptBenchConfig::default();
+        // GPT-2 small with an untied head (issue 18's 163 M).
+        assert_eq!(gpt2.param_count(), Some(163_109_376));
+        let huge = GptBenchConfig {
+            vocab: usize::MAX / 2,
+            ..tiny(Mode::Eager)
+        };
+        assert_eq!(huge.param_count(), None);
+        let e = huge.validate().unwrap_err().to_string();
+        assert!(e.contains("more parameters than a usize counts"), "{e}");
     }
 
     /// bf16 compiled and f16 eager run and give finite losses near the

@@ -151,6 +151,37 @@ fn bench_gpt_refuses_bad_flags_in_one_line() {
         &["bench", "gpt", "--mode", "eager", "--schedule", "dfs"],
         "not with --mode eager",
     );
+    // Sizes past what a usize counts, and a model past any memory: errors,
+    // not an overflow or an allocation abort.
+    assert_one_line_error(
+        &[
+            "bench",
+            "gpt",
+            "--batch",
+            "4294967296",
+            "--seq",
+            "4294967296",
+        ],
+        "logits are more than a usize counts",
+    );
+    let out = tessera(
+        &"bench gpt --vocab 100000000000 --layers 1 --d-model 8 --heads 1 --seq 4 --batch 1"
+            .split(' ')
+            .collect::<Vec<_>>(),
+    );
+    // Past the checks of the flags: the run's header line, then the error.
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    let lines: Vec<&str> = err.trim_end().lines().collect();
+    assert_eq!(lines.len(), 2, "{err}");
+    assert!(lines[0].starts_with("bench gpt: 1 layers"), "{err}");
+    assert!(
+        lines[1].starts_with("error: bench gpt: the model's 1600000000920 f32 parameters")
+            && lines[1].contains("do not fit on this device"),
+        "{err}"
+    );
+    assert!(!err.contains("internal error"), "{err}");
+    assert!(out.stdout.is_empty(), "no JSON on failure");
 }
 
 /// Without a GPU (CI's machines), `--device cuda` says so.
