@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Builds what scripts/gpu-check.sh needs on a GPU machine without Rust and
-# copies it into DIR (default /work/main/.gpu/cuda): the tessera binary,
-# matmul_rate, the tessera-cuda test executables (under tests/), and the
-# scripts. Then, on the device: TESSERA_BIN_DIR=DIR scripts/gpu-check.sh OUT
+# copies it into DIR (default /work/main/.gpu/cuda): the tessera binary
+# (with `tessera bench gpt`), matmul_rate, the tessera-cuda test executables
+# (under tests/), and the scripts. Then, on the device:
+# TESSERA_BIN_DIR=DIR scripts/gpu-check.sh OUT, or
+# TESSERA_BIN_DIR=DIR scripts/bench_gpt.sh OUT (GPT step, tessera and PyTorch)
 set -euo pipefail
 dir=${1:-/work/main/.gpu/cuda}
 cd "$(dirname "$0")/.."
@@ -19,6 +21,6 @@ for l in sys.stdin:
         print(m["executable"])' \
   | while read -r exe; do cp "$exe" "$dir/tests/"; done
 strip "$dir/tessera" "$dir/matmul_rate" "$dir"/tests/* 2>/dev/null || true
-cp scripts/gpu-check.sh "$dir/scripts/"
+cp scripts/gpu-check.sh scripts/bench_gpt.sh "$dir/scripts/"
 cp scripts/anchors/*.py "$dir/scripts/anchors/"
 du -sh "$dir"

@@ -1,9 +1,11 @@
 //! The `tessera` command: runs or inspects a graph file (the IR's text form),
-//! or trains a small model end to end (`tessera train`).
+//! trains a small model end to end (`tessera train`), or times a GPT
+//! training step (`tessera bench gpt`).
 //!
 //! Every failure on bad input is one line on stderr (`error: …`) and a
 //! non-zero exit code; parse errors read `GRAPH.tir:LINE:COL: message`.
 
+mod bench;
 mod device;
 mod seed_table;
 
@@ -26,7 +28,7 @@ mod train;
 #[command(
     name = "tessera",
     version,
-    about = "tessera: the seed experiment, graph files, training"
+    about = "tessera: the seed experiment, graph files, training, benchmarks"
 )]
 struct Cli {
     #[command(subcommand)]
@@ -46,6 +48,10 @@ enum Command {
     /// Train a small transformer to reverse digit strings (a self-checking
     /// synthetic task); write a checkpoint, loss.png and summary.json.
     Train(train::TrainArgs),
+    /// Benchmarks printed as JSON lines: `gpt` times a GPT training step
+    /// (eager or compiled, f32/bf16/f16, cpu/cuda).
+    #[command(subcommand)]
+    Bench(bench::BenchCommand),
 }
 
 #[derive(Args)]
@@ -120,6 +126,7 @@ fn main() -> ExitCode {
         Command::Inspect(args) => inspect(&args),
         Command::SeedTable(args) => seed_table::seed_table(&args),
         Command::Train(args) => train::run(&args),
+        Command::Bench(command) => bench::run(&command),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

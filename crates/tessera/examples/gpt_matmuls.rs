@@ -12,6 +12,18 @@ use std::time::Instant;
 use tessera::tensor::Generator;
 use tessera::{DType, Tensor};
 
+/// A product: its name, tessera's call, `(m, k, n)`, then `a` and `b`
+/// with their strides, for the raw gemm.
+type Case<'a> = (
+    &'a str,
+    Box<dyn Fn() -> Tensor + 'a>,
+    (usize, usize, usize),
+    &'a [f32],
+    (usize, usize),
+    &'a [f32],
+    (usize, usize),
+);
+
 /// The best of `reps` timings of `f`, in ms.
 fn best(reps: usize, mut f: impl FnMut()) -> f64 {
     f();
@@ -90,7 +102,7 @@ fn main() {
         // (product, tessera, m k n, a and its strides, b and its strides)
         let wt = w.transpose(0, 1);
         let xt = x.transpose(0, 1);
-        let cases: [(&str, Box<dyn Fn() -> Tensor>, _, _, _, _, _); 3] = [
+        let cases: [Case; 3] = [
             (
                 "x·W",
                 Box::new(|| x.matmul(&w)),

@@ -1,0 +1,148 @@
+//! `tessera bench`: benchmarks that print one JSON line each on stdout
+//! (progress and diagnostics on stderr).
+//!
+//! `tessera bench gpt`: a GPT training step (forward, cross-entropy,
+//! backward, AdamW), eager or compiled whole, in f32 or bf16/f16 autocast,
+//! on the CPU or the GPU; the PyTorch side is
+//! `scripts/anchors/gpt_torch.py` (`scripts/bench_gpt.sh` runs both).
+
+use anyhow::Result;
+use clap::{Args, Subcommand};
+use tessera::hints::Strategy;
+use tessera::DType;
+use tessera_apps::bench::{parse_schedule, run_gpt, GptBenchConfig, Mode};
+
+#[derive(Subcommand)]
+pub enum BenchCommand {
+    /// Time the training step of a GPT-2-shaped TransformerLM (forward,
+    /// cross-entropy, backward, AdamW) on a random token batch; print
+    /// ms/step, tokens/s, peak memory and compile time as one JSON line.
+    /// The defaults are GPT-2 small (12 layers, d768, 12 heads, vocab
+    /// 50304, batch 8 × 1024): a GPU's size. On the CPU use e.g.
+    /// `--layers 4 --d-model 256 --heads 4 --vocab 1024 --seq 128`.
+    Gpt(GptArgs),
+}
+
+fn defaults() -> GptBenchConfig {
+    GptBenchConfig::default()
+}
+
+#[derive(Args)]
+pub struct GptArgs {
+    /// Transformer blocks.
+    #[arg(long, default_value_t = defaults().layers)]
+    layers: usize,
+    /// Model width.
+    #[arg(long, default_value_t = defaults().d_model)]
+    d_model: usize,
+    /// Attention heads (must divide --d-model).
+    #[arg(long, default_value_t = defaults().heads)]
+    heads: usize,
+    /// The MLP's hidden width [default: 4 × d-model].
+    #[arg(long)]
+    d_ff: Option<usize>,
+    /// Vocabulary size (the untied head's width).
+    #[arg(long, default_value_t = defaults().vocab)]
+    vocab: usize,
+    /// Sequences per batch.
+    #[arg(long, default_value_t = defaults().batch)]
+    batch: usize,
+    /// Tokens per sequence (also the learned positions).
+    #[arg(long, default_value_t = defaults().seq)]
+    seq: usize,
+    /// Timed steps (their median is ms_median).
+    #[arg(long, default_value_t = defaults().steps)]
+    steps: usize,
+    /// Untimed steps first (the compile, the allocator's pools).
+    #[arg(long, default_value_t = defaults().warmup)]
+    warmup: usize,
+    /// f32, or the forward under bf16 or f16 autocast (f32 master weights;
+    /// f16 eager only, with a loss scaler).
+    #[arg(long, default_value_t = defaults().dtype)]
+    dtype: DType,
+    /// eager (op by op) or compiled (the whole step as one graph:
+    /// tessera::compile::train_step).
+    #[arg(long, default_value_t = defaults().mode, value_parser = str::parse::<Mode>)]
+    mode: Mode,
+    /// cpu or cuda: where the model, the optimizer state and the steps run.
+    #[arg(long, default_value = "cpu")]
+    device: String,
+    /// Seeds the initial weights and the token batch.
+    #[arg(long, default_value_t = defaults().seed)]
+    seed: u64,
+    /// The compiled step's kernel order: bfs, dfs or strict [default: the
+    /// compiler's].
+    #[arg(long, value_parser = parse_schedule)]
+    schedule: Option<Strategy>,
+}
+
+impl GptArgs {
+    fn config(&self) -> GptBenchConfig {
+        GptBenchConfig {
+            layers: self.layers,
+            d_model: self.d_model,
+            heads: self.heads,
+            d_ff: self.d_ff.unwrap_or(4 * self.d_model),
+            vocab: self.vocab,
+            batch: self.batch,
+            seq: self.seq,
+            steps: self.steps,
+            warmup: self.warmup,
+            dtype: self.dtype,
+            mode: self.mode,
+            seed: self.seed,
+            schedule: self.schedule,
+        }
+    }
+}
+
+pub fn run(command: &BenchCommand) -> Result<()> {
+    match command {
+        BenchCommand::Gpt(args) => gpt(args),
+    }
+}
+
+fn gpt(args: &GptArgs) -> Result<()> {
+    let config = args.config();
+    // Bad flags fail here, before the device opens or anything runs.
+    config.validate()?;
+    let device = crate::device::open(&args.device)?;
+    let c = &config;
+    eprintln!(
+        "bench gpt: {} layers, d_model {}, {} heads, d_ff {}, vocab {}; batch {} × {}; \
+         {} + {} warmup steps, {} {} on {device}, seed {}; load average {}",
+        c.layers,
+        c.d_model,
+        c.heads,
+        c.d_ff,
+        c.vocab,
+        c.batch,
+        c.seq,
+        c.steps,
+        c.warmup,
+        c.mode,
+        c.dtype,
+        c.seed,
+        load_average()
+    );
+    let report = run_gpt(&config, device, |p| {
+        eprintln!(
+            "step {:>3}/{}{}  loss {:.4}  {:.1} ms",
+            p.step,
+            p.total,
+            if p.warmup { " (warmup)" } else { "" },
+            p.loss,
+            p.ms
+        );
+    })?;
+    eprintln!("load average {}", load_average());
+    println!("{}", serde_json::to_string(&report)?);
+    Ok(())
+}
+
+/// The 1, 5 and 15 minute load averages (Linux), for the diagnostics.
+fn load_average() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_else(|_| "unknown".into())
+}
