@@ -120,7 +120,58 @@ impl<F: Fn(&[Tensor]) -> Vec<Tensor>> Compiled<F> {
     /// recompile limit).
     #[track_caller]
     pub fn try_call(&self, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
-        let guards: Vec<InputGuard> = inputs.iter().map(InputGuard::of).collect();
+        self.call_with(&mut inputs.to_vec(), &[])
+    }
+
+    /// [`Compiled::try_call`] donating the arguments at positions `donate`
+    /// (buffer donation, as JAX's `donate_argnums`): the call takes `args`
+    /// (leaving it empty) when the executable starts, and its memory plan
+    /// writes outputs of their size and dtype over the donated ones after
+    /// their last read instead of allocating — a training step's new
+    /// parameters over the old ones. An argument is written over only if
+    /// its tensor in `args` is its only handle (no clone, view or
+    /// autograd record elsewhere) and dense; otherwise its output gets a
+    /// buffer of its own (`TESSERA_LOGS=memory` says so), and values are
+    /// the same either way.
+    ///
+    /// Should the call fail before the executable starts (a trace, guard
+    /// or compile error, a panic of `f`), `args` is untouched; once it has
+    /// started, a failure loses the donated values (some may be
+    /// overwritten). A donating call does not speculate, and the eager
+    /// fallback, graph breaks and a device-graph replay do not donate.
+    /// Donation is part of the guards: a call donating other positions
+    /// compiles its own executable (the reason says `donated`).
+    #[track_caller]
+    pub fn try_call_donating(
+        &self,
+        args: &mut Vec<Tensor>,
+        donate: &[usize],
+    ) -> Result<Vec<Tensor>> {
+        if let Some(&bad) = donate.iter().find(|&&i| i >= args.len()) {
+            return Err(crate::error::Error::op(
+                crate::error::ErrorKind::Argument,
+                "compile",
+                format!(
+                    "cannot donate argument {bad} of a call with {} arguments",
+                    args.len()
+                ),
+            ));
+        }
+        self.call_with(args, donate)
+    }
+
+    /// The call path: `args` are taken when the executable runs.
+    #[track_caller]
+    fn call_with(&self, args: &mut Vec<Tensor>, donate: &[usize]) -> Result<Vec<Tensor>> {
+        let guards: Vec<InputGuard> = args
+            .iter()
+            .enumerate()
+            .map(|(i, t)| match donate.contains(&i) {
+                true => InputGuard::donated(t),
+                false => InputGuard::of(t),
+            })
+            .collect();
+        let inputs: &[Tensor] = args;
         if self.state.lock().expect("compile cache").fell_back {
             return self.run_eagerly(inputs);
         }
@@ -131,12 +182,15 @@ impl<F: Fn(&[Tensor]) -> Vec<Tensor>> Compiled<F> {
                 .expect("compile cache")
                 .lookup_by_guards(&guards);
             if let Some(exe) = hit {
-                return exe.run(inputs, &[]);
+                return exe.run_owned(std::mem::take(args));
             }
         }
-        let early = self
-            .speculation(inputs, &guards)
-            .map(|(key, exe)| (key, exe.run(inputs, &[])));
+        let early = match donate.is_empty() {
+            true => self
+                .speculation(inputs, &guards)
+                .map(|(key, exe)| (key, exe.run(inputs, &[]))),
+            false => None,
+        };
         let started = std::time::Instant::now();
         let traced = self.capture(inputs)?;
         self.state
@@ -171,9 +225,10 @@ impl<F: Fn(&[Tensor]) -> Vec<Tensor>> Compiled<F> {
                 None => return self.run_eagerly(inputs),
             },
         };
-        let mut extra: Vec<Tensor> = traced.lifted.clone();
-        extra.extend(traced.materialized.iter().map(|(_, t)| t.clone()));
-        exe.run(inputs, &extra)
+        let mut owned = std::mem::take(args);
+        owned.extend(traced.lifted);
+        owned.extend(traced.materialized.into_iter().map(|(_, t)| t));
+        exe.run_owned(owned)
     }
 
     /// The trace as the cache sees it: generalised over the dynamic dims

@@ -21,6 +21,13 @@
 //! one contiguous byte range of the output), each input buffer is planned
 //! *within* the cat's output buffer, at its range: its producer writes
 //! straight into the output, and the cat copies nothing.
+//!
+//! Donated inputs: a graph input the caller hands over (its only handle,
+//! `Compiled::try_call_donating`) is a buffer created by no kernel, alive
+//! from the start to its last read: a fused kernel reading it for the last
+//! time may write an output of its size and dtype over it, as over any
+//! intermediate — a graph output too, which then lives in the caller's
+//! storage (see `memory.rs`). It is never planned within a cat's output.
 
 use super::kernels::KernelGraph;
 use crate::error::{Error, ErrorKind, Result};
@@ -44,6 +51,9 @@ pub(crate) struct Buffer {
     pub pinned: bool,
     /// It is the bytes at (.1) of buffer (.0), the output of a cat in place.
     pub within: Option<(usize, usize)>,
+    /// It is the storage of a graph input the caller donated: created by
+    /// no kernel (`kernel` means nothing), live from the start.
+    pub donated: bool,
 }
 
 /// A fused kernel may write output `output` (position in its outputs) into
@@ -92,8 +102,15 @@ pub(crate) struct BufferModel {
 
 impl BufferModel {
     /// The buffers of `plan` run on `device` (errors when no backend is
-    /// registered for it).
-    pub fn new(graph: &Graph, plan: &Plan, kg: &KernelGraph, on: Device) -> Result<BufferModel> {
+    /// registered for it), the graph inputs at positions `donated` handed
+    /// over by the caller.
+    pub fn new(
+        graph: &Graph,
+        plan: &Plan,
+        kg: &KernelGraph,
+        on: Device,
+        donated: &[usize],
+    ) -> Result<BufferModel> {
         let backend = device::backend(on)?;
         let mut model = BufferModel {
             device: on,
@@ -106,13 +123,28 @@ impl BufferModel {
             joins: vec![false; kg.len()],
         };
         let mut values: Vec<Option<ValueLayout>> = vec![None; graph.len()];
-        for &id in &graph.inputs {
+        for (i, &id) in graph.inputs.iter().enumerate() {
             let shape = concrete(graph, id)?;
+            let numel: usize = shape.iter().product();
+            let dtype = graph.node(id).ty.dtype;
+            let buffer = donated.contains(&i).then(|| {
+                model.buffers.push(Buffer {
+                    value: Some(id),
+                    kernel: 0,
+                    bytes: numel * dtype.size_bytes(),
+                    readers: Vec::new(),
+                    pinned: false,
+                    within: None,
+                    donated: true,
+                });
+                model.buffers.len() - 1
+            });
+            model.value_buffer[id.index()] = buffer;
             values[id.index()] = Some(ValueLayout {
-                storage_numel: shape.iter().product(),
+                storage_numel: numel,
                 layout: Layout::contiguous(&shape),
-                dtype: graph.node(id).ty.dtype,
-                buffer: None,
+                dtype,
+                buffer,
             });
         }
         for (k, kernel) in plan.kernels.iter().enumerate() {
@@ -213,6 +245,7 @@ impl BufferModel {
             let whole = buffer.value == Some(x) && buffer.within.is_none();
             if !whole
                 || buffer.pinned
+                || buffer.donated
                 || buffer.readers != [k]
                 || pieces.iter().any(|&(p, _)| p == b)
             {
@@ -464,6 +497,7 @@ impl BufferModel {
             readers: Vec::new(),
             pinned: false,
             within: None,
+            donated: false,
         });
         self.created[k].push(self.buffers.len() - 1);
         self.buffers.len() - 1
