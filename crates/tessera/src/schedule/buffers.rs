@@ -67,8 +67,11 @@ pub(crate) struct Buffer {
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub(crate) struct InPlace {
     pub input: NodeId,
+    /// The position of the output among the kernel's fused outputs.
     pub output: usize,
     pub buffer: usize,
+    /// The output's buffer.
+    pub output_buffer: usize,
 }
 
 /// A value's layout as the runtime will make it.
@@ -315,6 +318,8 @@ impl BufferModel {
                 // epilogue output of its dtype, else the kernel's scratch
                 // (the executor runs such a gemm inside `arena::scratch`).
                 let n = graph.node(*matmul).inputs.len();
+                let operand_buffers: Vec<Option<usize>> =
+                    inputs[..n].iter().map(|v| v.buffer).collect();
                 let shape = concrete(graph, *matmul)?;
                 let described: Vec<(&Layout, DType, usize)> = inputs[..n]
                     .iter()
@@ -335,11 +340,33 @@ impl BufferModel {
                     self.value_buffer[matmul.index()] = value.buffer;
                     values[matmul.index()] = Some(value);
                 }
+                let first_output = self.created[k].len();
                 for &o in outputs {
                     let value = self.new_value(graph, k, o)?;
                     self.value_buffer[o.index()] = value.buffer;
                     values[o.index()] = Some(value);
                 }
+                // A donated input the epilogue alone reads may take an
+                // output other than the one written over the product.
+                let target = (!*matmul_out)
+                    .then(|| code.outputs.iter().position(|&(_, d)| d == dtype))
+                    .flatten();
+                let epilogue_inputs: Vec<NodeId> = reads[n..].to_vec();
+                let candidates = in_place_candidates(
+                    &code.shape,
+                    &epilogue_inputs,
+                    (outputs, &self.created[k][first_output..]),
+                    graph,
+                    values,
+                );
+                self.in_place[k] = candidates
+                    .into_iter()
+                    .filter(|c| {
+                        Some(c.output) != target
+                            && self.buffers[c.buffer].donated
+                            && !operand_buffers.contains(&Some(c.buffer))
+                    })
+                    .collect();
             }
             Kernel::MatmulRows {
                 matmuls,
@@ -368,8 +395,14 @@ impl BufferModel {
                     self.value_buffer[o.index()] = value.buffer;
                     values[o.index()] = Some(value);
                 }
-                self.in_place[k] =
-                    in_place_candidates(&code.shape, fused_inputs, outputs, graph, values);
+                let first_output = self.created[k].len() - outputs.len();
+                self.in_place[k] = in_place_candidates(
+                    &code.shape,
+                    fused_inputs,
+                    (outputs, &self.created[k][first_output..]),
+                    graph,
+                    values,
+                );
             }
         }
         Ok(())
@@ -507,10 +540,11 @@ impl BufferModel {
 /// Inputs of a fused kernel that an output of the same dtype may overwrite:
 /// the input is a whole buffer, dense, of the kernel's shape (so element i
 /// of the input is element i of the output), read once by the kernel.
+/// `outputs`: the fused outputs and their buffers.
 fn in_place_candidates(
     shape: &[usize],
     inputs: &[NodeId],
-    outputs: &[NodeId],
+    (outputs, output_buffers): (&[NodeId], &[usize]),
     graph: &Graph,
     values: &[Option<ValueLayout>],
 ) -> Vec<InPlace> {
@@ -534,6 +568,7 @@ fn in_place_candidates(
                     input: x,
                     output: o,
                     buffer,
+                    output_buffer: output_buffers[o],
                 });
             }
         }

@@ -120,6 +120,10 @@ pub struct MemoryPlan {
     /// Bytes of the values written over donated inputs (in the caller's
     /// storage: neither in the arena nor escaping): what donation saves.
     pub donated_bytes: usize,
+    /// The most escaping bytes allocated at once, less the donated
+    /// inputs' storage freed by then (what the pool adds to the arena;
+    /// `escaping_bytes` without donation).
+    pub escaping_peak_bytes: usize,
     /// Per kernel, whether it is a cat that copies nothing (its inputs were
     /// made within its output).
     pub joins: Vec<bool>,
@@ -204,8 +208,7 @@ impl Liveness {
                     let input = &model.buffers[c.buffer];
                     let s = step_of[k];
                     let sole_reader = input.readers.iter().all(|&r| r == k || step_of[r] < s);
-                    // A fused kernel creates one buffer per output, in order.
-                    let output = model.created[k][c.output];
+                    let output = c.output_buffer;
                     let into_caller = self.donated[c.buffer];
                     if input.pinned
                         || (model.buffers[output].pinned && !into_caller)
@@ -238,6 +241,9 @@ impl Liveness {
     fn count_bytes(&mut self, model: &BufferModel, steps: &[Vec<usize>]) {
         let mut delta = vec![0isize; steps.len() + 1];
         let mut fresh = vec![0usize; steps.len()];
+        for b in self.freed_donations(model) {
+            delta[self.last[b] + 1] -= model.buffers[b].bytes as isize;
+        }
         for (b, buffer) in model.buffers.iter().enumerate() {
             if buffer.value.is_none() || buffer.within.is_some() || self.donated[b] {
                 continue;
@@ -257,10 +263,25 @@ impl Liveness {
         let mut live = 0isize;
         for ((step, d), &fresh) in steps.iter().zip(&delta).zip(&fresh) {
             live += d;
-            self.start_bytes.push(live as usize - fresh);
+            // Below the run's start once donated inputs are freed.
+            let live = live.max(0) as usize;
+            self.start_bytes.push(live.saturating_sub(fresh));
             self.step_bytes
-                .push(live as usize + scratch_excess(model, step, fresh));
+                .push(live + scratch_excess(model, step, fresh));
         }
+    }
+
+    /// The buffers in donated inputs' storage that free it (the storage
+    /// the caller handed over, released after the read of the last value
+    /// it holds): the last of each in-place chain, unless an output.
+    pub fn freed_donations(&self, model: &BufferModel) -> Vec<usize> {
+        let mut taken_over = vec![false; model.buffers.len()];
+        for r in self.reuses.iter().flatten() {
+            taken_over[*r] = true;
+        }
+        (0..model.buffers.len())
+            .filter(|&b| self.donated[b] && !taken_over[b] && !model.buffers[b].pinned)
+            .collect()
     }
 
     pub fn peak(&self) -> usize {
@@ -325,7 +346,9 @@ impl MemoryPlan {
                 donated: live.donated[b],
             })
             .collect();
+        let escaping_peak_bytes = escaping_peak(&buffers, &live.freed_donations(model), &live);
         let plan = MemoryPlan {
+            escaping_peak_bytes,
             live_at_peak: live_in(&buffers, peak_step),
             arena_bytes: buffers
                 .iter()
@@ -365,9 +388,10 @@ impl MemoryPlan {
     }
 
     /// The peak the compiled executor measures: its arena, allocated for
-    /// the whole run, plus the escaping buffers (all alive at its end).
+    /// the whole run, plus the escaping buffers (all alive at its end),
+    /// less the donated inputs' storage freed before they are allocated.
     pub fn run_peak_bytes(&self) -> usize {
-        self.arena_bytes + self.escaping_bytes
+        self.arena_bytes + self.escaping_peak_bytes
     }
 
     /// Bytes kernel `k` allocates for its own use while it runs.
@@ -465,7 +489,7 @@ impl MemoryPlan {
             self.peak_bytes,
             self.peak_step,
             self.arena_bytes,
-            self.escaping_bytes,
+            self.escaping_peak_bytes,
             self.run_peak_bytes(),
             self.donations.len(),
             self.donated_bytes
@@ -520,6 +544,29 @@ fn live_in(buffers: &[PlannedBuffer], step: usize) -> Vec<usize> {
                 && !buffers[b].donated
         })
         .collect()
+}
+
+/// The most bytes of escaping buffers allocated by a step's end, less the
+/// donated storage `freed` before that step.
+fn escaping_peak(buffers: &[PlannedBuffer], freed: &[usize], live: &Liveness) -> usize {
+    let steps = live.step_bytes.len();
+    let mut delta = vec![0isize; steps + 1];
+    for b in buffers
+        .iter()
+        .filter(|b| b.escapes && b.within.is_none() && !b.donated)
+    {
+        delta[b.first_step] += b.bytes as isize;
+    }
+    for &b in freed {
+        delta[live.last[b] + 1] -= buffers[b].bytes as isize;
+    }
+    let mut now = 0isize;
+    let mut peak = 0isize;
+    for d in &delta[..steps] {
+        now += d;
+        peak = peak.max(now);
+    }
+    peak as usize
 }
 
 /// The in-place writes, by kernel.
@@ -646,6 +693,7 @@ mod tests {
             donations: Vec::new(),
             escaping_bytes: 0,
             donated_bytes: 0,
+            escaping_peak_bytes: 0,
             joins: Vec::new(),
             scratch: Vec::new(),
             device: Device::Cpu,
