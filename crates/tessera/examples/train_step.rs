@@ -143,7 +143,9 @@ fn main() {
         "eager step:    median {eager:.1} ms over {steps} steps {eager_ms:.1?}, of which AdamW.step {:.1} ms",
         median(&mut optimizer_ms)
     );
-    println!("compiled step (donating): median {compiled:.1} ms over {steps} steps {compiled_ms:.1?}");
+    println!(
+        "compiled step (donating): median {compiled:.1} ms over {steps} steps {compiled_ms:.1?}"
+    );
     println!(
         "compiled/eager: {:.2}x; first compiled step {:.0} ms (compile {:.0} ms); trace per step {:.1} ms; {kernels}",
         compiled / eager,

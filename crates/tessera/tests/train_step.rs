@@ -554,7 +554,10 @@ fn addrs<O: TraceableOptimizer>(step: &TrainStep<'_, O>) -> Vec<u64> {
     let opt = step.optimizer();
     let values = opt.params().iter().map(|p| p.get());
     let states = (0..opt.params().len()).flat_map(|i| opt.state(i));
-    values.chain(states).map(|t| t.array().buffer_addr()).collect()
+    values
+        .chain(states)
+        .map(|t| t.array().buffer_addr())
+        .collect()
 }
 
 /// How many of `after` are among `before`.
@@ -585,7 +588,12 @@ fn donation_writes_the_new_values_over_the_old_and_changes_no_bit() {
         }
     }
     let (mut from_donating, mut from_kept) = (step.into_optimizer(), kept.into_optimizer());
-    for (i, (p, q)) in from_donating.params().iter().zip(from_kept.params()).enumerate() {
+    for (i, (p, q)) in from_donating
+        .params()
+        .iter()
+        .zip(from_kept.params())
+        .enumerate()
+    {
         assert_eq!(p.get().to_f64_vec(), q.get().to_f64_vec());
         let (s, t) = (from_donating.state(i), from_kept.state(i));
         for (s, t) in s.iter().zip(&t) {

@@ -14,6 +14,24 @@
 //! by changed sizes, every dim becomes symbolic (those that meet constants of
 //! their size are specialised again) and the graph is generalised
 //! over them (`compile/dynamic.rs`), so one executable then serves every size.
+//!
+//! Buffer donation ([`Compiled::try_call_donating`], as JAX's
+//! `donate_argnums`): a call may hand some arguments over by value. The
+//! memory plan then treats each donated input as a buffer of the run, alive
+//! until its last read, which a fused kernel (or a matmul's epilogue)
+//! reading it last may overwrite with an output of its size and dtype — a
+//! graph output too, which then lives on in the caller's storage instead
+//! of a fresh allocation, and a donated input that nothing overwrites is
+//! freed after its last read. Donation is checked, not trusted: an input is
+//! written over only if the call's tensor is its only handle and dense, so
+//! a clone the caller kept reads as before (the output gets its own buffer,
+//! and `TESSERA_LOGS=memory` says the input was still shared). Which
+//! inputs are donated is part of the guards (a donating call and a plain
+//! one get different executables). An executable with a backward does not
+//! donate (it saves its inputs for the backward). The memory plan's log
+//! counts the values written over donated inputs, and its bytes for a run
+//! (arena + escaping) no longer include them. [`train_step`] donates the
+//! parameters and the optimizer's state.
 
 mod build;
 mod cache;

@@ -40,6 +40,27 @@
 //!   parameters' slots with [`Parameter::set`], which shares the output's
 //!   buffer (no copy; on a device nothing moves to the host), and the new
 //!   state into the optimizer ([`TraceableOptimizer::advance`]).
+//! - **Parameters and state are updated in place (buffer donation).** By
+//!   default ([`TrainStep::donate`]) the step takes the parameters' values
+//!   and the optimizer's state out of their slots
+//!   ([`TraceableOptimizer::take_state`]; the slots hold empty
+//!   placeholders meanwhile) and hands them to the executable by value
+//!   ([`Compiled::try_call_donating`]), so it holds their only handles:
+//!   each update kernel writes its new value, m and v over the old ones
+//!   (a weight's matmul-epilogue update writes one of them into its
+//!   gradient's product instead, and the old weight is freed right after
+//!   its last read). Without donation two copies of every parameter and
+//!   state tensor are alive at the end of the step; with it, about one:
+//!   on issue 17's GPT (3.7M parameters, AdamW) the step's memory plan
+//!   needs 122.8 MB instead of 166.3 MB for a run. Values are bit for bit
+//!   those of the step without donation. A parameter whose value the
+//!   caller still holds elsewhere (a clone) is read, not written over.
+//!   If the step fails before the executable starts (a bad loss, a trace,
+//!   guard or compile error, a panic of the loss function), everything is
+//!   put back as it was. Once it has started, a failure (out of memory, a
+//!   device error: the batch's data errors happen in the forward, before
+//!   any update) loses the values handed over, and the error says so;
+//!   `donate(false)` keeps them.
 //!
 //! Parameters without a gradient in the traced step (unused by the loss)
 //! keep their value and state, as in the eager step. Tensors the model

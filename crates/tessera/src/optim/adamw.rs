@@ -204,7 +204,10 @@ impl TraceableOptimizer for AdamW {
         match &mut self.states[i] {
             Some(s) => {
                 let (pm, pv) = (super::placeholder(&s.m), super::placeholder(&s.v));
-                vec![std::mem::replace(&mut s.m, pm), std::mem::replace(&mut s.v, pv)]
+                vec![
+                    std::mem::replace(&mut s.m, pm),
+                    std::mem::replace(&mut s.v, pv),
+                ]
             }
             None => super::zero_state(&self.params[i].get(), 2),
         }
