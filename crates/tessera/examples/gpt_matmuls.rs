@@ -90,6 +90,7 @@ fn main() {
         // (product, tessera, m k n, a and its strides, b and its strides)
         let wt = w.transpose(0, 1);
         let xt = x.transpose(0, 1);
+        #[allow(clippy::type_complexity)]
         let cases: [(&str, Box<dyn Fn() -> Tensor>, _, _, _, _, _); 3] = [
             (
                 "x·W",

@@ -47,7 +47,7 @@ impl Profile {
             entry.1 += 1;
         }
         let mut kinds: Vec<_> = by_kind.into_iter().collect();
-        kinds.sort_by(|a, b| b.1 .0.cmp(&a.1 .0));
+        kinds.sort_by_key(|k| std::cmp::Reverse(k.1 .0));
         let mut text = format!(
             "graph `{}`: {} kernels in {:.3} ms\n  by kind:\n",
             graph.name,
@@ -62,7 +62,7 @@ impl Profile {
             ));
         }
         let mut slowest = self.times.clone();
-        slowest.sort_by(|a, b| b.1.cmp(&a.1));
+        slowest.sort_by_key(|s| std::cmp::Reverse(s.1));
         text.push_str("  slowest kernels:\n");
         for (k, t) in slowest.into_iter().take(SLOWEST) {
             text.push_str(&format!(
