@@ -16,6 +16,7 @@ use tessera::compile::train_step;
 use tessera::hints::Strategy;
 use tessera::nn::{cross_entropy, ParamStore, TransformerConfig, TransformerLM};
 use tessera::optim::{AdamW, AdamWConfig, Optimizer};
+use tessera::runtime::cpu::{memory_stats, reset_peak};
 use tessera::tensor::Generator;
 use tessera::{DType, Tensor};
 
@@ -88,47 +89,81 @@ fn main() {
     }
     drop((store, lm, opt));
 
-    // Compiled: one graph per step.
-    let (store, lm) = model();
-    let opt = AdamW::new(store.parameters(), AdamWConfig::default());
-    let mut step = train_step(|b: &[Tensor]| loss_of(&lm, b), opt);
-    if let Ok(order) = std::env::var("STEP_SCHEDULE") {
-        step = step.schedule(match order.as_str() {
-            "strict" => Strategy::Strict,
-            "dfs" => Strategy::Dfs,
-            "bfs" => Strategy::Bfs,
-            other => panic!("STEP_SCHEDULE: strict, dfs or bfs, got {other}"),
-        });
-    }
-    let mut compiled_ms = Vec::new();
-    let mut compiled_losses = Vec::new();
-    let mut first = 0.0;
-    for i in 0..WARMUP + steps {
-        let t0 = Instant::now();
-        let loss = step.step(&data);
-        compiled_losses.push(loss.item());
-        let ms = t0.elapsed().as_secs_f64() * 1e3;
-        if i == 0 {
-            first = ms;
+    // Compiled: one graph per step, with the parameters and AdamW's state
+    // donated (the default) and without.
+    let compiled_run = |donate: bool| {
+        let (store, lm) = model();
+        let opt = AdamW::new(store.parameters(), AdamWConfig::default());
+        let mut step = train_step(|b: &[Tensor]| loss_of(&lm, b), opt).donate(donate);
+        if let Ok(order) = std::env::var("STEP_SCHEDULE") {
+            step = step.schedule(match order.as_str() {
+                "strict" => Strategy::Strict,
+                "dfs" => Strategy::Dfs,
+                "bfs" => Strategy::Bfs,
+                other => panic!("STEP_SCHEDULE: strict, dfs or bfs, got {other}"),
+            });
         }
-        if i >= WARMUP {
-            compiled_ms.push(ms);
+        let mut ms_per_step = Vec::new();
+        let mut losses = Vec::new();
+        let mut first = 0.0;
+        let mut measured = 0;
+        for i in 0..WARMUP + steps {
+            let live = memory_stats().live_bytes;
+            reset_peak();
+            let t0 = Instant::now();
+            let loss = step.step(&data);
+            // The most bytes the step added over what was alive before it
+            // (the parameters and state among them).
+            measured = memory_stats().peak_bytes - live;
+            losses.push(loss.item());
+            let ms = t0.elapsed().as_secs_f64() * 1e3;
+            if i == 0 {
+                first = ms;
+            }
+            if i >= WARMUP {
+                ms_per_step.push(ms);
+            }
         }
-    }
-    let stats = step.stats();
-    let kernels = step
-        .last_artifacts()
-        .into_iter()
-        .find(|(name, _)| name == "forward.kernels.txt")
-        .and_then(|(_, text)| text.lines().next().map(str::to_string))
-        .unwrap_or_default();
+        let artifact = |file: &str| {
+            step.last_artifacts()
+                .into_iter()
+                .find(|(name, _)| name == file)
+                .and_then(|(_, text)| text.lines().next().map(str::to_string))
+                .unwrap_or_default()
+        };
+        let memory = artifact("forward.memory.txt");
+        let kernels = artifact("forward.kernels.txt");
+        (
+            ms_per_step,
+            losses,
+            first,
+            step.stats(),
+            kernels,
+            (memory, measured),
+        )
+    };
+    let (mut kept_ms, kept_losses, _, _, _, (kept_memory, kept_measured)) = compiled_run(false);
+    let (mut compiled_ms, compiled_losses, first, stats, kernels, (memory, measured)) =
+        compiled_run(true);
+    assert_eq!(kept_losses, compiled_losses, "donation changes no bit");
+    println!("memory plan, donating:     {memory}");
+    println!("memory plan, not donating: {kept_memory}");
+    println!(
+        "measured peak over the step's start: donating {measured} bytes, not donating {kept_measured} bytes"
+    );
+    println!(
+        "compiled step not donating: median {:.1} ms over {steps} steps {kept_ms:.1?}",
+        median(&mut kept_ms)
+    );
 
     let (eager, compiled) = (median(&mut eager_ms), median(&mut compiled_ms));
     println!(
         "eager step:    median {eager:.1} ms over {steps} steps {eager_ms:.1?}, of which AdamW.step {:.1} ms",
         median(&mut optimizer_ms)
     );
-    println!("compiled step: median {compiled:.1} ms over {steps} steps {compiled_ms:.1?}");
+    println!(
+        "compiled step (donating): median {compiled:.1} ms over {steps} steps {compiled_ms:.1?}"
+    );
     println!(
         "compiled/eager: {:.2}x; first compiled step {:.0} ms (compile {:.0} ms); trace per step {:.1} ms; {kernels}",
         compiled / eager,

@@ -555,3 +555,91 @@ fn under_no_grad_a_captured_weight_gets_no_backward() {
     }
     assert_eq!(f.stats().compiles, 2, "{:?}", f.recompile_reasons());
 }
+
+/// `exp(x) + 1` and `tanh(2y)`: one fused kernel each, outputs of their
+/// inputs' size.
+fn two_chains(x: &[Tensor]) -> Vec<Tensor> {
+    vec![x[0].exp() + 1.0, (&x[1] * 2.0).tanh()]
+}
+
+#[test]
+fn a_donated_input_is_written_over_and_an_undonated_or_held_one_is_not() {
+    let f = compile(two_chains);
+    let make = |v: f64| Tensor::full(&[64], v, DType::F32);
+    let want = |a: f64, b: f64| {
+        (
+            vec![(a.exp() + 1.0) as f32; 64],
+            vec![(2.0 * b).tanh() as f32; 64],
+        )
+    };
+    // Both donated; the second still held by the caller (a clone).
+    let (a, b) = (make(0.5), make(0.25));
+    let (a_at, b_at) = (a.array().buffer_addr(), b.array().buffer_addr());
+    let held = b.clone();
+    let mut args = vec![a, b];
+    let out = f.try_call_donating(&mut args, &[0, 1]).unwrap();
+    assert!(args.is_empty(), "the call took its arguments");
+    assert_eq!(
+        out[0].array().buffer_addr(),
+        a_at,
+        "written over the donated input"
+    );
+    assert_ne!(
+        out[1].array().buffer_addr(),
+        b_at,
+        "the held input is not written over"
+    );
+    let (w0, w1) = want(0.5, 0.25);
+    assert_eq!(out[0].to_vec::<f32>().unwrap(), w0);
+    assert_eq!(out[1].to_vec::<f32>().unwrap(), w1);
+    assert_eq!(held.to_vec::<f32>().unwrap(), vec![0.25; 64], "intact");
+    let plan = f.last_artifacts();
+    let memory = &plan
+        .iter()
+        .find(|(n, _)| n == "forward.memory.txt")
+        .unwrap()
+        .1;
+    assert!(memory.contains("2 over donated inputs"), "{memory}");
+    // Not donated (handed over by value all the same): a buffer of its own,
+    // and another executable (donation is part of the guards).
+    let a = make(0.5);
+    let a_at = a.array().buffer_addr();
+    let mut args = vec![a, make(0.25)];
+    let out = f.try_call_donating(&mut args, &[1]).unwrap();
+    assert_ne!(out[0].array().buffer_addr(), a_at);
+    assert_eq!(out[0].to_vec::<f32>().unwrap(), w0);
+    assert_eq!(f.stats().compiles, 2);
+    assert_eq!(
+        f.recompile_reasons(),
+        vec!["input 0: expected donated, got not donated".to_string()]
+    );
+    // The same call again hits its entry.
+    let mut args = vec![make(0.5), make(0.25)];
+    f.try_call_donating(&mut args, &[0, 1]).unwrap();
+    assert_eq!(f.stats().compiles, 2);
+    // A plain call with donating guards' shapes reads every input.
+    let x = [make(0.5), make(0.25)];
+    let out = f.call(&x);
+    assert_eq!(out[0].to_vec::<f32>().unwrap(), w0);
+    assert_eq!(x[0].to_vec::<f32>().unwrap(), vec![0.5; 64]);
+}
+
+#[test]
+fn a_donating_call_that_fails_before_running_keeps_its_arguments() {
+    let f = compile(two_chains);
+    let mut args = vec![Tensor::full(&[4], 1.0, DType::F32)];
+    let e = f.try_call_donating(&mut args, &[3]).unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("cannot donate argument 3 of a call with 1 arguments"),
+        "{e}"
+    );
+    assert_eq!(args.len(), 1);
+    // The function fails while tracing (it reads a second input).
+    let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        f.try_call_donating(&mut args, &[0])
+    }));
+    assert!(caught.is_err());
+    assert_eq!(args.len(), 1, "untouched");
+    assert_eq!(args[0].to_vec::<f32>().unwrap(), vec![1.0; 4]);
+}

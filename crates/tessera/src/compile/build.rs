@@ -132,7 +132,8 @@ impl<F: Fn(&[Tensor]) -> Vec<Tensor>> Compiled<F> {
         let wrt = grad_inputs(guards, &traced.lifted);
         let started = std::time::Instant::now();
         let on = guards_device(guards, &traced.lifted);
-        let exe = Arc::new(Executable::build(traced, wrt, &self.options, on)?);
+        let donated: Vec<usize> = (0..guards.len()).filter(|&i| guards[i].donated).collect();
+        let exe = Arc::new(Executable::build(traced, wrt, &self.options, on, &donated)?);
         state.stats.compile_seconds += started.elapsed().as_secs_f64();
         state.stats.compiles += 1;
         debug::log_output(&exe);

@@ -11,7 +11,7 @@ use crate::ir::{Graph, NodeId};
 use crate::logging::log;
 use crate::passes::{PassContext, PassManager};
 use crate::runtime::device::Device;
-use crate::runtime::execute::{run_plan_with, run_scheduled_with};
+use crate::runtime::execute::{run_plan_with, run_scheduled_owned};
 use crate::runtime::replay::{ReplayStats, Replayer};
 use crate::schedule::{self, ScheduleOptions, Scheduled};
 use crate::tensor::interpret::{bind_symbols, concretise, run_graph};
@@ -43,9 +43,10 @@ struct Lowered {
 }
 
 impl Lowered {
-    fn new(graph: Graph, options: &ScheduleOptions) -> Lowered {
+    /// `donated`: the positions of the graph inputs the caller hands over.
+    fn new(graph: Graph, options: &ScheduleOptions, donated: &[usize]) -> Lowered {
         let plan = fusion::fuse(&graph);
-        let scheduled = match schedule::build(&graph, &plan, options) {
+        let scheduled = match schedule::build_donating(&graph, &plan, options, donated) {
             Ok(s) => Some(s),
             Err(e) => {
                 log("schedule", || {
@@ -64,11 +65,11 @@ impl Lowered {
         }
     }
 
-    fn run(&self, args: &[Tensor], tune: bool) -> Result<Vec<(String, Tensor)>> {
+    fn run(&self, args: Vec<Tensor>, tune: bool) -> Result<Vec<(String, Tensor)>> {
         let (graph, plan) = (&self.graph, &self.plan);
         match &self.scheduled {
-            Some(s) => run_scheduled_with(graph, plan, &s.schedule, &s.memory, args, tune),
-            None => run_plan_with(graph, plan, args, tune),
+            Some(s) => run_scheduled_owned(graph, plan, &s.schedule, &s.memory, args, tune),
+            None => run_plan_with(graph, plan, &args, tune),
         }
     }
 
@@ -99,6 +100,8 @@ type Binding = Vec<(Arc<str>, usize)>;
 /// recompile), and each size runs fused.
 struct SizedPlans {
     options: ScheduleOptions,
+    /// The graph inputs the caller hands over (see [`Lowered::new`]).
+    donated: Vec<usize>,
     plans: Mutex<Vec<(Binding, Arc<Lowered>)>>,
 }
 
@@ -127,7 +130,11 @@ impl SizedPlans {
             return Ok(None);
         }
         let symbols = binding.iter().cloned().collect();
-        let lowered = Arc::new(Lowered::new(concretise(graph, &symbols)?, &self.options));
+        let lowered = Arc::new(Lowered::new(
+            concretise(graph, &symbols)?,
+            &self.options,
+            &self.donated,
+        ));
         log("fusion", || {
             format!(
                 "graph `{}` fused at {sizes} ({} kernels), kept for later calls of these sizes",
@@ -150,12 +157,14 @@ impl Program {
     /// For the default backend (`optimized`): the pass pipeline, fusion,
     /// then the schedule.
     /// `on`: the device its kernels run on (the memory plan's scratch is
-    /// theirs).
+    /// theirs); `donated`: the positions of the inputs the caller hands
+    /// over (the memory plan may write outputs over them).
     fn new(
         mut graph: Graph,
         optimized: bool,
         options: &CompileOptions,
         on: Device,
+        donated: &[usize],
     ) -> Result<Program> {
         if !optimized {
             return Ok(Program {
@@ -175,10 +184,11 @@ impl Program {
         let sized = is_symbolic(&graph).then(|| {
             Arc::new(SizedPlans {
                 options: schedule_options,
+                donated: donated.to_vec(),
                 plans: Mutex::new(Vec::new()),
             })
         });
-        let lowered = Lowered::new(graph.clone(), &schedule_options);
+        let lowered = Lowered::new(graph.clone(), &schedule_options, donated);
         Ok(Program {
             graph: Arc::new(graph),
             lowered: Some(Arc::new(lowered)),
@@ -190,10 +200,12 @@ impl Program {
     }
 
     /// Runs the program: replayed from a device graph under
-    /// `mode=reduce-overhead` (see `runtime::replay`), else kernel by kernel.
-    fn run(&self, args: &[Tensor]) -> Result<Vec<Tensor>> {
+    /// `mode=reduce-overhead` (see `runtime::replay`; `args` stay held
+    /// there, so none is written over), else kernel by kernel, `args`
+    /// moved into the run (see [`run_scheduled_owned`]).
+    fn run(&self, args: Vec<Tensor>) -> Result<Vec<Tensor>> {
         match &self.replay {
-            Some(replayer) => replayer.run(args, |a| self.run_kernels(a)),
+            Some(replayer) => replayer.run(&args, |a| self.run_kernels(a.to_vec())),
             None => self.run_kernels(args),
         }
     }
@@ -204,14 +216,14 @@ impl Program {
             .map_or_else(ReplayStats::default, |r| r.stats())
     }
 
-    fn run_kernels(&self, args: &[Tensor]) -> Result<Vec<Tensor>> {
+    fn run_kernels(&self, args: Vec<Tensor>) -> Result<Vec<Tensor>> {
         let at_size = match &self.sized {
-            Some(sized) => sized.at(&self.graph, args)?,
+            Some(sized) => sized.at(&self.graph, &args)?,
             None => None,
         };
         let outs = match at_size.as_ref().or(self.lowered.as_ref()) {
             Some(lowered) => lowered.run(args, self.tune)?,
-            None => run_graph(&self.graph, args)?,
+            None => run_graph(&self.graph, &args)?,
         };
         Ok(outs.into_iter().map(|(_, t)| t).collect())
     }
@@ -274,11 +286,16 @@ impl Executable {
     /// tape instead). For the default backend the passes run once on the
     /// captured graph, then each graph that runs is fused and scheduled once,
     /// its memory planned for device `on` (its inputs' device).
+    /// `donated`: the inputs the caller hands over (see
+    /// [`super::Compiled::try_call_donating`]); a forward-only executable's
+    /// memory plan may write outputs over them (one with a backward saves
+    /// its inputs for it, so it plans no donation).
     pub fn build(
         traced: &Traced,
         wrt: Vec<usize>,
         options: &CompileOptions,
         on: Device,
+        donated: &[usize],
     ) -> Result<Executable> {
         let mut graph = cut_at_breaks(traced)?;
         // Decided on the captured graph, before passes simplify it.
@@ -294,8 +311,16 @@ impl Executable {
         }
         let num_outputs = graph.outputs.len();
         let name = graph.name.clone();
+        if !donated.is_empty() && !wrt.is_empty() {
+            log("memory", || {
+                format!(
+                    "graph `{name}`: inputs {donated:?} donated, but the executable has a \
+                     backward (inputs {wrt:?} require grad): nothing is written over them"
+                )
+            });
+        }
         let (forward, backward) = if wrt.is_empty() || eager_autograd {
-            (Program::new(graph, fused, options, on)?, None)
+            (Program::new(graph, fused, options, on, donated)?, None)
         } else {
             let aot = match is_symbolic(&graph) {
                 // Tracing the joint graph needs concrete shapes.
@@ -306,13 +331,13 @@ impl Executable {
                 .filter(|&i| graph.node(graph.outputs[i].node).ty.dtype.is_float())
                 .collect();
             let backward = BackwardGraph {
-                program: Program::new(aot.backward, fused, options, on)?,
+                program: Program::new(aot.backward, fused, options, on, &[])?,
                 wrt,
                 reached,
                 tangent_outputs,
             };
             (
-                Program::new(aot.forward, fused, options, on)?,
+                Program::new(aot.forward, fused, options, on, &[])?,
                 Some(backward),
             )
         };
@@ -354,13 +379,27 @@ impl Executable {
     /// Runs on the user's `inputs` followed by `extra` (lifted tensors and
     /// graph-break values, in the trace's order).
     pub fn run(&self, inputs: &[Tensor], extra: &[Tensor]) -> Result<Vec<Tensor>> {
-        let args: Vec<Tensor> = inputs.iter().chain(extra).cloned().collect();
+        self.run_owned(inputs.iter().chain(extra).cloned().collect())
+    }
+
+    /// [`Executable::run`] on the arguments (inputs, then extras) by value:
+    /// a forward-only executable moves them into the run, so an input
+    /// whose handle here was its only one can be written over where the
+    /// memory plan donates it.
+    pub fn run_owned(&self, args: Vec<Tensor>) -> Result<Vec<Tensor>> {
         if self.eager_autograd {
             // The interpreter's ops record on the tape like eager code.
-            return self.forward.run(&args);
+            return self.forward.run(args);
+        }
+        if self.backward.is_none() {
+            // Each detached handle is left the only one once `t` drops.
+            let detached: Vec<Tensor> = args.into_iter().map(|t| t.detach()).collect();
+            let mut outs = autograd::no_grad(|| self.forward.run(detached))?;
+            outs.truncate(self.num_outputs);
+            return Ok(outs);
         }
         let detached: Vec<Tensor> = args.iter().map(Tensor::detach).collect();
-        let mut outs = autograd::no_grad(|| self.forward.run(&detached))?;
+        let mut outs = autograd::no_grad(|| self.forward.run(detached))?;
         let saved = outs.split_off(self.num_outputs);
         let Some(bwd) = &self.backward else {
             return Ok(outs);
@@ -372,7 +411,7 @@ impl Executable {
         let backward = move |grads: &[Tensor]| -> Result<Vec<Option<Tensor>>> {
             let mut feed = saved.clone();
             feed.extend(tangent_outputs.iter().map(|&i| grads[i].clone()));
-            let grads = program.run(&feed)?.into_iter().zip(&reached);
+            let grads = program.run(feed)?.into_iter().zip(&reached);
             Ok(grads.map(|(g, &reached)| reached.then_some(g)).collect())
         };
         Ok(autograd::custom_function(

@@ -18,6 +18,10 @@ pub struct InputGuard {
     /// The device's name: an executable's memory plan is made for its
     /// inputs' device, so a call on another device recompiles.
     pub device: &'static str,
+    /// The caller hands the tensor over ([`super::Compiled::try_call_donating`]):
+    /// the memory plan may write an output over it, so a call that donates
+    /// other inputs gets another executable.
+    pub donated: bool,
 }
 
 /// Whether a gradient flows to `t` in this call: it requires grad and grad
@@ -35,6 +39,15 @@ impl InputGuard {
             strides: (!t.is_contiguous()).then(|| t.strides().to_vec()),
             requires_grad: needs_grad(t),
             device: t.device().name(),
+            donated: false,
+        }
+    }
+
+    /// The guard of an input the caller donates.
+    pub fn donated(t: &Tensor) -> InputGuard {
+        InputGuard {
+            donated: true,
+            ..InputGuard::of(t)
         }
     }
 
@@ -55,6 +68,7 @@ impl InputGuard {
         sizes
             + usize::from(self.strides != actual.strides)
             + usize::from(self.requires_grad != actual.requires_grad)
+            + usize::from(self.donated != actual.donated)
             + usize::from(self.device != actual.device) * 2
     }
 
@@ -107,6 +121,14 @@ impl InputGuard {
             return Some(format!(
                 "{what}: expected device {}, got {}",
                 self.device, actual.device
+            ));
+        }
+        if self.donated != actual.donated {
+            let says = |d: bool| if d { "donated" } else { "not donated" };
+            return Some(format!(
+                "{what}: expected {}, got {}",
+                says(self.donated),
+                says(actual.donated)
             ));
         }
         None
@@ -195,6 +217,8 @@ mod tests {
         };
         let r = miss_reason(&[InputGuard::of(&a)], &[on_gpu]).unwrap();
         assert_eq!(r, "input 0: expected device cpu, got cuda");
+        let r = miss_reason(&[InputGuard::of(&a)], &[InputGuard::donated(&a)]).unwrap();
+        assert_eq!(r, "input 0: expected not donated, got donated");
         let r = miss_reason(
             &[InputGuard::of(&a)],
             &[InputGuard::of(&a), InputGuard::of(&a)],

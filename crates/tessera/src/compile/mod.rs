@@ -14,6 +14,24 @@
 //! by changed sizes, every dim becomes symbolic (those that meet constants of
 //! their size are specialised again) and the graph is generalised
 //! over them (`compile/dynamic.rs`), so one executable then serves every size.
+//!
+//! Buffer donation ([`Compiled::try_call_donating`], as JAX's
+//! `donate_argnums`): a call may hand some arguments over by value. The
+//! memory plan then treats each donated input as a buffer of the run, alive
+//! until its last read, which a fused kernel (or a matmul's epilogue)
+//! reading it last may overwrite with an output of its size and dtype — a
+//! graph output too, which then lives on in the caller's storage instead
+//! of a fresh allocation, and a donated input that nothing overwrites is
+//! freed after its last read. Donation is checked, not trusted: an input is
+//! written over only if the call's tensor is its only handle and dense, so
+//! a clone the caller kept reads as before (the output gets its own buffer,
+//! and `TESSERA_LOGS=memory` says the input was still shared). Which
+//! inputs are donated is part of the guards (a donating call and a plain
+//! one get different executables). An executable with a backward does not
+//! donate (it saves its inputs for the backward). The memory plan's log
+//! counts the values written over donated inputs, and its bytes for a run
+//! (arena + escaping) no longer include them. [`train_step`] donates the
+//! parameters and the optimizer's state.
 
 mod build;
 mod cache;
@@ -120,7 +138,58 @@ impl<F: Fn(&[Tensor]) -> Vec<Tensor>> Compiled<F> {
     /// recompile limit).
     #[track_caller]
     pub fn try_call(&self, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
-        let guards: Vec<InputGuard> = inputs.iter().map(InputGuard::of).collect();
+        self.call_with(&mut inputs.to_vec(), &[])
+    }
+
+    /// [`Compiled::try_call`] donating the arguments at positions `donate`
+    /// (buffer donation, as JAX's `donate_argnums`): the call takes `args`
+    /// (leaving it empty) when the executable starts, and its memory plan
+    /// writes outputs of their size and dtype over the donated ones after
+    /// their last read instead of allocating — a training step's new
+    /// parameters over the old ones. An argument is written over only if
+    /// its tensor in `args` is its only handle (no clone, view or
+    /// autograd record elsewhere) and dense; otherwise its output gets a
+    /// buffer of its own (`TESSERA_LOGS=memory` says so), and values are
+    /// the same either way.
+    ///
+    /// Should the call fail before the executable starts (a trace, guard
+    /// or compile error, a panic of `f`), `args` is untouched; once it has
+    /// started, a failure loses the donated values (some may be
+    /// overwritten). A donating call does not speculate, and the eager
+    /// fallback, graph breaks and a device-graph replay do not donate.
+    /// Donation is part of the guards: a call donating other positions
+    /// compiles its own executable (the reason says `donated`).
+    #[track_caller]
+    pub fn try_call_donating(
+        &self,
+        args: &mut Vec<Tensor>,
+        donate: &[usize],
+    ) -> Result<Vec<Tensor>> {
+        if let Some(&bad) = donate.iter().find(|&&i| i >= args.len()) {
+            return Err(crate::error::Error::op(
+                crate::error::ErrorKind::Argument,
+                "compile",
+                format!(
+                    "cannot donate argument {bad} of a call with {} arguments",
+                    args.len()
+                ),
+            ));
+        }
+        self.call_with(args, donate)
+    }
+
+    /// The call path: `args` are taken when the executable runs.
+    #[track_caller]
+    fn call_with(&self, args: &mut Vec<Tensor>, donate: &[usize]) -> Result<Vec<Tensor>> {
+        let guards: Vec<InputGuard> = args
+            .iter()
+            .enumerate()
+            .map(|(i, t)| match donate.contains(&i) {
+                true => InputGuard::donated(t),
+                false => InputGuard::of(t),
+            })
+            .collect();
+        let inputs: &[Tensor] = args;
         if self.state.lock().expect("compile cache").fell_back {
             return self.run_eagerly(inputs);
         }
@@ -131,12 +200,15 @@ impl<F: Fn(&[Tensor]) -> Vec<Tensor>> Compiled<F> {
                 .expect("compile cache")
                 .lookup_by_guards(&guards);
             if let Some(exe) = hit {
-                return exe.run(inputs, &[]);
+                return exe.run_owned(std::mem::take(args));
             }
         }
-        let early = self
-            .speculation(inputs, &guards)
-            .map(|(key, exe)| (key, exe.run(inputs, &[])));
+        let early = match donate.is_empty() {
+            true => self
+                .speculation(inputs, &guards)
+                .map(|(key, exe)| (key, exe.run(inputs, &[]))),
+            false => None,
+        };
         let started = std::time::Instant::now();
         let traced = self.capture(inputs)?;
         self.state
@@ -171,9 +243,10 @@ impl<F: Fn(&[Tensor]) -> Vec<Tensor>> Compiled<F> {
                 None => return self.run_eagerly_after(&traced, inputs),
             },
         };
-        let mut extra: Vec<Tensor> = traced.lifted.clone();
-        extra.extend(traced.materialized.iter().map(|(_, t)| t.clone()));
-        exe.run(inputs, &extra)
+        let mut owned = std::mem::take(args);
+        owned.extend(traced.lifted);
+        owned.extend(traced.materialized.into_iter().map(|(_, t)| t));
+        exe.run_owned(owned)
     }
 
     /// The trace as the cache sees it: generalised over the dynamic dims

@@ -12,7 +12,7 @@ use std::sync::{Arc, RwLock};
 
 use crate::error::{Error, ErrorKind, Result, SourceLoc};
 use crate::ir::{DType, TensorType};
-use crate::runtime::device::Device;
+use crate::runtime::device::{with_device, Device};
 use crate::tensor::{Generator, Tensor};
 
 /// A named, shared, replaceable trainable tensor. Clones share the slot.
@@ -94,6 +94,31 @@ impl Parameter {
     /// inputs). The caller keeps the type.
     pub(crate) fn replace(&self, value: Tensor) -> Tensor {
         std::mem::replace(&mut *self.0.value.write().expect("parameter lock"), value)
+    }
+
+    /// The value handed over: cut from autograd (its gradient dropped),
+    /// the slot holding an empty placeholder of its dtype instead, so that
+    /// the tensor returned is the only handle of its buffer unless the
+    /// caller holds others — for a compiled step that writes the new value
+    /// over the old (buffer donation). [`Parameter::install`] puts a value
+    /// back.
+    pub(crate) fn take(&self) -> Tensor {
+        let value = self.get();
+        let empty = with_device(value.device(), || Tensor::zeros(&[0], value.dtype()));
+        drop(value);
+        self.replace(empty).detach()
+    }
+
+    /// Installs `value` as a new leaf (as [`Parameter::set`]) after
+    /// [`Parameter::take`], whose placeholder has another type: the caller
+    /// checks that `value` has the type taken.
+    /// Whether `other` is this parameter (one slot), not a copy.
+    pub(crate) fn same_slot(&self, other: &Parameter) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+
+    pub(crate) fn install(&self, value: &Tensor) {
+        self.replace(as_leaf(value));
     }
 }
 

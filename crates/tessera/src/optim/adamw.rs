@@ -198,6 +198,28 @@ impl TraceableOptimizer for AdamW {
         Ok((next, vec![m, v]))
     }
 
+    /// The moments by value, the step count kept (before the first step:
+    /// fresh zeros, which nothing else holds).
+    fn take_state(&mut self, i: usize) -> Vec<Tensor> {
+        match &mut self.states[i] {
+            Some(s) => {
+                let (pm, pv) = (super::placeholder(&s.m), super::placeholder(&s.v));
+                vec![
+                    std::mem::replace(&mut s.m, pm),
+                    std::mem::replace(&mut s.v, pv),
+                ]
+            }
+            None => super::zero_state(&self.params[i].get(), 2),
+        }
+    }
+
+    fn restore_state(&mut self, i: usize, state: Vec<Tensor>) {
+        if let (Some(s), [m, v]) = (&mut self.states[i], &state[..]) {
+            s.m = m.clone();
+            s.v = v.clone();
+        }
+    }
+
     fn advance(&mut self, i: usize, state: Vec<Tensor>) -> Result<()> {
         let t = self.states[i].as_ref().map_or(1, |s| s.t + 1);
         let [m, v]: [Tensor; 2] = state.try_into().map_err(|s: Vec<Tensor>| {

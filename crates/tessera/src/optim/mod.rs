@@ -88,6 +88,30 @@ pub trait TraceableOptimizer: Optimizer {
     /// the optimizer (by `update`), and counts the step. An error when
     /// `state` is not [`TraceableOptimizer::state_len`] tensors.
     fn advance(&mut self, i: usize, state: Vec<Tensor>) -> Result<()>;
+
+    /// Parameter `i`'s state handed over to a step computed outside (a
+    /// compiled step that writes the new state over the old: buffer
+    /// donation): the tensors [`TraceableOptimizer::state`] gives, the
+    /// optimizer keeping no handle of them (an empty placeholder instead;
+    /// the step count stays) until [`TraceableOptimizer::advance`]
+    /// installs the next state or [`TraceableOptimizer::restore_state`]
+    /// puts these back. The default keeps its handles: nothing can be
+    /// written over.
+    fn take_state(&mut self, i: usize) -> Vec<Tensor> {
+        self.state(i)
+    }
+
+    /// Puts back the state [`TraceableOptimizer::take_state`] handed over
+    /// (a step that failed before it ran); counts no step.
+    fn restore_state(&mut self, i: usize, state: Vec<Tensor>) {
+        let _ = (i, state);
+    }
+}
+
+/// What stands in for a state tensor handed over (see
+/// [`TraceableOptimizer::take_state`]): no elements, nothing allocated.
+fn placeholder(t: &Tensor) -> Tensor {
+    crate::runtime::device::with_device(t.device(), || Tensor::zeros(&[0], t.dtype()))
 }
 
 /// `n` zero tensors of `p`'s type, on its device (the state of a

@@ -156,6 +156,24 @@ impl TraceableOptimizer for Sgd {
         Ok((next, buffer.into_iter().collect()))
     }
 
+    /// The momentum buffer by value (before the first step: fresh zeros,
+    /// which nothing else holds).
+    fn take_state(&mut self, i: usize) -> Vec<Tensor> {
+        match &mut self.buffers[i] {
+            Some(b) if self.config.momentum != 0.0 => {
+                let placeholder = super::placeholder(b);
+                vec![std::mem::replace(b, placeholder)]
+            }
+            _ => self.state(i),
+        }
+    }
+
+    fn restore_state(&mut self, i: usize, state: Vec<Tensor>) {
+        if let (Some(b), [taken]) = (&mut self.buffers[i], &state[..]) {
+            *b = taken.clone();
+        }
+    }
+
     fn advance(&mut self, i: usize, state: Vec<Tensor>) -> Result<()> {
         if state.len() != self.state_len() {
             return Err(Error::op(

@@ -21,6 +21,13 @@
 //! one contiguous byte range of the output), each input buffer is planned
 //! *within* the cat's output buffer, at its range: its producer writes
 //! straight into the output, and the cat copies nothing.
+//!
+//! Donated inputs: a graph input the caller hands over (its only handle,
+//! `Compiled::try_call_donating`) is a buffer created by no kernel, alive
+//! from the start to its last read: a fused kernel reading it for the last
+//! time may write an output of its size and dtype over it, as over any
+//! intermediate — a graph output too, which then lives in the caller's
+//! storage (see `memory.rs`). It is never planned within a cat's output.
 
 use super::kernels::KernelGraph;
 use crate::error::{Error, ErrorKind, Result};
@@ -44,6 +51,9 @@ pub(crate) struct Buffer {
     pub pinned: bool,
     /// It is the bytes at (.1) of buffer (.0), the output of a cat in place.
     pub within: Option<(usize, usize)>,
+    /// It is the storage of a graph input the caller donated: created by
+    /// no kernel (`kernel` means nothing), live from the start.
+    pub donated: bool,
 }
 
 /// A fused kernel may write output `output` (position in its outputs) into
@@ -57,8 +67,11 @@ pub(crate) struct Buffer {
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub(crate) struct InPlace {
     pub input: NodeId,
+    /// The position of the output among the kernel's fused outputs.
     pub output: usize,
     pub buffer: usize,
+    /// The output's buffer.
+    pub output_buffer: usize,
 }
 
 /// A value's layout as the runtime will make it.
@@ -92,8 +105,15 @@ pub(crate) struct BufferModel {
 
 impl BufferModel {
     /// The buffers of `plan` run on `device` (errors when no backend is
-    /// registered for it).
-    pub fn new(graph: &Graph, plan: &Plan, kg: &KernelGraph, on: Device) -> Result<BufferModel> {
+    /// registered for it), the graph inputs at positions `donated` handed
+    /// over by the caller.
+    pub fn new(
+        graph: &Graph,
+        plan: &Plan,
+        kg: &KernelGraph,
+        on: Device,
+        donated: &[usize],
+    ) -> Result<BufferModel> {
         let backend = device::backend(on)?;
         let mut model = BufferModel {
             device: on,
@@ -106,13 +126,28 @@ impl BufferModel {
             joins: vec![false; kg.len()],
         };
         let mut values: Vec<Option<ValueLayout>> = vec![None; graph.len()];
-        for &id in &graph.inputs {
+        for (i, &id) in graph.inputs.iter().enumerate() {
             let shape = concrete(graph, id)?;
+            let numel: usize = shape.iter().product();
+            let dtype = graph.node(id).ty.dtype;
+            let buffer = donated.contains(&i).then(|| {
+                model.buffers.push(Buffer {
+                    value: Some(id),
+                    kernel: 0,
+                    bytes: numel * dtype.size_bytes(),
+                    readers: Vec::new(),
+                    pinned: false,
+                    within: None,
+                    donated: true,
+                });
+                model.buffers.len() - 1
+            });
+            model.value_buffer[id.index()] = buffer;
             values[id.index()] = Some(ValueLayout {
-                storage_numel: shape.iter().product(),
+                storage_numel: numel,
                 layout: Layout::contiguous(&shape),
-                dtype: graph.node(id).ty.dtype,
-                buffer: None,
+                dtype,
+                buffer,
             });
         }
         for (k, kernel) in plan.kernels.iter().enumerate() {
@@ -213,6 +248,7 @@ impl BufferModel {
             let whole = buffer.value == Some(x) && buffer.within.is_none();
             if !whole
                 || buffer.pinned
+                || buffer.donated
                 || buffer.readers != [k]
                 || pieces.iter().any(|&(p, _)| p == b)
             {
@@ -282,6 +318,8 @@ impl BufferModel {
                 // epilogue output of its dtype, else the kernel's scratch
                 // (the executor runs such a gemm inside `arena::scratch`).
                 let n = graph.node(*matmul).inputs.len();
+                let operand_buffers: Vec<Option<usize>> =
+                    inputs[..n].iter().map(|v| v.buffer).collect();
                 let shape = concrete(graph, *matmul)?;
                 let described: Vec<(&Layout, DType, usize)> = inputs[..n]
                     .iter()
@@ -302,11 +340,33 @@ impl BufferModel {
                     self.value_buffer[matmul.index()] = value.buffer;
                     values[matmul.index()] = Some(value);
                 }
+                let first_output = self.created[k].len();
                 for &o in outputs {
                     let value = self.new_value(graph, k, o)?;
                     self.value_buffer[o.index()] = value.buffer;
                     values[o.index()] = Some(value);
                 }
+                // A donated input the epilogue alone reads may take an
+                // output other than the one written over the product.
+                let target = (!*matmul_out)
+                    .then(|| code.outputs.iter().position(|&(_, d)| d == dtype))
+                    .flatten();
+                let epilogue_inputs: Vec<NodeId> = reads[n..].to_vec();
+                let candidates = in_place_candidates(
+                    &code.shape,
+                    &epilogue_inputs,
+                    (outputs, &self.created[k][first_output..]),
+                    graph,
+                    values,
+                );
+                self.in_place[k] = candidates
+                    .into_iter()
+                    .filter(|c| {
+                        Some(c.output) != target
+                            && self.buffers[c.buffer].donated
+                            && !operand_buffers.contains(&Some(c.buffer))
+                    })
+                    .collect();
             }
             Kernel::MatmulRows {
                 matmuls,
@@ -335,8 +395,14 @@ impl BufferModel {
                     self.value_buffer[o.index()] = value.buffer;
                     values[o.index()] = Some(value);
                 }
-                self.in_place[k] =
-                    in_place_candidates(&code.shape, fused_inputs, outputs, graph, values);
+                let first_output = self.created[k].len() - outputs.len();
+                self.in_place[k] = in_place_candidates(
+                    &code.shape,
+                    fused_inputs,
+                    (outputs, &self.created[k][first_output..]),
+                    graph,
+                    values,
+                );
             }
         }
         Ok(())
@@ -464,6 +530,7 @@ impl BufferModel {
             readers: Vec::new(),
             pinned: false,
             within: None,
+            donated: false,
         });
         self.created[k].push(self.buffers.len() - 1);
         self.buffers.len() - 1
@@ -473,10 +540,11 @@ impl BufferModel {
 /// Inputs of a fused kernel that an output of the same dtype may overwrite:
 /// the input is a whole buffer, dense, of the kernel's shape (so element i
 /// of the input is element i of the output), read once by the kernel.
+/// `outputs`: the fused outputs and their buffers.
 fn in_place_candidates(
     shape: &[usize],
     inputs: &[NodeId],
-    outputs: &[NodeId],
+    (outputs, output_buffers): (&[NodeId], &[usize]),
     graph: &Graph,
     values: &[Option<ValueLayout>],
 ) -> Vec<InPlace> {
@@ -500,6 +568,7 @@ fn in_place_candidates(
                     input: x,
                     output: o,
                     buffer,
+                    output_buffer: output_buffers[o],
                 });
             }
         }

@@ -35,6 +35,20 @@
 //! A buffer planned within a cat's output (`buffers.rs`) holds no bytes of
 //! its own: the output is live from the step its first piece is made, and
 //! each piece sits at its range of the output's place.
+//!
+//! Donated inputs (buffer donation, as JAX's `donate_argnums`): a graph
+//! input the caller hands over is a buffer live from step 0 to its last
+//! read, and an in-place candidate like any other; a graph output may be
+//! written over it too (not over an intermediate: escaping values come
+//! from the pool), and then lives on in the caller's storage. Like every
+//! input, its bytes are the caller's, not the run's: it has no place in
+//! the arena, and neither has a value written over it, nor do they count
+//! in the peak. So a value written in place of a donated input costs the
+//! run nothing — a training step whose new parameters and optimizer state
+//! are written over the old ones needs neither their second copy nor the
+//! time to allocate it. The executor hands an input over only when the
+//! caller's tensor was its only handle and dense; otherwise the output
+//! gets its own buffer from the pool, and the memory log says so.
 
 use super::buffers::BufferModel;
 use super::Schedule;
@@ -64,6 +78,18 @@ pub struct PlannedBuffer {
     /// copies nothing; its offset is its place in the arena (when the
     /// output escapes: in the output's own block).
     pub within: Option<(usize, usize)>,
+    /// It is in the storage of a graph input the caller donated: that
+    /// input's own buffer (created by no kernel: `kernel` means nothing,
+    /// `reuses` is `None`), or a value written over it in place. No place
+    /// in the arena, no bytes of the run.
+    pub donated: bool,
+}
+
+impl PlannedBuffer {
+    /// It is a donated graph input's own storage (created by no kernel).
+    pub fn is_donated_input(&self) -> bool {
+        self.donated && self.reuses.is_none()
+    }
 }
 
 /// Kernel `kernel` writes `output` over its input `input`.
@@ -91,6 +117,13 @@ pub struct MemoryPlan {
     pub donations: Vec<Donation>,
     /// Bytes of the buffers that escape (allocated outside the arena).
     pub escaping_bytes: usize,
+    /// Bytes of the values written over donated inputs (in the caller's
+    /// storage: neither in the arena nor escaping): what donation saves.
+    pub donated_bytes: usize,
+    /// The most escaping bytes allocated at once, less the donated
+    /// inputs' storage freed by then (what the pool adds to the arena;
+    /// `escaping_bytes` without donation).
+    pub escaping_peak_bytes: usize,
     /// Per kernel, whether it is a cat that copies nothing (its inputs were
     /// made within its output).
     pub joins: Vec<bool>,
@@ -110,6 +143,9 @@ pub(crate) struct Liveness {
     pub reuses: Vec<Option<usize>>,
     /// (kernel, the input value it overwrites, the output buffer written).
     pub donations: Vec<(usize, NodeId, usize)>,
+    /// Per buffer, whether it is in a donated input's storage (that input's
+    /// own, or written over it in place).
+    pub donated: Vec<bool>,
     pub step_bytes: Vec<usize>,
     /// Per step, the bytes live when it starts (made by earlier steps).
     pub start_bytes: Vec<usize>,
@@ -125,7 +161,11 @@ impl Liveness {
             }
         }
         let end = steps.len().saturating_sub(1);
-        let mut first: Vec<usize> = model.buffers.iter().map(|b| step_of[b.kernel]).collect();
+        let mut first: Vec<usize> = model
+            .buffers
+            .iter()
+            .map(|b| if b.donated { 0 } else { step_of[b.kernel] })
+            .collect();
         for b in &model.buffers {
             if let Some((parent, _)) = b.within {
                 first[parent] = first[parent].min(step_of[b.kernel]);
@@ -148,6 +188,7 @@ impl Liveness {
             last,
             reuses: vec![None; model.buffers.len()],
             donations: Vec::new(),
+            donated: model.buffers.iter().map(|b| b.donated).collect(),
             step_bytes: Vec::new(),
             start_bytes: Vec::new(),
         };
@@ -157,7 +198,8 @@ impl Liveness {
     }
 
     /// Accepts each in-place candidate whose input buffer dies in the
-    /// kernel's step, read there by that kernel alone.
+    /// kernel's step, read there by that kernel alone; a graph output only
+    /// over a donated input's storage.
     fn choose_in_place(&mut self, model: &BufferModel, steps: &[Vec<usize>], step_of: &[usize]) {
         let mut taken = vec![false; model.buffers.len()];
         for step in steps {
@@ -166,10 +208,10 @@ impl Liveness {
                     let input = &model.buffers[c.buffer];
                     let s = step_of[k];
                     let sole_reader = input.readers.iter().all(|&r| r == k || step_of[r] < s);
-                    // A fused kernel creates one buffer per output, in order.
-                    let output = model.created[k][c.output];
+                    let output = c.output_buffer;
+                    let into_caller = self.donated[c.buffer];
                     if input.pinned
-                        || model.buffers[output].pinned
+                        || (model.buffers[output].pinned && !into_caller)
                         || model.buffers[output].within.is_some()
                         || input.within.is_some()
                         || self.last[c.buffer] != s
@@ -181,6 +223,7 @@ impl Liveness {
                     }
                     taken[c.buffer] = true;
                     self.reuses[output] = Some(c.buffer);
+                    self.donated[output] = into_caller;
                     self.donations.push((k, c.input, output));
                 }
             }
@@ -194,11 +237,15 @@ impl Liveness {
     /// holding its scratch while it allocates its output: kernel i adds
     /// `outputs of the scratch kernels before it + its output + its scratch`
     /// over the step's start, which may exceed all the step's new values.
+    /// Donated inputs' storage is the caller's: it counts nothing.
     fn count_bytes(&mut self, model: &BufferModel, steps: &[Vec<usize>]) {
         let mut delta = vec![0isize; steps.len() + 1];
         let mut fresh = vec![0usize; steps.len()];
+        for b in self.freed_donations(model) {
+            delta[self.last[b] + 1] -= model.buffers[b].bytes as isize;
+        }
         for (b, buffer) in model.buffers.iter().enumerate() {
-            if buffer.value.is_none() || buffer.within.is_some() {
+            if buffer.value.is_none() || buffer.within.is_some() || self.donated[b] {
                 continue;
             }
             let from = match self.reuses[b] {
@@ -216,10 +263,32 @@ impl Liveness {
         let mut live = 0isize;
         for ((step, d), &fresh) in steps.iter().zip(&delta).zip(&fresh) {
             live += d;
-            self.start_bytes.push(live as usize - fresh);
+            // Below the run's start once donated inputs are freed.
+            let live = live.max(0) as usize;
+            self.start_bytes.push(live.saturating_sub(fresh));
             self.step_bytes
-                .push(live as usize + scratch_excess(model, step, fresh));
+                .push(live + scratch_excess(model, step, fresh));
         }
+    }
+
+    /// The buffers in donated inputs' storage that free it (the storage
+    /// the caller handed over, released after the read of the last value
+    /// it holds): the last of each in-place chain, unless an output. (The
+    /// plan is exact when the caller's tensors were their only handles;
+    /// one still held elsewhere frees nothing, and its overwrites
+    /// allocate.)
+    pub fn freed_donations(&self, model: &BufferModel) -> Vec<usize> {
+        let mut taken_over = vec![false; model.buffers.len()];
+        for r in self.reuses.iter().flatten() {
+            taken_over[*r] = true;
+        }
+        // A donated input no kernel reads is dropped only with the run.
+        let unread = |b: usize| model.buffers[b].donated && model.buffers[b].readers.is_empty();
+        (0..model.buffers.len())
+            .filter(|&b| {
+                self.donated[b] && !taken_over[b] && !model.buffers[b].pinned && !unread(b)
+            })
+            .collect()
     }
 
     pub fn peak(&self) -> usize {
@@ -281,19 +350,27 @@ impl MemoryPlan {
                     .within
                     .map_or(buffer.pinned, |(p, _)| model.buffers[p].pinned),
                 within: buffer.within,
+                donated: live.donated[b],
             })
             .collect();
+        let escaping_peak_bytes = escaping_peak(&buffers, &live.freed_donations(model), &live);
         let plan = MemoryPlan {
+            escaping_peak_bytes,
             live_at_peak: live_in(&buffers, peak_step),
             arena_bytes: buffers
                 .iter()
-                .filter(|b| !b.escapes)
+                .filter(|b| !b.escapes && !b.donated)
                 .map(|b| b.offset + b.bytes)
                 .max()
                 .unwrap_or(0),
             escaping_bytes: buffers
                 .iter()
-                .filter(|b| b.escapes && b.within.is_none())
+                .filter(|b| b.escapes && b.within.is_none() && !b.donated)
+                .map(|b| b.bytes)
+                .sum(),
+            donated_bytes: buffers
+                .iter()
+                .filter(|b| b.donated && b.reuses.is_some())
                 .map(|b| b.bytes)
                 .sum(),
             joins: model.joins.clone(),
@@ -318,9 +395,10 @@ impl MemoryPlan {
     }
 
     /// The peak the compiled executor measures: its arena, allocated for
-    /// the whole run, plus the escaping buffers (all alive at its end).
+    /// the whole run, plus the escaping buffers (all alive at its end),
+    /// less the donated inputs' storage freed before they are allocated.
     pub fn run_peak_bytes(&self) -> usize {
-        self.arena_bytes + self.escaping_bytes
+        self.arena_bytes + self.escaping_peak_bytes
     }
 
     /// Bytes kernel `k` allocates for its own use while it runs.
@@ -356,7 +434,7 @@ impl MemoryPlan {
             for (j, b) in self.buffers.iter().enumerate().skip(i + 1) {
                 let nested =
                     a.within.is_some_and(|(p, _)| p == j) || b.within.is_some_and(|(p, _)| p == i);
-                if a.escapes || b.escapes || nested {
+                if a.escapes || b.escapes || a.donated || b.donated || nested {
                     continue;
                 }
                 let same_place = self.shares_place(i, j);
@@ -399,6 +477,11 @@ impl MemoryPlan {
             Some(v) => graph.display_name(v),
             None => format!("scratch of k{}", b.kernel),
         };
+        let over_donated = self
+            .buffers
+            .iter()
+            .filter(|b| b.donated && b.reuses.is_some())
+            .count();
         // CPU plans say nothing of their device.
         let on = match self.device {
             Device::Cpu => String::new(),
@@ -406,15 +489,17 @@ impl MemoryPlan {
         };
         let mut text = format!(
             "graph `{}`{on}: {} buffers, predicted peak {} bytes at step {}, arena {} bytes \
-             + {} escaping bytes = {} bytes for a run, {} in place\n",
+             + {} escaping bytes = {} bytes for a run, {} in place \
+             ({over_donated} over donated inputs: {} bytes in the caller's storage)\n",
             graph.name,
             self.buffers.len(),
             self.peak_bytes,
             self.peak_step,
             self.arena_bytes,
-            self.escaping_bytes,
+            self.escaping_peak_bytes,
             self.run_peak_bytes(),
-            self.donations.len()
+            self.donations.len(),
+            self.donated_bytes
         );
         let at_peak: Vec<String> = self
             .live_at_peak
@@ -428,19 +513,26 @@ impl MemoryPlan {
                 .map(|r| format!(" in place of buffer {r}"))
                 .unwrap_or_default();
             let place = match (b.within, b.escapes) {
+                _ if b.is_donated_input() => {
+                    "the caller's (a donated input), until its last read".to_string()
+                }
+                _ if b.donated => "in a donated input's storage".to_string(),
                 (Some((p, at)), _) => {
                     format!("within buffer {p} at +{at} (its cat copies nothing)")
                 }
                 (None, true) => "outside the arena (escapes)".to_string(),
                 (None, false) => format!("at offset {}", b.offset),
             };
+            let by = match b.is_donated_input() {
+                true => "input".to_string(),
+                false => format!("k{}", b.kernel),
+            };
             text.push_str(&format!(
-                "  buffer {i} {}: {} bytes {place}, steps {}..={}, k{}{reuse}\n",
+                "  buffer {i} {}: {} bytes {place}, steps {}..={}, {by}{reuse}\n",
                 name(b),
                 b.bytes,
                 b.first_step,
                 b.last_step,
-                b.kernel
             ));
         }
         text
@@ -453,9 +545,35 @@ fn live_in(buffers: &[PlannedBuffer], step: usize) -> Vec<usize> {
     (0..buffers.len())
         .filter(|&b| {
             let from = buffers[b].first_step + usize::from(buffers[b].reuses.is_some());
-            from <= step && step <= buffers[b].last_step && buffers[b].within.is_none()
+            from <= step
+                && step <= buffers[b].last_step
+                && buffers[b].within.is_none()
+                && !buffers[b].donated
         })
         .collect()
+}
+
+/// The most bytes of escaping buffers allocated by a step's end, less the
+/// donated storage `freed` before that step.
+fn escaping_peak(buffers: &[PlannedBuffer], freed: &[usize], live: &Liveness) -> usize {
+    let steps = live.step_bytes.len();
+    let mut delta = vec![0isize; steps + 1];
+    for b in buffers
+        .iter()
+        .filter(|b| b.escapes && b.within.is_none() && !b.donated)
+    {
+        delta[b.first_step] += b.bytes as isize;
+    }
+    for &b in freed {
+        delta[live.last[b] + 1] -= buffers[b].bytes as isize;
+    }
+    let mut now = 0isize;
+    let mut peak = 0isize;
+    for d in &delta[..steps] {
+        now += d;
+        peak = peak.max(now);
+    }
+    peak as usize
 }
 
 /// The in-place writes, by kernel.
@@ -498,7 +616,9 @@ fn place(model: &BufferModel, live: &Liveness) -> Vec<usize> {
     };
     // Per place (its root buffer): size and lifetime over the chain.
     let mut span: Vec<Option<(usize, usize, usize)>> = vec![None; n];
-    let placed_alone = |b: usize| !model.buffers[b].pinned && model.buffers[b].within.is_none();
+    let placed_alone = |b: usize| {
+        !model.buffers[b].pinned && model.buffers[b].within.is_none() && !live.donated[b]
+    };
     for b in (0..n).filter(|&b| placed_alone(b)) {
         let r = root(b);
         let size = model.buffers[b].bytes.div_ceil(ALIGN) * ALIGN;
@@ -560,6 +680,7 @@ mod tests {
             reuses,
             escapes: false,
             within: None,
+            donated: false,
         }
     }
 
@@ -578,10 +699,59 @@ mod tests {
             live_at_peak: Vec::new(),
             donations: Vec::new(),
             escaping_bytes: 0,
+            donated_bytes: 0,
+            escaping_peak_bytes: 0,
             joins: Vec::new(),
             scratch: Vec::new(),
             device: Device::Cpu,
         }
+    }
+
+    #[test]
+    fn a_donated_input_takes_an_output_and_one_read_elsewhere_is_freed() {
+        use crate::fusion::fuse;
+        use crate::ir::text::parse;
+        use crate::schedule::{build, build_donating, ScheduleOptions};
+        // %x is overwritten by the fused kernel's output; %w is read by
+        // the matmul alone (not in place) and freed after it.
+        let g = parse(
+            "graph g(%x, %w) {
+              %x = input : f32[4,4]
+              %w = input : f32[4,4]
+              %m = matmul(%w, %w) : f32[4,4]
+              %e = exp(%x) : f32[4,4]
+              %t = tanh(%e) : f32[4,4]
+              return %t as t, %m as m
+            }",
+        )
+        .unwrap();
+        let plan = fuse(&g);
+        let options = ScheduleOptions::default();
+        let plain = build(&g, &plan, &options).unwrap().memory;
+        let donating = build_donating(&g, &plan, &options, &[0, 1]).unwrap().memory;
+        assert_eq!(plain.check(), Ok(()));
+        assert_eq!(donating.check(), Ok(()));
+        // Both outputs escape: 2 × 64 bytes from the pool without donation.
+        assert_eq!(plain.run_peak_bytes(), plain.arena_bytes + 128);
+        assert_eq!(plain.donated_bytes, 0);
+        let (x, t) = (g.inputs[0], g.outputs[0].node);
+        assert!(
+            donating
+                .donations
+                .iter()
+                .any(|d| d.input == x && d.output == t),
+            "{:?}",
+            donating.donations
+        );
+        assert_eq!(donating.donated_bytes, 64);
+        // %m still comes from the pool, but %w (64 bytes) is freed after
+        // the matmul; whichever runs first, at most 64 escaping bytes.
+        assert_eq!(donating.escaping_bytes, 64);
+        assert!(donating.escaping_peak_bytes <= 64);
+        assert!(donating.run_peak_bytes() < plain.run_peak_bytes());
+        let text = donating.describe(&g);
+        assert!(text.contains("1 over donated inputs: 64 bytes"), "{text}");
+        assert!(text.contains("a donated input"), "{text}");
     }
 
     #[test]

@@ -97,7 +97,20 @@ pub struct Scheduled {
 /// plans its memory for `options.device`. Errors for symbolic shapes (the
 /// planner needs sizes) and for a device with no backend registered.
 pub fn build(graph: &Graph, plan: &Plan, options: &ScheduleOptions) -> Result<Scheduled> {
-    let ctx = search::Context::new(graph, plan, options.device)?;
+    build_donating(graph, plan, options, &[])
+}
+
+/// [`build`] for a caller that hands over the graph inputs at positions
+/// `donated` (their only handles): a fused kernel reading one for the last
+/// time may write an output over it, a graph output too (see
+/// [`memory`]'s "Donated inputs").
+pub fn build_donating(
+    graph: &Graph,
+    plan: &Plan,
+    options: &ScheduleOptions,
+    donated: &[usize],
+) -> Result<Scheduled> {
+    let ctx = search::Context::new(graph, plan, options.device, donated)?;
     let schedule = ctx.choose(options);
     let memory = MemoryPlan::from_model(graph, &ctx.model, &schedule)?;
     log("schedule", || describe(graph, plan, &schedule, &memory));

@@ -37,10 +37,11 @@ impl Candidate {
 }
 
 impl Context {
-    pub fn new(graph: &Graph, plan: &Plan, on: Device) -> Result<Context> {
+    /// `donated`: the positions of the graph inputs the caller hands over.
+    pub fn new(graph: &Graph, plan: &Plan, on: Device, donated: &[usize]) -> Result<Context> {
         let kg = KernelGraph::new(graph, plan);
         let hints = Hints::read(graph, plan, &kg);
-        let model = BufferModel::new(graph, plan, &kg, on)?;
+        let model = BufferModel::new(graph, plan, &kg, on, donated)?;
         Ok(Context { kg, hints, model })
     }
 

@@ -107,7 +107,7 @@ impl<'a> Job<'a> {
                     Err(t) => {
                         log("memory", || {
                             format!(
-                                "kernel k{k}: {} is still shared; {} gets its own buffer",
+                                "kernel k{k}: {} is still shared (or not dense); {} gets its own buffer",
                                 graph.display_name(x),
                                 graph.display_name(out)
                             )

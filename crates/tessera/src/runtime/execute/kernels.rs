@@ -172,15 +172,25 @@ pub(super) fn run_epilogue(
     outputs: &[NodeId],
     args: Vec<Arg>,
 ) -> Result<Vec<(NodeId, Tensor)>> {
-    let shared: Vec<Tensor> = args
-        .into_iter()
+    let node = graph.node(matmul);
+    let mut args = args.into_iter();
+    let operands: Vec<Tensor> = args
+        .by_ref()
+        .take(node.inputs.len())
         .map(|a| match a {
             Arg::Shared(t) => t,
-            Arg::Donated(..) => unreachable!("epilogue inputs are not donated by the plan"),
+            Arg::Donated(..) => unreachable!("matmul operands are never donated by the plan"),
         })
         .collect();
-    let node = graph.node(matmul);
-    let (operands, rest) = shared.split_at(node.inputs.len());
+    // The epilogue's other inputs; one donated by the caller may be
+    // written over by an output (numbered among the kernel's writes, which
+    // start with the matmul's value when it is an output).
+    let rest: Vec<Arg> = args
+        .map(|a| match a {
+            Arg::Donated(array, o) => Arg::Donated(array, o - usize::from(matmul_out)),
+            shared => shared,
+        })
+        .collect();
     let operands: Vec<&Tensor> = operands.iter().collect();
     let dtype = node.ty.dtype;
     let target = (!matmul_out)
@@ -199,11 +209,11 @@ pub(super) fn run_epilogue(
     if matmul_out {
         results.push((matmul, product.clone().expect("the product")));
     }
-    let mut rest = rest.iter();
+    let mut rest = rest.into_iter();
     let mut fused_args = Vec::with_capacity(inputs.len());
     for &x in inputs {
         if x != matmul {
-            fused_args.push(Arg::Shared(rest.next().expect("an input").clone()));
+            fused_args.push(rest.next().expect("an input"));
             continue;
         }
         let t = product.take().expect("the matmul is read once");

@@ -50,7 +50,7 @@ pub fn run_plan_with(
         plan,
         &steps,
         |_| Ok(KernelMemory::default()),
-        inputs,
+        inputs.to_vec(),
         tune,
     )
 }
@@ -88,6 +88,23 @@ pub fn run_scheduled_with(
     inputs: &[Tensor],
     tune: bool,
 ) -> Result<Vec<(String, Tensor)>> {
+    run_scheduled_owned(graph, plan, schedule, memory, inputs.to_vec(), tune)
+}
+
+/// [`run_scheduled_with`] on inputs handed over by value: an input whose
+/// tensor here is its only handle (and dense) can be written over where
+/// the memory plan says (its donated inputs, `schedule::build_donating`);
+/// every other is read as the caller's, its planned overwrite then
+/// allocated from the pool, and the memory log says so. Whatever was
+/// planned, a tensor with other handles is never written over.
+pub fn run_scheduled_owned(
+    graph: &Graph,
+    plan: &Plan,
+    schedule: &Schedule,
+    memory: &MemoryPlan,
+    inputs: Vec<Tensor>,
+    tune: bool,
+) -> Result<Vec<(String, Tensor)>> {
     let refs: Vec<&Tensor> = inputs.iter().collect();
     let on = inputs_device(graph, &refs)?;
     if let Some(why) = device_arena_unfit(plan, memory, on) {
@@ -116,7 +133,10 @@ pub fn run_scheduled_with(
     })?;
     let mut created = vec![Vec::new(); plan.kernels.len()];
     for (i, buffer) in memory.buffers.iter().enumerate() {
-        created[buffer.kernel].push(i);
+        // A donated input's storage is the caller's: no kernel creates it.
+        if !buffer.is_donated_input() {
+            created[buffer.kernel].push(i);
+        }
     }
     // The escaping outputs of cats in place, by buffer: allocated with
     // their first piece.
@@ -180,19 +200,22 @@ struct KernelMemory {
 
 /// Runs `steps` of `plan`. On the host the loop itself runs on a rayon
 /// worker (see [`on_pool_worker`]), except under a trace, whose tensors
-/// belong to this thread.
+/// belong to this thread. `inputs` are moved into the run: the values of
+/// those without other handles are freed after their last read (or written
+/// over, where planned).
 fn execute(
     graph: &Graph,
     plan: &Plan,
     steps: &[Vec<usize>],
     memory: impl Fn(usize) -> Result<KernelMemory> + Sync,
-    inputs: &[Tensor],
+    inputs: Vec<Tensor>,
     tune: bool,
 ) -> Result<Vec<(String, Tensor)>> {
     let refs: Vec<&Tensor> = inputs.iter().collect();
-    let here = || execute_here(graph, plan, steps, &memory, inputs, tune);
     let many_kernels = steps.len() >= POOL_WORKER_MIN_STEPS;
     let on_threads = device::backend(inputs_device(graph, &refs)?)?.runs_on_host_threads();
+    let memory = &memory;
+    let here = move || execute_here(graph, plan, steps, memory, inputs, tune);
     match many_kernels && !trace::is_active() && on_threads {
         true => on_pool_worker(here),
         false => here(),
@@ -204,7 +227,7 @@ fn execute_here(
     plan: &Plan,
     steps: &[Vec<usize>],
     memory: &(impl Fn(usize) -> Result<KernelMemory> + Sync),
-    inputs: &[Tensor],
+    inputs: Vec<Tensor>,
     tune: bool,
 ) -> Result<Vec<(String, Tensor)>> {
     let given: Vec<Option<&Tensor>> = inputs.iter().map(Some).collect();
@@ -212,6 +235,7 @@ fn execute_here(
     // Every kernel runs on the inputs' device, kernels without inputs too.
     let refs: Vec<&Tensor> = inputs.iter().collect();
     let on = inputs_device(graph, &refs)?;
+    drop(refs);
     let backend = device::backend(on)?;
     // The backend tunes the kernels run or queued from this thread (and
     // from the workers that run a step's kernels, below).
@@ -220,7 +244,7 @@ fn execute_here(
         let frees = frees_after_each_step(graph, plan, steps);
         let mut values: Vec<Option<Tensor>> = vec![None; graph.len()];
         for (&id, t) in graph.inputs.iter().zip(inputs) {
-            values[id.index()] = Some(t.clone());
+            values[id.index()] = Some(t);
         }
         // Device kernels are queued from this thread: a step's kernels go
         // to the device's lanes (streams) instead of threads.
