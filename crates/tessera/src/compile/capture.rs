@@ -56,7 +56,7 @@ impl<F: Fn(&[Tensor]) -> Vec<Tensor>> Compiled<F> {
         let needs_grad = inputs
             .iter()
             .chain(&traced.lifted)
-            .any(Tensor::requires_grad);
+            .any(super::guards::needs_grad);
         drop(state);
         if needs_grad {
             log("graph_breaks", || {
