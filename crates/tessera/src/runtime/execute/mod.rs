@@ -294,6 +294,11 @@ fn execute_here(
                 values[id.index()] = None;
             }
             if let (Some(profile), Some(started)) = (profile.as_mut(), started) {
+                // On a device the step's kernels are only queued: wait for
+                // them, so the time is the device's.
+                if on != Device::Cpu {
+                    device::synchronize(on)?;
+                }
                 profile.step(step, started.elapsed());
             }
         }

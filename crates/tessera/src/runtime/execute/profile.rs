@@ -2,8 +2,9 @@
 //! kernel. Each schedule step is timed on the wall clock and its time
 //! shared among its kernels (a step of one kernel is that kernel's time);
 //! after the call, the totals by kernel kind and the slowest kernels are
-//! logged. On a device that queues kernels (CUDA) the times are the host's
-//! queueing, not the device's work.
+//! logged. On a device that queues kernels (CUDA) each step is waited for
+//! before its time is read, so the times are the device's (with the
+//! overlap between steps, and any concurrency, given up).
 
 use std::collections::HashMap;
 use std::time::Duration;
