@@ -61,6 +61,10 @@ const SHIFT: f32 = 12_582_912.0;
 const LN2_HI: f32 = 0.693_359_4; // = 355/512: n·LN2_HI is exact
 const LN2_LO: f32 = -2.121_944_4e-4;
 
+/// Above this e^x overflows to inf; below [`EXP2_UNDER`] it rounds to 0.
+const EXP2_OVER: f32 = 88.722_84;
+const EXP2_UNDER: f32 = -103.972_08;
+
 /// e^(hi + lo) for a `hi` that is exact and a small `lo`, without rounding
 /// their sum: the reduction subtracts n·ln2 from `hi` first.
 #[inline(always)]
@@ -75,9 +79,9 @@ fn exp2_f32(hi: f32, lo: f32) -> f32 {
     let n = k - SHIFT;
     let r = (-n).mul_add(LN2_HI, hi) + lo;
     let y = exp_reduced(k, (-n).mul_add(LN2_LO, r));
-    if x > 88.722_84 {
+    if x > EXP2_OVER {
         f32::INFINITY
-    } else if x < -103.972_08 {
+    } else if x < EXP2_UNDER {
         0.0
     } else {
         y
@@ -217,6 +221,7 @@ pub(crate) fn unary_simd_f32(op: crate::ir::UnaryOp, src: &[f32], dst: &mut [f32
         match op {
             UnaryOp::Tanh => unsafe { avx512::map::<avx512::Tanh>(src, dst) },
             UnaryOp::Sigmoid => unsafe { avx512::map::<avx512::Sigmoid>(src, dst) },
+            UnaryOp::Gelu => unsafe { avx512::map::<avx512::Gelu>(src, dst) },
             _ => return false,
         }
         true
@@ -303,6 +308,7 @@ pub(crate) mod avx512 {
 
     pub(super) struct Tanh;
     pub(super) struct Sigmoid;
+    pub(super) struct Gelu;
 
     /// `dst[i] = F(src[i])`: four vectors per iteration (independent
     /// dependency chains for the core to overlap), the tail masked.
@@ -422,6 +428,60 @@ pub(crate) mod avx512 {
         }
     }
 
+    /// [`super::exp2_f32`]: e^(hi + lo), its range branches included; the
+    /// two-step scaling is `vscalefps` (one rounding, as for
+    /// [`exp_nonpositive`]).
+    #[inline(always)]
+    unsafe fn exp2(hi: __m512, lo: __m512) -> __m512 {
+        let x = _mm512_add_ps(hi, lo);
+        // clamp(x, -104, 89) with NaN kept: vminps/vmaxps return their
+        // second operand when either is NaN.
+        let c = _mm512_max_ps(splat(-104.0), _mm512_min_ps(splat(89.0), x));
+        let k = _mm512_fmadd_ps(c, splat(std::f32::consts::LOG2_E), splat(SHIFT));
+        let n = _mm512_sub_ps(k, splat(SHIFT));
+        let r = _mm512_add_ps(_mm512_fnmadd_ps(n, splat(LN2_HI), hi), lo);
+        let y = _mm512_scalef_ps(exp_poly(_mm512_fnmadd_ps(n, splat(LN2_LO), r)), n);
+        let over = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(x, splat(EXP2_OVER));
+        let under = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(x, splat(EXP2_UNDER));
+        let y = _mm512_mask_blend_ps(over, y, splat(f32::INFINITY));
+        _mm512_mask_blend_ps(under, y, _mm512_setzero_ps())
+    }
+
+    /// [`super::erfc_f32`], operation for operation: its polynomial's
+    /// separate products and sums, the division, the split square.
+    #[inline(always)]
+    unsafe fn erfc(x: __m512) -> __m512 {
+        let z = _mm512_abs_ps(x);
+        let t = _mm512_div_ps(
+            splat(1.0),
+            _mm512_add_ps(splat(1.0), _mm512_mul_ps(splat(0.5), z)),
+        );
+        let mut p = splat(ERFC_POLY[ERFC_POLY.len() - 1]);
+        for &c in ERFC_POLY[..ERFC_POLY.len() - 1].iter().rev() {
+            p = _mm512_add_ps(splat(c), _mm512_mul_ps(t, p));
+        }
+        let zh = _mm512_castsi512_ps(_mm512_and_si512(
+            _mm512_castps_si512(z),
+            _mm512_set1_epi32(0xffff_f000u32 as i32),
+        ));
+        let hi = _mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), zh), zh);
+        let lo = _mm512_add_ps(_mm512_mul_ps(_mm512_sub_ps(zh, z), _mm512_add_ps(zh, z)), p);
+        let e = _mm512_mul_ps(t, exp2(hi, lo));
+        // Where x >= 0 (false for NaN, as in the scalar code): e.
+        let m = _mm512_cmp_ps_mask::<_CMP_GE_OQ>(x, _mm512_setzero_ps());
+        _mm512_mask_blend_ps(m, _mm512_sub_ps(splat(2.0), e), e)
+    }
+
+    impl Lanes for Gelu {
+        /// `elementwise`'s gelu: v · 0.5 · erfc(-(v / √2)).
+        #[inline(always)]
+        unsafe fn apply(v: __m512) -> __m512 {
+            let scaled = _mm512_mul_ps(v, splat(std::f64::consts::FRAC_1_SQRT_2 as f32));
+            let negated = _mm512_xor_ps(scaled, splat(-0.0));
+            _mm512_mul_ps(_mm512_mul_ps(v, splat(0.5)), erfc(negated))
+        }
+    }
+
     impl Lanes for Sigmoid {
         #[inline(always)]
         unsafe fn apply(v: __m512) -> __m512 {
@@ -435,6 +495,20 @@ pub(crate) mod avx512 {
     }
 }
 
+/// The Chebyshev coefficients of [`erfc_f32`]'s exponent, lowest first.
+const ERFC_POLY: [f32; 10] = [
+    -1.265_512_2,
+    1.000_023_7,
+    0.374_091_96,
+    0.096_784_18,
+    -0.186_288_06,
+    0.278_868_07,
+    -1.135_204,
+    1.488_515_9,
+    -0.822_152_2,
+    0.170_872_77,
+];
+
 /// erfc: the Chebyshev fit of Numerical Recipes (`erfcc`, fractional error
 /// below 1.2e-7 for all x), `t·e^{-z² + P(t)}` with t = 1/(1 + z/2), z = |x|;
 /// `2 - erfc(z)` for x < 0.
@@ -442,14 +516,13 @@ pub(crate) mod avx512 {
 pub(crate) fn erfc_f32(x: f32) -> f32 {
     let z = x.abs();
     let t = 1.0 / (1.0 + 0.5 * z);
-    let p = -1.265_512_2
-        + t * (1.000_023_7
-            + t * (0.374_091_96
-                + t * (0.096_784_18
-                    + t * (-0.186_288_06
-                        + t * (0.278_868_07
-                            + t * (-1.135_204
-                                + t * (1.488_515_9 + t * (-0.822_152_2 + t * 0.170_872_77))))))));
+    // Horner from the highest coefficient, each step a product then a sum
+    // (two roundings: the AVX-512 form repeats them).
+    let last = ERFC_POLY.len() - 1;
+    let p = ERFC_POLY[..last]
+        .iter()
+        .rev()
+        .fold(ERFC_POLY[last], |p, &c| c + t * p);
     // -z² rounded to f32 would cost |z²|·2^-24 of relative accuracy (64 ulp
     // at z = 9); zh (z's top 12 bits) squares exactly and (zh - z)(zh + z)
     // is small, as in musl's erfcf.
@@ -552,6 +625,11 @@ mod tests {
         }
     }
 
+    /// `elementwise`'s gelu for f32, as written there.
+    fn gelu(v: f32) -> f32 {
+        v * 0.5 * erfc_f32(-(v * std::f64::consts::FRAC_1_SQRT_2 as f32))
+    }
+
     fn sigmoid(x: f32) -> f32 {
         super::super::elementwise::sigmoid(x)
     }
@@ -630,6 +708,7 @@ mod tests {
         for (op, f) in [
             (crate::ir::UnaryOp::Tanh, tanh_f32 as fn(f32) -> f32),
             (crate::ir::UnaryOp::Sigmoid, sigmoid),
+            (crate::ir::UnaryOp::Gelu, gelu),
         ] {
             for skip in [0, 5] {
                 let src = &xs[skip..];
