@@ -15,7 +15,6 @@
 
 use std::collections::HashMap;
 use std::sync::Mutex;
-use std::time::Instant;
 
 use rayon::prelude::*;
 
@@ -262,7 +261,8 @@ static RACED: Mutex<Option<HashMap<RaceKey, bool>>> = Mutex::new(None);
 /// the machine, with no rule that held across the GPT's products (example
 /// `gpt_matmuls`). So the first product of each layout is timed both ways,
 /// alternately, best of three, and the faster kept for the process (as
-/// cuDNN's benchmark mode does); the race's own products are the results.
+/// cuDNN's benchmark mode does; `autotune::race`); the race's own
+/// products are the results.
 /// Both sum in f32; their roundings differ, so one process's choice is
 /// fixed once made (eager and compiled calls share it).
 fn thin_or_gemm(plan: &Plan, a: &Storage, b: &Storage) -> Storage {
@@ -284,22 +284,15 @@ fn thin_or_gemm(plan: &Plan, a: &Storage, b: &Storage) -> Storage {
         Some(false) => return gemm_storage::<f32>(plan, a, b),
         None => {}
     }
-    let timed = |f: &dyn Fn() -> Storage| {
-        let started = Instant::now();
-        let out = f();
-        (started.elapsed().as_secs_f64(), out)
+    let kernels: [&dyn Fn() -> Result<Storage>; 2] = [&|| Ok(thin_storage(plan, a, b)), &|| {
+        Ok(gemm_storage::<f32>(plan, a, b))
+    }];
+    let race = match super::autotune::race(&kernels) {
+        Ok(race) => race,
+        Err(_) => unreachable!("the kernels do not fail"),
     };
-    let (mut best_thin, mut best_gemm) = (f64::INFINITY, f64::INFINITY);
-    let (mut thin, mut gemm) = (None, None);
-    for _ in 0..RACE_TRIALS {
-        let (t, out) = timed(&|| thin_storage(plan, a, b));
-        best_thin = best_thin.min(t);
-        thin = Some(out);
-        let (t, out) = timed(&|| gemm_storage::<f32>(plan, a, b));
-        best_gemm = best_gemm.min(t);
-        gemm = Some(out);
-    }
-    let tiles = best_thin <= best_gemm;
+    let (best_thin, best_gemm) = (race.best[0], race.best[1]);
+    let tiles = race.winner == 0;
     log("autotune", || {
         format!(
             "matmul {}x{}x{} strides {:?}: micro-tiles {:.3} ms, gemm {:.3} ms; chose {}",
@@ -315,15 +308,8 @@ fn thin_or_gemm(plan: &Plan, a: &Storage, b: &Storage) -> Storage {
     if let Ok(mut raced) = RACED.lock() {
         raced.get_or_insert_with(HashMap::new).insert(key, tiles);
     }
-    match tiles {
-        true => thin,
-        false => gemm,
-    }
-    .expect("the race ran")
+    race.result
 }
-
-/// Timed runs of each kernel in a race; the fastest counts.
-const RACE_TRIALS: usize = 3;
 
 /// `plan`'s f32 product by flash attention's micro-tiles: tasks are
 /// (batch, block of rows) pairs spread over rayon; each walks `B` in
