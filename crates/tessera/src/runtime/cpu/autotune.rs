@@ -38,7 +38,7 @@ pub struct Race<R> {
     pub result: R,
 }
 
-/// Runs each of `candidates` [`TRIALS`] times, taking turns (so that a
+/// Runs each of `candidates` `TRIALS` (3) times, taking turns (so that a
 /// passing disturbance of the machine falls on all of them alike), and
 /// returns the fastest by its best time, with its last result. The
 /// candidates must compute the same thing.
