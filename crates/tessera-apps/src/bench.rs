@@ -290,6 +290,10 @@ pub struct GptBenchReport {
     pub loss_last: f64,
     /// The timed steps' times, in ms, in order.
     pub step_ms: Vec<f64>,
+    /// The median time the host took to queue a timed step, in ms (until
+    /// the step returned its loss, before reading it): near `ms_median`
+    /// when the host's dispatch, not the device, bounds the step.
+    pub host_ms_median: f64,
     pub layers: usize,
     pub d_model: usize,
     pub heads: usize,
@@ -431,7 +435,9 @@ impl<'a> Stepper<'a> {
     }
 
     /// One step; the loss read back to the host.
-    fn step(&mut self, data: &[Tensor], vocab: usize) -> Result<f64> {
+    /// Queues one step and returns its loss (not read: on a device the
+    /// step may still be running).
+    fn step(&mut self, data: &[Tensor], vocab: usize) -> Result<Tensor> {
         match self {
             Stepper::Eager {
                 model,
@@ -442,14 +448,14 @@ impl<'a> Stepper<'a> {
                 let l = precision.forward(|| loss(model, vocab, data))?;
                 precision.backward(&l)?;
                 precision.step(optimizer)?;
-                Ok(l.item())
+                Ok(l)
             }
             Stepper::Compiled { step, error } => {
                 let result = step.try_step(data);
                 if let Some(e) = error.borrow_mut().take() {
                     return Err(e);
                 }
-                Ok(result?.item())
+                result
             }
         }
     }
@@ -513,10 +519,13 @@ fn run_here(
     let total = config.warmup + config.steps;
     let mut losses = Vec::with_capacity(total);
     let mut step_ms = Vec::with_capacity(config.steps);
+    let mut host_ms = Vec::with_capacity(config.steps);
     let mut first_step_s = 0.0;
     for i in 0..total {
         let t0 = Instant::now();
         let l = stepper.step(&data, config.vocab)?;
+        let queued = t0.elapsed().as_secs_f64();
+        let l = l.item();
         device::synchronize(on)?;
         let took = t0.elapsed().as_secs_f64();
         if i == 0 {
@@ -525,6 +534,7 @@ fn run_here(
         let warmup = i < config.warmup;
         if !warmup {
             step_ms.push(took * 1e3);
+            host_ms.push(queued * 1e3);
         }
         losses.push(l);
         progress(&StepProgress {
@@ -536,9 +546,7 @@ fn run_here(
         });
     }
     let peak = device::memory_stats(on)?.peak_bytes;
-    let mut sorted = step_ms.clone();
-    sorted.sort_by(f64::total_cmp);
-    let median = sorted[sorted.len() / 2];
+    let median = median_of(&step_ms);
     let compile = stepper.compile_stats();
     Ok(GptBenchReport {
         system: "tessera".into(),
@@ -557,6 +565,7 @@ fn run_here(
         loss_first: round(losses[0], 6),
         loss_last: round(losses[losses.len() - 1], 6),
         step_ms: step_ms.iter().map(|&ms| round(ms, 2)).collect(),
+        host_ms_median: round(median_of(&host_ms), 2),
         layers: config.layers,
         d_model: config.d_model,
         heads: config.heads,
@@ -571,6 +580,13 @@ fn run_here(
         },
         compiles: compile.map(|(_, _, n)| n),
     })
+}
+
+/// The median of `values` (the upper one of an even count); 0 when empty.
+fn median_of(values: &[f64]) -> f64 {
+    let mut sorted = values.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    sorted.get(sorted.len() / 2).copied().unwrap_or(0.0)
 }
 
 #[cfg(test)]

@@ -126,6 +126,10 @@ fn gpt(args: &GptArgs) -> Result<()> {
         load_average()
     );
     let report = run_gpt(&config, device, |p| {
+        // TESSERA_CUDA_PROFILE=1 times the timed steps only.
+        if p.warmup && p.step == c.warmup {
+            tessera_cuda::profile::reset();
+        }
         eprintln!(
             "step {:>3}/{}{}  loss {:.4}  {:.1} ms",
             p.step,
@@ -135,6 +139,10 @@ fn gpt(args: &GptArgs) -> Result<()> {
             p.ms
         );
     })?;
+    let profile = tessera_cuda::profile::report(80);
+    if !profile.is_empty() {
+        eprintln!("over the {} timed steps: {profile}", c.steps);
+    }
     eprintln!("load average {}", load_average());
     println!("{}", serde_json::to_string(&report)?);
     Ok(())

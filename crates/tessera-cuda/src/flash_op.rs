@@ -175,9 +175,17 @@ fn forward(attrs: &Attrs, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
     // SAFETY: every pointer is a live contiguous device allocation of the
     // size `dims` gives; blocks freed after this returns are reused only by
     // work queued behind these kernels on the same stream.
-    on_backend_stream(&backend, FORWARD, |q| unsafe {
-        flash::flash_forward_variant(q, dtype, dims, causal, scale, ptrs, variant)
-    })?;
+    let arrays = [q.array(), k.array(), v.array()];
+    crate::profile::timed(
+        &backend,
+        || FORWARD.to_string(),
+        &arrays,
+        || {
+            on_backend_stream(&backend, FORWARD, |q| unsafe {
+                flash::flash_forward_variant(q, dtype, dims, causal, scale, ptrs, variant)
+            })
+        },
+    )?;
     Ok(vec![out, lse])
 }
 
@@ -274,9 +282,17 @@ fn backward(attrs: &Attrs, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
         workspace: ptr(&workspace),
     };
     // SAFETY: as in `forward`; the workspace holds `backward_workspace_bytes`.
-    on_backend_stream(&backend, BACKWARD, |q| unsafe {
-        flash::flash_backward(q, dtype, dims, causal, scale, ptrs)
-    })?;
+    let arrays = [q.array(), k.array(), v.array()];
+    crate::profile::timed(
+        &backend,
+        || BACKWARD.to_string(),
+        &arrays,
+        || {
+            on_backend_stream(&backend, BACKWARD, |q| unsafe {
+                flash::flash_backward(q, dtype, dims, causal, scale, ptrs)
+            })
+        },
+    )?;
     Ok(vec![dq, dk, dv])
 }
 

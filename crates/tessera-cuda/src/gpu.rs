@@ -78,7 +78,7 @@ pub struct Allocator {
     peak: AtomicUsize,
 }
 
-struct SendPtr<T>(T);
+pub(crate) struct SendPtr<T>(pub(crate) T);
 // SAFETY: CUDA handles (function, stream, context) may be used from any
 // thread once the context is current there (see `Gpu::bind`).
 unsafe impl<T> Send for SendPtr<T> {}

@@ -158,6 +158,7 @@ impl Backend for CudaBackend {
     fn eval(&self, op: &Op, inputs: &[&Array], dtype: DType, shape: &[usize]) -> Result<Array> {
         let name = || match op {
             Op::Reduce { dims, .. } => format!("{}{dims:?}", op.name()),
+            _ if inputs.is_empty() => format!("{} -> {dtype}{shape:?}", op.name()),
             _ => op.name().to_string(),
         };
         profile::timed(self, name, inputs, || {
@@ -166,7 +167,7 @@ impl Backend for CudaBackend {
     }
 
     fn run_fused(&self, kernel: &FusedKernel, inputs: Vec<FusedArg<'_>>) -> Result<Vec<Array>> {
-        let name = || format!("fused[{} steps]", kernel.steps.len());
+        let name = || profile::fused_name(kernel);
         let donated: Vec<(usize, usize)> = inputs
             .iter()
             .enumerate()

@@ -1,13 +1,19 @@
 //! `TESSERA_CUDA_PROFILE=1`: the GPU time of every op, by op and input
-//! shapes, measured by synchronizing around each one (so it slows the run
-//! down; it is for finding the slow op, not for reporting times).
+//! shapes. Each op is bracketed by two CUDA events on its stream and the
+//! times are read when the report is made, so nothing is synchronised
+//! while the program runs: the times are the device's own, a view or a
+//! host-only op costs ~0, and the run keeps its speed (apart from the
+//! events and the bookkeeping). Work queued while a stream is captured
+//! into a CUDA graph is not timed (events cannot time a capture).
 
 use std::collections::HashMap;
 use std::sync::{Mutex, OnceLock};
-use std::time::{Duration, Instant};
 
+use cudarc::driver::{result as cu, sys};
+use tessera::ir::kernel::{FusedKernel, Step};
 use tessera::runtime::array::Array;
 
+use crate::gpu::SendPtr;
 use crate::CudaBackend;
 
 fn enabled() -> bool {
@@ -15,13 +21,23 @@ fn enabled() -> bool {
     *ON.get_or_init(|| std::env::var("TESSERA_CUDA_PROFILE").as_deref() == Ok("1"))
 }
 
-static TABLE: Mutex<Option<HashMap<String, (usize, Duration)>>> = Mutex::new(None);
-/// When the last profiled op finished: the gap to the next one is host
-/// time (autograd, dispatch, anything outside the kernels), booked as
-/// `host before <op>`.
-static LAST_END: Mutex<Option<Instant>> = Mutex::new(None);
+/// Timed ops whose events have not been read yet; read (waiting for the
+/// device) once this many are pending, so the event count stays bounded.
+const MAX_PENDING: usize = 8192;
 
-/// Runs `f`, timing it when profiling is on.
+#[derive(Default)]
+struct State {
+    /// (key, start, end) per op queued since the last resolution.
+    pending: Vec<(String, SendPtr<sys::CUevent>, SendPtr<sys::CUevent>)>,
+    /// Events free for reuse.
+    free: Vec<SendPtr<sys::CUevent>>,
+    /// key -> (calls, milliseconds).
+    table: HashMap<String, (usize, f64)>,
+}
+
+static STATE: Mutex<Option<State>> = Mutex::new(None);
+
+/// Runs `f`, timing it on the device when profiling is on.
 pub(crate) fn timed<R>(
     backend: &CudaBackend,
     name: impl FnOnce() -> String,
@@ -31,12 +47,30 @@ pub(crate) fn timed<R>(
     if !enabled() {
         return f();
     }
-    let _ = backend.gpu.synchronize();
-    let t = Instant::now();
-    let gap = LAST_END.lock().expect("poisoned").map(|e| t - e);
+    backend.gpu.bind();
+    let stream = backend.gpu.stream();
+    if capturing(stream) {
+        return f();
+    }
+    let Some(start) = record(stream) else {
+        return f();
+    };
     let r = f();
-    let _ = backend.gpu.synchronize();
-    *LAST_END.lock().expect("poisoned") = Some(Instant::now());
+    let Some(end) = record(stream) else {
+        return r;
+    };
+    let key = format!("{} {}", name(), shapes(inputs));
+    let mut state = STATE.lock().expect("profile poisoned");
+    let state = state.get_or_insert_with(State::default);
+    state.pending.push((key, start, end));
+    if state.pending.len() >= MAX_PENDING {
+        resolve(state);
+    }
+    r
+}
+
+/// The first three inputs' dtypes and shapes (`s` marks a strided one).
+fn shapes(inputs: &[&Array]) -> String {
     let shapes: Vec<String> = inputs
         .iter()
         .take(3)
@@ -49,41 +83,100 @@ pub(crate) fn timed<R>(
             )
         })
         .collect();
-    let name = name();
-    let key = format!("{name} {}", shapes.join(" "));
-    let mut table = TABLE.lock().expect("profile poisoned");
-    let table = table.get_or_insert_with(HashMap::new);
-    let e = table.entry(key).or_default();
-    e.0 += 1;
-    e.1 += t.elapsed();
-    if let Some(gap) = gap.filter(|g| *g < Duration::from_secs(1)) {
-        let h = table.entry(format!("host before {name}")).or_default();
-        h.0 += 1;
-        h.1 += gap;
-    }
-    r
+    shapes.join(" ")
 }
 
-/// The `top` most expensive entries since the last report (then cleared);
-/// empty when profiling is off.
+/// A fused kernel's name: its distinct ops in order (at most 8).
+pub(crate) fn fused_name(kernel: &FusedKernel) -> String {
+    let mut ops: Vec<String> = Vec::new();
+    for step in &kernel.steps {
+        let op = match step {
+            Step::Load(_) | Step::Const(_) => continue,
+            Step::Unary(op, _) => op.name().to_string(),
+            Step::Binary(op, ..) => op.name().to_string(),
+            Step::Compare(op, ..) => op.name().to_string(),
+            Step::Where(..) => "where".to_string(),
+            Step::Round(dtype, _) => format!("round_{dtype}"),
+        };
+        if !ops.contains(&op) {
+            ops.push(op);
+        }
+    }
+    let more = if ops.len() > 8 { " …" } else { "" };
+    ops.truncate(8);
+    format!(
+        "fused[{}{more}; {} steps -> {:?}]",
+        ops.join(" "),
+        kernel.steps.len(),
+        kernel.shape
+    )
+}
+
+fn capturing(stream: sys::CUstream) -> bool {
+    let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+    // SAFETY: the stream is live; the status is a plain out value.
+    let r = unsafe { sys::cuStreamIsCapturing(stream, &mut status) };
+    r != sys::CUresult::CUDA_SUCCESS
+        || status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE
+}
+
+/// Records an event (a reused one when free) on `stream`.
+fn record(stream: sys::CUstream) -> Option<SendPtr<sys::CUevent>> {
+    let reused = STATE
+        .lock()
+        .expect("profile poisoned")
+        .as_mut()
+        .and_then(|s| s.free.pop());
+    let event = match reused {
+        Some(e) => e,
+        None => SendPtr(cu::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT).ok()?),
+    };
+    // SAFETY: the event and the stream are live.
+    unsafe { cu::event::record(event.0, stream) }.ok()?;
+    Some(event)
+}
+
+/// Waits for the pending ops and books their times.
+fn resolve(state: &mut State) {
+    for (key, start, end) in std::mem::take(&mut state.pending) {
+        // SAFETY: both events were recorded and are not destroyed.
+        let ms = unsafe {
+            cu::event::synchronize(end.0)
+                .ok()
+                .and_then(|_| cu::event::elapsed(start.0, end.0).ok())
+        };
+        if let Some(ms) = ms {
+            let e = state.table.entry(key).or_default();
+            e.0 += 1;
+            e.1 += ms as f64;
+        }
+        state.free.extend([start, end]);
+    }
+}
+
+/// Forgets what was timed so far (after warm-up steps, say).
+pub fn reset() {
+    if let Some(state) = STATE.lock().expect("profile poisoned").as_mut() {
+        resolve(state);
+        state.table.clear();
+    }
+}
+
+/// The `top` most expensive entries since the last report (then cleared),
+/// with the total and the number of ops; empty when profiling is off.
 pub fn report(top: usize) -> String {
-    *LAST_END.lock().expect("poisoned") = None;
-    let Some(table) = TABLE.lock().expect("profile poisoned").take() else {
+    let mut guard = STATE.lock().expect("profile poisoned");
+    let Some(state) = guard.as_mut() else {
         return String::new();
     };
-    let mut rows: Vec<(String, (usize, Duration))> = table.into_iter().collect();
-    rows.sort_by_key(|r| std::cmp::Reverse(r.1 .1));
-    let total: Duration = rows.iter().map(|r| r.1 .1).sum();
-    let mut s = format!(
-        "GPU op time (synchronized), total {:.1} ms\n",
-        total.as_secs_f64() * 1e3
-    );
-    for (key, (n, d)) in rows.into_iter().take(top) {
-        s.push_str(&format!(
-            "{:>10.3} ms {:>6}x  {key}\n",
-            d.as_secs_f64() * 1e3,
-            n
-        ));
+    resolve(state);
+    let mut rows: Vec<(String, (usize, f64))> = state.table.drain().collect();
+    rows.sort_by(|a, b| b.1 .1.total_cmp(&a.1 .1));
+    let total: f64 = rows.iter().map(|r| r.1 .1).sum();
+    let calls: usize = rows.iter().map(|r| r.1 .0).sum();
+    let mut s = format!("GPU op time (CUDA events), {calls} ops, total {total:.1} ms\n");
+    for (key, (n, ms)) in rows.into_iter().take(top) {
+        s.push_str(&format!("{ms:>10.3} ms {n:>6}x  {key}\n"));
     }
     s
 }

@@ -194,6 +194,61 @@ fn reductions_softmax_and_arg_reductions() {
     both("tall columns", &[tall], true, |a| {
         vec![a[0].sum(&[0], false), a[0].max(&[0], false)]
     });
+    // Column reductions cut into parts (a thread per column and part, then
+    // the parts' reduction): bias and layer-norm gradients' shapes, odd
+    // widths, a NaN that must survive the parts, and a strided view.
+    for d in FLOATS {
+        for (shape, dims) in [
+            (vec![2048usize, 768], vec![0usize]),
+            (vec![4, 512, 96], vec![0, 1]),
+            (vec![3001, 37], vec![0]),
+            (vec![700, 33, 5], vec![0]),
+        ] {
+            let mut v = randn(&shape, DType::F64, 11).to_f64_vec();
+            v[shape.iter().product::<usize>() / 2] = f64::NAN;
+            let x = Tensor::from_vec(v, &shape).cast(d);
+            both("parted columns", &[x], true, |a| {
+                let x = &a[0];
+                let dims: Vec<isize> = dims.iter().map(|&d| d as isize).collect();
+                vec![
+                    x.sum(&dims, false),
+                    x.mean(&dims, true),
+                    x.max(&dims, false),
+                    x.min(&dims, false),
+                ]
+            });
+        }
+        let wide = randn(&[64, 2048], d, 12);
+        both("strided columns", &[wide], true, |a| {
+            let t = a[0].transpose(0, 1); // [2048, 64]: rows of stride 1
+            vec![t.sum(&[1], false), a[0].sum(&[0], false)]
+        });
+    }
+}
+
+/// Strided views made dense a word at a time (a head merge, slices of
+/// whole and partial rows, an offset that breaks the alignment and falls
+/// back to the element copy), every float dtype.
+#[test]
+fn word_copies_of_strided_views() {
+    if !gpu() {
+        return;
+    }
+    for d in FLOATS {
+        let heads = randn(&[2, 3, 16, 8], d, 13);
+        let rows = randn(&[10, 12], d, 14);
+        both("word copies", &[heads, rows], false, |a| {
+            vec![
+                a[0].permute(&[0, 2, 1, 3]).contiguous(),
+                a[0].permute(&[0, 2, 1, 3]).reshape(&[2, 16, 24]),
+                a[1].narrow(1, 0, 4).contiguous(),
+                a[1].narrow(1, 4, 8).contiguous(),
+                a[1].narrow(1, 1, 6).contiguous(),
+                a[1].narrow(0, 2, 5).contiguous(),
+                a[1].slice(1, 0, 12, 2).contiguous(),
+            ]
+        });
+    }
 }
 
 /// The vectorised paths: pointwise chains on 16-byte packs with a scalar

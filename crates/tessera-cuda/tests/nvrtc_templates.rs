@@ -9,6 +9,7 @@ use tessera::ir::kernel::{RowKernel, RowStep, Step, MAX_ROW};
 use tessera::ir::{ArgReduceOp, BinaryOp, CompareOp, ReduceOp, UnaryOp};
 use tessera::tensor::Layout;
 use tessera::DType;
+use tessera_cuda::codegen::copy::dense_copy;
 use tessera_cuda::codegen::fused_rows::fused_rows;
 use tessera_cuda::codegen::index::{indexed, triangle, Indexed, Strided};
 use tessera_cuda::codegen::pointwise::{pointwise, pointwise_block, Operand, Output};
@@ -172,6 +173,20 @@ fn reductions() -> Vec<Launch> {
                 &[0],
                 d,
                 8,
+                0,
+                0,
+                0,
+                132,
+            );
+            v.extend([a, b]);
+            // A column reduction cut into parts (bias gradients).
+            let (a, b, _) = reduce_in_parts(
+                op,
+                d,
+                &Layout::contiguous(&[8, 1024, 768]),
+                &[0, 1],
+                d,
+                64,
                 0,
                 0,
                 0,
@@ -377,6 +392,34 @@ fn row_kernels() -> Vec<Launch> {
     v
 }
 
+/// Strided views copied a word at a time (16, 8 and 4 bytes).
+fn word_copies() -> Vec<Launch> {
+    let heads = Layout::contiguous(&[8, 12, 1024, 64]).permuted(&[0, 2, 1, 3]);
+    [2usize, 4]
+        .into_iter()
+        .flat_map(|elem| {
+            [
+                dense_copy(&heads, elem, 0, 0, 132),
+                dense_copy(
+                    &Layout::contiguous(&[10, 6]).sliced(1, 0, 2, 1),
+                    4,
+                    0,
+                    0,
+                    132,
+                ),
+                dense_copy(
+                    &Layout::contiguous(&[10, 6]).sliced(1, 0, 2, 1),
+                    2,
+                    0,
+                    0,
+                    132,
+                ),
+            ]
+        })
+        .map(|l| l.expect("a word copy"))
+        .collect()
+}
+
 #[test]
 fn every_template_compiles_to_ptx() {
     if !enabled() {
@@ -388,6 +431,7 @@ fn every_template_compiles_to_ptx() {
         reductions(),
         indexing(),
         vectorised(),
+        word_copies(),
         row_kernels(),
     ]
     .into_iter()

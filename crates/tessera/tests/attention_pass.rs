@@ -134,6 +134,36 @@ fn fires_on_the_nn_attention_module() {
     }
 }
 
+/// Under bf16/f16 autocast the module calls the flash op itself (so a
+/// backward traced through it, as `compile::train_step` does, gets the op's
+/// backward); in f32 it writes plain ops, which the pass may rewrite.
+#[test]
+fn the_module_calls_the_flash_op_in_half_precision_and_plain_ops_in_f32() {
+    for causal in [false, true] {
+        let attn = attention_module(causal);
+        let traced = |dtype: Option<DType>| {
+            let inputs = [("x".to_string(), TensorType::new(DType::F32, vec![2, 6, 16]))];
+            trace::trace("attn", &inputs, |x| {
+                let y = match dtype {
+                    Some(d) => tessera::autocast(d, || attn.forward(&x[0])),
+                    None => attn.forward(&x[0]),
+                };
+                Ok(vec![("out".into(), y)])
+            })
+            .unwrap()
+            .graph
+        };
+        for half in [DType::BF16, DType::F16] {
+            let g = traced(Some(half));
+            assert_eq!(flash_nodes(&g), vec![causal], "{half}: {g}");
+            assert_eq!(softmaxes(&g), 0, "{half}: {g}");
+        }
+        let g = traced(None);
+        assert!(flash_nodes(&g).is_empty(), "f32: {g}");
+        assert_eq!(softmaxes(&g), 1, "f32: {g}");
+    }
+}
+
 fn randn(shape: &[usize], seed: u64) -> Tensor {
     Tensor::randn(shape, DType::F32, &mut Generator::new(seed))
 }

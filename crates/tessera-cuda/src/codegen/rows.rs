@@ -53,6 +53,41 @@ impl Split {
         s
     }
 
+    /// The same split with each class's dims merged where their strides
+    /// allow (`stride[d] == stride[d+1] · shape[d+1]`: the pair walks
+    /// memory as one dim) and size-1 dims dropped, so a reduction
+    /// decomposes fewer indices per element. Valid for reductions only:
+    /// the output index walks the kept dims in the same row-major order,
+    /// but a caller that pairs two splits dim by dim (softmax's input and
+    /// output) must not merge one of them.
+    pub fn merged(self) -> Split {
+        let merge = |shape: &[usize], strides: &[usize]| {
+            let mut out: Vec<(usize, usize)> = Vec::new();
+            for (&n, &st) in shape.iter().zip(strides) {
+                if n == 1 {
+                    continue;
+                }
+                match out.last_mut() {
+                    Some((pn, ps)) if *ps == st * n => {
+                        *pn *= n;
+                        *ps = st;
+                    }
+                    _ => out.push((n, st)),
+                }
+            }
+            out.into_iter().unzip::<_, _, Vec<_>, Vec<_>>()
+        };
+        let (kept_shape, kept_strides) = merge(&self.kept_shape, &self.kept_strides);
+        let (red_shape, red_strides) = merge(&self.red_shape, &self.red_strides);
+        Split {
+            kept_shape,
+            kept_strides,
+            red_shape,
+            red_strides,
+            offset: self.offset,
+        }
+    }
+
     pub(super) fn n_out(&self) -> usize {
         self.kept_shape.iter().product()
     }
@@ -74,7 +109,7 @@ impl Split {
         };
         inner(&self.kept_shape, &self.kept_strides) == Some(1)
             && inner(&self.red_shape, &self.red_strides) != Some(1)
-            && self.n_out() >= 1024
+            && self.n_out() >= 32
     }
 
     fn words(&self, args: &mut Words) -> (usize, usize) {
@@ -90,6 +125,13 @@ impl Split {
         (k, r)
     }
 }
+
+/// A column reduction's threads per SM (over all its parts).
+const COLUMN_THREADS_PER_SM: usize = 1024;
+/// The fewest rows of a column reduction's part.
+const COLUMN_PART: usize = 32;
+/// The most parts of a column reduction (the second pass walks them).
+const MAX_COLUMN_PARTS: usize = 256;
 
 /// Threads per block for `n` reduced elements: a power of two, 32..=256.
 pub(super) fn block_for(n: usize) -> u32 {
@@ -129,7 +171,7 @@ pub fn reduce(
     y: u64,
     sms: u32,
 ) -> Launch {
-    let split = Split::new(layout, dims);
+    let split = Split::new(layout, dims).merged();
     let scale = (op == ReduceOp::Mean).then(|| 1.0 / split.n_red().max(1) as f64);
     reduce_impl(op, scale, 1, dtype, &split, Some(out_dtype), x, y, sms)
 }
@@ -138,9 +180,17 @@ pub fn reduce(
 /// few outputs over many elements still fill the GPU (a full sum over a
 /// billion elements must not be one block's work); 1 when no cut pays.
 pub fn parts_for(layout: &Layout, dims: &[usize], sms: u32) -> usize {
-    let split = Split::new(layout, dims);
+    let split = Split::new(layout, dims).merged();
     let (n_out, n_red) = (split.n_out().max(1), split.n_red());
-    if n_out >= sms as usize * 2 || n_red < 1 << 16 || split.columns() {
+    if split.columns() {
+        // A thread per (column, part): enough threads to fill every SM
+        // (a bias gradient, 768 columns × 8192 rows, is otherwise 768
+        // threads walking 8192 rows each), each part at least
+        // COLUMN_PART rows so the partial results stay few.
+        let want = (sms as usize * COLUMN_THREADS_PER_SM).div_ceil(n_out);
+        return want.min(n_red / COLUMN_PART).clamp(1, MAX_COLUMN_PARTS);
+    }
+    if n_out >= sms as usize * 2 || n_red < 1 << 16 {
         return 1;
     }
     (sms as usize * 4).div_ceil(n_out).min(n_red / 4096).max(1)
@@ -162,7 +212,7 @@ pub fn reduce_in_parts(
     y: u64,
     sms: u32,
 ) -> (Launch, Launch, DType) {
-    let split = Split::new(layout, dims);
+    let split = Split::new(layout, dims).merged();
     let acc = accumulator(dtype);
     let first = reduce_impl(op, None, parts, dtype, &split, None, x, tmp, sms);
     // Partial sums are summed; the mean divides by the whole count.
@@ -170,7 +220,12 @@ pub fn reduce_in_parts(
         ReduceOp::Mean => (ReduceOp::Sum, Some(1.0 / split.n_red().max(1) as f64)),
         other => (other, None),
     };
-    let partials = Split::new(&Layout::contiguous(&[split.n_out(), parts]), &[1]);
+    // A column reduction writes its partials part-major (coalesced
+    // stores), `[parts, n_out]`; a row reduction output-major.
+    let partials = match split.columns() {
+        true => Split::new(&Layout::contiguous(&[parts, split.n_out()]), &[0]),
+        false => Split::new(&Layout::contiguous(&[split.n_out(), parts]), &[1]),
+    };
     let second = reduce_impl(
         second_op,
         scale,
@@ -246,22 +301,29 @@ fn reduce_impl(
     ));
     let idx_k = index_type(split.n_out());
     let idx_r = index_type(split.n_red());
-    let kept = decompose(
-        "o",
-        "kshape",
-        k,
-        &[("base".into(), "kstr".into())],
-        false,
-        idx_k,
-    );
-    let red = decompose(
-        "j",
-        "rshape",
-        r,
-        &[("off".into(), "rstr".into())],
-        false,
-        idx_r,
-    );
+    // One dim (the usual case once merged) needs no division.
+    let kept = match k {
+        1 => "base += o * a.kstr[0];\n".to_string(),
+        _ => decompose(
+            "o",
+            "kshape",
+            k,
+            &[("base".into(), "kstr".into())],
+            false,
+            idx_k,
+        ),
+    };
+    let red = match r {
+        1 => "off += j * a.rstr[0];\n".to_string(),
+        _ => decompose(
+            "j",
+            "rshape",
+            r,
+            &[("off".into(), "rstr".into())],
+            false,
+            idx_r,
+        ),
+    };
     let value = load(dtype, compute, "a.x", "off");
     let finish = match scale {
         Some(_) => format!("(ACC)(acc * ({acc})a.scale)"),
@@ -272,7 +334,7 @@ fn reduce_impl(
         c_type(out_dtype),
         convert(out_dtype, compute, &finish)
     );
-    let columns = parts == 1 && split.columns();
+    let columns = split.columns();
     // A whole contiguous row on 16-byte accesses: each thread reads packs.
     let inner = match packed_row(dtype, split, parts, x) {
         Some(vec) => {
@@ -289,11 +351,17 @@ fn reduce_impl(
         ),
     };
     if columns {
+        // A thread per (output, part), outputs fastest: a warp reads
+        // neighbouring columns of one row, and part p's result goes to
+        // y[p·n_out + o].
         src.push_str(&format!(
             "extern \"C\" __global__ void {ENTRY}(Args a) {{\n\
-             for (long long o = (long long)blockIdx.x * blockDim.x + threadIdx.x; o < a.n_out; o += (long long)gridDim.x * blockDim.x) {{\n\
-             long long w = o, base = a.off;\n{kept}ACC acc = IDENTITY;\n\
-             for (long long j = 0; j < a.n_red; ++j) {{ long long off = base;\n{red}ACC v = {value}; acc = COMBINE(acc, v); }}\n\
+             long long chunk = (a.n_red + a.parts - 1) / a.parts;\n\
+             for (long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x; t < a.n_out * a.parts; t += (long long)gridDim.x * blockDim.x) {{\n\
+             long long p = t / a.n_out, o = t - p * a.n_out, w = t;\n\
+             long long lo = p * chunk, hi = lo + chunk < a.n_red ? lo + chunk : a.n_red;\n\
+             long long base = a.off;\n{kept}ACC acc = IDENTITY;\n\
+             for (long long j = lo; j < hi; ++j) {{ long long off = base;\n{red}ACC v = {value}; acc = COMBINE(acc, v); }}\n\
              {store}\n}}\n}}\n"
         ));
     } else {
@@ -309,7 +377,7 @@ fn reduce_impl(
         ));
     }
     let (grid, block) = if columns {
-        (grid_for(split.n_out(), 256, sms), 256)
+        (grid_for(split.n_out() * parts.max(1), 256, sms), 256)
     } else {
         let per = split.n_red().div_ceil(parts.max(1));
         let block = block_for(per);
@@ -447,6 +515,54 @@ mod tests {
         );
         assert!(!cols.source.contains("block_all(acc);"), "{}", cols.source);
         assert_eq!(cols.block, 256);
+    }
+
+    #[test]
+    fn a_column_sum_is_cut_into_parts_that_fill_the_gpu() {
+        // A bias gradient: 768 columns of 8192 rows on 132 SMs.
+        let bias = Layout::contiguous(&[8192, 768]);
+        let parts = parts_for(&bias, &[0], 132);
+        assert_eq!(parts, (132 * COLUMN_THREADS_PER_SM).div_ceil(768));
+        // A layer norm's: [8, 1024, 768] over (0, 1) merges to the same.
+        let ln = Layout::contiguous(&[8, 1024, 768]);
+        assert_eq!(parts_for(&ln, &[0, 1], 132), parts);
+        let (first, second, acc) = reduce_in_parts(
+            ReduceOp::Sum,
+            DType::BF16,
+            &ln,
+            &[0, 1],
+            DType::BF16,
+            parts,
+            1,
+            2,
+            3,
+            132,
+        );
+        assert_eq!(acc, DType::F32);
+        assert!(
+            first.source.contains("off += j * a.rstr[0];"),
+            "{}",
+            first.source
+        );
+        assert!(
+            !first.source.contains("block_all(acc);"),
+            "{}",
+            first.source
+        );
+        // A thread per column and part.
+        assert_eq!(first.grid as usize, (768 * parts).div_ceil(256));
+        // The partials are [parts, 768], reduced over the parts.
+        assert!(
+            !second.source.contains("block_all(acc);"),
+            "{}",
+            second.source
+        );
+        // Few rows: no cut.
+        assert_eq!(parts_for(&Layout::contiguous(&[40, 768]), &[0], 132), 1);
+        // A short column count still takes the column schedule.
+        assert!(Split::new(&Layout::contiguous(&[5000, 37]), &[0])
+            .merged()
+            .columns());
     }
 
     #[test]

@@ -10,6 +10,7 @@ use tessera::runtime::device::{Device, DeviceStorage};
 use tessera::tensor::Layout;
 
 use super::{base, device_err, unsupported};
+use crate::codegen::copy;
 use crate::codegen::pointwise::{self, Output};
 use crate::codegen::Compute;
 use crate::CudaBackend;
@@ -58,6 +59,11 @@ impl CudaBackend {
                 .gpu
                 .copy(dst + dst_offset as u64, src, bytes)
                 .map_err(|m| device_err(op, m));
+        }
+        if layout == Layout::contiguous(x.shape()) {
+            if let Some(launch) = copy::dense_copy(x.layout(), size, base(x), dst, self.gpu.sms) {
+                return self.launch(op, &launch);
+            }
         }
         let out = Output {
             step: 0,
