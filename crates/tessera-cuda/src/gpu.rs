@@ -103,6 +103,77 @@ pub struct Gpu {
     pub sms: u32,
     pub name: String,
     pub alloc: Arc<Allocator>,
+    /// Launches by what generated them (see [`Gpu::launch_memoised`]).
+    memo: Mutex<HashMap<Vec<u64>, Arc<Memoised>>>,
+}
+
+/// A generated launch with its loaded kernel.
+struct Memoised {
+    /// Generated on stand-in addresses.
+    launch: Launch,
+    slots: Vec<AddressSlot>,
+    function: SendPtr<sys::CUfunction>,
+}
+
+/// An argument word that holds an address: (word, address index, offset
+/// the generator added to it).
+type AddressSlot = (usize, usize, u64);
+
+/// The most launches [`Gpu::launch_memoised`] keeps; past it the memo starts
+/// over (eager calls on ever new shapes would otherwise grow it forever).
+const MEMO_ENTRIES: usize = 1 << 13;
+
+/// The low address bits a generator may read (alignment checks: at most a
+/// 16-byte vector); kept in stand-ins and keys.
+const ALIGN_BITS: u64 = 0xfff;
+
+/// The most addresses a memoised launch takes (a stand-in's index field).
+const MAX_ADDRESSES: usize = 0xff;
+
+/// Stand-in `i` for address `ptr` in the set tagged `tag`: the tag in the
+/// top byte, the index in the next, `ptr`'s low bits at the bottom (an
+/// offset the generator adds below 2^48 leaves tag and index alone).
+fn stand_in(tag: u64, i: usize, ptr: u64) -> u64 {
+    (tag << 56) | ((i as u64) << 48) | (ptr & ALIGN_BITS)
+}
+
+/// The argument words that hold an address, found by generating with two
+/// sets of stand-ins: the words that differ (the same offset past stand-in
+/// i in both); `None` when the two sources differ or a changed word is no
+/// stand-in plus an offset (the generator reads addresses some other
+/// way, and its launches are not memoised).
+fn address_slots(
+    ptrs: &[u64],
+    make: impl Fn(&[u64]) -> Result<Launch, String>,
+) -> Result<Option<(Launch, Vec<AddressSlot>)>, String> {
+    if ptrs.len() > MAX_ADDRESSES {
+        return Ok(None);
+    }
+    let set = |tag| -> Vec<u64> {
+        ptrs.iter()
+            .enumerate()
+            .map(|(i, &p)| stand_in(tag, i, p))
+            .collect()
+    };
+    let (a, b) = (set(0x5e), set(0x5d));
+    let (la, lb) = (make(&a)?, make(&b)?);
+    if la.source != lb.source || la.args.0.len() != lb.args.0.len() {
+        return Ok(None);
+    }
+    let mut slots = Vec::new();
+    for (w, (&wa, &wb)) in la.args.0.iter().zip(&lb.args.0).enumerate() {
+        if wa == wb {
+            continue;
+        }
+        let i = ((wa >> 48) & 0xff) as usize;
+        match (a.get(i), b.get(i)) {
+            (Some(&sa), Some(&sb)) if wa.wrapping_sub(sa) == wb.wrapping_sub(sb) => {
+                slots.push((w, i, wa.wrapping_sub(sa)));
+            }
+            _ => return Ok(None),
+        }
+    }
+    Ok(Some((la, slots)))
 }
 
 thread_local! {
@@ -164,6 +235,7 @@ impl Gpu {
             target: format!("sm_{major}{minor}"),
             sms: sms as u32,
             name,
+            memo: Mutex::new(HashMap::new()),
             alloc: Arc::new(Allocator {
                 pool: Mutex::new(Pool::default()),
                 live: AtomicUsize::new(0),
@@ -327,7 +399,7 @@ impl Gpu {
         let cached = self.alloc.pool.lock().expect("pool poisoned").get(cap);
         let ptr = match cached {
             Some(p) => p,
-            None => match unsafe { cu::malloc_sync(cap) } {
+            None => match crate::profile::count_driver_alloc(|| unsafe { cu::malloc_sync(cap) }) {
                 Ok(p) => p,
                 Err(_) => {
                     self.empty_cache();
@@ -403,6 +475,7 @@ impl Gpu {
     /// Waits for the current lane's work (and what it waits for).
     pub fn synchronize(&self) -> Result<(), String> {
         self.bind();
+        let _waiting = crate::profile::Wait::start();
         unsafe { cu::stream::synchronize(self.stream()) }
             .map_err(|e| driver_error("synchronize", e))
     }
@@ -412,13 +485,18 @@ impl Gpu {
         if bytes.is_empty() {
             return Ok(());
         }
-        // SAFETY: dst holds at least bytes.len() bytes; the host slice
-        // lives until the stream is synchronized below.
+        // SAFETY: dst holds at least bytes.len() bytes. From pageable
+        // host memory the driver stages the bytes before the call returns
+        // (CUDA's "API synchronization behavior": an asynchronous copy from
+        // pageable memory is staged immediately), so the slice may go at
+        // once and the host need not wait for the device: an upload in the
+        // middle of a step (a constant, a host scalar) does not drain the
+        // queue.
+        let _waiting = crate::profile::Wait::start();
         unsafe {
             cu::memcpy_htod_async(dst, bytes, self.stream())
-                .map_err(|e| driver_error("copy to the device", e))?;
+                .map_err(|e| driver_error("copy to the device", e))
         }
-        self.synchronize()
     }
 
     pub fn download(&self, dst: &mut [u8], src: u64) -> Result<(), String> {
@@ -456,7 +534,70 @@ impl Gpu {
     pub fn launch(&self, launch: &Launch) -> Result<(), String> {
         self.bind();
         let f = self.function(&launch.source)?;
-        let mut words = launch.args.0.clone();
+        self.launch_function(f, launch)
+    }
+
+    /// Queues the launch that `make` generates, memoised: `key` encodes
+    /// every input of the generator except the device addresses, which
+    /// are `ptrs` (their low bits, which alignment checks read, are part
+    /// of the key here). The first time, `make` runs twice on two sets of
+    /// stand-in addresses that keep those low bits, the argument words
+    /// that differ (an address plus any offset the generator added) are
+    /// noted, and the kernel is loaded; every launch then patches the real
+    /// addresses into a copy of the kept arguments. Generating a kernel's source and hashing it
+    /// to find its module costs tens of µs of host time (a 27-step AdamW
+    /// update: ~90 µs), more than many kernels take on the device, and a
+    /// compiled step runs the same kernels every call, on buffers that
+    /// need not be the same ones.
+    pub fn launch_memoised(
+        &self,
+        mut key: Vec<u64>,
+        ptrs: &[u64],
+        make: impl Fn(&[u64]) -> Result<Launch, String>,
+    ) -> Result<(), String> {
+        self.bind();
+        key.push(ptrs.len() as u64);
+        key.extend(ptrs.iter().map(|p| p & ALIGN_BITS));
+        let kept = self.memo.lock().expect("memo poisoned").get(&key).cloned();
+        crate::profile::count_memo(kept.is_some());
+        let entry = match kept {
+            Some(e) => e,
+            None => {
+                let Some((launch, slots)) = address_slots(ptrs, &make)? else {
+                    return self.launch(&make(ptrs)?);
+                };
+                let function = SendPtr(self.function(&launch.source)?);
+                let entry = Arc::new(Memoised {
+                    launch,
+                    slots,
+                    function,
+                });
+                let mut memo = self.memo.lock().expect("memo poisoned");
+                if memo.len() >= MEMO_ENTRIES {
+                    memo.clear();
+                }
+                memo.insert(key, entry.clone());
+                entry
+            }
+        };
+        let mut words = entry.launch.args.0.clone();
+        for &(w, i, delta) in &entry.slots {
+            words[w] = ptrs[i].wrapping_add(delta);
+        }
+        self.launch_words(entry.function.0, &entry.launch, words)
+    }
+
+    fn launch_function(&self, f: sys::CUfunction, launch: &Launch) -> Result<(), String> {
+        self.launch_words(f, launch, launch.args.0.clone())
+    }
+
+    /// Queues `f` with `launch`'s grid and block and `words` for arguments.
+    fn launch_words(
+        &self,
+        f: sys::CUfunction,
+        launch: &Launch,
+        mut words: Vec<u64>,
+    ) -> Result<(), String> {
         let mut params = [words.as_mut_ptr() as *mut c_void];
         // SAFETY: the kernel takes one struct of `words.len()` 8-byte
         // fields, packed in this order by the generator; the driver copies
@@ -577,3 +718,52 @@ impl Drop for CudaGraph {
 // The allocator's mutex poisons only if a thread panicked holding it,
 // which the short critical sections above never do.
 impl std::panic::RefUnwindSafe for Allocator {}
+
+#[cfg(test)]
+mod memo_tests {
+    use super::*;
+    use crate::codegen::Words;
+
+    fn launch(source: &str, words: &[u64]) -> Launch {
+        Launch {
+            source: source.to_string(),
+            args: Words(words.to_vec()),
+            grid: 1,
+            block: 32,
+        }
+    }
+
+    /// The words holding addresses (with an offset added) are found; the
+    /// sizes beside them, equal in both generations, are not.
+    #[test]
+    fn address_words_are_found_with_their_offsets() {
+        let make = |p: &[u64]| Ok(launch("k", &[7, p[1] + 64, 9, p[0]]));
+        let (l, slots) = address_slots(&[0x1000, 0x2010], make)
+            .unwrap()
+            .expect("memoisable");
+        assert_eq!(slots, vec![(1, 1, 64), (3, 0, 0)]);
+        assert_eq!(l.args.0[0], 7);
+        // Patched as `launch_memoised` does: the real addresses back.
+        let mut words = l.args.0.clone();
+        let ptrs = [0xa000u64, 0xb010];
+        for &(w, i, delta) in &slots {
+            words[w] = ptrs[i].wrapping_add(delta);
+        }
+        assert_eq!(words, vec![7, 0xb010 + 64, 9, 0xa000]);
+        // The low bits (alignment) reach the generator unchanged.
+        let seen = std::sync::Mutex::new(Vec::new());
+        let _ = address_slots(&[0x1008], |p: &[u64]| {
+            seen.lock().unwrap().push(p[0] & ALIGN_BITS);
+            Ok(launch("k", &[p[0]]))
+        });
+        assert_eq!(*seen.lock().unwrap(), vec![0x8, 0x8]);
+    }
+
+    /// A generator whose source depends on an address beyond its low bits
+    /// is not memoised.
+    #[test]
+    fn an_address_in_the_source_is_not_memoised() {
+        let make = |p: &[u64]| Ok(launch(&format!("k{}", p[0]), &[p[0]]));
+        assert!(address_slots(&[0x1000], make).unwrap().is_none());
+    }
+}

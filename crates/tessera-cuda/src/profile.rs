@@ -27,12 +27,12 @@ const MAX_PENDING: usize = 8192;
 
 #[derive(Default)]
 struct State {
-    /// (key, start, end) per op queued since the last resolution.
-    pending: Vec<(String, SendPtr<sys::CUevent>, SendPtr<sys::CUevent>)>,
+    /// (key, start, end, host ms) per op queued since the last resolution.
+    pending: Vec<(String, SendPtr<sys::CUevent>, SendPtr<sys::CUevent>, f64)>,
     /// Events free for reuse.
     free: Vec<SendPtr<sys::CUevent>>,
-    /// key -> (calls, milliseconds).
-    table: HashMap<String, (usize, f64)>,
+    /// key -> (calls, device ms, host ms).
+    table: HashMap<String, (usize, f64, f64)>,
 }
 
 static STATE: Mutex<Option<State>> = Mutex::new(None);
@@ -55,14 +55,16 @@ pub(crate) fn timed<R>(
     let Some(start) = record(stream) else {
         return f();
     };
+    let queueing = std::time::Instant::now();
     let r = f();
+    let host_ms = queueing.elapsed().as_secs_f64() * 1e3;
     let Some(end) = record(stream) else {
         return r;
     };
     let key = format!("{} {}", name(), shapes(inputs));
     let mut state = STATE.lock().expect("profile poisoned");
     let state = state.get_or_insert_with(State::default);
-    state.pending.push((key, start, end));
+    state.pending.push((key, start, end, host_ms));
     if state.pending.len() >= MAX_PENDING {
         resolve(state);
     }
@@ -138,7 +140,7 @@ fn record(stream: sys::CUstream) -> Option<SendPtr<sys::CUevent>> {
 
 /// Waits for the pending ops and books their times.
 fn resolve(state: &mut State) {
-    for (key, start, end) in std::mem::take(&mut state.pending) {
+    for (key, start, end, host_ms) in std::mem::take(&mut state.pending) {
         // SAFETY: both events were recorded and are not destroyed.
         let ms = unsafe {
             cu::event::synchronize(end.0)
@@ -149,9 +151,59 @@ fn resolve(state: &mut State) {
             let e = state.table.entry(key).or_default();
             e.0 += 1;
             e.1 += ms as f64;
+            e.2 += host_ms;
         }
         state.free.extend([start, end]);
     }
+}
+
+/// Host waits for the device (stream synchronisations, downloads; uploads,
+/// which may wait inside the driver for pageable memory;
+/// explicit waits) and allocations from the driver, counted while
+/// profiling: a wait in the middle of a step drains the device's queue,
+/// and a step that waits little but takes as long as the host's queueing
+/// is bound by the host.
+static WAITS: Mutex<(usize, f64, usize)> = Mutex::new((0, 0.0, 0));
+
+/// Times one host wait (while profiling) from `start` to drop.
+pub(crate) struct Wait(Option<std::time::Instant>);
+
+impl Wait {
+    pub(crate) fn start() -> Wait {
+        Wait(enabled().then(std::time::Instant::now))
+    }
+}
+
+impl Drop for Wait {
+    fn drop(&mut self) {
+        if let Some(t) = self.0 {
+            let mut w = WAITS.lock().expect("profile poisoned");
+            w.0 += 1;
+            w.1 += t.elapsed().as_secs_f64() * 1e3;
+        }
+    }
+}
+
+/// Memoised launches found (hits) and generated (misses) while profiling.
+static MEMO: Mutex<(usize, usize)> = Mutex::new((0, 0));
+
+/// Counts a memoised launch's lookup while profiling.
+pub(crate) fn count_memo(hit: bool) {
+    if enabled() {
+        let mut m = MEMO.lock().expect("profile poisoned");
+        match hit {
+            true => m.0 += 1,
+            false => m.1 += 1,
+        }
+    }
+}
+
+/// Runs a driver allocation, counting it while profiling.
+pub(crate) fn count_driver_alloc<R>(f: impl FnOnce() -> R) -> R {
+    if enabled() {
+        WAITS.lock().expect("profile poisoned").2 += 1;
+    }
+    f()
 }
 
 /// Forgets what was timed so far (after warm-up steps, say).
@@ -160,6 +212,8 @@ pub fn reset() {
         resolve(state);
         state.table.clear();
     }
+    *WAITS.lock().expect("profile poisoned") = (0, 0.0, 0);
+    *MEMO.lock().expect("profile poisoned") = (0, 0);
 }
 
 /// The `top` most expensive entries since the last report (then cleared),
@@ -170,13 +224,24 @@ pub fn report(top: usize) -> String {
         return String::new();
     };
     resolve(state);
-    let mut rows: Vec<(String, (usize, f64))> = state.table.drain().collect();
+    let mut rows: Vec<(String, (usize, f64, f64))> = state.table.drain().collect();
     rows.sort_by(|a, b| b.1 .1.total_cmp(&a.1 .1));
     let total: f64 = rows.iter().map(|r| r.1 .1).sum();
+    let host: f64 = rows.iter().map(|r| r.1 .2).sum();
     let calls: usize = rows.iter().map(|r| r.1 .0).sum();
-    let mut s = format!("GPU op time (CUDA events), {calls} ops, total {total:.1} ms\n");
-    for (key, (n, ms)) in rows.into_iter().take(top) {
-        s.push_str(&format!("{ms:>10.3} ms {n:>6}x  {key}\n"));
+    let (waits, waited, allocs) =
+        std::mem::replace(&mut *WAITS.lock().expect("profile poisoned"), (0, 0.0, 0));
+    let (hits, misses) = std::mem::take(&mut *MEMO.lock().expect("profile poisoned"));
+    let mut s = format!(
+        "GPU op time (CUDA events), {calls} ops, total {total:.1} ms (the host queueing them: {host:.1} ms); \
+         the host waited for the device \
+         {waits} times, {waited:.1} ms; {allocs} allocations from the driver; memoised launches \
+         {hits} found, {misses} generated\n"
+    );
+    for (key, (n, ms, host)) in rows.into_iter().take(top) {
+        s.push_str(&format!(
+            "{ms:>10.3} ms {n:>6}x  (host {host:>7.3} ms)  {key}\n"
+        ));
     }
     s
 }

@@ -9,6 +9,7 @@ use tessera::runtime::cpu::{self, arena, Storage};
 use tessera::runtime::device::{Device, DeviceStorage};
 use tessera::tensor::Layout;
 
+use super::memo_key::{Generator, Key};
 use super::{base, device_err, unsupported};
 use crate::codegen::copy;
 use crate::codegen::pointwise::{self, Output};
@@ -61,8 +62,18 @@ impl CudaBackend {
                 .map_err(|m| device_err(op, m));
         }
         if layout == Layout::contiguous(x.shape()) {
-            if let Some(launch) = copy::dense_copy(x.layout(), size, base(x), dst, self.gpu.sms) {
-                return self.launch(op, &launch);
+            let (src, sms) = (x.layout(), self.gpu.sms);
+            if copy::dense_copy(src, size, base(x), dst, sms).is_some() {
+                let mut key = Key::new(Generator::DenseCopy, sms);
+                key.layout(src).word(size as u64);
+                let generate = |p: &[u64]| {
+                    copy::dense_copy(src, size, p[0], p[1], sms)
+                        .ok_or_else(|| "no word copy at these addresses".to_string())
+                };
+                return self
+                    .gpu
+                    .launch_memoised(key.into_words(), &[base(x), dst], generate)
+                    .map_err(|m| device_err(op, m));
             }
         }
         let out = Output {

@@ -14,6 +14,7 @@
 
 mod index;
 mod matmul;
+mod memo_key;
 mod memory;
 mod pointwise;
 mod reduce;

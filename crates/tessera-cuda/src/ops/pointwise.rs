@@ -11,6 +11,7 @@ use tessera::runtime::array::Array;
 use tessera::runtime::device::{Device, DeviceStorage};
 use tessera::tensor::Layout;
 
+use super::memo_key::{addresses, with_addresses, Generator, Key};
 use super::{base, device_err, unsupported};
 use crate::codegen::pointwise::{self, Operand, Output};
 use crate::codegen::Compute;
@@ -139,13 +140,38 @@ impl CudaBackend {
                     block,
                 )
             };
-            let default = make(&outs, None).map_err(|m| unsupported(op, m))?;
-            let block = self.tune_pointwise(op, &default, shape, &outs, &make)?;
-            let launch = match block {
-                Some(b) => make(&outs, Some(b)).map_err(|m| unsupported(op, m))?,
-                None => default,
-            };
-            self.launch(op, &launch)?;
+            if tessera::runtime::device::tuning() {
+                let default = make(&outs, None).map_err(|m| unsupported(op, m))?;
+                let block = self.tune_pointwise(op, &default, shape, &outs, &make)?;
+                let launch = match block {
+                    Some(b) => make(&outs, Some(b)).map_err(|m| unsupported(op, m))?,
+                    None => default,
+                };
+                self.launch(op, &launch)?;
+            } else {
+                let mut key = Key::new(Generator::Pointwise, self.gpu.sms);
+                key.steps(steps)
+                    .operands(&operands)
+                    .outputs(&outs)
+                    .dims(shape)
+                    .compute(compute);
+                let ptrs = addresses(&operands, &outs);
+                let generate = |p: &[u64]| {
+                    let (ins, outs) = with_addresses(&operands, &outs, p);
+                    pointwise::pointwise_block(
+                        steps,
+                        &ins,
+                        &outs,
+                        shape,
+                        compute,
+                        self.gpu.sms,
+                        None,
+                    )
+                };
+                self.gpu
+                    .launch_memoised(key.into_words(), &ptrs, generate)
+                    .map_err(|m| unsupported(op, m))?;
+            }
         }
         Ok(storages
             .into_iter()

@@ -9,7 +9,8 @@ use tessera::runtime::cpu::arena;
 use tessera::runtime::device::DeviceStorage;
 use tessera::tensor::Layout;
 
-use super::{base, unsupported};
+use super::memo_key::{buffer_addresses, operands_at, Generator, Key};
+use super::{base, device_err, unsupported};
 use crate::codegen::{fused_rows, rows, softmax};
 use crate::CudaBackend;
 
@@ -31,35 +32,52 @@ impl CudaBackend {
         let sms = self.gpu.sms;
         let parts = rows::parts_for(x.layout(), dims, sms);
         if parts == 1 {
-            let launch = rows::reduce(
-                r,
-                x.dtype(),
-                x.layout(),
-                dims,
-                dtype,
-                base(&x),
-                out.ptr(),
-                sms,
-            );
-            self.launch(name, &launch)?;
+            let mut key = Key::new(Generator::Reduce, sms);
+            key.word(r as u64)
+                .dtype(x.dtype())
+                .layout(x.layout())
+                .dims(dims)
+                .dtype(dtype);
+            let generate = |p: &[u64]| {
+                Ok(rows::reduce(
+                    r,
+                    x.dtype(),
+                    x.layout(),
+                    dims,
+                    dtype,
+                    p[0],
+                    p[1],
+                    sms,
+                ))
+            };
+            self.gpu
+                .launch_memoised(key.into_words(), &[base(&x), out.ptr()], generate)
+                .map_err(|m| device_err(name, m))?;
         } else {
             let n_out: usize = shape.iter().product();
             // The partial results: the kernel's scratch.
             let tmp = arena::scratch(|| self.empty(rows::accumulator(x.dtype()), n_out * parts))?;
-            let (first, second, _) = rows::reduce_in_parts(
-                r,
-                x.dtype(),
-                x.layout(),
-                dims,
-                dtype,
-                parts,
-                base(&x),
-                tmp.ptr(),
-                out.ptr(),
-                sms,
-            );
-            self.launch(name, &first)?;
-            self.launch(name, &second)?;
+            let (xd, layout) = (x.dtype(), x.layout());
+            let parted = |p: &[u64]| {
+                rows::reduce_in_parts(r, xd, layout, dims, dtype, parts, p[0], p[1], p[2], sms)
+            };
+            let ptrs = [base(&x), tmp.ptr(), out.ptr()];
+            for (which, generator) in [(0, Generator::ReduceParts), (1, Generator::PartsReduced)] {
+                let mut key = Key::new(generator, sms);
+                key.word(r as u64)
+                    .dtype(xd)
+                    .layout(layout)
+                    .dims(dims)
+                    .dtype(dtype)
+                    .word(parts as u64);
+                let generate = |p: &[u64]| {
+                    let (first, second, _) = parted(p);
+                    Ok(if which == 0 { first } else { second })
+                };
+                self.gpu
+                    .launch_memoised(key.into_words(), &ptrs, generate)
+                    .map_err(|m| device_err(name, m))?;
+            }
         }
         Ok(Array::from_device_storage(out, shape))
     }
@@ -157,6 +175,25 @@ impl CudaBackend {
             let make = |threads| {
                 fused_rows::fused_rows_threads(kernel, &operands, &ptrs, self.gpu.sms, threads)
             };
+            if !tessera::runtime::device::tuning() {
+                let mut key = Key::new(Generator::FusedRows, self.gpu.sms);
+                key.row_kernel(kernel).operands(&operands);
+                let addresses: Vec<u64> = buffer_addresses(&operands)
+                    .chain(ptrs.iter().copied())
+                    .collect();
+                let n_in = addresses.len() - ptrs.len();
+                let generate = |p: &[u64]| {
+                    let ins = operands_at(&operands, &mut p[..n_in].iter().copied());
+                    fused_rows::fused_rows_threads(kernel, &ins, &p[n_in..], self.gpu.sms, None)
+                };
+                self.gpu
+                    .launch_memoised(key.into_words(), &addresses, generate)
+                    .map_err(|m| unsupported(op, m))?;
+                return Ok(storages
+                    .into_iter()
+                    .map(|(s, shape)| Array::from_device_storage(s, shape))
+                    .collect());
+            }
             let default = make(None).map_err(|m| unsupported(op, m))?;
             // Under max-autotune, the threads a row; the trials write the
             // outputs, new buffers that no input shares. (Outside it no

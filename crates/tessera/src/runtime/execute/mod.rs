@@ -295,8 +295,9 @@ fn execute_here(
             }
             if let (Some(profile), Some(started)) = (profile.as_mut(), started) {
                 // On a device the step's kernels are only queued: wait for
-                // them, so the time is the device's.
-                if on != Device::Cpu {
+                // them, so the time is the device's (unless the host's
+                // queueing time is asked for: `TESSERA_LOGS=profile,host`).
+                if on != Device::Cpu && !profile.host_times() {
                     device::synchronize(on)?;
                 }
                 profile.step(step, started.elapsed());

@@ -4,7 +4,9 @@
 //! after the call, the totals by kernel kind and the slowest kernels are
 //! logged. On a device that queues kernels (CUDA) each step is waited for
 //! before its time is read, so the times are the device's (with the
-//! overlap between steps, and any concurrency, given up).
+//! overlap between steps, and any concurrency, given up); with
+//! `TESSERA_LOGS=profile,host` they are not waited for, and the times are
+//! the host's, queueing them.
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -26,6 +28,13 @@ impl Profile {
     /// A profile if `TESSERA_LOGS` has `profile`.
     pub(super) fn start() -> Option<Profile> {
         logging::enabled("profile").then(|| Profile { times: Vec::new() })
+    }
+
+    /// Whether the times are the host's queueing times (`TESSERA_LOGS`
+    /// has `host` too): on a device the steps are then not waited for, so
+    /// each time is what the host spent queueing the step's kernels.
+    pub(super) fn host_times(&self) -> bool {
+        logging::enabled("host")
     }
 
     /// Records a step of `kernels` that took `elapsed`.
