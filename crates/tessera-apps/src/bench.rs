@@ -116,6 +116,10 @@ pub struct GptBenchConfig {
     pub seed: u64,
     /// The compiled step's kernel order; `None`: the compiler's default.
     pub schedule: Option<Strategy>,
+    /// The compiled step traces the model every step (the default); with
+    /// `false` a step whose inputs pass the cached executable's guards runs
+    /// it untraced ([`tessera::compile::TrainStep::retrace`]).
+    pub retrace: bool,
 }
 
 impl Default for GptBenchConfig {
@@ -134,6 +138,7 @@ impl Default for GptBenchConfig {
             mode: Mode::Compiled,
             seed: 0,
             schedule: None,
+            retrace: true,
         }
     }
 }
@@ -180,6 +185,9 @@ impl GptBenchConfig {
             problems.push(
                 "--schedule orders the compiled step's kernels: not with --mode eager".into(),
             );
+        }
+        if !self.retrace && self.mode == Mode::Eager {
+            problems.push("--no-retrace is about the compiled step: not with --mode eager".into());
         }
         if problems.is_empty() && self.param_count().is_none() {
             problems.push(format!(
@@ -304,6 +312,8 @@ pub struct GptBenchReport {
     pub warmup: usize,
     /// The compiled step's kernel order (`default`: the compiler's).
     pub schedule: Option<String>,
+    /// Whether the compiled step traced every step (compiled only).
+    pub retrace: Option<bool>,
     /// Executables built (compiled only): 1 when nothing recompiled.
     pub compiles: Option<usize>,
 }
@@ -426,6 +436,7 @@ impl<'a> Stepper<'a> {
                 if let Some(order) = config.schedule {
                     step = step.schedule(order);
                 }
+                step = step.retrace(config.retrace);
                 Stepper::Compiled {
                     step: Box::new(step),
                     error,
@@ -578,6 +589,7 @@ fn run_here(
             Mode::Eager => None,
             Mode::Compiled => Some(config.schedule.map_or("default", Strategy::name).into()),
         },
+        retrace: (config.mode == Mode::Compiled).then_some(config.retrace),
         compiles: compile.map(|(_, _, n)| n),
     })
 }

@@ -74,6 +74,11 @@ pub struct GptArgs {
     /// compiler's].
     #[arg(long, value_parser = parse_schedule)]
     schedule: Option<Strategy>,
+    /// Compiled: run the cached executable of a step whose inputs pass its
+    /// guards without tracing the model again (the model's ops depend on
+    /// nothing else); saves the trace's host time each step.
+    #[arg(long)]
+    no_retrace: bool,
 }
 
 impl GptArgs {
@@ -92,6 +97,7 @@ impl GptArgs {
             mode: self.mode,
             seed: self.seed,
             schedule: self.schedule,
+            retrace: !self.no_retrace,
         }
     }
 }

@@ -193,7 +193,7 @@ impl<F: Fn(&[Tensor]) -> Vec<Tensor>> Compiled<F> {
         if self.state.lock().expect("compile cache").fell_back {
             return self.run_eagerly(inputs);
         }
-        if self.options.mode == Mode::ReduceOverhead {
+        if self.options.mode == Mode::ReduceOverhead || !self.options.retrace {
             let hit = self
                 .state
                 .lock()
@@ -366,6 +366,28 @@ mod tests {
         // Other guards trace (and see the new state).
         assert_eq!(f.call(&x(2))[0].to_f64_vec(), vec![0.0, 3.0]);
         assert_eq!(f.stats().compiles, 2);
+    }
+
+    #[test]
+    fn without_retracing_matching_guards_are_served_without_a_trace() {
+        let scale = Cell::new(2.0);
+        let f = compile(|x: &[Tensor]| vec![&x[0] * scale.get()]).retrace(false);
+        assert_eq!(f.call(&x(3))[0].to_f64_vec(), vec![0.0, 2.0, 4.0]);
+        let traced = f.stats().trace_seconds;
+        // The documented assumption: state the guards do not see is not
+        // seen while they match.
+        scale.set(3.0);
+        assert_eq!(f.call(&x(3))[0].to_f64_vec(), vec![0.0, 2.0, 4.0]);
+        let s = f.stats();
+        assert_eq!((s.compiles, s.cache_hits, s.trace_seconds), (1, 1, traced));
+        assert_eq!(f.call(&x(2))[0].to_f64_vec(), vec![0.0, 3.0]);
+        assert_eq!(f.stats().compiles, 2);
+        // The default traces every call and sees the change.
+        let scale = Cell::new(2.0);
+        let g = compile(|x: &[Tensor]| vec![&x[0] * scale.get()]);
+        g.call(&x(3));
+        scale.set(3.0);
+        assert_eq!(g.call(&x(3))[0].to_f64_vec(), vec![0.0, 3.0, 6.0]);
     }
 
     #[test]

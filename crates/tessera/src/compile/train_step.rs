@@ -454,6 +454,16 @@ impl<'a, O: TraceableOptimizer> TrainStep<'a, O> {
         self
     }
 
+    /// Whether each step traces `loss_fn` to find its executable (the
+    /// default); `false` runs the cached executable of matching inputs
+    /// without a trace (see [`Compiled::retrace`]): for a loss function
+    /// whose ops depend on nothing but its inputs' types and layouts, it
+    /// saves the trace's host time each step.
+    pub fn retrace(mut self, on: bool) -> Self {
+        self.compiled = self.compiled.retrace(on);
+        self
+    }
+
     pub fn schedule(mut self, strategy: Strategy) -> Self {
         self.compiled = self.compiled.schedule(strategy);
         self
