@@ -184,7 +184,10 @@ fn linearish_batch(size: f64, bad: &'static [usize]) -> impl Fn(usize) -> Vec<Te
         if bad.contains(&i) {
             b[3] = f64::NAN;
         }
-        vec![a, Tensor::from_vec(b.iter().map(|&v| v as f32).collect(), &[11])]
+        vec![
+            a,
+            Tensor::from_vec(b.iter().map(|&v| v as f32).collect(), &[11]),
+        ]
     }
 }
 
@@ -246,7 +249,11 @@ fn f16_compiled_with_the_scaler_trains_as_the_eager_mixed_precision_loop() {
     assert_close("losses", &got.losses, &want.losses, F16_TOL);
     assert_params(&compiled.store, &eager.store, F16_TOL);
     let s = step.stats();
-    assert_eq!((s.compiles, s.recompiles), (1, 0), "one compile for the run");
+    assert_eq!(
+        (s.compiles, s.recompiles),
+        (1, 0),
+        "one compile for the run"
+    );
     // The optimizer gets the steps taken back: 20 less the skipped ones.
     let opt = step.into_optimizer();
     for i in 0..opt.params().len() {
@@ -284,7 +291,10 @@ fn the_uncompiled_pipeline_gives_eagers_losses_and_scales() {
 /// `optimizer` and `donate`: the bad step leaves every parameter and state
 /// bit for bit as it was, halves the scale and counts as skipped; the
 /// next step updates again, as the first step after the skipped one.
-fn a_bad_step_is_skipped<O: TraceableOptimizer>(optimizer: impl Fn(&ParamStore) -> O, donate: bool) {
+fn a_bad_step_is_skipped<O: TraceableOptimizer>(
+    optimizer: impl Fn(&ParamStore) -> O,
+    donate: bool,
+) {
     let m = linearish();
     let mut step = train_step(linearish_loss(&m), optimizer(&m.store))
         .loss_scaler(scaler(1024.0, 1000))
@@ -361,8 +371,8 @@ fn the_scale_grows_after_the_interval_and_stays_within_f32() {
         &config,
         None,
     );
-    let mut step = train_step(linearish_loss(&compiled), adamw(&compiled.store))
-        .loss_scaler(config.clone());
+    let mut step =
+        train_step(linearish_loss(&compiled), adamw(&compiled.store)).loss_scaler(config.clone());
     let got = compiled_run(&mut step, &batch);
     let k = 1024.0;
     assert_eq!(
@@ -376,13 +386,22 @@ fn the_scale_grows_after_the_interval_and_stays_within_f32() {
     // scaled gradients finite); at the bottom, every step bad, backing off
     // keeps the smallest normal f32.
     for (init, size, bad, want) in [
-        (tessera::optim::MAX_SCALE, 1e-30, &[][..], tessera::optim::MAX_SCALE),
-        (tessera::optim::MIN_SCALE, 1.0, &[0, 1, 2][..], tessera::optim::MIN_SCALE),
+        (
+            tessera::optim::MAX_SCALE,
+            1e-30,
+            &[][..],
+            tessera::optim::MAX_SCALE,
+        ),
+        (
+            tessera::optim::MIN_SCALE,
+            1.0,
+            &[0, 1, 2][..],
+            tessera::optim::MIN_SCALE,
+        ),
     ] {
         let m = linearish();
         let bad: &'static [usize] = Box::leak(bad.to_vec().into_boxed_slice());
-        let mut step =
-            train_step(linearish_loss(&m), adamw(&m.store)).loss_scaler(scaler(init, 1));
+        let mut step = train_step(linearish_loss(&m), adamw(&m.store)).loss_scaler(scaler(init, 1));
         let batch = linearish_batch(size, bad);
         for i in 0..3 {
             step.step(&batch(i));

@@ -6,12 +6,15 @@
 //! loss, when asked for.
 //!
 //! ```text
-//! inputs:  batch…, step scalars…, parameters…, optimizer state…
+//! inputs:  batch…, step scalars…, [lr, scale, good steps, skipped, counts…], parameters…, optimizer state…
 //! graph:   loss = loss_fn(batch)          (the parameters stand in as leaves)
-//!          grads = autograd::grad(loss, parameters)   (inside the trace)
+//!          grads = autograd::grad(loss [· scale], parameters)   (inside the trace)
+//!          [grads = grads · 1/scale; found_inf = any(!isfinite(grads))]
 //!          [norm, grads = clip(grads)]
 //!          parameters', state' = optimizer.update(parameters, grads, state, scalars)
-//! outputs: loss, [norm], parameters'…, state'…
+//!          [parameters', state' = where(found_inf, parameters, state | parameters', state');
+//!           scale', good steps', skipped', counts' as GradScaler::update]
+//! outputs: loss, [norm], [scale', good steps', skipped', counts'…], parameters'…, state'…
 //! ```
 //!
 //! - **Parameters are inputs.** While `loss_fn` is traced, each
@@ -61,6 +64,39 @@
 //!   device error: the batch's data errors happen in the forward, before
 //!   any update) loses the values handed over, and the error says so;
 //!   `donate(false)` keeps them.
+//!
+//! - **f16 loss scaling on the device** ([`TrainStep::loss_scaler`]).
+//!   The dynamic loss scaler of [`crate::optim::GradScaler`] runs inside
+//!   the step: its scale, its count of good steps in a row and its count
+//!   of skipped steps are 0-dim f64 tensors on the parameters' device,
+//!   inputs of each step and outputs of it, so no step reads anything back
+//!   (the scale is read only when asked, [`TrainStep::loss_scale`],
+//!   [`TrainStep::skipped_steps`]). The traced step multiplies the loss by
+//!   the scale ([`crate::optim::scale_loss`]), unscales the gradients and
+//!   checks them in one reduction per gradient
+//!   ([`crate::optim::unscale_grads`]), clips the unscaled ones, and
+//!   selects every new parameter and state tensor with
+//!   `where(found_inf, old, new)`: a step with an inf or a NaN gradient
+//!   changes no bit, as the eager `GradScaler::step` skips the optimizer.
+//!   The next scale is [`crate::optim::next_scale`], `GradScaler::update`'s
+//!   arithmetic. The values are eager's (the scale sequence and skipped
+//!   steps exactly; with the uncompiled backend the losses bit for bit).
+//!   These scalars are not donated: 8 bytes each, nothing to gain.
+//! - **Step counts on the device under a scaler.** A skipped step is no
+//!   step of the optimizer (PyTorch's `optimizer.step` is not called), so
+//!   AdamW's bias corrections must not count it — but only the device
+//!   knows whether a step was skipped, and reading that back would stall
+//!   every step. So with a scaler the step counts live on the device too,
+//!   as PyTorch's fused AdamW keeps its `step` tensor under a GradScaler:
+//!   one 0-dim f64 count per class of parameters that took the same steps
+//!   (normally one for all), advanced by 1 − found_inf; the step's scalars
+//!   are computed in the graph from it and the learning rate (an f64
+//!   input) by [`TraceableOptimizer::counted_step_scalars`], in f64 and
+//!   then cast, as the host computes them (`βᵗ` is an f64 `pow` where the
+//!   host takes `powi`: at most an f64 ulp apart). The cost: a handful of
+//!   scalar ops per class in the graph, no host round trip. The optimizer
+//!   gets the counts back in [`TrainStep::into_optimizer`]; until then its
+//!   own counts include the skipped steps.
 //!
 //! Parameters without a gradient in the traced step (unused by the loss)
 //! keep their value and state, as in the eager step. Tensors the model
@@ -379,9 +415,8 @@ impl<'a, O: TraceableOptimizer> TrainStep<'a, O> {
         }
         let mut states = outputs.split_off(outputs.len() - n * layout.state_len);
         let values = outputs.split_off(outputs.len() - n);
-        let scaled = outputs.split_off(
-            outputs.len() - layout.scaler.as_ref().map_or(0, ScaledLayout::n_outputs),
-        );
+        let scaled = outputs
+            .split_off(outputs.len() - layout.scaler.as_ref().map_or(0, ScaledLayout::n_outputs));
         let loss = outputs.remove(0);
         self.last_grad_norm = outputs.pop();
         let has_grad = lock(&self.shared.has_grad).clone();
@@ -537,7 +572,9 @@ impl<'a, O: TraceableOptimizer> TrainStep<'a, O> {
     }
 
     /// The optimizer (e.g. to change its learning rate: an input of the
-    /// step, so no recompile).
+    /// step, so no recompile). With a loss scaler its step counts include
+    /// the skipped steps until [`TrainStep::into_optimizer`] (see the
+    /// module docs).
     pub fn optimizer(&self) -> MutexGuard<'_, O> {
         lock(&self.shared.optimizer)
     }
@@ -714,7 +751,9 @@ impl Scaler {
         };
         let n_counts = state.counts.len();
         if outputs.len() != 3 + n_counts
-            || outputs.iter().any(|t| t.dtype() != DType::F64 || t.rank() != 0)
+            || outputs
+                .iter()
+                .any(|t| t.dtype() != DType::F64 || t.rank() != 0)
         {
             return Err(Error::new(
                 ErrorKind::Verify,

@@ -334,10 +334,14 @@ pub fn next_scale(
     let zero = good_steps.try_mul(0.0)?;
     let counted = good_steps.try_add(1.0)?;
     let grow = counted.try_ge(config.growth_interval as f64)?;
-    let grown = scale.try_mul(config.growth_factor)?.try_minimum(MAX_SCALE)?;
+    let grown = scale
+        .try_mul(config.growth_factor)?
+        .try_minimum(MAX_SCALE)?;
     let good_scale = Tensor::try_where(&grow, &grown, scale)?;
     let good_count = Tensor::try_where(&grow, &zero, &counted)?;
-    let backed_off = scale.try_mul(config.backoff_factor)?.try_maximum(MIN_SCALE)?;
+    let backed_off = scale
+        .try_mul(config.backoff_factor)?
+        .try_maximum(MIN_SCALE)?;
     Ok((
         Tensor::try_where(found_inf, &backed_off, &good_scale)?,
         Tensor::try_where(found_inf, &zero, &good_count)?,
