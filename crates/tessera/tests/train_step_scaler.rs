@@ -452,3 +452,34 @@ fn a_bad_scaler_configuration_is_an_error_of_the_step() {
     );
     assert_eq!(values(&m.store), before);
 }
+
+#[test]
+fn each_parameters_update_is_still_one_fused_kernel() {
+    // The check reads each gradient once (a fused kernel and its
+    // reduction); the scalars (step number, bias corrections, the next
+    // scale) are one kernel after it; each parameter's update — the
+    // gradient through the check, AdamW, the selection of old or new
+    // values — is one kernel writing p, m and v, as without a scaler.
+    let m = linearish();
+    let mut step = train_step(linearish_loss(&m), adamw(&m.store)).loss_scaler(scaler(1024.0, 3));
+    step.step(&linearish_batch(1.0, &[])(0));
+    let artifacts = step.last_artifacts();
+    let kernels = &artifacts
+        .iter()
+        .find(|(name, _)| name == "forward.kernels.txt")
+        .expect("the kernel list")
+        .1;
+    let updates: Vec<&str> = kernels
+        .lines()
+        .filter(|l| l.contains("fused [") && l.contains("sqrt") && l.ends_with("writes 3"))
+        .collect();
+    assert_eq!(updates.len(), 2, "{kernels}");
+    assert!(
+        updates.iter().all(|l| l.matches("where").count() == 4),
+        "the gradient and p, m, v selected in the update's kernel:\n{kernels}"
+    );
+    let wheres = kernels.lines().filter(|l| l.contains("where")).count();
+    assert_eq!(wheres, 3, "the updates and the scaler's kernel:\n{kernels}");
+    let checks = kernels.lines().filter(|l| l.contains("(min)")).count();
+    assert_eq!(checks, 2, "one reduction per gradient:\n{kernels}");
+}

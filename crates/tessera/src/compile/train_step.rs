@@ -901,9 +901,42 @@ fn step_graph<O: TraceableOptimizer>(
                 }
                 outputs.push(norm);
             }
+            // With a scaler: each count class's new count (+1 on a step
+            // that counts, where some parameter of the class has a
+            // gradient) and the scaler's next state.
+            let mut new_counts: Vec<Tensor> = Vec::new();
+            let mut scaler_outputs: Vec<Tensor> = Vec::new();
+            let mut lr = None;
+            if let (Some((l, a)), Some(found)) = (scaler, &found_inf) {
+                let (scale, good_steps) = next_scale(&l.config, &a[1], &a[2], found)?;
+                let skipped_one = found.try_cast(DType::F64)?;
+                // 1 on a step that counts, 0 on a skipped one.
+                let counts_one = skipped_one.try_neg()?.try_add(1.0)?;
+                scaler_outputs.extend([scale, good_steps, a[3].try_add(&skipped_one)?]);
+                for class in 0..l.n_counts {
+                    let count = &a[4 + class];
+                    let stepped = (0..n).any(|i| l.count_of[i] == class && has_grad[i]);
+                    new_counts.push(match stepped {
+                        true => count.try_add(&counts_one)?,
+                        false => count.clone(),
+                    });
+                }
+                scaler_outputs.extend(new_counts.iter().cloned());
+                // The step's learning rate: times 1 (exact) on a step that
+                // counts, times 0 on a skipped one, whose update is
+                // discarded anyway.
+                lr = Some(a[0].try_mul(&counts_one)?);
+            }
             let optimizer = lock(&shared.optimizer);
             // With a scaler: per (count class, dtype), the step's scalars
-            // from the learning rate and the class's step count + 1.
+            // from the learning rate and the class's new count: this
+            // step's number t on a step that counts. (On a skipped one it
+            // is the old count, 0 before the first step, and the scalars
+            // may be inf: the update's values are discarded then.) Computed
+            // from the new count and the step's learning rate, they follow
+            // the inf check in the graph, which keeps each parameter's
+            // update one fused kernel: scalars computed from the inputs
+            // alone would be placed between its ops and split it.
             let mut counted: Vec<((usize, DType), Vec<Tensor>)> = Vec::new();
             let mut new_values = Vec::with_capacity(n);
             let mut new_states = Vec::with_capacity(states.len());
@@ -925,8 +958,9 @@ fn step_graph<O: TraceableOptimizer>(
                         let at = match counted.iter().position(|(k, _)| *k == key) {
                             Some(at) => at,
                             None => {
-                                let t = a[4 + key.0].try_add(1.0)?;
-                                let f64s = optimizer.counted_step_scalars(&a[0], &t)?;
+                                let t = &new_counts[key.0];
+                                let lr = lr.as_ref().expect("a scaler's learning rate");
+                                let f64s = optimizer.counted_step_scalars(lr, t)?;
                                 let cast = f64s
                                     .iter()
                                     .map(|s| s.try_cast(key.1))
@@ -935,10 +969,19 @@ fn step_graph<O: TraceableOptimizer>(
                                 counted.len() - 1
                             }
                         };
-                        let (next, next_state) =
-                            optimizer.update(value, g, state, &counted[at].1)?;
-                        // A step with non-finite gradients changes nothing.
+                        // A step with non-finite gradients changes nothing:
+                        // its outputs are the inputs (below). The update
+                        // reads the gradient through the same check (0 on
+                        // such a step, the same value otherwise), so that
+                        // all of it waits for the check and fuses with the
+                        // selection into one kernel, rather than its first
+                        // ops joining the check's kernel and writing their
+                        // values out for a second one.
                         let found = found_inf.as_ref().expect("a scaler checks");
+                        let zero = Tensor::try_full(&[], 0.0, g.dtype())?;
+                        let g = Tensor::try_where(found, &zero, g)?;
+                        let (next, next_state) =
+                            optimizer.update(value, &g, state, &counted[at].1)?;
                         let keep = |old: &Tensor, new: &Tensor| Tensor::try_where(found, old, new);
                         let kept_state = state
                             .iter()
@@ -951,21 +994,7 @@ fn step_graph<O: TraceableOptimizer>(
                 new_values.push(next);
                 new_states.extend(next_state);
             }
-            if let (Some((l, a)), Some(found)) = (scaler, &found_inf) {
-                let (scale, good_steps) = next_scale(&l.config, &a[1], &a[2], found)?;
-                let skipped_one = found.try_cast(DType::F64)?;
-                // 1 on a step that counts, 0 on a skipped one.
-                let counts_one = skipped_one.try_neg()?.try_add(1.0)?;
-                outputs.extend([scale, good_steps, a[3].try_add(&skipped_one)?]);
-                for class in 0..l.n_counts {
-                    let count = &a[4 + class];
-                    let stepped = (0..n).any(|i| l.count_of[i] == class && has_grad[i]);
-                    outputs.push(match stepped {
-                        true => count.try_add(&counts_one)?,
-                        false => count.clone(),
-                    });
-                }
-            }
+            outputs.extend(scaler_outputs);
             outputs.extend(new_values);
             outputs.extend(new_states);
             Ok(outputs)
