@@ -128,13 +128,14 @@ fn the_f16_step_with_its_loss_scaler_on_the_gpu_follows_the_cpu() {
         let (store, lm) = model(&c, on);
         let opt = AdamW::new(store.parameters(), AdamWConfig::default());
         let f16_loss = |b: &[Tensor]| autocast(DType::F16, || loss(&lm, c.vocab, b));
-        let mut step = train_step(f16_loss, opt)
-            .clip_grad_norm(1.0)
-            .loss_scaler(GradScalerConfig {
-                init_scale: 2f64.powi(24),
-                growth_interval: 3,
-                ..GradScalerConfig::default()
-            });
+        let mut step =
+            train_step(f16_loss, opt)
+                .clip_grad_norm(1.0)
+                .loss_scaler(GradScalerConfig {
+                    init_scale: 2f64.powi(24),
+                    growth_interval: 3,
+                    ..GradScalerConfig::default()
+                });
         let (mut losses, mut scales) = (Vec::new(), Vec::new());
         for i in 0..12 {
             let l = step.step(&batch(&c, 4, i, on));
@@ -159,7 +160,10 @@ fn the_f16_step_with_its_loss_scaler_on_the_gpu_follows_the_cpu() {
     assert!(cpu_skipped >= 1, "the first steps overflow: {cpu_scales:?}");
     assert_eq!((gpu_scales, gpu_skipped), (cpu_scales, cpu_skipped));
     for (i, (g, c)) in gpu_losses.iter().zip(&cpu_losses).enumerate() {
-        assert!((g - c).abs() <= 5e-3 * c.abs(), "step {i}: gpu {g}, cpu {c}");
+        assert!(
+            (g - c).abs() <= 5e-3 * c.abs(),
+            "step {i}: gpu {g}, cpu {c}"
+        );
     }
 }
 

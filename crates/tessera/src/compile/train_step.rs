@@ -953,7 +953,7 @@ fn step_graph<O: TraceableOptimizer>(
                         let scalars = &scalars[group..group + layout.n_scalars];
                         optimizer.update(value, g, state, scalars)?
                     }
-                    Some((l, a)) => {
+                    Some((l, _)) => {
                         let key = (l.count_of[i], value.dtype());
                         let at = match counted.iter().position(|(k, _)| *k == key) {
                             Some(at) => at,

@@ -167,7 +167,7 @@ impl TraceableOptimizer for AdamW {
         AdamW::scalars(&self.config, t).to_vec()
     }
 
-    /// `[1 − lr·wd, lr/(1 − β1ᵗ), 1/√(1 − β2ᵗ)]` as [`AdamW::scalars`],
+    /// `[1 − lr·wd, lr/(1 − β1ᵗ), 1/√(1 − β2ᵗ)]` as the eager step computes them,
     /// with `βᵗ` an f64 `pow` (the host's `powi` may differ from it in the
     /// last bit of an f64, which the parameter's f32 rarely shows).
     fn counted_step_scalars(&self, lr: &Tensor, t: &Tensor) -> Result<Vec<Tensor>> {
