@@ -36,7 +36,7 @@ use tessera::compile::{train_step, TrainStep};
 use tessera::error::{Error, ErrorKind, Result};
 use tessera::hints::Strategy;
 use tessera::nn::{try_cross_entropy, ParamStore, TransformerConfig, TransformerLM};
-use tessera::optim::{AdamW, AdamWConfig, MixedPrecision, Optimizer};
+use tessera::optim::{AdamW, AdamWConfig, GradScalerConfig, MixedPrecision, Optimizer};
 use tessera::runtime::device::{self, Device};
 use tessera::tensor::Generator;
 use tessera::{autocast, DType, Tensor};
@@ -174,13 +174,6 @@ impl GptBenchConfig {
                 self.dtype
             ));
         }
-        if self.dtype == DType::F16 && self.mode == Mode::Compiled {
-            problems.push(
-                "f16 needs loss scaling, which the compiled step (compile::train_step) does not \
-                 do: use --mode eager or --dtype bf16"
-                    .to_string(),
-            );
-        }
         if self.schedule.is_some() && self.mode == Mode::Eager {
             problems.push(
                 "--schedule orders the compiled step's kernels: not with --mode eager".into(),
@@ -316,6 +309,12 @@ pub struct GptBenchReport {
     pub retrace: Option<bool>,
     /// Executables built (compiled only): 1 when nothing recompiled.
     pub compiles: Option<usize>,
+    /// The loss scale after the last step (f16 only: its dynamic loss
+    /// scaler, eager or inside the compiled step).
+    pub loss_scale: Option<f64>,
+    /// Steps the f16 loss scaler skipped, warmup included (their gradients
+    /// overflowed).
+    pub skipped_steps: Option<usize>,
 }
 
 /// What the progress callback sees after each step.
@@ -437,6 +436,10 @@ impl<'a> Stepper<'a> {
                     step = step.schedule(order);
                 }
                 step = step.retrace(config.retrace);
+                if dtype == DType::F16 {
+                    // As eager's `MixedPrecision`: PyTorch's defaults.
+                    step = step.loss_scaler(GradScalerConfig::default());
+                }
                 Stepper::Compiled {
                     step: Box::new(step),
                     error,
@@ -445,7 +448,6 @@ impl<'a> Stepper<'a> {
         })
     }
 
-    /// One step; the loss read back to the host.
     /// Queues one step and returns its loss (not read: on a device the
     /// step may still be running).
     fn step(&mut self, data: &[Tensor], vocab: usize) -> Result<Tensor> {
@@ -468,6 +470,17 @@ impl<'a> Stepper<'a> {
                 }
                 result
             }
+        }
+    }
+
+    /// The f16 loss scale after the last step and the steps it skipped
+    /// (f16 only).
+    fn loss_scaler(&self) -> Result<Option<(f64, usize)>> {
+        match self {
+            Stepper::Eager { precision, .. } => Ok(precision
+                .scaler()
+                .map(|s| (s.scale_factor(), s.skipped_steps()))),
+            Stepper::Compiled { step, .. } => Ok(step.loss_scale()?.zip(step.skipped_steps()?)),
         }
     }
 
@@ -559,6 +572,7 @@ fn run_here(
     let peak = device::memory_stats(on)?.peak_bytes;
     let median = median_of(&step_ms);
     let compile = stepper.compile_stats();
+    let scaler = stepper.loss_scaler()?;
     Ok(GptBenchReport {
         system: "tessera".into(),
         mode: config.mode.name().into(),
@@ -591,6 +605,8 @@ fn run_here(
         },
         retrace: (config.mode == Mode::Compiled).then_some(config.retrace),
         compiles: compile.map(|(_, _, n)| n),
+        loss_scale: scaler.map(|(scale, _)| scale),
+        skipped_steps: scaler.map(|(_, skipped)| skipped),
     })
 }
 
@@ -640,7 +656,6 @@ mod tests {
         let c = GptBenchConfig {
             heads: 3,
             batch: 0,
-            dtype: DType::F16,
             ..tiny(Mode::Compiled)
         };
         let e = c.validate().unwrap_err().to_string();
@@ -649,7 +664,17 @@ mod tests {
             e.contains("d_model 16 must be a multiple of heads 3"),
             "{e}"
         );
-        assert!(e.contains("f16 needs loss scaling"), "{e}");
+        // Every precision in both modes (f16 compiled: the step's loss
+        // scaler).
+        for mode in [Mode::Eager, Mode::Compiled] {
+            for dtype in [DType::F32, DType::BF16, DType::F16] {
+                let c = GptBenchConfig {
+                    dtype,
+                    ..tiny(mode)
+                };
+                assert!(c.validate().is_ok(), "{mode} {dtype}");
+            }
+        }
         let c = GptBenchConfig {
             schedule: Some(Strategy::Dfs),
             dtype: DType::I64,
@@ -679,14 +704,20 @@ mod tests {
         assert!(e.contains("more parameters than a usize counts"), "{e}");
     }
 
-    /// bf16 compiled and f16 eager run and give finite losses near the
-    /// f32 ones.
+    /// bf16 and f16, eager and compiled, run and give finite losses near
+    /// the f32 ones; f16 reports its loss scale, and the compiled f16
+    /// step's scaler follows the eager one's.
     #[test]
     fn mixed_precision_steps_run() {
-        let f32_loss = run_gpt(&tiny(Mode::Eager), Device::Cpu, |_| {})
-            .unwrap()
-            .loss_first;
-        for (mode, dtype) in [(Mode::Compiled, DType::BF16), (Mode::Eager, DType::F16)] {
+        let f32_run = run_gpt(&tiny(Mode::Eager), Device::Cpu, |_| {}).unwrap();
+        assert_eq!((f32_run.loss_scale, f32_run.skipped_steps), (None, None));
+        let f32_loss = f32_run.loss_first;
+        let mut f16_scalers = Vec::new();
+        for (mode, dtype) in [
+            (Mode::Compiled, DType::BF16),
+            (Mode::Eager, DType::F16),
+            (Mode::Compiled, DType::F16),
+        ] {
             let c = GptBenchConfig {
                 dtype,
                 ..tiny(mode)
@@ -699,6 +730,15 @@ mod tests {
                 r.loss_first
             );
             assert_eq!(r.dtype, dtype.name());
+            if dtype == DType::F16 {
+                let scale = r.loss_scale.expect("f16 reports its scale");
+                f16_scalers.push((scale, r.skipped_steps));
+            }
         }
+        // PyTorch's initial 65536, unchanged over 3 good steps (or halved
+        // per skipped one), the same eagerly and compiled.
+        assert_eq!(f16_scalers[0], f16_scalers[1]);
+        let (scale, skipped) = f16_scalers[0];
+        assert_eq!(scale, 65536.0 / 2f64.powi(skipped.unwrap() as i32));
     }
 }

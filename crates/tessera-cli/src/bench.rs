@@ -57,7 +57,7 @@ pub struct GptArgs {
     #[arg(long, default_value_t = defaults().warmup)]
     warmup: usize,
     /// f32, or the forward under bf16 or f16 autocast (f32 master weights;
-    /// f16 eager only, with a loss scaler).
+    /// f16 with a dynamic loss scaler, eager or inside the compiled step).
     #[arg(long, default_value_t = defaults().dtype)]
     dtype: DType,
     /// eager (op by op) or compiled (the whole step as one graph:

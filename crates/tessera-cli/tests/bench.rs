@@ -115,6 +115,26 @@ fn bench_gpt_in_bf16_compiled_runs_under_autocast() {
     assert!(number(&line, "loss_last").is_finite(), "{line}");
 }
 
+#[test]
+fn bench_gpt_in_f16_compiled_runs_with_the_steps_loss_scaler() {
+    let line = bench(&["--dtype", "f16"]);
+    assert_eq!(
+        (&line["dtype"], &line["mode"]),
+        (&"f16".into(), &"compiled".into()),
+        "{line}"
+    );
+    assert_eq!(line["compiles"], 1, "{line}");
+    let (first, last) = (number(&line, "loss_first"), number(&line, "loss_last"));
+    assert!(last < first, "it learns: {line}");
+    // PyTorch's initial scale, halved per skipped step.
+    let skipped = number(&line, "skipped_steps");
+    assert_eq!(
+        number(&line, "loss_scale"),
+        65536.0 / 2f64.powf(skipped),
+        "{line}"
+    );
+}
+
 /// A failure reported as one `error: …` line, exit code 1, no panic.
 fn assert_one_line_error(args: &[&str], fragment: &str) {
     let out = tessera(args);
@@ -138,10 +158,6 @@ fn bench_gpt_refuses_bad_flags_in_one_line() {
     assert_one_line_error(
         &["bench", "gpt", "--layers", "0", "--seq", "0"],
         "layers must be at least 1, got 0; seq must be at least 1",
-    );
-    assert_one_line_error(
-        &["bench", "gpt", "--dtype", "f16"],
-        "f16 needs loss scaling",
     );
     assert_one_line_error(
         &["bench", "gpt", "--dtype", "i64", "--mode", "eager"],

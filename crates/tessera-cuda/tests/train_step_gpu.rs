@@ -10,10 +10,10 @@ use std::time::Instant;
 
 use tessera::compile::train_step;
 use tessera::nn::{cross_entropy, ParamStore, TransformerConfig, TransformerLM};
-use tessera::optim::{AdamW, AdamWConfig, Optimizer, TraceableOptimizer};
+use tessera::optim::{AdamW, AdamWConfig, GradScalerConfig, Optimizer, TraceableOptimizer};
 use tessera::runtime::device::{self, Device};
 use tessera::tensor::Generator;
-use tessera::{DType, Tensor};
+use tessera::{autocast, DType, Tensor};
 
 fn gpu() -> bool {
     if std::env::var("TESSERA_CUDA_TESTS").as_deref() != Ok("1") {
@@ -111,6 +111,60 @@ fn the_compiled_step_on_the_gpu_follows_the_cpu_and_stays_on_the_device() {
         assert!((g - c).abs() <= 1e-4 * c.abs().max(1.0), "gpu {g}, cpu {c}");
     }
     eprintln!("losses cpu {cpu_losses:?}\n       gpu {gpu_losses:?}");
+}
+
+/// f16 autocast with the step's loss scaler on the GPU: the scale, the
+/// growth tracker and the step counts stay on the device; the scale
+/// sequence and the skipped steps are the CPU's (an initial scale of 2^24
+/// overflows the first steps' f16 gradients, a growth interval of 3
+/// grows it again), the losses the CPU's up to f16 rounding.
+#[test]
+fn the_f16_step_with_its_loss_scaler_on_the_gpu_follows_the_cpu() {
+    if !gpu() {
+        return;
+    }
+    let c = config(64, 64, 2, 32);
+    let run = |on: Device| {
+        let (store, lm) = model(&c, on);
+        let opt = AdamW::new(store.parameters(), AdamWConfig::default());
+        let f16_loss = |b: &[Tensor]| autocast(DType::F16, || loss(&lm, c.vocab, b));
+        let mut step =
+            train_step(f16_loss, opt)
+                .clip_grad_norm(1.0)
+                .loss_scaler(GradScalerConfig {
+                    init_scale: 2f64.powi(24),
+                    growth_interval: 3,
+                    ..GradScalerConfig::default()
+                });
+        let (mut losses, mut scales) = (Vec::new(), Vec::new());
+        for i in 0..12 {
+            let l = step.step(&batch(&c, 4, i, on));
+            assert_eq!(l.device(), on);
+            losses.push(l.item());
+            scales.push(step.loss_scale().unwrap().unwrap());
+        }
+        assert_eq!(step.stats().compiles, 1);
+        let skipped = step.skipped_steps().unwrap().unwrap();
+        let opt = step.into_optimizer();
+        for (i, p) in store.iter().enumerate() {
+            assert_eq!(p.get().device(), on, "{}", p.name());
+            assert_eq!(opt.steps_taken(i), 12 - skipped as u64, "{}", p.name());
+        }
+        (losses, scales, skipped)
+    };
+    let (cpu_losses, cpu_scales, cpu_skipped) = run(Device::Cpu);
+    let (gpu_losses, gpu_scales, gpu_skipped) = run(Device::Cuda);
+    eprintln!(
+        "f16 + scaler: losses cpu {cpu_losses:?}\n gpu {gpu_losses:?}\n scales {gpu_scales:?}, skipped {gpu_skipped}"
+    );
+    assert!(cpu_skipped >= 1, "the first steps overflow: {cpu_scales:?}");
+    assert_eq!((gpu_scales, gpu_skipped), (cpu_scales, cpu_skipped));
+    for (i, (g, c)) in gpu_losses.iter().zip(&cpu_losses).enumerate() {
+        assert!(
+            (g - c).abs() <= 5e-3 * c.abs(),
+            "step {i}: gpu {g}, cpu {c}"
+        );
+    }
 }
 
 #[test]

@@ -6,12 +6,15 @@
 //! loss, when asked for.
 //!
 //! ```text
-//! inputs:  batch…, step scalars…, parameters…, optimizer state…
+//! inputs:  batch…, step scalars…, [lr, scale, good steps, skipped, counts…], parameters…, optimizer state…
 //! graph:   loss = loss_fn(batch)          (the parameters stand in as leaves)
-//!          grads = autograd::grad(loss, parameters)   (inside the trace)
+//!          grads = autograd::grad(loss [· scale], parameters)   (inside the trace)
+//!          [grads = grads · 1/scale; found_inf = any(!isfinite(grads))]
 //!          [norm, grads = clip(grads)]
 //!          parameters', state' = optimizer.update(parameters, grads, state, scalars)
-//! outputs: loss, [norm], parameters'…, state'…
+//!          [parameters', state' = where(found_inf, parameters, state | parameters', state');
+//!           scale', good steps', skipped', counts' as GradScaler::update]
+//! outputs: loss, [norm], [scale', good steps', skipped', counts'…], parameters'…, state'…
 //! ```
 //!
 //! - **Parameters are inputs.** While `loss_fn` is traced, each
@@ -62,6 +65,39 @@
 //!   any update) loses the values handed over, and the error says so;
 //!   `donate(false)` keeps them.
 //!
+//! - **f16 loss scaling on the device** ([`TrainStep::loss_scaler`]).
+//!   The dynamic loss scaler of [`crate::optim::GradScaler`] runs inside
+//!   the step: its scale, its count of good steps in a row and its count
+//!   of skipped steps are 0-dim f64 tensors on the parameters' device,
+//!   inputs of each step and outputs of it, so no step reads anything back
+//!   (the scale is read only when asked, [`TrainStep::loss_scale`],
+//!   [`TrainStep::skipped_steps`]). The traced step multiplies the loss by
+//!   the scale ([`crate::optim::scale_loss`]), unscales the gradients and
+//!   checks them in one reduction per gradient
+//!   ([`crate::optim::unscale_grads`]), clips the unscaled ones, and
+//!   selects every new parameter and state tensor with
+//!   `where(found_inf, old, new)`: a step with an inf or a NaN gradient
+//!   changes no bit, as the eager `GradScaler::step` skips the optimizer.
+//!   The next scale is [`crate::optim::next_scale`], `GradScaler::update`'s
+//!   arithmetic. The values are eager's (the scale sequence and skipped
+//!   steps exactly; with the uncompiled backend the losses bit for bit).
+//!   These scalars are not donated: 8 bytes each, nothing to gain.
+//! - **Step counts on the device under a scaler.** A skipped step is no
+//!   step of the optimizer (PyTorch's `optimizer.step` is not called), so
+//!   AdamW's bias corrections must not count it — but only the device
+//!   knows whether a step was skipped, and reading that back would stall
+//!   every step. So with a scaler the step counts live on the device too,
+//!   as PyTorch's fused AdamW keeps its `step` tensor under a GradScaler:
+//!   one 0-dim f64 count per class of parameters that took the same steps
+//!   (normally one for all), advanced by 1 − found_inf; the step's scalars
+//!   are computed in the graph from it and the learning rate (an f64
+//!   input) by [`TraceableOptimizer::counted_step_scalars`], in f64 and
+//!   then cast, as the host computes them (`βᵗ` is an f64 `pow` where the
+//!   host takes `powi`: at most an f64 ulp apart). The cost: a handful of
+//!   scalar ops per class in the graph, no host round trip. The optimizer
+//!   gets the counts back in [`TrainStep::into_optimizer`]; until then its
+//!   own counts include the skipped steps.
+//!
 //! Parameters without a gradient in the traced step (unused by the loss)
 //! keep their value and state, as in the eager step. Tensors the model
 //! uses that are not the optimizer's parameters are constants of the step
@@ -79,10 +115,13 @@ use crate::autograd::{self, enable_grad, no_grad};
 use crate::error::{Error, ErrorKind, Result, SourceLoc};
 use crate::ir::{DType, TensorType};
 use crate::nn::Parameter;
-use crate::optim::{clip_factor, global_grad_norm, TraceableOptimizer};
+use crate::optim::{
+    clip_factor, global_grad_norm, next_scale, scale_loss, unscale_grads, GradScalerConfig,
+    TraceableOptimizer,
+};
 use crate::runtime::device::{with_device, Device};
 use crate::schedule::Strategy;
-use crate::tensor::Tensor;
+use crate::tensor::{autocast, Tensor};
 
 /// The traced function of a [`TrainStep`]: step inputs to step outputs.
 pub type StepFn<'a> = Box<dyn Fn(&[Tensor]) -> Vec<Tensor> + 'a>;
@@ -96,6 +135,29 @@ pub struct TrainStep<'a, O: TraceableOptimizer> {
     last_grad_norm: Option<Tensor>,
     /// Hand the parameters and state over to the executable (the default).
     donate: bool,
+    /// The dynamic loss scaler, when on ([`TrainStep::loss_scaler`]).
+    scaler: Option<Scaler>,
+}
+
+/// The loss scaler of a step: its settings and its state, 0-dim f64
+/// tensors on the parameters' device that each step takes as inputs and
+/// gives back updated (created on the first step).
+struct Scaler {
+    config: GradScalerConfig,
+    state: Option<ScalerState>,
+}
+
+#[derive(Clone)]
+struct ScalerState {
+    scale: Tensor,
+    /// Good steps in a row (the growth tracker).
+    good_steps: Tensor,
+    /// Steps skipped so far.
+    skipped: Tensor,
+    /// Steps taken, per class of parameters that took the same steps.
+    counts: Vec<Tensor>,
+    /// Per parameter, its class in `counts`.
+    count_of: Vec<usize>,
 }
 
 /// What the traced function and the step share.
@@ -120,15 +182,44 @@ struct Layout {
     /// State tensors per parameter.
     state_len: usize,
     max_grad_norm: Option<f64>,
+    /// With a loss scaler: its settings and each parameter's step-count
+    /// class (then there are no scalar groups: the scalars are computed
+    /// in the step from the learning rate and the counts).
+    scaler: Option<ScaledLayout>,
+}
+
+#[derive(Clone, Debug)]
+struct ScaledLayout {
+    config: GradScalerConfig,
+    count_of: Vec<usize>,
+    n_counts: usize,
+}
+
+impl ScaledLayout {
+    /// The learning rate, the scale, the good steps, the skipped steps and
+    /// the counts.
+    fn n_inputs(&self) -> usize {
+        4 + self.n_counts
+    }
+
+    /// The scale, the good steps, the skipped steps and the counts.
+    fn n_outputs(&self) -> usize {
+        3 + self.n_counts
+    }
 }
 
 impl Layout {
     fn n_inputs(&self, n_params: usize) -> usize {
-        self.n_batch + self.n_groups * self.n_scalars + n_params * (1 + self.state_len)
+        self.n_batch
+            + self.n_groups * self.n_scalars
+            + self.scaler.as_ref().map_or(0, ScaledLayout::n_inputs)
+            + n_params * (1 + self.state_len)
     }
 
     fn n_outputs(&self, n_params: usize) -> usize {
-        1 + usize::from(self.max_grad_norm.is_some()) + n_params * (1 + self.state_len)
+        1 + usize::from(self.max_grad_norm.is_some())
+            + self.scaler.as_ref().map_or(0, ScaledLayout::n_outputs)
+            + n_params * (1 + self.state_len)
     }
 }
 
@@ -183,6 +274,7 @@ where
         max_grad_norm: None,
         last_grad_norm: None,
         donate: true,
+        scaler: None,
     }
 }
 
@@ -203,6 +295,47 @@ impl<'a, O: TraceableOptimizer> TrainStep<'a, O> {
     pub fn donate(mut self, on: bool) -> Self {
         self.donate = on;
         self
+    }
+
+    /// Trains with a dynamic loss scaler (for f16 autocast), as
+    /// [`crate::optim::GradScaler`] does eagerly, inside the compiled
+    /// step: the loss is multiplied by the scale before the gradients, the
+    /// gradients divided by it again (before clipping), a step whose
+    /// gradients hold an inf or a NaN changes no parameter and no state
+    /// (and does not count as a step of the optimizer), and the scale
+    /// adapts — all on the device, nothing read back (see the module docs).
+    /// The configuration is checked by the first step.
+    pub fn loss_scaler(mut self, config: GradScalerConfig) -> Self {
+        self.scaler = Some(Scaler {
+            config,
+            state: None,
+        });
+        self
+    }
+
+    /// The loss scale the next step uses (the configuration's initial
+    /// scale before the first step), read from the device; `None` without
+    /// a loss scaler.
+    pub fn loss_scale(&self) -> Result<Option<f64>> {
+        let Some(scaler) = &self.scaler else {
+            return Ok(None);
+        };
+        match &scaler.state {
+            Some(state) => Ok(Some(read_scalar(&state.scale)?)),
+            None => Ok(Some(scaler.config.init_scale)),
+        }
+    }
+
+    /// How many steps the loss scaler skipped so far (their gradients were
+    /// not finite), read from the device; `None` without a loss scaler.
+    pub fn skipped_steps(&self) -> Result<Option<usize>> {
+        let Some(scaler) = &self.scaler else {
+            return Ok(None);
+        };
+        match &scaler.state {
+            Some(state) => Ok(Some(read_scalar(&state.skipped)? as usize)),
+            None => Ok(Some(0)),
+        }
     }
 
     /// Runs one step on `batch` (the arguments of the loss function):
@@ -227,6 +360,15 @@ impl<'a, O: TraceableOptimizer> TrainStep<'a, O> {
                 "train_step",
                 format!("clip_grad_norm needs a max norm >= 0, got {max}"),
             ));
+        }
+        if let Some(scaler) = &self.scaler {
+            scaler.config.validate().map_err(|e| {
+                Error::op(
+                    ErrorKind::Argument,
+                    "train_step",
+                    format!("loss_scaler: {}", e.message),
+                )
+            })?;
         }
         let (inputs, layout, params, taken) = self.inputs(batch)?;
         let n = params.len();
@@ -273,9 +415,14 @@ impl<'a, O: TraceableOptimizer> TrainStep<'a, O> {
         }
         let mut states = outputs.split_off(outputs.len() - n * layout.state_len);
         let values = outputs.split_off(outputs.len() - n);
+        let scaled = outputs
+            .split_off(outputs.len() - layout.scaler.as_ref().map_or(0, ScaledLayout::n_outputs));
         let loss = outputs.remove(0);
         self.last_grad_norm = outputs.pop();
         let has_grad = lock(&self.shared.has_grad).clone();
+        if let Some(scaler) = &mut self.scaler {
+            scaler.advance(scaled, &has_grad)?;
+        }
         let mut optimizer = lock(&self.shared.optimizer);
         for (o, (t, want)) in values.iter().chain(&states).zip(&types).enumerate() {
             if t.ty() != *want {
@@ -317,7 +464,7 @@ impl<'a, O: TraceableOptimizer> TrainStep<'a, O> {
     /// out of the parameters and the optimizer (see [`Lent`]), after every
     /// check that can fail.
     #[allow(clippy::type_complexity)]
-    fn inputs(&self, batch: &[Tensor]) -> Result<(Vec<Tensor>, Layout, Vec<Parameter>, bool)> {
+    fn inputs(&mut self, batch: &[Tensor]) -> Result<(Vec<Tensor>, Layout, Vec<Parameter>, bool)> {
         let mut optimizer = lock(&self.shared.optimizer);
         let params = optimizer.params().to_vec();
         let state_len = optimizer.state_len();
@@ -325,8 +472,15 @@ impl<'a, O: TraceableOptimizer> TrainStep<'a, O> {
         let mut groups: Vec<(DType, Device, Vec<u64>)> = Vec::new();
         let mut group_of = Vec::with_capacity(params.len());
         let mut values = Vec::with_capacity(params.len());
+        let scaled = self.scaler.is_some();
         for (i, param) in params.iter().enumerate() {
             let value = param.get().detach();
+            if scaled {
+                // The scalars are computed in the step (from the device's
+                // step counts): no host groups.
+                values.push(value);
+                continue;
+            }
             let scalars: Vec<u64> = optimizer
                 .step_scalars(i)
                 .into_iter()
@@ -357,6 +511,24 @@ impl<'a, O: TraceableOptimizer> TrainStep<'a, O> {
                 inputs.push(with_device(*device, || Tensor::try_full(&[], v, *dtype))?);
             }
         }
+        let scaled = match &mut self.scaler {
+            Some(scaler) => {
+                let config = scaler.config.clone();
+                let state = scaler.prepare(&*optimizer, &values)?;
+                let lr = with_device(state.scale.device(), || {
+                    Tensor::try_full(&[], optimizer.lr(), DType::F64)
+                })?;
+                inputs.push(lr);
+                inputs.extend([&state.scale, &state.good_steps, &state.skipped].map(Tensor::clone));
+                inputs.extend(state.counts.iter().cloned());
+                Some(ScaledLayout {
+                    config,
+                    count_of: state.count_of.clone(),
+                    n_counts: state.counts.len(),
+                })
+            }
+            None => None,
+        };
         for (i, param) in params.iter().enumerate() {
             let state = optimizer.state(i);
             if state.len() != state_len {
@@ -393,31 +565,52 @@ impl<'a, O: TraceableOptimizer> TrainStep<'a, O> {
             n_scalars,
             state_len,
             max_grad_norm: self.max_grad_norm,
+            scaler: scaled,
         };
         debug_assert_eq!(inputs.len(), layout.n_inputs(params.len()));
         Ok((inputs, layout, params, taken))
     }
 
     /// The optimizer (e.g. to change its learning rate: an input of the
-    /// step, so no recompile).
+    /// step, so no recompile). With a loss scaler its step counts include
+    /// the skipped steps until [`TrainStep::into_optimizer`] (see the
+    /// module docs).
     pub fn optimizer(&self) -> MutexGuard<'_, O> {
         lock(&self.shared.optimizer)
     }
 
     /// The optimizer back, with the state the steps gave it.
+    ///
+    /// With a loss scaler, the steps each parameter has taken are counted
+    /// on the device (a skipped step does not count) and read back here
+    /// into the optimizer ([`TraceableOptimizer::set_steps_taken`]): until
+    /// then the optimizer's own counts, as [`TrainStep::optimizer`] shows
+    /// them, include the skipped steps. Panics if the device cannot be
+    /// read.
     pub fn into_optimizer(self) -> O {
         let TrainStep {
-            compiled, shared, ..
+            compiled,
+            shared,
+            scaler,
+            ..
         } = self;
         // The traced function holds the other handle.
         drop(compiled);
-        match Arc::try_unwrap(shared) {
+        let mut optimizer = match Arc::try_unwrap(shared) {
             Ok(shared) => shared
                 .optimizer
                 .into_inner()
                 .unwrap_or_else(|e| e.into_inner()),
             Err(_) => unreachable!("the compiled function was the only other owner"),
+        };
+        if let Some(state) = scaler.and_then(|s| s.state) {
+            for (i, &class) in state.count_of.iter().enumerate() {
+                let steps = read_scalar(&state.counts[class])
+                    .unwrap_or_else(|e| panic!("train_step: reading the step counts: {e}"));
+                optimizer.set_steps_taken(i, steps as u64);
+            }
         }
+        optimizer
     }
 
     /// The global gradient norm before clipping of the last step (an f64
@@ -495,6 +688,125 @@ impl<'a, O: TraceableOptimizer> TrainStep<'a, O> {
     }
 }
 
+impl Scaler {
+    /// The state for the next step: made on the first (the initial scale,
+    /// no good or skipped steps, the optimizer's step counts on the
+    /// parameters' device, whose `values` these are).
+    fn prepare<O: TraceableOptimizer>(
+        &mut self,
+        optimizer: &O,
+        values: &[Tensor],
+    ) -> Result<&ScalerState> {
+        if let Some(state) = &self.state {
+            if state.count_of.len() == values.len() {
+                return Ok(self.state.as_ref().expect("checked"));
+            }
+            return Err(Error::op(
+                ErrorKind::Argument,
+                "train_step",
+                format!(
+                    "the optimizer has {} parameters, the loss scaler counts steps of {}",
+                    values.len(),
+                    state.count_of.len()
+                ),
+            ));
+        }
+        let device = values.first().map_or(Device::Cpu, Tensor::device);
+        if let Some(other) = values.iter().find(|v| v.device() != device) {
+            return Err(Error::op(
+                ErrorKind::Argument,
+                "train_step",
+                format!(
+                    "the loss scaler needs every parameter on one device, got {} and {}",
+                    device.name(),
+                    other.device().name()
+                ),
+            ));
+        }
+        let scalar = |v: f64| with_device(device, || Tensor::try_full(&[], v, DType::F64));
+        let mut classes: Vec<u64> = Vec::new();
+        let mut count_of = Vec::with_capacity(values.len());
+        for i in 0..values.len() {
+            let steps = optimizer.steps_taken(i);
+            let class = match classes.iter().position(|&c| c == steps) {
+                Some(at) => at,
+                None => {
+                    classes.push(steps);
+                    classes.len() - 1
+                }
+            };
+            count_of.push(class);
+        }
+        let state = ScalerState {
+            scale: scalar(self.config.init_scale)?,
+            good_steps: scalar(0.0)?,
+            skipped: scalar(0.0)?,
+            counts: classes
+                .iter()
+                .map(|&c| scalar(c as f64))
+                .collect::<Result<_>>()?,
+            count_of,
+        };
+        Ok(self.state.insert(state))
+    }
+
+    /// Takes a step's scaler outputs (`outputs`: the scale, good steps,
+    /// skipped steps and one count per class) as the next state. A class
+    /// whose parameters did not all have a gradient splits: those that did
+    /// take its new count, the others keep the old one (the counts are not
+    /// donated, so the old tensor is intact).
+    fn advance(&mut self, outputs: Vec<Tensor>, has_grad: &[bool]) -> Result<()> {
+        let Some(state) = &mut self.state else {
+            return Ok(());
+        };
+        let n_counts = state.counts.len();
+        if outputs.len() != 3 + n_counts
+            || outputs
+                .iter()
+                .any(|t| t.dtype() != DType::F64 || t.rank() != 0)
+        {
+            return Err(Error::new(
+                ErrorKind::Verify,
+                format!(
+                    "train_step: the loss scaler's outputs are {:?}, expected {} f64 scalars",
+                    outputs.iter().map(Tensor::ty).collect::<Vec<_>>(),
+                    3 + n_counts
+                ),
+            ));
+        }
+        let mut outputs = outputs.into_iter();
+        let mut next = || outputs.next().expect("counted above");
+        state.scale = next();
+        state.good_steps = next();
+        state.skipped = next();
+        let new_counts: Vec<Tensor> = (0..n_counts).map(|_| next()).collect();
+        // (class, stepped) → new class.
+        let mut classes: Vec<((usize, bool), Tensor)> = Vec::new();
+        for (i, class) in state.count_of.iter_mut().enumerate() {
+            let stepped = has_grad.get(i).copied().unwrap_or(false);
+            let key = (*class, stepped);
+            *class = match classes.iter().position(|(k, _)| *k == key) {
+                Some(at) => at,
+                None => {
+                    let count = match stepped {
+                        true => new_counts[key.0].clone(),
+                        false => state.counts[key.0].clone(),
+                    };
+                    classes.push((key, count));
+                    classes.len() - 1
+                }
+            };
+        }
+        state.counts = classes.into_iter().map(|(_, t)| t).collect();
+        Ok(())
+    }
+}
+
+/// The value of a 0-dim f64 tensor, read back to the host.
+fn read_scalar(t: &Tensor) -> Result<f64> {
+    Ok(t.to_vec::<f64>()?[0])
+}
+
 /// The parameters' values and the optimizer's state handed over to a
 /// donating call (`args`, from `first` on): put back into the parameters
 /// and the optimizer when dropped with `args` still whole, i.e. the call
@@ -557,45 +869,146 @@ fn step_graph<O: TraceableOptimizer>(
     }
     let (batch, rest) = args.split_at(layout.n_batch);
     let (scalars, rest) = rest.split_at(layout.n_groups * layout.n_scalars);
+    let (scaler_args, rest) =
+        rest.split_at(layout.scaler.as_ref().map_or(0, ScaledLayout::n_inputs));
     let (values, states) = rest.split_at(n);
+    // The scaler's inputs: lr, scale, good steps, skipped steps, counts.
+    let scaler = layout.scaler.as_ref().map(|l| (l, scaler_args));
     let leaves: Vec<Tensor> = values
         .iter()
         .map(|v| v.detach().set_requires_grad(true))
         .collect();
     let (loss, grads) = {
         let _standing = StandIn::new(&params, &leaves);
-        enable_grad(|| gradients(loss_fn(batch), &leaves))?
+        let scale = scaler.map(|(_, a)| &a[1]);
+        enable_grad(|| gradients(loss_fn(batch), &leaves, scale))?
     };
     let has_grad: Vec<bool> = grads.iter().map(Option::is_some).collect();
-    let outputs = no_grad(|| -> Result<Vec<Tensor>> {
-        let mut grads = grads;
-        let mut outputs = vec![loss.detach()];
-        if let Some(max_norm) = layout.max_grad_norm {
-            let present: Vec<Tensor> = grads.iter().flatten().cloned().collect();
-            let norm = global_grad_norm(&present)?;
-            let factor = clip_factor(&norm, max_norm)?;
-            for g in grads.iter_mut().flatten() {
-                *g = g.try_mul(&factor.try_cast(g.dtype())?)?;
-            }
-            outputs.push(norm);
-        }
-        let optimizer = lock(&shared.optimizer);
-        let mut new_states = Vec::with_capacity(states.len());
-        for (i, (value, grad)) in values.iter().zip(&grads).enumerate() {
-            let state = &states[i * layout.state_len..(i + 1) * layout.state_len];
-            let Some(g) = grad else {
-                outputs.push(value.clone());
-                new_states.extend(state.iter().cloned());
-                continue;
+    // Outside any autocast scope of the caller's: the scaler, clipping and
+    // update run in their inputs' dtypes, as the eager ones do.
+    let outputs = autocast::disabled(|| {
+        no_grad(|| -> Result<Vec<Tensor>> {
+            let mut grads = grads;
+            let mut outputs = vec![loss.detach()];
+            // Unscaled before anything reads them; whether any is not finite.
+            let found_inf = match scaler {
+                Some((_, a)) => {
+                    let present: Vec<Tensor> = grads.iter().flatten().cloned().collect();
+                    let (unscaled, found) = unscale_grads(&present, &a[1])?;
+                    for (g, u) in grads.iter_mut().flatten().zip(unscaled) {
+                        *g = u;
+                    }
+                    Some(found)
+                }
+                None => None,
             };
-            let group = layout.group_of[i] * layout.n_scalars;
-            let scalars = &scalars[group..group + layout.n_scalars];
-            let (next, state) = optimizer.update(value, g, state, scalars)?;
-            outputs.push(next);
-            new_states.extend(state);
-        }
-        outputs.extend(new_states);
-        Ok(outputs)
+            if let Some(max_norm) = layout.max_grad_norm {
+                let present: Vec<Tensor> = grads.iter().flatten().cloned().collect();
+                let norm = global_grad_norm(&present)?;
+                let factor = clip_factor(&norm, max_norm)?;
+                for g in grads.iter_mut().flatten() {
+                    *g = g.try_mul(&factor.try_cast(g.dtype())?)?;
+                }
+                outputs.push(norm);
+            }
+            // With a scaler: each count class's new count (+1 on a step
+            // that counts, where some parameter of the class has a
+            // gradient) and the scaler's next state.
+            let mut new_counts: Vec<Tensor> = Vec::new();
+            let mut scaler_outputs: Vec<Tensor> = Vec::new();
+            let mut lr = None;
+            if let (Some((l, a)), Some(found)) = (scaler, &found_inf) {
+                let (scale, good_steps) = next_scale(&l.config, &a[1], &a[2], found)?;
+                let skipped_one = found.try_cast(DType::F64)?;
+                // 1 on a step that counts, 0 on a skipped one.
+                let counts_one = skipped_one.try_neg()?.try_add(1.0)?;
+                scaler_outputs.extend([scale, good_steps, a[3].try_add(&skipped_one)?]);
+                for class in 0..l.n_counts {
+                    let count = &a[4 + class];
+                    let stepped = (0..n).any(|i| l.count_of[i] == class && has_grad[i]);
+                    new_counts.push(match stepped {
+                        true => count.try_add(&counts_one)?,
+                        false => count.clone(),
+                    });
+                }
+                scaler_outputs.extend(new_counts.iter().cloned());
+                // The step's learning rate: times 1 (exact) on a step that
+                // counts, times 0 on a skipped one, whose update is
+                // discarded anyway.
+                lr = Some(a[0].try_mul(&counts_one)?);
+            }
+            let optimizer = lock(&shared.optimizer);
+            // With a scaler: per (count class, dtype), the step's scalars
+            // from the learning rate and the class's new count: this
+            // step's number t on a step that counts. (On a skipped one it
+            // is the old count, 0 before the first step, and the scalars
+            // may be inf: the update's values are discarded then.) Computed
+            // from the new count and the step's learning rate, they follow
+            // the inf check in the graph, which keeps each parameter's
+            // update one fused kernel: scalars computed from the inputs
+            // alone would be placed between its ops and split it.
+            let mut counted: Vec<((usize, DType), Vec<Tensor>)> = Vec::new();
+            let mut new_values = Vec::with_capacity(n);
+            let mut new_states = Vec::with_capacity(states.len());
+            for (i, (value, grad)) in values.iter().zip(&grads).enumerate() {
+                let state = &states[i * layout.state_len..(i + 1) * layout.state_len];
+                let Some(g) = grad else {
+                    new_values.push(value.clone());
+                    new_states.extend(state.iter().cloned());
+                    continue;
+                };
+                let (next, next_state) = match scaler {
+                    None => {
+                        let group = layout.group_of[i] * layout.n_scalars;
+                        let scalars = &scalars[group..group + layout.n_scalars];
+                        optimizer.update(value, g, state, scalars)?
+                    }
+                    Some((l, _)) => {
+                        let key = (l.count_of[i], value.dtype());
+                        let at = match counted.iter().position(|(k, _)| *k == key) {
+                            Some(at) => at,
+                            None => {
+                                let t = &new_counts[key.0];
+                                let lr = lr.as_ref().expect("a scaler's learning rate");
+                                let f64s = optimizer.counted_step_scalars(lr, t)?;
+                                let cast = f64s
+                                    .iter()
+                                    .map(|s| s.try_cast(key.1))
+                                    .collect::<Result<Vec<_>>>()?;
+                                counted.push((key, cast));
+                                counted.len() - 1
+                            }
+                        };
+                        // A step with non-finite gradients changes nothing:
+                        // its outputs are the inputs (below). The update
+                        // reads the gradient through the same check (0 on
+                        // such a step, the same value otherwise), so that
+                        // all of it waits for the check and fuses with the
+                        // selection into one kernel, rather than its first
+                        // ops joining the check's kernel and writing their
+                        // values out for a second one.
+                        let found = found_inf.as_ref().expect("a scaler checks");
+                        let zero = Tensor::try_full(&[], 0.0, g.dtype())?;
+                        let g = Tensor::try_where(found, &zero, g)?;
+                        let (next, next_state) =
+                            optimizer.update(value, &g, state, &counted[at].1)?;
+                        let keep = |old: &Tensor, new: &Tensor| Tensor::try_where(found, old, new);
+                        let kept_state = state
+                            .iter()
+                            .zip(&next_state)
+                            .map(|(old, new)| keep(old, new))
+                            .collect::<Result<Vec<_>>>()?;
+                        (keep(value, &next)?, kept_state)
+                    }
+                };
+                new_values.push(next);
+                new_states.extend(next_state);
+            }
+            outputs.extend(scaler_outputs);
+            outputs.extend(new_values);
+            outputs.extend(new_states);
+            Ok(outputs)
+        })
     })?;
     *lock(&shared.has_grad) = has_grad;
     Ok(outputs)
@@ -604,7 +1017,14 @@ fn step_graph<O: TraceableOptimizer>(
 /// The loss and its gradients with respect to `leaves` (`None` for those
 /// it does not depend on), checked to be a float scalar that some leaf
 /// influences.
-fn gradients(loss: Tensor, leaves: &[Tensor]) -> Result<(Tensor, Vec<Option<Tensor>>)> {
+///
+/// With a loss `scale` (an f64 0-dim tensor) the gradients are those of
+/// the scaled loss ([`scale_loss`]); the loss returned is the unscaled one.
+fn gradients(
+    loss: Tensor,
+    leaves: &[Tensor],
+    scale: Option<&Tensor>,
+) -> Result<(Tensor, Vec<Option<Tensor>>)> {
     if loss.numel() != 1 || !loss.dtype().is_float() {
         return Err(Error::op(
             ErrorKind::Shape,
@@ -629,10 +1049,14 @@ fn gradients(loss: Tensor, leaves: &[Tensor]) -> Result<(Tensor, Vec<Option<Tens
             ),
         ));
     }
-    let seed = with_device(loss.device(), || {
-        Tensor::try_full(loss.shape(), 1.0, loss.dtype())
+    let target = match scale {
+        Some(scale) => scale_loss(&loss, scale)?,
+        None => loss.clone(),
+    };
+    let seed = with_device(target.device(), || {
+        Tensor::try_full(target.shape(), 1.0, target.dtype())
     })?;
-    let grads = autograd::grad(std::slice::from_ref(&loss), &[seed], leaves)?;
+    let grads = autograd::grad(std::slice::from_ref(&target), &[seed], leaves)?;
     Ok((loss, grads))
 }
 
@@ -705,6 +1129,7 @@ mod tests {
             n_scalars: 3,
             state_len: 2,
             max_grad_norm: Some(1.0),
+            scaler: None,
         };
         // batch, 2 groups of 3 scalars, 3 values and 3·2 state tensors.
         assert_eq!(layout.n_inputs(3), 2 + 6 + 3 + 6);

@@ -165,7 +165,15 @@ impl Grouper<'_> {
             self.order.push(Err(id));
             return;
         }
-        let reads_a_kernel = node.inputs.iter().any(|x| self.kernel_of.contains_key(x));
+        // To a node of rank > 0, a 0-dim value of a kernel placed already
+        // counts as an input: a node reading only such values and inputs
+        // (`p · decay`, the decay computed in the graph) can still join its
+        // consumer's kernel, placed after that value's. (0-dim nodes are
+        // placed as they come: scalars computed early stay early.)
+        let scalar_only = node.ty.shape.rank() != 0;
+        let reads_a_kernel = node.inputs.iter().any(|x| {
+            self.kernel_of.contains_key(x) && !(scalar_only && graph.node(*x).ty.shape.rank() == 0)
+        });
         if reduction.is_none() && !reads_a_kernel {
             self.pending.insert(id);
             return;
@@ -559,6 +567,32 @@ mod tests {
   return %p2 as p2, %mb as mb",
         );
         assert_eq!(slots(&g, &group(&g, ALL)), ["point mb pd p2"]);
+    }
+
+    #[test]
+    fn a_node_reading_a_computed_scalar_and_inputs_joins_its_consumers_kernel() {
+        // The decay `d` computed in the graph (from a learning-rate input):
+        // `p·d` reads it and an input. Placed as it comes it would start a
+        // kernel of its own and split the update in two.
+        // (`s` and `t` are extern kernels, so `d` and `m2` read kernels.)
+        let g = graph(
+            "%p, %m, %x",
+            "  %p = input : f32[4,8]
+  %m = input : f32[4,8]
+  %x = input : f32[4,8]
+  %s = sum(%x) {dims=[0,1], keepdim=false} : f32[]
+  %e = exp(%s) : f32[]
+  %d = neg(%e) : f32[]
+  %t = contiguous(%x) : f32[4,8]
+  %m2 = add(%m, %t) : f32[4,8]
+  %pd = mul(%p, %d) : f32[4,8]
+  %p2 = sub(%pd, %m2) : f32[4,8]
+  return %p2 as p2, %m2 as m2",
+        );
+        assert_eq!(
+            slots(&g, &group(&g, POINTWISE)),
+            ["extern s", "point e d", "extern t", "point m2 pd p2"]
+        );
     }
 
     #[test]

@@ -2,6 +2,7 @@
 
 use super::{Optimizer, TraceableOptimizer};
 use crate::error::{Error, ErrorKind, Result};
+use crate::ir::DType;
 use crate::nn::Parameter;
 use crate::tensor::{Operand, Tensor};
 
@@ -164,6 +165,40 @@ impl TraceableOptimizer for AdamW {
     fn step_scalars(&self, i: usize) -> Vec<f64> {
         let t = self.states[i].as_ref().map_or(1, |s| s.t + 1);
         AdamW::scalars(&self.config, t).to_vec()
+    }
+
+    /// `[1 − lr·wd, lr/(1 − β1ᵗ), 1/√(1 − β2ᵗ)]` as the eager step computes them,
+    /// with `βᵗ` an f64 `pow` (the host's `powi` may differ from it in the
+    /// last bit of an f64, which the parameter's f32 rarely shows).
+    fn counted_step_scalars(&self, lr: &Tensor, t: &Tensor) -> Result<Vec<Tensor>> {
+        let c = &self.config;
+        let (b1, b2) = c.betas;
+        let power = |beta: f64| Tensor::try_full(&[], beta, DType::F64)?.try_pow(t);
+        // 1 − x as −x + 1: the same IEEE result.
+        let one_minus = |x: Tensor| x.try_neg()?.try_add(1.0);
+        Ok(vec![
+            one_minus(lr.try_mul(c.weight_decay)?)?,
+            lr.try_div(&one_minus(power(b1)?)?)?,
+            one_minus(power(b2)?)?.try_sqrt()?.try_reciprocal()?,
+        ])
+    }
+
+    fn steps_taken(&self, i: usize) -> u64 {
+        self.states[i].as_ref().map_or(0, |s| s.t as u64)
+    }
+
+    fn set_steps_taken(&mut self, i: usize, steps: u64) {
+        let t = i32::try_from(steps).unwrap_or(i32::MAX);
+        match &mut self.states[i] {
+            Some(s) => s.t = t,
+            None if steps > 0 => {
+                let [m, v]: [Tensor; 2] = super::zero_state(&self.params[i].get(), 2)
+                    .try_into()
+                    .unwrap_or_else(|_| unreachable!("zero_state gives 2 tensors"));
+                self.states[i] = Some(Moments { m, v, t });
+            }
+            None => {}
+        }
     }
 
     fn update(

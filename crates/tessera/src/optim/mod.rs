@@ -30,7 +30,9 @@ mod sgd;
 
 pub use adamw::{AdamW, AdamWConfig};
 pub use amp::MixedPrecision;
-pub use scaler::{GradScaler, GradScalerConfig};
+pub use scaler::{
+    next_scale, scale_loss, unscale_grads, GradScaler, GradScalerConfig, MAX_SCALE, MIN_SCALE,
+};
 pub use sgd::{Sgd, SgdConfig};
 
 use crate::autograd::no_grad;
@@ -73,6 +75,30 @@ pub trait TraceableOptimizer: Optimizer {
     /// eager step computes them (AdamW: `1 − lr·wd`, `lr/(1 − β1ᵗ)` and
     /// `1/√(1 − β2ᵗ)`; SGD: `lr`).
     fn step_scalars(&self, i: usize) -> Vec<f64>;
+
+    /// The scalars of a step whose number `t` (counted from 1) is a 0-dim
+    /// f64 tensor rather than a host count, at learning rate `lr` (a 0-dim
+    /// f64 tensor): [`TraceableOptimizer::step_scalars`]'s values in its
+    /// order, as 0-dim f64 tensors, the same for every parameter at the
+    /// same `t`. What a compiled step with a loss scaler uses: whether a
+    /// step counts is known only on the device there (a skipped step does
+    /// not count), so the count stays there (as PyTorch's fused AdamW
+    /// keeps its `step` on the device under a `GradScaler`).
+    fn counted_step_scalars(&self, lr: &Tensor, t: &Tensor) -> Result<Vec<Tensor>>;
+
+    /// How many steps parameter `i` has taken (AdamW's `t` before its next
+    /// step). 0 for an optimizer whose steps do not depend on it.
+    fn steps_taken(&self, i: usize) -> u64 {
+        let _ = i;
+        0
+    }
+
+    /// Sets how many steps parameter `i` has taken (a compiled step that
+    /// counted them on the device gives the count back); nothing for an
+    /// optimizer whose steps do not depend on it.
+    fn set_steps_taken(&mut self, i: usize, steps: u64) {
+        let _ = (i, steps);
+    }
 
     /// The new value and state of a parameter `p` with gradient `g`, state
     /// `state` and the scalars of its step as 0-dim tensors of `p`'s dtype.

@@ -62,12 +62,39 @@ impl Default for GradScalerConfig {
     }
 }
 
+impl GradScalerConfig {
+    /// An error unless the initial scale is finite and within
+    /// [`MIN_SCALE`, `MAX_SCALE`], `growth_factor > 1`,
+    /// `0 < backoff_factor < 1` and `growth_interval >= 1`.
+    pub fn validate(&self) -> Result<()> {
+        let c = self;
+        let valid = c.init_scale.is_finite()
+            && (MIN_SCALE..=MAX_SCALE).contains(&c.init_scale)
+            && c.growth_factor > 1.0
+            && c.growth_factor.is_finite()
+            && c.backoff_factor > 0.0
+            && c.backoff_factor < 1.0
+            && c.growth_interval >= 1;
+        if valid {
+            return Ok(());
+        }
+        Err(Error::op(
+            ErrorKind::Argument,
+            "GradScaler",
+            format!(
+                "needs a finite init_scale in [{MIN_SCALE:e}, {MAX_SCALE:e}], growth_factor > 1, \
+                 0 < backoff_factor < 1 and growth_interval >= 1, got {c:?}"
+            ),
+        ))
+    }
+}
+
 /// The largest scale: the loss is scaled in f32, which holds nothing above.
-const MAX_SCALE: f64 = f32::MAX as f64;
+pub const MAX_SCALE: f64 = f32::MAX as f64;
 
 /// The smallest scale (the smallest normal f32), so that unscaling never
 /// divides by zero however many steps in a row are skipped.
-const MIN_SCALE: f64 = f32::MIN_POSITIVE as f64;
+pub const MIN_SCALE: f64 = f32::MIN_POSITIVE as f64;
 
 /// Loss scaling for the gradients of `params`: per step, [`GradScaler::scale`]
 /// the loss and backpropagate it, optionally [`GradScaler::unscale`] (before
@@ -101,25 +128,7 @@ impl GradScaler {
     /// and `growth_interval >= 1`.
     #[track_caller]
     pub fn try_new(params: Vec<Parameter>, config: GradScalerConfig) -> Result<GradScaler> {
-        let c = &config;
-        let valid = c.init_scale.is_finite()
-            && (MIN_SCALE..=MAX_SCALE).contains(&c.init_scale)
-            && c.growth_factor > 1.0
-            && c.growth_factor.is_finite()
-            && c.backoff_factor > 0.0
-            && c.backoff_factor < 1.0
-            && c.growth_interval >= 1;
-        if !valid {
-            return Err(Error::op(
-                ErrorKind::Argument,
-                "GradScaler",
-                format!(
-                    "needs a finite init_scale in [{MIN_SCALE:e}, {MAX_SCALE:e}], growth_factor > 1, \
-                     0 < backoff_factor < 1 and growth_interval >= 1, got {config:?}"
-                ),
-            )
-            .at(SourceLoc::caller()));
-        }
+        config.validate().map_err(|e| e.at(SourceLoc::caller()))?;
         Ok(GradScaler {
             scale: config.init_scale,
             config,
@@ -184,24 +193,22 @@ impl GradScaler {
         let params = &self.params;
         let found = autocast::disabled(|| {
             no_grad(|| -> Result<bool> {
-                // x·0 is 0 for a finite x and NaN for ±inf and NaN: the sum
-                // of every gradient times 0 is NaN exactly when one element
-                // is not finite. One read of one value for all of them.
+                // One flag per gradient (1: every element finite), their
+                // minimum read once for all of them.
                 let mut probe: Option<Tensor> = None;
                 for p in params {
                     let leaf = p.get();
                     let Some(g) = leaf.grad() else { continue };
                     let unscaled = g.try_mul(inv)?;
-                    let zeros = unscaled.try_mul(0.0)?.try_sum(&[], false)?;
-                    let zeros = zeros.try_cast(DType::F32)?;
+                    let flag = finite_flag(&unscaled)?;
                     probe = Some(match probe {
-                        Some(sum) => sum.try_add(&zeros)?,
-                        None => zeros,
+                        Some(all) => all.try_minimum(&flag)?,
+                        None => flag,
                     });
                     leaf.set_grad(Some(unscaled))?;
                 }
                 Ok(match probe {
-                    Some(sum) => !sum.to_vec::<f32>()?[0].is_finite(),
+                    Some(all) => all.to_vec::<f32>()?[0] < 1.0,
                     None => false,
                 })
             })
@@ -259,6 +266,86 @@ impl GradScaler {
         }
         Ok(())
     }
+}
+
+/// 1 (an f32 0-dim tensor) when every element of `t` is finite, else 0:
+/// `min(|t| < inf)`, one reduction. (Not `sum(t·0)`, NaN exactly for a
+/// non-finite element, which an unsafe-math pass may fold to 0.)
+fn finite_flag(t: &Tensor) -> Result<Tensor> {
+    t.try_abs()?
+        .try_lt(f64::INFINITY)?
+        .try_cast(DType::F32)?
+        .try_min(&[], false)
+}
+
+// The scaler as tensor ops on its state held as 0-dim f64 tensors — what a
+// compiled training step (`tessera::compile::train_step` with a loss
+// scaler) traces, so that the scale lives on the device and no step reads
+// it back. The arithmetic is [`GradScaler`]'s: `scale`, `unscale` and
+// `update` above, value for value.
+
+/// [`GradScaler::scale`] with the scale an f64 0-dim tensor: a bf16/f16
+/// loss cast to f32, times the scale in the loss's dtype.
+pub fn scale_loss(loss: &Tensor, scale: &Tensor) -> Result<Tensor> {
+    let loss = match loss.dtype() {
+        DType::BF16 | DType::F16 => loss.try_cast(DType::F32)?,
+        _ => loss.clone(),
+    };
+    loss.try_mul(&scale.try_cast(loss.dtype())?)
+}
+
+/// [`GradScaler::unscale`] of `grads` with the scale an f64 0-dim tensor:
+/// each gradient times `1/scale` (computed in f64, then in the
+/// gradient's dtype), and whether any of the unscaled gradients holds an
+/// inf or a NaN, as a bool 0-dim tensor (false for no gradients).
+pub fn unscale_grads(grads: &[Tensor], scale: &Tensor) -> Result<(Vec<Tensor>, Tensor)> {
+    let inv = scale.try_reciprocal()?;
+    let mut unscaled = Vec::with_capacity(grads.len());
+    let mut probe: Option<Tensor> = None;
+    for g in grads {
+        let u = g.try_mul(&inv.try_cast(g.dtype())?)?;
+        let flag = finite_flag(&u)?;
+        probe = Some(match probe {
+            Some(all) => all.try_minimum(&flag)?,
+            None => flag,
+        });
+        unscaled.push(u);
+    }
+    let found = match probe {
+        Some(all) => all.try_lt(1.0)?,
+        None => scale.try_ne(scale)?,
+    };
+    Ok((unscaled, found))
+}
+
+/// [`GradScaler::update`] with the scale and the good steps in a row as
+/// f64 0-dim tensors and the step's check `found_inf` a bool 0-dim
+/// tensor: the next scale and count. After non-finite gradients the scale
+/// is multiplied by `backoff_factor` (at least [`MIN_SCALE`]) and the count
+/// restarts; otherwise the count grows by one, and reaching
+/// `growth_interval` multiplies the scale by `growth_factor` (at most
+/// [`MAX_SCALE`]) and restarts it.
+pub fn next_scale(
+    config: &GradScalerConfig,
+    scale: &Tensor,
+    good_steps: &Tensor,
+    found_inf: &Tensor,
+) -> Result<(Tensor, Tensor)> {
+    let zero = good_steps.try_mul(0.0)?;
+    let counted = good_steps.try_add(1.0)?;
+    let grow = counted.try_ge(config.growth_interval as f64)?;
+    let grown = scale
+        .try_mul(config.growth_factor)?
+        .try_minimum(MAX_SCALE)?;
+    let good_scale = Tensor::try_where(&grow, &grown, scale)?;
+    let good_count = Tensor::try_where(&grow, &zero, &counted)?;
+    let backed_off = scale
+        .try_mul(config.backoff_factor)?
+        .try_maximum(MIN_SCALE)?;
+    Ok((
+        Tensor::try_where(found_inf, &backed_off, &good_scale)?,
+        Tensor::try_where(found_inf, &zero, &good_count)?,
+    ))
 }
 
 #[cfg(test)]

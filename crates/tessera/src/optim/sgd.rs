@@ -133,6 +133,11 @@ impl TraceableOptimizer for Sgd {
         vec![self.config.lr]
     }
 
+    /// `[lr]`: SGD's step does not depend on its count.
+    fn counted_step_scalars(&self, lr: &Tensor, _t: &Tensor) -> Result<Vec<Tensor>> {
+        Ok(vec![lr.clone()])
+    }
+
     fn update(
         &self,
         p: &Tensor,
