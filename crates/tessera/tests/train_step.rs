@@ -334,6 +334,22 @@ fn an_mlp_trains_as_eagerly_with_one_compile() {
         let s = step.stats();
         assert_eq!((s.compiles, s.cache_hits), (1, STEPS - 1));
         assert_eq!(s.trace_seconds, traced_once, "no trace after the first");
+
+        // `retrace(false)`: the same without CUDA graphs, in the default
+        // mode; the parameters and state donated as by default.
+        let third = mlp(dtype);
+        let mut step = train_step(mlp_loss(&third), adamw(&third.store, 0.01)).retrace(false);
+        let traced_once = {
+            step.step(&mlp_batch(dtype)(0));
+            step.stats().trace_seconds
+        };
+        let mut rest = compiled_loop_from(1, &mut step, mlp_batch(dtype), 0.01).0;
+        rest.insert(0, got[0]);
+        assert_close(&format!("{dtype} losses, no retrace"), &rest, &want, tol);
+        assert_params(&third.store, &eager.store, Some(tol));
+        let s = step.stats();
+        assert_eq!((s.compiles, s.cache_hits), (1, STEPS - 1));
+        assert_eq!(s.trace_seconds, traced_once, "no trace after the first");
     }
 }
 
