@@ -15,9 +15,10 @@ use tessera::DType;
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Execution {
-    /// The loss (the model's forward and the cross entropy) through
-    /// `tessera::compile`: traced each step, compiled on the first, its
-    /// backward compiled ahead of time; the optimizer runs eagerly.
+    /// The whole step (the forward under autocast, the cross entropy, the
+    /// backward, clipping, the f16 loss scaler and the AdamW update) as
+    /// one graph, `tessera::compile::train_step`: traced each step,
+    /// compiled on the first, the parameters and state donated.
     #[default]
     Compiled,
     /// Every op of the forward, the backward and the update run one by one.

@@ -9,10 +9,11 @@
 //! reports every step to a callback (the CLI's progress bar) and returns a
 //! [`TrainReport`].
 //!
-//! Each step ([`step`]) computes the loss compiled by `tessera::compile`
-//! (the default, [`Execution::Compiled`]) or op by op
-//! ([`Execution::Eager`]), in the config's precision (f32, or bf16/f16
-//! autocast: `tessera::optim::MixedPrecision`).
+//! Each step ([`step`]) runs whole as one compiled graph (the default,
+//! [`Execution::Compiled`]: `tessera::compile::train_step`, forward,
+//! loss, backward, clipping, f16 loss scaling and the AdamW update) or op
+//! by op ([`Execution::Eager`]), in the config's precision (f32, or
+//! bf16/f16 autocast; eagerly through `tessera::optim::MixedPrecision`).
 //!
 //! ```no_run
 //! use tessera_apps::train::{train, TrainConfig};
@@ -95,7 +96,7 @@ pub struct TrainReport {
     pub median_step_ms: f64,
     /// Model input tokens per second of training (`train_time_s`).
     pub tokens_per_s: f64,
-    /// What `tessera::compile` did for the loss: compile and trace time,
+    /// What the compiler did for the step: compile and trace time,
     /// compiles and recompiles (compiled runs; `None` for eager ones).
     #[serde(default)]
     pub compile: Option<CompileReport>,

@@ -1,8 +1,9 @@
 //! One training step, and the one place that decides how it runs
-//! ([`Execution`]): the loss eagerly op by op, or through
-//! `tessera::compile` (its backward compiled ahead of time). Either way the
-//! precision is a [`MixedPrecision`] (f32, bf16 or f16 autocast with loss
-//! scaling) and the clipping and AdamW update run eagerly.
+//! ([`Execution`]): eagerly op by op (the loss, its backward under a
+//! [`MixedPrecision`], clipping and the AdamW update), or the whole step
+//! as one compiled graph (`tessera::compile::train_step`: the forward
+//! under autocast, the loss, the backward, clipping, the f16 loss scaler
+//! and the AdamW update, the parameters and state donated).
 
 use std::cell::RefCell;
 use std::rc::Rc;
@@ -11,11 +12,13 @@ use serde::{Deserialize, Serialize};
 
 use super::config::{Execution, TrainConfig};
 use super::task::{Batch, IGNORE_INDEX, VOCAB};
-use tessera::compile::{CompileStats, Compiled};
-use tessera::error::{Error, ErrorKind, Result};
+use tessera::compile::{train_step, CompileStats, TrainStep};
+use tessera::error::{Error, Result};
 use tessera::nn::{try_cross_entropy, ParamStore, TransformerLM};
-use tessera::optim::{clip_grad_norm, AdamW, AdamWConfig, MixedPrecision, Optimizer};
-use tessera::Tensor;
+use tessera::optim::{
+    clip_grad_norm, AdamW, AdamWConfig, GradScalerConfig, MixedPrecision, Optimizer,
+};
+use tessera::{autocast, DType, Tensor};
 
 /// The mean cross entropy of the next-token predictions of `batch`'s
 /// inputs (`[B, T]` ids) against its targets (`[B·T]`, [`IGNORE_INDEX`]
@@ -47,17 +50,17 @@ pub struct CompileReport {
 }
 
 impl CompileReport {
-    fn of<F: Fn(&[Tensor]) -> Vec<Tensor>>(f: &Compiled<F>) -> CompileReport {
+    fn of(stats: CompileStats, recompile_reasons: Vec<String>) -> CompileReport {
         let CompileStats {
             compile_seconds,
             trace_seconds,
             compiles,
             recompiles,
             cache_hits,
-            graph_breaks,
             eager_calls,
+            graph_breaks,
             ..
-        } = f.stats();
+        } = stats;
         CompileReport {
             compile_seconds,
             trace_seconds,
@@ -66,64 +69,9 @@ impl CompileReport {
             cache_hits,
             eager_calls,
             graph_breaks,
-            recompile_reasons: f.recompile_reasons(),
+            recompile_reasons,
         }
     }
-}
-
-/// A function of tensors compiled with `tessera::compile` whose body can
-/// fail: `compile` takes a function returning tensors, so the body's error
-/// is kept here and returned by [`Fallible::call`] instead of a panic.
-pub(super) struct Fallible<'a> {
-    compiled: Compiled<TracedFn<'a>>,
-    error: Rc<RefCell<Option<Error>>>,
-}
-
-type TracedFn<'a> = Box<dyn Fn(&[Tensor]) -> Vec<Tensor> + 'a>;
-
-impl<'a> Fallible<'a> {
-    /// Compiles `f` under `name` (logs, `TESSERA_COMPILE_DEBUG` dumps).
-    pub(super) fn compile(
-        name: &str,
-        f: impl Fn(&[Tensor]) -> Result<Vec<Tensor>> + 'a,
-    ) -> Fallible<'a> {
-        let error = Rc::new(RefCell::new(None));
-        let kept = error.clone();
-        let body: TracedFn<'a> = Box::new(move |inputs: &[Tensor]| match f(inputs) {
-            Ok(outputs) => outputs,
-            Err(e) => {
-                // The first error of the call; no outputs (a graph of
-                // nothing, which the caller never sees).
-                kept.borrow_mut().get_or_insert(e);
-                Vec::new()
-            }
-        });
-        Fallible {
-            compiled: tessera::compile(body).name(name),
-            error,
-        }
-    }
-
-    /// Runs the compiled function: its outputs, or the error of its body
-    /// (at the user's line inside it) or of the compiler.
-    pub(super) fn call(&self, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
-        let outputs = self.compiled.try_call(inputs);
-        if let Some(e) = self.error.borrow_mut().take() {
-            return Err(e);
-        }
-        outputs
-    }
-
-    pub(super) fn report(&self) -> CompileReport {
-        CompileReport::of(&self.compiled)
-    }
-}
-
-/// The loss as each [`Execution`] computes it.
-enum LossFn<'a> {
-    Eager(&'a TransformerLM),
-    /// Boxed: the compiled function's cache is large beside a reference.
-    Compiled(Box<Fallible<'a>>),
 }
 
 /// What one step did.
@@ -135,14 +83,27 @@ pub(super) struct StepOutcome {
     pub stepped: bool,
 }
 
-/// Runs training steps of a model: the loss (eager or compiled), its
-/// backward in the training precision, clipping and the AdamW update.
-pub(super) struct Stepper<'a> {
-    loss: LossFn<'a>,
-    store: &'a ParamStore,
-    optimizer: AdamW,
-    precision: MixedPrecision,
-    grad_clip: f64,
+/// Runs training steps of a model as its [`Execution`] says.
+pub(super) enum Stepper<'a> {
+    /// The loss op by op, its backward in the training precision,
+    /// clipping and the AdamW update, eagerly.
+    Eager {
+        model: &'a TransformerLM,
+        store: &'a ParamStore,
+        optimizer: AdamW,
+        precision: MixedPrecision,
+        grad_clip: f64,
+    },
+    /// The whole step (forward under autocast, loss, backward, clipping,
+    /// f16 loss scaling, AdamW) as one compiled graph:
+    /// `tessera::compile::train_step`. Boxed: its cache is large.
+    Compiled {
+        step: Box<TrainStep<'a, AdamW>>,
+        /// The loss function's first error in the call under way.
+        error: Rc<RefCell<Option<Error>>>,
+        /// Skipped steps before the last one (f16).
+        skipped: usize,
+    },
 }
 
 impl<'a> Stepper<'a> {
@@ -153,14 +114,6 @@ impl<'a> Stepper<'a> {
         model: &'a TransformerLM,
         store: &'a ParamStore,
     ) -> Result<Stepper<'a>> {
-        let loss = match config.execution {
-            Execution::Eager => LossFn::Eager(model),
-            Execution::Compiled => {
-                LossFn::Compiled(Box::new(Fallible::compile("train_loss", |x| {
-                    Ok(vec![loss(model, &x[0], &x[1])?])
-                })))
-            }
-        };
         let optimizer = AdamW::new(
             store.parameters(),
             AdamWConfig {
@@ -169,78 +122,104 @@ impl<'a> Stepper<'a> {
                 ..AdamWConfig::default()
             },
         );
-        Ok(Stepper {
-            loss,
-            store,
-            optimizer,
-            precision: MixedPrecision::new(config.dtype, store.parameters())?,
-            grad_clip: config.grad_clip,
+        // Checks the dtype (f32, bf16 or f16) for both executions.
+        let precision = MixedPrecision::new(config.dtype, store.parameters())?;
+        Ok(match config.execution {
+            Execution::Eager => Stepper::Eager {
+                model,
+                store,
+                optimizer,
+                precision,
+                grad_clip: config.grad_clip,
+            },
+            Execution::Compiled => {
+                let dtype = config.dtype;
+                let error = Rc::new(RefCell::new(None));
+                let kept = error.clone();
+                let loss_fn = move |x: &[Tensor]| {
+                    let l = match dtype {
+                        DType::BF16 | DType::F16 => autocast(dtype, || loss(model, &x[0], &x[1])),
+                        _ => loss(model, &x[0], &x[1]),
+                    };
+                    l.unwrap_or_else(|e| {
+                        kept.borrow_mut().get_or_insert(e);
+                        // Not a scalar: train_step stops with an error.
+                        Tensor::zeros(&[0], DType::F32)
+                    })
+                };
+                let mut step = train_step(loss_fn, optimizer)
+                    .name("train_step")
+                    .clip_grad_norm(config.grad_clip);
+                if dtype == DType::F16 {
+                    // As the eager `MixedPrecision`: PyTorch's defaults.
+                    step = step.loss_scaler(GradScalerConfig::default());
+                }
+                Stepper::Compiled {
+                    step: Box::new(step),
+                    error,
+                    skipped: 0,
+                }
+            }
         })
     }
 
     /// One optimizer step on `batch` at learning rate `lr`. Only the
     /// answer positions count: the prompt's targets are [`IGNORE_INDEX`].
     pub(super) fn step(&mut self, batch: &Batch, lr: f64) -> Result<StepOutcome> {
-        self.optimizer.set_lr(lr);
-        self.optimizer.zero_grad();
-        let loss = self.precision.forward(|| match &self.loss {
-            LossFn::Eager(model) => loss(model, &batch.inputs, &batch.targets),
-            LossFn::Compiled(f) => f
-                .call(&[batch.inputs.clone(), batch.targets.clone()])?
-                .pop()
-                .ok_or_else(|| {
-                    Error::op(
-                        ErrorKind::Verify,
-                        "train_loss",
-                        "the compiled loss has no output",
-                    )
-                }),
-        })?;
-        self.precision.backward(&loss)?;
-        self.precision.unscale()?;
-        clip_grad_norm(self.store, self.grad_clip);
-        let stepped = self.precision.step(&mut self.optimizer)?;
-        Ok(StepOutcome {
-            loss: loss.item(),
-            stepped,
-        })
+        match self {
+            Stepper::Eager {
+                model,
+                store,
+                optimizer,
+                precision,
+                grad_clip,
+            } => {
+                optimizer.set_lr(lr);
+                optimizer.zero_grad();
+                let loss = precision.forward(|| loss(model, &batch.inputs, &batch.targets))?;
+                precision.backward(&loss)?;
+                precision.unscale()?;
+                clip_grad_norm(*store, *grad_clip);
+                let stepped = precision.step(optimizer)?;
+                Ok(StepOutcome {
+                    loss: loss.item(),
+                    stepped,
+                })
+            }
+            Stepper::Compiled {
+                step,
+                error,
+                skipped,
+            } => {
+                step.optimizer().set_lr(lr);
+                let result = step.try_step(&[batch.inputs.clone(), batch.targets.clone()]);
+                if let Some(e) = error.borrow_mut().take() {
+                    return Err(e);
+                }
+                let loss = result?.item();
+                let now = step.skipped_steps()?.unwrap_or(0);
+                let stepped = now == *skipped;
+                *skipped = now;
+                Ok(StepOutcome { loss, stepped })
+            }
+        }
     }
 
     /// What the compiler did so far (compiled steps only).
     pub(super) fn compile_report(&self) -> Option<CompileReport> {
-        match &self.loss {
-            LossFn::Eager(_) => None,
-            LossFn::Compiled(f) => Some(f.report()),
+        match self {
+            Stepper::Eager { .. } => None,
+            Stepper::Compiled { step, .. } => {
+                Some(CompileReport::of(step.stats(), step.recompile_reasons()))
+            }
         }
     }
 
     /// The f16 loss scale after the last step (f16 only).
     pub(super) fn loss_scale(&self) -> Option<f64> {
-        self.precision.scaler().map(|s| s.scale_factor())
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use tessera::DType;
-
-    /// The body's error comes back from the call (kind, message, the line
-    /// in the body), not as a panic; a good call after it still runs.
-    #[test]
-    fn a_failing_body_is_an_error_of_the_call() {
-        let f = Fallible::compile("product", |x| Ok(vec![x[0].try_matmul(&x[1])?]));
-        let a = Tensor::ones(&[2, 3], DType::F32);
-        let err = f.call(&[a.clone(), a.clone()]).unwrap_err();
-        assert_eq!(err.kind, ErrorKind::Shape, "{err}");
-        let message = err.to_string();
-        assert!(
-            message.contains("matmul") && message.contains("[2,3]"),
-            "{message}"
-        );
-        assert!(message.contains("step.rs"), "the body's line: {message}");
-        let b = Tensor::ones(&[3, 1], DType::F32);
-        let out = f.call(&[a, b]).unwrap();
-        assert_eq!(out[0].to_f64_vec(), vec![3.0, 3.0]);
+        match self {
+            Stepper::Eager { precision, .. } => precision.scaler().map(|s| s.scale_factor()),
+            Stepper::Compiled { step, .. } => step.loss_scale().ok().flatten(),
+        }
     }
 }
