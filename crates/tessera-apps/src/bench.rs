@@ -285,7 +285,8 @@ pub struct GptBenchReport {
     /// are in `first_step_s`, not here.
     pub compile_s: Option<f64>,
     /// Seconds spent tracing the step, all steps together (compiled only:
-    /// every call traces to find its executable; inside `step_ms`).
+    /// every call traces to find its executable unless `retrace` is off;
+    /// inside `step_ms`).
     pub trace_s: Option<f64>,
     pub loss_first: f64,
     pub loss_last: f64,

@@ -313,44 +313,38 @@ fn an_mlp_trains_as_eagerly_with_one_compile() {
         let s = step.stats();
         assert_eq!((s.compiles, s.recompiles, s.cache_hits), (1, 0, STEPS - 1));
 
-        // `reduce-overhead`: the step's graph depends on its inputs' guards
-        // alone (nothing lifted), so later calls skip the trace.
+        // `reduce-overhead`, and `retrace(false)` (the same without CUDA
+        // graphs, parameters and state donated as by default): the step's
+        // graph depends on its inputs' guards alone (nothing lifted), so
+        // later calls skip the trace.
         let again = mlp(dtype);
-        let mut step =
+        let step =
             train_step(mlp_loss(&again), adamw(&again.store, 0.01)).mode(Mode::ReduceOverhead);
-        let traced_once = {
-            step.step(&mlp_batch(dtype)(0));
-            step.stats().trace_seconds
-        };
-        let mut rest = compiled_loop_from(1, &mut step, mlp_batch(dtype), 0.01).0;
-        rest.insert(0, got[0]);
-        assert_close(
-            &format!("{dtype} losses, reduce-overhead"),
-            &rest,
-            &want,
-            tol,
-        );
-        assert_params(&again.store, &eager.store, Some(tol));
-        let s = step.stats();
-        assert_eq!((s.compiles, s.cache_hits), (1, STEPS - 1));
-        assert_eq!(s.trace_seconds, traced_once, "no trace after the first");
-
-        // `retrace(false)`: the same without CUDA graphs, in the default
-        // mode; the parameters and state donated as by default.
+        trains_untraced_after_the_first(step, &again, (&eager, &want), dtype, tol);
         let third = mlp(dtype);
-        let mut step = train_step(mlp_loss(&third), adamw(&third.store, 0.01)).retrace(false);
-        let traced_once = {
-            step.step(&mlp_batch(dtype)(0));
-            step.stats().trace_seconds
-        };
-        let mut rest = compiled_loop_from(1, &mut step, mlp_batch(dtype), 0.01).0;
-        rest.insert(0, got[0]);
-        assert_close(&format!("{dtype} losses, no retrace"), &rest, &want, tol);
-        assert_params(&third.store, &eager.store, Some(tol));
-        let s = step.stats();
-        assert_eq!((s.compiles, s.cache_hits), (1, STEPS - 1));
-        assert_eq!(s.trace_seconds, traced_once, "no trace after the first");
+        let step = train_step(mlp_loss(&third), adamw(&third.store, 0.01)).retrace(false);
+        trains_untraced_after_the_first(step, &third, (&eager, &want), dtype, tol);
     }
+}
+
+/// `step` (on `model`, fresh) runs the loop as eagerly (`want`, ending at
+/// `eager`'s parameters) with one compile and no trace after the first.
+fn trains_untraced_after_the_first(
+    mut step: TrainStep<'_, AdamW>,
+    model: &Mlp,
+    (eager, want): (&Mlp, &[f64]),
+    dtype: DType,
+    tol: f64,
+) {
+    let first = step.step(&mlp_batch(dtype)(0)).item();
+    let traced_once = step.stats().trace_seconds;
+    let mut got = compiled_loop_from(1, &mut step, mlp_batch(dtype), 0.01).0;
+    got.insert(0, first);
+    assert_close(&format!("{dtype} losses, untraced"), &got, want, tol);
+    assert_params(&model.store, &eager.store, Some(tol));
+    let s = step.stats();
+    assert_eq!((s.compiles, s.cache_hits), (1, STEPS - 1));
+    assert_eq!(s.trace_seconds, traced_once, "no trace after the first");
 }
 
 #[test]

@@ -221,22 +221,30 @@ fn assert_bits(what: &str, got: &[Vec<f64>], want: &[Vec<f64>]) {
 /// or updated on one, is off by ~lr = 1e-2 in the parameters.
 const F16_TOL: f64 = 5e-4;
 
-#[test]
-fn f16_compiled_with_the_scaler_trains_as_the_eager_mixed_precision_loop() {
-    // 2^20: the first steps' f16 gradients overflow (the scale backs off
-    // to fit), it grows every 4 good steps (and overflows again), and
-    // step 9's inf input makes one more bad step.
-    let config = scaler(2f64.powi(20), 4);
-    let (eager, compiled) = (mlp(), mlp());
+/// The eager MixedPrecision loop on a fresh MLP (AdamW, clipping at 1.0,
+/// an inf input at step 9): the model it trained and its run.
+fn clipped_eager_mlp_run(config: &GradScalerConfig) -> (Mlp, Run) {
+    let eager = mlp();
     let params = eager.store.parameters();
     let want = eager_run(
         &mut adamw(&eager.store),
         &params,
         mlp_loss(&eager),
         mlp_batch(&[9]),
-        &config,
+        config,
         Some(1.0),
     );
+    (eager, want)
+}
+
+#[test]
+fn f16_compiled_with_the_scaler_trains_as_the_eager_mixed_precision_loop() {
+    // 2^20: the first steps' f16 gradients overflow (the scale backs off
+    // to fit), it grows every 4 good steps (and overflows again), and
+    // step 9's inf input makes one more bad step.
+    let config = scaler(2f64.powi(20), 4);
+    let (eager, want) = clipped_eager_mlp_run(&config);
+    let compiled = mlp();
     let mut step = train_step(mlp_loss(&compiled), adamw(&compiled.store))
         .clip_grad_norm(1.0)
         .loss_scaler(config.clone());
@@ -268,16 +276,8 @@ fn the_uncompiled_pipeline_gives_eagers_losses_and_scales() {
     // parameters differ from them only by AdamW's bias corrections, an
     // f64 `pow` of the device's count where eager takes `powi` of its own.
     let config = scaler(2f64.powi(20), 4);
-    let (eager, compiled) = (mlp(), mlp());
-    let params = eager.store.parameters();
-    let want = eager_run(
-        &mut adamw(&eager.store),
-        &params,
-        mlp_loss(&eager),
-        mlp_batch(&[9]),
-        &config,
-        Some(1.0),
-    );
+    let (eager, want) = clipped_eager_mlp_run(&config);
+    let compiled = mlp();
     let mut step = train_step(mlp_loss(&compiled), adamw(&compiled.store))
         .clip_grad_norm(1.0)
         .loss_scaler(config)

@@ -17,20 +17,9 @@ use super::{grid_for, index_type, Launch, Words, ENTRY};
 /// divides the contiguous inner run, every other stride, the offset and
 /// both addresses (then the element-wise copy runs).
 pub fn dense_copy(src: &Layout, elem_bytes: usize, x: u64, y: u64, sms: u32) -> Option<Launch> {
+    let word = word_bytes(src, elem_bytes, x, y)?;
     let (shape, strides) = nontrivial(src);
-    let (&inner, &inner_stride) = (shape.last()?, strides.last()?);
-    if inner_stride != 1 {
-        return None;
-    }
-    let word = [16usize, 8, 4].into_iter().find(|&w| {
-        w > elem_bytes
-            && (inner * elem_bytes).is_multiple_of(w)
-            && strides[..strides.len() - 1]
-                .iter()
-                .all(|&s| (s * elem_bytes).is_multiple_of(w))
-            && (x as usize + src.offset * elem_bytes).is_multiple_of(w)
-            && (y as usize).is_multiple_of(w)
-    })?;
+    let inner = *shape.last()?;
     let per_word = word / elem_bytes;
     // The view in words: the inner dim shrinks, the other strides too.
     let mut dims: Vec<(usize, usize)> = shape
@@ -72,6 +61,25 @@ pub fn dense_copy(src: &Layout, elem_bytes: usize, x: u64, y: u64, sms: u32) -> 
         args,
         grid: grid_for(n, 256, sms),
         block: 256,
+    })
+}
+
+/// The word [`dense_copy`] would move (16, 8 or 4 bytes), without
+/// generating its source; `None` when no word wider than an element fits.
+pub fn word_bytes(src: &Layout, elem_bytes: usize, x: u64, y: u64) -> Option<usize> {
+    let (shape, strides) = nontrivial(src);
+    let (&inner, &inner_stride) = (shape.last()?, strides.last()?);
+    if inner_stride != 1 {
+        return None;
+    }
+    [16usize, 8, 4].into_iter().find(|&w| {
+        w > elem_bytes
+            && (inner * elem_bytes).is_multiple_of(w)
+            && strides[..strides.len() - 1]
+                .iter()
+                .all(|&s| (s * elem_bytes).is_multiple_of(w))
+            && (x as usize + src.offset * elem_bytes).is_multiple_of(w)
+            && (y as usize).is_multiple_of(w)
     })
 }
 

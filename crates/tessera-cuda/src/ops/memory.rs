@@ -63,7 +63,7 @@ impl CudaBackend {
         }
         if layout == Layout::contiguous(x.shape()) {
             let (src, sms) = (x.layout(), self.gpu.sms);
-            if copy::dense_copy(src, size, base(x), dst, sms).is_some() {
+            if copy::word_bytes(src, size, base(x), dst).is_some() {
                 let mut key = Key::new(Generator::DenseCopy, sms);
                 key.layout(src).word(size as u64);
                 let generate = |p: &[u64]| {

@@ -11,6 +11,7 @@ use tessera::tensor::Layout;
 
 use super::memo_key::{buffer_addresses, operands_at, Generator, Key};
 use super::{base, device_err, unsupported};
+use crate::codegen::pointwise::Operand;
 use crate::codegen::{fused_rows, rows, softmax};
 use crate::CudaBackend;
 
@@ -161,7 +162,6 @@ impl CudaBackend {
     /// (see `codegen::fused_rows`), its outputs allocated in the kernel's
     /// output order (the memory plan's).
     pub(crate) fn rows(&self, kernel: &RowKernel, inputs: &[&Array]) -> Result<Vec<Array>> {
-        let op = "fused_rows";
         let full = kernel.checked_shape(inputs)?;
         kernel.check(inputs.len())?;
         let operands: Vec<_> = inputs.iter().map(|t| self.operand(t, &full)).collect();
@@ -172,52 +172,63 @@ impl CudaBackend {
             .collect::<Result<_>>()?;
         if full.iter().product::<usize>() > 0 {
             let ptrs: Vec<u64> = storages.iter().map(|(s, _)| s.ptr()).collect();
-            let make = |threads| {
-                fused_rows::fused_rows_threads(kernel, &operands, &ptrs, self.gpu.sms, threads)
-            };
-            if !tessera::runtime::device::tuning() {
-                let mut key = Key::new(Generator::FusedRows, self.gpu.sms);
-                key.row_kernel(kernel).operands(&operands);
-                let addresses: Vec<u64> = buffer_addresses(&operands)
-                    .chain(ptrs.iter().copied())
-                    .collect();
-                let n_in = addresses.len() - ptrs.len();
-                let generate = |p: &[u64]| {
-                    let ins = operands_at(&operands, &mut p[..n_in].iter().copied());
-                    fused_rows::fused_rows_threads(kernel, &ins, &p[n_in..], self.gpu.sms, None)
-                };
-                self.gpu
-                    .launch_memoised(key.into_words(), &addresses, generate)
-                    .map_err(|m| unsupported(op, m))?;
-                return Ok(storages
-                    .into_iter()
-                    .map(|(s, shape)| Array::from_device_storage(s, shape))
-                    .collect());
+            match tessera::runtime::device::tuning() {
+                true => self.tuned_rows(kernel, &operands, &ptrs, &full)?,
+                false => self.memoised_rows(kernel, &operands, &ptrs)?,
             }
-            let default = make(None).map_err(|m| unsupported(op, m))?;
-            // Under max-autotune, the threads a row; the trials write the
-            // outputs, new buffers that no input shares. (Outside it no
-            // candidate is generated: a run has hundreds of row kernels.)
-            let chosen = match tessera::runtime::device::tuning() {
-                true => {
-                    let candidates: Vec<usize> = softmax::THREAD_CANDIDATES
-                        .into_iter()
-                        .filter(|&t| make(Some(t)).is_ok())
-                        .collect();
-                    self.tuned_choice(op, &default, &full, &candidates, |t| make(Some(t)))?
-                }
-                false => None,
-            };
-            let launch = match chosen {
-                Some(t) => make(Some(t)).map_err(|m| unsupported(op, m))?,
-                None => default,
-            };
-            self.launch(op, &launch)?;
         }
         Ok(storages
             .into_iter()
             .map(|(s, shape)| Array::from_device_storage(s, shape))
             .collect())
+    }
+
+    /// A row kernel's launch, memoised (`Gpu::launch_memoised`).
+    fn memoised_rows(
+        &self,
+        kernel: &RowKernel,
+        operands: &[Operand],
+        outputs: &[u64],
+    ) -> Result<()> {
+        let mut key = Key::new(Generator::FusedRows, self.gpu.sms);
+        key.row_kernel(kernel).operands(operands);
+        let addresses: Vec<u64> = buffer_addresses(operands)
+            .chain(outputs.iter().copied())
+            .collect();
+        let n_in = addresses.len() - outputs.len();
+        let generate = |p: &[u64]| {
+            let ins = operands_at(operands, &mut p[..n_in].iter().copied());
+            fused_rows::fused_rows_threads(kernel, &ins, &p[n_in..], self.gpu.sms, None)
+        };
+        self.gpu
+            .launch_memoised(key.into_words(), &addresses, generate)
+            .map_err(|m| unsupported("fused_rows", m))
+    }
+
+    /// Under max-autotune, a row kernel with the tuned threads a row; the
+    /// trials write the outputs, new buffers that no input shares. (Outside
+    /// it no candidate is generated: a run has hundreds of row kernels.)
+    fn tuned_rows(
+        &self,
+        kernel: &RowKernel,
+        operands: &[Operand],
+        outputs: &[u64],
+        full: &[usize],
+    ) -> Result<()> {
+        let op = "fused_rows";
+        let make = |threads| {
+            fused_rows::fused_rows_threads(kernel, operands, outputs, self.gpu.sms, threads)
+        };
+        let default = make(None).map_err(|m| unsupported(op, m))?;
+        let candidates: Vec<usize> = softmax::THREAD_CANDIDATES
+            .into_iter()
+            .filter(|&t| make(Some(t)).is_ok())
+            .collect();
+        let launch = match self.tuned_choice(op, &default, full, &candidates, |t| make(Some(t)))? {
+            Some(t) => make(Some(t)).map_err(|m| unsupported(op, m))?,
+            None => default,
+        };
+        self.launch(op, &launch)
     }
 }
 

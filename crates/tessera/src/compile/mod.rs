@@ -351,39 +351,34 @@ mod tests {
         assert_eq!((s.eager_calls, s.compiles, s.trace_seconds), (1, 0, 0.0));
     }
 
+    /// `f` (which multiplies by `scale`, now 2) serves a guard hit without
+    /// a trace. The assumption made visible: captured state that changes
+    /// the graph is not seen while the guards match; other guards trace and
+    /// see it.
+    fn serves_guard_hits_untraced<F: Fn(&[Tensor]) -> Vec<Tensor>>(
+        f: Compiled<F>,
+        scale: &Cell<f64>,
+    ) {
+        assert_eq!(f.call(&x(3))[0].to_f64_vec(), vec![0.0, 2.0, 4.0]);
+        let traced = f.stats().trace_seconds;
+        scale.set(3.0);
+        assert_eq!(f.call(&x(3))[0].to_f64_vec(), vec![0.0, 2.0, 4.0]);
+        let s = f.stats();
+        assert_eq!((s.compiles, s.cache_hits, s.trace_seconds), (1, 1, traced));
+        assert_eq!(f.call(&x(2))[0].to_f64_vec(), vec![0.0, 3.0]);
+        assert_eq!(f.stats().compiles, 2);
+    }
+
     #[test]
-    fn reduce_overhead_serves_matching_guards_without_a_trace() {
-        // The mode's assumption made visible: captured state that changes
-        // the graph is not seen while the guards match.
+    fn reduce_overhead_and_retrace_false_serve_matching_guards_without_a_trace() {
         let scale = Cell::new(2.0);
         let f = compile(|x: &[Tensor]| vec![&x[0] * scale.get()]).mode(Mode::ReduceOverhead);
-        assert_eq!(f.call(&x(3))[0].to_f64_vec(), vec![0.0, 2.0, 4.0]);
-        let traced = f.stats().trace_seconds;
-        scale.set(3.0);
-        assert_eq!(f.call(&x(3))[0].to_f64_vec(), vec![0.0, 2.0, 4.0]);
-        let s = f.stats();
-        assert_eq!((s.compiles, s.cache_hits, s.trace_seconds), (1, 1, traced));
-        // Other guards trace (and see the new state).
-        assert_eq!(f.call(&x(2))[0].to_f64_vec(), vec![0.0, 3.0]);
-        assert_eq!(f.stats().compiles, 2);
-    }
-
-    #[test]
-    fn without_retracing_matching_guards_are_served_without_a_trace() {
-        let scale = Cell::new(2.0);
+        serves_guard_hits_untraced(f, &scale);
+        scale.set(2.0);
         let f = compile(|x: &[Tensor]| vec![&x[0] * scale.get()]).retrace(false);
-        assert_eq!(f.call(&x(3))[0].to_f64_vec(), vec![0.0, 2.0, 4.0]);
-        let traced = f.stats().trace_seconds;
-        // The documented assumption: state the guards do not see is not
-        // seen while they match.
-        scale.set(3.0);
-        assert_eq!(f.call(&x(3))[0].to_f64_vec(), vec![0.0, 2.0, 4.0]);
-        let s = f.stats();
-        assert_eq!((s.compiles, s.cache_hits, s.trace_seconds), (1, 1, traced));
-        assert_eq!(f.call(&x(2))[0].to_f64_vec(), vec![0.0, 3.0]);
-        assert_eq!(f.stats().compiles, 2);
+        serves_guard_hits_untraced(f, &scale);
         // The default traces every call and sees the change.
-        let scale = Cell::new(2.0);
+        scale.set(2.0);
         let g = compile(|x: &[Tensor]| vec![&x[0] * scale.get()]);
         g.call(&x(3));
         scale.set(3.0);

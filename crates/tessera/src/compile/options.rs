@@ -193,8 +193,9 @@ impl<F: Fn(&[Tensor]) -> Vec<Tensor>> Compiled<F> {
     /// call whose inputs pass the guards of a cached executable runs it
     /// without tracing, as `Mode::ReduceOverhead` does (but without CUDA
     /// graphs) and as torch.compile's guards do: for a function whose ops
-    /// depend only on its inputs' dtypes, shapes and layouts. A step of
-    /// GPT-2 small traces ~5,000 ops, ~10 ms of host time per call.
+    /// depend only on its inputs' dtypes, shapes and layouts. GPT-2
+    /// small's training step took 6–13 ms of host time per call to
+    /// trace (`bench gpt`'s `trace_s`, BENCHMARKS.md run G14).
     pub fn retrace(mut self, on: bool) -> Self {
         self.options.retrace = on;
         self
