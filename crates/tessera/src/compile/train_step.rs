@@ -623,6 +623,12 @@ impl<'a, O: TraceableOptimizer> TrainStep<'a, O> {
         self.compiled.stats()
     }
 
+    /// What the device-graph replay of `mode=reduce-overhead` did (see
+    /// [`Compiled::replay_stats`]).
+    pub fn replay_stats(&self) -> crate::runtime::replay::ReplayStats {
+        self.compiled.replay_stats()
+    }
+
     /// Why each recompile happened.
     pub fn recompile_reasons(&self) -> Vec<String> {
         self.compiled.recompile_reasons()
