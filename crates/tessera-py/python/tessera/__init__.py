@@ -1,0 +1,1 @@
+from ._tessera import *  # noqa
