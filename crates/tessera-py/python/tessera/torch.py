@@ -1,0 +1,396 @@
+"""tessera as a ``torch.compile`` backend: ``torch.compile(model, backend="tessera")``.
+
+Dynamo hands :func:`backend` a graph of torch ops; AOTAutograd (with
+``core_aten_decompositions`` and a few more, see :data:`DECOMPOSITIONS`)
+turns it into a forward and a backward graph of ATen ops. Each is split
+into partitions: maximal runs of nodes tessera converts
+(:mod:`tessera._convert`) become one tessera graph each, compiled by
+tessera's pipeline (passes, fusion, the schedule under context hints, the
+memory plan) and run on tessera's CPU backend; every other node runs in
+PyTorch, and each op that does is logged once (logger ``"tessera"``), as a
+graph break is. Tensors cross by DLPack without a copy on the host.
+
+Options (``torch.compile(..., mode=..., options={...})``):
+
+- ``mode``: ``default`` | ``reduce-overhead`` | ``max-autotune``, tessera's
+  modes;
+- ``options["schedule"]``: ``bfs`` | ``dfs`` | ``strict`` | ``auto``, how
+  kernels are ordered outside hinted regions;
+- ``options["memory_budget_mb"]``: the most MiB a graph's intermediates may
+  hold at once;
+- ``options["fullgraph"]``: an op tessera lacks is an error instead of a
+  PyTorch partition;
+- ``options["dynamic"]``: tessera's dynamic dims (None: automatic);
+- ``options["fuse_attention"]``: tessera's attention-pattern pass (on).
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+import time
+
+import torch
+import torch.fx
+from torch._dynamo.backends.common import aot_autograd
+from torch._decomp import core_aten_decompositions, get_decompositions
+from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
+from torch.fx.passes.operator_support import OperatorSupport
+
+from . import _convert
+from ._tessera import CompiledGraph, TesseraError
+
+log = logging.getLogger("tessera")
+
+aten = torch.ops.aten
+
+#: Ops tessera converts as they are, which the core decompositions would
+#: otherwise split (the converters do better: one softmax, one embedding).
+KEEP = [
+    aten._softmax_backward_data.default,
+    aten._log_softmax_backward_data.default,
+    aten.embedding_dense_backward.default,
+    aten.embedding.default,
+    aten.gelu.default,
+    aten.gelu_backward.default,
+    aten.nll_loss_backward.default,
+]
+
+#: The decompositions applied while AOTAutograd traces: PyTorch's core
+#: ATen set less :data:`KEEP`, plus layer norm and the NLL loss.
+DECOMPOSITIONS = {k: v for k, v in core_aten_decompositions().items() if k not in KEEP}
+DECOMPOSITIONS.update(
+    get_decompositions(
+        [aten.native_layer_norm, aten.native_layer_norm_backward, aten.nll_loss_forward]
+    )
+)
+
+_logged_fallbacks = set()
+_compiled = []  # every TesseraPartition made, for introspection
+
+
+def _note_fallback(name, why):
+    if name in _logged_fallbacks:
+        return
+    _logged_fallbacks.add(name)
+    log.warning("tessera: %s runs in PyTorch (%s)", name, why)
+
+
+TT = _convert.TT
+
+
+def _type_of(v):
+    if isinstance(v, torch.Tensor):
+        shape = [d.node.hint if isinstance(d, torch.SymInt) else int(d) for d in v.shape]
+        return TT(v.dtype, shape)
+    if isinstance(v, (list, tuple)):
+        return [_type_of(x) for x in v]
+    return v
+
+
+def _is_symbolic(v):
+    if isinstance(v, torch.Tensor):
+        return any(isinstance(d, torch.SymInt) for d in v.shape)
+    if isinstance(v, (list, tuple)):
+        return any(_is_symbolic(x) for x in v)
+    return isinstance(v, torch.SymInt)
+
+
+def _types(gm):
+    return {n: _type_of(n.meta.get("val")) for n in gm.graph.nodes}
+
+
+def _device_ok(v):
+    if isinstance(v, torch.Tensor):
+        return v.device.type in ("cpu", "cuda")
+    if isinstance(v, (list, tuple)):
+        return all(_device_ok(x) for x in v)
+    return True
+
+
+# -- partitioning ---------------------------------------------------------------
+
+
+class _DryEmitter(_convert.Emitter):
+    """Converts single nodes to see whether they convert: any tensor input
+    is available, typed by its FX meta."""
+
+    def val(self, arg):
+        if isinstance(arg, torch.fx.Node) and arg not in self.values:
+            t = self.types.get(arg)
+            if not isinstance(t, TT):
+                raise _convert.Unsupported(f"input {arg.name} is not a tensor")
+            self.values[arg] = _convert.Value(arg.name, t.dtype, t.shape)
+        return super().val(arg)
+
+
+def _supported_nodes(gm):
+    """For each call_function node: None when tessera converts it, else why not."""
+    types = _types(gm)
+    dry = _DryEmitter("dry", types)
+    verdict = {}
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        v = node.meta.get("val")
+        if node.target is operator.getitem:
+            ok = verdict.get(node.args[0]) is None and isinstance(dry.values.get(node.args[0]), list)
+            verdict[node] = None if ok else "a getitem of a PyTorch node"
+            if ok:
+                dry.values[node] = dry.values[node.args[0]][node.args[1]]
+            continue
+        if not isinstance(v, (torch.Tensor, list, tuple)):
+            verdict[node] = "not a tensor op"
+            continue
+        if not _device_ok(v) or any(
+            isinstance(a, torch.fx.Node) and not _device_ok(a.meta.get("val")) for a in node.all_input_nodes
+        ):
+            verdict[node] = "a device tessera-py does not run"
+            continue
+        try:
+            dry.values[node] = _convert.convert_node(dry, node)
+            verdict[node] = None
+        except _convert.Unsupported as e:
+            verdict[node] = str(e)
+    return verdict
+
+
+class _Support(OperatorSupport):
+    def __init__(self, verdict):
+        super().__init__()
+        self.verdict = verdict
+
+    def is_node_supported(self, submodules, node):
+        return node.op == "call_function" and self.verdict.get(node, "x") is None
+
+
+def _unwrap_hints_wrapper(gm):
+    """Inlines `torch.ops.higher_order.hints_wrapper(body, args, {}, hints=…)`
+    calls: the body's nodes get the hints (merged into enclosing ones)."""
+    hop = getattr(torch.ops.higher_order, "hints_wrapper", None)
+    if hop is None:
+        return
+    import json
+
+    changed = True
+    while changed:
+        changed = False
+        for node in list(gm.graph.nodes):
+            if node.op != "call_function" or node.target is not hop:
+                continue
+            body_node, args = node.args[0], node.args[1]
+            body = getattr(gm, body_node.target)
+            hints = dict(node.kwargs.get("hints") or {})
+            outer = (node.meta.get("custom") or {}).get(_convert.HINTS_KEY)
+            merged = dict(json.loads(outer)) if outer else {}
+            merged.update(hints)
+            env = {}
+            placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
+            for p, a in zip(placeholders, args):
+                env[p] = a
+            result = None
+            with gm.graph.inserting_before(node):
+                for bn in body.graph.nodes:
+                    if bn.op == "placeholder":
+                        continue
+                    if bn.op == "output":
+                        result = torch.fx.node.map_arg(bn.args[0], lambda n: env[n])
+                        continue
+                    new = gm.graph.node_copy(bn, lambda n: env[n])
+                    inner = (bn.meta.get("custom") or {}).get(_convert.HINTS_KEY)
+                    h = dict(merged)
+                    if inner:
+                        h.update(json.loads(inner))
+                    new.meta = dict(bn.meta)
+                    new.meta["custom"] = {**(bn.meta.get("custom") or {}), _convert.HINTS_KEY: json.dumps(h)}
+                    if "stack_trace" not in new.meta and "stack_trace" in node.meta:
+                        new.meta["stack_trace"] = node.meta["stack_trace"]
+                    env[bn] = new
+            for user in list(node.users):
+                if user.op == "call_function" and user.target is operator.getitem:
+                    user.replace_all_uses_with(result[user.args[1]])
+                    gm.graph.erase_node(user)
+            if node.users:
+                node.replace_all_uses_with(result if not isinstance(result, (list, tuple)) else result[0])
+            gm.graph.erase_node(node)
+            if not body_node.users:
+                gm.graph.erase_node(body_node)
+            changed = True
+            break
+    gm.graph.lint()
+    gm.recompile()
+
+
+# -- running a partition --------------------------------------------------------
+
+
+class TesseraPartition(torch.nn.Module):
+    """One converted partition: compiled per set of input shapes (tessera's
+    own cache serves repeated calls), run through DLPack."""
+
+    def __init__(self, gm, name, config):
+        super().__init__()
+        self.gm = gm
+        self.name = name
+        self.config = config
+        self.entries = {}
+        self.symbolic = any(_is_symbolic(n.meta.get("val")) for n in gm.graph.nodes)
+        _compiled.append(self)
+
+    def _key(self, args):
+        return tuple(
+            (tuple(a.shape), a.dtype, a.device.type) if isinstance(a, torch.Tensor) else ("v", a) for a in args
+        )
+
+    def _types_for(self, args):
+        if not self.symbolic:
+            return _types(self.gm)
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        fakes = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
+        FakeTensorProp(self.gm, mode).propagate_dont_convert_inputs(*fakes)
+        return _types(self.gm)
+
+    def _compile(self, args):
+        types = self._types_for(args)
+        for p, a in zip([n for n in self.gm.graph.nodes if n.op == "placeholder"], args):
+            if isinstance(a, torch.Tensor):
+                types[p] = TT(a.dtype, list(a.shape))
+        text, positions, _ = _convert.to_tir(self.gm, self.name, types)
+        c = self.config
+        started = time.perf_counter()
+        graph = CompiledGraph(
+            text,
+            source=f"<{self.name}>",
+            mode=c.mode,
+            dynamic=c.dynamic,
+            fullgraph=c.fullgraph,
+            schedule=c.schedule,
+            memory_budget_mb=c.memory_budget_mb,
+            fuse_attention=c.fuse_attention,
+        )
+        log.debug("tessera: %s compiled in %.3f s:\n%s", self.name, time.perf_counter() - started, text)
+        return graph, positions
+
+    def forward(self, *args):
+        key = self._key(args)
+        entry = self.entries.get(key)
+        if entry is None:
+            try:
+                entry = self._compile(args)
+            except (TesseraError, _convert.Unsupported) as e:
+                if self.config.fullgraph:
+                    raise
+                log.warning("tessera: partition %s runs in PyTorch: %s", self.name, e)
+                entry = (None, None)
+            self.entries[key] = entry
+        graph, positions = entry
+        if graph is None:
+            return self.gm(*args)
+        device = None
+        caps = []
+        for i in positions:
+            t = args[i].detach()
+            if t.device.type != "cpu":
+                device = t.device
+                t = t.cpu()
+            caps.append(torch.utils.dlpack.to_dlpack(t))
+        outs = [torch.utils.dlpack.from_dlpack(c) for c in graph.run_dlpack(caps)]
+        if device is not None:
+            outs = [o.to(device) for o in outs]
+        return tuple(outs)
+
+    def compiled_graphs(self):
+        return [g for g, _ in self.entries.values() if g is not None]
+
+
+class Config:
+    def __init__(self, mode=None, options=None):
+        options = dict(options or {})
+        self.mode = mode or options.pop("mode", None) or "default"
+        self.schedule = options.pop("schedule", None)
+        self.memory_budget_mb = options.pop("memory_budget_mb", None)
+        self.fullgraph = bool(options.pop("fullgraph", False))
+        self.dynamic = options.pop("dynamic", None)
+        self.fuse_attention = bool(options.pop("fuse_attention", True))
+        if options:
+            raise TesseraError(
+                f"unknown tessera option(s) {sorted(options)}: expected schedule, memory_budget_mb, "
+                "fullgraph, dynamic, fuse_attention, mode"
+            )
+        if self.mode not in ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"):
+            raise TesseraError(f"unknown mode {self.mode!r}: expected default, reduce-overhead or max-autotune")
+        if self.schedule is not None and self.schedule not in ("bfs", "dfs", "strict", "auto"):
+            raise TesseraError(f"unknown schedule {self.schedule!r}: expected bfs, dfs, strict or auto")
+
+
+_counter = [0]
+
+
+def compile_aten_graph(gm, example_inputs, config, kind):
+    """Partitions an ATen graph into tessera partitions and PyTorch nodes;
+    returns the callable AOTAutograd runs (boxed: a list of arguments)."""
+    _unwrap_hints_wrapper(gm)
+    verdict = _supported_nodes(gm)
+    for node, why in verdict.items():
+        if why is not None and why != "not a tensor op" and isinstance(node.target, torch._ops.OpOverload):
+            if config.fullgraph:
+                raise TesseraError(f"fullgraph: {_convert.op_name(node)} ({node.name}) cannot run on tessera: {why}")
+            _note_fallback(_convert.op_name(node), why)
+    partitioner = CapabilityBasedPartitioner(gm, _Support(verdict), allows_single_node_partition=True)
+    partitions = partitioner.propose_partitions()
+    fused = partitioner.fuse_partitions(partitions)
+    _counter[0] += 1
+    for node in list(fused.graph.nodes):
+        if node.op == "call_module" and node.target.startswith("fused_"):
+            sub = getattr(fused, node.target)
+            name = f"{kind}{_counter[0]}_{node.target}"
+            setattr(fused, node.target, TesseraPartition(sub, name, config))
+    fused.recompile()
+
+    def run(args):
+        out = fused(*args)
+        args.clear()
+        return out
+
+    run._boxed_call = True
+    run.graph_module = fused
+    return run
+
+
+def backend(gm, example_inputs, mode=None, options=None, **kwargs):
+    """The ``torch.compile`` backend (registered as ``"tessera"``)."""
+    if kwargs:
+        raise TesseraError(f"unknown backend argument(s) {sorted(kwargs)}")
+    config = Config(mode, options)
+
+    def fw(g, inputs):
+        return compile_aten_graph(g, inputs, config, "forward")
+
+    def bw(g, inputs):
+        return compile_aten_graph(g, inputs, config, "backward")
+
+    return aot_autograd(fw_compiler=fw, bw_compiler=bw, decompositions=DECOMPOSITIONS)(gm, example_inputs)
+
+
+def compiled_partitions():
+    """Every tessera partition built so far (newest last): each has
+    ``compiled_graphs()`` (tessera ``CompiledGraph``s with ``graph_text()``
+    and ``artifacts()``)."""
+    return list(_compiled)
+
+
+def reset():
+    """Forgets the partitions and the fallbacks logged (and resets Dynamo)."""
+    _compiled.clear()
+    _logged_fallbacks.clear()
+    torch._dynamo.reset()
+
+
+def register():
+    from torch._dynamo import list_backends, register_backend
+
+    if "tessera" not in list_backends(exclude_tags=()):
+        register_backend(name="tessera")(backend)
