@@ -210,6 +210,19 @@ fn check_hints(json: &str) -> PyResult<(String, Vec<String>)> {
     Ok((hint.to_json(), warnings))
 }
 
+/// The hints a backward op inherits from a forward op with hints `json`
+/// ([`tessera::hints::for_backward`]: `backward_group_id` becomes the
+/// `group_id`).
+#[pyfunction]
+fn backward_hints(json: &str) -> PyResult<String> {
+    let map: tessera::hints::HintMap = serde_json::from_str(json)
+        .map_err(|e| argument(format!("hints {json}: not a JSON object: {e}")))?;
+    let back = tessera::hints::for_backward(Some(std::sync::Arc::new(map)))
+        .map(|m| serde_json::Value::Object((*m).clone()).to_string())
+        .unwrap_or_else(|| "{}".to_string());
+    Ok(back)
+}
+
 /// The host allocator's (live bytes, peak bytes).
 #[pyfunction]
 fn memory_stats() -> (usize, usize) {
@@ -247,6 +260,7 @@ fn _tessera(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyTensor>()?;
     m.add_class::<PyCompiledGraph>()?;
     m.add_function(wrap_pyfunction!(check_hints, m)?)?;
+    m.add_function(wrap_pyfunction!(backward_hints, m)?)?;
     m.add_function(wrap_pyfunction!(memory_stats, m)?)?;
     m.add_function(wrap_pyfunction!(reset_peak_memory, m)?)?;
     m.add_function(wrap_pyfunction!(dtypes, m)?)?;

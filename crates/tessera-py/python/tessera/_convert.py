@@ -87,10 +87,24 @@ def call_site(node):
     return f"{path}:{line}:1"
 
 
-def node_hints(node):
+_backward_hints = {}
+
+
+def node_hints(node, backward=False):
+    """The node's hints as JSON text; in a backward graph, those a backward
+    op inherits (tessera's `hints::for_backward`: `backward_group_id`
+    becomes the `group_id`)."""
     custom = node.meta.get("custom") or {}
     h = custom.get(HINTS_KEY)
-    return h if h else None
+    if not h:
+        return None
+    if backward:
+        if h not in _backward_hints:
+            from ._tessera import backward_hints
+
+            _backward_hints[h] = backward_hints(h)
+        return _backward_hints[h]
+    return h
 
 
 def normalise_dim(dim, rank):
@@ -121,7 +135,8 @@ class Emitter:
     """Writes one graph's lines; `types` gives each FX node's concrete value
     (a FakeTensor or a tuple of them)."""
 
-    def __init__(self, name, types):
+    def __init__(self, name, types, backward=False):
+        self.backward = backward
         self.graph_name = name
         self.types = types
         self.lines = []
@@ -161,7 +176,7 @@ class Emitter:
             text += " {" + ", ".join(f"{k}={v}" for k, v in attrs) + "}"
         text += f" : {type_str(dtype, shape)}"
         if node is not None:
-            h = node_hints(node)
+            h = node_hints(node, self.backward)
             if h:
                 text += f"  hints={h}"
             site = call_site(node)
@@ -901,11 +916,11 @@ def op_name(node):
     return getattr(t, "__name__", str(t))
 
 
-def to_tir(gm, name, types):
+def to_tir(gm, name, types, backward=False):
     """The text of `gm` (an FX graph of converted ops) as a tessera graph,
     with `types` the concrete value of each node. Returns (text, the
     positions of `gm`'s placeholders that are graph inputs, output count)."""
-    e = Emitter(name, types)
+    e = Emitter(name, types, backward)
     tensor_inputs = []
     outputs = []
     for i, node in enumerate(n for n in gm.graph.nodes if n.op == "placeholder"):

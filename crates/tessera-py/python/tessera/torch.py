@@ -228,12 +228,15 @@ class TesseraPartition(torch.nn.Module):
     """One converted partition: compiled per set of input shapes (tessera's
     own cache serves repeated calls), run through DLPack."""
 
-    def __init__(self, gm, name, config):
+    def __init__(self, gm, name, config, backward=False):
         super().__init__()
+        self.backward = backward
         self.gm = gm
         self.name = name
         self.config = config
         self.entries = {}
+        out = next(n for n in gm.graph.nodes if n.op == "output")
+        self.tuple_output = isinstance(out.args[0], (list, tuple))
         self.symbolic = any(_is_symbolic(n.meta.get("val")) for n in gm.graph.nodes)
         _compiled.append(self)
 
@@ -258,7 +261,7 @@ class TesseraPartition(torch.nn.Module):
         for p, a in zip([n for n in self.gm.graph.nodes if n.op == "placeholder"], args):
             if isinstance(a, torch.Tensor):
                 types[p] = TT(a.dtype, list(a.shape))
-        text, positions, _ = _convert.to_tir(self.gm, self.name, types)
+        text, positions, _ = _convert.to_tir(self.gm, self.name, types, self.backward)
         c = self.config
         started = time.perf_counter()
         graph = CompiledGraph(
@@ -300,7 +303,7 @@ class TesseraPartition(torch.nn.Module):
         outs = [torch.utils.dlpack.from_dlpack(c) for c in graph.run_dlpack(caps)]
         if device is not None:
             outs = [o.to(device) for o in outs]
-        return tuple(outs)
+        return tuple(outs) if self.tuple_output else outs[0]
 
     def compiled_graphs(self):
         return [g for g, _ in self.entries.values() if g is not None]
@@ -347,7 +350,7 @@ def compile_aten_graph(gm, example_inputs, config, kind):
         if node.op == "call_module" and node.target.startswith("fused_"):
             sub = getattr(fused, node.target)
             name = f"{kind}{_counter[0]}_{node.target}"
-            setattr(fused, node.target, TesseraPartition(sub, name, config))
+            setattr(fused, node.target, TesseraPartition(sub, name, config, kind == "backward"))
     fused.recompile()
 
     def run(args):
