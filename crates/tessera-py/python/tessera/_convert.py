@@ -699,6 +699,34 @@ def _slice(e, node):
     return e.op("slice", [x], attrs, final=True)
 
 
+@converts(aten.slice_scatter.default)
+def _slice_scatter(e, node):
+    # base with src in place of base[start:end] along dim: three parts joined.
+    base, src = e.val(node.args[0]), e.val(node.args[1])
+    r = len(base.shape)
+    dim = normalise_dim(arg(node, 2, "dim", 0), r)
+    size = base.shape[dim]
+    start, end, step = arg(node, 3, "start"), arg(node, 4, "end"), arg(node, 5, "step", 1)
+    if step not in (None, 1):
+        raise Unsupported(f"slice_scatter with step {step}")
+    start = 0 if start is None else int(start)
+    end = size if end is None else int(end)
+    start = min(max(start + size if start < 0 else start, 0), size)
+    end = min(max(end + size if end < 0 else end, start), size)
+    dtype, shape = e.out_type()
+    parts = []
+    for lo, hi in ((0, start), (end, size)):
+        if hi > lo:
+            sh = list(base.shape)
+            sh[dim] = hi - lo
+            parts.append(e.op("slice", [base], [("dim", dim), ("start", lo), ("end", hi), ("step", 1)],
+                              dtype=base.dtype, shape=sh))  # fmt: skip
+    parts.insert(1 if start > 0 else 0, e.cast(src, dtype))
+    if len(parts) == 1:
+        return e.op("contiguous", parts, final=True)
+    return e.op("cat", parts, [("dim", dim)], final=True)
+
+
 @converts(aten.cat.default)
 def _cat(e, node):
     tensors = [e.val(t) for t in node.args[0]]

@@ -1,0 +1,311 @@
+"""torch.compile(backend="tessera") against eager PyTorch: values and
+gradients, fallbacks, hints, options, dynamic shapes."""
+
+import math
+import re
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import tessera
+import tessera.torch
+from tessera.seed import PySDPA, PySDPAHinted
+
+
+def values_and_grads(fn, inputs, params=()):
+    """fn's outputs and the gradients of their sum of (output · fixed
+    weights) with respect to `inputs` and `params`."""
+    inputs = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in inputs]
+    for p in params:
+        p.grad = None
+    out = fn(*inputs)
+    outs = out if isinstance(out, (tuple, list)) else [out]
+    gen = torch.Generator().manual_seed(1)
+    loss = sum((o * torch.randn(o.shape, generator=gen)).sum() for o in outs)
+    loss.backward()
+    grads = [t.grad for t in inputs if t.requires_grad] + [p.grad for p in params]
+    return [o.detach() for o in outs], [g.clone() for g in grads]
+
+
+def assert_close_all(got, want, atol=1e-5, rtol=1e-4):
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=atol, rtol=rtol)
+
+
+def compare(fn, inputs, params=(), atol=1e-5, rtol=1e-4, **compile_kwargs):
+    want = values_and_grads(fn, inputs, params)
+    compiled = torch.compile(fn, backend="tessera", **compile_kwargs)
+    got = values_and_grads(compiled, inputs, params)
+    assert_close_all(got[0], want[0], atol, rtol)
+    assert_close_all(got[1], want[1], atol, rtol)
+    return compiled
+
+
+def tessera_graphs():
+    return [g for p in tessera.torch.compiled_partitions() for g in p.compiled_graphs()]
+
+
+def graph_texts(kind):
+    return [g.graph_text() for p in tessera.torch.compiled_partitions() if p.name.startswith(kind) for g in p.compiled_graphs()]
+
+
+# -- tensors across DLPack --------------------------------------------------------
+
+
+def test_dlpack_import_and_export_share_memory():
+    x = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    t = tessera.Tensor.from_dlpack(torch.utils.dlpack.to_dlpack(x))
+    assert t.shape == [3, 4] and t.dtype == "f32"
+    x[0, 0] = 42.0
+    assert t.to_list()[0] == 42.0, "tessera reads torch's memory, not a copy"
+    back = torch.utils.dlpack.from_dlpack(t.to_dlpack())
+    assert back.data_ptr() == x.data_ptr()
+    # A strided view crosses with its strides.
+    xt = x.t()
+    tt = tessera.Tensor.from_dlpack(torch.utils.dlpack.to_dlpack(xt))
+    assert tt.to_list() == xt.reshape(-1).tolist()
+    for dtype in (torch.float64, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.bool):
+        y = (torch.arange(6) % 2).to(dtype)
+        z = torch.utils.dlpack.from_dlpack(tessera.Tensor.from_dlpack(torch.utils.dlpack.to_dlpack(y)).to_dlpack())
+        assert z.dtype == dtype and torch.equal(z, y)
+
+
+def test_dlpack_refuses_what_tessera_lacks():
+    with pytest.raises(tessera.TesseraError, match="uint8"):
+        tessera.Tensor.from_dlpack(torch.utils.dlpack.to_dlpack(torch.zeros(3, dtype=torch.uint8)))
+    cap = torch.utils.dlpack.to_dlpack(torch.zeros(3))
+    tessera.Tensor.from_dlpack(cap)
+    with pytest.raises(tessera.TesseraError, match="used once"):
+        tessera.Tensor.from_dlpack(cap)
+
+
+def test_graph_text_errors_name_the_line():
+    bad = "graph g(%a) {\n  %a = input : f32[2,3]\n  %b = relu(%a) : f32[2,4]\n  return %b as b\n}\n"
+    with pytest.raises(tessera.TesseraError, match=r"declared type f32\[2,4\].*<m.tir>:3:8"):
+        tessera.CompiledGraph(bad, source="<m.tir>")
+
+
+# -- models -------------------------------------------------------------------------
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l1 = nn.Linear(12, 32)
+        self.norm = nn.LayerNorm(32)
+        self.l2 = nn.Linear(32, 16)
+        self.l3 = nn.Linear(16, 5)
+
+    def forward(self, x):
+        h = self.norm(F.gelu(self.l1(x)))
+        h = torch.tanh(self.l2(h)) + F.relu(h[:, :16])
+        return self.l3(h)
+
+
+def test_mlp_with_cross_entropy_matches_eager(fallbacks):
+    m = MLP()
+    y = torch.randint(0, 5, (8,))
+
+    def loss(x):
+        logits = m(x)
+        return F.cross_entropy(logits, y), F.softmax(logits, dim=-1), F.log_softmax(logits, dim=1)
+
+    compare(loss, [torch.randn(8, 12)], list(m.parameters()))
+    assert fallbacks() == [], "every op of the MLP and its backward runs on tessera"
+    assert tessera_graphs(), "the graphs ran on tessera"
+
+
+def attention(q, k, v, causal):
+    s = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    if causal:
+        n = q.shape[-2]
+        mask = torch.ones(n, n, dtype=torch.bool).tril()
+        s = s.masked_fill(~mask, float("-inf"))
+    return F.softmax(s, dim=-1) @ v
+
+
+@pytest.mark.parametrize("with_slice", [False, True])
+def test_seed_attention_matches_eager(with_slice, fallbacks):
+    qkv = [torch.randn(2, 3, 16, 8) for _ in range(3)]
+    compare(lambda q, k, v: PySDPA.apply(q, k, v, False, with_slice), qkv)
+    assert fallbacks() == []
+
+
+class Block(nn.Module):
+    """A GPT-style block: embedding, pre-norm causal attention, GELU MLP."""
+
+    def __init__(self, vocab=11, d=16, heads=2):
+        super().__init__()
+        self.heads = heads
+        self.emb = nn.Embedding(vocab, d)
+        self.pos = nn.Parameter(torch.randn(8, d) * 0.1)
+        self.ln1, self.ln2, self.lnf = nn.LayerNorm(d), nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.drop = nn.Dropout(0.0)
+
+    def forward(self, ids, targets):
+        b, n = ids.shape
+        x = self.emb(ids) + self.pos[:n]
+        q, k, v = self.qkv(self.ln1(x)).split(x.shape[-1], dim=-1)
+        q, k, v = (t.view(b, n, self.heads, -1).transpose(1, 2) for t in (q, k, v))
+        a = attention(q, k, v, causal=True).transpose(1, 2).reshape(b, n, -1)
+        x = x + self.drop(self.proj(a))
+        x = x + self.out(F.gelu(self.fc(self.ln2(x))))
+        logits = self.head(self.lnf(x))
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
+
+
+def test_transformer_block_trains_like_eager(fallbacks):
+    m = Block()
+    ids = torch.randint(0, 11, (3, 8))
+    targets = torch.randint(0, 11, (3, 8))
+    compare(lambda: m(ids, targets), [], list(m.parameters()))
+    assert not [line for line in fallbacks() if "embedding" in line or "layer_norm" in line]
+
+
+def test_training_step_with_sdpa_and_optimizer_matches_eager():
+    torch.manual_seed(0)
+    ref = Block()
+    m = Block()
+    m.load_state_dict(ref.state_dict())
+    ids, targets = torch.randint(0, 11, (2, 8)), torch.randint(0, 11, (2, 8))
+
+    def make_step(model):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+        def step():
+            opt.zero_grad()
+            loss = model(ids, targets)
+            loss.backward()
+            opt.step()
+            return loss.detach()
+
+        return step
+
+    eager, compiled = make_step(ref), torch.compile(make_step(m), backend="tessera")
+    for _ in range(3):
+        torch.testing.assert_close(compiled(), eager(), atol=1e-5, rtol=1e-4)
+    for p, q in zip(m.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-5, rtol=1e-4)
+
+
+# -- fallback -------------------------------------------------------------------
+
+
+def test_an_unsupported_op_runs_in_pytorch_logged_once(fallbacks):
+    w = torch.randn(6, 6, requires_grad=True)
+
+    def f(x):
+        h = torch.relu(x @ w)
+        return torch.cumsum(h, dim=1).exp().sum(dim=0)
+
+    compiled = compare(f, [torch.randn(4, 6)], [w])
+    compiled(torch.randn(4, 6))
+    lines = fallbacks()
+    assert len([line for line in lines if "aten.cumsum" in line]) == 1, lines
+    assert tessera_graphs(), "the rest of the graph still runs on tessera"
+
+
+def test_fullgraph_option_refuses_a_fallback():
+    f = torch.compile(lambda x: torch.cumsum(x, 0), backend="tessera", options={"fullgraph": True})
+    with pytest.raises(Exception, match="aten.cumsum"):
+        f(torch.randn(3))
+
+
+# -- hints ---------------------------------------------------------------------------
+
+
+def hinted_lines(texts, hint):
+    return [line for t in texts for line in t.splitlines() if hint in line]
+
+
+def test_hints_context_reaches_forward_and_backward_nodes():
+    w = torch.randn(8, 8, requires_grad=True)
+
+    def f(x):
+        y = x @ w
+        with tessera.hints('{"order": "strict", "group_id": 3, "backward_group_id": 4}'):
+            z = torch.exp(torch.relu(y)) * 2.0
+        return z.sum() + y.mean()
+
+    compare(f, [torch.randn(4, 8)], [w])
+    fw, bw = graph_texts("forward"), graph_texts("backward")
+    fw_hinted = hinted_lines(fw, '"group_id":3')
+    assert {re.search(r"= (\w+)", line).group(1) for line in fw_hinted} >= {"relu", "exp", "mul"}
+    matmuls = hinted_lines(fw, "matmul(")
+    assert matmuls and all("hints=" not in line for line in matmuls), "the matmul is outside the block"
+    # The backward ops made from the hinted region inherit its hints, with
+    # backward_group_id as their group (tessera's own rule).
+    assert hinted_lines(bw, '"group_id":4'), bw
+    assert not hinted_lines(bw, '"group_id":3')
+
+
+def test_hints_accept_a_dict_and_refuse_bad_values():
+    with tessera.hints({"order": "dfs"}):
+        pass
+    with pytest.raises(tessera.TesseraError, match="order"):
+        tessera.hints('{"order": "sideways"}')
+    with pytest.raises(tessera.TesseraError):
+        tessera.hints("{not json")
+
+
+def predicted_peak(kind):
+    peaks = []
+    for p in tessera.torch.compiled_partitions():
+        if p.name.startswith(kind):
+            for g in p.compiled_graphs():
+                for name, text in g.artifacts():
+                    if name.endswith("schedule.txt"):
+                        peaks += [int(x) for x in re.findall(r"predicted peak (\d+) bytes", text)]
+    return max(peaks)
+
+
+def test_seed_hints_change_the_schedule_and_its_memory():
+    """PySDPAHinted (hints through torch's hints_wrapper HOP) against
+    PySDPA, both sliced, tessera's attention pass off: the strict order's
+    predicted peak is lower, forward and backward."""
+    qkv = [torch.randn(2, 4, 32, 8) for _ in range(3)]
+    options = {"fuse_attention": False}
+    compare(lambda q, k, v: PySDPA.apply(q, k, v, False, True), qkv, options=options)
+    plain = predicted_peak("forward"), predicted_peak("backward")
+    tessera.torch.reset()
+    compare(lambda q, k, v: PySDPAHinted.apply(q, k, v, False, True), qkv, options=options)
+    assert hinted_lines(graph_texts("forward"), '"group_id":0,"order":"strict"')
+    assert hinted_lines(graph_texts("backward"), '"group_id":1,"order":"strict"')
+    hinted = predicted_peak("forward"), predicted_peak("backward")
+    assert hinted[0] < plain[0] and hinted[1] < plain[1], (hinted, plain)
+
+
+# -- options and shapes -----------------------------------------------------------------
+
+
+def test_options_map_to_compile_options():
+    w = torch.randn(8, 8, requires_grad=True)
+    f = lambda x: torch.softmax(x @ w, dim=-1).sum()  # noqa: E731
+    compare(f, [torch.randn(4, 8)], [w], options={"schedule": "dfs", "memory_budget_mb": 1})
+    compare(f, [torch.randn(4, 8)], [w], mode="max-autotune")
+    with pytest.raises(Exception, match="unknown tessera option"):
+        torch.compile(f, backend="tessera", options={"sheduel": "dfs"})(torch.randn(4, 8))
+    with pytest.raises(Exception, match="unknown schedule"):
+        torch.compile(f, backend="tessera", options={"schedule": "fast"})(torch.randn(4, 8))
+
+
+def test_dynamic_batch_sizes_without_recompiles():
+    from torch._dynamo.utils import counters
+
+    m = MLP()
+    compiled = torch.compile(m, backend="tessera", dynamic=True)
+    counters.clear()
+    for batch in (3, 5, 9):
+        x = torch.randn(batch, 12)
+        want = values_and_grads(m, [x], list(m.parameters()))
+        got = values_and_grads(compiled, [x], list(m.parameters()))
+        assert_close_all(got[0], want[0])
+        assert_close_all(got[1], want[1])
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
