@@ -461,6 +461,45 @@ def _where(e, node):
     return e.op("where", [cond, e.operand(node.args[1], dtype), e.operand(node.args[2], dtype)], final=True)
 
 
+def _as_bool(e, arg):
+    v = e.val(arg)
+    if v.dtype == torch.bool:
+        return v
+    return e.op("ne", [v, e.scalar(0, v.dtype)], dtype=torch.bool, shape=v.shape)
+
+
+@converts(aten.logical_not.default, aten.bitwise_not.default)
+def _logical_not(e, node):
+    dtype, _ = e.out_type()
+    if node.target == aten.bitwise_not.default and dtype != torch.bool:
+        raise Unsupported("bitwise_not of integers")
+    x = _as_bool(e, node.args[0])
+    return e.op("eq", [x, e.scalar(False, torch.bool)], final=True)
+
+
+@converts(aten.logical_and.default, aten.logical_or.default, aten.bitwise_and.Tensor, aten.bitwise_or.Tensor)
+def _logical_and_or(e, node):
+    dtype, _ = e.out_type()
+    if dtype != torch.bool:
+        raise Unsupported("bitwise ops on integers")
+    a, b = _as_bool(e, node.args[0]), _as_bool(e, node.args[1])
+    if node.target in (aten.logical_and.default, aten.bitwise_and.Tensor):
+        return e.op("where", [a, b, e.scalar(False, torch.bool)], final=True)
+    return e.op("where", [a, e.scalar(True, torch.bool), b], final=True)
+
+
+@converts(aten.any.dim, aten.any.dims, aten.any.default)
+def _any(e, node):
+    x = _as_bool(e, node.args[0])
+    dims = dims_list(arg(node, 1, "dim"), len(x.shape)) if node.target != aten.any.default else list(range(len(x.shape)))
+    keep = bool(arg(node, 2, "keepdim", False)) if node.target != aten.any.default else False
+    _, shape = e.out_type()
+    xi = e.op("cast", [x], [("dtype", "i32")], dtype=torch.int32, shape=x.shape)
+    m = e.op("max", [xi], [("dims", fmt_list(dims)), ("keepdim", "true" if keep else "false")],
+             dtype=torch.int32, shape=shape)  # fmt: skip
+    return e.op("gt", [m, e.scalar(0, torch.int32)], final=True)
+
+
 @converts(aten.threshold_backward.default)
 def _threshold_backward(e, node):
     grad, x = e.val(node.args[0]), e.val(node.args[1])
@@ -915,6 +954,29 @@ def _var_mean(e, node):
     else:
         mean = e.op("reshape", [mean_k], [("shape", fmt_list(mean_t.shape))], dtype=dtype, shape=list(mean_t.shape))
     return [var, mean]
+
+
+@converts(aten.split_with_sizes.default, aten.split.Tensor, aten.unbind.int)
+def _split(e, node):
+    x = e.val(node.args[0])
+    outs = e.meta(node)
+    if not isinstance(outs, list) or not all(isinstance(o, TT) for o in outs):
+        raise Unsupported("split without tensor results")
+    default_dim = 0
+    dim = normalise_dim(arg(node, 2 if node.target != aten.unbind.int else 1, "dim", default_dim), len(x.shape))
+    values, start = [], 0
+    for i, o in enumerate(outs):
+        n = x.shape[dim] // len(outs) if node.target == aten.unbind.int else o.shape[dim]
+        n = 1 if node.target == aten.unbind.int else n
+        sh = list(x.shape)
+        sh[dim] = n
+        part = e.line(f"{node.name}_{i}" if node.target != aten.unbind.int else f"{node.name}_s{i}", "slice", [x],
+                      [("dim", dim), ("start", start), ("end", start + n), ("step", 1)], x.dtype, sh)  # fmt: skip
+        if node.target == aten.unbind.int:
+            part = e.line(f"{node.name}_{i}", "reshape", [part], [("shape", fmt_list(o.shape))], x.dtype, o.shape)
+        values.append(part)
+        start += n
+    return values
 
 
 @converts(operator.getitem)

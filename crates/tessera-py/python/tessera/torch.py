@@ -363,6 +363,40 @@ def compile_aten_graph(gm, example_inputs, config, kind):
     return run
 
 
+def _sdpa_math(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """``F.scaled_dot_product_attention`` in plain ops (softmax(q·kᵀ·scale +
+    mask)·v), which AOTAutograd differentiates op by op and tessera's
+    attention pass turns back into its flash attention."""
+    scale = 1.0 / (query.shape[-1] ** 0.5) if scale is None else scale
+    s = torch.matmul(query, key.transpose(-2, -1)) * scale
+    if is_causal:
+        n, m = query.shape[-2], key.shape[-2]
+        keep = torch.ones(n, m, dtype=torch.bool, device=query.device).tril()
+        s = s.masked_fill(~keep, float("-inf"))
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            s = s.masked_fill(~attn_mask, float("-inf"))
+        else:
+            s = s + attn_mask
+    return torch.matmul(torch.softmax(s, dim=-1), value)
+
+
+def _rewrite_sdpa(gm):
+    """Calls of ``F.scaled_dot_product_attention`` without dropout or GQA
+    become :func:`_sdpa_math`, so that their backward is made of ops
+    tessera converts (PyTorch's fused backward kernels are not)."""
+    targets = {torch._C._nn.scaled_dot_product_attention, torch.nn.functional.scaled_dot_product_attention}
+    changed = False
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in targets:
+            dropout = node.kwargs.get("dropout_p", node.args[4] if len(node.args) > 4 else 0.0)
+            if dropout == 0.0 and not node.kwargs.get("enable_gqa", False):
+                node.target = _sdpa_math
+                changed = True
+    if changed:
+        gm.recompile()
+
+
 def backend(gm, example_inputs, mode=None, options=None, **kwargs):
     """The ``torch.compile`` backend (registered as ``"tessera"``)."""
     if kwargs:
@@ -375,6 +409,7 @@ def backend(gm, example_inputs, mode=None, options=None, **kwargs):
     def bw(g, inputs):
         return compile_aten_graph(g, inputs, config, "backward")
 
+    _rewrite_sdpa(gm)
     return aot_autograd(fw_compiler=fw, bw_compiler=bw, decompositions=DECOMPOSITIONS)(gm, example_inputs)
 
 
