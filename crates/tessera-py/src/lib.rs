@@ -1,7 +1,7 @@
 //! `tessera._tessera`: the Python module over tessera's public API, a thin
 //! binding for the `tessera` Python package (`python/tessera/`), whose
 //! torch.compile backend converts PyTorch's ATen graphs to tessera's text
-//! IR and runs them through [`CompiledGraph`]:
+//! IR and runs them through [`tessera::compile::CompiledGraph`]:
 //!
 //! - `CompiledGraph(text, ...)`: a `.tir` graph parsed (errors at their
 //!   line and column) and compiled with [`tessera::compile::compile_graph`]
@@ -155,9 +155,7 @@ impl PyCompiledGraph {
             .iter()
             .map(dlpack::import)
             .collect::<PyResult<_>>()?;
-        let outputs = py
-            .detach(|| self.0.try_call(&inputs))
-            .map_err(to_py)?;
+        let outputs = py.detach(|| self.0.try_call(&inputs)).map_err(to_py)?;
         drop(inputs);
         outputs.iter().map(|t| dlpack::export(py, t)).collect()
     }
@@ -165,9 +163,7 @@ impl PyCompiledGraph {
     /// Runs on tessera tensors.
     fn run(&self, py: Python<'_>, inputs: Vec<Py<PyTensor>>) -> PyResult<Vec<PyTensor>> {
         let inputs: Vec<Tensor> = inputs.iter().map(|t| t.get().0.clone()).collect();
-        let outputs = py
-            .detach(|| self.0.try_call(&inputs))
-            .map_err(to_py)?;
+        let outputs = py.detach(|| self.0.try_call(&inputs)).map_err(to_py)?;
         Ok(outputs.into_iter().map(PyTensor).collect())
     }
 

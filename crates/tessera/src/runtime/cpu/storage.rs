@@ -24,8 +24,7 @@ enum Block {
 
 /// What keeps lent memory alive (see [`Storage::from_foreign`]): dropped
 /// when the last view of the storage is.
-pub type ForeignOwner =
-    Box<dyn Send + Sync + std::panic::RefUnwindSafe + std::panic::UnwindSafe>;
+pub type ForeignOwner = Box<dyn Send + Sync + std::panic::RefUnwindSafe + std::panic::UnwindSafe>;
 
 /// Host memory lent by another library (a PyTorch tensor's through DLPack):
 /// `owner` keeps it alive and gives it back when dropped.
@@ -132,8 +131,9 @@ impl Storage {
         len: usize,
         owner: ForeignOwner,
     ) -> Result<Storage> {
-        let fits = numel <= limits::MAX_ELEMENTS && numel.checked_mul(dtype.size_bytes()) == Some(len);
-        if !fits || ptr.is_null() || (ptr as usize) % dtype.size_bytes() != 0 {
+        let fits =
+            numel <= limits::MAX_ELEMENTS && numel.checked_mul(dtype.size_bytes()) == Some(len);
+        if !fits || ptr.is_null() || !(ptr as usize).is_multiple_of(dtype.size_bytes()) {
             return Err(Error::new(
                 ErrorKind::Argument,
                 format!(
