@@ -209,6 +209,17 @@ def test_training_step_with_sdpa_and_optimizer_matches_eager():
         torch.testing.assert_close(p, q, atol=1e-5, rtol=1e-4)
 
 
+def test_outputs_do_not_alias_inputs_or_each_other():
+    f = torch.compile(lambda x: (x.clone(), x.contiguous() * 1, x + 0), backend="tessera")
+    x = torch.randn(5)
+    before = x.clone()
+    a, b, c = f(x)
+    a.add_(1.0)
+    b.mul_(2.0)
+    assert torch.equal(x, before), "an output written in place leaves the input as it was"
+    torch.testing.assert_close(c, before)
+
+
 # -- fallback -------------------------------------------------------------------
 
 

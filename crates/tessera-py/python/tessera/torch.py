@@ -237,6 +237,13 @@ class TesseraPartition(torch.nn.Module):
         self.entries = {}
         out = next(n for n in gm.graph.nodes if n.op == "output")
         self.tuple_output = isinstance(out.args[0], (list, tuple))
+        results = out.args[0] if self.tuple_output else [out.args[0]]
+        # Where each output lives in PyTorch (tessera computes on the host).
+        self.out_devices = [
+            r.meta["val"].device if isinstance(r, torch.fx.Node) and isinstance(r.meta.get("val"), torch.Tensor)
+            else torch.device("cpu")
+            for r in results
+        ]  # fmt: skip
         self.symbolic = any(_is_symbolic(n.meta.get("val")) for n in gm.graph.nodes)
         _compiled.append(self)
 
@@ -292,17 +299,26 @@ class TesseraPartition(torch.nn.Module):
         graph, positions = entry
         if graph is None:
             return self.gm(*args)
-        device = None
         caps = []
+        storages = set()
         for i in positions:
             t = args[i].detach()
             if t.device.type != "cpu":
-                device = t.device
-                t = t.cpu()
+                t = t.cpu()  # CUDA tensors cross through the host
+            storages.add(t.untyped_storage().data_ptr())
             caps.append(torch.utils.dlpack.to_dlpack(t))
-        outs = [torch.utils.dlpack.from_dlpack(c) for c in graph.run_dlpack(caps)]
-        if device is not None:
-            outs = [o.to(device) for o in outs]
+        outs = []
+        for c, device in zip(graph.run_dlpack(caps), self.out_devices):
+            o = torch.utils.dlpack.from_dlpack(c)
+            # tessera may hand back an input's buffer (`contiguous` of a
+            # contiguous input) or one buffer for two outputs; PyTorch takes
+            # the outputs of a node that is not a view as fresh tensors.
+            ptr = o.untyped_storage().data_ptr()
+            if ptr in storages and o.numel() > 0:
+                o = o.clone()
+                ptr = o.untyped_storage().data_ptr()
+            storages.add(ptr)
+            outs.append(o if device.type == "cpu" else o.to(device))
         return tuple(outs) if self.tuple_output else outs[0]
 
     def compiled_graphs(self):
