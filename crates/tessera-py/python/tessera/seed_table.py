@@ -20,7 +20,11 @@ import argparse
 import json
 import logging
 import math
+import os
 import time
+
+# The profiler's own log lines (kineto) would interleave with the table.
+os.environ.setdefault("KINETO_LOG_LEVEL", "5")
 
 import torch
 import torch.nn.functional as F
@@ -148,7 +152,7 @@ def print_table(shape, dtype, reps, device, rows):
 
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m tessera.seed_table", description=__doc__.splitlines()[0])
-    p.add_argument("--shape", default="2,4,128,32", help="B,H,N,D of q, k and v (default 2,4,128,32)")
+    p.add_argument("--shape", default="2,4,256,32", help="B,H,N,D of q, k and v (default 2,4,256,32)")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="f32", choices=["f32", "f64"])

@@ -348,10 +348,37 @@ class Config:
 _counter = [0]
 
 
+_logged_recompute = set()
+
+
+def _note_unhonoured_recompute(gm):
+    """tessera checkpoints a region whose hints ask for `recompute` (the
+    default under `order: strict`) in its own AOT partition; here
+    AOTAutograd partitions, so the hint is not honoured: said once per
+    hint object, as a stage that ignores a hint must."""
+    import json
+
+    for node in gm.graph.nodes:
+        text = (node.meta.get("custom") or {}).get(_convert.HINTS_KEY)
+        if not text or text in _logged_recompute:
+            continue
+        h = json.loads(text)
+        order = h.get("order", h.get("schedule_policy"))
+        if h.get("recompute", order == "strict"):
+            _logged_recompute.add(text)
+            log.warning(
+                "tessera: hints %s: `recompute` is not honoured under torch.compile (AOTAutograd's "
+                "partitioner decides what the backward saves; torch.utils.checkpoint recomputes)",
+                text,
+            )
+
+
 def compile_aten_graph(gm, example_inputs, config, kind):
     """Partitions an ATen graph into tessera partitions and PyTorch nodes;
     returns the callable AOTAutograd runs (boxed: a list of arguments)."""
     _unwrap_hints_wrapper(gm)
+    if kind == "forward":
+        _note_unhonoured_recompute(gm)
     verdict = _supported_nodes(gm)
     for node, why in verdict.items():
         if why is not None and why != "not a tensor op" and isinstance(node.target, torch._ops.OpOverload):
@@ -440,6 +467,7 @@ def reset():
     """Forgets the partitions and the fallbacks logged (and resets Dynamo)."""
     _compiled.clear()
     _logged_fallbacks.clear()
+    _logged_recompute.clear()
     torch._dynamo.reset()
 
 
