@@ -271,6 +271,21 @@ def test_hints_context_reaches_forward_and_backward_nodes():
     assert not hinted_lines(bw, '"group_id":3')
 
 
+def test_nested_hints_merge_the_inner_value_winning():
+    def f(x):
+        with tessera.hints({"order": "strict", "group_id": 1}):
+            y = x.exp()
+            with tessera.hints('{"group_id": 2}'):
+                z = y.relu()
+        return z * 2
+
+    compare(f, [torch.randn(3)])
+    (text,) = graph_texts("forward")  # one graph: no graph break
+    assert re.search(r'exp\(%in_\w+\) : f32\[3\]  hints={"group_id":1,"order":"strict"}', text), text
+    assert 'relu(%exp) : f32[3]  hints={"group_id":2,"order":"strict"}' in text, text
+    assert "mul(" in text and all("hints=" not in line for line in text.splitlines() if "mul(" in line)
+
+
 def test_hints_accept_a_dict_and_refuse_bad_values():
     with tessera.hints({"order": "dfs"}):
         pass

@@ -25,8 +25,6 @@ import torch
 aten = torch.ops.aten
 prims = torch.ops.prims
 
-HINTS_KEY = "tessera_hints"
-
 DTYPES = {
     torch.float32: "f32",
     torch.float64: "f64",
@@ -94,8 +92,9 @@ def node_hints(node, backward=False):
     """The node's hints as JSON text; in a backward graph, those a backward
     op inherits (tessera's `hints::for_backward`: `backward_group_id`
     becomes the `group_id`)."""
-    custom = node.meta.get("custom") or {}
-    h = custom.get(HINTS_KEY)
+    from ._hints import hints_of
+
+    h = hints_of(node.meta)
     if not h:
         return None
     if backward:

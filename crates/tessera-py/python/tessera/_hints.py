@@ -26,30 +26,33 @@ from ._tessera import check_hints
 
 log = logging.getLogger("tessera")
 
+#: The prefix of the FX node meta keys (in ``meta["custom"]``) that hold
+#: one hint each: ``tessera_hint.order`` = ``"strict"``. One key per hint
+#: makes nested blocks merge, the inner value winning, through
+#: ``annotate``'s own update of ``meta["custom"]``.
+PREFIX = "tessera_hint."
+
 _normalised = {}
 
 
 def normalise(spec):
-    """The hint object `spec` (JSON text or a dict) checked by tessera and
-    returned as compact JSON text (cached per text)."""
-    text = spec if isinstance(spec, str) else json.dumps(spec, sort_keys=True)
-    if text not in _normalised:
+    """The hint object `spec` (JSON text, a dict, or a tuple of (key,
+    value) pairs) checked by tessera: its (key, value) pairs, sorted
+    (cached per spec)."""
+    if isinstance(spec, dict):
+        spec = tuple(sorted(spec.items()))
+    if spec not in _normalised:
+        text = spec if isinstance(spec, str) else json.dumps(dict(spec))
         normal, warnings = check_hints(text)
         for w in warnings:
             log.warning("tessera: %s", w)
-        _normalised[text] = normal
-    return _normalised[text]
+        _normalised[spec] = tuple(sorted(json.loads(normal).items()))
+    return _normalised[spec]
 
 
 def hint_dict(spec):
-    """`spec` checked and parsed into a dict (a fresh one per call)."""
-    return dict(json.loads(normalise(spec)))
-
-
-def _merge(outer, inner):
-    merged = json.loads(outer) if outer else {}
-    merged.update(json.loads(inner))
-    return json.dumps(merged, separators=(",", ":"), sort_keys=True)
+    """`spec` checked, as a dict."""
+    return dict(normalise(spec))
 
 
 def _constant(fn):
@@ -65,7 +68,6 @@ def _constant(fn):
 
 _normalise_const = _constant(normalise)
 _hint_dict_const = _constant(hint_dict)
-_merge_const = _constant(_merge)
 
 
 def hints(spec):
@@ -74,8 +76,15 @@ def hints(spec):
     forward and backward graphs."""
     import torch.fx.traceback as fx_traceback
 
-    text = spec if isinstance(spec, str) else json.dumps(spec, sort_keys=True)
-    inner = _normalise_const(text)
-    outer = (fx_traceback.current_meta.get("custom") or {}).get("tessera_hints")
-    merged = _merge_const(outer, inner) if outer else inner
-    return fx_traceback.annotate({"tessera_hints": merged})
+    key = spec if isinstance(spec, str) else tuple(sorted(spec.items()))
+    return fx_traceback.annotate({PREFIX + k: v for k, v in _normalise_const(key)})
+
+
+def hints_of(meta):
+    """The hints an FX node's meta carries, as compact JSON text (None
+    without any)."""
+    custom = meta.get("custom") or {}
+    found = {k[len(PREFIX) :]: v for k, v in custom.items() if isinstance(k, str) and k.startswith(PREFIX)}
+    if not found:
+        return None
+    return json.dumps(found, separators=(",", ":"), sort_keys=True)

@@ -37,7 +37,7 @@ from torch._decomp import core_aten_decompositions, get_decompositions
 from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
 from torch.fx.passes.operator_support import OperatorSupport
 
-from . import _convert
+from . import _convert, _hints
 from ._tessera import CompiledGraph, TesseraError
 
 log = logging.getLogger("tessera")
@@ -170,7 +170,6 @@ def _unwrap_hints_wrapper(gm):
     hop = getattr(torch.ops.higher_order, "hints_wrapper", None)
     if hop is None:
         return
-    import json
 
     changed = True
     while changed:
@@ -180,10 +179,7 @@ def _unwrap_hints_wrapper(gm):
                 continue
             body_node, args = node.args[0], node.args[1]
             body = getattr(gm, body_node.target)
-            hints = dict(node.kwargs.get("hints") or {})
-            outer = (node.meta.get("custom") or {}).get(_convert.HINTS_KEY)
-            merged = dict(json.loads(outer)) if outer else {}
-            merged.update(hints)
+            inner = {_hints.PREFIX + k: v for k, v in _hints.normalise(dict(node.kwargs.get("hints") or {}))}
             env = {}
             placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
             for p, a in zip(placeholders, args):
@@ -197,12 +193,10 @@ def _unwrap_hints_wrapper(gm):
                         result = torch.fx.node.map_arg(bn.args[0], lambda n: env[n])
                         continue
                     new = gm.graph.node_copy(bn, lambda n: env[n])
-                    inner = (bn.meta.get("custom") or {}).get(_convert.HINTS_KEY)
-                    h = dict(merged)
-                    if inner:
-                        h.update(json.loads(inner))
+                    # Enclosing hints, then the wrapper's, then the body node's own.
+                    custom = {**(node.meta.get("custom") or {}), **inner, **(bn.meta.get("custom") or {})}
                     new.meta = dict(bn.meta)
-                    new.meta["custom"] = {**(bn.meta.get("custom") or {}), _convert.HINTS_KEY: json.dumps(h)}
+                    new.meta["custom"] = custom
                     if "stack_trace" not in new.meta and "stack_trace" in node.meta:
                         new.meta["stack_trace"] = node.meta["stack_trace"]
                     env[bn] = new
@@ -359,7 +353,7 @@ def _note_unhonoured_recompute(gm):
     import json
 
     for node in gm.graph.nodes:
-        text = (node.meta.get("custom") or {}).get(_convert.HINTS_KEY)
+        text = _hints.hints_of(node.meta)
         if not text or text in _logged_recompute:
             continue
         h = json.loads(text)
