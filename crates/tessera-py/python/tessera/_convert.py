@@ -297,15 +297,39 @@ def _gelu(e, node):
     return e.op(op, [e.val(node.args[0])], final=True)
 
 
+def _gelu_tanh_backward(e, node, g, x, dtype):
+    # y = x/2·(1 + tanh(u)), u = √(2/π)·(x + 0.044715·x³):
+    # dy/dx = (1 + t)/2 + x/2·(1 - t²)·√(2/π)·(1 + 3·0.044715·x²).
+    xs = x.shape
+    k = math.sqrt(2 / math.pi)
+
+    def op(name, ins, attrs=()):
+        return e.op(name, ins, attrs, dtype=dtype, shape=xs)
+
+    x2 = op("mul", [x, x])
+    x3 = op("mul", [x2, x])
+    u = op("mul", [op("add", [x, op("mul", [x3, e.scalar(0.044715, dtype)])]), e.scalar(k, dtype)])
+    t = op("tanh", [u])
+    one = e.scalar(1, dtype)
+    half = e.scalar(0.5, dtype)
+    left = op("mul", [op("add", [one, t]), half])
+    sech2 = op("sub", [one, op("mul", [t, t])])
+    du = op("mul", [op("add", [one, op("mul", [x2, e.scalar(3 * 0.044715, dtype)])]), e.scalar(k, dtype)])
+    right = op("mul", [op("mul", [op("mul", [x, half]), sech2]), du])
+    return e.op("mul", [g, op("add", [left, right])], final=True)
+
+
 @converts(aten.gelu_backward.default)
 def _gelu_backward(e, node):
     # d/dx x·Φ(x) = Φ(x) + x·φ(x), with Φ(x) = gelu(x)/x (1/2 at 0: tessera
     # has no erf) and φ(x) = exp(-x²/2)/√(2π).
     approx = node.kwargs.get("approximate", node.args[2] if len(node.args) > 2 else "none")
-    if approx != "none":
-        raise Unsupported(f"gelu_backward approximate={approx!r}")
     dtype, shape = e.out_type()
     g, x = e.cast(e.val(node.args[0]), dtype), e.cast(e.val(node.args[1]), dtype)
+    if approx == "tanh":
+        return _gelu_tanh_backward(e, node, g, x, dtype)
+    if approx != "none":
+        raise Unsupported(f"gelu_backward approximate={approx!r}")
     xs = x.shape
     gelu = e.op("gelu", [x], dtype=dtype, shape=xs)
     zero = e.scalar(0, dtype)
@@ -497,6 +521,21 @@ def _any(e, node):
     m = e.op("max", [xi], [("dims", fmt_list(dims)), ("keepdim", "true" if keep else "false")],
              dtype=torch.int32, shape=shape)  # fmt: skip
     return e.op("gt", [m, e.scalar(0, torch.int32)], final=True)
+
+
+@converts(aten.sign.default)
+def _sign(e, node):
+    # 1 above 0, -1 below, x·0 otherwise (±0 keep their sign, NaN stays NaN).
+    dtype, shape = e.out_type()
+    x = e.cast(e.val(node.args[0]), dtype)
+    if not dtype.is_floating_point:
+        raise Unsupported("sign of integers")
+    zero = e.scalar(0, dtype)
+    pos = e.op("gt", [x, zero], dtype=torch.bool, shape=x.shape)
+    neg = e.op("lt", [x, zero], dtype=torch.bool, shape=x.shape)
+    x0 = e.op("mul", [x, zero], dtype=dtype, shape=x.shape)
+    below = e.op("where", [neg, e.scalar(-1, dtype), x0], dtype=dtype, shape=x.shape)
+    return e.op("where", [pos, e.scalar(1, dtype), below], final=True)
 
 
 @converts(aten.threshold_backward.default)
@@ -765,6 +804,22 @@ def _slice_scatter(e, node):
     return e.op("cat", parts, [("dim", dim)], final=True)
 
 
+@converts(aten.select.int)
+def _select(e, node):
+    x = e.val(node.args[0])
+    dim = normalise_dim(node.args[1], len(x.shape))
+    i = int(node.args[2])
+    size = x.shape[dim]
+    if not -size <= i < size:
+        raise Unsupported(f"select index {i} out of range for size {size}")
+    i = i + size if i < 0 else i
+    sh = list(x.shape)
+    sh[dim] = 1
+    part = e.op("slice", [x], [("dim", dim), ("start", i), ("end", i + 1), ("step", 1)], dtype=x.dtype, shape=sh)
+    _, shape = e.out_type()
+    return e.op("reshape", [part], [("shape", fmt_list(shape))], final=True)
+
+
 @converts(aten.cat.default)
 def _cat(e, node):
     tensors = [e.val(t) for t in node.args[0]]
@@ -882,6 +937,26 @@ def _index_add(e, node):
         src = _scaled(e, src, node.kwargs["alpha"])
     dim = normalise_dim(node.args[1], len(base.shape))
     return e.op("index_add", [base, idx, src], [("dim", dim)], final=True)
+
+
+@converts(aten.index_put.default)
+def _index_put(e, node):
+    # Only the accumulating form with one 1-D index (index_select's
+    # backward): index_add along that dim.
+    base, indices, values = e.val(node.args[0]), node.args[1], e.val(node.args[2])
+    accumulate = arg(node, 3, "accumulate", False)
+    given = [(d, i) for d, i in enumerate(indices) if i is not None]
+    if not accumulate or len(given) != 1:
+        raise Unsupported("index_put other than accumulating with one index tensor")
+    dim, idx = given[0]
+    idx = e.val(idx)
+    want = list(base.shape)
+    if len(idx.shape) != 1:
+        raise Unsupported("index_put with a multi-dimensional index")
+    want[dim] = idx.shape[0]
+    if values.shape != want:
+        raise Unsupported(f"index_put of values shaped {values.shape}, not {want}")
+    return e.op("index_add", [base, idx, e.cast(values, base.dtype)], [("dim", dim)], final=True)
 
 
 @converts(aten.embedding.default)
