@@ -237,6 +237,29 @@ def test_an_unsupported_op_runs_in_pytorch_logged_once(fallbacks):
     assert tessera_graphs(), "the rest of the graph still runs on tessera"
 
 
+def test_a_conversion_tessera_refuses_names_the_line_and_falls_back(monkeypatch, fallbacks):
+    """A converter that emitted a wrong type (simulated: relu emitted as a
+    full reduction) is caught by tessera's verifier: the error names the
+    op, the types and the generated line (with the user's call site); the
+    partition then runs in PyTorch, or, under fullgraph, the error is
+    raised."""
+    from tessera import _convert
+
+    def wrong(e, node):
+        return e.op("sum", [e.val(node.args[0])], [("dims", "[0]"), ("keepdim", "false")], final=True)
+
+    monkeypatch.setitem(_convert.CONVERTERS, torch.ops.aten.relu.default, wrong)
+    f = lambda x: torch.relu(x) * 2  # noqa: E731
+    x = torch.randn(3, 4)
+    strict = torch.compile(f, backend="tessera", options={"fullgraph": True})
+    with pytest.raises(tessera.TesseraError, match=r"sum: .*declared type f32\[3,4\].*\n  in: %relu = sum.*test_backend.py:\d+"):
+        strict(x)
+    tessera.torch.reset()
+    lenient = torch.compile(f, backend="tessera")
+    torch.testing.assert_close(lenient(x), f(x))
+    assert [m for m in fallbacks() if "partition" in m and "declared type" in m], fallbacks()
+
+
 def test_fullgraph_option_refuses_a_fallback():
     f = torch.compile(lambda x: torch.cumsum(x, 0), backend="tessera", options={"fullgraph": True})
     with pytest.raises(Exception, match="aten.cumsum"):

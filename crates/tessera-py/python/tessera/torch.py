@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import operator
+import re
 import time
 
 import torch
@@ -265,16 +266,25 @@ class TesseraPartition(torch.nn.Module):
         text, positions, _ = _convert.to_tir(self.gm, self.name, types, self.backward)
         c = self.config
         started = time.perf_counter()
-        graph = CompiledGraph(
-            text,
-            source=f"<{self.name}>",
-            mode=c.mode,
-            dynamic=c.dynamic,
-            fullgraph=c.fullgraph,
-            schedule=c.schedule,
-            memory_budget_mb=c.memory_budget_mb,
-            fuse_attention=c.fuse_attention,
-        )
+        try:
+            graph = CompiledGraph(
+                text,
+                source=f"<{self.name}>",
+                mode=c.mode,
+                dynamic=c.dynamic,
+                fullgraph=c.fullgraph,
+                schedule=c.schedule,
+                memory_budget_mb=c.memory_budget_mb,
+                fuse_attention=c.fuse_attention,
+            )
+        except TesseraError as e:
+            # The error's line is one of the generated text: show it (it
+            # ends with the FX node's call site).
+            at = re.search(r"<" + re.escape(self.name) + r">:(\d+):\d+", str(e))
+            lines = text.splitlines()
+            if at and 0 < int(at.group(1)) <= len(lines):
+                raise TesseraError(f"{e}\n  in: {lines[int(at.group(1)) - 1].strip()}") from e
+            raise
         log.debug("tessera: %s compiled in %.3f s:\n%s", self.name, time.perf_counter() - started, text)
         return graph, positions
 
