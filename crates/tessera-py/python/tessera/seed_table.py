@@ -7,8 +7,8 @@ max |err| against an f64 reference, forward + backward), with the same
 compiled scenarios under Inductor next to them.
 
 Working MB is the peak of the step's allocations beyond its inputs, output
-and gradients. PyTorch's allocations are read from its profiler (as the
-PyTorch anchor script does); tessera's from its own allocator's peak
+and gradients. PyTorch's allocations are read from its profiler's
+allocation records; tessera's from its own allocator's peak
 (``tessera.memory_stats``). For tessera rows the two are added: an upper
 bound, since the two peaks need not coincide. Compile ms is the first
 call's time less the median.
@@ -23,9 +23,6 @@ import math
 import os
 import time
 
-# The profiler's own log lines (kineto) would interleave with the table.
-os.environ.setdefault("KINETO_LOG_LEVEL", "5")
-
 import torch
 import torch.nn.functional as F
 
@@ -35,17 +32,26 @@ from .seed import PySDPA, PySDPAHinted
 
 
 def peak_torch_mb(step):
+    """The peak of PyTorch's CPU allocations during `step`, from the
+    profiler's raw allocation records in time order (each op's summed
+    memory, which the anchor script walks, books the frees of a Python
+    autograd Function at its start, which hides the peak)."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
+    saved = os.dup(2)
+    try:
+        # The profiler's own log lines would interleave with the table.
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 2)
+            with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+                step()
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+    records = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
     cur = peak = 0
-    events = sorted(
-        (e for e in prof.events() if e.cpu_memory_usage != 0 or e.self_cpu_memory_usage != 0),
-        key=lambda e: e.time_range.start,
-    )
-    for e in events:
-        cur += e.self_cpu_memory_usage
+    for e in sorted(records, key=lambda e: e.start_ns()):
+        cur += e.nbytes()
         peak = max(peak, cur)
     return peak / 2**20
 
