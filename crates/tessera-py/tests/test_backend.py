@@ -183,15 +183,24 @@ def test_dropout_falls_back_and_the_rest_runs_on_tessera(fallbacks):
     assert w.grad is not None and tessera_graphs()
 
 
-def test_training_step_with_sdpa_and_optimizer_matches_eager():
+@pytest.mark.parametrize("optimizer", ["SGD", "AdamW"])
+def test_training_step_with_optimizer_matches_eager(optimizer, fallbacks):
+    """A whole step (zero_grad, forward, backward, optimizer) compiled: the
+    losses and the parameters after three steps are eager's."""
     torch.manual_seed(0)
-    ref = Block()
-    m = Block()
+    ref = Block(sdpa=True)
+    m = Block(sdpa=True)
     m.load_state_dict(ref.state_dict())
     ids, targets = torch.randint(0, 11, (2, 8)), torch.randint(0, 11, (2, 8))
 
     def make_step(model):
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        # AdamW's default eps (1e-8) turns the rounding noise of a gradient
+        # that is zero in exact arithmetic (the key bias: softmax ignores a
+        # per-row constant) into full-size updates, under any backend
+        # (aot_eager and Inductor differ from eager by 1e-2 there too);
+        # eps=1e-3 keeps the update a smooth function of the gradient.
+        extra = {"eps": 1e-3} if optimizer == "AdamW" else {}
+        opt = getattr(torch.optim, optimizer)(model.parameters(), lr=0.05, **extra)
 
         def step():
             opt.zero_grad()
@@ -207,17 +216,7 @@ def test_training_step_with_sdpa_and_optimizer_matches_eager():
         torch.testing.assert_close(compiled(), eager(), atol=1e-5, rtol=1e-4)
     for p, q in zip(m.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, atol=1e-5, rtol=1e-4)
-
-
-def test_outputs_do_not_alias_inputs_or_each_other():
-    f = torch.compile(lambda x: (x.clone(), x.contiguous() * 1, x + 0), backend="tessera")
-    x = torch.randn(5)
-    before = x.clone()
-    a, b, c = f(x)
-    a.add_(1.0)
-    b.mul_(2.0)
-    assert torch.equal(x, before), "an output written in place leaves the input as it was"
-    torch.testing.assert_close(c, before)
+    assert fallbacks() == [], "the model, its backward and the optimizer's update run on tessera"
 
 
 # -- fallback -------------------------------------------------------------------

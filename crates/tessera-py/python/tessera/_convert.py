@@ -423,6 +423,30 @@ for _t in BINARY:
     CONVERTERS[_t] = _binary
 
 
+@converts(aten.pow.Scalar)
+def _pow_scalar_base(e, node):
+    dtype, _ = e.out_type()
+    return e.op("pow", [e.operand(node.args[0], dtype), e.operand(node.args[1], dtype)], final=True)
+
+
+@converts(prims.fma.default)
+def _fma(e, node):
+    dtype, shape = e.out_type()
+    a, b, c = (e.operand(x, dtype) for x in node.args[:3])
+    ab = e.op("mul", [a, b], dtype=dtype, shape=broadcast_shapes(a.shape, b.shape))
+    return e.op("add", [ab, c], final=True)
+
+
+@converts(aten.copy.default)
+def _copy(e, node):
+    # The functional copy: `src`'s values in `self`'s shape and dtype.
+    dtype, shape = e.out_type()
+    src = e.cast(e.val(node.args[1]), dtype)
+    if src.shape != shape:
+        src = e.op("expand", [src], [("shape", fmt_list(shape))], dtype=dtype, shape=shape)
+    return e.op("contiguous", [src], final=True)
+
+
 @converts(aten.div.Tensor, aten.div.Scalar, aten.div.Tensor_mode)
 def _div(e, node):
     mode = node.kwargs.get("rounding_mode", node.args[2] if len(node.args) > 2 else None)
