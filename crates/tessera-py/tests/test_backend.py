@@ -219,6 +219,28 @@ def test_training_step_with_optimizer_matches_eager(optimizer, fallbacks):
     assert fallbacks() == [], "the model, its backward and the optimizer's update run on tessera"
 
 
+def test_strided_expanded_empty_and_scalar_inputs_cross_as_they_are():
+    f = torch.compile(lambda a, b: a * 2 + b.sum(0), backend="tessera")
+    a, b = torch.randn(4).expand(3, 4), torch.randn(5, 8)[1:, ::2]  # stride 0; offset and step
+    torch.testing.assert_close(f(a, b), a * 2 + b.sum(0))
+    x = torch.randn(2, 3, 4).permute(2, 0, 1)
+    torch.testing.assert_close(torch.compile(lambda x: torch.softmax(x, -1), backend="tessera")(x), x.softmax(-1))
+    assert torch.compile(lambda x: x + 1, backend="tessera")(torch.randn(0, 3)).shape == (0, 3)
+    assert torch.compile(lambda x: x * 3, backend="tessera")(torch.tensor(2.0)).item() == 6.0
+    assert tessera_graphs()
+
+
+def test_outputs_do_not_alias_inputs_or_each_other():
+    f = torch.compile(lambda x: (x.clone(), x.contiguous() * 1, x + 0), backend="tessera")
+    x = torch.randn(5)
+    before = x.clone()
+    a, b, c = f(x)
+    a.add_(1.0)
+    b.mul_(2.0)
+    assert torch.equal(x, before), "an output written in place leaves the input as it was"
+    torch.testing.assert_close(c, before)
+
+
 # -- fallback -------------------------------------------------------------------
 
 
