@@ -384,7 +384,9 @@ def test_options_map_to_compile_options():
     w = torch.randn(8, 8, requires_grad=True)
     f = lambda x: torch.softmax(x @ w, dim=-1).sum()  # noqa: E731
     compare(f, [torch.randn(4, 8)], [w], options={"schedule": "dfs", "memory_budget_mb": 1})
-    compare(f, [torch.randn(4, 8)], [w], mode="max-autotune")
+    for mode in ("max-autotune", "reduce-overhead"):
+        torch._dynamo.reset()
+        compare(f, [torch.randn(4, 8)], [w], mode=mode)
     with pytest.raises(Exception, match="unknown tessera option"):
         torch.compile(f, backend="tessera", options={"sheduel": "dfs"})(torch.randn(4, 8))
     with pytest.raises(Exception, match="unknown schedule"):
