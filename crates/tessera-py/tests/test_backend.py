@@ -23,7 +23,7 @@ def values_and_grads(fn, inputs, params=()):
     out = fn(*inputs)
     outs = out if isinstance(out, (tuple, list)) else [out]
     gen = torch.Generator().manual_seed(1)
-    loss = sum((o * torch.randn(o.shape, generator=gen)).sum() for o in outs)
+    loss = sum((o * torch.randn(o.shape, generator=gen).to(o.device)).sum() for o in outs)
     loss.backward()
     grads = [t.grad for t in inputs if t.requires_grad] + [p.grad for p in params]
     return [o.detach() for o in outs], [g.clone() for g in grads]
