@@ -28,7 +28,7 @@ pub use element::{Element, Float};
 pub use matmul::{
     alike, blocks_products, for_each_block, thin_dims, transposes, BlockedProduct, DescribedProduct,
 };
-pub use storage::Storage;
+pub use storage::{ForeignOwner, Storage};
 
 use super::array::Array;
 use super::layout::Layout;
