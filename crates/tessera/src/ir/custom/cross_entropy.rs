@@ -2,13 +2,14 @@
 //! and backward are `tensor::custom::cross_entropy`'s; `nn::cross_entropy`
 //! calls them).
 //!
-//! `tessera::cross_entropy` (logits [N, C], targets [N]) {ignore_index}
-//! → (nll [N], lse [N], f32 — f64 for f64 logits): per row, `lse − logits[target]` (0 for a
-//! row whose target is `ignore_index`) and the row's log-sum-exp.
-//! `tessera::cross_entropy_backward` (logits, targets, lse, d_nll [N])
-//! {ignore_index} → d_logits [N, C] (the logits' dtype):
-//! `(exp(logits − lse) − onehot(target)) · d_nll` per row, 0 for ignored
-//! rows.
+//! - `tessera::cross_entropy`: `(logits [N, C], targets [N]) {ignore_index}
+//!   → (nll [N], lse [N])`, f32 (f64 for f64 logits): per row,
+//!   `lse − logits[target]` (0 for a row whose target is `ignore_index`)
+//!   and the row's log-sum-exp.
+//! - `tessera::cross_entropy_backward`: `(logits, targets, lse, d_nll)
+//!   {ignore_index} → d_logits [N, C]` (the logits' dtype):
+//!   `(exp(logits − lse) − onehot(target)) · d_nll` per row, 0 for
+//!   ignored rows.
 //!
 //! One op instead of log_softmax + gather + their backward: the
 //! `[N, C]` log-probabilities, their exponentials, the one-hot scatter and
