@@ -184,6 +184,41 @@ impl Backend for CudaBackend {
         })
     }
 
+    fn matmul_bias(
+        &self,
+        op: &Op,
+        a: &Array,
+        b: &Array,
+        bias: &Array,
+        shape: &[usize],
+    ) -> Option<Result<Array>> {
+        let (ta, tb) = match op {
+            Op::MatMul => (false, false),
+            Op::MatMulT {
+                transpose_a,
+                transpose_b,
+            } => (*transpose_a, *transpose_b),
+            _ => return None,
+        };
+        let dtype = a.dtype();
+        let fits = [a, b, bias].iter().all(|t| t.device() == Device::Cuda)
+            && b.dtype() == dtype
+            && bias.dtype() == dtype
+            && matches!(dtype, DType::F32 | DType::F16 | DType::BF16)
+            && bias.shape() == [*shape.last()?]
+            && bias.is_contiguous();
+        if !fits {
+            return None;
+        }
+        let name = "matmul+bias";
+        Some(profile::timed(
+            self,
+            || name.to_string(),
+            &[a, b, bias],
+            || self.matmul(name, a, b, ta, tb, shape, Some(bias), Epilogue::None),
+        ))
+    }
+
     fn row_kernel_refusal(&self, kernel: &RowKernel) -> Option<String> {
         codegen::fused_rows::refusal(kernel)
     }

@@ -587,6 +587,40 @@ fn fused_cross_entropy_values_gradients_and_bad_targets() {
 }
 
 #[test]
+fn compiled_bias_epilogues_match_the_cpu() {
+    if !gpu() {
+        return;
+    }
+    // A linear layer's matmul + bias, compiled: on CUDA one cuBLASLt call
+    // with the bias epilogue (the bias added before the product's
+    // rounding), on the CPU the gemm and the add; plain and transposed,
+    // with batch dims, in every dtype the epilogue takes.
+    for d in [DType::F32, DType::F16, DType::BF16] {
+        let linear = compile(|a: &[Tensor]| vec![a[0].matmul(&a[1].transpose(0, 1)) + &a[2]]);
+        let inputs = [
+            randn(&[2, 5, 16], d, 50),
+            randn(&[8, 16], d, 51),
+            randn(&[8], d, 52),
+        ];
+        both(&format!("compiled linear {d}"), &inputs, true, |a| {
+            linear.call(a)
+        });
+        let plain = compile(|a: &[Tensor]| vec![(a[0].matmul(&a[1]) + &a[2]).relu()]);
+        let inputs = [
+            randn(&[7, 16], d, 53),
+            randn(&[16, 8], d, 54),
+            randn(&[8], d, 55),
+        ];
+        both(
+            &format!("compiled matmul + bias, relu {d}"),
+            &inputs,
+            true,
+            |a| plain.call(a),
+        );
+    }
+}
+
+#[test]
 fn compiled_programs_run_their_kernels_on_the_inputs_device() {
     if !gpu() {
         return;

@@ -11,11 +11,13 @@ use super::steps::fused_kernel;
 use super::Kernel;
 use crate::ir::{DType, Graph, NodeId, Op};
 
-/// A matmul whose output an epilogue may take: f32/f64, concrete.
+/// A matmul whose output an epilogue may take: a float product, concrete.
+/// (A half-precision product and a bias add is what a CUDA gemm adds
+/// itself: see `Backend::matmul_bias`.)
 pub(super) fn is_epilogue_head(graph: &Graph, id: NodeId) -> bool {
     let node = graph.node(id);
     matches!(node.op, Op::MatMul | Op::MatMulT { .. })
-        && matches!(node.ty.dtype, DType::F32 | DType::F64)
+        && node.ty.dtype.is_float()
         && shape_of(graph, id).is_some()
 }
 

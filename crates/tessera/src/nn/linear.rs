@@ -84,10 +84,20 @@ impl Linear {
         let mut out_shape: Vec<isize> = x.shape().iter().map(|&d| d as isize).collect();
         *out_shape.last_mut().expect("rank checked") = self.out_features as isize;
         let rows = x.try_reshape(&[-1, self.in_features as isize])?;
-        let mut y = rows.try_matmul(&self.weight.get())?;
-        if let Some(b) = &self.bias {
-            y = y.try_add(&autocast::cast_low(&b.get())?)?;
-        }
+        // The bias is cast before the product is taken, so that the add's
+        // newest producer is the matmul: fusion makes the add its epilogue
+        // (on CUDA one cuBLASLt call with the bias, see
+        // `Backend::matmul_bias`) instead of a kernel of its own.
+        let bias = self
+            .bias
+            .as_ref()
+            .map(|b| autocast::cast_low(&b.get()))
+            .transpose()?;
+        let y = rows.try_matmul(&self.weight.get())?;
+        let y = match bias {
+            Some(b) => y.try_add(&b)?,
+            None => y,
+        };
         y.try_reshape(&out_shape)
     }
 }

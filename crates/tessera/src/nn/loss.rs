@@ -53,7 +53,7 @@ pub fn try_cross_entropy(
 /// under autocast no f32 copy of bf16/f16 logits is made; the loss is f32
 /// there (autocast's policy for losses) and the logits' dtype outside it.
 fn mean_nll(logits: &Tensor, targets: &Tensor, ignore_index: Option<i64>) -> Result<Tensor> {
-    let loss_dtype = autocast::cast_f32(&logits.try_narrow(0, 0, 0)?)?.dtype();
+    let loss_dtype = autocast::f32_dtype(logits.dtype());
     let attrs = cross_entropy_op::attrs(ignore_index);
     let rows = custom::call(cross_entropy_op::FORWARD, attrs, &[logits, targets])?.remove(0);
     let mean = match ignore_index {

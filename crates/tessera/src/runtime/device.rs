@@ -168,6 +168,24 @@ pub trait Backend: Send + Sync {
     /// CPU its block size) by trial runs on these inputs.
     fn run_fused(&self, kernel: &FusedKernel, inputs: Vec<FusedArg<'_>>) -> Result<Vec<Array>>;
 
+    /// `op` (a matmul) of `a` and `b` plus `bias`, a contiguous `[n]` of
+    /// the product's dtype added to every row of the product (`shape`), in
+    /// one kernel where the device has one (cuBLASLt's bias epilogue: the
+    /// bias is added before the product is rounded to its dtype, one
+    /// rounding fewer than the gemm and the add). `None`: no such kernel
+    /// for these operands; the caller runs the gemm, then the add.
+    fn matmul_bias(
+        &self,
+        op: &Op,
+        a: &Array,
+        b: &Array,
+        bias: &Array,
+        shape: &[usize],
+    ) -> Option<Result<Array>> {
+        let _ = (op, a, b, bias, shape);
+        None
+    }
+
     /// Why this backend does not run `kernel` as one kernel, if it does not
     /// (the executor then runs the group's ops one by one through
     /// [`Backend::eval`], with intermediates the memory plan does not hold,

@@ -232,6 +232,15 @@ pub fn cast_f32(t: &Tensor) -> Result<Tensor> {
     }
 }
 
+/// The dtype [`cast_f32`] gives a tensor of `dtype` in the current scope
+/// (for an op that computes in f32 itself and casts only its result).
+pub fn f32_dtype(dtype: DType) -> DType {
+    match current() {
+        Some(_) if is_half(dtype) => DType::F32,
+        _ => dtype,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -6,8 +6,8 @@ use std::panic::Location;
 
 use super::job::Arg;
 use crate::error::Result;
-use crate::ir::kernel::{FusedKernel, RowKernel};
-use crate::ir::{Graph, NodeId, Op};
+use crate::ir::kernel::{FusedKernel, RowKernel, Step};
+use crate::ir::{BinaryOp, DType, Graph, Node, NodeId, Op};
 use crate::logging::log;
 use crate::runtime::array::Array;
 use crate::runtime::cpu::arena;
@@ -193,6 +193,12 @@ pub(super) fn run_epilogue(
         .collect();
     let operands: Vec<&Tensor> = operands.iter().collect();
     let dtype = node.ty.dtype;
+    if let Some(bias) = bias_of(kernel, inputs, matmul, &rest, dtype).filter(|_| !matmul_out) {
+        if let Some(sum) = gemm_with_bias(node, &operands, bias) {
+            let sum = sum.map_err(|e| node_error(graph, matmul, e))?;
+            return Ok(vec![(outputs[0], sum)]);
+        }
+    }
     let target = (!matmul_out)
         .then(|| kernel.outputs.iter().position(|&(_, d)| d == dtype))
         .flatten();
@@ -229,6 +235,54 @@ pub(super) fn run_epilogue(
         .map_err(|e| node_error(graph, outputs.first().copied().unwrap_or(matmul), e))?;
     results.extend(outputs.iter().copied().zip(outs));
     Ok(results)
+}
+
+/// The bias of an epilogue that only adds a vector to the product
+/// (`product + bias`, one output of the product's dtype): an argument of
+/// `rest` (the epilogue's inputs but the product, in order), which a
+/// device's gemm may add itself ([`device::Backend::matmul_bias`]).
+fn bias_of<'a>(
+    kernel: &FusedKernel,
+    inputs: &[NodeId],
+    matmul: NodeId,
+    rest: &'a [Arg],
+    dtype: DType,
+) -> Option<&'a Array> {
+    let [Step::Load(x), Step::Load(y), Step::Binary(BinaryOp::Add, 0, 1)] = kernel.steps[..] else {
+        return None;
+    };
+    if kernel.outputs != [(2, dtype)] {
+        return None;
+    }
+    let other = match (
+        inputs.get(x) == Some(&matmul),
+        inputs.get(y) == Some(&matmul),
+    ) {
+        (true, false) => y,
+        (false, true) => x,
+        _ => return None,
+    };
+    let at = inputs
+        .get(..other)?
+        .iter()
+        .filter(|&&i| i != matmul)
+        .count();
+    let bias = match rest.get(at)? {
+        Arg::Shared(t) => t.array(),
+        Arg::Donated(array, _) => array,
+    };
+    (bias.dtype() == dtype && bias.rank() == 1).then_some(bias)
+}
+
+/// `node`'s matmul of `operands` plus `bias` in one call of their device,
+/// if it has one for them (see [`device::Backend::matmul_bias`]).
+fn gemm_with_bias(node: &Node, operands: &[&Tensor], bias: &Array) -> Option<Result<Tensor>> {
+    let shape = node.ty.shape.as_concrete()?;
+    let arrays: Vec<&Array> = operands.iter().map(|t| t.array()).collect();
+    let on = device::of_inputs("matmul", &arrays).ok()?;
+    let backend = device::backend(on).ok()?;
+    let sum = backend.matmul_bias(&node.op, arrays[0], arrays[1], bias, &shape)?;
+    Some(sum.map(Tensor::from_array))
 }
 
 /// Runs a fused kernel on its gathered arguments, on their device's
