@@ -20,6 +20,8 @@ pub(crate) struct KernelHint {
     pub order: Option<Strategy>,
     pub group: Option<i64>,
     pub budget: Option<usize>,
+    /// At most this many of the region's kernels in one step.
+    pub max_width: Option<usize>,
     /// The kernel's region: kernels with the same hints form one.
     pub region: Option<usize>,
 }
@@ -58,6 +60,7 @@ impl Hints {
                 order: hint.order,
                 group: hint.group_id,
                 budget: hint.memory_budget_bytes(),
+                max_width: hint.max_width,
                 region,
             });
         }
