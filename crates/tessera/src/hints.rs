@@ -339,6 +339,42 @@ fn warn(message: &str) {
     log("schedule", || message.to_string());
 }
 
+/// The messages [`not_honoured`] has given in this process.
+static NOT_HONOURED: Mutex<Vec<String>> = Mutex::new(Vec::new());
+
+/// Says that `stage` (a backend, a pass) does not honour hint `key` of the
+/// region whose hints are `region`, and why: logged under
+/// `TESSERA_LOGS=hints`, once per process for each message (a compiled
+/// function re-traces on every call; an eager region runs every step).
+pub fn not_honoured(stage: &str, region: &HintMap, key: &str, reason: &str) {
+    let json = Value::Object(region.clone()).to_string();
+    let message = format!("{stage}: hint \"{key}\" of region {json} not honoured: {reason}");
+    let first = match NOT_HONOURED.lock() {
+        Ok(mut seen) if !seen.contains(&message) => {
+            seen.push(message.clone());
+            true
+        }
+        Ok(_) => false,
+        Err(_) => true,
+    };
+    if first {
+        log("hints", || message);
+    }
+}
+
+/// Every message [`not_honoured`] has given so far in this process, in
+/// order (for tests and tools that report what became of hints).
+pub fn not_honoured_messages() -> Vec<String> {
+    NOT_HONOURED.lock().map(|m| m.clone()).unwrap_or_default()
+}
+
+/// `map` without `key` (`None` when nothing is left).
+pub fn without_key(map: &HintMap, key: &str) -> Option<Arc<HintMap>> {
+    let mut map = map.clone();
+    map.remove(key);
+    (!map.is_empty()).then(|| Arc::new(map))
+}
+
 fn parse_order(key: &str, value: &Value) -> Result<Order> {
     let expected = "one of \"strict\", \"dfs\", \"bfs\", \"auto\"";
     let name = value.as_str().ok_or_else(|| {

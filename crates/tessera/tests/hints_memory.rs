@@ -162,3 +162,169 @@ fn max_width_keeps_the_values() {
         assert!(max_diff(&plain, &hinted) == 0.0, "max_width {k}");
     }
 }
+
+// -------------------------------------------------------------------- slice
+
+/// (B, H, N, D) of the attention tests: B·H = 8 slices at most.
+const ATT: [usize; 4] = [2, 4, 64, 16];
+
+fn naive(a: &[Tensor]) -> Tensor {
+    schedule_util::sliced_attention(&a[0], &a[1], &a[2], 1)
+}
+
+fn slice_hint(parts: usize) -> String {
+    format!(r#"{{"order": "strict", "slice": {{"dim": 0, "parts": {parts}}}}}"#)
+}
+
+/// The seed's naive attention under `hint` (none: unhinted).
+fn attention_fn(hint: Option<String>) -> impl Fn(&[Tensor]) -> Vec<Tensor> + Clone {
+    move |a: &[Tensor]| match &hint {
+        Some(h) => vec![hints::scope(h, || naive(a)).unwrap()],
+        None => vec![naive(a)],
+    }
+}
+
+fn attention_inputs(dtype: DType) -> Vec<Tensor> {
+    let mut g = Generator::new(7);
+    (0..3)
+        .map(|_| Tensor::randn(&ATT, dtype, &mut g))
+        .collect()
+}
+
+fn attention_graph(hint: Option<String>) -> Graph {
+    traced("attention", &attention_inputs(DType::F32), attention_fn(hint))
+}
+
+fn count(graph: &Graph, op: &str) -> usize {
+    graph.nodes.iter().filter(|n| n.op.name() == op).count()
+}
+
+/// The output and the three gradients of a compiled forward + backward.
+fn forward_backward(f: impl Fn(&[Tensor]) -> Vec<Tensor> + Clone + 'static) -> Vec<Tensor> {
+    let compiled = compile(f);
+    let inputs: Vec<Tensor> = attention_inputs(DType::F64)
+        .iter()
+        .map(|t| t.set_requires_grad(true))
+        .collect();
+    let out = compiled.call(&inputs).remove(0);
+    let grad = Tensor::randn(&ATT, DType::F64, &mut Generator::new(9));
+    out.backward_with(&grad);
+    let mut results = vec![out.detach()];
+    results.extend(inputs.iter().map(|t| t.grad().unwrap()));
+    results
+}
+
+#[test]
+fn the_number_of_slices_is_the_knob() {
+    assert_eq!(count(&attention_graph(None), "softmax"), 1);
+    for parts in [2, 3, 8] {
+        let g = attention_graph(Some(slice_hint(parts)));
+        assert_eq!(count(&g, "softmax"), parts, "{g}");
+        assert!(
+            g.nodes.iter().all(|n| n
+                .meta
+                .hints
+                .as_ref()
+                .is_none_or(|h| !h.contains_key("slice"))),
+            "the slice key is consumed"
+        );
+    }
+}
+
+#[test]
+fn sliced_values_and_gradients_equal_the_unhinted_run() {
+    let plain = forward_backward(attention_fn(None));
+    // 3 does not divide B·H = 8: slices of 3, 3 and 2.
+    for parts in [2, 3, 8] {
+        let sliced = forward_backward(attention_fn(Some(slice_hint(parts))));
+        for (i, (a, b)) in plain.iter().zip(&sliced).enumerate() {
+            let d = max_diff(a, b);
+            assert!(d < 1e-12, "{parts} parts, result {i}: differs by {d}");
+        }
+    }
+}
+
+/// Predicted peaks of the forward graph and of the AOT backward graph.
+fn peaks(graph: &Graph) -> (usize, usize) {
+    let (_, fwd) = planned(graph, Strategy::Bfs, None);
+    let aot = tessera::autograd::aot_autograd(graph, &[0, 1, 2], tessera::autograd::Partition::SaveAll)
+        .unwrap();
+    let bwd = schedule_util::optimized(aot.backward);
+    let (_, b) = planned(&bwd, Strategy::Bfs, None);
+    (fwd.memory.peak_bytes, b.memory.peak_bytes)
+}
+
+#[test]
+fn the_peak_falls_with_the_number_of_slices_to_the_hand_sliced_one() {
+    let mut seen = Vec::new();
+    for parts in [1, 2, 4, 8] {
+        seen.push((parts, peaks(&attention_graph(Some(slice_hint(parts))))));
+    }
+    eprintln!("slices → (forward peak, backward peak): {seen:?}");
+    for w in seen.windows(2) {
+        assert!(w[1].1 .0 < w[0].1 .0, "forward: {seen:?}");
+        assert!(w[1].1 .1 < w[0].1 .1, "backward: {seen:?}");
+    }
+    // As the seed's hand-sliced code under its hint.
+    let hand = traced("hand", &attention_inputs(DType::F32), |a| {
+        vec![hints::scope(r#"{"order": "strict"}"#, || {
+            schedule_util::sliced_attention(&a[0], &a[1], &a[2], 8)
+        })
+        .unwrap()]
+    });
+    let (hand_fwd, hand_bwd) = peaks(&hand);
+    let (fwd, bwd) = seen[3].1;
+    eprintln!("hand-sliced: forward {hand_fwd}, backward {hand_bwd}");
+    assert!(fwd * 10 <= hand_fwd * 11, "{fwd} vs hand-sliced {hand_fwd}");
+    assert!(bwd * 10 <= hand_bwd * 11, "{bwd} vs hand-sliced {hand_bwd}");
+}
+
+#[test]
+fn more_parts_than_elements_are_refused_clearly() {
+    let g = attention_graph(Some(slice_hint(100)));
+    assert_eq!(count(&g, "softmax"), 1);
+    let said = hints::not_honoured_messages();
+    assert!(
+        said.iter()
+            .any(|m| m.contains("slice pass") && m.contains("100 parts of a dim of 8 elements")),
+        "{said:?}"
+    );
+}
+
+#[test]
+fn a_softmax_along_the_sliced_dim_is_refused_naming_the_op() {
+    let g = traced("along", &[randn(&[8, 4], 3)], |a| {
+        let h = r#"{"slice": {"dim": 0, "parts": 2}}"#;
+        vec![hints::scope(h, || a[0].softmax(0).exp()).unwrap()]
+    });
+    assert_eq!(count(&g, "softmax"), 1);
+    let said = hints::not_honoured_messages();
+    assert!(
+        said.iter()
+            .any(|m| m.contains("`softmax`") && m.contains("normalises along dim 0")),
+        "{said:?}"
+    );
+}
+
+#[test]
+fn a_row_sliced_mlp_reads_its_weights_whole() {
+    // x [8, 16] @ w [16, 32]: rows of x sliced, w whole; the bias
+    // broadcasts. Values equal the unhinted run.
+    let f = |hint: Option<&'static str>| {
+        move |a: &[Tensor]| {
+            let body = || (a[0].matmul(&a[1]) + &a[2]).relu().sum(&[1], false);
+            vec![match hint {
+                Some(h) => hints::scope(h, body).unwrap(),
+                None => body(),
+            }]
+        }
+    };
+    let inputs = [randn(&[8, 16], 4), randn(&[16, 32], 5), randn(&[32], 6)];
+    let g = traced("mlp", &inputs, f(Some(r#"{"slice": {"dim": 0, "parts": 4}}"#)));
+    assert_eq!(count(&g, "matmul"), 4, "{g}");
+    let plain = compile(f(None)).call(&inputs).remove(0);
+    let sliced = compile(f(Some(r#"{"slice": {"dim": 0, "parts": 4}}"#)))
+        .call(&inputs)
+        .remove(0);
+    assert!(max_diff(&plain, &sliced) < 1e-5);
+}
