@@ -16,7 +16,7 @@
 //! | `recompute` | boolean (default: `true` under `order: "strict"`, else `false`) | AOT autograd recomputes the region's forward values in the backward instead of saving them (activation checkpointing, matmuls included) |
 //! | `max_width` | integer ≥ 1 | at most this many of the region's kernels run in one step: at most K independent chains in flight (the middle ground between `bfs`, unbounded, and `dfs`, one) |
 //! | `slice` | `{"dim": D, "parts": P}` (D ≥ 0, P ≥ 1) | the compiler splits the region along dim D of its results into P slices computed one after another (`crate::passes::slice`) |
-//! | `offload` | boolean | the activations the region saves for the backward wait in host memory between their last forward use and their first backward use |
+//! | `offload` | boolean | the activations the region saves for the backward wait in host memory between their last forward use and their first backward use (a strict region that offloads does not recompute by default) |
 //! | `stream` | integer ≥ 0 | the region's kernels go on a stream of their own (CUDA); known, and logged as ignored where a backend has no streams |
 //!
 //! `order: "strict"` says "memory over speed", so by default such a region
@@ -250,9 +250,12 @@ impl Hint {
 
     /// Whether AOT autograd recomputes this region's forward values in the
     /// backward: the `recompute` key, by default on under `order: "strict"`
-    /// (a region that asks for memory over speed) and off otherwise.
+    /// (a region that asks for memory over speed) unless the region asks
+    /// to offload what it saves instead, and off otherwise.
     pub fn recomputes(&self) -> bool {
-        self.recompute.unwrap_or(self.order == Some(Order::Strict))
+        let strict = self.order == Some(Order::Strict);
+        self.recompute
+            .unwrap_or(strict && self.offload != Some(true))
     }
 
     pub fn is_empty(&self) -> bool {

@@ -40,6 +40,7 @@ mod debug;
 mod dynamic;
 mod executable;
 mod guards;
+mod hint_report;
 mod options;
 mod recompile;
 mod train_step;

@@ -91,6 +91,29 @@ impl Storage {
         }
     }
 
+    /// A copy of `self` in the host pool (an offloaded value: accounted by
+    /// `alloc::host_memory_stats`, not `memory_stats`), or in ordinary
+    /// storage (`host` false: brought back).
+    pub fn try_copy(&self, host: bool) -> Result<Storage> {
+        let len = self.buf.len();
+        let raw = match host {
+            true => RawBuffer::try_new_host(len)?,
+            false => RawBuffer::try_new(len)?,
+        };
+        let mut s = Storage {
+            buf: Block::Own(raw),
+            dtype: self.dtype,
+            numel: self.numel,
+        };
+        s.as_bytes_mut().copy_from_slice(self.as_bytes());
+        Ok(s)
+    }
+
+    /// Whether it is in the host pool (see [`Storage::try_copy`]).
+    pub fn in_host_pool(&self) -> bool {
+        matches!(&self.buf, Block::Own(b) if b.is_host())
+    }
+
     /// Storage holding a copy of `data`.
     pub fn from_slice<T: Element>(data: &[T]) -> Storage {
         let mut s = Storage::new(T::DTYPE, data.len());
