@@ -429,7 +429,11 @@ fn stream(key: &str, value: &Value) -> Result<i64> {
 /// `{"dim": D, "parts": P}`, nothing else.
 fn slice(key: &str, value: &Value) -> Result<SliceHint> {
     let expected = "an object {\"dim\": D ≥ 0, \"parts\": P ≥ 1}";
-    let bad = || parse_error(format!("hint key \"{key}\": expected {expected}, got {value}"));
+    let bad = || {
+        parse_error(format!(
+            "hint key \"{key}\": expected {expected}, got {value}"
+        ))
+    };
     let map = value.as_object().ok_or_else(bad)?;
     if let Some(other) = map.keys().find(|k| *k != "dim" && *k != "parts") {
         return Err(parse_error(format!(
@@ -599,8 +603,16 @@ mod tests {
             (r#"{"slice": 4}"#, "slice", "an object"),
             (r#"{"slice": {"dim": 0}}"#, "slice", "an object"),
             (r#"{"slice": {"dim": 0, "parts": 0}}"#, "slice", "an object"),
-            (r#"{"slice": {"dim": -1, "parts": 2}}"#, "slice", "an object"),
-            (r#"{"slice": {"dim": 0, "parts": 2, "by": 1}}"#, "slice", "unknown field"),
+            (
+                r#"{"slice": {"dim": -1, "parts": 2}}"#,
+                "slice",
+                "an object",
+            ),
+            (
+                r#"{"slice": {"dim": 0, "parts": 2, "by": 1}}"#,
+                "slice",
+                "unknown field",
+            ),
             (
                 r#"{"memory_budget_mb": "64"}"#,
                 "memory_budget_mb",

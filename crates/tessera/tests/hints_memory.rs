@@ -74,7 +74,13 @@ fn chains_graph(region: Option<Hint>) -> Graph {
 
 fn region_kernels(graph: &Graph, plan: &tessera::fusion::Plan) -> Vec<usize> {
     (0..plan.kernels.len())
-        .filter(|&k| graph.node(plan.kernels[k].members()[0]).meta.hints.is_some())
+        .filter(|&k| {
+            graph
+                .node(plan.kernels[k].members()[0])
+                .meta
+                .hints
+                .is_some()
+        })
         .collect()
 }
 
@@ -86,7 +92,11 @@ fn region_order(width: Option<usize>, order: &str) -> (Vec<usize>, usize, usize)
     let (plan, s) = planned(&g, Strategy::Bfs, None);
     assert_valid(&g, &plan, &s.schedule.steps);
     let region = region_kernels(&g, &plan);
-    assert!(region.len() >= 2 * CHAINS, "{} region kernels", region.len());
+    assert!(
+        region.len() >= 2 * CHAINS,
+        "{} region kernels",
+        region.len()
+    );
     let order: Vec<usize> = s
         .schedule
         .order()
@@ -135,7 +145,10 @@ fn max_width_bounds_each_step_and_the_peak_grows_with_it() {
     let mut peaks = Vec::new();
     for k in [1, 2, 3, CHAINS] {
         let (order, widest, peak) = region_order(Some(k), "bfs");
-        assert!(widest <= k, "max_width {k}: {widest} region kernels in a step");
+        assert!(
+            widest <= k,
+            "max_width {k}: {widest} region kernels in a step"
+        );
         assert!(!order.is_empty());
         peaks.push((k, peak));
     }
@@ -199,13 +212,15 @@ fn attention_fn(hint: Option<String>) -> impl Fn(&[Tensor]) -> Vec<Tensor> + Clo
 
 fn attention_inputs(dtype: DType) -> Vec<Tensor> {
     let mut g = Generator::new(7);
-    (0..3)
-        .map(|_| Tensor::randn(&ATT, dtype, &mut g))
-        .collect()
+    (0..3).map(|_| Tensor::randn(&ATT, dtype, &mut g)).collect()
 }
 
 fn attention_graph(hint: Option<String>) -> Graph {
-    traced("attention", &attention_inputs(DType::F32), attention_fn(hint))
+    traced(
+        "attention",
+        &attention_inputs(DType::F32),
+        attention_fn(hint),
+    )
 }
 
 fn count(graph: &Graph, op: &str) -> usize {
@@ -262,8 +277,9 @@ fn sliced_values_and_gradients_equal_the_unhinted_run() {
 /// Predicted peaks of the forward graph and of the AOT backward graph.
 fn peaks(graph: &Graph) -> (usize, usize) {
     let (_, fwd) = planned(graph, Strategy::Bfs, None);
-    let aot = tessera::autograd::aot_autograd(graph, &[0, 1, 2], tessera::autograd::Partition::SaveAll)
-        .unwrap();
+    let aot =
+        tessera::autograd::aot_autograd(graph, &[0, 1, 2], tessera::autograd::Partition::SaveAll)
+            .unwrap();
     let bwd = schedule_util::optimized(aot.backward);
     let (_, b) = planned(&bwd, Strategy::Bfs, None);
     (fwd.memory.peak_bytes, b.memory.peak_bytes)
@@ -339,7 +355,11 @@ fn a_row_sliced_mlp_reads_its_weights_whole() {
         }
     };
     let inputs = [randn(&[8, 16], 4), randn(&[16, 32], 5), randn(&[32], 6)];
-    let g = traced("mlp", &inputs, f(Some(r#"{"slice": {"dim": 0, "parts": 4}}"#)));
+    let g = traced(
+        "mlp",
+        &inputs,
+        f(Some(r#"{"slice": {"dim": 0, "parts": 4}}"#)),
+    );
     assert_eq!(count(&g, "matmul"), 4, "{g}");
     let plain = compile(f(None)).call(&inputs).remove(0);
     let sliced = compile(f(Some(r#"{"slice": {"dim": 0, "parts": 4}}"#)))
@@ -435,7 +455,11 @@ fn the_memory_plans_list_the_moves_and_account_both_spaces() {
     let _lock = allocator();
     use tessera::autograd::{aot_autograd, Partition};
     use tessera::schedule::{build_moving, Moves, ScheduleOptions};
-    let g = traced("layers", &layer_inputs(), layers_fn(Some(r#"{"offload": true}"#)));
+    let g = traced(
+        "layers",
+        &layer_inputs(),
+        layers_fn(Some(r#"{"offload": true}"#)),
+    );
     let aot = aot_autograd(&g, &[0, 1, 2, 3, 4], Partition::SaveAll).unwrap();
     assert!(aot.offloaded.len() >= LAYERS - 1, "{:?}", aot.offloaded);
     assert!(aot.offloaded.iter().all(|i| aot.offloadable.contains(i)));
@@ -469,10 +493,18 @@ fn the_memory_plans_list_the_moves_and_account_both_spaces() {
         moved.host_bytes,
         moved.offloads.iter().map(|m| m.bytes).sum::<usize>()
     );
-    assert!(moved.peak_bytes < kept.peak_bytes, "{} vs {}", moved.peak_bytes, kept.peak_bytes);
+    assert!(
+        moved.peak_bytes < kept.peak_bytes,
+        "{} vs {}",
+        moved.peak_bytes,
+        kept.peak_bytes
+    );
     assert!(moved.run_peak_bytes() < kept.run_peak_bytes());
     let text = moved.describe(fwd);
-    assert!(text.contains("host bytes") && text.contains("offload "), "{text}");
+    assert!(
+        text.contains("host bytes") && text.contains("offload "),
+        "{text}"
+    );
     let bwd = &aot.backward;
     let prefetch = Moves {
         offload: Vec::new(),
@@ -493,7 +525,10 @@ fn a_budget_no_order_meets_offloads_every_activation() {
     let _lock = allocator();
     let (plain, _, _) = measured_step(&compile(layers_fn(None)));
     let (moved, _, host) = measured_step(&compile(layers_fn(None)).memory_budget(1));
-    assert!(host >= (LAYERS - 1) * WIDTH * WIDTH * 4, "host pool peak {host}");
+    assert!(
+        host >= (LAYERS - 1) * WIDTH * WIDTH * 4,
+        "host pool peak {host}"
+    );
     for (a, b) in plain.iter().zip(&moved) {
         assert_eq!(a.to_f64_vec(), b.to_f64_vec());
     }
@@ -524,9 +559,15 @@ fn eager_and_aot_eager_say_which_hints_they_ignore() {
         match backend {
             Backend::Default => {
                 // Honoured: the slice; offload needs a backward (none here).
-                assert!(!says("slice") && !says("order") && says("offload"), "{said:?}");
+                assert!(
+                    !says("slice") && !says("order") && says("offload"),
+                    "{said:?}"
+                );
             }
-            _ => assert!(says("slice") && says("order") && says("offload"), "{said:?}"),
+            _ => assert!(
+                says("slice") && says("order") && says("offload"),
+                "{said:?}"
+            ),
         }
     }
     // Known keys: no "not known" warning for stream or offload.

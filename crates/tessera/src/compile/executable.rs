@@ -69,7 +69,12 @@ impl MoveSpec {
 
 impl Lowered {
     /// `donated`: the positions of the graph inputs the caller hands over.
-    fn new(graph: Graph, options: &ScheduleOptions, donated: &[usize], moves: &MoveSpec) -> Lowered {
+    fn new(
+        graph: Graph,
+        options: &ScheduleOptions,
+        donated: &[usize],
+        moves: &MoveSpec,
+    ) -> Lowered {
         let plan = fusion::fuse(&graph);
         let moves = moves.moves(&graph);
         let scheduled = match schedule::build_moving(&graph, &plan, options, donated, &moves) {
@@ -257,7 +262,12 @@ impl Program {
         let graph = &lowered.graph;
         Some(
             (0..graph.outputs.len())
-                .filter(|&i| memory.offloads.iter().any(|m| m.value == graph.outputs[i].node))
+                .filter(|&i| {
+                    memory
+                        .offloads
+                        .iter()
+                        .any(|m| m.value == graph.outputs[i].node)
+                })
                 .collect(),
         )
     }
@@ -374,7 +384,10 @@ impl Executable {
         super::hint_report::report(&graph, options.backend, !wrt.is_empty(), on);
         let (forward, backward) = if wrt.is_empty() || eager_autograd {
             let none = MoveSpec::default();
-            (Program::new(graph, fused, options, on, donated, &none)?, None)
+            (
+                Program::new(graph, fused, options, on, donated, &none)?,
+                None,
+            )
         } else {
             let aot = match is_symbolic(&graph) {
                 // Tracing the joint graph needs concrete shapes.
@@ -391,8 +404,14 @@ impl Executable {
                 prefetch_inputs: Vec::new(),
             };
             let mut offloaded = aot.offloaded.clone();
-            let mut forward =
-                Program::new(aot.forward.clone(), fused, options, on, &[], &offload(&offloaded))?;
+            let mut forward = Program::new(
+                aot.forward.clone(),
+                fused,
+                options,
+                on,
+                &[],
+                &offload(&offloaded),
+            )?;
             // A budget that ordering and recomputation do not meet: every
             // saved activation waits in host memory.
             if fused && forward.over_budget() && offloaded.len() < aot.offloadable.len() {
@@ -404,8 +423,14 @@ impl Executable {
                         offloaded.len()
                     )
                 });
-                forward =
-                    Program::new(aot.forward.clone(), fused, options, on, &[], &offload(&offloaded))?;
+                forward = Program::new(
+                    aot.forward.clone(),
+                    fused,
+                    options,
+                    on,
+                    &[],
+                    &offload(&offloaded),
+                )?;
             }
             // What the forward's plan moves (some saved values cannot
             // move: views of others), else all that were asked.

@@ -65,7 +65,10 @@ fn ignored(
                 out.push(("order", format!("{runner}, not in {o} order")));
             }
             if hint.group_id.is_some() {
-                out.push(("group_id", format!("{runner}: a group is one block only as written")));
+                out.push((
+                    "group_id",
+                    format!("{runner}: a group is one block only as written"),
+                ));
             }
             if hint.memory_budget_mb.is_some() {
                 out.push(("memory_budget_mb", format!("{runner} and plans no memory")));
@@ -79,13 +82,15 @@ fn ignored(
             if hint.offload == Some(true) {
                 out.push((
                     "offload",
-                    "only the default backend's memory plan moves saved values to host memory".into(),
+                    "only the default backend's memory plan moves saved values to host memory"
+                        .into(),
                 ));
             }
             if backend == Backend::Eager && hint.recompute.is_some() {
                 out.push((
                     "recompute",
-                    "the eager tape keeps what each op's backward needs (AOT autograd recomputes)".into(),
+                    "the eager tape keeps what each op's backward needs (AOT autograd recomputes)"
+                        .into(),
                 ));
             }
         }

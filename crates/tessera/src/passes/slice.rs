@@ -322,7 +322,9 @@ fn map_dim(g: &Graph, id: NodeId, d: usize) -> std::result::Result<Vec<Read>, Re
     let across = |what: &str| Err(Refusal::Op(format!("{what} dim {d}, the sliced dim")));
     match &node.op {
         Op::Unary(_) | Op::Cast(_) | Op::Contiguous => Ok(vec![Read::Sliced(d)]),
-        Op::Binary(_) | Op::Compare(_) | Op::Where => node.inputs.iter().map(|&x| broadcast(x)).collect(),
+        Op::Binary(_) | Op::Compare(_) | Op::Where => {
+            node.inputs.iter().map(|&x| broadcast(x)).collect()
+        }
         Op::Tril { .. } | Op::Triu { .. } => match d + 2 < rank {
             true => Ok(vec![Read::Sliced(d)]),
             false => across("masks a triangle over"),
@@ -398,7 +400,10 @@ fn map_dim(g: &Graph, id: NodeId, d: usize) -> std::result::Result<Vec<Read>, Re
             start: 0,
             end,
             step: 1,
-        } if *dim == d && end.as_const() == Some(out[d]) && shape_of(node.inputs[0])?[d] == out[d] => {
+        } if *dim == d
+            && end.as_const() == Some(out[d])
+            && shape_of(node.inputs[0])?[d] == out[d] =>
+        {
             Ok(vec![Read::Sliced(d)])
         }
         Op::Slice { dim, .. } | Op::Cat { dim } => match *dim == d {

@@ -56,6 +56,16 @@ impl Hints {
             if let Some(g) = hint.group_id {
                 groups.entry(g).or_default().push(k);
             }
+            if let (Some(n), Some(r)) = (hint.stream, region) {
+                let note = format!(
+                    "hint \"stream\": {n} of region {} not honoured: the scheduler puts \
+                     every kernel on the run's own queue (per-region streams are not implemented)",
+                    regions[r]
+                );
+                if !notes.contains(&note) {
+                    notes.push(note);
+                }
+            }
             kernels.push(KernelHint {
                 order: hint.order,
                 group: hint.group_id,

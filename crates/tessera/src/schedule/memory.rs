@@ -64,9 +64,9 @@
 
 use super::buffers::BufferModel;
 use super::Schedule;
+use crate::error::{Error, ErrorKind, Result};
 use crate::fusion::Plan;
 use crate::ir::Op;
-use crate::error::{Error, ErrorKind, Result};
 use crate::ir::{Graph, NodeId};
 use crate::runtime::device::Device;
 
@@ -693,7 +693,12 @@ fn plan_moves(
     steps: &[Vec<usize>],
     live: &Liveness,
     moves: &Moves,
-) -> (Vec<Move>, Vec<(Move, usize)>, Vec<(usize, isize)>, Vec<String>) {
+) -> (
+    Vec<Move>,
+    Vec<(Move, usize)>,
+    Vec<(usize, isize)>,
+    Vec<String>,
+) {
     let (mut offloads, mut prefetches, mut deltas, mut notes) =
         (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     if moves.is_empty() || steps.is_empty() {
@@ -728,7 +733,9 @@ fn plan_moves(
             continue;
         }
         if outputs_of_buffer[b] > 1 {
-            notes.push(format!("{name} not offloaded: another output shares its buffer"));
+            notes.push(format!(
+                "{name} not offloaded: another output shares its buffer"
+            ));
             continue;
         }
         let step = buffer
@@ -781,10 +788,7 @@ fn plan_moves(
             continue;
         };
         let ty = &graph.node(v).ty;
-        let numel: usize = ty
-            .shape
-            .as_concrete()
-            .map_or(0, |s| s.iter().product());
+        let numel: usize = ty.shape.as_concrete().map_or(0, |s| s.iter().product());
         let bytes = numel * ty.dtype.size_bytes();
         prefetches.push((
             Move {

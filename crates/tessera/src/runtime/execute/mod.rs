@@ -127,7 +127,15 @@ pub fn run_scheduled_owned(
                 ..KernelMemory::default()
             })
         };
-        return execute(graph, plan, &schedule.steps, unplanned, inputs, tune, &moves);
+        return execute(
+            graph,
+            plan,
+            &schedule.steps,
+            unplanned,
+            inputs,
+            tune,
+            &moves,
+        );
     }
     // On a device the arena and blocks are device memory (see `cpu::arena`).
     let arena = Arena::on(on, memory.arena_bytes).map_err(|mut e| {
@@ -191,7 +199,15 @@ pub fn run_scheduled_owned(
             planned: Some(slots(k)?),
         })
     };
-    execute(graph, plan, &schedule.steps, kernel_memory, inputs, tune, &moves)
+    execute(
+        graph,
+        plan,
+        &schedule.steps,
+        kernel_memory,
+        inputs,
+        tune,
+        &moves,
+    )
 }
 
 /// A memory plan's offloads and prefetches, by step.
