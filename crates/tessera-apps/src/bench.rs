@@ -32,12 +32,13 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::Serialize;
 
-use tessera::compile::{train_step, TrainStep};
+use tessera::compile::{train_step, Mode as CompileMode, TrainStep};
 use tessera::error::{Error, ErrorKind, Result};
 use tessera::hints::Strategy;
 use tessera::nn::{try_cross_entropy, ParamStore, TransformerConfig, TransformerLM};
 use tessera::optim::{AdamW, AdamWConfig, GradScalerConfig, MixedPrecision, Optimizer};
 use tessera::runtime::device::{self, Device};
+use tessera::runtime::replay::ReplayStats;
 use tessera::tensor::Generator;
 use tessera::{autocast, DType, Tensor};
 
@@ -120,6 +121,9 @@ pub struct GptBenchConfig {
     /// `false` a step whose inputs pass the cached executable's guards runs
     /// it untraced ([`tessera::compile::TrainStep::retrace`]).
     pub retrace: bool,
+    /// The compiled step recorded once as a CUDA graph and replayed
+    /// (`mode=reduce-overhead`, see `tessera::runtime::replay`).
+    pub cuda_graphs: bool,
 }
 
 impl Default for GptBenchConfig {
@@ -139,6 +143,7 @@ impl Default for GptBenchConfig {
             seed: 0,
             schedule: None,
             retrace: true,
+            cuda_graphs: false,
         }
     }
 }
@@ -181,6 +186,9 @@ impl GptBenchConfig {
         }
         if !self.retrace && self.mode == Mode::Eager {
             problems.push("--no-retrace is about the compiled step: not with --mode eager".into());
+        }
+        if self.cuda_graphs && self.mode == Mode::Eager {
+            problems.push("--cuda-graphs is about the compiled step: not with --mode eager".into());
         }
         if problems.is_empty() && self.param_count().is_none() {
             problems.push(format!(
@@ -308,6 +316,11 @@ pub struct GptBenchReport {
     pub schedule: Option<String>,
     /// Whether the compiled step traced every step (compiled only).
     pub retrace: Option<bool>,
+    /// Compiled with `--cuda-graphs`: steps replayed from the recorded CUDA
+    /// graph, and recordings that failed (the step then ran kernel by
+    /// kernel; `TESSERA_LOGS=cudagraphs` says why).
+    pub cuda_graph_replays: Option<usize>,
+    pub cuda_graph_fallbacks: Option<usize>,
     /// Executables built (compiled only): 1 when nothing recompiled.
     pub compiles: Option<usize>,
     /// The loss scale after the last step (f16 only: its dynamic loss
@@ -437,6 +450,9 @@ impl<'a> Stepper<'a> {
                     step = step.schedule(order);
                 }
                 step = step.retrace(config.retrace);
+                if config.cuda_graphs {
+                    step = step.mode(CompileMode::ReduceOverhead);
+                }
                 if dtype == DType::F16 {
                     // As eager's `MixedPrecision`: PyTorch's defaults.
                     step = step.loss_scaler(GradScalerConfig::default());
@@ -493,6 +509,13 @@ impl<'a> Stepper<'a> {
                 let s = step.stats();
                 Some((s.compile_seconds, s.trace_seconds, s.compiles))
             }
+        }
+    }
+
+    fn replay_stats(&self) -> Option<ReplayStats> {
+        match self {
+            Stepper::Eager { .. } => None,
+            Stepper::Compiled { step, .. } => Some(step.replay_stats()),
         }
     }
 }
@@ -573,6 +596,7 @@ fn run_here(
     let peak = device::memory_stats(on)?.peak_bytes;
     let median = median_of(&step_ms);
     let compile = stepper.compile_stats();
+    let replays = stepper.replay_stats().filter(|_| config.cuda_graphs);
     let scaler = stepper.loss_scaler()?;
     Ok(GptBenchReport {
         system: "tessera".into(),
@@ -604,7 +628,9 @@ fn run_here(
             Mode::Eager => None,
             Mode::Compiled => Some(config.schedule.map_or("default", Strategy::name).into()),
         },
-        retrace: (config.mode == Mode::Compiled).then_some(config.retrace),
+        retrace: (config.mode == Mode::Compiled).then_some(config.retrace && !config.cuda_graphs),
+        cuda_graph_replays: replays.map(|r| r.replays),
+        cuda_graph_fallbacks: replays.map(|r| r.fallbacks),
         compiles: compile.map(|(_, _, n)| n),
         loss_scale: scaler.map(|(scale, _)| scale),
         skipped_steps: scaler.map(|(_, skipped)| skipped),

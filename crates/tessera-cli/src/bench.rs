@@ -79,6 +79,12 @@ pub struct GptArgs {
     /// nothing else); saves the trace's host time each step.
     #[arg(long)]
     no_retrace: bool,
+    /// Compiled: record the step once as a CUDA graph and replay it
+    /// (tessera::compile's mode=reduce-overhead): no host dispatch per
+    /// kernel. Steps whose recording fails run kernel by kernel
+    /// (TESSERA_LOGS=cudagraphs says why).
+    #[arg(long)]
+    cuda_graphs: bool,
 }
 
 impl GptArgs {
@@ -98,6 +104,7 @@ impl GptArgs {
             seed: self.seed,
             schedule: self.schedule,
             retrace: !self.no_retrace,
+            cuda_graphs: self.cuda_graphs,
         }
     }
 }

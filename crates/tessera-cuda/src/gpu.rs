@@ -28,6 +28,7 @@ use tessera::runtime::device::DeviceMemory;
 use crate::codegen::{Launch, ENTRY};
 use crate::compiler::{self, Program};
 use crate::driver_error;
+use crate::kernel_errors::KernelErrors;
 
 /// Blocks are rounded to this many bytes (as PyTorch's allocator does), so
 /// that tensors of nearby sizes share cached blocks.
@@ -105,6 +106,8 @@ pub struct Gpu {
     pub alloc: Arc<Allocator>,
     /// Launches by what generated them (see [`Gpu::launch_memoised`]).
     memo: Mutex<HashMap<Vec<u64>, Arc<Memoised>>>,
+    /// The record kernels write the errors they find to.
+    pub errors: KernelErrors,
 }
 
 /// A generated launch with its loaded kernel.
@@ -236,6 +239,7 @@ impl Gpu {
             sms: sms as u32,
             name,
             memo: Mutex::new(HashMap::new()),
+            errors: KernelErrors::new()?,
             alloc: Arc::new(Allocator {
                 pool: Mutex::new(Pool::default()),
                 live: AtomicUsize::new(0),

@@ -32,6 +32,7 @@ pub mod compiler;
 pub mod flash;
 mod flash_op;
 mod gpu;
+mod kernel_errors;
 mod matmul;
 mod ops;
 pub mod profile;
@@ -79,6 +80,7 @@ pub fn backend() -> Result<Arc<CudaBackend>> {
 pub fn register() -> Result<()> {
     let b = backend()?;
     device::register(b)?;
+    ops::cross_entropy::register()?;
     flash_op::register()
 }
 
@@ -203,7 +205,8 @@ impl Backend for CudaBackend {
     fn synchronize(&self) -> Result<()> {
         self.gpu
             .synchronize()
-            .map_err(|m| Error::new(ErrorKind::Device, m))
+            .map_err(|m| Error::new(ErrorKind::Device, m))?;
+        self.kernel_error()
     }
 
     fn memory_stats(&self) -> MemoryStats {

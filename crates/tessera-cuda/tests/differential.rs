@@ -376,12 +376,31 @@ fn movement_indexing_and_creation() {
             a[0].scatter_add(1, &a[3], &a[1]),
         ]
     });
-    // Out of range is an error naming the op, as on the CPU.
+    // Out of range is an error naming the op, the value, the dim, the
+    // operands and the user's line, as on the CPU — found by the kernel and
+    // reported at the next synchronisation (a read); the device stays
+    // usable and the error is reported once.
     let x = cuda(&randn(&[3, 4], DType::F32, 16));
     let bad = cuda(&Tensor::from_vec(vec![5i64], &[1]));
-    let e = x.try_index_select(1, &bad).unwrap_err();
+    let line = line!() + 1;
+    let selected = x.try_index_select(1, &bad).unwrap();
+    let e = selected.to_vec::<f32>().unwrap_err();
+    let m = e.to_string();
     assert!(
-        e.to_string().contains("index_select") && e.to_string().contains("out of range"),
+        m.contains("index_select") && m.contains("index 5 is out of range for a dim of size 4"),
+        "{m}"
+    );
+    assert!(m.contains("indices i64 [1] into f32 [3, 4]"), "{m}");
+    assert!(m.contains(&format!("differential.rs:{line}")), "{m}");
+    assert_eq!(
+        x.to_vec::<f32>().unwrap(),
+        randn(&[3, 4], DType::F32, 16).to_vec::<f32>().unwrap()
+    );
+    let neg = cuda(&Tensor::from_vec(vec![0i64, -1, 1, 0], &[1, 4]));
+    let added = x.try_scatter_add(0, &neg, &x.narrow(0, 0, 1)).unwrap();
+    let e = added.to_vec::<f32>().unwrap_err();
+    assert!(
+        e.to_string().contains("scatter_add") && e.to_string().contains("index -1"),
         "{e}"
     );
     // Creation on the device: the same values as on the CPU.
@@ -512,6 +531,59 @@ fn eager_gradients_match() {
             );
         }
     }
+}
+
+#[test]
+fn fused_cross_entropy_values_gradients_and_bad_targets() {
+    if !gpu() {
+        return;
+    }
+    // Every float dtype, a row wider than a block, ignored rows, a strided
+    // (transposed) view, a masked (-inf) entry: loss and gradient as on
+    // the CPU.
+    let targets = Tensor::from_vec(vec![3i64, -100, 0, 299, 17, 5, -100], &[7]);
+    for d in FLOATS {
+        let logits = randn(&[7, 300], d, 40) * 3.0;
+        let masked = Tensor::where_(
+            &Tensor::arange(0.0, 300.0, 1.0, DType::F64).eq(7.0),
+            &Tensor::full(&[], f64::NEG_INFINITY, d),
+            &logits,
+        );
+        for (name, x) in [("dense", logits.clone()), ("masked", masked)] {
+            both(
+                &format!("cross_entropy {name} {d}"),
+                &[x, targets.clone()],
+                true,
+                |a| {
+                    let x = a[0].set_requires_grad(true);
+                    let loss = tessera::nn::cross_entropy(&x, &a[1], Some(-100));
+                    loss.backward();
+                    vec![loss.detach(), x.grad().unwrap()]
+                },
+            );
+        }
+    }
+    let wide = randn(&[300, 7], DType::F32, 41).transpose(0, 1);
+    both(
+        "cross_entropy strided",
+        &[wide, targets.clone()],
+        true,
+        |a| {
+            let x = a[0].set_requires_grad(true);
+            let loss = tessera::nn::cross_entropy(&x, &a[1], Some(-100));
+            loss.backward();
+            vec![loss.detach(), x.grad().unwrap()]
+        },
+    );
+    // A bad target: reported at the next read, naming the op and the value.
+    let x = cuda(&randn(&[2, 5], DType::F32, 42));
+    let bad = cuda(&Tensor::from_vec(vec![1i64, 5], &[2]));
+    let loss = tessera::nn::try_cross_entropy(&x, &bad, None).unwrap();
+    let e = loss.to_vec::<f32>().unwrap_err().to_string();
+    assert!(
+        e.contains("cross_entropy") && e.contains("index 5 is out of range for 5 classes"),
+        "{e}"
+    );
 }
 
 #[test]

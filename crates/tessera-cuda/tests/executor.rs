@@ -300,18 +300,55 @@ fn reduce_overhead_replays_forward_and_backward() {
 }
 
 #[test]
-fn reduce_overhead_falls_back_where_capture_is_impossible() {
+fn reduce_overhead_records_gathers_and_reports_a_bad_index_after_a_replay() {
     if !gpu() {
         return;
     }
     let _lock = allocator();
-    // The CUDA index kernels check the indices on the host: a copy to the
-    // host, which a capture cannot hold.
+    // The index kernels check their indices on the device: nothing reads
+    // them back, so the embedding-like gather records and replays.
     let (replayed, plain) =
         both_modes(|x: &[Tensor]| vec![(x[0].index_select(0, &x[1]) * 2.0).exp()]);
     let idx = Tensor::from_vec(vec![3i64, 0, 2, 2], &[4]);
     for call in 0..4 {
         let on = vec![cuda(&randn(&[5, 8], DType::F32, 300 + call)), cuda(&idx)];
+        assert_eq!(
+            bits(&replayed.call(&on)),
+            bits(&plain.call(&on)),
+            "call {call}"
+        );
+    }
+    let stats = replayed.replay_stats();
+    assert_eq!((stats.recordings, stats.fallbacks), (1, 0), "{stats:?}");
+    // A bad index in a replay is an error when the result is read, naming
+    // the op and the value; the next good call is right again.
+    let bad = Tensor::from_vec(vec![3i64, 5, 2, 2], &[4]);
+    let x = cuda(&randn(&[5, 8], DType::F32, 399));
+    let out = replayed.try_call(&[x.clone(), cuda(&bad)]).unwrap();
+    let e = out[0].to_vec::<f32>().unwrap_err().to_string();
+    assert!(
+        e.contains("index_select") && e.contains("index 5 is out of range for a dim of size 5"),
+        "{e}"
+    );
+    let good = vec![x, cuda(&idx)];
+    assert_eq!(bits(&replayed.call(&good)), bits(&plain.call(&good)));
+}
+
+#[test]
+fn reduce_overhead_falls_back_where_capture_is_impossible() {
+    if !gpu() {
+        return;
+    }
+    let _lock = allocator();
+    // A random op seeded by a device tensor reads its seed on the host: a
+    // copy to the host, which a capture cannot hold.
+    let (replayed, plain) = both_modes(|x: &[Tensor]| {
+        let noise = Tensor::try_rand_seeded(&x[1], &[5, 8], DType::F32).unwrap();
+        vec![(&x[0] * 2.0 + noise).exp()]
+    });
+    let seed = Tensor::from_vec(vec![7i64], &[]);
+    for call in 0..4 {
+        let on = vec![cuda(&randn(&[5, 8], DType::F32, 300 + call)), cuda(&seed)];
         assert_eq!(
             bits(&replayed.call(&on)),
             bits(&plain.call(&on)),

@@ -10,13 +10,21 @@ use tessera::ir::{ArgReduceOp, BinaryOp, CompareOp, ReduceOp, UnaryOp};
 use tessera::tensor::Layout;
 use tessera::DType;
 use tessera_cuda::codegen::copy::dense_copy;
+use tessera_cuda::codegen::cross_entropy::{self, Rows};
 use tessera_cuda::codegen::fused_rows::fused_rows;
-use tessera_cuda::codegen::index::{indexed, triangle, Indexed, Strided};
+use tessera_cuda::codegen::index::{indexed, triangle, IndexCheck, Indexed, Strided};
 use tessera_cuda::codegen::pointwise::{pointwise, pointwise_block, Operand, Output};
 use tessera_cuda::codegen::rows::{arg_reduce, reduce, reduce_in_parts};
 use tessera_cuda::codegen::softmax::softmax;
 use tessera_cuda::codegen::{Compute, Launch};
 use tessera_cuda::compiler::{compile_uncached, Program};
+
+/// An index check with a stand-in record address.
+const CHECK: IndexCheck = IndexCheck {
+    bound: 4,
+    site: 0,
+    report: 3,
+};
 
 const FLOATS: [DType; 4] = [DType::F32, DType::F64, DType::F16, DType::BF16];
 
@@ -239,10 +247,26 @@ fn indexing() -> Vec<Launch> {
                 offset: 0,
                 strides: vec![1, 0],
             };
-            v.push(indexed(Indexed::Read, &[3, 4], &op, &idx, &op, 4, 132).unwrap());
+            v.push(indexed(Indexed::Read, &[3, 4], &op, &idx, &op, 4, CHECK, 132).unwrap());
             if d != DType::Bool {
-                v.push(indexed(Indexed::Add, &[3, 4], &op, &idx, &op, 4, 132).unwrap());
+                v.push(indexed(Indexed::Add, &[3, 4], &op, &idx, &op, 4, CHECK, 132).unwrap());
             }
+        }
+    }
+    // The fused cross-entropy, forward and backward, every float dtype,
+    // both target dtypes, with and without an ignored value.
+    for d in [DType::F32, DType::F64, DType::F16, DType::BF16] {
+        for (t, ignore_index) in [(DType::I64, None), (DType::I32, Some(-100))] {
+            let rows = Rows {
+                logits_dtype: d,
+                target_dtype: t,
+                n: 3,
+                classes: 7,
+                stride: 8,
+                ignore_index,
+            };
+            v.push(cross_entropy::forward(&rows, 0, 0, 0, 0, CHECK, 132));
+            v.push(cross_entropy::backward(&rows, 0, 0, 0, 0, 0, CHECK, 132));
         }
     }
     v

@@ -57,6 +57,33 @@ impl SourceLoc {
     }
 }
 
+thread_local! {
+    static DISPATCHING: std::cell::Cell<Option<&'static Location<'static>>> =
+        const { std::cell::Cell::new(None) };
+}
+
+/// Runs `f`, the dispatch of one eager op, with `caller` noted as the
+/// user's line of that op: a backend that finds the op's error only later
+/// (a CUDA kernel's bad index, reported at the next synchronisation) asks
+/// [`dispatch_site`] while it queues the op, so the late error can still
+/// name the line.
+pub fn dispatching<T>(caller: &'static Location<'static>, f: impl FnOnce() -> T) -> T {
+    struct Restore(Option<&'static Location<'static>>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            DISPATCHING.with(|d| d.set(self.0));
+        }
+    }
+    let _restore = Restore(DISPATCHING.with(|d| d.replace(Some(caller))));
+    f()
+}
+
+/// The user's line of the eager op being dispatched on this thread (see
+/// [`dispatching`]); `None` outside an eager dispatch (a compiled run).
+pub fn dispatch_site() -> Option<SourceLoc> {
+    DISPATCHING.with(|d| d.get().map(SourceLoc::from_static))
+}
+
 impl fmt::Display for SourceLoc {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}:{}:{}", self.file, self.line, self.column)

@@ -84,9 +84,30 @@ pub struct Strided {
     pub strides: Vec<usize>,
 }
 
+/// How a kernel checks its index values: each must be in `0..bound`; a
+/// thread that reads one outside skips its element (no access out of
+/// bounds) and the first such value, with `site` (what the host knows of
+/// the launch), is written to the error record at `report` (host memory
+/// mapped into the device, read at the next synchronisation: see
+/// `gpu::DeviceErrors`).
+#[derive(Clone, Copy, Debug)]
+pub struct IndexCheck {
+    pub bound: usize,
+    pub site: u32,
+    pub report: u64,
+}
+
+/// The device side of the error record (`gpu::ErrorRecord`'s layout): the
+/// first thread to claim `flag` writes the site and the value.
+pub(crate) const REPORT_BAD_INDEX: &str = "struct TesseraErrorRecord { unsigned flag; unsigned site; long long value; };\n\
+__device__ void tessera_bad_index(void* at, unsigned site, long long value) {\n\
+TesseraErrorRecord* r = (TesseraErrorRecord*)at;\n\
+if (atomicCAS(&r->flag, 0u, 1u) == 0u) { r->site = site; r->value = value; __threadfence_system(); }\n}\n";
+
 /// The indexed loop over `shape`: `dim_stride` is the stride, in the
 /// operand the index moves (source for reads, destination for adds), of
 /// one step along the indexed dim.
+#[allow(clippy::too_many_arguments)]
 pub fn indexed(
     kind: Indexed,
     shape: &[usize],
@@ -94,6 +115,7 @@ pub fn indexed(
     index: &Strided,
     dst: &Strided,
     dim_stride: usize,
+    check: IndexCheck,
     sms: u32,
 ) -> Result<Launch, String> {
     let n: usize = shape.iter().product();
@@ -105,6 +127,11 @@ pub fn indexed(
         "((long long){})",
         load(index.dtype, Compute::I64, "a.idx", "io")
     );
+    let checked = format!(
+        "long long iv = {iv};\n\
+         if (iv < 0 || iv >= a.bound) {{ tessera_bad_index(a.report, (unsigned)a.site, iv); continue; }}\n"
+    );
+    let iv = "iv";
     let body = match kind {
         Indexed::Read => format!(
             "so += {iv} * a.dim_stride;\n(({ct}*)a.dst)[dO] = {v};",
@@ -129,12 +156,13 @@ pub fn indexed(
         }
     };
     let mut source = prelude(&[src.dtype, dtype]);
+    source.push_str(REPORT_BAD_INDEX);
     source.push_str(&format!(
         "struct Args {{ long long n; long long shape[{rank}]; long long soff; long long sstr[{rank}]; long long ioff; long long istr[{rank}]; \
-         long long doff; long long dstr[{rank}]; long long dim_stride; const void* src; const void* idx; void* dst; }};\n\
+         long long doff; long long dstr[{rank}]; long long dim_stride; long long bound; const void* src; const void* idx; void* dst; void* report; long long site; }};\n\
          extern \"C\" __global__ void {ENTRY}(Args a) {{\n\
          for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < a.n; i += (long long)gridDim.x * blockDim.x) {{\n\
-         long long so = a.soff, io = a.ioff, dO = a.doff;\n{dec}{body}\n}}\n}}\n",
+         long long so = a.soff, io = a.ioff, dO = a.doff;\n{dec}{checked}{body}\n}}\n}}\n",
         dec = decompose(
             "i",
             "shape",
@@ -155,9 +183,12 @@ pub fn indexed(
             .ints(padded(&op.strides, rank, 0));
     }
     args.int(dim_stride as i64)
+        .int(check.bound as i64)
         .ptr(src.ptr)
         .ptr(index.ptr)
-        .ptr(dst.ptr);
+        .ptr(dst.ptr)
+        .ptr(check.report)
+        .int(i64::from(check.site));
     Ok(Launch {
         source,
         args,
@@ -169,6 +200,12 @@ pub fn indexed(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    const CHECK: IndexCheck = IndexCheck {
+        bound: 4,
+        site: 9,
+        report: 3,
+    };
 
     #[test]
     fn an_add_of_bf16_uses_the_bf16_atomic_and_bools_are_refused() {
@@ -191,6 +228,7 @@ mod tests {
             &idx,
             &op(DType::BF16),
             4,
+            CHECK,
             132,
         )
         .unwrap();
@@ -199,7 +237,12 @@ mod tests {
             "{}",
             l.source
         );
-        assert!(l.source.contains("dO += ((long long)"), "{}", l.source);
+        assert!(l.source.contains("dO += iv * a.dim_stride"), "{}", l.source);
+        // The value is checked before it moves the offset; the bound, the
+        // record and the site are the last arguments.
+        let check = l.source.find("if (iv < 0 || iv >= a.bound)").unwrap();
+        assert!(check < l.source.find("dO += iv").unwrap(), "{}", l.source);
+        assert_eq!(l.args.0[l.args.0.len() - 2..], [3, 9]);
         let e = indexed(
             Indexed::Add,
             &[3, 4],
@@ -207,6 +250,7 @@ mod tests {
             &idx,
             &op(DType::Bool),
             4,
+            CHECK,
             132,
         )
         .unwrap_err();

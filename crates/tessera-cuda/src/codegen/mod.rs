@@ -10,6 +10,7 @@
 //! the same rank, dtypes and op list, which keeps NVRTC off the hot path.
 
 pub mod copy;
+pub mod cross_entropy;
 pub mod fused_rows;
 pub mod index;
 pub mod pointwise;

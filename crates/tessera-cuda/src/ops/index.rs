@@ -1,15 +1,16 @@
 //! Indexing: gathers (`index_select`, `gather`), scatters with atomic adds
 //! (`index_add`, `scatter_add`), and the triangles (`tril`, `triu`). Index
-//! values are checked on the host first, as the CPU does: a kernel cannot
-//! report a bad one.
+//! values are checked by the kernels, which report a bad one at the next
+//! synchronisation (see [`crate::kernel_errors`]).
 
-use tessera::error::{Error, ErrorKind, Result};
+use tessera::error::{dispatch_site, Error, ErrorKind, Result};
 use tessera::ir::{DType, Op};
 use tessera::runtime::array::Array;
 use tessera::tensor::layout::contiguous_strides;
 
 use super::{base, unsupported};
-use crate::codegen::index::{self, Indexed, Strided};
+use crate::codegen::index::{self, IndexCheck, Indexed, Strided};
+use crate::kernel_errors::Site;
 use crate::CudaBackend;
 
 impl CudaBackend {
@@ -55,7 +56,7 @@ impl CudaBackend {
         let name = op.name();
         let x = self.on_device(inputs[0])?;
         let idx = self.on_device(inputs[1])?;
-        check_indices(name, &idx, x.shape()[dim])?;
+        let check = self.index_check(name, &idx, &x, x.shape()[dim])?;
         let out = self.empty(dtype, shape.iter().product())?;
         let numel: usize = shape.iter().product();
         if numel > 0 {
@@ -90,6 +91,7 @@ impl CudaBackend {
                 &index,
                 &dst,
                 dim_stride,
+                check,
                 self.gpu.sms,
             )
             .map_err(|m| unsupported(name, m))?;
@@ -111,7 +113,7 @@ impl CudaBackend {
         let basis = self.on_device(inputs[0])?;
         let idx = self.on_device(inputs[1])?;
         let src = self.on_device(inputs[2])?;
-        check_indices(name, &idx, shape[dim])?;
+        let check = self.index_check(name, &idx, &basis, shape[dim])?;
         let out = self.contiguous(name, &basis)?;
         let iter: Vec<usize> = match op {
             Op::IndexAdd { .. } => src.shape().to_vec(),
@@ -149,6 +151,7 @@ impl CudaBackend {
                 &index,
                 &dst,
                 dim_stride,
+                check,
                 self.gpu.sms,
             )
             .map_err(|m| unsupported(name, m))?;
@@ -158,34 +161,45 @@ impl CudaBackend {
     }
 }
 
-/// Index values must be in `0..bound` (checked on the host, as the CPU
-/// does: a kernel cannot report the error).
-fn check_indices(op: &str, index: &Array, bound: usize) -> Result<()> {
-    let host = index.to_host()?;
-    let values: Vec<i64> = match host.dtype() {
-        DType::I32 => host.to_vec::<i32>()?.into_iter().map(i64::from).collect(),
-        DType::I64 => host.to_vec::<i64>()?,
-        d => {
+impl CudaBackend {
+    /// How the kernel of `op` checks `index` against `bound` (the size of
+    /// the dim it indexes in `x`): the site its report names, noted now
+    /// with the operands and the user's line.
+    fn index_check(&self, op: &str, index: &Array, x: &Array, bound: usize) -> Result<IndexCheck> {
+        if !matches!(index.dtype(), DType::I32 | DType::I64) {
             return Err(Error::op(
                 ErrorKind::DType,
                 op,
-                format!("indices must be i64 or i32, got {d}"),
-            ))
+                format!("indices must be i64 or i32, got {}", index.dtype()),
+            ));
         }
-    };
-    check_index_values(op, &values, bound)
+        let site = self.gpu.errors.site(index_site(op, index, x, bound));
+        Ok(IndexCheck {
+            bound,
+            site,
+            report: self.gpu.errors.device,
+        })
+    }
 }
 
-/// Every value in `0..bound`, else an error naming the first that is not.
-fn check_index_values(op: &str, values: &[i64], bound: usize) -> Result<()> {
-    if let Some(bad) = values.iter().find(|&&v| v < 0 || v as usize >= bound) {
-        return Err(Error::op(
-            ErrorKind::Argument,
-            op,
-            format!("index {bad} is out of range for a dim of size {bound}"),
-        ));
+/// What a report of a bad index names: the op, the dim's size, the
+/// operands and, for an eager op, the user's line.
+fn index_site(op: &str, index: &Array, x: &Array, bound: usize) -> Site {
+    let at = match dispatch_site() {
+        Some(loc) => format!(" at {loc}"),
+        None => " in a compiled run".to_string(),
+    };
+    Site {
+        op: op.to_string(),
+        check: format!("out of range for a dim of size {bound}"),
+        context: format!(
+            "indices {} {:?} into {} {:?}{at}",
+            index.dtype(),
+            index.shape(),
+            x.dtype(),
+            x.shape()
+        ),
     }
-    Ok(())
 }
 
 /// Strides over `rank` dims that are zero except `stride` at `dim`.
@@ -200,19 +214,30 @@ mod tests {
     use super::*;
 
     #[test]
-    fn indices_outside_the_dim_are_errors_that_name_them() {
-        assert!(check_index_values("gather", &[0, 4, 2], 5).is_ok());
-        assert!(check_index_values("gather", &[], 0).is_ok());
-        let e = check_index_values("index_select", &[1, 5, -1], 5).unwrap_err();
-        assert_eq!(e.kind, ErrorKind::Argument);
+    fn a_bad_index_report_names_the_op_the_dim_the_operands_and_the_line() {
+        use tessera::runtime::cpu::Storage;
+        let array = |dtype, shape: &[usize]| {
+            let n = shape.iter().product();
+            Array::from_storage(Storage::try_new(dtype, n).unwrap(), shape)
+        };
+        let (idx, x) = (array(DType::I64, &[2, 3]), array(DType::BF16, &[7, 4]));
+        let site = index_site("gather", &idx, &x, 7);
+        assert_eq!(site.op, "gather");
+        assert_eq!(site.check, "out of range for a dim of size 7");
         assert_eq!(
-            e.to_string(),
-            "index_select: index 5 is out of range for a dim of size 5"
+            site.context,
+            "indices i64 [2, 3] into bf16 [7, 4] in a compiled run"
         );
-        let e = check_index_values("scatter_add", &[-1], 3).unwrap_err();
-        assert!(e.to_string().contains("index -1"), "{e}");
-        // Nothing is in range of an empty dim.
-        assert!(check_index_values("gather", &[0], 0).is_err());
+        let here = std::panic::Location::caller();
+        let eager = tessera::error::dispatching(here, || index_site("gather", &idx, &x, 7));
+        assert!(
+            eager.context.ends_with(&format!(
+                "at {}",
+                tessera::error::SourceLoc::from_location(here)
+            )),
+            "{}",
+            eager.context
+        );
     }
 
     #[test]

@@ -122,7 +122,17 @@ impl CudaBackend {
         self.gpu
             .download(&mut host.as_bytes_mut()[..n], s.ptr())
             .map_err(|m| device_err("to_host", m))?;
+        self.kernel_error()?;
         Ok(host)
+    }
+
+    /// The error a kernel found in work that has finished (see
+    /// [`crate::kernel_errors`]): call after a synchronisation.
+    pub(crate) fn kernel_error(&self) -> Result<()> {
+        match self.gpu.errors.take() {
+            None => Ok(()),
+            Some(e) => Err(Error::op(ErrorKind::Argument, e.op, e.message)),
+        }
     }
 
     /// `x` on the device (a host scalar is copied up).

@@ -39,9 +39,11 @@ mod capture;
 mod debug;
 mod dynamic;
 mod executable;
+mod graph;
 mod guards;
 mod hint_report;
 mod options;
+mod raised;
 mod recompile;
 mod train_step;
 
@@ -49,6 +51,7 @@ use std::sync::{Arc, Mutex};
 
 pub use cache::CompileStats;
 pub use executable::Executable;
+pub use graph::{compile_graph, CompiledGraph, GraphFn};
 pub use guards::{miss_reason, InputGuard};
 pub use options::{Backend, CompileOptions, Mode};
 pub use train_step::{train_step, StepFn, TrainStep};

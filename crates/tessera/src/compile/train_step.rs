@@ -107,7 +107,7 @@
 //! While a step traces, the optimizer's parameters hold graph values:
 //! another thread must not run the model at the same time.
 
-use std::panic::{self, AssertUnwindSafe};
+use super::raised::{catching, raise};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use super::{compile, Backend, CompileStats, Compiled, Mode};
@@ -623,6 +623,12 @@ impl<'a, O: TraceableOptimizer> TrainStep<'a, O> {
         self.compiled.stats()
     }
 
+    /// What the device-graph replay of `mode=reduce-overhead` did (see
+    /// [`Compiled::replay_stats`]).
+    pub fn replay_stats(&self) -> crate::runtime::replay::ReplayStats {
+        self.compiled.replay_stats()
+    }
+
     /// Why each recompile happened.
     pub fn recompile_reasons(&self) -> Vec<String> {
         self.compiled.recompile_reasons()
@@ -1089,27 +1095,6 @@ impl Drop for StandIn<'_> {
     }
 }
 
-/// An error of the traced step, unwound through the compiled function
-/// (whose traced function returns tensors, not results) to
-/// [`catching`] in [`TrainStep::try_step`].
-struct Raised(Error);
-
-fn raise(e: Error) -> ! {
-    panic::resume_unwind(Box::new(Raised(e)))
-}
-
-/// Runs `f`, returning an error [`raise`]d inside it as its error; any
-/// other panic (the loss function's own) passes on.
-fn catching<R>(f: impl FnOnce() -> Result<R>) -> Result<R> {
-    match panic::catch_unwind(AssertUnwindSafe(f)) {
-        Ok(r) => r,
-        Err(payload) => match payload.downcast::<Raised>() {
-            Ok(raised) => Err(raised.0),
-            Err(other) => panic::resume_unwind(other),
-        },
-    }
-}
-
 /// A lock that a panic of another holder does not poison for good: every
 /// value behind these locks is whole between statements.
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -1135,20 +1120,5 @@ mod tests {
         assert_eq!(layout.n_inputs(3), 2 + 6 + 3 + 6);
         // loss, norm, 3 values, 6 state tensors.
         assert_eq!(layout.n_outputs(3), 1 + 1 + 3 + 6);
-    }
-
-    #[test]
-    fn a_raised_error_is_caught_and_other_panics_pass_on() {
-        let e = catching(|| -> Result<()> {
-            raise(Error::new(ErrorKind::Shape, "train_step: raised"))
-        })
-        .unwrap_err();
-        assert_eq!(
-            (e.kind, e.message.as_str()),
-            (ErrorKind::Shape, "train_step: raised")
-        );
-        assert_eq!(catching(|| Ok(3)).unwrap(), 3);
-        let other = panic::catch_unwind(|| catching(|| -> Result<()> { panic!("the user's") }));
-        assert!(other.is_err());
     }
 }

@@ -1,7 +1,8 @@
 //! Losses: mean cross-entropy over class logits, mean squared error.
 
 use crate::error::{Error, ErrorKind, Result, SourceLoc};
-use crate::tensor::{autocast, unwrap_or_panic, Tensor};
+use crate::ir::custom::cross_entropy as cross_entropy_op;
+use crate::tensor::{autocast, custom, unwrap_or_panic, Tensor};
 
 /// Mean cross-entropy of `logits [N, C]` (float) against class ids
 /// `targets [N]` (i64/i32), as `torch.nn.functional.cross_entropy`: rows
@@ -9,7 +10,9 @@ use crate::tensor::{autocast, unwrap_or_panic, Tensor};
 /// mean. For `[B, T, C]` logits pass `logits.reshape(&[-1, C])` and
 /// `targets.reshape(&[-1])`.
 ///
-/// Inside autocast, bf16/f16 logits are cast to f32 first: the loss is f32.
+/// One fused op per row (`tessera::cross_entropy`): the log-probabilities
+/// are never materialised. Inside autocast the loss of bf16/f16 logits is
+/// f32, computed in f32 from the logits as they are.
 ///
 /// When every row is ignored the loss is 0 (with zero gradients), not
 /// PyTorch's NaN: a batch of pure padding then leaves a training run intact.
@@ -41,30 +44,28 @@ pub fn try_cross_entropy(
             ),
         ));
     }
-    // Autocast computes losses in f32.
-    mean_nll(&autocast::cast_f32(logits)?, targets, ignore_index)
+    mean_nll(logits, targets, ignore_index)
 }
 
+/// The mean of the fused op's per-row losses (see
+/// `ir::custom::cross_entropy`) over the rows not ignored. The op reads
+/// the logits in their own dtype and computes in f32 (f64 for f64), so
+/// under autocast no f32 copy of bf16/f16 logits is made; the loss is f32
+/// there (autocast's policy for losses) and the logits' dtype outside it.
 fn mean_nll(logits: &Tensor, targets: &Tensor, ignore_index: Option<i64>) -> Result<Tensor> {
-    let log_probs = logits.try_log_softmax(-1)?;
-    let Some(ignore) = ignore_index else {
-        let picked = log_probs.try_gather(1, &targets.try_unsqueeze(1)?)?;
-        return picked.try_mean(&[], false)?.try_neg();
+    let loss_dtype = autocast::cast_f32(&logits.try_narrow(0, 0, 0)?)?.dtype();
+    let attrs = cross_entropy_op::attrs(ignore_index);
+    let rows = custom::call(cross_entropy_op::FORWARD, attrs, &[logits, targets])?.remove(0);
+    let mean = match ignore_index {
+        None => rows.try_mean(&[], false)?,
+        Some(ignore) => {
+            // The count is clamped to 1 so an all-ignored batch gives 0/1, not 0/0.
+            let kept = targets.try_ne(ignore)?.try_cast(rows.dtype())?;
+            let count = kept.try_sum(&[], false)?.try_maximum(1.0)?;
+            rows.try_sum(&[], false)?.try_div(&count)?
+        }
     };
-    let kept = targets.try_ne(ignore)?;
-    // Ignored rows gather class 0 (always valid) and are then weighted 0.
-    let safe = Tensor::try_where(&kept, targets, &Tensor::zeros(&[], targets.dtype()))?;
-    let picked = log_probs
-        .try_gather(1, &safe.try_unsqueeze(1)?)?
-        .try_squeeze(1)?;
-    let weight = kept.try_cast(logits.dtype())?;
-    // The count is clamped to 1 so an all-ignored batch gives 0/1, not 0/0.
-    let count = weight.try_sum(&[], false)?.try_maximum(1.0)?;
-    picked
-        .try_mul(&weight)?
-        .try_sum(&[], false)?
-        .try_div(&count)?
-        .try_neg()
+    mean.try_cast(loss_dtype)
 }
 
 /// Mean squared error of two tensors of the same shape and dtype (inside

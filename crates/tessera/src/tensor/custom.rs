@@ -22,6 +22,7 @@
 //! node whose only input is the `custom` node. The kernel writes all of
 //! them at once (see `fusion::Kernel::Custom`).
 
+pub mod cross_entropy;
 pub mod flash_attention;
 
 use std::collections::HashMap;
@@ -188,7 +189,8 @@ fn check_kernels(name: &str, kernels: &HashMap<Backend, Arc<KernelFn>>) -> Resul
 
 /// The implementations, by name; every name is also in the IR's registry.
 static REGISTRY: LazyLock<RwLock<HashMap<String, Arc<CustomOp>>>> = LazyLock::new(|| {
-    let builtins = flash_attention::builtins();
+    let mut builtins = flash_attention::builtins();
+    builtins.extend(cross_entropy::builtins());
     RwLock::new(
         builtins
             .into_iter()
@@ -372,7 +374,10 @@ fn apply_op(
                 t.ty()
             )));
         }
-        tape::no_grad(|| op.run_kernel(&call.attrs, inputs, &expected)).map_err(at)?
+        crate::error::dispatching(caller, || {
+            tape::no_grad(|| op.run_kernel(&call.attrs, inputs, &expected))
+        })
+        .map_err(at)?
     };
     Ok(connect_autograd(op, call, inputs, outputs, caller))
 }

@@ -410,11 +410,13 @@ impl Tensor {
         let out = if trace::is_active() {
             trace::record(op, inputs, ty, caller).map_err(at)?
         } else {
-            with_arrays(op, inputs, |arrays| {
-                let on = device::of_op(op, arrays)?;
-                Ok(Tensor::from_array(device::eval(
-                    on, op, arrays, ty.dtype, &shape,
-                )?))
+            crate::error::dispatching(caller, || {
+                with_arrays(op, inputs, |arrays| {
+                    let on = device::of_op(op, arrays)?;
+                    Ok(Tensor::from_array(device::eval(
+                        on, op, arrays, ty.dtype, &shape,
+                    )?))
+                })
             })
             .map_err(at)?
         };

@@ -23,11 +23,12 @@ mod stream;
 pub use alloc::{empty_cache, host_memory_stats, memory_stats, reset_peak, MemoryStats};
 pub(crate) use backend::cpu_backend;
 pub use backend::CpuBackend;
+pub use element::num_like::AccFloat;
 pub use element::{Element, Float};
 pub use matmul::{
     alike, blocks_products, for_each_block, thin_dims, transposes, BlockedProduct, DescribedProduct,
 };
-pub use storage::Storage;
+pub use storage::{ForeignOwner, Storage};
 
 use super::array::Array;
 use super::layout::Layout;

@@ -14,17 +14,37 @@ pub struct Storage {
     numel: usize,
 }
 
-/// A buffer of its own, or a planned region of a compiled run's arena.
+/// A buffer of its own, a planned region of a compiled run's arena, or
+/// memory another library owns (see [`Storage::from_foreign`]).
 enum Block {
     Own(RawBuffer),
     Planned(Region),
+    Foreign(Foreign),
 }
+
+/// What keeps lent memory alive (see [`Storage::from_foreign`]): dropped
+/// when the last view of the storage is.
+pub type ForeignOwner = Box<dyn Send + Sync + std::panic::RefUnwindSafe + std::panic::UnwindSafe>;
+
+/// Host memory lent by another library (a PyTorch tensor's through DLPack):
+/// `owner` keeps it alive and gives it back when dropped.
+struct Foreign {
+    ptr: *mut u8,
+    len: usize,
+    _owner: ForeignOwner,
+}
+
+// SAFETY: `Storage::from_foreign`'s contract: the bytes stay valid and
+// unaliased by writers until `owner` drops, from any thread.
+unsafe impl Send for Foreign {}
+unsafe impl Sync for Foreign {}
 
 impl Block {
     fn as_ptr(&self) -> *mut u8 {
         match self {
             Block::Own(b) => b.as_ptr(),
             Block::Planned(r) => r.as_ptr(),
+            Block::Foreign(f) => f.ptr,
         }
     }
 
@@ -32,6 +52,7 @@ impl Block {
         match self {
             Block::Own(b) => b.len(),
             Block::Planned(r) => r.len(),
+            Block::Foreign(f) => f.len,
         }
     }
 }
@@ -114,6 +135,58 @@ impl Storage {
         matches!(&self.buf, Block::Own(b) if b.is_host())
     }
 
+    /// Storage over `len` bytes at `ptr` that another library owns (zero
+    /// copy: a PyTorch tensor's memory through DLPack); dropping the last
+    /// view drops `owner`, which gives the memory back. Errors (naming the
+    /// dtype and sizes) when `ptr` is null or not aligned for `dtype`, or
+    /// when `len` is not `numel` elements of `dtype` or past the size limit.
+    ///
+    /// # Safety
+    ///
+    /// The `len` bytes at `ptr` must be initialised, readable and writable
+    /// from any thread, and neither freed nor written by anyone else while
+    /// `owner` is alive (tessera reads them, and writes them only where the
+    /// caller donates the storage).
+    pub unsafe fn from_foreign(
+        dtype: DType,
+        numel: usize,
+        ptr: *mut u8,
+        len: usize,
+        owner: ForeignOwner,
+    ) -> Result<Storage> {
+        let fits =
+            numel <= limits::MAX_ELEMENTS && numel.checked_mul(dtype.size_bytes()) == Some(len);
+        if !fits || ptr.is_null() || !(ptr as usize).is_multiple_of(dtype.size_bytes()) {
+            return Err(Error::new(
+                ErrorKind::Argument,
+                format!(
+                    "foreign memory of {len} bytes at {ptr:p} cannot hold {numel} elements \
+                     of {dtype} (null, misaligned for {dtype}, of another size, or past the \
+                     size limit)"
+                ),
+            ));
+        }
+        Ok(Storage {
+            buf: Block::Foreign(Foreign {
+                ptr,
+                len,
+                _owner: owner,
+            }),
+            dtype,
+            numel,
+        })
+    }
+
+    /// Whether the bytes are lent by another library ([`Storage::from_foreign`]).
+    pub fn is_foreign(&self) -> bool {
+        matches!(self.buf, Block::Foreign(_))
+    }
+
+    /// The address of the first byte (for zero-copy export, e.g. DLPack).
+    pub fn as_ptr(&self) -> *const u8 {
+        self.buf.as_ptr()
+    }
+
     /// Storage holding a copy of `data`.
     pub fn from_slice<T: Element>(data: &[T]) -> Storage {
         let mut s = Storage::new(T::DTYPE, data.len());
@@ -152,7 +225,8 @@ impl Storage {
 
     pub fn as_slice<T: Element>(&self) -> &[T] {
         self.check::<T>();
-        // SAFETY: the buffer is 64-byte aligned, holds numel*size_of::<T>()
+        // SAFETY: the buffer is aligned for T (64 bytes, or as checked by
+        // `from_foreign`), holds numel*size_of::<T>()
         // initialised bytes, and every bit pattern is a valid T (Pod).
         unsafe { std::slice::from_raw_parts(self.buf.as_ptr() as *const T, self.numel) }
     }

@@ -1,0 +1,162 @@
+//! A graph that a front end built — a `.tir` file, a PyTorch FX graph
+//! converted by `tessera-py` — compiled as a function of its inputs, with
+//! the same pipeline as [`super::compile`]: the graph is run through the
+//! interpreter under tracing, which records it again node by node with its
+//! metadata (call sites and context hints), and the trace is compiled
+//! (passes, fusion, the schedule under the hints, the memory plan).
+//!
+//! The graph's ops depend only on its inputs' types, so a call whose inputs
+//! pass the guards of a cached executable runs it without re-tracing
+//! ([`super::Compiled::retrace`] off).
+
+use std::sync::{Arc, Mutex};
+
+use super::cache::{CacheState, CompileStats};
+use super::raised::{catching, raise};
+use super::{CompileOptions, Compiled};
+use crate::error::{Error, ErrorKind, Result};
+use crate::ir::Graph;
+use crate::tensor::interpret::{bind_symbols, run_graph};
+use crate::tensor::Tensor;
+
+/// The traced function of a [`CompiledGraph`]: the interpreter over it.
+pub type GraphFn = Box<dyn Fn(&[Tensor]) -> Vec<Tensor> + Send + Sync>;
+
+/// A graph compiled by [`compile_graph`]; call it with
+/// [`CompiledGraph::try_call`].
+pub struct CompiledGraph {
+    graph: Arc<Graph>,
+    compiled: Compiled<GraphFn>,
+}
+
+/// Compiles `graph` (verified first: an invalid graph is an error naming
+/// its node, op and line) as a function of its inputs, in `graph.inputs`
+/// order, to its outputs, in `graph.outputs` order, under `options`
+/// (its `retrace` is turned off: see the module doc).
+pub fn compile_graph(graph: Graph, options: CompileOptions) -> Result<CompiledGraph> {
+    graph.verify()?;
+    let graph = Arc::new(graph);
+    let traced = Arc::clone(&graph);
+    let f: GraphFn = Box::new(move |inputs: &[Tensor]| match run_graph(&traced, inputs) {
+        Ok(outs) => outs.into_iter().map(|(_, t)| t).collect(),
+        Err(e) => raise(e),
+    });
+    let compiled = Compiled {
+        f,
+        name: graph.name.clone(),
+        options: CompileOptions {
+            retrace: false,
+            ..options
+        },
+        state: Mutex::new(CacheState::default()),
+    };
+    Ok(CompiledGraph { graph, compiled })
+}
+
+impl CompiledGraph {
+    /// The graph as given (before the passes).
+    pub fn graph(&self) -> &Graph {
+        &self.graph
+    }
+
+    /// Runs the compiled graph on `inputs`, one per graph input, each of
+    /// its declared dtype and shape (symbolic dims bind to any size used
+    /// consistently); anything else is an error naming the input.
+    pub fn try_call(&self, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
+        if inputs.len() != self.graph.inputs.len() {
+            return Err(Error::new(
+                ErrorKind::Argument,
+                format!(
+                    "graph `{}` takes {} inputs, got {}",
+                    self.graph.name,
+                    self.graph.inputs.len(),
+                    inputs.len()
+                ),
+            ));
+        }
+        let given: Vec<Option<&Tensor>> = inputs.iter().map(Some).collect();
+        bind_symbols(&self.graph, &given)?;
+        catching(|| self.compiled.try_call(inputs))
+    }
+
+    pub fn stats(&self) -> CompileStats {
+        self.compiled.stats()
+    }
+
+    /// Every stage's artifact of the executable built last (see
+    /// [`Compiled::last_artifacts`]).
+    pub fn last_artifacts(&self) -> Vec<(String, String)> {
+        self.compiled.last_artifacts()
+    }
+
+    /// Why each recompile happened.
+    pub fn recompile_reasons(&self) -> Vec<String> {
+        self.compiled.recompile_reasons()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ir::text::parse;
+    use crate::ir::DType;
+
+    const MLP: &str = "graph mlp(%x, %w) {
+  %x = input : f32[2,3]
+  %w = input : f32[3,4]
+  %y = matmul(%x, %w) : f32[2,4]  hints={\"order\":\"strict\"}
+  %r = relu(%y) : f32[2,4]
+  return %r as r
+}
+";
+
+    #[test]
+    fn a_parsed_graph_compiles_and_runs_like_the_interpreter() {
+        let g = compile_graph(parse(MLP).unwrap(), CompileOptions::default()).unwrap();
+        let x = Tensor::from_vec(vec![1.0f32, -2.0, 3.0, 0.5, 0.0, -1.0], &[2, 3]);
+        let w = Tensor::from_vec((0..12).map(|i| i as f32 - 6.0).collect::<Vec<_>>(), &[3, 4]);
+        let out = g.try_call(&[x.clone(), w.clone()]).unwrap();
+        let want = run_graph(g.graph(), &[x.clone(), w.clone()]).unwrap();
+        assert_eq!(
+            out[0].to_vec::<f32>().unwrap(),
+            want[0].1.to_vec::<f32>().unwrap()
+        );
+        // The second call is served by the cache, without a trace.
+        g.try_call(&[x, w]).unwrap();
+        let stats = g.stats();
+        assert_eq!((stats.compiles, stats.cache_hits), (1, 1));
+        // The hint reached the compiled graph.
+        let artifacts = g.last_artifacts();
+        let forward = artifacts
+            .iter()
+            .find(|(name, _)| name.ends_with(".tir"))
+            .expect("a graph artifact");
+        assert!(forward.1.contains("\"order\":\"strict\""), "{}", forward.1);
+    }
+
+    #[test]
+    fn bad_graphs_and_inputs_are_errors_naming_them() {
+        let e = compile_graph(wrongly_typed(), CompileOptions::default())
+            .err()
+            .expect("a declared type that is wrong");
+        assert!(e.to_string().contains("matmul"), "{e}");
+        let g = compile_graph(parse(MLP).unwrap(), CompileOptions::default()).unwrap();
+        let x = Tensor::zeros(&[2, 3], DType::F32);
+        let e = g.try_call(std::slice::from_ref(&x)).unwrap_err();
+        assert!(e.to_string().contains("takes 2 inputs, got 1"), "{e}");
+        let w = Tensor::zeros(&[4, 4], DType::F32);
+        let e = g.try_call(&[x, w]).unwrap_err();
+        assert!(e.to_string().contains("w"), "{e}");
+    }
+
+    /// The MLP with its matmul declared `f32[2,5]` (`parse` would refuse
+    /// it: it verifies).
+    fn wrongly_typed() -> Graph {
+        let mut g = parse(MLP).unwrap();
+        let relu = g.outputs[0].node;
+        let matmul = g.node(relu).inputs[0];
+        g.nodes[matmul.index()].ty =
+            crate::ir::TensorType::new(DType::F32, crate::ir::Shape::from_concrete(&[2, 5]));
+        g
+    }
+}
