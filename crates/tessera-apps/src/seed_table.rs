@@ -220,6 +220,9 @@ enum Run {
         hinted: bool,
         fused: bool,
     },
+    /// The naive `sdpa` compiled under [`SEED_HINT`] with a `slice` of
+    /// one part per batch×head: the compiler slices it (issue 20).
+    SliceHinted,
     /// `scaled_dot_product_attention` (the flash attention op), eagerly.
     FlashEager,
 }
@@ -233,7 +236,7 @@ enum Slices {
 
 /// The scenarios, in the table's order. The first five are issue 5's and
 /// run without the attention pass; the next two turn it on.
-const RUNS: [(&str, Run); 8] = [
+const RUNS: [(&str, Run); 9] = [
     (
         "naive eager",
         Run::Eager {
@@ -286,12 +289,13 @@ const RUNS: [(&str, Run); 8] = [
             fused: true,
         },
     ),
+    ("naive code + slice hint (compiled)", Run::SliceHinted),
     ("flash attention op (eager)", Run::FlashEager),
 ];
 
 /// The scenarios' names, in the table's order.
-pub const SCENARIOS: [&str; 8] = {
-    let mut names = [""; 8];
+pub const SCENARIOS: [&str; 9] = {
+    let mut names = [""; 9];
     let mut i = 0;
     while i < RUNS.len() {
         names[i] = RUNS[i].0;
@@ -308,6 +312,23 @@ fn hinted_sdpa_fn(causal: bool, slices: usize) -> Forward {
     Box::new(move |x: &[Tensor]| {
         let out = hints::scope(SEED_HINT, || sdpa(&x[0], &x[1], &x[2], causal, slices));
         vec![out.expect("the seed hint is valid")]
+    })
+}
+
+/// [`SEED_HINT`] with a `slice` hint of `parts` parts along the flattened
+/// batch×head dim: the naive code sliced by the compiler.
+pub fn slice_hint(parts: usize) -> String {
+    hints::Hint::parse(SEED_HINT)
+        .expect("the seed hint is valid")
+        .slice(0, parts)
+        .to_json()
+}
+
+fn slice_hinted_fn(causal: bool, parts: usize) -> Forward {
+    let hint = slice_hint(parts);
+    Box::new(move |x: &[Tensor]| {
+        let out = hints::scope(&hint, || sdpa(&x[0], &x[1], &x[2], causal, 1));
+        vec![out.expect("the slice hint is valid")]
     })
 }
 
@@ -347,6 +368,17 @@ pub fn run(config: &SeedConfig, mut progress: impl FnMut(usize, &str)) -> Result
                 &problem,
                 config.reps,
             ),
+            Run::SliceHinted => {
+                let forward = slice_hinted_fn(config.causal, count(Slices::PerHead));
+                let f = compile(forward).name(name).fuse_attention(false);
+                measure(
+                    name,
+                    &|x: &[Tensor]| f.call(x),
+                    &|| f.stats(),
+                    &problem,
+                    config.reps,
+                )
+            }
             Run::FlashEager => measure(
                 name,
                 &*flash_fn(config.causal),

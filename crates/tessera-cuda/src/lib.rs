@@ -256,6 +256,35 @@ impl Backend for CudaBackend {
         self.gpu.empty_cache()
     }
 
+    /// A saved activation to host memory: synchronous, through the
+    /// download path into pageable host memory (no pinned buffer and no
+    /// copy stream yet, so it does not overlap compute).
+    fn offload(&self, array: &Array) -> Result<Array> {
+        match array.device_storage() {
+            Some(s) => {
+                let host = self.download_storage(s)?;
+                Ok(Array::from_parts(Arc::new(host), array.layout().clone()))
+            }
+            None => Ok(array.clone()),
+        }
+    }
+
+    /// An offloaded value back on the GPU, before its first use: an
+    /// upload on the current stream (queued; the host storage is staged
+    /// before the call returns).
+    fn prefetch(&self, array: &Array) -> Result<Array> {
+        match array.host_storage() {
+            Some(s) => {
+                let device = self.upload_storage(s)?;
+                Ok(Array::from_device_parts(
+                    Arc::new(device),
+                    array.layout().clone(),
+                ))
+            }
+            None => Ok(array.clone()),
+        }
+    }
+
     fn lanes(&self) -> usize {
         self.gpu.lanes()
     }

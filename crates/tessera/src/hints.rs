@@ -14,6 +14,10 @@
 //! | `backward_group_id` | integer | the `group_id` of the region's backward ops |
 //! | `memory_budget_mb` | number ≥ 0 | the most memory the region's steps may use |
 //! | `recompute` | boolean (default: `true` under `order: "strict"`, else `false`) | AOT autograd recomputes the region's forward values in the backward instead of saving them (activation checkpointing, matmuls included) |
+//! | `max_width` | integer ≥ 1 | at most this many of the region's kernels run in one step: at most K independent chains in flight (the middle ground between `bfs`, unbounded, and `dfs`, one) |
+//! | `slice` | `{"dim": D, "parts": P}` (D ≥ 0, P ≥ 1) | the compiler splits the region along dim D of its results into P slices computed one after another (`crate::passes::slice`) |
+//! | `offload` | boolean | the activations the region saves for the backward wait in host memory between their last forward use and their first backward use (a strict region that offloads does not recompute by default) |
+//! | `stream` | integer ≥ 0 | the region's kernels go on a stream of their own (CUDA); known, and logged as ignored where a backend has no streams |
 //!
 //! `order: "strict"` says "memory over speed", so by default such a region
 //! is checkpointed: its backward recomputes what it needs from the region's
@@ -79,8 +83,15 @@ impl fmt::Display for Strategy {
 /// The `order` hint's name for [`Strategy`].
 pub use Strategy as Order;
 
-const KNOWN_KEYS: &str =
-    "order, schedule_policy, group_id, backward_group_id, memory_budget_mb, recompute";
+const KNOWN_KEYS: &str = "order, schedule_policy, group_id, backward_group_id, memory_budget_mb, \
+     recompute, max_width, slice, offload, stream";
+
+/// The `slice` hint: split the region along `dim` into `parts` slices.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct SliceHint {
+    pub dim: usize,
+    pub parts: usize,
+}
 
 /// A parsed hint; `None` fields are not set (an inner scope leaves them to
 /// the outer one).
@@ -93,6 +104,14 @@ pub struct Hint {
     /// Recompute the region's forward values in the backward (see
     /// [`Hint::recomputes`] for the default).
     pub recompute: Option<bool>,
+    /// At most this many of the region's kernels per step.
+    pub max_width: Option<usize>,
+    /// Split the region into slices (a graph pass, before AOT autograd).
+    pub slice: Option<SliceHint>,
+    /// Saved activations wait in host memory between forward and backward.
+    pub offload: Option<bool>,
+    /// The stream of the region's kernels (CUDA).
+    pub stream: Option<i64>,
 }
 
 impl Hint {
@@ -147,6 +166,10 @@ impl Hint {
                 "backward_group_id" => hint.backward_group_id = Some(integer(key, value)?),
                 "memory_budget_mb" => hint.memory_budget_mb = Some(megabytes(key, value)?),
                 "recompute" => hint.recompute = Some(boolean(key, value)?),
+                "max_width" => hint.max_width = Some(positive(key, value)?),
+                "slice" => hint.slice = Some(slice(key, value)?),
+                "offload" => hint.offload = Some(boolean(key, value)?),
+                "stream" => hint.stream = Some(stream(key, value)?),
                 _ => warnings.push(format!(
                     "hint key \"{key}\" is not known (known: {KNOWN_KEYS}); ignored"
                 )),
@@ -201,11 +224,38 @@ impl Hint {
         self
     }
 
+    /// At most `k` of the region's kernels per step.
+    pub fn max_width(mut self, k: usize) -> Hint {
+        self.max_width = Some(k);
+        self
+    }
+
+    /// Split the region along `dim` into `parts` slices.
+    pub fn slice(mut self, dim: usize, parts: usize) -> Hint {
+        self.slice = Some(SliceHint { dim, parts });
+        self
+    }
+
+    /// Keep the region's saved activations in host memory.
+    pub fn offload(mut self, on: bool) -> Hint {
+        self.offload = Some(on);
+        self
+    }
+
+    /// Run the region's kernels on stream `n`.
+    pub fn stream(mut self, n: i64) -> Hint {
+        self.stream = Some(n);
+        self
+    }
+
     /// Whether AOT autograd recomputes this region's forward values in the
     /// backward: the `recompute` key, by default on under `order: "strict"`
-    /// (a region that asks for memory over speed) and off otherwise.
+    /// (a region that asks for memory over speed) unless the region asks
+    /// to offload what it saves instead, and off otherwise.
     pub fn recomputes(&self) -> bool {
-        self.recompute.unwrap_or(self.order == Some(Order::Strict))
+        let strict = self.order == Some(Order::Strict);
+        self.recompute
+            .unwrap_or(strict && self.offload != Some(true))
     }
 
     pub fn is_empty(&self) -> bool {
@@ -220,6 +270,10 @@ impl Hint {
             backward_group_id: inner.backward_group_id.or(self.backward_group_id),
             memory_budget_mb: inner.memory_budget_mb.or(self.memory_budget_mb),
             recompute: inner.recompute.or(self.recompute),
+            max_width: inner.max_width.or(self.max_width),
+            slice: inner.slice.or(self.slice),
+            offload: inner.offload.or(self.offload),
+            stream: inner.stream.or(self.stream),
         }
     }
 
@@ -240,6 +294,21 @@ impl Hint {
         }
         if let Some(r) = self.recompute {
             map.insert("recompute".into(), Value::from(r));
+        }
+        if let Some(k) = self.max_width {
+            map.insert("max_width".into(), Value::from(k));
+        }
+        if let Some(s) = self.slice {
+            let mut m = Map::new();
+            m.insert("dim".into(), Value::from(s.dim));
+            m.insert("parts".into(), Value::from(s.parts));
+            map.insert("slice".into(), Value::Object(m));
+        }
+        if let Some(o) = self.offload {
+            map.insert("offload".into(), Value::from(o));
+        }
+        if let Some(n) = self.stream {
+            map.insert("stream".into(), Value::from(n));
         }
         map
     }
@@ -273,6 +342,42 @@ fn warn(message: &str) {
     log("schedule", || message.to_string());
 }
 
+/// The messages [`not_honoured`] has given in this process.
+static NOT_HONOURED: Mutex<Vec<String>> = Mutex::new(Vec::new());
+
+/// Says that `stage` (a backend, a pass) does not honour hint `key` of the
+/// region whose hints are `region`, and why: logged under
+/// `TESSERA_LOGS=hints`, once per process for each message (a compiled
+/// function re-traces on every call; an eager region runs every step).
+pub fn not_honoured(stage: &str, region: &HintMap, key: &str, reason: &str) {
+    let json = Value::Object(region.clone()).to_string();
+    let message = format!("{stage}: hint \"{key}\" of region {json} not honoured: {reason}");
+    let first = match NOT_HONOURED.lock() {
+        Ok(mut seen) if !seen.contains(&message) => {
+            seen.push(message.clone());
+            true
+        }
+        Ok(_) => false,
+        Err(_) => true,
+    };
+    if first {
+        log("hints", || message);
+    }
+}
+
+/// Every message [`not_honoured`] has given so far in this process, in
+/// order (for tests and tools that report what became of hints).
+pub fn not_honoured_messages() -> Vec<String> {
+    NOT_HONOURED.lock().map(|m| m.clone()).unwrap_or_default()
+}
+
+/// `map` without `key` (`None` when nothing is left).
+pub fn without_key(map: &HintMap, key: &str) -> Option<Arc<HintMap>> {
+    let mut map = map.clone();
+    map.remove(key);
+    (!map.is_empty()).then(|| Arc::new(map))
+}
+
 fn parse_order(key: &str, value: &Value) -> Result<Order> {
     let expected = "one of \"strict\", \"dfs\", \"bfs\", \"auto\"";
     let name = value.as_str().ok_or_else(|| {
@@ -300,6 +405,49 @@ fn boolean(key: &str, value: &Value) -> Result<bool> {
         parse_error(format!(
             "hint key \"{key}\": expected a boolean (true or false), got {value}"
         ))
+    })
+}
+
+fn positive(key: &str, value: &Value) -> Result<usize> {
+    match value.as_u64() {
+        Some(k) if k >= 1 => Ok(k as usize),
+        _ => Err(parse_error(format!(
+            "hint key \"{key}\": expected an integer ≥ 1, got {value}"
+        ))),
+    }
+}
+
+fn stream(key: &str, value: &Value) -> Result<i64> {
+    match value.as_i64() {
+        Some(n) if n >= 0 => Ok(n),
+        _ => Err(parse_error(format!(
+            "hint key \"{key}\": expected an integer ≥ 0 (a stream number), got {value}"
+        ))),
+    }
+}
+
+/// `{"dim": D, "parts": P}`, nothing else.
+fn slice(key: &str, value: &Value) -> Result<SliceHint> {
+    let expected = "an object {\"dim\": D ≥ 0, \"parts\": P ≥ 1}";
+    let bad = || {
+        parse_error(format!(
+            "hint key \"{key}\": expected {expected}, got {value}"
+        ))
+    };
+    let map = value.as_object().ok_or_else(bad)?;
+    if let Some(other) = map.keys().find(|k| *k != "dim" && *k != "parts") {
+        return Err(parse_error(format!(
+            "hint key \"{key}\": unknown field \"{other}\" (expected {expected})"
+        )));
+    }
+    let dim = map.get("dim").and_then(Value::as_u64).ok_or_else(bad)?;
+    let parts = map.get("parts").and_then(Value::as_u64).ok_or_else(bad)?;
+    if parts == 0 {
+        return Err(bad());
+    }
+    Ok(SliceHint {
+        dim: dim as usize,
+        parts: parts as usize,
     })
 }
 
@@ -428,10 +576,10 @@ mod tests {
 
     #[test]
     fn unknown_keys_warn_and_are_ignored() {
-        let (h, w) = Hint::parse_with_warnings(r#"{"order": "bfs", "stream": 2}"#).unwrap();
+        let (h, w) = Hint::parse_with_warnings(r#"{"order": "bfs", "streams": 2}"#).unwrap();
         assert_eq!(h, Hint::bfs());
         assert_eq!(w.len(), 1);
-        assert!(w[0].contains("\"stream\""), "{}", w[0]);
+        assert!(w[0].contains("\"streams\""), "{}", w[0]);
     }
 
     #[test]
@@ -448,6 +596,23 @@ mod tests {
             ),
             (r#"{"recompute": 1}"#, "recompute", "a boolean"),
             (r#"{"recompute": "yes"}"#, "recompute", "a boolean"),
+            (r#"{"max_width": 0}"#, "max_width", "an integer ≥ 1"),
+            (r#"{"max_width": 2.5}"#, "max_width", "an integer ≥ 1"),
+            (r#"{"stream": -1}"#, "stream", "an integer ≥ 0"),
+            (r#"{"offload": 1}"#, "offload", "a boolean"),
+            (r#"{"slice": 4}"#, "slice", "an object"),
+            (r#"{"slice": {"dim": 0}}"#, "slice", "an object"),
+            (r#"{"slice": {"dim": 0, "parts": 0}}"#, "slice", "an object"),
+            (
+                r#"{"slice": {"dim": -1, "parts": 2}}"#,
+                "slice",
+                "an object",
+            ),
+            (
+                r#"{"slice": {"dim": 0, "parts": 2, "by": 1}}"#,
+                "slice",
+                "unknown field",
+            ),
             (
                 r#"{"memory_budget_mb": "64"}"#,
                 "memory_budget_mb",
@@ -476,7 +641,11 @@ mod tests {
             .group(3)
             .backward_group(4)
             .memory_budget_mb(64.0)
-            .recompute(true);
+            .recompute(true)
+            .max_width(2)
+            .slice(1, 8)
+            .offload(true)
+            .stream(3);
         assert_eq!(Hint::parse(&h.to_json()).unwrap(), h);
     }
 

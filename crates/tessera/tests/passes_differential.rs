@@ -190,7 +190,9 @@ fn every_pass_fires_on_generated_graphs() {
             }
         }
     }
-    for pass in passes::ALL {
+    // `slice` rewrites only regions hinted `slice` (tests/hints_memory.rs
+    // and its unit tests); generated graphs carry no hints.
+    for pass in passes::ALL.iter().filter(|p| p.name != "slice") {
         let n = fired.get(pass.name).copied().unwrap_or(0);
         assert!(n > 0, "{} never fired: {fired:?}", pass.name);
     }

@@ -517,7 +517,7 @@ fn unknown_and_malformed_hints_in_a_graph_file_are_noted() {
     let src = concat!(
         "graph g(%x) {\n",
         "  %x = input : f32[4]\n",
-        "  %y = exp(%x) : f32[4]  hints={\"order\":\"strict\",\"stream\":1}\n",
+        "  %y = exp(%x) : f32[4]  hints={\"order\":\"strict\",\"streams\":1,\"stream\":1}\n",
         "  %z = tanh(%y) : f32[4]  hints={\"group_id\":\"a\"}\n",
         "  return %z as z\n",
         "}\n"
@@ -526,7 +526,12 @@ fn unknown_and_malformed_hints_in_a_graph_file_are_noted() {
     let plan = fuse(&g);
     let s = schedule::build(&g, &plan, &ScheduleOptions::default()).unwrap();
     let notes = s.schedule.notes.join("\n");
-    assert!(notes.contains("\"stream\" is not known"), "{notes}");
+    assert!(notes.contains("\"streams\" is not known"), "{notes}");
+    // A known key the scheduler cannot honour says so.
+    assert!(
+        notes.contains("hint \"stream\"") && notes.contains("not honoured"),
+        "{notes}"
+    );
     assert!(
         notes.contains("not honoured") && notes.contains("expected an integer"),
         "{notes}"

@@ -54,6 +54,13 @@ pub struct AotGraphs {
     pub saved_bytes: usize,
     /// How many of the forward's outputs are the original outputs.
     pub num_outputs: usize,
+    /// The saved values (indices `i` of `saved{i}`) that are activations,
+    /// not forward inputs: what could wait in host memory.
+    pub offloadable: Vec<usize>,
+    /// Those made under a hint `{"offload": true}`: the forward moves them
+    /// to host memory after their last forward use, the backward brings
+    /// them back before their first use (see `crate::schedule::memory`).
+    pub offloaded: Vec<usize>,
 }
 
 /// Splits `graph` into forward and backward graphs for the gradients of its
@@ -166,6 +173,14 @@ pub fn aot_autograd(graph: &Graph, wrt: &[usize], partition: Partition) -> Resul
         &bwd_outputs,
         &recomputed,
     )?;
+    let offloadable: Vec<usize> = (0..saved.len())
+        .filter(|&i| !matches!(joint.graph.node(saved[i]).op, Op::Input))
+        .collect();
+    let offloaded: Vec<usize> = offloadable
+        .iter()
+        .copied()
+        .filter(|&i| hinted_offload(&joint.graph, saved[i]))
+        .collect();
     crate::logging::log("aot_graphs", || {
         format!(
             "forward graph ({} saved, {saved_bytes} activation bytes; hints made {} values \
@@ -182,7 +197,20 @@ pub fn aot_autograd(graph: &Graph, wrt: &[usize], partition: Partition) -> Resul
         lifted: joint.lifted,
         saved_bytes,
         num_outputs: n_out,
+        offloadable,
+        offloaded,
     })
+}
+
+/// Whether forward node `id` is in a region hinted `{"offload": true}`.
+fn hinted_offload(joint: &Graph, id: NodeId) -> bool {
+    joint
+        .node(id)
+        .meta
+        .hints
+        .as_ref()
+        .and_then(|map| crate::hints::Hint::from_map(map).ok())
+        .is_some_and(|(hint, _)| hint.offload == Some(true))
 }
 
 /// The outputs a gradient flows back from (float ones).

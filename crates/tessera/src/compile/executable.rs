@@ -13,7 +13,7 @@ use crate::passes::{PassContext, PassManager};
 use crate::runtime::device::Device;
 use crate::runtime::execute::{run_plan_with, run_scheduled_owned};
 use crate::runtime::replay::{ReplayStats, Replayer};
-use crate::schedule::{self, ScheduleOptions, Scheduled};
+use crate::schedule::{self, Moves, ScheduleOptions, Scheduled};
 use crate::tensor::interpret::{bind_symbols, concretise, run_graph};
 use crate::tensor::trace::Traced;
 use crate::tensor::Tensor;
@@ -42,11 +42,42 @@ struct Lowered {
     scheduled: Option<Scheduled>,
 }
 
+/// Which of a graph's outputs are offloaded to host memory and which of
+/// its inputs arrive there (by position: the passes renumber nodes).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub(super) struct MoveSpec {
+    pub offload_outputs: Vec<usize>,
+    pub prefetch_inputs: Vec<usize>,
+}
+
+impl MoveSpec {
+    fn moves(&self, graph: &Graph) -> Moves {
+        Moves {
+            offload: self
+                .offload_outputs
+                .iter()
+                .map(|&i| graph.outputs[i].node)
+                .collect(),
+            prefetch: self
+                .prefetch_inputs
+                .iter()
+                .map(|&i| graph.inputs[i])
+                .collect(),
+        }
+    }
+}
+
 impl Lowered {
     /// `donated`: the positions of the graph inputs the caller hands over.
-    fn new(graph: Graph, options: &ScheduleOptions, donated: &[usize]) -> Lowered {
+    fn new(
+        graph: Graph,
+        options: &ScheduleOptions,
+        donated: &[usize],
+        moves: &MoveSpec,
+    ) -> Lowered {
         let plan = fusion::fuse(&graph);
-        let scheduled = match schedule::build_donating(&graph, &plan, options, donated) {
+        let moves = moves.moves(&graph);
+        let scheduled = match schedule::build_moving(&graph, &plan, options, donated, &moves) {
             Ok(s) => Some(s),
             Err(e) => {
                 log("schedule", || {
@@ -102,6 +133,7 @@ struct SizedPlans {
     options: ScheduleOptions,
     /// The graph inputs the caller hands over (see [`Lowered::new`]).
     donated: Vec<usize>,
+    moves: MoveSpec,
     plans: Mutex<Vec<(Binding, Arc<Lowered>)>>,
 }
 
@@ -134,6 +166,7 @@ impl SizedPlans {
             concretise(graph, &symbols)?,
             &self.options,
             &self.donated,
+            &self.moves,
         ));
         log("fusion", || {
             format!(
@@ -165,6 +198,7 @@ impl Program {
         options: &CompileOptions,
         on: Device,
         donated: &[usize],
+        moves: &MoveSpec,
     ) -> Result<Program> {
         if !optimized {
             return Ok(Program {
@@ -185,10 +219,11 @@ impl Program {
             Arc::new(SizedPlans {
                 options: schedule_options,
                 donated: donated.to_vec(),
+                moves: moves.clone(),
                 plans: Mutex::new(Vec::new()),
             })
         });
-        let lowered = Lowered::new(graph.clone(), &schedule_options, donated);
+        let lowered = Lowered::new(graph.clone(), &schedule_options, donated, moves);
         Ok(Program {
             graph: Arc::new(graph),
             lowered: Some(Arc::new(lowered)),
@@ -208,6 +243,33 @@ impl Program {
             Some(replayer) => replayer.run(&args, |a| self.run_kernels(a.to_vec())),
             None => self.run_kernels(args),
         }
+    }
+
+    /// Whether a memory budget (the compile option's or a region's) could
+    /// not be met by the order chosen.
+    fn over_budget(&self) -> bool {
+        self.lowered
+            .as_ref()
+            .and_then(|l| l.scheduled.as_ref())
+            .is_some_and(|s| s.schedule.warnings.iter().any(|w| w.contains("budget")))
+    }
+
+    /// The positions of the outputs its memory plan offloads (`None`
+    /// without a plan: a symbolic graph's plans are made per size).
+    fn offloaded_outputs(&self) -> Option<Vec<usize>> {
+        let lowered = self.lowered.as_ref()?;
+        let memory = &lowered.scheduled.as_ref()?.memory;
+        let graph = &lowered.graph;
+        Some(
+            (0..graph.outputs.len())
+                .filter(|&i| {
+                    memory
+                        .offloads
+                        .iter()
+                        .any(|m| m.value == graph.outputs[i].node)
+                })
+                .collect(),
+        )
     }
 
     fn replay_stats(&self) -> ReplayStats {
@@ -319,8 +381,13 @@ impl Executable {
                 )
             });
         }
+        super::hint_report::report(&graph, options.backend, !wrt.is_empty(), on);
         let (forward, backward) = if wrt.is_empty() || eager_autograd {
-            (Program::new(graph, fused, options, on, donated)?, None)
+            let none = MoveSpec::default();
+            (
+                Program::new(graph, fused, options, on, donated, &none)?,
+                None,
+            )
         } else {
             let aot = match is_symbolic(&graph) {
                 // Tracing the joint graph needs concrete shapes.
@@ -330,16 +397,58 @@ impl Executable {
             let tangent_outputs = (0..num_outputs)
                 .filter(|&i| graph.node(graph.outputs[i].node).ty.dtype.is_float())
                 .collect();
+            // The forward offloads saved values (outputs after the
+            // original ones); the backward prefetches them (its first inputs).
+            let offload = |saved: &[usize]| MoveSpec {
+                offload_outputs: saved.iter().map(|&i| aot.num_outputs + i).collect(),
+                prefetch_inputs: Vec::new(),
+            };
+            let mut offloaded = aot.offloaded.clone();
+            let mut forward = Program::new(
+                aot.forward.clone(),
+                fused,
+                options,
+                on,
+                &[],
+                &offload(&offloaded),
+            )?;
+            // A budget that ordering and recomputation do not meet: every
+            // saved activation waits in host memory.
+            if fused && forward.over_budget() && offloaded.len() < aot.offloadable.len() {
+                offloaded = aot.offloadable.clone();
+                log("memory", || {
+                    format!(
+                        "graph `{name}`: the memory budget is not met by ordering and \
+                         recomputation; offloading its {} saved activations to host memory",
+                        offloaded.len()
+                    )
+                });
+                forward = Program::new(
+                    aot.forward.clone(),
+                    fused,
+                    options,
+                    on,
+                    &[],
+                    &offload(&offloaded),
+                )?;
+            }
+            // What the forward's plan moves (some saved values cannot
+            // move: views of others), else all that were asked.
+            let moved = match forward.offloaded_outputs() {
+                Some(outputs) => outputs.iter().map(|&o| o - aot.num_outputs).collect(),
+                None => offloaded,
+            };
+            let prefetch = MoveSpec {
+                offload_outputs: Vec::new(),
+                prefetch_inputs: moved,
+            };
             let backward = BackwardGraph {
-                program: Program::new(aot.backward, fused, options, on, &[])?,
+                program: Program::new(aot.backward, fused, options, on, &[], &prefetch)?,
                 wrt,
                 reached,
                 tangent_outputs,
             };
-            (
-                Program::new(aot.forward, fused, options, on, &[])?,
-                Some(backward),
-            )
+            (forward, Some(backward))
         };
         Ok(Executable {
             name,

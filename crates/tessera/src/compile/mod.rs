@@ -41,6 +41,7 @@ mod dynamic;
 mod executable;
 mod graph;
 mod guards;
+mod hint_report;
 mod options;
 mod raised;
 mod recompile;

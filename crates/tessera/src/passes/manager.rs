@@ -259,7 +259,7 @@ mod tests {
         assert!(without.passes().iter().all(|p| p.name != "attention"));
         let err = PassManager::from_names("cse,fold").unwrap_err().to_string();
         assert!(
-            err.starts_with("unknown pass `fold`; the passes are default, movement,"),
+            err.starts_with("unknown pass `fold`; the passes are default, slice, movement,"),
             "{err}"
         );
     }

@@ -10,6 +10,7 @@
 //!
 //! | pass | rewrites |
 //! |---|---|
+//! | [`slice`] | a region hinted `{"slice": {"dim": D, "parts": P}}` → P slices along D, concatenated |
 //! | [`dce`] | removes nodes no output depends on |
 //! | [`cse`] | merges nodes with the same op, attributes, inputs and hints |
 //! | [`constant_fold`] | evaluates ops on constants once (small results) |
@@ -53,6 +54,7 @@ pub mod neutral_elements;
 pub mod node_reduction;
 pub mod pattern;
 pub mod rewrite;
+pub mod slice;
 pub mod transpose_matmul;
 
 pub use manager::{PassManager, PassReport, PassRun};
@@ -129,6 +131,10 @@ impl std::fmt::Debug for Pass {
 /// Every pass, in the default pipeline's order, then the ones it leaves out.
 pub const ALL: &[Pass] = &[
     Pass {
+        name: "slice",
+        run: slice::run,
+    },
+    Pass {
         name: "movement",
         run: movement::run,
     },
@@ -187,11 +193,14 @@ pub const ALL: &[Pass] = &[
 ];
 
 /// The passes of [`PassManager::default_pipeline`]: all but `decompose`,
-/// which fusion asks for when it wants primitives. `attention` runs after
+/// which fusion asks for when it wants primitives. `slice` runs first: it
+/// slices the user's code as written, before the others reshape it.
+/// `attention` runs after
 /// the clean-ups that put attention into the form it matches (permutes
 /// composed, constants folded and shared) and, like every pass here, before
 /// `decompose`, which would split the softmax it looks for.
 pub const DEFAULT_PIPELINE: &[&str] = &[
+    "slice",
     "movement",
     "neutral_elements",
     "absorbing_elements",

@@ -234,6 +234,22 @@ pub trait Backend: Send + Sync {
     /// Gives cached free blocks back to the driver.
     fn empty_cache(&self);
 
+    /// A copy of `array` in host memory, accounted apart from this
+    /// device's own (offload: a saved activation waiting for the backward).
+    /// The default copies to the host through [`Array::to_host`]; the CPU
+    /// copies into its host pool (`cpu::host_memory_stats`), so that what
+    /// offloading saves shows in [`Backend::memory_stats`]. Synchronous.
+    fn offload(&self, array: &Array) -> Result<Array> {
+        array.to_host()
+    }
+
+    /// `array` (made by [`Backend::offload`]) back in this device's memory
+    /// (prefetch, before its first use). Synchronous.
+    fn prefetch(&self, array: &Array) -> Result<Array> {
+        let _ = array;
+        Err(unsupported(self.device(), "prefetching offloaded values"))
+    }
+
     /// How many streams (lanes) the kernels of one schedule step may be
     /// spread over; 1 runs everything in order on one stream.
     fn lanes(&self) -> usize {

@@ -10,6 +10,12 @@
 //! order, dfs order, or least memory added) — with the other eligible
 //! kernels of its region when that region is hinted `bfs`.
 //!
+//! A region hinted `max_width: K` has at most K kernels in a step: of its
+//! eligible kernels a step takes the K first in dfs order, so the chains it
+//! started are continued before new ones start — at most K independent
+//! chains in flight (K = 1: the region in dfs order; K at least the
+//! region's widest level: bfs).
+//!
 //! Constraints can conflict (two regions whose orders cross, a group that
 //! waits for work that waits for it): when no kernel is eligible, the
 //! constraint that blocks the first ready kernel is dropped, with a note.
@@ -64,7 +70,8 @@ pub(crate) fn schedule(inputs: &Inputs<'_>, base: Base) -> (Vec<Vec<usize>>, Vec
             state.relax_for_first_ready();
             continue;
         }
-        let step = state.pick(eligible, base);
+        let picked = state.pick(eligible, base);
+        let step = state.limit_width(picked);
         state.finish(&step);
         steps.push(step);
     }
@@ -193,6 +200,32 @@ impl<'a> State<'a> {
                 && self.group_of[k] == self.group_of[leader]
         });
         eligible
+    }
+
+    /// `step` with at most `max_width` kernels of each region that has
+    /// one: those first in dfs order (never empty when `step` is not).
+    fn limit_width(&self, step: Vec<usize>) -> Vec<usize> {
+        let hints = &self.inputs.hints.kernels;
+        if step.iter().all(|&k| hints[k].max_width.is_none()) {
+            return step;
+        }
+        let mut by_rank = step.clone();
+        by_rank.sort_by_key(|&k| self.inputs.kg.dfs_rank[k]);
+        let mut taken: BTreeMap<usize, usize> = BTreeMap::new();
+        let mut keep = vec![false; self.inputs.kg.len()];
+        for k in by_rank {
+            match (hints[k].region, hints[k].max_width) {
+                (Some(r), Some(width)) => {
+                    let n = taken.entry(r).or_insert(0);
+                    if *n < width {
+                        *n += 1;
+                        keep[k] = true;
+                    }
+                }
+                _ => keep[k] = true,
+            }
+        }
+        step.into_iter().filter(|&k| keep[k]).collect()
     }
 
     fn leader(&self, eligible: &[usize], base: Base) -> usize {

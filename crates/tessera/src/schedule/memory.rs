@@ -50,9 +50,23 @@
 //! caller's tensor was its only handle and dense; otherwise the output
 //! gets its own buffer from the pool, and the memory log says so.
 
+//! Offload and prefetch (`{"offload": true}`, see [`Moves`]): a graph
+//! output the caller will hand back to a later graph (a saved activation)
+//! may be *offloaded*: moved to host memory after the last step that reads
+//! it, its device bytes freed from the next step on. A graph input that
+//! arrives in host memory is *prefetched*: copied to the device before the
+//! first step that reads it (or a view of it) and freed after the last.
+//! The plan lists both ([`MemoryPlan::offloads`], [`MemoryPlan::prefetches`]),
+//! the executor runs them through the backend (`Backend::offload`,
+//! `Backend::prefetch`), and the accounting is in two spaces: the steps'
+//! device bytes (prefetched copies come from the pool, like escaping
+//! values) and [`MemoryPlan::host_bytes`].
+
 use super::buffers::BufferModel;
 use super::Schedule;
 use crate::error::{Error, ErrorKind, Result};
+use crate::fusion::Plan;
+use crate::ir::Op;
 use crate::ir::{Graph, NodeId};
 use crate::runtime::device::Device;
 
@@ -89,6 +103,30 @@ impl PlannedBuffer {
     /// It is a donated graph input's own storage (created by no kernel).
     pub fn is_donated_input(&self) -> bool {
         self.donated && self.reuses.is_none()
+    }
+}
+
+/// A value moved between device and host memory at a step: an offload
+/// runs after the step, a prefetch before it.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Move {
+    pub step: usize,
+    pub value: NodeId,
+    pub bytes: usize,
+}
+
+/// What to move: graph outputs to offload (the values a forward saves for
+/// its backward), graph inputs to prefetch (those values, given back to
+/// the backward in host memory).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Moves {
+    pub offload: Vec<NodeId>,
+    pub prefetch: Vec<NodeId>,
+}
+
+impl Moves {
+    pub fn is_empty(&self) -> bool {
+        self.offload.is_empty() && self.prefetch.is_empty()
     }
 }
 
@@ -132,6 +170,14 @@ pub struct MemoryPlan {
     /// The device whose kernels' scratch the plan reserves: the plan is
     /// exact only for a run on it.
     pub device: Device,
+    /// Outputs moved to host memory after their last read (by step).
+    pub offloads: Vec<Move>,
+    /// Inputs copied from host memory before their first read (by step).
+    pub prefetches: Vec<Move>,
+    /// Bytes in host memory at the run's end: the offloaded outputs.
+    pub host_bytes: usize,
+    /// Values asked to move that do not, and why.
+    pub move_notes: Vec<String>,
 }
 
 /// Liveness and in-place decisions of a model over some steps: all that
@@ -322,11 +368,27 @@ impl MemoryPlan {
     /// Plans the buffers of `model` under `schedule`.
     pub(crate) fn from_model(
         graph: &Graph,
+        plan: &Plan,
         model: &BufferModel,
         schedule: &Schedule,
+        moves: &Moves,
     ) -> Result<MemoryPlan> {
-        let live = Liveness::new(model, &schedule.steps);
+        let mut live = Liveness::new(model, &schedule.steps);
         let offsets = place(model, &live);
+        let (offloads, prefetches, pool_deltas, move_notes) =
+            plan_moves(graph, plan, model, &schedule.steps, &live, moves);
+        // Device bytes: an offloaded output leaves after its step, a
+        // prefetched input is there from its step to its last read.
+        for m in &offloads {
+            for b in &mut live.step_bytes[m.step + 1..] {
+                *b -= m.bytes;
+            }
+        }
+        for (m, last) in &prefetches {
+            for b in &mut live.step_bytes[m.step..=*last] {
+                *b += m.bytes;
+            }
+        }
         let (peak_step, peak_bytes) = live
             .step_bytes
             .iter()
@@ -353,7 +415,8 @@ impl MemoryPlan {
                 donated: live.donated[b],
             })
             .collect();
-        let escaping_peak_bytes = escaping_peak(&buffers, &live.freed_donations(model), &live);
+        let escaping_peak_bytes =
+            escaping_peak(&buffers, &live.freed_donations(model), &live, &pool_deltas);
         let plan = MemoryPlan {
             escaping_peak_bytes,
             live_at_peak: live_in(&buffers, peak_step),
@@ -381,6 +444,10 @@ impl MemoryPlan {
             step_bytes: live.step_bytes,
             peak_bytes,
             peak_step,
+            host_bytes: offloads.iter().map(|m| m.bytes).sum(),
+            offloads,
+            prefetches: prefetches.into_iter().map(|(m, _)| m).collect(),
+            move_notes,
         };
         if cfg!(debug_assertions) {
             plan.check().map_err(|e| {
@@ -501,6 +568,36 @@ impl MemoryPlan {
             self.donations.len(),
             self.donated_bytes
         );
+        if !self.offloads.is_empty() || !self.prefetches.is_empty() || !self.move_notes.is_empty() {
+            text.push_str(&format!(
+                "  device bytes: peak {} (arena + pool {}); host bytes: {} offloaded \
+                 ({} values), {} values prefetched\n",
+                self.peak_bytes,
+                self.run_peak_bytes(),
+                self.host_bytes,
+                self.offloads.len(),
+                self.prefetches.len()
+            ));
+            for m in &self.offloads {
+                text.push_str(&format!(
+                    "  offload {} ({} bytes) to host after step {}\n",
+                    graph.display_name(m.value),
+                    m.bytes,
+                    m.step
+                ));
+            }
+            for m in &self.prefetches {
+                text.push_str(&format!(
+                    "  prefetch {} ({} bytes) to the device before step {}\n",
+                    graph.display_name(m.value),
+                    m.bytes,
+                    m.step
+                ));
+            }
+            for n in &self.move_notes {
+                text.push_str(&format!("  note: {n}\n"));
+            }
+        }
         let at_peak: Vec<String> = self
             .live_at_peak
             .iter()
@@ -555,9 +652,17 @@ fn live_in(buffers: &[PlannedBuffer], step: usize) -> Vec<usize> {
 
 /// The most bytes of escaping buffers allocated by a step's end, less the
 /// donated storage `freed` before that step.
-fn escaping_peak(buffers: &[PlannedBuffer], freed: &[usize], live: &Liveness) -> usize {
+fn escaping_peak(
+    buffers: &[PlannedBuffer],
+    freed: &[usize],
+    live: &Liveness,
+    moves: &[(usize, isize)],
+) -> usize {
     let steps = live.step_bytes.len();
     let mut delta = vec![0isize; steps + 1];
+    for &(step, bytes) in moves {
+        delta[step] += bytes;
+    }
     for b in buffers
         .iter()
         .filter(|b| b.escapes && b.within.is_none() && !b.donated)
@@ -574,6 +679,131 @@ fn escaping_peak(buffers: &[PlannedBuffer], freed: &[usize], live: &Liveness) ->
         peak = peak.max(now);
     }
     peak as usize
+}
+
+/// The offloads and prefetches `moves` asks for under `steps` (each
+/// prefetch with the last step that reads its copy), the pool's byte
+/// changes by step they make (what the executor allocates outside the
+/// arena), and why a value asked for does not move.
+#[allow(clippy::type_complexity)]
+fn plan_moves(
+    graph: &Graph,
+    plan: &Plan,
+    model: &BufferModel,
+    steps: &[Vec<usize>],
+    live: &Liveness,
+    moves: &Moves,
+) -> (
+    Vec<Move>,
+    Vec<(Move, usize)>,
+    Vec<(usize, isize)>,
+    Vec<String>,
+) {
+    let (mut offloads, mut prefetches, mut deltas, mut notes) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    if moves.is_empty() || steps.is_empty() {
+        return (offloads, prefetches, deltas, notes);
+    }
+    let mut step_of = vec![0; plan.kernels.len()];
+    for (s, step) in steps.iter().enumerate() {
+        for &k in step {
+            step_of[k] = s;
+        }
+    }
+    let end = steps.len() - 1;
+    let mut outputs_of_buffer = vec![0usize; model.buffers.len()];
+    for o in &graph.outputs {
+        if let Some(b) = model.value_buffer[o.node.index()] {
+            outputs_of_buffer[b] += 1;
+        }
+    }
+    for &v in &moves.offload {
+        let name = graph.display_name(v);
+        let Some(b) = model.value_buffer[v.index()] else {
+            notes.push(format!(
+                "{name} not offloaded: it is no buffer of the run (an input or a constant)"
+            ));
+            continue;
+        };
+        let buffer = &model.buffers[b];
+        if buffer.value != Some(v) || buffer.within.is_some() || live.donated[b] {
+            notes.push(format!(
+                "{name} not offloaded: it is a view of, or within, another value"
+            ));
+            continue;
+        }
+        if outputs_of_buffer[b] > 1 {
+            notes.push(format!(
+                "{name} not offloaded: another output shares its buffer"
+            ));
+            continue;
+        }
+        let step = buffer
+            .readers
+            .iter()
+            .map(|&k| step_of[k])
+            .fold(live.first[b], usize::max);
+        if step == end {
+            notes.push(format!("{name} not offloaded: it is read by the last step"));
+            continue;
+        }
+        offloads.push(Move {
+            step,
+            value: v,
+            bytes: buffer.bytes,
+        });
+        deltas.push((step + 1, -(buffer.bytes as isize)));
+    }
+    for &v in &moves.prefetch {
+        // The input and the views of it the kernels make.
+        let mut of_it = vec![false; graph.len()];
+        of_it[v.index()] = true;
+        let (mut first, mut last) = (None::<usize>, 0);
+        for (k, kernel) in plan.kernels.iter().enumerate() {
+            if !kernel.reads(graph).iter().any(|x| of_it[x.index()]) {
+                continue;
+            }
+            first = Some(first.map_or(step_of[k], |f| f.min(step_of[k])));
+            last = last.max(step_of[k]);
+            let members = kernel.members();
+            let view = members.len() == 1
+                && matches!(
+                    graph.node(members[0]).op,
+                    Op::Reshape(_) | Op::Permute(_) | Op::Expand(_) | Op::Slice { .. }
+                );
+            if view {
+                for w in kernel.writes() {
+                    of_it[w.index()] = true;
+                }
+            }
+        }
+        if graph.outputs.iter().any(|o| of_it[o.node.index()]) {
+            last = end;
+        }
+        let Some(first) = first else {
+            notes.push(format!(
+                "{} not prefetched: no kernel reads it",
+                graph.display_name(v)
+            ));
+            continue;
+        };
+        let ty = &graph.node(v).ty;
+        let numel: usize = ty.shape.as_concrete().map_or(0, |s| s.iter().product());
+        let bytes = numel * ty.dtype.size_bytes();
+        prefetches.push((
+            Move {
+                step: first,
+                value: v,
+                bytes,
+            },
+            last,
+        ));
+        deltas.push((first, bytes as isize));
+        deltas.push((last + 1, -(bytes as isize)));
+    }
+    offloads.sort_by_key(|m| m.step);
+    prefetches.sort_by_key(|(m, _)| m.step);
+    (offloads, prefetches, deltas, notes)
 }
 
 /// The in-place writes, by kernel.
@@ -704,6 +934,10 @@ mod tests {
             joins: Vec::new(),
             scratch: Vec::new(),
             device: Device::Cpu,
+            offloads: Vec::new(),
+            prefetches: Vec::new(),
+            host_bytes: 0,
+            move_notes: Vec::new(),
         }
     }
 

@@ -35,7 +35,7 @@ mod search;
 /// How kernels are ordered; defined in `hints` (a layer below), whose
 /// `order` key takes the same values.
 pub use crate::hints::Strategy;
-pub use memory::{Donation, MemoryPlan, PlannedBuffer};
+pub use memory::{Donation, MemoryPlan, Move, Moves, PlannedBuffer};
 
 use crate::error::Result;
 use crate::fusion::Plan;
@@ -110,9 +110,22 @@ pub fn build_donating(
     options: &ScheduleOptions,
     donated: &[usize],
 ) -> Result<Scheduled> {
+    build_moving(graph, plan, options, donated, &Moves::default())
+}
+
+/// [`build_donating`], the outputs and inputs `moves` names offloaded to
+/// and prefetched from host memory (see [`memory`]'s "Offload and
+/// prefetch").
+pub fn build_moving(
+    graph: &Graph,
+    plan: &Plan,
+    options: &ScheduleOptions,
+    donated: &[usize],
+    moves: &Moves,
+) -> Result<Scheduled> {
     let ctx = search::Context::new(graph, plan, options.device, donated)?;
     let schedule = ctx.choose(options);
-    let memory = MemoryPlan::from_model(graph, &ctx.model, &schedule)?;
+    let memory = MemoryPlan::from_model(graph, plan, &ctx.model, &schedule, moves)?;
     log("schedule", || describe(graph, plan, &schedule, &memory));
     log("memory", || memory.describe(graph));
     Ok(Scheduled { schedule, memory })

@@ -285,7 +285,14 @@ impl Context {
             .all(|&k| !chained(k) || step.iter().all(|&j| hint(j).region != hint(k).region));
         let group = hint(step[0]).group;
         let same_group = step.iter().chain(next).all(|&k| hint(k).group == group);
-        independent && one_per_chain && same_group
+        let within_width = next.iter().all(|&k| {
+            let (Some(r), Some(width)) = (hint(k).region, hint(k).max_width) else {
+                return true;
+            };
+            let in_region = |j: &&usize| hint(**j).region == Some(r);
+            step.iter().filter(in_region).count() + next.iter().filter(in_region).count() <= width
+        });
+        independent && one_per_chain && same_group && within_width
     }
 
     /// Each region's order: its hint; `auto`: the lowest peak of bfs, dfs

@@ -37,11 +37,15 @@ const KEYS: &[&str] = &[
     "backward_group_id",
     "memory_budget_mb",
     "recompute",
+    "max_width",
+    "slice",
+    "offload",
+    "stream",
 ];
 
 const ODD_KEYS: &[&str] = &[
     "",
-    "stream",
+    "streams",
     "Order",
     "order ",
     "group",
@@ -124,7 +128,13 @@ fn random_object(rng: &mut Rng, depth: usize) -> String {
             (0 | 1, "order" | "schedule_policy") => format!("\"{}\"", rng.pick(&STRINGS[..5])),
             (0 | 1, "group_id" | "backward_group_id") => rng.between(-3, 1 << 40).to_string(),
             (0 | 1, "memory_budget_mb") => rng.pick(NUMBERS).to_string(),
-            (0 | 1, "recompute") => rng.pick(&["true", "false"]).to_string(),
+            (0 | 1, "recompute" | "offload") => rng.pick(&["true", "false"]).to_string(),
+            (0 | 1, "max_width" | "stream") => rng.between(-2, 9).to_string(),
+            (0 | 1, "slice") => format!(
+                "{{\"dim\": {}, \"parts\": {}}}",
+                rng.between(-1, 4),
+                rng.between(-1, 9)
+            ),
             _ => random_value(rng, depth),
         };
         let blank = |rng: &mut Rng| *rng.pick(&["", "", " ", "\n", "\t", "  \r\n"]);
@@ -202,6 +212,32 @@ fn expected(map: &Map<String, Value>) -> Result<(Hint, Vec<String>), Vec<String>
                 Some(r) => hint.recompute = Some(r),
                 None => wrong.push(key.clone()),
             },
+            "offload" => match value.as_bool() {
+                Some(o) => hint.offload = Some(o),
+                None => wrong.push(key.clone()),
+            },
+            "max_width" => match value.as_u64() {
+                Some(k) if k >= 1 => hint.max_width = Some(k as usize),
+                _ => wrong.push(key.clone()),
+            },
+            "stream" => match value.as_i64() {
+                Some(n) if n >= 0 => hint.stream = Some(n),
+                _ => wrong.push(key.clone()),
+            },
+            "slice" => {
+                let obj = value.as_object();
+                let field = |f: &str| obj.and_then(|o| o.get(f)).and_then(Value::as_u64);
+                let only_known = obj.is_some_and(|o| o.keys().all(|k| k == "dim" || k == "parts"));
+                match (field("dim"), field("parts")) {
+                    (Some(dim), Some(parts)) if parts >= 1 && only_known => {
+                        hint.slice = Some(tessera::hints::SliceHint {
+                            dim: dim as usize,
+                            parts: parts as usize,
+                        })
+                    }
+                    _ => wrong.push(key.clone()),
+                }
+            }
             _ => unknown.push(key.clone()),
         }
     }

@@ -36,6 +36,11 @@ const POOL_LIMIT_BYTES: usize = 4 << 30;
 
 static LIVE_BYTES: AtomicUsize = AtomicUsize::new(0);
 static PEAK_BYTES: AtomicUsize = AtomicUsize::new(0);
+/// The "host" pool's bytes: values offloaded from the device (on the CPU
+/// backend, whose device memory is host memory too, a pool accounted
+/// apart, so that what offloading saves shows in [`memory_stats`]).
+static HOST_LIVE_BYTES: AtomicUsize = AtomicUsize::new(0);
+static HOST_PEAK_BYTES: AtomicUsize = AtomicUsize::new(0);
 
 struct Pool {
     free: HashMap<usize, Vec<SendPtr>>,
@@ -55,6 +60,9 @@ pub(crate) struct RawBuffer {
     capacity: usize,
     /// The bytes the user asked for (what the accounting counts).
     len: usize,
+    /// Accounted in the host pool ([`host_memory_stats`]), not the
+    /// device's ([`memory_stats`]).
+    host: bool,
 }
 
 // SAFETY: a RawBuffer is a uniquely owned heap block.
@@ -104,11 +112,31 @@ impl RawBuffer {
         };
         let live = LIVE_BYTES.fetch_add(len, Ordering::Relaxed) + len;
         PEAK_BYTES.fetch_max(live, Ordering::Relaxed);
-        Ok(RawBuffer { ptr, capacity, len })
+        Ok(RawBuffer {
+            ptr,
+            capacity,
+            len,
+            host: false,
+        })
+    }
+
+    /// A buffer of `len` bytes accounted in the host pool (offloaded
+    /// values), not in [`memory_stats`].
+    pub(crate) fn try_new_host(len: usize) -> Result<RawBuffer> {
+        let mut b = RawBuffer::try_new(len)?;
+        LIVE_BYTES.fetch_sub(len, Ordering::Relaxed);
+        let live = HOST_LIVE_BYTES.fetch_add(len, Ordering::Relaxed) + len;
+        HOST_PEAK_BYTES.fetch_max(live, Ordering::Relaxed);
+        b.host = true;
+        Ok(b)
     }
 
     pub(crate) fn len(&self) -> usize {
         self.len
+    }
+
+    pub(crate) fn is_host(&self) -> bool {
+        self.host
     }
 
     pub(crate) fn as_ptr(&self) -> *mut u8 {
@@ -118,7 +146,10 @@ impl RawBuffer {
 
 impl Drop for RawBuffer {
     fn drop(&mut self) {
-        LIVE_BYTES.fetch_sub(self.len, Ordering::Relaxed);
+        match self.host {
+            true => HOST_LIVE_BYTES.fetch_sub(self.len, Ordering::Relaxed),
+            false => LIVE_BYTES.fetch_sub(self.len, Ordering::Relaxed),
+        };
         if let Ok(mut guard) = POOL.lock() {
             let pool = guard.get_or_insert_with(|| Pool {
                 free: HashMap::new(),
@@ -158,9 +189,20 @@ pub fn memory_stats() -> MemoryStats {
     }
 }
 
-/// Starts a new peak measurement from the bytes alive now.
+/// The host pool's bytes (values offloaded by compiled runs on the CPU
+/// backend, see `Backend::offload`): apart from [`memory_stats`].
+pub fn host_memory_stats() -> MemoryStats {
+    MemoryStats {
+        live_bytes: HOST_LIVE_BYTES.load(Ordering::Relaxed),
+        peak_bytes: HOST_PEAK_BYTES.load(Ordering::Relaxed),
+    }
+}
+
+/// Starts a new peak measurement from the bytes alive now (the host
+/// pool's too).
 pub fn reset_peak() {
     PEAK_BYTES.store(LIVE_BYTES.load(Ordering::Relaxed), Ordering::Relaxed);
+    HOST_PEAK_BYTES.store(HOST_LIVE_BYTES.load(Ordering::Relaxed), Ordering::Relaxed);
 }
 
 /// Returns every cached free buffer to the operating system.

@@ -106,6 +106,20 @@ impl Backend for CpuBackend {
         super::empty_cache()
     }
 
+    /// Into the host pool: a copy of the whole storage, same layout.
+    fn offload(&self, array: &Array) -> Result<Array> {
+        let host = array.to_host()?;
+        let storage = host.storage().try_copy(true)?;
+        Ok(Array::from_parts(Arc::new(storage), array.layout().clone()))
+    }
+
+    /// Out of the host pool into ordinary storage.
+    fn prefetch(&self, array: &Array) -> Result<Array> {
+        let host = array.to_host()?;
+        let storage = host.storage().try_copy(false)?;
+        Ok(Array::from_parts(Arc::new(storage), array.layout().clone()))
+    }
+
     fn runs_on_host_threads(&self) -> bool {
         true
     }

@@ -20,7 +20,7 @@ mod scatter;
 mod storage;
 mod stream;
 
-pub use alloc::{empty_cache, memory_stats, reset_peak, MemoryStats};
+pub use alloc::{empty_cache, host_memory_stats, memory_stats, reset_peak, MemoryStats};
 pub(crate) use backend::cpu_backend;
 pub use backend::CpuBackend;
 pub use element::num_like::AccFloat;

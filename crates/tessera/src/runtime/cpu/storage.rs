@@ -112,6 +112,29 @@ impl Storage {
         }
     }
 
+    /// A copy of `self` in the host pool (an offloaded value: accounted by
+    /// `alloc::host_memory_stats`, not `memory_stats`), or in ordinary
+    /// storage (`host` false: brought back).
+    pub fn try_copy(&self, host: bool) -> Result<Storage> {
+        let len = self.buf.len();
+        let raw = match host {
+            true => RawBuffer::try_new_host(len)?,
+            false => RawBuffer::try_new(len)?,
+        };
+        let mut s = Storage {
+            buf: Block::Own(raw),
+            dtype: self.dtype,
+            numel: self.numel,
+        };
+        s.as_bytes_mut().copy_from_slice(self.as_bytes());
+        Ok(s)
+    }
+
+    /// Whether it is in the host pool (see [`Storage::try_copy`]).
+    pub fn in_host_pool(&self) -> bool {
+        matches!(&self.buf, Block::Own(b) if b.is_host())
+    }
+
     /// Storage over `len` bytes at `ptr` that another library owns (zero
     /// copy: a PyTorch tensor's memory through DLPack); dropping the last
     /// view drops `owner`, which gives the memory back. Errors (naming the

@@ -2,7 +2,9 @@
 //! steps ([`run_scheduled`]). Each value is freed right after the last step
 //! that reads it, so the bytes alive over time follow the memory plan.
 //! Results equal the interpreter's (checked by the differential tests);
-//! only the work and its order differ.
+//! only the work and its order differ. A memory plan's offloads and
+//! prefetches (`schedule::memory`) run between steps through the backend
+//! (`Backend::offload` after a step, `Backend::prefetch` before one).
 
 mod job;
 mod kernels;
@@ -52,6 +54,7 @@ pub fn run_plan_with(
         |_| Ok(KernelMemory::default()),
         inputs.to_vec(),
         tune,
+        &StepMoves::default(),
     )
 }
 
@@ -105,8 +108,12 @@ pub fn run_scheduled_owned(
     inputs: Vec<Tensor>,
     tune: bool,
 ) -> Result<Vec<(String, Tensor)>> {
+    let moves = StepMoves::of(memory, schedule.steps.len());
     let refs: Vec<&Tensor> = inputs.iter().collect();
-    let on = inputs_device(graph, &refs)?;
+    // Prefetched inputs arrive in host memory: the run is on the plan's
+    // device.
+    let on = run_device(graph, &refs, &moves)?;
+    drop(refs);
     if let Some(why) = device_arena_unfit(plan, memory, on) {
         log("memory", || {
             format!(
@@ -120,7 +127,15 @@ pub fn run_scheduled_owned(
                 ..KernelMemory::default()
             })
         };
-        return execute(graph, plan, &schedule.steps, unplanned, inputs, tune);
+        return execute(
+            graph,
+            plan,
+            &schedule.steps,
+            unplanned,
+            inputs,
+            tune,
+            &moves,
+        );
     }
     // On a device the arena and blocks are device memory (see `cpu::arena`).
     let arena = Arena::on(on, memory.arena_bytes).map_err(|mut e| {
@@ -184,7 +199,64 @@ pub fn run_scheduled_owned(
             planned: Some(slots(k)?),
         })
     };
-    execute(graph, plan, &schedule.steps, kernel_memory, inputs, tune)
+    execute(
+        graph,
+        plan,
+        &schedule.steps,
+        kernel_memory,
+        inputs,
+        tune,
+        &moves,
+    )
+}
+
+/// A memory plan's offloads and prefetches, by step.
+#[derive(Default)]
+struct StepMoves {
+    /// Per step, the values moved to host memory after it.
+    offload_after: Vec<Vec<NodeId>>,
+    /// Per step, the inputs brought to the device before it.
+    prefetch_before: Vec<Vec<NodeId>>,
+    any_prefetch: bool,
+    /// The plan's device (where prefetched inputs go).
+    device: Device,
+}
+
+impl StepMoves {
+    fn of(memory: &MemoryPlan, steps: usize) -> StepMoves {
+        let mut moves = StepMoves {
+            offload_after: vec![Vec::new(); steps],
+            prefetch_before: vec![Vec::new(); steps],
+            any_prefetch: !memory.prefetches.is_empty(),
+            device: memory.device,
+        };
+        for m in &memory.offloads {
+            moves.offload_after[m.step].push(m.value);
+        }
+        for m in &memory.prefetches {
+            moves.prefetch_before[m.step].push(m.value);
+        }
+        moves
+    }
+
+    fn at(list: &[Vec<NodeId>], step: usize) -> &[NodeId] {
+        list.get(step).map_or(&[], Vec::as_slice)
+    }
+}
+
+/// `values[v]` replaced by `how(its array)` (a value without an array, a
+/// traced one, stays).
+fn move_value(
+    values: &mut [Option<Tensor>],
+    v: NodeId,
+    how: impl FnOnce(&super::array::Array) -> Result<super::array::Array>,
+) -> Result<()> {
+    let slot = &mut values[v.index()];
+    if let Some(array) = slot.as_ref().and_then(Tensor::try_array) {
+        let moved = how(array)?;
+        *slot = Some(Tensor::from_array(moved));
+    }
+    Ok(())
 }
 
 /// What the memory plan says about one kernel.
@@ -210,12 +282,14 @@ fn execute(
     memory: impl Fn(usize) -> Result<KernelMemory> + Sync,
     inputs: Vec<Tensor>,
     tune: bool,
+    moves: &StepMoves,
 ) -> Result<Vec<(String, Tensor)>> {
     let refs: Vec<&Tensor> = inputs.iter().collect();
     let many_kernels = steps.len() >= POOL_WORKER_MIN_STEPS;
-    let on_threads = device::backend(inputs_device(graph, &refs)?)?.runs_on_host_threads();
+    let on = run_device(graph, &refs, moves)?;
+    let on_threads = device::backend(on)?.runs_on_host_threads();
     let memory = &memory;
-    let here = move || execute_here(graph, plan, steps, memory, inputs, tune);
+    let here = move || execute_here(graph, plan, steps, memory, inputs, tune, moves);
     match many_kernels && !trace::is_active() && on_threads {
         true => on_pool_worker(here),
         false => here(),
@@ -229,12 +303,13 @@ fn execute_here(
     memory: &(impl Fn(usize) -> Result<KernelMemory> + Sync),
     inputs: Vec<Tensor>,
     tune: bool,
+    moves: &StepMoves,
 ) -> Result<Vec<(String, Tensor)>> {
     let given: Vec<Option<&Tensor>> = inputs.iter().map(Some).collect();
     bind_symbols(graph, &given)?;
     // Every kernel runs on the inputs' device, kernels without inputs too.
     let refs: Vec<&Tensor> = inputs.iter().collect();
-    let on = inputs_device(graph, &refs)?;
+    let on = run_device(graph, &refs, moves)?;
     drop(refs);
     let backend = device::backend(on)?;
     // The backend tunes the kernels run or queued from this thread (and
@@ -252,7 +327,22 @@ fn execute_here(
         let grad = autograd::is_grad_enabled();
         let lanes = backend.lanes();
         let mut profile = Profile::start();
-        for (step, free) in steps.iter().zip(&frees) {
+        for (s, (step, free)) in steps.iter().zip(&frees).enumerate() {
+            for &v in StepMoves::at(&moves.prefetch_before, s) {
+                // Only what is in host memory (a value the forward could
+                // not offload arrives where it is).
+                let offloaded = |a: &super::array::Array| match a.host_storage() {
+                    Some(storage) => on != Device::Cpu || storage.in_host_pool(),
+                    None => false,
+                };
+                if values[v.index()]
+                    .as_ref()
+                    .and_then(Tensor::try_array)
+                    .is_some_and(offloaded)
+                {
+                    move_value(&mut values, v, |a| backend.prefetch(a))?;
+                }
+            }
             let started = profile.as_ref().map(|_| std::time::Instant::now());
             let jobs: Vec<(Job<'_>, bool)> = step
                 .iter()
@@ -293,6 +383,9 @@ fn execute_here(
             for id in free {
                 values[id.index()] = None;
             }
+            for &v in StepMoves::at(&moves.offload_after, s) {
+                move_value(&mut values, v, |a| backend.offload(a))?;
+            }
             if let (Some(profile), Some(started)) = (profile.as_mut(), started) {
                 // On a device the step's kernels are only queued: wait for
                 // them, so the time is the device's (unless the host's
@@ -317,6 +410,15 @@ fn execute_here(
             })
             .collect())
     })
+}
+
+/// The device a run's kernels use: its inputs', but with inputs to
+/// prefetch from host memory, the plan's.
+fn run_device(graph: &Graph, inputs: &[&Tensor], moves: &StepMoves) -> Result<Device> {
+    match moves.any_prefetch {
+        true => Ok(moves.device),
+        false => inputs_device(graph, inputs),
+    }
 }
 
 /// Why a run on device `on` cannot take the memory plan's arena, if it

@@ -1,0 +1,162 @@
+//! Issue 20's hints on the GPU: `offload` (saved activations downloaded to
+//! host memory after their last forward use, uploaded before their first
+//! backward use: the same values, a lower device peak), `slice` (the naive
+//! attention sliced by the compiler: the unhinted values, a lower device
+//! peak) and `stream` (known, logged as not honoured). Runs only with
+//! `TESSERA_CUDA_TESTS=1` (on a GPU machine, by `scripts/gpu-check.sh`);
+//! there a missing GPU is a failure, not a skip.
+
+use std::sync::{Mutex, MutexGuard, Once};
+
+use tessera::compile::Compiled;
+use tessera::hints;
+use tessera::ir::DType;
+use tessera::runtime::device::{self, Device};
+use tessera::tensor::Generator;
+use tessera::{compile, Tensor};
+
+fn gpu() -> bool {
+    if std::env::var("TESSERA_CUDA_TESTS").as_deref() != Ok("1") {
+        eprintln!("TESSERA_CUDA_TESTS is not 1: CUDA hint tests do not run here");
+        return false;
+    }
+    static OPEN: Once = Once::new();
+    OPEN.call_once(|| tessera_cuda::register().expect("TESSERA_CUDA_TESTS=1 needs a GPU"));
+    true
+}
+
+/// The device allocator's counters are global: one test measures at a time.
+fn allocator() -> MutexGuard<'static, ()> {
+    static LOCK: Mutex<()> = Mutex::new(());
+    LOCK.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn randn(shape: &[usize], seed: u64, scale: f64) -> Tensor {
+    let t = &Tensor::randn(shape, DType::F32, &mut Generator::new(seed)) * scale;
+    t.to(Device::Cuda).unwrap()
+}
+
+/// One compiled forward + backward on the GPU: the output and gradients
+/// (on the host), and the device peak above what was live before.
+fn measured_step<F: Fn(&[Tensor]) -> Vec<Tensor>>(
+    f: &Compiled<F>,
+    inputs: &[Tensor],
+    grad: &Tensor,
+) -> (Vec<Vec<f64>>, usize) {
+    let leaves: Vec<Tensor> = inputs.iter().map(|t| t.set_requires_grad(true)).collect();
+    let step = || {
+        let out = f.call(&leaves).remove(0);
+        out.backward_with(grad);
+        out.detach()
+    };
+    drop(step()); // compiles
+    for t in &leaves {
+        t.zero_grad();
+    }
+    device::synchronize(Device::Cuda).unwrap();
+    let before = device::memory_stats(Device::Cuda).unwrap().live_bytes;
+    device::reset_peak(Device::Cuda).unwrap();
+    let out = step();
+    device::synchronize(Device::Cuda).unwrap();
+    let peak = device::memory_stats(Device::Cuda).unwrap().peak_bytes - before;
+    let mut results = vec![out.to_f64_vec()];
+    results.extend(leaves.iter().map(|t| t.grad().unwrap().to_f64_vec()));
+    (results, peak)
+}
+
+const WIDTH: usize = 1024;
+const LAYERS: usize = 4;
+
+fn layers(hint: &'static str) -> impl Fn(&[Tensor]) -> Vec<Tensor> {
+    move |a: &[Tensor]| {
+        let out = hints::scope(hint, || {
+            let mut h = a[0].clone();
+            for w in &a[1..] {
+                h = h.matmul(w).tanh();
+            }
+            h
+        });
+        vec![out.unwrap()]
+    }
+}
+
+#[test]
+fn offloaded_activations_leave_the_gpu_and_the_values_stay() {
+    if !gpu() {
+        return;
+    }
+    let _lock = allocator();
+    let inputs: Vec<Tensor> = (0..=LAYERS as u64)
+        .map(|i| randn(&[WIDTH, WIDTH], 10 + i, 0.03))
+        .collect();
+    let grad = randn(&[WIDTH, WIDTH], 30, 1.0);
+    let kept = compile(layers(r#"{"order": "strict", "recompute": false}"#));
+    let moved = compile(layers(r#"{"order": "strict", "offload": true}"#));
+    let (a, kept_peak) = measured_step(&kept, &inputs, &grad);
+    let (b, moved_peak) = measured_step(&moved, &inputs, &grad);
+    eprintln!("GPU peak of one step: {kept_peak} bytes kept, {moved_peak} bytes offloaded");
+    assert_eq!(a, b, "offloading changes no value");
+    let activation = WIDTH * WIDTH * 4;
+    assert!(
+        moved_peak + 2 * activation <= kept_peak,
+        "device peak {moved_peak} vs {kept_peak} without offload"
+    );
+}
+
+fn attention(hint: Option<String>) -> impl Fn(&[Tensor]) -> Vec<Tensor> {
+    move |a: &[Tensor]| {
+        let naive = || tessera_apps::seed_table::sdpa(&a[0], &a[1], &a[2], false, 1);
+        vec![match &hint {
+            Some(h) => hints::scope(h, naive).unwrap(),
+            None => naive(),
+        }]
+    }
+}
+
+#[test]
+fn the_slice_hint_gives_the_naive_attention_the_sliced_peak() {
+    if !gpu() {
+        return;
+    }
+    let _lock = allocator();
+    let shape = [2, 8, 512, 64];
+    let inputs: Vec<Tensor> = (0..3).map(|i| randn(&shape, 40 + i, 1.0)).collect();
+    let grad = randn(&shape, 50, 1.0);
+    let plain = compile(attention(None)).fuse_attention(false);
+    let hint = tessera_apps::seed_table::slice_hint(16);
+    let sliced = compile(attention(Some(hint))).fuse_attention(false);
+    let (a, plain_peak) = measured_step(&plain, &inputs, &grad);
+    let (b, sliced_peak) = measured_step(&sliced, &inputs, &grad);
+    eprintln!("GPU peak: naive {plain_peak} bytes, naive + slice hint {sliced_peak} bytes");
+    for (x, y) in a.iter().zip(&b) {
+        let d = x
+            .iter()
+            .zip(y)
+            .map(|(p, q)| (p - q).abs())
+            .fold(0.0, f64::max);
+        assert!(d < 1e-4, "sliced values differ by {d}");
+    }
+    assert!(
+        sliced_peak * 4 < plain_peak,
+        "{sliced_peak} vs {plain_peak}"
+    );
+}
+
+#[test]
+fn a_stream_hint_is_known_and_said_to_be_ignored_on_the_gpu() {
+    if !gpu() {
+        return;
+    }
+    let _lock = allocator();
+    let x = randn(&[64, 64], 60, 1.0);
+    let f = compile(|a: &[Tensor]| {
+        vec![hints::scope(r#"{"stream": 1}"#, || a[0].matmul(&a[0]).tanh()).unwrap()]
+    });
+    f.call(&[x]);
+    let said = hints::not_honoured_messages();
+    assert!(
+        said.iter()
+            .any(|m| m.contains("hint \"stream\"") && m.contains("not implemented")),
+        "{said:?}"
+    );
+}

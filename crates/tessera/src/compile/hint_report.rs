@@ -1,0 +1,138 @@
+//! What each compile backend does with the hints it is given: every key a
+//! backend does not honour is said, with the reason, once per region
+//! (`TESSERA_LOGS=hints`, through [`hints::not_honoured`]). The default
+//! backend honours the rest where they are read (the slice pass, AOT
+//! autograd's recompute and offload, the scheduler's order, group, width
+//! and budget, the memory planner's offloads); the scheduler's own notes
+//! (`TESSERA_LOGS=schedule`) say when a hint it reads cannot be met.
+
+use std::collections::BTreeMap;
+
+use super::Backend;
+use crate::hints::{self, Hint, HintMap, Order};
+use crate::ir::Graph;
+use crate::runtime::device::Device;
+
+/// Says, for each region of `graph` (nodes with the same hints), which of
+/// its hint keys `backend` ignores and why. `has_backward`: the compiled
+/// function has a backward (something requires grad).
+pub(super) fn report(graph: &Graph, backend: Backend, has_backward: bool, on: Device) {
+    let mut regions: BTreeMap<String, &HintMap> = BTreeMap::new();
+    for node in &graph.nodes {
+        if let Some(map) = &node.meta.hints {
+            let json = serde_json::Value::Object((**map).clone()).to_string();
+            regions.entry(json).or_insert(map);
+        }
+    }
+    for map in regions.into_values() {
+        let Ok((hint, _)) = Hint::from_map(map) else {
+            // The scheduler (or the eager run) reports a malformed hint.
+            continue;
+        };
+        for (key, reason) in ignored(&hint, backend, has_backward, on) {
+            hints::not_honoured(stage(backend), map, key, &reason);
+        }
+    }
+}
+
+fn stage(backend: Backend) -> &'static str {
+    match backend {
+        Backend::Eager => "eager backend",
+        Backend::AotEager => "aot_eager backend",
+        Backend::Default => "compiled backend",
+    }
+}
+
+/// The keys of `hint` that `backend` ignores, with the reasons.
+fn ignored(
+    hint: &Hint,
+    backend: Backend,
+    has_backward: bool,
+    on: Device,
+) -> Vec<(&'static str, String)> {
+    let mut out: Vec<(&'static str, String)> = Vec::new();
+    let no_streams = match on {
+        Device::Cpu => "the CPU has no streams: its kernels run on host threads".to_string(),
+        d => format!("per-region streams are not implemented: every kernel on {d} goes to the run's own queue"),
+    };
+    match backend {
+        Backend::Eager | Backend::AotEager => {
+            let runner = match backend {
+                Backend::Eager => "eager runs the captured ops one at a time as called",
+                _ => "aot_eager runs the AOT graphs op by op in program order",
+            };
+            if let Some(o) = hint.order.filter(|&o| o != Order::Strict) {
+                out.push(("order", format!("{runner}, not in {o} order")));
+            }
+            if hint.group_id.is_some() {
+                out.push((
+                    "group_id",
+                    format!("{runner}: a group is one block only as written"),
+                ));
+            }
+            if hint.memory_budget_mb.is_some() {
+                out.push(("memory_budget_mb", format!("{runner} and plans no memory")));
+            }
+            if hint.slice.is_some() {
+                out.push((
+                    "slice",
+                    "slicing is a graph pass of the default backend; this backend runs the code as written".into(),
+                ));
+            }
+            if hint.offload == Some(true) {
+                out.push((
+                    "offload",
+                    "only the default backend's memory plan moves saved values to host memory"
+                        .into(),
+                ));
+            }
+            if backend == Backend::Eager && hint.recompute.is_some() {
+                out.push((
+                    "recompute",
+                    "the eager tape keeps what each op's backward needs (AOT autograd recomputes)"
+                        .into(),
+                ));
+            }
+        }
+        Backend::Default => {
+            if hint.offload == Some(true) && !has_backward {
+                out.push((
+                    "offload",
+                    "nothing requires grad: the forward saves nothing for a backward".into(),
+                ));
+            }
+        }
+    }
+    if hint.stream.is_some() {
+        out.push(("stream", no_streams));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_backend_names_what_it_ignores() {
+        let hint = Hint::dfs().group(1).slice(0, 2).offload(true).stream(1);
+        let keys = |b, grad| -> Vec<&str> {
+            ignored(&hint, b, grad, Device::Cpu)
+                .into_iter()
+                .map(|(k, _)| k)
+                .collect()
+        };
+        assert_eq!(
+            keys(Backend::Eager, true),
+            ["order", "group_id", "slice", "offload", "stream"]
+        );
+        assert_eq!(
+            keys(Backend::AotEager, true),
+            ["order", "group_id", "slice", "offload", "stream"]
+        );
+        assert_eq!(keys(Backend::Default, true), ["stream"]);
+        assert_eq!(keys(Backend::Default, false), ["offload", "stream"]);
+        // Strict is what eager does anyway.
+        assert!(ignored(&Hint::strict(), Backend::Eager, true, Device::Cpu).is_empty());
+    }
+}
