@@ -10,7 +10,7 @@
 //!
 //! | pass | rewrites |
 //! |---|---|
-//! | [`slice`] | a region hinted `{"slice": {"dim": D, "parts": P}}` → P slices along D, concatenated |
+//! | [`slice`](mod@slice) | a region hinted `{"slice": {"dim": D, "parts": P}}` → P slices along D, concatenated |
 //! | [`dce`] | removes nodes no output depends on |
 //! | [`cse`] | merges nodes with the same op, attributes, inputs and hints |
 //! | [`constant_fold`] | evaluates ops on constants once (small results) |
