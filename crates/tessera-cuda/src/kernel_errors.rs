@@ -50,6 +50,16 @@ impl Site {
     }
 }
 
+/// Where a checked launch is being queued, for its late report: the
+/// user's line of an eager op (` at file:line:col`), else ` in a compiled
+/// run` (whose kernels have no single user's line).
+pub fn launched_at() -> String {
+    match tessera::error::dispatch_site() {
+        Some(loc) => format!(" at {loc}"),
+        None => " in a compiled run".to_string(),
+    }
+}
+
 /// A kernel's error, as the host reports it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct KernelError {

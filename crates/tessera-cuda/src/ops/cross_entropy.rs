@@ -3,7 +3,7 @@
 //! generated kernels of `codegen::cross_entropy` on the backend's stream.
 
 use tessera::custom_op::{self, Attrs, Backend};
-use tessera::error::{dispatch_site, Error, ErrorKind, Result};
+use tessera::error::{Error, ErrorKind, Result};
 use tessera::ir::custom::cross_entropy::{ignore_index, row_dtype, BACKWARD, FORWARD};
 use tessera::runtime::array::Array;
 use tessera::Tensor;
@@ -11,7 +11,7 @@ use tessera::Tensor;
 use super::first;
 use crate::codegen::cross_entropy::{self, Rows};
 use crate::codegen::index::IndexCheck;
-use crate::kernel_errors::Site;
+use crate::kernel_errors::{launched_at, Site};
 use crate::CudaBackend;
 
 /// Fills the CUDA slots of the cross-entropy ops.
@@ -54,10 +54,7 @@ fn rows_of(
         stride: if n > 1 { logits.strides()[0] } else { classes },
         ignore_index: ignore_index(op, attrs)?,
     };
-    let at = match dispatch_site() {
-        Some(loc) => format!(" at {loc}"),
-        None => " in a compiled run".to_string(),
-    };
+    let at = launched_at();
     let site = backend.gpu.errors.site(Site {
         op: op.to_string(),
         check: format!("out of range for {classes} classes (a target)"),

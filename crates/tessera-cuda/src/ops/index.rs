@@ -3,14 +3,14 @@
 //! values are checked by the kernels, which report a bad one at the next
 //! synchronisation (see [`crate::kernel_errors`]).
 
-use tessera::error::{dispatch_site, Error, ErrorKind, Result};
+use tessera::error::{Error, ErrorKind, Result};
 use tessera::ir::{DType, Op};
 use tessera::runtime::array::Array;
 use tessera::tensor::layout::contiguous_strides;
 
 use super::{base, unsupported};
 use crate::codegen::index::{self, IndexCheck, Indexed, Strided};
-use crate::kernel_errors::Site;
+use crate::kernel_errors::{launched_at, Site};
 use crate::CudaBackend;
 
 impl CudaBackend {
@@ -185,10 +185,7 @@ impl CudaBackend {
 /// What a report of a bad index names: the op, the dim's size, the
 /// operands and, for an eager op, the user's line.
 fn index_site(op: &str, index: &Array, x: &Array, bound: usize) -> Site {
-    let at = match dispatch_site() {
-        Some(loc) => format!(" at {loc}"),
-        None => " in a compiled run".to_string(),
-    };
+    let at = launched_at();
     Site {
         op: op.to_string(),
         check: format!("out of range for a dim of size {bound}"),
