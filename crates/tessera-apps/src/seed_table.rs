@@ -158,6 +158,25 @@ fn step(
     results
 }
 
+/// [`measure`] of `forward` compiled (named `name`, the attention pass
+/// on or off by `fused`), with its compile statistics.
+fn measure_compiled(
+    name: &str,
+    forward: Forward,
+    fused: bool,
+    problem: &Problem,
+    reps: usize,
+) -> Result<SeedRow> {
+    let f = compile(forward).name(name).fuse_attention(fused);
+    measure(
+        name,
+        &|x: &[Tensor]| f.call(x),
+        &|| f.stats(),
+        problem,
+        reps,
+    )
+}
+
 /// Runs one scenario: a first call (compiling, if compiled), then `reps`
 /// timed steps with the peak measured on the last.
 fn measure(
@@ -370,14 +389,7 @@ pub fn run(config: &SeedConfig, mut progress: impl FnMut(usize, &str)) -> Result
             ),
             Run::SliceHinted => {
                 let forward = slice_hinted_fn(config.causal, count(Slices::PerHead));
-                let f = compile(forward).name(name).fuse_attention(false);
-                measure(
-                    name,
-                    &|x: &[Tensor]| f.call(x),
-                    &|| f.stats(),
-                    &problem,
-                    config.reps,
-                )
+                measure_compiled(name, forward, false, &problem, config.reps)
             }
             Run::FlashEager => measure(
                 name,
@@ -395,14 +407,7 @@ pub fn run(config: &SeedConfig, mut progress: impl FnMut(usize, &str)) -> Result
                     true => hinted_sdpa_fn(config.causal, count(slices)),
                     false => sdpa_fn(config.causal, count(slices)),
                 };
-                let f = compile(forward).name(name).fuse_attention(fused);
-                measure(
-                    name,
-                    &|x: &[Tensor]| f.call(x),
-                    &|| f.stats(),
-                    &problem,
-                    config.reps,
-                )
+                measure_compiled(name, forward, fused, &problem, config.reps)
             }
         }?;
         rows.push(row);

@@ -57,8 +57,24 @@ impl Rows {
         )
     }
 
-    fn grid(&self, sms: u32) -> u32 {
-        self.n.clamp(1, sms as usize * 16) as u32
+    /// A block per row (grid-stride past 16 per SM) running `source`, whose
+    /// `Args` are the sizes, `ptrs` in order, then the error record and
+    /// site (both kernels' layout).
+    fn launch(&self, source: String, ptrs: &[u64], check: IndexCheck, sms: u32) -> Launch {
+        let mut args = Words::default();
+        args.int(self.n as i64)
+            .int(self.classes as i64)
+            .int(self.stride as i64);
+        for &p in ptrs {
+            args.ptr(p);
+        }
+        args.ptr(check.report).int(i64::from(check.site));
+        Launch {
+            source,
+            args,
+            grid: self.n.clamp(1, sms as usize * 16) as u32,
+            block: BLOCK,
+        }
     }
 }
 
@@ -110,22 +126,7 @@ pub fn forward(
          __syncthreads();\n}}\n}}\n",
         target = rows.target(),
     ));
-    let mut args = Words::default();
-    args.int(rows.n as i64)
-        .int(rows.classes as i64)
-        .int(rows.stride as i64)
-        .ptr(logits)
-        .ptr(targets)
-        .ptr(nll)
-        .ptr(lse)
-        .ptr(check.report)
-        .int(i64::from(check.site));
-    Launch {
-        source,
-        args,
-        grid: rows.grid(sms),
-        block: BLOCK,
-    }
+    rows.launch(source, &[logits, targets, nll, lse], check, sms)
 }
 
 /// The backward: `dx[r, c] = (exp(x[r, c] − lse[r]) − [c = t]) · d[r]`,
@@ -162,23 +163,7 @@ pub fn backward(
         ct = c_type(rows.logits_dtype),
         store = convert(rows.logits_dtype, rows.compute(), "p * g"),
     ));
-    let mut args = Words::default();
-    args.int(rows.n as i64)
-        .int(rows.classes as i64)
-        .int(rows.stride as i64)
-        .ptr(logits)
-        .ptr(targets)
-        .ptr(lse)
-        .ptr(d_nll)
-        .ptr(dx)
-        .ptr(check.report)
-        .int(i64::from(check.site));
-    Launch {
-        source,
-        args,
-        grid: rows.grid(sms),
-        block: BLOCK,
-    }
+    rows.launch(source, &[logits, targets, lse, d_nll, dx], check, sms)
 }
 
 #[cfg(test)]
@@ -230,6 +215,14 @@ mod tests {
             l.source
         );
         assert!(l.source.contains(" exp("), "{}", l.source);
+        assert!(
+            l.source.contains(
+                "const void* lse; const void* d; void* dx; void* report; long long site;"
+            ),
+            "{}",
+            l.source
+        );
+        assert_eq!(l.args.0, [6, 10, 12, 1, 2, 3, 4, 5, 7, 2]);
         assert!(l.source.contains("bool skip = false;"), "{}", l.source);
         let h = backward(&rows(DType::F16, None), 1, 2, 3, 4, 5, CHECK, 132);
         assert!(

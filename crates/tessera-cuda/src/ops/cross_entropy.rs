@@ -21,11 +21,11 @@ pub(crate) fn register() -> Result<()> {
     Ok(())
 }
 
-/// `t` itself when its rows are dense (any row stride), else a copy.
+/// `t` itself when its last dim is dense (the kernels take a row stride
+/// for the logits; the per-row operands are 1-D), else a copy.
 fn dense_rows(t: &Tensor) -> Tensor {
-    let strides = t.strides();
-    let inner_dense = t.rank() != 2 || strides[1] == 1 || t.shape()[1] <= 1;
-    match inner_dense && (t.rank() != 1 || strides[0] == 1 || t.shape()[0] <= 1) {
+    let last = t.rank() - 1;
+    match t.strides()[last] == 1 || t.shape()[last] <= 1 {
         true => t.clone(),
         false => t.contiguous(),
     }
