@@ -18,7 +18,7 @@
 use std::cell::Cell;
 use std::collections::HashMap;
 use std::ffi::c_void;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{result as cu, sys};
@@ -43,6 +43,40 @@ struct Pool {
     held: Option<Vec<(usize, u64)>>,
     /// While capturing: the capture's free blocks.
     capture: Option<HashMap<usize, Vec<u64>>>,
+    /// While capturing: the host bytes of the uploads recorded (see
+    /// [`Gpu::upload`]).
+    capture_uploads: Vec<PinnedBytes>,
+}
+
+/// Page-locked host memory holding the bytes of an upload recorded in a
+/// graph: its copy node reads them on every replay, so they live as long
+/// as the graph.
+struct PinnedBytes(SendPtr<*mut c_void>);
+
+impl PinnedBytes {
+    fn copy_of(bytes: &[u8]) -> Result<PinnedBytes, String> {
+        // SAFETY: a fresh allocation of bytes.len() bytes, filled below.
+        let host = unsafe { cu::malloc_host(bytes.len(), 0) }
+            .map_err(|e| driver_error("pinned host allocation", e))?;
+        // SAFETY: `host` holds bytes.len() bytes and overlaps nothing.
+        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), host as *mut u8, bytes.len()) };
+        Ok(PinnedBytes(SendPtr(host)))
+    }
+
+    fn bytes(&self, len: usize) -> &[u8] {
+        // SAFETY: allocated with at least `len` bytes in copy_of.
+        unsafe { std::slice::from_raw_parts(self.0 .0 as *const u8, len) }
+    }
+}
+
+impl Drop for PinnedBytes {
+    fn drop(&mut self) {
+        // SAFETY: from cuMemHostAlloc in copy_of; the graph reading it is
+        // destroyed first (cuMemFreeHost waits for work in flight).
+        unsafe {
+            let _ = cu::free_host(self.0 .0);
+        }
+    }
 }
 
 impl Pool {
@@ -108,6 +142,8 @@ pub struct Gpu {
     memo: Mutex<HashMap<Vec<u64>, Arc<Memoised>>>,
     /// The record kernels write the errors they find to.
     pub errors: KernelErrors,
+    /// Synchronisations so far (see [`Gpu::host_waits`]).
+    host_waits: AtomicU64,
 }
 
 /// A generated launch with its loaded kernel.
@@ -240,6 +276,7 @@ impl Gpu {
             name,
             memo: Mutex::new(HashMap::new()),
             errors: KernelErrors::new()?,
+            host_waits: AtomicU64::new(0),
             alloc: Arc::new(Allocator {
                 pool: Mutex::new(Pool::default()),
                 live: AtomicUsize::new(0),
@@ -357,7 +394,9 @@ impl Gpu {
             )
         };
         r.map_err(|e| {
-            self.alloc.pool.lock().expect("pool poisoned").capture = None;
+            let mut pool = self.alloc.pool.lock().expect("pool poisoned");
+            pool.capture = None;
+            pool.capture_uploads.clear();
             driver_error("stream capture", e)
         })
     }
@@ -369,19 +408,21 @@ impl Gpu {
         self.bind();
         // SAFETY: the main stream is live; its capture began in begin_capture.
         let graph = unsafe { cu::stream::end_capture(self.streams[0].0) };
-        let blocks: Vec<(usize, u64)> = {
+        let (blocks, uploads): (Vec<(usize, u64)>, Vec<PinnedBytes>) = {
             let mut pool = self.alloc.pool.lock().expect("pool poisoned");
             let capture = pool.capture.take().unwrap_or_default();
-            capture
+            let blocks = capture
                 .into_iter()
                 .flat_map(|(cap, ptrs)| ptrs.into_iter().map(move |p| (cap, p)))
-                .collect()
+                .collect();
+            (blocks, std::mem::take(&mut pool.capture_uploads))
         };
         // Dropped on an error: the blocks go back to the cache.
         let mut captured = CudaGraph {
             exec: SendPtr(std::ptr::null_mut()),
             stream: SendPtr(self.streams[0].0),
             blocks,
+            _uploads: uploads,
             alloc: self.alloc.clone(),
         };
         let graph = graph.map_err(|e| driver_error("stream capture", e))?;
@@ -477,8 +518,15 @@ impl Gpu {
     }
 
     /// Waits for the current lane's work (and what it waits for).
+    /// How many times the host waited for the device (synchronisations,
+    /// downloads): what a stream capture cannot record.
+    pub fn host_waits(&self) -> u64 {
+        self.host_waits.load(Ordering::Relaxed)
+    }
+
     pub fn synchronize(&self) -> Result<(), String> {
         self.bind();
+        self.host_waits.fetch_add(1, Ordering::Relaxed);
         let _waiting = crate::profile::Wait::start();
         unsafe { cu::stream::synchronize(self.stream()) }
             .map_err(|e| driver_error("synchronize", e))
@@ -497,6 +545,20 @@ impl Gpu {
         // middle of a step (a constant, a host scalar) does not drain the
         // queue.
         let _waiting = crate::profile::Wait::start();
+        // While capturing, the copy is recorded, not run: its node reads
+        // the source on every replay, long after `bytes` is gone (a
+        // constant, a host scalar). It reads a pinned copy the graph owns.
+        let mut pool = self.alloc.pool.lock().expect("pool poisoned");
+        if pool.capture.is_some() {
+            let pinned = PinnedBytes::copy_of(bytes)?;
+            let r = unsafe {
+                cu::memcpy_htod_async(dst, pinned.bytes(bytes.len()), self.stream())
+                    .map_err(|e| driver_error("copy to the device", e))
+            };
+            pool.capture_uploads.push(pinned);
+            return r;
+        }
+        drop(pool);
         unsafe {
             cu::memcpy_htod_async(dst, bytes, self.stream())
                 .map_err(|e| driver_error("copy to the device", e))
@@ -688,6 +750,8 @@ pub struct CudaGraph {
     exec: SendPtr<sys::CUgraphExec>,
     stream: SendPtr<sys::CUstream>,
     blocks: Vec<(usize, u64)>,
+    /// The host bytes its upload nodes read (freed after `exec`, in Drop).
+    _uploads: Vec<PinnedBytes>,
     alloc: Arc<Allocator>,
 }
 

@@ -302,6 +302,10 @@ impl Backend for CudaBackend {
         self.gpu.join().map_err(device_error)
     }
 
+    fn host_waits(&self) -> u64 {
+        self.gpu.host_waits()
+    }
+
     fn begin_capture(&self) -> Result<()> {
         self.gpu.begin_capture().map_err(device_error)
     }

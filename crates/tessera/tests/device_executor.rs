@@ -52,19 +52,6 @@ impl Drop for Block {
     }
 }
 
-/// An input's storage that an output overwrites.
-struct Over(Arc<DeviceStorage>);
-
-impl DeviceMemory for Over {
-    fn ptr(&self) -> u64 {
-        self.0.ptr()
-    }
-
-    fn len(&self) -> usize {
-        self.0.size_bytes()
-    }
-}
-
 static LIVE: AtomicUsize = AtomicUsize::new(0);
 static PEAK: AtomicUsize = AtomicUsize::new(0);
 
@@ -160,8 +147,7 @@ impl Backend for Fake {
                     let dense = copy::contiguous(out);
                     Fake::write(&s, &dense.storage().as_bytes()[..s.size_bytes()]);
                     let numel = s.numel();
-                    let over =
-                        DeviceStorage::new(Device::Cuda, out.dtype(), numel, Box::new(Over(s)));
+                    let over = DeviceStorage::over(&s, out.dtype(), numel);
                     Array::from_device_storage(over, out.shape())
                 }
                 None => self.up(out),

@@ -2,8 +2,6 @@
 //! by one generated kernel over a shape, outputs new or written over a
 //! donated input.
 
-use std::sync::Arc;
-
 use tessera::error::Result;
 use tessera::ir::kernel::{FusedKernel, Step};
 use tessera::ir::{DType, Op};
@@ -21,20 +19,6 @@ use crate::CudaBackend;
 /// the generator's default).
 type MakeLaunch<'a> =
     dyn Fn(&[Output], Option<u32>) -> std::result::Result<crate::codegen::Launch, String> + 'a;
-
-/// The memory of a storage that an output overwrites: the output keeps
-/// the storage alive and counts no bytes of its own.
-struct Over(Arc<DeviceStorage>);
-
-impl tessera::runtime::device::DeviceMemory for Over {
-    fn ptr(&self) -> u64 {
-        self.0.ptr()
-    }
-
-    fn len(&self) -> usize {
-        self.0.size_bytes()
-    }
-}
 
 impl CudaBackend {
     /// An elementwise op (`full`, unary, cast, binary, compare, `where`)
@@ -111,9 +95,7 @@ impl CudaBackend {
                         let x = inputs[i];
                         let s = x.device_storage()?;
                         let fits = donation_fits(x.layout(), x.dtype(), s.numel(), d, shape);
-                        fits.then(|| {
-                            DeviceStorage::new(Device::Cuda, d, numel, Box::new(Over(s.clone())))
-                        })
+                        fits.then(|| DeviceStorage::over(s, d, numel))
                     });
                 over.map_or_else(|| self.empty(d, numel), Ok)
             })

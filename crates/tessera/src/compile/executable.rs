@@ -104,6 +104,35 @@ impl Lowered {
         }
     }
 
+    /// The positions of the donated graph inputs whose storage the memory
+    /// plan hands on to a graph output (written over it, directly or
+    /// through values written over in between): those survive the run in
+    /// an output, so a device-graph recording may run on the caller's own
+    /// buffers there (see `runtime::replay`).
+    fn inputs_living_on_in_outputs(&self) -> Vec<usize> {
+        let Some(scheduled) = &self.scheduled else {
+            return Vec::new();
+        };
+        let buffers = &scheduled.memory.buffers;
+        let root = |mut b: usize| {
+            while let Some(r) = buffers[b].reuses {
+                b = r;
+            }
+            b
+        };
+        let kept: Vec<usize> = (0..buffers.len())
+            .filter(|&b| buffers[b].escapes && buffers[b].reuses.is_some())
+            .map(root)
+            .collect();
+        (0..self.graph.inputs.len())
+            .filter(|&i| {
+                let input = self.graph.inputs[i];
+                kept.iter()
+                    .any(|&r| buffers[r].is_donated_input() && buffers[r].value == Some(input))
+            })
+            .collect()
+    }
+
     /// The kernel list, schedule and memory plan as (file suffix, text).
     fn artifacts(&self, prefix: &str) -> Vec<(String, String)> {
         let (graph, plan) = (&self.graph, &self.plan);
@@ -235,14 +264,20 @@ impl Program {
     }
 
     /// Runs the program: replayed from a device graph under
-    /// `mode=reduce-overhead` (see `runtime::replay`; `args` stay held
-    /// there, so none is written over), else kernel by kernel, `args`
-    /// moved into the run (see [`run_scheduled_owned`]).
+    /// `mode=reduce-overhead` (see `runtime::replay`: the donated inputs
+    /// that live on in outputs are recorded in place, the rest copied into
+    /// buffers of the recording), else kernel by kernel, `args` moved into
+    /// the run (see [`run_scheduled_owned`]).
     fn run(&self, args: Vec<Tensor>) -> Result<Vec<Tensor>> {
-        match &self.replay {
-            Some(replayer) => replayer.run(&args, |a| self.run_kernels(a.to_vec())),
-            None => self.run_kernels(args),
-        }
+        let Some(replayer) = &self.replay else {
+            return self.run_kernels(args);
+        };
+        // A symbolic graph's plans are per size: none is recorded in place.
+        let in_place = match (&self.sized, &self.lowered) {
+            (None, Some(lowered)) => lowered.inputs_living_on_in_outputs(),
+            _ => Vec::new(),
+        };
+        replayer.run(args, &in_place, |a| self.run_kernels(a))
     }
 
     /// Whether a memory budget (the compile option's or a region's) could

@@ -160,7 +160,10 @@ impl<F: Fn(&[Tensor]) -> Vec<Tensor>> Compiled<F> {
     /// or compile error, a panic of `f`), `args` is untouched; once it has
     /// started, a failure loses the donated values (some may be
     /// overwritten). A donating call does not speculate, and the eager
-    /// fallback, graph breaks and a device-graph replay do not donate.
+    /// fallback and graph breaks do not donate; a device-graph replay
+    /// (`mode=reduce-overhead`) records in place the donated inputs its
+    /// memory plan writes outputs over, and copies the rest (see
+    /// `runtime::replay`).
     /// Donation is part of the guards: a call donating other positions
     /// compiles its own executable (the reason says `donated`).
     #[track_caller]

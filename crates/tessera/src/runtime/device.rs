@@ -78,7 +78,16 @@ pub struct DeviceStorage {
     device: Device,
     dtype: DType,
     numel: usize,
-    memory: Box<dyn DeviceMemory>,
+    bytes: Bytes,
+}
+
+/// Where a storage's bytes are.
+enum Bytes {
+    /// A block of its own.
+    Own(Box<dyn DeviceMemory>),
+    /// In another storage's block (an output written over an input), which
+    /// it keeps alive; that one always has a block of its own.
+    Over(Arc<DeviceStorage>),
 }
 
 impl DeviceStorage {
@@ -88,18 +97,46 @@ impl DeviceStorage {
     /// [`DeviceStorage::size_bytes`] never overflows and no kernel reads
     /// past the block.
     pub fn new(device: Device, dtype: DType, numel: usize, memory: Box<dyn DeviceMemory>) -> Self {
-        let fits =
-            numel <= crate::limits::MAX_ELEMENTS && memory.len() >= numel * dtype.size_bytes();
-        assert!(
-            fits,
-            "internal error: {numel} elements of {dtype} in a device block of {} bytes",
-            memory.len()
-        );
+        Self::checked(device, dtype, numel, memory.len());
         DeviceStorage {
             device,
             dtype,
             numel,
-            memory,
+            bytes: Bytes::Own(memory),
+        }
+    }
+
+    /// Storage for `numel` elements of `dtype` in the bytes of `under`: a
+    /// kernel's output written over its input, which it keeps alive. Over a
+    /// storage that is itself in another's bytes it holds that other one,
+    /// so a training step that writes each parameter over the last stays
+    /// one level deep however many steps run. Panics as
+    /// [`DeviceStorage::new`] when the bytes are too few.
+    pub fn over(under: &Arc<DeviceStorage>, dtype: DType, numel: usize) -> Self {
+        let owner = under.owner().unwrap_or(under).clone();
+        Self::checked(owner.device, dtype, numel, owner.size_bytes());
+        DeviceStorage {
+            device: owner.device,
+            dtype,
+            numel,
+            bytes: Bytes::Over(owner),
+        }
+    }
+
+    fn checked(device: Device, dtype: DType, numel: usize, bytes: usize) {
+        let fits = numel <= crate::limits::MAX_ELEMENTS && bytes >= numel * dtype.size_bytes();
+        assert!(
+            fits,
+            "internal error: {numel} elements of {dtype} in a {device} block of {bytes} bytes"
+        );
+    }
+
+    /// The storage whose bytes these are, when they are another's (see
+    /// [`DeviceStorage::over`]).
+    pub fn owner(&self) -> Option<&Arc<DeviceStorage>> {
+        match &self.bytes {
+            Bytes::Own(_) => None,
+            Bytes::Over(owner) => Some(owner),
         }
     }
 
@@ -117,7 +154,10 @@ impl DeviceStorage {
 
     /// The device address of element 0.
     pub fn ptr(&self) -> u64 {
-        self.memory.ptr()
+        match &self.bytes {
+            Bytes::Own(memory) => memory.ptr(),
+            Bytes::Over(owner) => owner.ptr(),
+        }
     }
 
     pub fn size_bytes(&self) -> usize {
@@ -308,6 +348,15 @@ pub trait Backend: Send + Sync {
     /// it again. Memory freed during the step is reused only after this.
     fn join(&self) -> Result<()> {
         Ok(())
+    }
+
+    /// How many times so far the host waited for the device
+    /// (synchronisations, downloads): what a recording
+    /// ([`Backend::begin_capture`]) cannot contain. A device-graph replayer
+    /// compares it before and after a run to learn whether that run could
+    /// be recorded. 0 on a backend without recordings.
+    fn host_waits(&self) -> u64 {
+        0
     }
 
     /// Starts recording the work queued from now on into a [`DeviceGraph`]
@@ -573,6 +622,42 @@ pub fn of_op<T: Placed>(op: &Op, inputs: &[&T]) -> Result<Device> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A block at a made-up address (never dereferenced).
+    struct At(u64, usize);
+
+    impl DeviceMemory for At {
+        fn ptr(&self) -> u64 {
+            self.0
+        }
+
+        fn len(&self) -> usize {
+            self.1
+        }
+    }
+
+    #[test]
+    fn storage_written_over_storage_stays_one_level_deep() {
+        let own = Arc::new(DeviceStorage::new(
+            Device::Cuda,
+            DType::F32,
+            4,
+            Box::new(At(0x1000, 16)),
+        ));
+        let mut last = own.clone();
+        for _ in 0..3 {
+            last = Arc::new(DeviceStorage::over(&last, DType::F32, 4));
+            let owner = last.owner().expect("written over another");
+            assert!(Arc::ptr_eq(owner, &own), "held: the block's owner");
+            assert_eq!(last.ptr(), 0x1000);
+        }
+        // The block's owner, the last storage over it, nothing between.
+        assert_eq!(Arc::strong_count(&own), 2);
+        let reread = DeviceStorage::over(&own, DType::I32, 4);
+        assert_eq!((reread.dtype(), reread.ptr()), (DType::I32, 0x1000));
+        let too_big = std::panic::catch_unwind(|| DeviceStorage::over(&own, DType::F64, 4));
+        assert!(too_big.is_err(), "8 f64 bytes each do not fit 16 bytes");
+    }
 
     #[test]
     fn a_random_op_with_a_host_seed_creates_on_the_current_device() {

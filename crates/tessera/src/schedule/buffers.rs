@@ -573,7 +573,55 @@ fn in_place_candidates(
             }
         }
     }
+    prefer_own_inputs(&mut found, inputs, outputs, graph);
     found
+}
+
+/// Orders the candidates (the memory plan takes the first that fits, per
+/// input and output) so that each output goes over an input it is computed
+/// from, the outputs with the fewest such inputs choosing first. A fused
+/// optimizer update reads `p, g, m, v` and writes `p', m', v'`, all of one
+/// size: in input order `m` could take `p'` and `p` take `v'`, and a
+/// training step would hand its new moments back in each other's storage
+/// (a device-graph replay, which records the buffers, then has to copy);
+/// `m'` is computed from `m` and `g` only, `v'` from `v` and `g`, `p'`
+/// from all: this order gives each its own.
+fn prefer_own_inputs(found: &mut [InPlace], inputs: &[NodeId], outputs: &[NodeId], graph: &Graph) {
+    let reads: Vec<Vec<NodeId>> = outputs
+        .iter()
+        .map(|&out| inputs_reached(graph, out, inputs))
+        .collect();
+    let choices = |o: usize| {
+        found
+            .iter()
+            .filter(|c| c.output == o && reads[o].contains(&c.input))
+            .count()
+    };
+    let choices: Vec<usize> = (0..outputs.len()).map(choices).collect();
+    // Stable: otherwise the input order stays.
+    found.sort_by_key(|c| {
+        let own = reads[c.output].contains(&c.input);
+        (!own, if own { choices[c.output] } else { 0 })
+    });
+}
+
+/// The kernel inputs (of `inputs`) that `out` is computed from within the
+/// kernel: the graph walked back from `out`, stopping at them.
+fn inputs_reached(graph: &Graph, out: NodeId, inputs: &[NodeId]) -> Vec<NodeId> {
+    let mut seen = std::collections::HashSet::new();
+    let mut stack = vec![out];
+    let mut reached = Vec::new();
+    while let Some(id) = stack.pop() {
+        if !seen.insert(id) {
+            continue;
+        }
+        if inputs.contains(&id) {
+            reached.push(id);
+            continue;
+        }
+        stack.extend(graph.node(id).inputs.iter().copied());
+    }
+    reached
 }
 
 /// The shape of `id`, concrete and within the size limit

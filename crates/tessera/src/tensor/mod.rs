@@ -177,6 +177,24 @@ impl Tensor {
         }
     }
 
+    /// Whether [`Tensor::into_unique_array`] would hand this tensor's
+    /// buffer over: its only handle, dense, outside autograd.
+    pub(crate) fn is_sole_dense_handle(&self) -> bool {
+        let Data::Values(array) = &self.0.data else {
+            return false;
+        };
+        array.is_dense()
+            && self.0.autograd.is_none()
+            && Arc::strong_count(&self.0) == 1
+            && array.buffer().is_unique()
+    }
+
+    /// Whether this handle is its tensor's only one (no clone, and no
+    /// autograd record): its storage may still be shared by other tensors.
+    pub(crate) fn is_only_handle(&self) -> bool {
+        Arc::strong_count(&self.0) == 1 && self.0.autograd.is_none()
+    }
+
     /// Whether this tensor is a node of a graph being traced.
     pub fn is_traced(&self) -> bool {
         matches!(self.0.data, Data::Traced { .. })
