@@ -1,0 +1,456 @@
+//! Matrix products and normalisations: MatMul, Gemm, Einsum, and the
+//! normalisation layers as reductions and elementwise ops.
+
+use tessera::ir::{BinaryOp as B, Dim, NodeId, Op, ReduceOp as R, UnaryOp as U};
+use tessera::{DType, Result};
+
+use super::{one, Converter};
+use crate::builder::{Ctx, Val};
+
+pub(super) fn converter(op: &str) -> Option<Converter> {
+    Some(match op {
+        "MatMul" => matmul_op,
+        "Gemm" => gemm,
+        "Einsum" => einsum,
+        "LayerNormalization" => layer_norm,
+        "RMSNormalization" => rms_norm,
+        "InstanceNormalization" => instance_norm,
+        "GroupNormalization" => group_norm,
+        "MeanVarianceNormalization" => mean_variance_norm,
+        "LpNormalization" => lp_norm,
+        _ => return None,
+    })
+}
+
+/// `a @ b`; integer products computed in f64 (exact below 2⁵³) and cast
+/// back.
+fn matmul(c: &mut Ctx, a: NodeId, b: NodeId) -> Result<NodeId> {
+    let dtype = c.dtype(a);
+    if dtype.is_float() {
+        return c.add(Op::MatMul, &[a, b]);
+    }
+    let (a, b) = (c.cast(a, DType::F64)?, c.cast(b, DType::F64)?);
+    let p = c.add(Op::MatMul, &[a, b])?;
+    c.cast(p, dtype)
+}
+
+fn matmul_op(c: &mut Ctx) -> Result<Vec<Val>> {
+    let (a, b) = (c.x(0)?, c.x(1)?);
+    one(matmul(c, a, b)?)
+}
+
+/// α·A'·B' + β·C.
+fn gemm(c: &mut Ctx) -> Result<Vec<Val>> {
+    let (mut a, mut b) = (c.x(0)?, c.x(1)?);
+    if c.rank(a) != 2 || c.rank(b) != 2 {
+        return Err(c.bad(format!(
+            "needs 2-D A and B, got {} and {}",
+            c.ty(a),
+            c.ty(b)
+        )));
+    }
+    if c.attr_i("transA", 0) != 0 {
+        a = c.permute(a, vec![1, 0])?;
+    }
+    if c.attr_i("transB", 0) != 0 {
+        b = c.permute(b, vec![1, 0])?;
+    }
+    let (alpha, beta) = (c.attr_f("alpha", 1.0), c.attr_f("beta", 1.0));
+    let mut y = matmul(c, a, b)?;
+    if alpha != 1.0 {
+        y = c.binary_c(B::Mul, y, alpha)?;
+    }
+    if c.has_input(2) {
+        let mut bias = c.x(2)?;
+        if beta != 1.0 {
+            bias = c.binary_c(B::Mul, bias, beta)?;
+        }
+        y = c.binary(B::Add, y, bias)?;
+    }
+    one(y)
+}
+
+/// Mean and variance of `x` over `dims` (kept), in `x`'s dtype.
+fn moments(c: &mut Ctx, x: NodeId, dims: &[usize]) -> Result<(NodeId, NodeId)> {
+    let red = |c: &mut Ctx, x: NodeId| {
+        c.add(
+            Op::Reduce {
+                op: R::Mean,
+                dims: dims.to_vec(),
+                keepdim: true,
+            },
+            &[x],
+        )
+    };
+    let mean = red(c, x)?;
+    let d = c.binary(B::Sub, x, mean)?;
+    let sq = c.binary(B::Mul, d, d)?;
+    let var = red(c, sq)?;
+    Ok((mean, var))
+}
+
+/// 1/√(var + ε).
+fn inv_std(c: &mut Ctx, var: NodeId, eps: f64) -> Result<NodeId> {
+    let v = c.binary_c(B::Add, var, eps)?;
+    c.unary(U::Rsqrt, v)
+}
+
+/// The dtype statistics are computed in: f32 for half inputs when
+/// `stash_type` is 1 (the default).
+fn stash(c: &Ctx, x: NodeId) -> DType {
+    let dtype = c.dtype(x);
+    if c.attr_i("stash_type", 1) == 1 && matches!(dtype, DType::F16 | DType::BF16) {
+        DType::F32
+    } else {
+        dtype
+    }
+}
+
+fn layer_norm(c: &mut Ctx) -> Result<Vec<Val>> {
+    let x = c.x(0)?;
+    let scale = c.x(1)?;
+    let rank = c.rank(x);
+    let axis = c.axis(c.attr_i("axis", -1), rank)?;
+    let eps = c.attr_f("epsilon", 1e-5);
+    let dtype = c.dtype(x);
+    let xs = c.cast(x, stash(c, x))?;
+    let dims: Vec<usize> = (axis..rank).collect();
+    let (mean, var) = moments(c, xs, &dims)?;
+    let inv = inv_std(c, var, eps)?;
+    let d = c.binary(B::Sub, xs, mean)?;
+    let n = c.binary(B::Mul, d, inv)?;
+    let n = c.cast(n, dtype)?;
+    let mut y = c.binary(B::Mul, n, scale)?;
+    if c.has_input(2) {
+        let b = c.x(2)?;
+        y = c.binary(B::Add, y, b)?;
+    }
+    Ok(vec![Val::node(y), Val::node(mean), Val::node(inv)])
+}
+
+fn rms_norm(c: &mut Ctx) -> Result<Vec<Val>> {
+    let x = c.x(0)?;
+    let scale = c.x(1)?;
+    let rank = c.rank(x);
+    let axis = c.axis(c.attr_i("axis", -1), rank)?;
+    let eps = c.attr_f("epsilon", 1e-5);
+    let dtype = c.dtype(x);
+    let xs = c.cast(x, stash(c, x))?;
+    let sq = c.binary(B::Mul, xs, xs)?;
+    let ms = c.add(
+        Op::Reduce {
+            op: R::Mean,
+            dims: (axis..rank).collect(),
+            keepdim: true,
+        },
+        &[sq],
+    )?;
+    let inv = inv_std(c, ms, eps)?;
+    let n = c.binary(B::Mul, xs, inv)?;
+    let n = c.cast(n, dtype)?;
+    one(c.binary(B::Mul, n, scale)?)
+}
+
+/// Scale and bias of shape `[C]` broadcast over `[N, C, …]`.
+fn per_channel(c: &mut Ctx, v: NodeId, rank: usize) -> Result<NodeId> {
+    let mut dims = vec![Dim::Const(1); rank];
+    dims[1] = c.dims(v)[0].clone();
+    c.reshape(v, dims)
+}
+
+fn instance_norm(c: &mut Ctx) -> Result<Vec<Val>> {
+    let (x, scale, bias) = (c.x(0)?, c.x(1)?, c.x(2)?);
+    let rank = c.rank(x);
+    if rank < 3 {
+        return Err(c.bad(format!("needs [N, C, D…], got {}", c.ty(x))));
+    }
+    let eps = c.attr_f("epsilon", 1e-5);
+    let (mean, var) = moments(c, x, &(2..rank).collect::<Vec<_>>())?;
+    let inv = inv_std(c, var, eps)?;
+    let d = c.binary(B::Sub, x, mean)?;
+    let n = c.binary(B::Mul, d, inv)?;
+    let s = per_channel(c, scale, rank)?;
+    let b = per_channel(c, bias, rank)?;
+    let y = c.binary(B::Mul, n, s)?;
+    one(c.binary(B::Add, y, b)?)
+}
+
+/// GroupNormalization: scale and bias per group before opset 21, per
+/// channel from 21 on.
+fn group_norm(c: &mut Ctx) -> Result<Vec<Val>> {
+    let (x, scale, bias) = (c.x(0)?, c.x(1)?, c.x(2)?);
+    let d = c.concrete(x, "GroupNormalization")?;
+    let g = c.attr_i("num_groups", 0) as usize;
+    if d.len() < 2 || g == 0 || d[1] % g != 0 {
+        return Err(c.bad(format!("{g} groups for {}", c.ty(x))));
+    }
+    let eps = c.attr_f("epsilon", 1e-5);
+    let dtype = c.dtype(x);
+    let xs = c.cast(x, stash(c, x))?;
+    let rest: usize = d[1] / g * d[2..].iter().product::<usize>();
+    let grouped = c.reshape(xs, vec![Dim::Const(d[0]), Dim::Const(g), Dim::Const(rest)])?;
+    let (mean, var) = moments(c, grouped, &[2])?;
+    let inv = inv_std(c, var, eps)?;
+    let diff = c.binary(B::Sub, grouped, mean)?;
+    let n = c.binary(B::Mul, diff, inv)?;
+    let n = c.cast(n, dtype)?;
+    let rank = d.len();
+    let y = if c.opset >= 21 {
+        let n = c.reshape(n, d.iter().map(|&v| Dim::Const(v)).collect())?;
+        let s = per_channel(c, scale, rank)?;
+        let b = per_channel(c, bias, rank)?;
+        let y = c.binary(B::Mul, n, s)?;
+        c.binary(B::Add, y, b)?
+    } else {
+        let s = c.reshape(scale, vec![Dim::Const(1), Dim::Const(g), Dim::Const(1)])?;
+        let b = c.reshape(bias, vec![Dim::Const(1), Dim::Const(g), Dim::Const(1)])?;
+        let y = c.binary(B::Mul, n, s)?;
+        let y = c.binary(B::Add, y, b)?;
+        c.reshape(y, d.iter().map(|&v| Dim::Const(v)).collect())?
+    };
+    one(y)
+}
+
+fn mean_variance_norm(c: &mut Ctx) -> Result<Vec<Val>> {
+    let x = c.x(0)?;
+    let rank = c.rank(x);
+    let axes = c.attr_ints("axes").unwrap_or_else(|| vec![0, 2, 3]);
+    let dims = c.axes(&axes, rank)?;
+    let (mean, var) = moments(c, x, &dims)?;
+    let d = c.binary(B::Sub, x, mean)?;
+    let sd = c.unary(U::Sqrt, var)?;
+    let sd = c.binary_c(B::Add, sd, 1e-9)?;
+    one(c.binary(B::Div, d, sd)?)
+}
+
+fn lp_norm(c: &mut Ctx) -> Result<Vec<Val>> {
+    let x = c.x(0)?;
+    let rank = c.rank(x);
+    let dim = c.axis(c.attr_i("axis", -1), rank)?;
+    let p = c.attr_i("p", 2);
+    let sum = |c: &mut Ctx, v: NodeId| {
+        c.add(
+            Op::Reduce {
+                op: R::Sum,
+                dims: vec![dim],
+                keepdim: true,
+            },
+            &[v],
+        )
+    };
+    let norm = match p {
+        1 => {
+            let a = c.unary(U::Abs, x)?;
+            sum(c, a)?
+        }
+        2 => {
+            let sq = c.binary(B::Mul, x, x)?;
+            let s = sum(c, sq)?;
+            c.unary(U::Sqrt, s)?
+        }
+        other => return Err(c.bad(format!("p = {other} (1 or 2)"))),
+    };
+    // A zero norm gives zeros (ONNX's reference), not NaN.
+    let zero = c.compare_c(tessera::ir::CompareOp::Eq, norm, 0.0)?;
+    let one_ = c.scalar_like(1.0, norm);
+    let safe = c.where_(zero, one_, norm)?;
+    one(c.binary(B::Div, x, safe)?)
+}
+
+/// One operand of an einsum: its node and the letter of each dim.
+#[derive(Clone)]
+struct Term {
+    id: NodeId,
+    letters: Vec<char>,
+}
+
+/// Einsum without ellipses or repeated letters within an operand: each
+/// operand's private letters summed out, then the operands multiplied
+/// pairwise as batched matmuls, then the output's order.
+fn einsum(c: &mut Ctx) -> Result<Vec<Val>> {
+    let eq: String = c
+        .attr_s("equation", "")
+        .chars()
+        .filter(|c| !c.is_whitespace())
+        .collect();
+    if eq.contains("...") {
+        return Err(c.unsupported(format!("einsum `{eq}` with an ellipsis")));
+    }
+    let (lhs, out) = match eq.split_once("->") {
+        Some((l, r)) => (l.to_string(), Some(r.to_string())),
+        None => (eq.clone(), None),
+    };
+    let specs: Vec<Vec<char>> = lhs.split(',').map(|s| s.chars().collect()).collect();
+    if specs.len() != c.node.input.len() {
+        return Err(c.bad(format!(
+            "`{eq}` names {} operands, the node has {}",
+            specs.len(),
+            c.node.input.len()
+        )));
+    }
+    let out: Vec<char> = match out {
+        Some(o) => o.chars().collect(),
+        None => {
+            let mut once: Vec<char> = specs
+                .iter()
+                .flatten()
+                .copied()
+                .filter(|ch| specs.iter().flatten().filter(|x| *x == ch).count() == 1)
+                .collect();
+            once.sort_unstable();
+            once
+        }
+    };
+    let mut terms = Vec::new();
+    for (i, s) in specs.iter().enumerate() {
+        let id = c.x(i)?;
+        if c.rank(id) != s.len() {
+            return Err(c.bad(format!(
+                "operand {i} is {} for `{}`",
+                c.ty(id),
+                s.iter().collect::<String>()
+            )));
+        }
+        let mut seen = s.clone();
+        seen.sort_unstable();
+        seen.dedup();
+        if seen.len() != s.len() {
+            return Err(c.unsupported(format!(
+                "einsum `{eq}`: a letter repeated within an operand (a diagonal)"
+            )));
+        }
+        terms.push(Term {
+            id,
+            letters: s.clone(),
+        });
+    }
+    // Sum out each operand's letters that nothing else needs.
+    let needed_after = |terms: &[Term], k: usize, out: &[char]| -> Vec<char> {
+        let mut v: Vec<char> = out.to_vec();
+        for (j, t) in terms.iter().enumerate() {
+            if j != k {
+                v.extend(&t.letters);
+            }
+        }
+        v
+    };
+    for k in 0..terms.len() {
+        let keep = needed_after(&terms, k, &out);
+        terms[k] = sum_out(c, &terms[k], &keep)?;
+    }
+    let mut acc = terms[0].clone();
+    for k in 1..terms.len() {
+        let mut keep: Vec<char> = out.clone();
+        for t in &terms[k + 1..] {
+            keep.extend(&t.letters);
+        }
+        acc = contract(c, &acc, &terms[k], &keep)?;
+    }
+    let acc = sum_out(c, &acc, &out)?;
+    let perm: Vec<usize> = out
+        .iter()
+        .map(|ch| {
+            acc.letters
+                .iter()
+                .position(|x| x == ch)
+                .ok_or_else(|| c.bad(format!("output letter `{ch}` is in no operand")))
+        })
+        .collect::<Result<_>>()?;
+    one(c.permute(acc.id, perm)?)
+}
+
+fn sum_out(c: &mut Ctx, t: &Term, keep: &[char]) -> Result<Term> {
+    let dims: Vec<usize> = (0..t.letters.len())
+        .filter(|&i| !keep.contains(&t.letters[i]))
+        .collect();
+    if dims.is_empty() {
+        return Ok(t.clone());
+    }
+    let id = c.add(
+        Op::Reduce {
+            op: R::Sum,
+            dims: dims.clone(),
+            keepdim: false,
+        },
+        &[t.id],
+    )?;
+    let letters = (0..t.letters.len())
+        .filter(|i| !dims.contains(i))
+        .map(|i| t.letters[i])
+        .collect();
+    Ok(Term { id, letters })
+}
+
+/// The product of two terms, summing the shared letters `keep` lacks.
+fn contract(c: &mut Ctx, a: &Term, b: &Term, keep: &[char]) -> Result<Term> {
+    let in_a = |ch: &char| a.letters.contains(ch);
+    let in_b = |ch: &char| b.letters.contains(ch);
+    let batch: Vec<char> = a
+        .letters
+        .iter()
+        .copied()
+        .filter(|ch| in_b(ch) && keep.contains(ch))
+        .collect();
+    let summed: Vec<char> = a
+        .letters
+        .iter()
+        .copied()
+        .filter(|ch| in_b(ch) && !keep.contains(ch))
+        .collect();
+    let a_free: Vec<char> = a.letters.iter().copied().filter(|ch| !in_b(ch)).collect();
+    let b_free: Vec<char> = b.letters.iter().copied().filter(|ch| !in_a(ch)).collect();
+    let size = |c: &Ctx, t: &Term, ch: char| -> Dim {
+        let i = t
+            .letters
+            .iter()
+            .position(|x| *x == ch)
+            .expect("a letter of the term");
+        c.dims(t.id)[i].clone()
+    };
+    let prod = |c: &Ctx, t: &Term, chs: &[char]| -> Result<Dim> {
+        chs.iter()
+            .try_fold(Dim::Const(1), |acc, &ch| acc.checked_mul(&size(c, t, ch)))
+            .ok_or_else(|| c.bad("a size overflows"))
+    };
+    let order = |t: &Term, groups: &[&[char]]| -> Vec<usize> {
+        groups
+            .iter()
+            .flat_map(|g| {
+                g.iter()
+                    .map(|ch| t.letters.iter().position(|x| x == ch).expect("present"))
+            })
+            .collect()
+    };
+    let pa = c.permute(a.id, order(a, &[&batch, &a_free, &summed]))?;
+    let pb = c.permute(b.id, order(b, &[&batch, &summed, &b_free]))?;
+    let bdims: Vec<Dim> = batch.iter().map(|&ch| size(c, a, ch)).collect();
+    for &ch in &batch {
+        if size(c, a, ch) != size(c, b, ch) {
+            return Err(c.bad(format!(
+                "letter `{ch}` has sizes {} and {}",
+                size(c, a, ch),
+                size(c, b, ch)
+            )));
+        }
+    }
+    let (m, k, n) = (
+        prod(c, a, &a_free)?,
+        prod(c, a, &summed)?,
+        prod(c, b, &b_free)?,
+    );
+    let mut sa = bdims.clone();
+    sa.extend([m, k.clone()]);
+    let mut sb = bdims.clone();
+    sb.extend([k, n]);
+    let ra = c.reshape(pa, sa)?;
+    let rb = c.reshape(pb, sb)?;
+    let p = matmul(c, ra, rb)?;
+    let mut dims = bdims;
+    dims.extend(a_free.iter().map(|&ch| size(c, a, ch)));
+    dims.extend(b_free.iter().map(|&ch| size(c, b, ch)));
+    let id = c.reshape(p, dims)?;
+    let mut letters = batch;
+    letters.extend(a_free);
+    letters.extend(b_free);
+    Ok(Term { id, letters })
+}
