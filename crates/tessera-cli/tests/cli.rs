@@ -73,7 +73,10 @@ fn run_writes_each_output_as_npy() {
     assert!(out.status.success(), "{}", stderr(&out));
     let text = stdout(&out);
     assert!(text.contains("y  f32[2,3,2]"), "{text}");
-    assert!(text.contains("ran graph `moves` in "), "{text}");
+    assert!(
+        text.contains("ran graph `moves` (interpreted) in "),
+        "{text}"
+    );
     let y = tessera::io::read_npy(dir.path().join("out/y.npy")).unwrap();
     assert_eq!(y.shape(), &[2, 3, 2]);
     assert_eq!(

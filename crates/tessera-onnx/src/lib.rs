@@ -34,6 +34,7 @@
 pub mod proto;
 
 pub mod backend_test;
+pub mod build;
 mod builder;
 mod ops;
 mod tensor;
@@ -45,6 +46,7 @@ use std::sync::Arc;
 use tessera::ir::{Dim, Literal, NodeMeta, Shape, TensorType};
 use tessera::{Error, ErrorKind, Graph, Result, SourceLoc, Tensor};
 
+pub use builder::tensor_literal;
 pub use tensor::{decode_tensor, dtype_of, onnx_type_of, read_literal, read_tensor};
 
 use builder::{Ctx, Val, WithContext};
@@ -501,4 +503,65 @@ fn check_declared(
         }
     }
     Ok(())
+}
+
+/// `graph` with every `from` float value made a `to` value: inputs,
+/// constants, fills and casts to `from` retyped, every other node's type
+/// inferred again (to run a model in bf16 or f16). Values computed in
+/// another float type on purpose (an exact decomposition in f64) stay so.
+pub fn convert_float_dtype(
+    graph: &Graph,
+    from: tessera::DType,
+    to: tessera::DType,
+) -> Result<Graph> {
+    use tessera::ir::Op;
+    let mut out = Graph::new(graph.name.clone());
+    let mut map = Vec::with_capacity(graph.len());
+    let swap = |d: tessera::DType| if d == from { to } else { d };
+    for node in &graph.nodes {
+        let inputs: Vec<tessera::ir::NodeId> = node.inputs.iter().map(|i| map[i.index()]).collect();
+        let id = match &node.op {
+            Op::Input => {
+                let ty = TensorType::new(swap(node.ty.dtype), node.ty.shape.clone());
+                let name = node.meta.name.clone().unwrap_or_default();
+                out.add_input(name, ty)
+            }
+            op => {
+                let op = match op.clone() {
+                    Op::Constant(mut lit) => {
+                        lit.dtype = swap(lit.dtype);
+                        Op::Constant(lit)
+                    }
+                    Op::Full {
+                        value,
+                        shape,
+                        dtype,
+                    } => Op::Full {
+                        value,
+                        shape,
+                        dtype: swap(dtype),
+                    },
+                    Op::Arange {
+                        start,
+                        end,
+                        step,
+                        dtype,
+                    } => Op::Arange {
+                        start,
+                        end,
+                        step,
+                        dtype: swap(dtype),
+                    },
+                    Op::Cast(d) => Op::Cast(swap(d)),
+                    other => other,
+                };
+                out.add(op, &inputs, node.meta.clone())?
+            }
+        };
+        map.push(id);
+    }
+    for o in &graph.outputs {
+        out.add_output(o.name.clone(), map[o.node.index()]);
+    }
+    Ok(out)
 }
