@@ -18,6 +18,18 @@ pub(super) fn converter(op: &str) -> Option<Converter> {
         "GroupNormalization" => group_norm,
         "MeanVarianceNormalization" => mean_variance_norm,
         "LpNormalization" => lp_norm,
+        "NegativeLogLikelihoodLoss" => |c| {
+            let x = c.x(0)?;
+            nll(c, x, None)
+        },
+        "SoftmaxCrossEntropyLoss" => |c| {
+            let x = c.x(0)?;
+            if c.rank(x) < 2 {
+                return Err(c.bad(format!("needs scores [N, C, …], got {}", c.ty(x))));
+            }
+            let log_prob = c.add(Op::LogSoftmax { dim: 1 }, &[x])?;
+            nll(c, log_prob, Some(log_prob))
+        },
         _ => return None,
     })
 }
@@ -453,4 +465,90 @@ fn contract(c: &mut Ctx, a: &Term, b: &Term, keep: &[char]) -> Result<Term> {
     letters.extend(a_free);
     letters.extend(b_free);
     Ok(Term { id, letters })
+}
+
+/// The negative log-likelihood of `logp` ([N, C, d…]) at the targets
+/// (input 1, [N, d…]), weighted per class by input 2 when given, targets
+/// equal to `ignore_index` counting for nothing; reduced by `reduction`
+/// (`mean`: the weighted mean). `extra` is a second output (the
+/// log-probabilities of SoftmaxCrossEntropyLoss).
+fn nll(c: &mut Ctx, logp: NodeId, extra: Option<NodeId>) -> Result<Vec<Val>> {
+    use tessera::ir::CompareOp as C;
+    let t = c.x(1)?;
+    let t = c.cast(t, DType::I64)?;
+    let dtype = c.dtype(logp);
+    let ignore = c.attr("ignore_index").map(|a| a.i);
+    let (t_safe, mask) = match ignore {
+        Some(ii) => {
+            let keep = c.compare_c(C::Ne, t, ii as f64)?;
+            let zero = c.scalar(0.0, DType::I64);
+            (c.where_(keep, t, zero)?, Some(keep))
+        }
+        None => (t, None),
+    };
+    let idx = c.unsqueeze(t_safe, 1)?;
+    let picked = c.add(Op::Gather { dim: 1 }, &[logp, idx])?;
+    let tdims = c.dims(t_safe);
+    let picked = c.reshape(picked, tdims.clone())?;
+    let w = if c.has_input(2) {
+        let weight = c.x(2)?;
+        let count = tdims
+            .iter()
+            .try_fold(Dim::Const(1), |a, d| a.checked_mul(d))
+            .ok_or_else(|| c.bad("the target's size overflows"))?;
+        let flat = c.reshape(t_safe, vec![count])?;
+        let wt = c.add(Op::IndexSelect { dim: 0 }, &[weight, flat])?;
+        Some(c.reshape(wt, tdims.clone())?)
+    } else {
+        None
+    };
+    let w = match (w, mask) {
+        (Some(w), Some(m)) => {
+            let zero = c.scalar(0.0, dtype);
+            Some(c.where_(m, w, zero)?)
+        }
+        (None, Some(m)) => Some(c.cast(m, dtype)?),
+        (w, None) => w,
+    };
+    let neg = c.unary(U::Neg, picked)?;
+    let loss = match w {
+        Some(w) => c.binary(B::Mul, neg, w)?,
+        None => neg,
+    };
+    let all: Vec<usize> = (0..c.rank(loss)).collect();
+    let sum = |c: &mut Ctx, v: NodeId| {
+        c.add(
+            Op::Reduce {
+                op: R::Sum,
+                dims: all.clone(),
+                keepdim: false,
+            },
+            &[v],
+        )
+    };
+    let out = match c.attr_s("reduction", "mean").as_str() {
+        "none" => loss,
+        "sum" => sum(c, loss)?,
+        "mean" => match w {
+            Some(w) => {
+                let total = sum(c, loss)?;
+                let weight = sum(c, w)?;
+                c.binary(B::Div, total, weight)?
+            }
+            None => c.add(
+                Op::Reduce {
+                    op: R::Mean,
+                    dims: all.clone(),
+                    keepdim: false,
+                },
+                &[loss],
+            )?,
+        },
+        other => return Err(c.bad(format!("reduction `{other}` (none, sum or mean)"))),
+    };
+    let mut outs = vec![Val::node(out)];
+    if let Some(e) = extra {
+        outs.push(Val::node(e));
+    }
+    Ok(outs)
 }
