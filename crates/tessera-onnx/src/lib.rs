@@ -6,7 +6,7 @@
 //! (one op, or an exact decomposition into several), with its type
 //! inferred by tessera's own type inference. A dim the model leaves
 //! dynamic (`dim_param: "batch"`, or no dim at all) becomes a symbolic
-//! [`Dim`](tessera::ir::Dim), so one graph serves every size; shapes
+//! [`tessera::ir::Dim`], so one graph serves every size; shapes
 //! computed from it (`Shape` → `Gather` → `Concat` → `Reshape`, as PyTorch
 //! exports them) are followed symbolically.
 //!
@@ -258,7 +258,7 @@ pub fn import(model: &Model, options: &ImportOptions) -> Result<Imported> {
         };
         ctx.values.insert(t.name.clone(), Val::node(id));
     }
-    for t in &graph.sparse_initializer {
+    if let Some(t) = graph.sparse_initializer.first() {
         let name = t.values.as_ref().map_or("", |v| v.name.as_str());
         return Err(Error::new(
             ErrorKind::Unsupported,

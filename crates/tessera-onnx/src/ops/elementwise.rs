@@ -527,7 +527,7 @@ fn softplus(c: &mut Ctx, x: NodeId) -> Result<NodeId> {
 }
 
 fn softplus_op(c: &mut Ctx) -> Result<Vec<Val>> {
-    in_f32(c, |c, x| softplus(c, x))
+    in_f32(c, softplus)
 }
 
 fn softsign(c: &mut Ctx) -> Result<Vec<Val>> {
