@@ -2,6 +2,7 @@
 //! current node from the [`Ctx`] (its inputs, attributes and the opset
 //! version) and returns the node's outputs in order.
 
+mod attention;
 mod elementwise;
 mod nn;
 mod reduce;
@@ -18,6 +19,7 @@ fn converter(op_type: &str) -> Option<Converter> {
         .or_else(|| reduce::converter(op_type))
         .or_else(|| shape::converter(op_type))
         .or_else(|| nn::converter(op_type))
+        .or_else(|| (op_type == "Attention").then_some(attention::attention as Converter))
 }
 
 /// Whether an op has a mapping to tessera.
