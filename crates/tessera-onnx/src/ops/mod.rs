@@ -6,6 +6,7 @@ mod attention;
 mod elementwise;
 mod nn;
 mod reduce;
+mod resize;
 mod shape;
 
 use crate::builder::{Ctx, Val};
@@ -19,7 +20,12 @@ fn converter(op_type: &str) -> Option<Converter> {
         .or_else(|| reduce::converter(op_type))
         .or_else(|| shape::converter(op_type))
         .or_else(|| nn::converter(op_type))
-        .or_else(|| (op_type == "Attention").then_some(attention::attention as Converter))
+        .or_else(|| match op_type {
+            "Attention" => Some(attention::attention as Converter),
+            "Resize" => Some(resize::resize as Converter),
+            "Upsample" => Some(resize::upsample as Converter),
+            _ => None,
+        })
 }
 
 /// Whether an op has a mapping to tessera.
