@@ -4,6 +4,7 @@
 
 mod attention;
 mod elementwise;
+mod more;
 mod nn;
 mod reduce;
 mod resize;
@@ -20,6 +21,7 @@ fn converter(op_type: &str) -> Option<Converter> {
         .or_else(|| reduce::converter(op_type))
         .or_else(|| shape::converter(op_type))
         .or_else(|| nn::converter(op_type))
+        .or_else(|| more::converter(op_type))
         .or_else(|| match op_type {
             "Attention" => Some(attention::attention as Converter),
             "Resize" => Some(resize::resize as Converter),
