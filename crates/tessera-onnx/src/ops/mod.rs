@@ -22,7 +22,7 @@ fn converter(op_type: &str) -> Option<Converter> {
         .or_else(|| shape::converter(op_type))
         .or_else(|| nn::converter(op_type))
         .or_else(|| more::converter(op_type))
-        .or_else(|| match op_type {
+        .or(match op_type {
             "Attention" => Some(attention::attention as Converter),
             "Resize" => Some(resize::resize as Converter),
             "Upsample" => Some(resize::upsample as Converter),

@@ -292,7 +292,7 @@ fn floats_input(c: &mut Ctx, i: usize, what: &str) -> Result<Option<Vec<f64>>> {
         return Ok(None);
     }
     let id = c.x(i)?;
-    if c.dims(id).iter().any(|d| *d == Dim::Const(0)) {
+    if c.dims(id).contains(&Dim::Const(0)) {
         return Ok(None);
     }
     Ok(Some(lit_floats(&c.literal_of(i, what)?)))
