@@ -558,9 +558,8 @@ fn run_and_inspect_read_onnx_models() {
     for got in &results {
         assert_eq!(got, &want);
     }
-    // In bf16: written as f32, within bf16 rounding. (Interpreted: the
-    // compiled bf16 matmul trips a memory-planner bug on the CPU, "a
-    // planned buffer outside its block", reported with a .tir reproducer.)
+    // In bf16 (compiled, and interpreted): written as f32, within bf16
+    // rounding.
     let out = tessera(
         &[
             "run",
@@ -571,7 +570,6 @@ fn run_and_inspect_read_onnx_models() {
             "o16",
             "--dtype",
             "bf16",
-            "--interpret",
         ],
         dir.path(),
     );
@@ -584,6 +582,26 @@ fn run_and_inspect_read_onnx_models() {
     for (a, b) in y16.iter().zip(&want) {
         assert!((a - b).abs() <= 0.02 * b.abs().max(1.0), "{a} vs {b}");
     }
+    let out = tessera(
+        &[
+            "run",
+            "m.onnx",
+            "--input",
+            "x=x.npy",
+            "--output-dir",
+            "o16i",
+            "--dtype",
+            "bf16",
+            "--interpret",
+        ],
+        dir.path(),
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    let y16i = tessera::io::read_npy(dir.path().join("o16i/y.npy"))
+        .unwrap()
+        .to_vec::<f32>()
+        .unwrap();
+    assert_eq!(y16i, y16);
     let out = tessera(&["inspect", "m.onnx"], dir.path());
     assert!(out.status.success(), "{}", stderr(&out));
     let text = stdout(&out);
