@@ -9,6 +9,7 @@ use std::path::{Path, PathBuf};
 
 use tessera::compile::{compile_graph, CompileOptions};
 use tessera::ir::Literal;
+use tessera::runtime::device::Device;
 use tessera::tensor::interpret::run_graph;
 use tessera::{Error, ErrorKind, Tensor};
 
@@ -72,9 +73,10 @@ fn data_files(dir: &Path, prefix: &str) -> Vec<PathBuf> {
     v.into_iter().map(|(_, p)| p).collect()
 }
 
-/// Runs one case folder: every data set, interpreted and compiled.
-pub fn run_case(dir: &Path) -> Outcome {
-    match std::panic::catch_unwind(|| run_case_inner(dir)) {
+/// Runs one case folder: every data set, interpreted and compiled, with
+/// the inputs (and weights) on `device`.
+pub fn run_case(dir: &Path, device: Device) -> Outcome {
+    match std::panic::catch_unwind(|| run_case_inner(dir, device)) {
         Ok(o) => o,
         Err(p) => {
             let msg = p
@@ -91,7 +93,7 @@ fn unsupported_type(e: &Error) -> bool {
     e.kind == ErrorKind::Unsupported && e.message.contains("which tessera does not have")
 }
 
-fn run_case_inner(dir: &Path) -> Outcome {
+fn run_case_inner(dir: &Path, device: Device) -> Outcome {
     let model = match Model::load(dir.join("model.onnx")) {
         Ok(m) => m,
         Err(e) => return Outcome::Fail(e.to_string()),
@@ -184,7 +186,11 @@ fn run_case_inner(dir: &Path) -> Outcome {
             .cloned()
             .zip(inputs.into_iter().map(Tensor::from_literal))
             .collect();
-        let args = match imported.inputs(named) {
+        let args = match imported.inputs(named).and_then(|a| {
+            a.iter()
+                .map(|t| t.to(device))
+                .collect::<Result<Vec<_>, _>>()
+        }) {
             Ok(a) => a,
             Err(e) => return Outcome::Fail(format!("inputs: {e}")),
         };

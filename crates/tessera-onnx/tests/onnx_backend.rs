@@ -14,6 +14,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+use tessera::runtime::device::Device;
 use tessera_onnx::backend_test::{cases, run_case, Outcome};
 
 const KINDS: [&str; 4] = ["node", "pytorch-converted", "pytorch-operator", "simple"];
@@ -70,6 +71,22 @@ fn known_failures() -> BTreeMap<String, String> {
 
 #[test]
 fn onnx_backend_test_data() {
+    run_all(Device::Cpu);
+}
+
+/// The same cases with the inputs and weights on the GPU (interpreted and
+/// compiled by the CUDA backend). Runs only with `TESSERA_CUDA_TESTS=1`.
+#[test]
+fn onnx_backend_test_data_on_cuda() {
+    if std::env::var("TESSERA_CUDA_TESTS").as_deref() != Ok("1") {
+        eprintln!("TESSERA_CUDA_TESTS is not 1: the ONNX cases do not run on CUDA here");
+        return;
+    }
+    tessera_cuda::register().expect("a CUDA device");
+    run_all(Device::Cuda);
+}
+
+fn run_all(device: Device) {
     let root = data_dir();
     let filter = std::env::var("TESSERA_ONNX_FILTER").ok();
     let known = known_failures();
@@ -78,7 +95,7 @@ fn onnx_backend_test_data() {
     let mut unexpected = Vec::new();
     let mut fixed = Vec::new();
     let mut total_cases = 0;
-    println!("ONNX backend test data in {}", root.display());
+    println!("ONNX backend test data in {} on {device:?}", root.display());
     for kind in KINDS {
         let (mut pass, mut fail, mut unsup) = (0, 0, 0);
         let dirs = cases(&root, kind);
@@ -94,7 +111,7 @@ fn onnx_backend_test_data() {
             }
             total_cases += 1;
             let label = format!("{kind}/{name}");
-            match run_case(&dir) {
+            match run_case(&dir, device) {
                 Outcome::Pass => {
                     pass += 1;
                     if known.contains_key(&label) {
@@ -152,7 +169,7 @@ fn onnx_backend_test_data() {
         unexpected.len()
     );
     assert!(
-        fixed.is_empty() || filter.is_some(),
+        fixed.is_empty() || filter.is_some() || device != Device::Cpu,
         "cases listed in tests/onnx_known_failures.txt now pass (remove them): {fixed:?}"
     );
 }
