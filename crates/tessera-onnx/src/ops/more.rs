@@ -20,6 +20,8 @@ pub(super) fn converter(op: &str) -> Option<Converter> {
         "CumProd" => cumprod,
         "RotaryEmbedding" => rotary,
         "SwiGLU" => swiglu,
+        "CausalConvWithState" => causal_conv,
+        "LinearAttention" => linear_attention,
         _ => return None,
     })
 }
@@ -570,4 +572,249 @@ fn scatter_nd(c: &mut Ctx) -> Result<Vec<Val>> {
         other => return Err(c.bad(format!("reduction `{other}`"))),
     };
     one(c.reshape(out, dd.iter().map(|&v| Dim::Const(v)).collect())?)
+}
+
+fn opt(c: &mut Ctx, i: usize) -> Result<Option<NodeId>> {
+    if c.has_input(i) {
+        Ok(Some(c.x(i)?))
+    } else {
+        Ok(None)
+    }
+}
+
+/// CausalConvWithState: a depthwise 1-D convolution over `[B, C, T]` with
+/// the `k − 1` previous steps (`past_state`, or zeros) in front, as `k`
+/// shifted products; the last `k − 1` steps are the new state.
+fn causal_conv(c: &mut Ctx) -> Result<Vec<Val>> {
+    let (x, w) = (c.x(0)?, c.x(1)?);
+    let bias = opt(c, 2)?;
+    let past = opt(c, 3)?;
+    let xd = c.concrete(x, "CausalConvWithState")?;
+    let wd = c.concrete(w, "CausalConvWithState")?;
+    if xd.len() != 3 || wd.len() != 3 || wd[0] != xd[1] || wd[1] != 1 {
+        return Err(c.bad(format!("input {:?} and weight {:?}", xd, wd)));
+    }
+    let (b, ch, t, k) = (xd[0], xd[1], xd[2], wd[2]);
+    let padded = if k > 1 {
+        let pad = match past {
+            Some(p) => p,
+            None => {
+                let z = c.scalar_like(0.0, x);
+                c.expand(z, [b, ch, k - 1].into_iter().map(Dim::Const).collect())?
+            }
+        };
+        c.cat(&[pad, x], 2)?
+    } else {
+        x
+    };
+    // The sum of products in f32 at least, rounded once (as ONNX's
+    // reference convolution).
+    let dtype = c.dtype(x);
+    let wide = if matches!(dtype, DType::F16 | DType::BF16) {
+        DType::F32
+    } else {
+        dtype
+    };
+    let pw = c.cast(padded, wide)?;
+    let ww = c.cast(w, wide)?;
+    let mut acc: Option<NodeId> = None;
+    for j in 0..k {
+        let tap = c.slice(pw, 2, j, j + t, 1)?;
+        let wj = c.slice(ww, 2, j, j + 1, 1)?;
+        let wj = c.reshape(wj, vec![Dim::Const(1), Dim::Const(ch), Dim::Const(1)])?;
+        let p = c.binary(B::Mul, tap, wj)?;
+        acc = Some(match acc {
+            Some(a) => c.binary(B::Add, a, p)?,
+            None => p,
+        });
+    }
+    let mut y = acc.expect("k >= 1");
+    if let Some(bv) = bias {
+        let bv = c.cast(bv, wide)?;
+        let bv = c.reshape(bv, vec![Dim::Const(1), Dim::Const(ch), Dim::Const(1)])?;
+        y = c.binary(B::Add, y, bv)?;
+    }
+    let mut y = c.cast(y, dtype)?;
+    match c.attr_s("activation", "none").as_str() {
+        "none" => {}
+        "silu" | "swish" => {
+            let dtype = c.dtype(y);
+            let y32 = c.cast(y, DType::F32)?;
+            let s = c.unary(U::Sigmoid, y32)?;
+            let m = c.binary(B::Mul, y32, s)?;
+            y = c.cast(m, dtype)?;
+        }
+        other => return Err(c.bad(format!("activation `{other}`"))),
+    }
+    let total = t + k - 1;
+    let state = c.slice(padded, 2, total - (k - 1), total, 1)?;
+    Ok(vec![Val::node(y), Val::node(state)])
+}
+
+/// `[B, T, H·D]` → `[B, H, T, D]` in f32.
+fn heads4(c: &mut Ctx, x: NodeId, h: usize) -> Result<NodeId> {
+    let d = c.concrete(x, "LinearAttention")?;
+    if d.len() != 3 || h == 0 || d[2] % h != 0 {
+        return Err(c.bad(format!("{} for {h} heads", c.ty(x))));
+    }
+    let y = c.reshape(
+        x,
+        [d[0], d[1], h, d[2] / h]
+            .into_iter()
+            .map(Dim::Const)
+            .collect(),
+    )?;
+    let y = c.permute(y, vec![0, 2, 1, 3])?;
+    c.cast(y, DType::F32)
+}
+
+/// LinearAttention (linear, gated, delta, gated delta rules) after ONNX's
+/// reference: the recurrence over time unrolled, the state `[B, H, dk, dv]`
+/// in f32.
+fn linear_attention(c: &mut Ctx) -> Result<Vec<Val>> {
+    let (q, k, v) = (c.x(0)?, c.x(1)?, c.x(2)?);
+    let past = opt(c, 3)?;
+    let decay = opt(c, 4)?;
+    let beta = opt(c, 5)?;
+    let rule = c.attr_s("update_rule", "gated_delta");
+    let (gating, delta) = match rule.as_str() {
+        "linear" => (false, false),
+        "gated" => (true, false),
+        "delta" => (false, true),
+        "gated_delta" => (true, true),
+        other => return Err(c.bad(format!("update_rule `{other}`"))),
+    };
+    if gating != decay.is_some() || delta != beta.is_some() {
+        return Err(c.bad(format!(
+            "update_rule `{rule}` with decay {} and beta {}",
+            decay.is_some(),
+            beta.is_some()
+        )));
+    }
+    let qh = c.attr_i("q_num_heads", 0) as usize;
+    let kvh = c.attr_i("kv_num_heads", 0) as usize;
+    if qh == 0 || kvh == 0 || qh % kvh != 0 {
+        return Err(c.bad(format!("q_num_heads {qh}, kv_num_heads {kvh}")));
+    }
+    let out_dtype = c.dtype(q);
+    let qd = c.concrete(q, "LinearAttention")?;
+    let (b, t) = (qd[0], qd[1]);
+    let dk = qd[2] / qh;
+    let dv = c.concrete(v, "LinearAttention")?[2] / kvh;
+    let group = qh / kvh;
+    let q4 = heads4(c, q, qh)?;
+    let k4 = heads4(c, k, kvh)?;
+    let v4 = heads4(c, v, kvh)?;
+    let decay4 = match decay {
+        Some(g) => {
+            let last = c.concrete(g, "decay")?[2];
+            Some(if last == kvh {
+                let y = c.reshape(g, [b, t, kvh, 1].into_iter().map(Dim::Const).collect())?;
+                let y = c.permute(y, vec![0, 2, 1, 3])?;
+                c.cast(y, DType::F32)?
+            } else if last == kvh * dk {
+                heads4(c, g, kvh)?
+            } else {
+                return Err(c.bad(format!("decay's last dim {last}")));
+            })
+        }
+        None => None,
+    };
+    let beta4 = match beta {
+        Some(bt) => {
+            let last = c.concrete(bt, "beta")?[2];
+            let y = c.reshape(bt, [b, t, last, 1].into_iter().map(Dim::Const).collect())?;
+            let y = c.permute(y, vec![0, 2, 1, 3])?;
+            Some(c.cast(y, DType::F32)?)
+        }
+        None => None,
+    };
+    let state_dtype = match past {
+        Some(p) => c.dtype(p),
+        None => out_dtype,
+    };
+    let mut state = match past {
+        Some(p) => c.cast(p, DType::F32)?,
+        None => {
+            let z = c.scalar(0.0, DType::F32);
+            c.expand(z, [b, kvh, dk, dv].into_iter().map(Dim::Const).collect())?
+        }
+    };
+    let scale = match c.attr("scale").map(|a| a.f as f64) {
+        Some(s) if s != 0.0 => s,
+        _ => 1.0 / (dk as f64).sqrt(),
+    };
+    // Step i of a [B, H, T, D] tensor: [B, H, D].
+    let at = |c: &mut Ctx, x: NodeId, i: usize| -> Result<NodeId> {
+        let s = c.slice(x, 2, i, i + 1, 1)?;
+        let d = c.dims(s);
+        c.reshape(s, vec![d[0].clone(), d[1].clone(), d[3].clone()])
+    };
+    let mut outs = Vec::with_capacity(t);
+    for i in 0..t {
+        let q_t = at(c, q4, i)?;
+        let k_t = at(c, k4, i)?;
+        let mut v_t = at(c, v4, i)?;
+        if let Some(g) = decay4 {
+            let g_t = at(c, g, i)?;
+            let e = c.unary(U::Exp, g_t)?;
+            let e = c.unsqueeze(e, 3)?;
+            state = c.binary(B::Mul, state, e)?;
+        }
+        let k_col = c.unsqueeze(k_t, 3)?;
+        if let Some(bt) = beta4 {
+            let prod = c.binary(B::Mul, state, k_col)?;
+            let retrieved = c.add(
+                Op::Reduce {
+                    op: tessera::ir::ReduceOp::Sum,
+                    dims: vec![2],
+                    keepdim: false,
+                },
+                &[prod],
+            )?;
+            let diff = c.binary(B::Sub, v_t, retrieved)?;
+            let b_t = at(c, bt, i)?;
+            v_t = c.binary(B::Mul, b_t, diff)?;
+        }
+        let v_row = c.unsqueeze(v_t, 2)?;
+        let outer = c.binary(B::Mul, k_col, v_row)?;
+        state = c.binary(B::Add, state, outer)?;
+        let read = if group == 1 {
+            state
+        } else {
+            let y = c.reshape(
+                state,
+                [b, kvh, 1, dk, dv].into_iter().map(Dim::Const).collect(),
+            )?;
+            let y = c.expand(
+                y,
+                [b, kvh, group, dk, dv]
+                    .into_iter()
+                    .map(Dim::Const)
+                    .collect(),
+            )?;
+            let y = c.add(Op::Contiguous, &[y])?;
+            c.reshape(y, [b, qh, dk, dv].into_iter().map(Dim::Const).collect())?
+        };
+        let q_col = c.unsqueeze(q_t, 3)?;
+        let prod = c.binary(B::Mul, q_col, read)?;
+        let o = c.add(
+            Op::Reduce {
+                op: tessera::ir::ReduceOp::Sum,
+                dims: vec![2],
+                keepdim: true,
+            },
+            &[prod],
+        )?;
+        let o = c.binary_c(B::Mul, o, scale)?;
+        outs.push(o);
+    }
+    // [B, H, T, dv] → [B, T, H·dv].
+    let all = c.cat(&outs, 2)?;
+    let all = c.permute(all, vec![0, 2, 1, 3])?;
+    let all = c.add(Op::Contiguous, &[all])?;
+    let y = c.reshape(all, [b, t, qh * dv].into_iter().map(Dim::Const).collect())?;
+    let y = c.cast(y, out_dtype)?;
+    let st = c.cast(state, state_dtype)?;
+    Ok(vec![Val::node(y), Val::node(st)])
 }
