@@ -693,7 +693,7 @@ fn linear_attention(c: &mut Ctx) -> Result<Vec<Val>> {
     }
     let qh = c.attr_i("q_num_heads", 0) as usize;
     let kvh = c.attr_i("kv_num_heads", 0) as usize;
-    if qh == 0 || kvh == 0 || qh % kvh != 0 {
+    if qh == 0 || kvh == 0 || !qh.is_multiple_of(kvh) {
         return Err(c.bad(format!("q_num_heads {qh}, kv_num_heads {kvh}")));
     }
     let out_dtype = c.dtype(q);
