@@ -285,56 +285,90 @@ fn einsum(c: &mut Ctx) -> Result<Vec<Val>> {
         .chars()
         .filter(|c| !c.is_whitespace())
         .collect();
-    if eq.contains("...") {
-        return Err(c.unsupported(format!("einsum `{eq}` with an ellipsis")));
-    }
     let (lhs, out) = match eq.split_once("->") {
         Some((l, r)) => (l.to_string(), Some(r.to_string())),
         None => (eq.clone(), None),
     };
-    let specs: Vec<Vec<char>> = lhs.split(',').map(|s| s.chars().collect()).collect();
-    if specs.len() != c.node.input.len() {
+    let raw: Vec<&str> = lhs.split(',').collect();
+    if raw.len() != c.node.input.len() {
         return Err(c.bad(format!(
             "`{eq}` names {} operands, the node has {}",
-            specs.len(),
+            raw.len(),
             c.node.input.len()
         )));
     }
+    // An ellipsis stands for the dims no letter names, right-aligned across
+    // operands: letters of their own (from a private range) replace it.
+    let ell = |k: usize| char::from_u32(0xE000 + k as u32).expect("a private-use char");
+    let mut ell_count = 0;
+    let mut specs: Vec<Vec<char>> = Vec::new();
+    for (i, r) in raw.iter().enumerate() {
+        let id = c.x(i)?;
+        let rank = c.rank(id);
+        let spec: Vec<char> = match r.split_once("...") {
+            Some((a, b)) => {
+                let named = a.chars().count() + b.chars().count();
+                let n = rank
+                    .checked_sub(named)
+                    .ok_or_else(|| c.bad(format!("operand {i} is {} for `{r}`", c.ty(id))))?;
+                ell_count = ell_count.max(n);
+                a.chars()
+                    .chain((0..n).map(|k| ell(ell_count.max(n) - n + k)))
+                    .chain(b.chars())
+                    .collect()
+            }
+            None => r.chars().collect(),
+        };
+        specs.push(spec);
+    }
+    // Right-align: an operand with fewer ellipsis dims takes the last ones.
+    for (i, r) in raw.iter().enumerate() {
+        if let Some((a, _)) = r.split_once("...") {
+            let id = c.x(i)?;
+            let n = c.rank(id) - (r.chars().count() - 3);
+            let start = a.chars().count();
+            for k in 0..n {
+                specs[i][start + k] = ell(ell_count - n + k);
+            }
+        }
+    }
+    let ell_letters: Vec<char> = (0..ell_count).map(ell).collect();
     let out: Vec<char> = match out {
-        Some(o) => o.chars().collect(),
+        Some(o) => match o.split_once("...") {
+            Some((a, b)) => a
+                .chars()
+                .chain(ell_letters.iter().copied())
+                .chain(b.chars())
+                .collect(),
+            None => o.chars().collect(),
+        },
         None => {
             let mut once: Vec<char> = specs
                 .iter()
                 .flatten()
                 .copied()
+                .filter(|ch| !ell_letters.contains(ch))
                 .filter(|ch| specs.iter().flatten().filter(|x| *x == ch).count() == 1)
                 .collect();
             once.sort_unstable();
-            once
+            ell_letters.iter().copied().chain(once).collect()
         }
     };
     let mut terms = Vec::new();
     for (i, s) in specs.iter().enumerate() {
         let id = c.x(i)?;
         if c.rank(id) != s.len() {
-            return Err(c.bad(format!(
-                "operand {i} is {} for `{}`",
-                c.ty(id),
-                s.iter().collect::<String>()
-            )));
+            return Err(c.bad(format!("operand {i} is {} for `{}`", c.ty(id), raw[i])));
         }
-        let mut seen = s.clone();
-        seen.sort_unstable();
-        seen.dedup();
-        if seen.len() != s.len() {
-            return Err(c.unsupported(format!(
-                "einsum `{eq}`: a letter repeated within an operand (a diagonal)"
-            )));
-        }
-        terms.push(Term {
+        let mut t = Term {
             id,
             letters: s.clone(),
-        });
+        };
+        // A letter twice in one operand: its diagonal.
+        while let Some((p, q)) = repeated(&t.letters) {
+            t = diagonal(c, &t, p, q)?;
+        }
+        terms.push(t);
     }
     // Sum out each operand's letters that nothing else needs.
     let needed_after = |terms: &[Term], k: usize, out: &[char]| -> Vec<char> {
@@ -551,4 +585,48 @@ fn nll(c: &mut Ctx, logp: NodeId, extra: Option<NodeId>) -> Result<Vec<Val>> {
         outs.push(Val::node(e));
     }
     Ok(outs)
+}
+
+/// The first pair of positions holding the same letter.
+fn repeated(letters: &[char]) -> Option<(usize, usize)> {
+    (0..letters.len()).find_map(|p| {
+        (p + 1..letters.len())
+            .find(|&q| letters[q] == letters[p])
+            .map(|q| (p, q))
+    })
+}
+
+/// The diagonal of dims `p` and `q` (equal sizes): both moved last,
+/// flattened, every (n+1)-th element; the letter kept once, last.
+fn diagonal(c: &mut Ctx, t: &Term, p: usize, q: usize) -> Result<Term> {
+    let dims = c.dims(t.id);
+    let n = dims[p]
+        .as_const()
+        .ok_or_else(|| c.unsupported("the diagonal of a symbolic dim"))?;
+    if dims[q] != dims[p] {
+        return Err(c.bad(format!(
+            "letter `{}` has sizes {} and {}",
+            t.letters[p], dims[p], dims[q]
+        )));
+    }
+    let mut perm: Vec<usize> = (0..dims.len()).filter(|&i| i != p && i != q).collect();
+    let kept: Vec<char> = perm.iter().map(|&i| t.letters[i]).collect();
+    perm.extend([p, q]);
+    let y = c.permute(t.id, perm.clone())?;
+    let y = c.add(Op::Contiguous, &[y])?;
+    let mut flat: Vec<Dim> = perm[..perm.len() - 2]
+        .iter()
+        .map(|&i| dims[i].clone())
+        .collect();
+    flat.push(Dim::Const(n * n));
+    let y = c.reshape(y, flat)?;
+    let last = c.rank(y) - 1;
+    let y = if n == 0 {
+        y
+    } else {
+        c.slice(y, last, 0, n * n, n + 1)?
+    };
+    let mut letters = kept;
+    letters.push(t.letters[p]);
+    Ok(Term { id: y, letters })
 }
