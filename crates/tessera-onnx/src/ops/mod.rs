@@ -9,6 +9,7 @@ mod nn;
 mod reduce;
 mod resize;
 mod shape;
+mod signal;
 
 use crate::builder::{Ctx, Val};
 use tessera::Result;
@@ -22,6 +23,7 @@ fn converter(op_type: &str) -> Option<Converter> {
         .or_else(|| shape::converter(op_type))
         .or_else(|| nn::converter(op_type))
         .or_else(|| more::converter(op_type))
+        .or_else(|| signal::converter(op_type))
         .or(match op_type {
             "Attention" => Some(attention::attention as Converter),
             "Resize" => Some(resize::resize as Converter),
