@@ -57,6 +57,11 @@ pub struct Ctx<'a> {
     /// input, named `""`).
     pub node: NodeProto,
     pub inputs: Vec<Option<Val>>,
+    /// The model file's name (the file of every node's location).
+    pub file: std::sync::Arc<str>,
+    /// Inside a subgraph (an If branch, a Loop or Scan body): the line of
+    /// the node that owns it, which its nodes' locations take.
+    pub sub_line: Option<u32>,
     folded: HashMap<NodeId, Option<Literal>>,
 }
 
@@ -71,6 +76,8 @@ impl<'a> Ctx<'a> {
             meta: NodeMeta::default(),
             node: NodeProto::default(),
             inputs: Vec::new(),
+            file: std::sync::Arc::from("model.onnx"),
+            sub_line: None,
             folded: HashMap::new(),
         }
     }

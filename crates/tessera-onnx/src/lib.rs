@@ -44,7 +44,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use tessera::ir::{Dim, Literal, NodeMeta, Shape, TensorType};
-use tessera::{Error, ErrorKind, Graph, Result, SourceLoc, Tensor};
+use tessera::{Error, ErrorKind, Graph, Result, Tensor};
 
 pub use builder::tensor_literal;
 pub use tensor::{decode_tensor, dtype_of, onnx_type_of, read_literal, read_tensor};
@@ -121,7 +121,25 @@ impl Model {
     pub fn unsupported_ops(&self) -> Vec<(String, Vec<String>)> {
         let graph = self.proto.graph.as_ref().expect("checked when parsed");
         let mut out: Vec<(String, Vec<String>)> = Vec::new();
-        for (i, node) in graph.node.iter().enumerate() {
+        // The nodes of the graph and of every subgraph (If branches, Loop
+        // and Scan bodies), depth first.
+        let mut nodes: Vec<(usize, &proto::NodeProto)> = Vec::new();
+        fn walk<'a>(
+            g: &'a proto::GraphProto,
+            top: Option<usize>,
+            out: &mut Vec<(usize, &'a proto::NodeProto)>,
+        ) {
+            for (i, n) in g.node.iter().enumerate() {
+                out.push((top.unwrap_or(i), n));
+                for a in &n.attribute {
+                    for sub in a.g.iter().map(|b| &**b).chain(a.graphs.iter()) {
+                        walk(sub, Some(top.unwrap_or(i)), out);
+                    }
+                }
+            }
+        }
+        walk(graph, None, &mut nodes);
+        for (i, node) in nodes {
             if ops::is_supported(&node.domain, &node.op_type) {
                 continue;
             }
@@ -228,6 +246,7 @@ pub fn import(model: &Model, options: &ImportOptions) -> Result<Imported> {
         graph.name.clone()
     };
     let mut ctx = Ctx::new(&name, opset, &options.known_inputs);
+    ctx.file = Arc::from(file);
     let dir = model.dir.as_deref();
     let mut params = Vec::new();
     let initialised: HashSet<&str> = graph.initializer.iter().map(|t| t.name.as_str()).collect();
@@ -265,72 +284,7 @@ pub fn import(model: &Model, options: &ImportOptions) -> Result<Imported> {
             format!("{file}: sparse initializer `{name}`"),
         ));
     }
-    let file_arc: Arc<str> = Arc::from(file);
-    for (i, node) in graph.node.iter().enumerate() {
-        let label = node_label(&node.name, i);
-        let mut inputs = Vec::with_capacity(node.input.len());
-        for name in &node.input {
-            if name.is_empty() {
-                inputs.push(None);
-                continue;
-            }
-            match ctx.values.get(name) {
-                Some(v) => inputs.push(Some(v.clone())),
-                None => {
-                    return Err(Error::new(
-                        ErrorKind::Parse,
-                        format!(
-                            "{file}: node {label} ({}) reads `{name}`, which no earlier node, \
-                             input or initializer defines (the nodes must be in topological order)",
-                            node.op_type
-                        ),
-                    ))
-                }
-            }
-        }
-        ctx.node = node.clone();
-        ctx.inputs = inputs;
-        let loc = SourceLoc {
-            file: file_arc.clone(),
-            line: i as u32 + 1,
-            column: 0,
-        };
-        ctx.meta = NodeMeta {
-            name: node.output.first().filter(|o| !o.is_empty()).cloned(),
-            location: Some(loc.clone()),
-            hints: None,
-        };
-        let outs = ops::convert(&mut ctx).map_err(|e| {
-            let e = e.with_context(&format!("node {label}"));
-            if e.location.is_some() {
-                e
-            } else {
-                e.at(loc.clone())
-            }
-        })?;
-        for (k, name) in node.output.iter().enumerate() {
-            if name.is_empty() {
-                continue;
-            }
-            let v = outs.get(k).cloned().ok_or_else(|| {
-                Error::op(
-                    ErrorKind::Unsupported,
-                    node.op_type.clone(),
-                    format!(
-                        "node {label}: output {k} (`{name}`) is not computed by tessera's mapping"
-                    ),
-                )
-                .at(loc.clone())
-            })?;
-            if let Some(id) = v.id {
-                let n = &mut ctx.g.nodes[id.index()];
-                if n.meta.name.is_none() {
-                    n.meta.name = Some(name.clone());
-                }
-            }
-            ctx.values.insert(name.clone(), v);
-        }
-    }
+    ops::convert_nodes(&mut ctx, &graph.node)?;
     for vi in &graph.output {
         let v = ctx.values.get(&vi.name).cloned().ok_or_else(|| {
             Error::new(

@@ -3,6 +3,7 @@
 //! version) and returns the node's outputs in order.
 
 mod attention;
+mod control;
 mod elementwise;
 mod more;
 mod nn;
@@ -11,8 +12,11 @@ mod resize;
 mod shape;
 mod signal;
 
-use crate::builder::{Ctx, Val};
-use tessera::Result;
+use crate::builder::{Ctx, Val, WithContext};
+use tessera::ir::NodeMeta;
+use tessera::{Error, ErrorKind, Result, SourceLoc};
+
+use crate::proto::NodeProto;
 
 type Converter = fn(&mut Ctx) -> Result<Vec<Val>>;
 
@@ -28,6 +32,9 @@ fn converter(op_type: &str) -> Option<Converter> {
             "Attention" => Some(attention::attention as Converter),
             "Resize" => Some(resize::resize as Converter),
             "Upsample" => Some(resize::upsample as Converter),
+            "If" => Some(control::if_op as Converter),
+            "Loop" => Some(control::loop_op as Converter),
+            "Scan" => Some(control::scan as Converter),
             _ => None,
         })
 }
@@ -35,6 +42,82 @@ fn converter(op_type: &str) -> Option<Converter> {
 /// Whether an op has a mapping to tessera.
 pub fn is_supported(domain: &str, op_type: &str) -> bool {
     matches!(domain, "" | "ai.onnx") && converter(op_type).is_some()
+}
+
+/// Converts `nodes` in order, each output name bound to its value in
+/// `ctx.values` (a subgraph's nodes see the enclosing graphs' values).
+pub fn convert_nodes(ctx: &mut Ctx, nodes: &[NodeProto]) -> Result<()> {
+    for (i, node) in nodes.iter().enumerate() {
+        let label = if node.name.is_empty() {
+            format!("#{i}")
+        } else {
+            format!("`{}`", node.name)
+        };
+        let file = ctx.file.clone();
+        let mut inputs = Vec::with_capacity(node.input.len());
+        for name in &node.input {
+            if name.is_empty() {
+                inputs.push(None);
+                continue;
+            }
+            match ctx.values.get(name) {
+                Some(v) => inputs.push(Some(v.clone())),
+                None => {
+                    return Err(Error::new(
+                        ErrorKind::Parse,
+                        format!(
+                            "{file}: node {label} ({}) reads `{name}`, which no earlier node, \
+                             input or initializer defines (the nodes must be in topological order)",
+                            node.op_type
+                        ),
+                    ))
+                }
+            }
+        }
+        ctx.node = node.clone();
+        ctx.inputs = inputs;
+        let loc = SourceLoc {
+            file,
+            line: ctx.sub_line.unwrap_or(i as u32 + 1),
+            column: 0,
+        };
+        ctx.meta = NodeMeta {
+            name: node.output.first().filter(|o| !o.is_empty()).cloned(),
+            location: Some(loc.clone()),
+            hints: None,
+        };
+        let outs = convert(ctx).map_err(|e| {
+            let e = e.with_context(&format!("node {label}"));
+            if e.location.is_some() {
+                e
+            } else {
+                e.at(loc.clone())
+            }
+        })?;
+        for (k, name) in node.output.iter().enumerate() {
+            if name.is_empty() {
+                continue;
+            }
+            let v = outs.get(k).cloned().ok_or_else(|| {
+                Error::op(
+                    ErrorKind::Unsupported,
+                    node.op_type.clone(),
+                    format!(
+                        "node {label}: output {k} (`{name}`) is not computed by tessera's mapping"
+                    ),
+                )
+                .at(loc.clone())
+            })?;
+            if let Some(id) = v.id {
+                let n = &mut ctx.g.nodes[id.index()];
+                if n.meta.name.is_none() {
+                    n.meta.name = Some(name.clone());
+                }
+            }
+            ctx.values.insert(name.clone(), v);
+        }
+    }
+    Ok(())
 }
 
 /// Converts the context's current node.
