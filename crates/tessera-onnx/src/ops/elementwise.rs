@@ -194,7 +194,7 @@ enum Rounding {
 /// floor x in f64: trunc(x) through an i64 cast, less one where that went
 /// up; values of magnitude ≥ 2⁵² (integers already), infinities and NaN
 /// pass through.
-fn floor64(c: &mut Ctx, x: NodeId) -> Result<NodeId> {
+pub(super) fn floor64(c: &mut Ctx, x: NodeId) -> Result<NodeId> {
     let i = c.cast(x, DType::I64)?;
     let t = c.cast(i, DType::F64)?;
     let up = c.compare(C::Lt, x, t)?;

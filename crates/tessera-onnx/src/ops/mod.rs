@@ -5,6 +5,7 @@
 mod attention;
 mod control;
 mod elementwise;
+mod grid_sample;
 mod more;
 mod nn;
 mod reduce;
@@ -33,6 +34,7 @@ fn converter(op_type: &str) -> Option<Converter> {
             "Resize" => Some(resize::resize as Converter),
             "Upsample" => Some(resize::upsample as Converter),
             "If" => Some(control::if_op as Converter),
+            "GridSample" => Some(grid_sample::grid_sample as Converter),
             "Loop" => Some(control::loop_op as Converter),
             "Scan" => Some(control::scan as Converter),
             _ => None,
