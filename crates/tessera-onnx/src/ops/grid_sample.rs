@@ -110,8 +110,7 @@ pub(super) fn grid_sample(c: &mut Ctx) -> Result<Vec<Val>> {
         let lenf = len as f64;
         let p1 = c.binary_c(B::Add, col, 1.0)?;
         let mut xc = if align {
-            let h = c.binary_c(B::Mul, p1, 0.5 * (lenf - 1.0))?;
-            h
+            c.binary_c(B::Mul, p1, 0.5 * (lenf - 1.0))?
         } else {
             let t = c.binary_c(B::Mul, p1, lenf)?;
             let t = c.binary_c(B::Sub, t, 1.0)?;
