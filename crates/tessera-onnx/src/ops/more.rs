@@ -21,6 +21,8 @@ pub(super) fn converter(op: &str) -> Option<Converter> {
         "RotaryEmbedding" => rotary,
         "SwiGLU" => swiglu,
         "CausalConvWithState" => causal_conv,
+        "AffineGrid" => affine_grid,
+        "ReverseSequence" => reverse_sequence,
         "LinearAttention" => linear_attention,
         _ => return None,
     })
@@ -817,4 +819,100 @@ fn linear_attention(c: &mut Ctx) -> Result<Vec<Val>> {
     let y = c.cast(y, out_dtype)?;
     let st = c.cast(state, state_dtype)?;
     Ok(vec![Val::node(y), Val::node(st)])
+}
+
+/// AffineGrid: θ (`[N, 2, 3]` or `[N, 3, 4]`) times the homogeneous
+/// coordinates of a `size` grid in [−1, 1] (x first), as the reference
+/// builds them.
+fn affine_grid(c: &mut Ctx) -> Result<Vec<Val>> {
+    let theta = c.x(0)?;
+    let size = c.ints(1, "size")?;
+    let align = c.attr_i("align_corners", 0) != 0;
+    let spatial: Vec<usize> = size.iter().skip(2).map(|&v| v.max(0) as usize).collect();
+    let k = spatial.len();
+    let td = c.concrete(theta, "AffineGrid")?;
+    if !(k == 2 || k == 3) || td.len() != 3 || td[1] != k || td[2] != k + 1 {
+        return Err(c.bad(format!("theta {:?} for size {size:?}", td)));
+    }
+    let axis_values = |len: usize| -> Vec<f64> {
+        if align {
+            let step = 2.0 / (len as f64 - 1.0);
+            (0..len).map(|i| -1.0 + i as f64 * step).collect()
+        } else {
+            let step = 2.0 / len as f64;
+            (0..len)
+                .map(|i| -1.0 + step / 2.0 + i as f64 * step)
+                .collect()
+        }
+    };
+    let vals: Vec<Vec<f64>> = spatial.iter().map(|&l| axis_values(l)).collect();
+    let points: usize = spatial.iter().product();
+    // [k + 1, points]: rows x (the last spatial dim), y, (z), 1.
+    let mut homo = vec![0.0; (k + 1) * points];
+    for p in 0..points {
+        let mut rem = p;
+        let mut coord = vec![0usize; k];
+        for d in (0..k).rev() {
+            coord[d] = rem % spatial[d];
+            rem /= spatial[d];
+        }
+        for (row, d) in (0..k).rev().enumerate() {
+            homo[row * points + p] = vals[d][coord[d]];
+        }
+        homo[k * points + p] = 1.0;
+    }
+    let dtype = c.dtype(theta);
+    let h = c.constant(Literal {
+        dtype: DType::F64,
+        shape: vec![k + 1, points],
+        data: LiteralData::Float(homo),
+    });
+    let t64 = c.cast(theta, DType::F64)?;
+    let g = c.add(Op::MatMul, &[t64, h])?;
+    let g = c.permute(g, vec![0, 2, 1])?;
+    let g = c.add(Op::Contiguous, &[g])?;
+    let mut out = vec![Dim::Const(td[0])];
+    out.extend(spatial.iter().map(|&v| Dim::Const(v)));
+    out.push(Dim::Const(k));
+    let g = c.reshape(g, out)?;
+    one(c.cast(g, dtype)?)
+}
+
+/// ReverseSequence with known lengths: per batch entry, its first `len`
+/// time steps reversed (a gather along the time axis).
+fn reverse_sequence(c: &mut Ctx) -> Result<Vec<Val>> {
+    let x = c.x(0)?;
+    let lens = c.ints(1, "sequence_lens")?;
+    let d = c.concrete(x, "ReverseSequence")?;
+    let rank = d.len();
+    let bax = c.axis(c.attr_i("batch_axis", 1), rank)?;
+    let tax = c.axis(c.attr_i("time_axis", 0), rank)?;
+    let (b, t) = (d[bax], d[tax]);
+    if lens.len() != b || bax == tax {
+        return Err(c.bad(format!("{} lengths for batch {b}", lens.len())));
+    }
+    let mut shape = vec![1usize; rank];
+    shape[bax] = b;
+    shape[tax] = t;
+    let mut idx = vec![0i64; b * t];
+    for (bi, &l) in lens.iter().enumerate() {
+        let l = l.clamp(0, t as i64);
+        for ti in 0..t as i64 {
+            let src = if ti < l { l - 1 - ti } else { ti };
+            let pos = if bax < tax {
+                bi * t + ti as usize
+            } else {
+                ti as usize * b + bi
+            };
+            idx[pos] = src;
+        }
+    }
+    let i = c.constant(Literal {
+        dtype: DType::I64,
+        shape,
+        data: LiteralData::Int(idx),
+    });
+    let i = c.expand(i, c.dims(x))?;
+    let i = c.add(Op::Contiguous, &[i])?;
+    one(c.add(Op::Gather { dim: tax }, &[x, i])?)
 }
