@@ -262,3 +262,46 @@ fn bad_models_are_errors_naming_the_node() {
     assert_eq!(imported.specialised, vec!["s".to_string()]);
     assert!(Model::from_bytes(b"not a model", "x.onnx").is_err());
 }
+
+#[test]
+fn ops_along_a_concrete_dim_take_a_symbolic_batch() {
+    // Split (as PyTorch exports q, k, v), Softmax, TopK and CumSum along the
+    // last dim of a [batch, 6] input.
+    let bytes = model(
+        13,
+        vec![
+            node(
+                "Split",
+                &["x", "sizes"],
+                &["a", "b"],
+                vec![attr_int("axis", 1)],
+            ),
+            node("Softmax", &["b"], &["s"], vec![attr_int("axis", -1)]),
+            node("CumSum", &["a", "one"], &["cs"], vec![]),
+        ],
+        vec![value("x", FLOAT, &[D::Param("batch"), D::Size(6)])],
+        vec![
+            value("s", FLOAT, &[D::Param("batch"), D::Size(4)]),
+            value("cs", FLOAT, &[D::Param("batch"), D::Size(2)]),
+        ],
+        vec![
+            i64_tensor("sizes", &[2], &[2, 4]),
+            i64_tensor("one", &[], &[1]),
+        ],
+    );
+    let m = Model::from_bytes(&bytes, "split.onnx").unwrap();
+    let imported = import(&m, &ImportOptions::default()).unwrap();
+    let g = &imported.graph;
+    let tys: Vec<String> = g
+        .outputs
+        .iter()
+        .map(|o| g.node(o.node).ty.to_string())
+        .collect();
+    assert_eq!(tys, vec!["f32[batch,4]", "f32[batch,2]"]);
+    let x = Tensor::from_vec((0..18).map(|v| v as f32).collect(), &[3, 6]);
+    let out = run_graph(g, &imported.inputs(vec![("x".into(), x)]).unwrap()).unwrap();
+    assert_eq!(
+        out[1].1.to_vec::<f32>().unwrap(),
+        vec![0., 1., 6., 13., 12., 25.]
+    );
+}

@@ -40,7 +40,9 @@ fn top_k(c: &mut Ctx) -> Result<Vec<Val>> {
     };
     let rank = c.rank(x);
     let dim = c.axis(c.attr_i("axis", -1), rank)?;
-    let n = c.concrete(x, "TopK")?[dim];
+    let n = c.dims(x)[dim]
+        .as_const()
+        .ok_or_else(|| c.unsupported("TopK over a symbolic dim"))?;
     if k < 0 || k as usize > n {
         return Err(c.bad(format!("k = {k} for a dim of {n}")));
     }
@@ -329,7 +331,9 @@ fn cumprod(c: &mut Ctx) -> Result<Vec<Val>> {
     let rank = c.rank(x);
     let axis = c.ints(1, "axis")?;
     let dim = c.axis(*axis.first().ok_or_else(|| c.bad("an empty axis"))?, rank)?;
-    let n = c.concrete(x, "CumProd")?[dim];
+    let n = c.dims(x)[dim]
+        .as_const()
+        .ok_or_else(|| c.unsupported("CumProd over a symbolic dim"))?;
     let (exclusive, rev) = (c.attr_i("exclusive", 0) != 0, c.attr_i("reverse", 0) != 0);
     let mut y = if rev {
         super::reduce::reverse(c, x, dim, n)?

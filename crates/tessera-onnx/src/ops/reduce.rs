@@ -218,7 +218,9 @@ fn arg(c: &mut Ctx, op: ArgReduceOp) -> Result<Vec<Val>> {
         return one(c.add(Op::ArgReduce { op, dim, keepdim }, &[x])?);
     }
     // The last index: the first of the reversed input, counted back.
-    let n = c.concrete(x, "select_last_index")?[dim];
+    let n = c.dims(x)[dim]
+        .as_const()
+        .ok_or_else(|| c.unsupported("select_last_index over a symbolic dim"))?;
     let rev = reverse(c, x, dim, n)?;
     let i = c.add(Op::ArgReduce { op, dim, keepdim }, &[rev])?;
     let last = c.scalar((n as f64) - 1.0, DType::I64);
@@ -315,7 +317,9 @@ fn cumsum(c: &mut Ctx) -> Result<Vec<Val>> {
     let rank = c.rank(x);
     let axis = c.ints(1, "axis")?;
     let dim = c.axis(*axis.first().ok_or_else(|| c.bad("an empty axis"))?, rank)?;
-    let n = c.concrete(x, "CumSum")?[dim];
+    let n = c.dims(x)[dim]
+        .as_const()
+        .ok_or_else(|| c.unsupported("CumSum over a symbolic dim"))?;
     let (exclusive, rev) = (c.attr_i("exclusive", 0) != 0, c.attr_i("reverse", 0) != 0);
     let mut y = if rev { reverse(c, x, dim, n)? } else { x };
     if exclusive && n > 0 {

@@ -286,7 +286,9 @@ fn split(c: &mut Ctx) -> Result<Vec<Val>> {
     let x = c.x(0)?;
     let rank = c.rank(x);
     let dim = c.axis(c.attr_i("axis", 0), rank)?;
-    let size = c.concrete(x, "Split")?[dim];
+    let size = c.dims(x)[dim]
+        .as_const()
+        .ok_or_else(|| c.unsupported(format!("splitting symbolic dim {dim} of {}", c.ty(x))))?;
     let outputs = c.node.output.len();
     let sizes: Vec<usize> = {
         let given = if c.opset >= 13 || (c.opset < 2 && c.has_input(1)) {
