@@ -10,6 +10,7 @@ mod more;
 mod nn;
 mod reduce;
 mod resize;
+mod rnn;
 mod shape;
 mod signal;
 
@@ -34,6 +35,9 @@ fn converter(op_type: &str) -> Option<Converter> {
             "Resize" => Some(resize::resize as Converter),
             "Upsample" => Some(resize::upsample as Converter),
             "If" => Some(control::if_op as Converter),
+            "RNN" => Some(rnn::rnn as Converter),
+            "GRU" => Some(rnn::gru as Converter),
+            "LSTM" => Some(rnn::lstm as Converter),
             "GridSample" => Some(grid_sample::grid_sample as Converter),
             "Loop" => Some(control::loop_op as Converter),
             "Scan" => Some(control::scan as Converter),
