@@ -6,7 +6,7 @@
 //! input (`sequence_lens`) are not mapped.
 
 use tessera::ir::{BinaryOp as B, Dim, NodeId, UnaryOp as U};
-use tessera::{DType, Result};
+use tessera::Result;
 
 use crate::builder::{lit_ints, Ctx, Val};
 
