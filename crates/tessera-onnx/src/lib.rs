@@ -284,7 +284,8 @@ pub fn import(model: &Model, options: &ImportOptions) -> Result<Imported> {
             format!("{file}: sparse initializer `{name}`"),
         ));
     }
-    ops::convert_nodes(&mut ctx, &graph.node)?;
+    let output_names: Vec<String> = graph.output.iter().map(|o| o.name.clone()).collect();
+    ops::convert_nodes(&mut ctx, &graph.node, &output_names)?;
     for vi in &graph.output {
         let v = ctx.values.get(&vi.name).cloned().ok_or_else(|| {
             Error::new(

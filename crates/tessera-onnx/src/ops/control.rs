@@ -41,7 +41,8 @@ fn run_subgraph(c: &mut Ctx, g: &GraphProto, args: Vec<Val>) -> Result<Vec<Val>>
             let id = c.constant(lit);
             c.values.insert(t.name.clone(), Val::node(id));
         }
-        super::convert_nodes(c, &g.node)?;
+        let names: Vec<String> = g.output.iter().map(|o| o.name.clone()).collect();
+        super::convert_nodes(c, &g.node, &names)?;
         g.output
             .iter()
             .map(|o| {

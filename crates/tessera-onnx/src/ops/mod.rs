@@ -5,6 +5,7 @@
 mod attention;
 mod control;
 mod elementwise;
+mod gelu;
 mod grid_sample;
 mod more;
 mod nn;
@@ -52,8 +53,12 @@ pub fn is_supported(domain: &str, op_type: &str) -> bool {
 
 /// Converts `nodes` in order, each output name bound to its value in
 /// `ctx.values` (a subgraph's nodes see the enclosing graphs' values).
-pub fn convert_nodes(ctx: &mut Ctx, nodes: &[NodeProto]) -> Result<()> {
+pub fn convert_nodes(ctx: &mut Ctx, nodes: &[NodeProto], outputs: &[String]) -> Result<()> {
+    let plans = gelu::plan(ctx, nodes, outputs);
     for (i, node) in nodes.iter().enumerate() {
+        if plans[i] == gelu::Plan::Skip {
+            continue;
+        }
         let label = if node.name.is_empty() {
             format!("#{i}")
         } else {
@@ -61,7 +66,12 @@ pub fn convert_nodes(ctx: &mut Ctx, nodes: &[NodeProto]) -> Result<()> {
         };
         let file = ctx.file.clone();
         let mut inputs = Vec::with_capacity(node.input.len());
-        for name in &node.input {
+        // A recognised chain's end reads only its `x`.
+        let reads: &[String] = match plans[i] {
+            gelu::Plan::Gelu(_) => &[],
+            _ => &node.input,
+        };
+        for name in reads {
             if name.is_empty() {
                 inputs.push(None);
                 continue;
@@ -92,7 +102,17 @@ pub fn convert_nodes(ctx: &mut Ctx, nodes: &[NodeProto]) -> Result<()> {
             location: Some(loc.clone()),
             hints: None,
         };
-        let outs = convert(ctx).map_err(|e| {
+        let converted = match &plans[i] {
+            gelu::Plan::Gelu(x) => match ctx.values.get(x).cloned() {
+                Some(v) => ctx
+                    .materialise(&v)
+                    .and_then(|x| ctx.unary(tessera::ir::UnaryOp::Gelu, x))
+                    .map(|y| vec![Val::node(y)]),
+                None => convert(ctx),
+            },
+            _ => convert(ctx),
+        };
+        let outs = converted.map_err(|e| {
             let e = e.with_context(&format!("node {label}"));
             if e.location.is_some() {
                 e
