@@ -427,3 +427,129 @@ fn the_exported_gelu_chain_becomes_one_gelu() {
         );
     }
 }
+
+/// Single-node models with inputs of the wrong rank or attributes out of
+/// range: each import is an error naming the op and the node, never a
+/// panic.
+#[test]
+fn malformed_nodes_are_errors_not_panics() {
+    let x = || vec![value("x", FLOAT, &[D::Size(2), D::Size(3)])];
+    let y = || vec![value("y", FLOAT, &[D::Size(2), D::Size(3)])];
+    let cases: Vec<(&str, Vec<u8>)> = vec![
+        (
+            "LSTM",
+            model(
+                17,
+                vec![node(
+                    "LSTM",
+                    &["x", "x", "x"],
+                    &["y"],
+                    vec![attr_int("hidden_size", 3)],
+                )],
+                x(),
+                y(),
+                vec![],
+            ),
+        ),
+        (
+            "GRU",
+            model(
+                17,
+                vec![node("GRU", &["x", "x", "x"], &["y"], vec![])],
+                x(),
+                y(),
+                vec![],
+            ),
+        ),
+        (
+            "GridSample",
+            model(
+                17,
+                vec![node("GridSample", &["x", "x"], &["y"], vec![])],
+                x(),
+                y(),
+                vec![],
+            ),
+        ),
+        (
+            "RotaryEmbedding",
+            model(
+                23,
+                vec![node("RotaryEmbedding", &["x", "x", "x"], &["y"], vec![])],
+                x(),
+                y(),
+                vec![],
+            ),
+        ),
+        (
+            "InstanceNormalization",
+            model(
+                17,
+                vec![node(
+                    "InstanceNormalization",
+                    &["x", "s", "s"],
+                    &["y"],
+                    vec![],
+                )],
+                vec![value("x", FLOAT, &[D::Size(1), D::Size(2), D::Size(3)])],
+                y(),
+                vec![f32_tensor("s", &[], &[1.0])],
+            ),
+        ),
+        (
+            "Transpose",
+            model(
+                17,
+                vec![node(
+                    "Transpose",
+                    &["x"],
+                    &["y"],
+                    vec![attr_ints("perm", &[0, 5])],
+                )],
+                x(),
+                y(),
+                vec![],
+            ),
+        ),
+        (
+            "Softmax",
+            model(
+                17,
+                vec![node("Softmax", &["x"], &["y"], vec![attr_int("axis", 7)])],
+                x(),
+                y(),
+                vec![],
+            ),
+        ),
+        (
+            "Attention",
+            model(
+                23,
+                vec![node("Attention", &["x", "x", "x"], &["y"], vec![])],
+                x(),
+                y(),
+                vec![],
+            ),
+        ),
+        (
+            "DFT",
+            model(
+                20,
+                vec![node("DFT", &["x"], &["y"], vec![])],
+                x(),
+                y(),
+                vec![],
+            ),
+        ),
+    ];
+    for (op, bytes) in cases {
+        let m = Model::from_bytes(&bytes, "bad.onnx").unwrap();
+        let e = import(&m, &ImportOptions::default()).expect_err(op);
+        let msg = e.to_string();
+        assert!(
+            msg.contains(op) && msg.contains("bad.onnx:1"),
+            "{op}: {msg}"
+        );
+        assert!(!msg.contains("internal error"), "{op}: {msg}");
+    }
+}

@@ -82,8 +82,11 @@ pub(super) fn grid_sample(c: &mut Ctx) -> Result<Vec<Val>> {
     let (x, grid) = (c.x(0)?, c.x(1)?);
     let xd = c.concrete(x, "GridSample")?;
     let gd = c.concrete(grid, "GridSample")?;
+    if xd.len() < 3 {
+        return Err(c.bad(format!("needs [N, C, D…], got {}", c.ty(x))));
+    }
     let k = xd.len() - 2;
-    if xd.len() < 3 || gd.len() != k + 2 || gd[k + 1] != k || gd[0] != xd[0] {
+    if gd.len() != k + 2 || gd[k + 1] != k || gd[0] != xd[0] {
         return Err(c.bad(format!("input {:?} and grid {:?}", xd, gd)));
     }
     let mode = match c

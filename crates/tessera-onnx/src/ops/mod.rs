@@ -146,10 +146,25 @@ pub fn convert_nodes(ctx: &mut Ctx, nodes: &[NodeProto], outputs: &[String]) -> 
     Ok(())
 }
 
-/// Converts the context's current node.
+/// Converts the context's current node. A panic in a mapping (a bug: each
+/// checks its inputs) comes back as an error naming the op, never as a
+/// crash of the caller.
 pub fn convert(ctx: &mut Ctx) -> Result<Vec<Val>> {
     let f = converter(&ctx.node.op_type).expect("unsupported ops are refused before converting");
-    f(ctx)
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(ctx))) {
+        Ok(r) => r,
+        Err(p) => {
+            let msg = p
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_default();
+            Err(ctx.err(
+                ErrorKind::Verify,
+                format!("internal error in tessera-onnx's mapping (a bug): {msg}"),
+            ))
+        }
+    }
 }
 
 /// One output.

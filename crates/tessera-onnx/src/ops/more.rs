@@ -369,6 +369,9 @@ fn rotary(c: &mut Ctx) -> Result<Vec<Val>> {
     let x = c.x(0)?;
     let (mut cos, mut sin) = (c.x(1)?, c.x(2)?);
     let xd = c.concrete(x, "RotaryEmbedding")?;
+    if !(xd.len() == 3 || xd.len() == 4) {
+        return Err(c.bad(format!("needs a 3-D or 4-D input, got {}", c.ty(x))));
+    }
     let four = xd.len() == 4;
     // To [B, S, H, D].
     let y = if four {

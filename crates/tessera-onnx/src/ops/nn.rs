@@ -165,6 +165,9 @@ fn rms_norm(c: &mut Ctx) -> Result<Vec<Val>> {
 
 /// Scale and bias of shape `[C]` broadcast over `[N, C, …]`.
 fn per_channel(c: &mut Ctx, v: NodeId, rank: usize) -> Result<NodeId> {
+    if c.rank(v) != 1 {
+        return Err(c.bad(format!("a per-channel scale or bias of {}", c.ty(v))));
+    }
     let mut dims = vec![Dim::Const(1); rank];
     dims[1] = c.dims(v)[0].clone();
     c.reshape(v, dims)

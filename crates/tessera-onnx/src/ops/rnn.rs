@@ -107,6 +107,14 @@ fn cell(c: &mut Ctx, kind: Cell) -> Result<Vec<Val>> {
         x = c.permute(x, vec![1, 0, 2])?;
     }
     let xd = c.concrete(x, "a recurrent layer")?;
+    if xd.len() != 3 || c.rank(w) != 3 || c.rank(r) != 3 {
+        return Err(c.bad(format!(
+            "X, W, R must be 3-D, got {}, {}, {}",
+            c.ty(x),
+            c.ty(w),
+            c.ty(r)
+        )));
+    }
     let (seq, batch) = (xd[0], xd[1]);
     if c.has_input(4) {
         let lens = lit_ints(&c.literal_of(4, "sequence_lens")?);
@@ -119,6 +127,21 @@ fn cell(c: &mut Ctx, kind: Cell) -> Result<Vec<Val>> {
     let peep = if kind == Cell::Lstm { opt(c, 7)? } else { None };
     let wd = c.concrete(w, "W")?;
     let hidden = wd[1] / gates;
+    let rdims = c.concrete(r, "R")?;
+    let n_dirs = if c.attr_s("direction", "forward") == "bidirectional" {
+        2
+    } else {
+        1
+    };
+    if hidden == 0
+        || wd != [n_dirs, gates * hidden, xd[2]]
+        || rdims != [n_dirs, gates * hidden, hidden]
+    {
+        return Err(c.bad(format!(
+            "W {:?} and R {:?} for X {:?}, {n_dirs} direction(s) and {gates} gate(s)",
+            wd, rdims, xd
+        )));
+    }
     let direction = c.attr_s("direction", "forward");
     let dirs: Vec<bool> = match direction.as_str() {
         "forward" => vec![false],
