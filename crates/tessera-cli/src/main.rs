@@ -1,5 +1,5 @@
-//! The `tessera` command: runs or inspects a graph file (the IR's text form),
-//! trains a small model end to end (`tessera train`), or times a GPT
+//! The `tessera` command: runs or inspects a model (a graph file in the
+//! IR's text form, or an ONNX model), trains a small model end to end (`tessera train`), or times a GPT
 //! training step (`tessera bench gpt`).
 //!
 //! Every failure on bad input is one line on stderr (`error: …`) and a
@@ -7,6 +7,7 @@
 
 mod bench;
 mod device;
+mod model;
 mod seed_table;
 
 use std::path::{Path, PathBuf};
@@ -15,6 +16,7 @@ use std::time::Instant;
 
 use anyhow::{anyhow, bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
+use tessera::compile::{compile_graph, CompileOptions};
 use tessera::ir::text;
 use tessera::ir::EvalError;
 use tessera::passes::{PassContext, PassManager};
@@ -37,10 +39,12 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Run a graph on .npy inputs and write each output as DIR/<name>.npy.
+    /// Run a graph file (.tir) or an ONNX model (.onnx) on .npy inputs and
+    /// write each output as DIR/<name>.npy.
     Run(RunArgs),
-    /// Print a graph and a summary: node count by op, inputs, outputs;
-    /// with --passes, the graph after those passes and what each changed.
+    /// Print a graph (a .tir file or an imported .onnx model) and a
+    /// summary: node count by op, inputs, outputs; with --passes, the graph
+    /// after those passes and what each changed.
     Inspect(InspectArgs),
     /// The seed experiment: sliced attention, eager and compiled, with and
     /// without context hints: working memory, time, compile time, error.
@@ -56,7 +60,7 @@ enum Command {
 
 #[derive(Args)]
 struct InspectArgs {
-    /// The graph file (text form).
+    /// The graph file (text form) or ONNX model (.onnx).
     graph: PathBuf,
     /// Optimise the graph first with these passes, run to a fixed point:
     /// comma-separated names, `default` for the default pipeline (e.g.
@@ -75,7 +79,7 @@ struct InspectArgs {
 
 #[derive(Args)]
 struct RunArgs {
-    /// The graph file (text form).
+    /// The graph file (text form) or ONNX model (.onnx).
     graph: PathBuf,
     /// A graph input read from a .npy file; repeat for each input.
     #[arg(long = "input", value_name = "NAME=FILE", value_parser = parse_input)]
@@ -90,6 +94,22 @@ struct RunArgs {
     /// cpu or cuda: where the inputs are moved and the graph runs.
     #[arg(long, default_value = "cpu")]
     device: String,
+    /// Run node by node through the interpreter (the default for .tir
+    /// files; an ONNX model is compiled unless this is given).
+    #[arg(long, conflicts_with = "compile")]
+    interpret: bool,
+    /// Compile the graph (passes, fusion, hints, schedule, memory plan)
+    /// and run the executable (the default for an ONNX model).
+    #[arg(long)]
+    compile: bool,
+    /// Run in this float type: f32 values (inputs, weights, constants)
+    /// become bf16, f16 or f64 (outputs in bf16 are written as f32).
+    #[arg(long, value_name = "DTYPE")]
+    dtype: Option<String>,
+    /// After the first run, time N more: print the median and mean
+    /// latency and the peak memory of the device.
+    #[arg(long, value_name = "N")]
+    bench: Option<usize>,
 }
 
 fn parse_input(arg: &str) -> Result<(String, PathBuf), String> {
@@ -170,31 +190,93 @@ fn report_panics_on_one_line() {
 }
 
 fn run(args: &RunArgs) -> Result<()> {
-    let graph = load_graph(&args.graph)?;
     let mut named = load_inputs(&args.inputs)?;
+    let loaded = model::load(&args.graph, &named)?;
+    let mut graph = loaded.graph;
+    named.extend(loaded.params);
     if let Some(seed) = args.random_inputs {
         add_random_inputs(&graph, &mut named, seed)?;
+    }
+    if let Some(name) = &args.dtype {
+        let dtype: DType = name
+            .parse()
+            .map_err(|_| anyhow!("--dtype `{name}`: expected f32, f64, bf16 or f16"))?;
+        if !dtype.is_float() {
+            bail!("--dtype `{name}`: expected a float type (f32, f64, bf16 or f16)");
+        }
+        graph = tessera_onnx::convert_float_dtype(&graph, DType::F32, dtype)?;
+        for (_, t) in named.iter_mut() {
+            if t.dtype() == DType::F32 {
+                *t = t.try_cast(dtype)?;
+            }
+        }
     }
     let on = device::open(&args.device)?;
     let inputs = interpret::inputs_by_name(&graph, named)?
         .iter()
         .map(|t| t.to(on))
         .collect::<tessera::Result<Vec<Tensor>>>()?;
+    let compiled = if args.compile || (loaded.onnx && !args.interpret) {
+        Some(compile_graph(graph.clone(), CompileOptions::default())?)
+    } else {
+        None
+    };
+    let names: Vec<String> = graph.outputs.iter().map(|o| o.name.clone()).collect();
+    let run_once = || -> Result<Vec<Tensor>> {
+        let outs = match &compiled {
+            Some(c) => c.try_call(&inputs)?,
+            None => interpret::run_graph(&graph, &inputs)?
+                .into_iter()
+                .map(|(_, t)| t)
+                .collect(),
+        };
+        tessera::runtime::device::synchronize(on)?;
+        Ok(outs)
+    };
     let start = Instant::now();
-    let outputs = interpret::run_graph(&graph, &inputs)?;
-    tessera::runtime::device::synchronize(on)?;
+    let outputs = run_once()?;
     let elapsed = start.elapsed();
-    write_outputs(&args.output_dir, &outputs)?;
+    let how = if compiled.is_some() {
+        "compiled"
+    } else {
+        "interpreted"
+    };
     println!(
-        "ran graph `{}` in {:.3} ms",
+        "ran graph `{}` ({how}) in {:.3} ms",
         graph.name,
         elapsed.as_secs_f64() * 1e3
     );
+    if let Some(n) = args.bench {
+        if n == 0 {
+            bail!("--bench needs at least 1 run");
+        }
+        tessera::runtime::device::reset_peak(on)?;
+        let mut times = Vec::with_capacity(n);
+        for _ in 0..n {
+            let t = Instant::now();
+            drop(run_once()?);
+            times.push(t.elapsed().as_secs_f64() * 1e3);
+        }
+        let peak = tessera::runtime::device::memory_stats(on)?.peak_bytes;
+        let mean = times.iter().sum::<f64>() / n as f64;
+        times.sort_by(f64::total_cmp);
+        println!(
+            "bench ({how}, {n} runs on {}): median {:.3} ms, mean {mean:.3} ms, min {:.3} ms; peak memory {:.2} MiB",
+            args.device,
+            times[n / 2],
+            times[0],
+            peak as f64 / (1024.0 * 1024.0)
+        );
+    }
+    let outputs: Vec<(String, Tensor)> = names.into_iter().zip(outputs).collect();
+    write_outputs(&args.output_dir, &outputs)?;
     Ok(())
 }
 
 fn inspect(args: &InspectArgs) -> Result<()> {
-    let mut graph = load_graph(&args.graph)?;
+    let loaded = model::load(&args.graph, &[])?;
+    let mut graph = loaded.graph;
+    let params: Vec<String> = loaded.params.iter().map(|(n, _)| n.clone()).collect();
     let optimised = match &args.passes {
         Some(spec) => Some(optimise(&mut graph, spec, args)?),
         None => None,
@@ -207,7 +289,13 @@ fn inspect(args: &InspectArgs) -> Result<()> {
     }
     println!("inputs:");
     for &id in &graph.inputs {
-        println!("  {}: {}", graph.display_name(id), graph.node(id).ty);
+        let name = graph.display_name(id);
+        let note = if params.contains(&name) {
+            "  (weight)"
+        } else {
+            ""
+        };
+        println!("  {name}: {}{note}", graph.node(id).ty);
     }
     println!("outputs:");
     for out in &graph.outputs {
@@ -269,7 +357,7 @@ fn op_counts(graph: &Graph) -> Vec<(&'static str, usize)> {
 }
 
 /// Reads, parses and verifies a graph file.
-fn load_graph(path: &Path) -> Result<Graph> {
+pub(crate) fn load_graph(path: &Path) -> Result<Graph> {
     let src = std::fs::read_to_string(path).map_err(|e| anyhow!("{}: {e}", path.display()))?;
     let graph = text::parse(&src).map_err(|e| anyhow!(in_file(path, &e)))?;
     graph

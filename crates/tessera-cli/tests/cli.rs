@@ -73,7 +73,10 @@ fn run_writes_each_output_as_npy() {
     assert!(out.status.success(), "{}", stderr(&out));
     let text = stdout(&out);
     assert!(text.contains("y  f32[2,3,2]"), "{text}");
-    assert!(text.contains("ran graph `moves` in "), "{text}");
+    assert!(
+        text.contains("ran graph `moves` (interpreted) in "),
+        "{text}"
+    );
     let y = tessera::io::read_npy(dir.path().join("out/y.npy")).unwrap();
     assert_eq!(y.shape(), &[2, 3, 2]);
     assert_eq!(
@@ -479,4 +482,163 @@ fn full_of_a_million_by_a_million_is_out_of_memory_not_an_abort() {
         "{err}"
     );
     assert!(!err.contains("internal error"), "{err}");
+}
+
+/// A small ONNX model with a dynamic batch: y = relu(x @ w) (w: 4x20, a
+/// weight the model carries), and `t`, the transposed input.
+fn onnx_model(dir: &Path) {
+    use tessera_onnx::build::{f32_tensor, model, node, value, D};
+    use tessera_onnx::proto::data_type::FLOAT;
+    let w: Vec<f32> = (0..80).map(|i| (i % 7) as f32 - 3.0).collect();
+    let bytes = model(
+        17,
+        vec![
+            node("MatMul", &["x", "w"], &["h"], vec![]),
+            node("Relu", &["h"], &["y"], vec![]),
+            node("Transpose", &["x"], &["t"], vec![]),
+        ],
+        vec![value("x", FLOAT, &[D::Param("batch"), D::Size(4)])],
+        vec![
+            value("y", FLOAT, &[D::Param("batch"), D::Size(20)]),
+            value("t", FLOAT, &[D::Size(4), D::Param("batch")]),
+        ],
+        vec![f32_tensor("w", &[4, 20], &w)],
+    );
+    std::fs::write(dir.join("m.onnx"), bytes).unwrap();
+}
+
+#[test]
+fn run_and_inspect_read_onnx_models() {
+    let dir = tempfile::tempdir().unwrap();
+    onnx_model(dir.path());
+    let x = Tensor::from_vec((0..12).map(|v| v as f32 - 5.0).collect(), &[3, 4]);
+    tessera::io::write_npy(dir.path().join("x.npy"), &x).unwrap();
+    let mut results = Vec::new();
+    for mode in [&[][..], &["--interpret"][..], &["--bench", "2"][..]] {
+        let mut args = vec!["run", "m.onnx", "--input", "x=x.npy", "--output-dir", "out"];
+        args.extend(mode);
+        let out = tessera(&args, dir.path());
+        assert!(out.status.success(), "{}", stderr(&out));
+        let text = stdout(&out);
+        let how = if mode.contains(&"--interpret") {
+            "interpreted"
+        } else {
+            "compiled"
+        };
+        assert!(text.contains(&format!("ran graph `g` ({how})")), "{text}");
+        assert!(
+            text.contains("y  f32[3,20]") && text.contains("t  f32[4,3]"),
+            "{text}"
+        );
+        if mode.contains(&"--bench") {
+            assert!(
+                text.contains("median") && text.contains("peak memory"),
+                "{text}"
+            );
+        }
+        results.push(
+            tessera::io::read_npy(dir.path().join("out/y.npy"))
+                .unwrap()
+                .to_vec::<f32>()
+                .unwrap(),
+        );
+    }
+    let xv = x.to_vec::<f32>().unwrap();
+    let want: Vec<f32> = (0..3)
+        .flat_map(|r| {
+            let xv = &xv;
+            (0..20).map(move |j| {
+                (0..4)
+                    .map(|k| xv[r * 4 + k] * (((k * 20 + j) % 7) as f32 - 3.0))
+                    .sum::<f32>()
+                    .max(0.0)
+            })
+        })
+        .collect();
+    for got in &results {
+        assert_eq!(got, &want);
+    }
+    // In bf16 (compiled, and interpreted): written as f32, within bf16
+    // rounding.
+    let out = tessera(
+        &[
+            "run",
+            "m.onnx",
+            "--input",
+            "x=x.npy",
+            "--output-dir",
+            "o16",
+            "--dtype",
+            "bf16",
+        ],
+        dir.path(),
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(stdout(&out).contains("y  bf16[3,20]"), "{}", stdout(&out));
+    let y16 = tessera::io::read_npy(dir.path().join("o16/y.npy"))
+        .unwrap()
+        .to_vec::<f32>()
+        .unwrap();
+    for (a, b) in y16.iter().zip(&want) {
+        assert!((a - b).abs() <= 0.02 * b.abs().max(1.0), "{a} vs {b}");
+    }
+    let out = tessera(
+        &[
+            "run",
+            "m.onnx",
+            "--input",
+            "x=x.npy",
+            "--output-dir",
+            "o16i",
+            "--dtype",
+            "bf16",
+            "--interpret",
+        ],
+        dir.path(),
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    let y16i = tessera::io::read_npy(dir.path().join("o16i/y.npy"))
+        .unwrap()
+        .to_vec::<f32>()
+        .unwrap();
+    assert_eq!(y16i, y16);
+    let out = tessera(&["inspect", "m.onnx"], dir.path());
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = stdout(&out);
+    assert!(text.contains("x: f32[batch,4]"), "{text}");
+    assert!(text.contains("w: f32[4,20]  (weight)"), "{text}");
+    let out = tessera(&["inspect", "m.onnx", "--passes", "default"], dir.path());
+    assert!(out.status.success(), "{}", stderr(&out));
+    // .tir files take the compiled path too.
+    write_graph(dir.path(), &movement_graph());
+    let x6 = Tensor::from_vec((0..12).map(|v| v as f32).collect(), &[2, 6]);
+    tessera::io::write_npy(dir.path().join("x6.npy"), &x6).unwrap();
+    let out = tessera(
+        &[
+            "run",
+            "g.tir",
+            "--input",
+            "x=x6.npy",
+            "--output-dir",
+            "o",
+            "--compile",
+        ],
+        dir.path(),
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(stdout(&out).contains("(compiled)"), "{}", stdout(&out));
+}
+
+#[test]
+fn onnx_errors_are_one_line() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("bad.onnx"), b"not protobuf at all").unwrap();
+    let err = assert_one_line_error(&tessera(&["inspect", "bad.onnx"], dir.path()));
+    assert!(err.contains("not an ONNX model"), "{err}");
+    onnx_model(dir.path());
+    let err = assert_one_line_error(&tessera(
+        &["run", "m.onnx", "--random-inputs", "1", "--output-dir", "o"],
+        dir.path(),
+    ));
+    assert!(err.contains("input `x` has type f32[batch,4]"), "{err}");
 }

@@ -157,7 +157,8 @@ pub fn view_layout(op: &Op, input: (&Layout, DType, usize), out_shape: &[usize])
 /// output (`inputs`: each input's layout, dtype and storage element count).
 /// Softmax makes a dense copy of a strided input, a reduction one of an
 /// input too strided to fold in place; f16/bf16 matmul widens both operands
-/// (broadcast dims stay compact) and its result to f32; `index_add` and
+/// (broadcast dims stay compact) and its result to f32, each piece 64-byte
+/// aligned as the arena places it; `index_add` and
 /// `scatter_add` copy a strided index or source.
 pub fn scratch_bytes(op: &Op, inputs: &[(&Layout, DType, usize)], out_shape: &[usize]) -> usize {
     match op {
@@ -183,7 +184,11 @@ pub fn scratch_bytes(op: &Op, inputs: &[(&Layout, DType, usize)], out_shape: &[u
                     .product()
             };
             let out: usize = out_shape.iter().product();
-            (compact(inputs[0].0) + compact(inputs[1].0) + out) * 4
+            // Three f32 pieces, each 64-byte aligned in the scratch region.
+            [compact(inputs[0].0), compact(inputs[1].0), out]
+                .iter()
+                .map(|n| (n * 4).div_ceil(64) * 64)
+                .sum()
         }
         _ => 0,
     }

@@ -1,0 +1,259 @@
+//! Running the ONNX project's backend test cases (a folder holding
+//! `model.onnx` and `test_data_set_N/{input,output}_M.pb`) through the
+//! reader, the interpreter and the compiler, and comparing with the
+//! expected outputs: what `tests/onnx_backend.rs` and
+//! `tessera onnx-test` share.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use tessera::compile::{compile_graph, CompileOptions};
+use tessera::ir::Literal;
+use tessera::runtime::device::Device;
+use tessera::tensor::interpret::run_graph;
+use tessera::{Error, ErrorKind, Tensor};
+
+use crate::{decode_tensor, import, read_literal, ImportOptions, Model};
+
+/// How one case ended.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Outcome {
+    /// Interpreted and compiled outputs equal the expected ones.
+    Pass,
+    /// Op types without a mapping (the first error's list).
+    UnsupportedOps(Vec<String>),
+    /// An input, output or value of an element type tessera lacks.
+    UnsupportedType(String),
+    /// Anything else: a wrong value, an error, a panic.
+    Fail(String),
+}
+
+/// Tolerances of the comparison: |got − want| ≤ atol + rtol·|want|
+/// (the ONNX backend test's defaults for node cases).
+pub const RTOL: f64 = 1e-3;
+pub const ATOL: f64 = 1e-7;
+
+/// The test case folders under `root/<kind>/`, sorted.
+pub fn cases(root: &Path, kind: &str) -> Vec<PathBuf> {
+    let mut out: Vec<PathBuf> = std::fs::read_dir(root.join(kind))
+        .map(|d| {
+            d.flatten()
+                .map(|e| e.path())
+                .filter(|p| p.join("model.onnx").is_file())
+                .collect()
+        })
+        .unwrap_or_default();
+    out.sort();
+    out
+}
+
+fn read_pb(path: &Path) -> Result<Literal, Error> {
+    let bytes = std::fs::read(path).map_err(|e| Error::io(format!("{}: {e}", path.display())))?;
+    let what = path.display().to_string();
+    read_literal(&decode_tensor(&bytes, &what)?, None, &what)
+}
+
+fn data_files(dir: &Path, prefix: &str) -> Vec<PathBuf> {
+    let mut v: Vec<(usize, PathBuf)> = std::fs::read_dir(dir)
+        .map(|d| {
+            d.flatten()
+                .filter_map(|e| {
+                    let name = e.file_name().to_string_lossy().into_owned();
+                    let n = name
+                        .strip_prefix(prefix)?
+                        .strip_suffix(".pb")?
+                        .parse()
+                        .ok()?;
+                    Some((n, e.path()))
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    v.sort();
+    v.into_iter().map(|(_, p)| p).collect()
+}
+
+/// Runs one case folder: every data set, interpreted and compiled, with
+/// the inputs (and weights) on `device`.
+pub fn run_case(dir: &Path, device: Device) -> Outcome {
+    match std::panic::catch_unwind(|| run_case_inner(dir, device)) {
+        Ok(o) => o,
+        Err(p) => {
+            let msg = p
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_default();
+            Outcome::Fail(format!("panic: {msg}"))
+        }
+    }
+}
+
+fn unsupported_type(e: &Error) -> bool {
+    e.kind == ErrorKind::Unsupported && e.message.contains("which tessera does not have")
+}
+
+fn run_case_inner(dir: &Path, device: Device) -> Outcome {
+    let model = match Model::load(dir.join("model.onnx")) {
+        Ok(m) => m,
+        Err(e) => return Outcome::Fail(e.to_string()),
+    };
+    let unsupported = model.unsupported_ops();
+    if !unsupported.is_empty() {
+        return Outcome::UnsupportedOps(unsupported.into_iter().map(|(op, _)| op).collect());
+    }
+    let graph = model.proto.graph.as_ref().expect("parsed");
+    for vi in graph.input.iter().chain(&graph.output) {
+        use crate::proto::type_proto::Value;
+        let kind = match vi.r#type.as_ref().and_then(|t| t.value.as_ref()) {
+            Some(Value::SequenceType(_)) => "sequence",
+            Some(Value::OptionalType(_)) => "optional",
+            Some(Value::MapType(_)) => "map",
+            Some(Value::SparseTensorType(_)) => "sparse tensor",
+            _ => continue,
+        };
+        return Outcome::UnsupportedType(format!("element type {kind} (`{}`)", vi.name));
+    }
+    // Data set inputs are the graph inputs that have no initializer.
+    let initialised: Vec<&str> = graph.initializer.iter().map(|t| t.name.as_str()).collect();
+    let input_names: Vec<String> = graph
+        .input
+        .iter()
+        .filter(|i| !initialised.contains(&i.name.as_str()))
+        .map(|i| i.name.clone())
+        .collect();
+    let mut sets: Vec<PathBuf> = std::fs::read_dir(dir)
+        .map(|d| {
+            d.flatten()
+                .map(|e| e.path())
+                .filter(|p| {
+                    p.is_dir()
+                        && p.file_name()
+                            .is_some_and(|n| n.to_string_lossy().starts_with("test_data_set_"))
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    sets.sort();
+    if sets.is_empty() {
+        return Outcome::Fail("no test data set".into());
+    }
+    for set in sets {
+        let mut inputs = Vec::new();
+        for p in data_files(&set, "input_") {
+            match read_pb(&p) {
+                Ok(l) => inputs.push(l),
+                Err(e) if unsupported_type(&e) => return Outcome::UnsupportedType(e.message),
+                Err(e) => return Outcome::Fail(e.to_string()),
+            }
+        }
+        let mut expected = Vec::new();
+        for p in data_files(&set, "output_") {
+            match read_pb(&p) {
+                Ok(l) => expected.push(l),
+                Err(e) if unsupported_type(&e) => return Outcome::UnsupportedType(e.message),
+                Err(e) => return Outcome::Fail(e.to_string()),
+            }
+        }
+        if inputs.len() != input_names.len() {
+            return Outcome::Fail(format!(
+                "{} input files for {} graph inputs",
+                inputs.len(),
+                input_names.len()
+            ));
+        }
+        let known: HashMap<String, Literal> = input_names
+            .iter()
+            .cloned()
+            .zip(inputs.iter().cloned())
+            .collect();
+        let options = ImportOptions {
+            known_inputs: known,
+            ..ImportOptions::default()
+        };
+        let imported = match import(&model, &options) {
+            Ok(i) => i,
+            Err(e) if unsupported_type(&e) => return Outcome::UnsupportedType(e.message),
+            // Training-only behaviour (a random dropout mask).
+            Err(e) if e.kind == ErrorKind::Unsupported && e.message.contains("training mode") => {
+                let op = e.op.clone().unwrap_or_default();
+                return Outcome::UnsupportedOps(vec![format!("{op} (training mode)")]);
+            }
+            Err(e) => return Outcome::Fail(format!("import: {e}")),
+        };
+        let named: Vec<(String, Tensor)> = input_names
+            .iter()
+            .cloned()
+            .zip(inputs.into_iter().map(Tensor::from_literal))
+            .collect();
+        let args = match imported.inputs(named).and_then(|a| {
+            a.iter()
+                .map(|t| t.to(device))
+                .collect::<Result<Vec<_>, _>>()
+        }) {
+            Ok(a) => a,
+            Err(e) => return Outcome::Fail(format!("inputs: {e}")),
+        };
+        let interpreted = match run_graph(&imported.graph, &args) {
+            Ok(o) => o.into_iter().map(|(_, t)| t).collect::<Vec<_>>(),
+            Err(e) => return Outcome::Fail(format!("interpreted: {e}")),
+        };
+        if let Some(msg) = compare(&interpreted, &expected) {
+            return Outcome::Fail(format!("interpreted: {msg}"));
+        }
+        let compiled = match compile_graph(imported.graph.clone(), CompileOptions::default())
+            .and_then(|g| {
+                let out = g.try_call(&args)?;
+                let stats = g.stats();
+                if stats.eager_calls > 0 || stats.compiles != 1 {
+                    return Err(Error::new(
+                        ErrorKind::Verify,
+                        format!("the call was not compiled: {stats:?}"),
+                    ));
+                }
+                Ok(out)
+            }) {
+            Ok(o) => o,
+            Err(e) => return Outcome::Fail(format!("compiled: {e}")),
+        };
+        if let Some(msg) = compare(&compiled, &expected) {
+            return Outcome::Fail(format!("compiled: {msg}"));
+        }
+    }
+    Outcome::Pass
+}
+
+/// The first difference between outputs and expected values, if any.
+pub fn compare(got: &[Tensor], want: &[Literal]) -> Option<String> {
+    if got.len() != want.len() {
+        return Some(format!("{} outputs, expected {}", got.len(), want.len()));
+    }
+    for (k, (g, w)) in got.iter().zip(want).enumerate() {
+        if g.dtype() != w.dtype || g.shape() != w.shape.as_slice() {
+            return Some(format!(
+                "output {k} is {}, expected {}{:?}",
+                g.ty(),
+                w.dtype,
+                w.shape
+            ));
+        }
+        let host = match g.to(tessera::runtime::device::Device::Cpu) {
+            Ok(h) => h,
+            Err(e) => return Some(format!("output {k}: {e}")),
+        };
+        let gv = host.to_f64_vec();
+        let wv = crate::builder::lit_floats(w);
+        let exact = !w.dtype.is_float();
+        for (i, (a, b)) in gv.iter().zip(&wv).enumerate() {
+            let ok = if exact {
+                a == b
+            } else {
+                (a.is_nan() && b.is_nan()) || a == b || (a - b).abs() <= ATOL + RTOL * b.abs()
+            };
+            if !ok {
+                return Some(format!("output {k}[{i}] = {a}, expected {b}"));
+            }
+        }
+    }
+    None
+}
