@@ -89,11 +89,13 @@ fn pair(v: &Value) -> [usize; 2] {
 }
 
 fn conv_options(p: &Value) -> ConvOptions {
-    let mut o = ConvOptions::default();
-    o.stride = pair(&p["stride"]);
-    o.dilation = pair(&p["dilation"]);
-    o.groups = p["groups"].as_u64().unwrap() as usize;
-    o = match &p["padding"] {
+    let o = ConvOptions {
+        stride: pair(&p["stride"]),
+        dilation: pair(&p["dilation"]),
+        groups: p["groups"].as_u64().unwrap() as usize,
+        ..ConvOptions::default()
+    };
+    let mut o = match &p["padding"] {
         Value::String(s) if s == "same" => o.same(),
         Value::String(s) if s == "valid" => o.valid(),
         v => {

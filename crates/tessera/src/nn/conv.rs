@@ -72,7 +72,7 @@ impl Conv2d {
     ) -> Conv2d {
         let g = options.groups;
         assert!(
-            g > 0 && in_channels % g == 0 && out_channels % g == 0,
+            g > 0 && in_channels.is_multiple_of(g) && out_channels.is_multiple_of(g),
             "Conv2d `{name}`: groups ({g}) must divide in_channels ({in_channels}) and out_channels ({out_channels})"
         );
         let shape = [out_channels, in_channels / g, kernel[0], kernel[1]];
@@ -132,7 +132,7 @@ impl Conv1d {
     ) -> Conv1d {
         let g = options.groups;
         assert!(
-            g > 0 && in_channels % g == 0 && out_channels % g == 0,
+            g > 0 && in_channels.is_multiple_of(g) && out_channels.is_multiple_of(g),
             "Conv1d `{name}`: groups ({g}) must divide in_channels ({in_channels}) and out_channels ({out_channels})"
         );
         let shape = [out_channels, in_channels / g, kernel];

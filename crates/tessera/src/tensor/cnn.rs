@@ -534,7 +534,7 @@ impl Tensor {
         if output == [1, 1] {
             return self.try_mean(&[2, 3], true);
         }
-        if h % output[0] == 0 && w % output[1] == 0 {
+        if h.is_multiple_of(output[0]) && w.is_multiple_of(output[1]) {
             let k = [h / output[0], w / output[1]];
             return self.try_avg_pool2d(PoolOptions::hw(k[0], k[1]));
         }
@@ -705,7 +705,11 @@ impl Tensor {
         eps: f64,
     ) -> Result<Tensor> {
         let s = self.shape().to_vec();
-        if s.len() < 2 || num_groups == 0 || s[1] % num_groups != 0 || !self.dtype().is_float() {
+        if s.len() < 2
+            || num_groups == 0
+            || !s[1].is_multiple_of(num_groups)
+            || !self.dtype().is_float()
+        {
             return Err(err(
                 ErrorKind::Shape,
                 "group_norm",
@@ -745,7 +749,7 @@ impl Tensor {
     pub fn try_pad(&self, pad: &[usize], mode: PadMode) -> Result<Tensor> {
         let op = "pad";
         let rank = self.rank();
-        if pad.len() % 2 != 0 || pad.len() / 2 > rank {
+        if !pad.len().is_multiple_of(2) || pad.len() / 2 > rank {
             return Err(err(
                 ErrorKind::Argument,
                 op,
@@ -925,7 +929,7 @@ where
         + std::ops::Div<Output = T>,
     f64: AsT<T>,
 {
-    let t = |v: f64| -> T { v.as_t() };
+    let t = |v: f64| -> T { v.to_t() };
     let mut m = vec![0.0f64; out * len];
     for o in 0..out {
         let src = match align_corners {
@@ -952,17 +956,17 @@ where
 
 /// `f64 as T` for the float types the interpolation weights use.
 trait AsT<T> {
-    fn as_t(self) -> T;
+    fn to_t(self) -> T;
 }
 
 impl AsT<f32> for f64 {
-    fn as_t(self) -> f32 {
+    fn to_t(self) -> f32 {
         self as f32
     }
 }
 
 impl AsT<f64> for f64 {
-    fn as_t(self) -> f64 {
+    fn to_t(self) -> f64 {
         self
     }
 }

@@ -351,7 +351,7 @@ pub fn check_conv(
     let [o, cg, kh, kw] = [0, 1, 2, 3].map(|d| concrete(op, w, d));
     let (o, cg, kh, kw) = (o?, cg?, kh?, kw?);
     let g = conv.groups;
-    if c % g != 0 || o % g != 0 {
+    if !c.is_multiple_of(g) || !o.is_multiple_of(g) {
         return Err(op_err!(
             Shape,
             op,
