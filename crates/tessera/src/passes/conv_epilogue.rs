@@ -9,7 +9,9 @@
 //!   a squeeze of the spatial dims (`reshape(conv)` to `[N, O]` or `[N, O,
 //!   L]` plus `[O]` or `[O, 1]`), which becomes `reshape(conv(x, w, b +
 //!   c))`. The kernel adds the bias to each output it writes, as the add
-//!   did: exact.
+//!   did: exact. A conv that has a bias already gets `b + c`, which
+//!   regroups the sum (`(y + b) + c` against `y + (b + c)`): only under
+//!   [`PassContext::allow_reassociation`].
 //! - **activation**: `relu(conv(…))` becomes the conv with its `relu`
 //!   epilogue: exact.
 //! - **scale** (batch norm folded for inference): `conv(x, w[, b]) · s`,
@@ -60,7 +62,8 @@ pub fn run(graph: &mut Graph, ctx: &PassContext) -> Result<bool> {
             }
             Op::Binary(BinaryOp::Add) => {
                 for (a, c) in [(0, 1), (1, 0)] {
-                    if fold_bias(graph, &mut r, &uses, id, node.inputs[a], node.inputs[c])? {
+                    let at = (id, node.inputs[a], node.inputs[c]);
+                    if fold_bias(graph, &mut r, &uses, ctx, at)? {
                         break;
                     }
                 }
@@ -141,9 +144,8 @@ fn fold_bias(
     g: &mut Graph,
     r: &mut Replacements,
     uses: &[usize],
-    id: NodeId,
-    src: NodeId,
-    c: NodeId,
+    ctx: &PassContext,
+    (id, src, c): (NodeId, NodeId, NodeId),
 ) -> Result<bool> {
     // The conv itself, or a reshape of it that only drops spatial 1s.
     let (conv_src, squeeze) = match &g.node(r.resolve(src)).op {
@@ -174,8 +176,13 @@ fn fold_bias(
             return Ok(false);
         }
     }
-    let flat = flat(g, c, o, id)?;
     let inputs = g.node(conv).inputs.clone();
+    // A second bias is added to the first before the product is: that
+    // regroups the sum.
+    if inputs.len() == 3 && !ctx.allow_reassociation {
+        return Ok(false);
+    }
+    let flat = flat(g, c, o, id)?;
     let bias = match inputs.get(2) {
         Some(&b) => append(g, Op::Binary(BinaryOp::Add), &[b, flat], id)?,
         None => flat,
