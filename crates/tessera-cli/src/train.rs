@@ -1,5 +1,7 @@
-//! `tessera train`: trains a small transformer to reverse digit strings and
-//! writes a checkpoint, the loss curve and a JSON summary.
+//! `tessera train`: trains a small transformer to reverse digit strings
+//! (`--task reverse`, the default) or a small CNN on scikit-learn's 8×8
+//! handwritten digits (`--task digits`), and writes a checkpoint, the loss
+//! curve and a JSON summary.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -8,6 +10,7 @@ use anyhow::{anyhow, Result};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use tessera::DType;
+use tessera_apps::train::digits::{train_digits, DigitsConfig, DigitsProgress, DigitsReport};
 use tessera_apps::train::{train_on, Decay, Execution, Progress, TrainConfig, TrainReport};
 
 /// The defaults of every flag: one place, the library's.
@@ -15,23 +18,37 @@ fn defaults() -> TrainConfig {
     TrainConfig::default()
 }
 
+/// What `tessera train` trains.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum Task {
+    /// A transformer reverses digit strings (self-checking, generated).
+    Reverse,
+    /// A CNN classifies scikit-learn's 8×8 handwritten digits (1,797 real
+    /// images; every sixth held out).
+    Digits,
+}
+
 #[derive(Args)]
 pub struct TrainArgs {
+    /// What to train: `reverse` (a transformer reversing digit strings) or
+    /// `digits` (a CNN on 8×8 handwritten digit images).
+    #[arg(long, value_enum, default_value = "reverse")]
+    task: Task,
     /// Digits per string to reverse (the model reads 2 × digits tokens).
     #[arg(long, default_value_t = defaults().digits)]
     digits: usize,
-    /// Training steps.
-    #[arg(long, default_value_t = defaults().steps)]
-    steps: usize,
-    /// Strings per batch.
-    #[arg(long, default_value_t = defaults().batch)]
-    batch: usize,
-    /// Peak learning rate (AdamW).
-    #[arg(long, default_value_t = defaults().lr)]
-    lr: f64,
-    /// Steps of linear warmup.
-    #[arg(long, default_value_t = defaults().warmup)]
-    warmup: usize,
+    /// Training steps [default: 2000 for reverse, 400 for digits].
+    #[arg(long)]
+    steps: Option<usize>,
+    /// Examples per batch [default: 64 for both tasks].
+    #[arg(long)]
+    batch: Option<usize>,
+    /// Peak learning rate (AdamW) [default: 3e-3 for reverse, 1e-2 for digits].
+    #[arg(long)]
+    lr: Option<f64>,
+    /// Steps of linear warmup [default: 100 for reverse, 20 for digits].
+    #[arg(long)]
+    warmup: Option<usize>,
     /// Decay after warmup: cosine, linear or constant.
     #[arg(long, default_value_t = defaults().decay, value_parser = str::parse::<Decay>)]
     decay: Decay,
@@ -74,9 +91,10 @@ pub struct TrainArgs {
     /// Seeds the initialisation and the training batches.
     #[arg(long, default_value_t = defaults().seed)]
     seed: u64,
-    /// Evaluate on the held-out set every N steps (and after the last).
-    #[arg(long, value_name = "N", default_value_t = defaults().eval_every)]
-    eval_every: usize,
+    /// Evaluate on the held-out set every N steps (and after the last)
+    /// [default: 100 for reverse, 50 for digits].
+    #[arg(long, value_name = "N")]
+    eval_every: Option<usize>,
     /// Strings in the held-out set.
     #[arg(long, default_value_t = defaults().eval_size)]
     eval_size: usize,
@@ -91,12 +109,13 @@ pub struct TrainArgs {
 
 impl TrainArgs {
     fn config(&self) -> TrainConfig {
+        let d = defaults();
         TrainConfig {
             digits: self.digits,
-            steps: self.steps,
-            batch: self.batch,
-            lr: self.lr,
-            warmup: self.warmup,
+            steps: self.steps.unwrap_or(d.steps),
+            batch: self.batch.unwrap_or(d.batch),
+            lr: self.lr.unwrap_or(d.lr),
+            warmup: self.warmup.unwrap_or(d.warmup),
             decay: self.decay,
             final_lr_ratio: self.final_lr_ratio,
             weight_decay: self.weight_decay,
@@ -113,8 +132,31 @@ impl TrainArgs {
             },
             dtype: self.dtype,
             seed: self.seed,
-            eval_every: self.eval_every,
+            eval_every: self.eval_every.unwrap_or(d.eval_every),
             eval_size: self.eval_size,
+            checkpoint: Some(self.out_dir.join("model.safetensors")),
+            plot: Some(self.out_dir.join("loss.png")),
+        }
+    }
+
+    /// The digits task's settings: its own defaults, the shared flags
+    /// (steps, batch, lr, warmup, weight decay, eager, seed, eval every,
+    /// output folder) where given.
+    fn digits_config(&self) -> DigitsConfig {
+        let d = DigitsConfig::default();
+        DigitsConfig {
+            steps: self.steps.unwrap_or(d.steps),
+            batch: self.batch.unwrap_or(d.batch),
+            lr: self.lr.unwrap_or(d.lr),
+            warmup: self.warmup.unwrap_or(d.warmup),
+            weight_decay: d.weight_decay,
+            channels: d.channels,
+            execution: match self.eager {
+                true => Execution::Eager,
+                false => Execution::Compiled,
+            },
+            seed: self.seed,
+            eval_every: self.eval_every.unwrap_or(d.eval_every),
             checkpoint: Some(self.out_dir.join("model.safetensors")),
             plot: Some(self.out_dir.join("loss.png")),
         }
@@ -122,6 +164,9 @@ impl TrainArgs {
 }
 
 pub fn run(args: &TrainArgs) -> Result<()> {
+    if args.task == Task::Digits {
+        return run_digits(args);
+    }
     let config = args.config();
     // Bad flags fail here, before any output or training.
     config.validate()?;
@@ -159,6 +204,97 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     write_summary(&args.out_dir.join("summary.json"), &report)?;
     print_summary(&report, &args.out_dir);
     Ok(())
+}
+
+/// `tessera train --task digits`.
+fn run_digits(args: &TrainArgs) -> Result<()> {
+    if args.dtype != DType::F32 || args.device != "cpu" {
+        return Err(anyhow!(
+            "--task digits trains in f32 on the cpu (got --dtype {}, --device {})",
+            args.dtype,
+            args.device
+        ));
+    }
+    let config = args.digits_config();
+    config.validate()?;
+    let c = &config;
+    println!(
+        "8x8 digits: CNN conv3x3({}) relu maxpool, conv3x3({}) relu maxpool, linear(10); \
+         {} steps of batch {}, lr {} (cosine decay, warmup {}), seed {}, {} f32, on cpu",
+        c.channels[0], c.channels[1], c.steps, c.batch, c.lr, c.warmup, c.seed, c.execution
+    );
+    let bar = progress_bar(c.steps as u64);
+    let mut last_accuracy = None;
+    let report = train_digits(&config, |p| {
+        if let Some(e) = p.eval {
+            last_accuracy = Some(e.accuracy.exact_match);
+            bar.suspend(|| println!("{}", digits_eval_line(p)));
+        }
+        bar.set_position(p.step as u64);
+        let acc = last_accuracy.map_or("-".to_string(), |a| format!("{:.1}%", a * 100.0));
+        bar.set_message(format!(
+            "loss {:.4}  acc {acc}  {:.0} img/s",
+            p.loss, p.images_per_s
+        ));
+    });
+    bar.finish_and_clear();
+    let report = report?;
+    write_json(&args.out_dir.join("summary.json"), &report)?;
+    print_digits_summary(&report, &args.out_dir);
+    Ok(())
+}
+
+fn digits_eval_line(p: &DigitsProgress) -> String {
+    let e = p.eval.expect("called on eval steps");
+    format!(
+        "step {:>5}/{}  loss {:.4}  lr {:.2e}  test accuracy {:6.2}%  {:.0} img/s",
+        e.step,
+        p.steps,
+        p.loss,
+        p.lr,
+        e.accuracy.exact_match * 100.0,
+        p.images_per_s
+    )
+}
+
+fn print_digits_summary(report: &DigitsReport, out_dir: &Path) {
+    println!(
+        "final test accuracy {:.2}% ({} test images, {} training); {} parameters",
+        report.final_accuracy * 100.0,
+        report.test_images,
+        report.train_images,
+        report.num_parameters
+    );
+    println!(
+        "wall time {:.1} s (training {:.1} s, {:.2} ms/step, {:.0} images/s; {} f32)",
+        report.wall_time_s,
+        report.train_time_s,
+        report.ms_per_step,
+        report.images_per_s,
+        report.config.execution
+    );
+    if let Some(c) = &report.compile {
+        println!(
+            "compile: {} compile{} ({} recompile{}) in {:.1} ms",
+            c.compiles,
+            plural(c.compiles),
+            c.recompiles,
+            plural(c.recompiles),
+            c.compile_seconds * 1e3
+        );
+    }
+    println!(
+        "wrote {0}/model.safetensors, {0}/loss.png, {0}/summary.json",
+        out_dir.display()
+    );
+}
+
+fn write_json(path: &Path, report: &DigitsReport) -> Result<()> {
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).map_err(|e| anyhow!("{}: {e}", dir.display()))?;
+    }
+    let json = serde_json::to_string_pretty(report)?;
+    std::fs::write(path, json + "\n").map_err(|e| anyhow!("{}: {e}", path.display()))
 }
 
 /// Drawn on stderr, and only on a terminal: piped output (CI, logs) gets

@@ -81,6 +81,7 @@ pub fn register() -> Result<()> {
     let b = backend()?;
     device::register(b)?;
     ops::cross_entropy::register()?;
+    ops::conv::register()?;
     flash_op::register()
 }
 

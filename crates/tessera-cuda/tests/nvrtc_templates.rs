@@ -444,6 +444,56 @@ fn word_copies() -> Vec<Launch> {
         .collect()
 }
 
+/// The convolution and pooling kernels in every float dtype, with and
+/// without bias and ReLU.
+fn conv_kernels() -> Vec<Launch> {
+    use tessera::ir::custom::conv::{Activation, Conv2d, Pool2d};
+    use tessera_cuda::codegen::conv::{self, ConvShape, PoolShape};
+    FLOATS
+        .iter()
+        .flat_map(|&dtype| {
+            let s = |activation| ConvShape {
+                dtype,
+                input: [2, 4, 7, 6],
+                weight: [6, 2, 3, 3],
+                out_hw: [4, 6],
+                conv: Conv2d {
+                    stride: [2, 1],
+                    padding: [1, 1, 1, 1],
+                    dilation: [1, 1],
+                    groups: 2,
+                    activation,
+                },
+            };
+            let p = PoolShape {
+                dtype,
+                planes: 8,
+                hw: [7, 6],
+                out_hw: [4, 3],
+                pool: Pool2d {
+                    kernel: [3, 3],
+                    stride: [2, 2],
+                    padding: [1, 1],
+                    dilation: [1, 1],
+                    ceil_mode: false,
+                    count_include_pad: true,
+                    divisor_override: None,
+                },
+            };
+            vec![
+                conv::conv2d_forward(&s(Activation::Relu), 0, 0, Some(0), 0, 132),
+                conv::conv2d_forward(&s(Activation::None), 0, 0, None, 0, 132),
+                conv::conv2d_backward_input(&s(Activation::None), 0, 0, 0, 132),
+                conv::conv2d_backward_weight(&s(Activation::None), 0, 0, 0, 132),
+                conv::max_pool2d_forward(&p, 0, 0, 0, 132),
+                conv::max_pool2d_backward(&p, 0, 0, 0, 132),
+                conv::avg_pool2d_forward(&p, 0, 0, 132),
+                conv::avg_pool2d_backward(&p, 0, 0, 132),
+            ]
+        })
+        .collect()
+}
+
 #[test]
 fn every_template_compiles_to_ptx() {
     if !enabled() {
@@ -457,6 +507,7 @@ fn every_template_compiles_to_ptx() {
         vectorised(),
         word_copies(),
         row_kernels(),
+        conv_kernels(),
     ]
     .into_iter()
     .flatten()

@@ -29,6 +29,7 @@
 //! ```
 
 mod config;
+pub mod digits;
 pub mod eval;
 pub mod plot;
 pub mod schedule;

@@ -20,8 +20,20 @@ const SIZE: (u32, u32) = (900, 540);
 
 /// Writes the curve of `losses` (one per step) and `evals` to `path`.
 pub fn plot_losses(path: &Path, title: &str, losses: &[f64], evals: &[EvalPoint]) -> Result<()> {
+    plot_curve(path, title, losses, evals, "held-out exact match")
+}
+
+/// [`plot_losses`] with the accuracy axis (each eval's `exact_match`)
+/// called `accuracy_label`.
+pub fn plot_curve(
+    path: &Path,
+    title: &str,
+    losses: &[f64],
+    evals: &[EvalPoint],
+    accuracy_label: &str,
+) -> Result<()> {
     register_font()?;
-    draw(path, title, losses, evals).map_err(|e| {
+    draw(path, title, losses, evals, accuracy_label).map_err(|e| {
         Error::io(format!(
             "{}: cannot draw the loss curve: {e}",
             path.display()
@@ -44,7 +56,13 @@ fn register_font() -> Result<()> {
 
 type DrawResult = std::result::Result<(), Box<dyn std::error::Error>>;
 
-fn draw(path: &Path, title: &str, losses: &[f64], evals: &[EvalPoint]) -> DrawResult {
+fn draw(
+    path: &Path,
+    title: &str,
+    losses: &[f64],
+    evals: &[EvalPoint],
+    accuracy_label: &str,
+) -> DrawResult {
     let root = BitMapBackend::new(path, SIZE).into_drawing_area();
     root.fill(&WHITE)?;
     let steps = losses.len().max(2);
@@ -66,7 +84,7 @@ fn draw(path: &Path, title: &str, losses: &[f64], evals: &[EvalPoint]) -> DrawRe
         .draw()?;
     chart
         .configure_secondary_axes()
-        .y_desc("held-out exact match")
+        .y_desc(accuracy_label)
         .label_style((FAMILY, 14))
         .draw()?;
     let loss_points = losses.iter().enumerate().map(|(i, &l)| (i + 1, l.max(low)));
@@ -77,7 +95,7 @@ fn draw(path: &Path, title: &str, losses: &[f64], evals: &[EvalPoint]) -> DrawRe
     let accuracy_points = evals.iter().map(|e| (e.step, e.accuracy.exact_match));
     chart
         .draw_secondary_series(LineSeries::new(accuracy_points, RED.stroke_width(2)).point_size(3))?
-        .label("exact match")
+        .label(accuracy_label)
         .legend(|(x, y)| PathElement::new([(x, y), (x + 20, y)], RED.stroke_width(2)));
     chart
         .configure_series_labels()

@@ -50,7 +50,7 @@ pub struct CompileReport {
 }
 
 impl CompileReport {
-    fn of(stats: CompileStats, recompile_reasons: Vec<String>) -> CompileReport {
+    pub(super) fn of(stats: CompileStats, recompile_reasons: Vec<String>) -> CompileReport {
         let CompileStats {
             compile_seconds,
             trace_seconds,

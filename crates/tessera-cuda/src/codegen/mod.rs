@@ -9,6 +9,7 @@
 //! strides are parameters, not constants: one source serves every size of
 //! the same rank, dtypes and op list, which keeps NVRTC off the hot path.
 
+pub mod conv;
 pub mod copy;
 pub mod cross_entropy;
 pub mod fused_rows;

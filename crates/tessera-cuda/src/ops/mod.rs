@@ -12,6 +12,7 @@
 //! - `index`: gathers, scatters, triangles;
 //! - `memory`: allocation, host transfers, copies, concatenation.
 
+pub(crate) mod conv;
 pub(crate) mod cross_entropy;
 mod index;
 mod matmul;

@@ -11,6 +11,7 @@
 //! signatures ([`flash_attention`]) are here from the start, so a graph
 //! naming them parses before anything else runs.
 
+pub mod conv;
 pub mod cross_entropy;
 pub mod flash_attention;
 
@@ -102,6 +103,7 @@ pub(crate) fn check_name(name: &str) -> Result<()> {
 static SIGNATURES: LazyLock<RwLock<HashMap<String, Arc<Signature>>>> = LazyLock::new(|| {
     let mut builtins = flash_attention::signatures();
     builtins.extend(cross_entropy::signatures());
+    builtins.extend(conv::signatures());
     RwLock::new(
         builtins
             .into_iter()

@@ -44,21 +44,25 @@
 //! ```
 
 mod attention;
+mod conv;
 mod dropout;
 mod embedding;
 mod linear;
 pub mod loss;
 mod norm;
 mod param;
+mod resnet;
 mod transformer;
 
 pub use attention::MultiHeadAttention;
+pub use conv::{AdaptiveAvgPool2d, AvgPool2d, BatchNorm2d, Conv1d, Conv2d, MaxPool2d};
 pub use dropout::Dropout;
 pub use embedding::Embedding;
 pub use linear::Linear;
 pub use loss::{cross_entropy, mse, try_cross_entropy, try_mse};
 pub use norm::{LayerNorm, RMSNorm};
 pub use param::{join_name, ParamStore, Parameter};
+pub use resnet::{Block, ResNet, ResNetConfig};
 pub use transformer::{Mlp, TransformerBlock, TransformerConfig, TransformerLM};
 
 use crate::error::{Error, ErrorKind};

@@ -22,6 +22,7 @@
 //! | [`broadcast_minimisation`] | `(m1+s1)+(m2+s2)` → `(m1+m2)+(s1+s2)` for broadcast `s` |
 //! | [`transpose_matmul`] | `matmul(permute(x), y)` → `matmul_t` with a transpose flag; `permute(matmul(a, b))` → `matmul_t(b, a)` |
 //! | [`movement`] | composes permutes, reshapes, expands and slices; drops full slices |
+//! | [`conv_epilogue`] | `conv(x, w) · s + c` per channel, then `relu` → `conv(x, w·s, c)` with its ReLU epilogue (batch norm folded for inference; bias, squeeze + bias) |
 //! | [`attention`] | `softmax(q·kᵀ·scale [+ mask] [causal]) · v` → the flash attention op |
 //! | [`batch_attention`] | per-slice flash attention ops concatenated back → one op (under `strict` or a budget only when its memory estimate allows) |
 //! | [`decompose`] | softmax, log_softmax, silu into primitives (only when asked) |
@@ -44,6 +45,7 @@ pub mod batch_attention;
 pub mod broadcast_minimisation;
 pub mod constant_fold;
 pub mod constant_propagation;
+pub mod conv_epilogue;
 pub mod cse;
 pub mod dce;
 pub mod decompose;
@@ -155,6 +157,10 @@ pub const ALL: &[Pass] = &[
         run: cse::run,
     },
     Pass {
+        name: "conv_epilogue",
+        run: conv_epilogue::run,
+    },
+    Pass {
         name: "attention",
         run: attention::run,
     },
@@ -206,6 +212,7 @@ pub const DEFAULT_PIPELINE: &[&str] = &[
     "absorbing_elements",
     "constant_fold",
     "cse",
+    "conv_epilogue",
     "attention",
     "batch_attention",
     "constant_propagation",

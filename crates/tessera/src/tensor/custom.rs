@@ -22,6 +22,7 @@
 //! node whose only input is the `custom` node. The kernel writes all of
 //! them at once (see `fusion::Kernel::Custom`).
 
+pub mod conv;
 pub mod cross_entropy;
 pub mod flash_attention;
 
@@ -191,6 +192,7 @@ fn check_kernels(name: &str, kernels: &HashMap<Backend, Arc<KernelFn>>) -> Resul
 static REGISTRY: LazyLock<RwLock<HashMap<String, Arc<CustomOp>>>> = LazyLock::new(|| {
     let mut builtins = flash_attention::builtins();
     builtins.extend(cross_entropy::builtins());
+    builtins.extend(conv::builtins());
     RwLock::new(
         builtins
             .into_iter()

@@ -24,6 +24,7 @@
 //! `try_reshape`, `try_cat` …). File I/O and parsing always return `Result`.
 
 pub mod autocast;
+mod cnn;
 pub mod creation;
 pub(crate) mod custom;
 pub mod interpret;
@@ -38,6 +39,7 @@ use std::sync::Arc;
 /// Strided layouts live with the backends (`runtime::layout`); the public
 /// paths `tensor::layout` and `tensor::Layout` name the same items.
 pub use crate::runtime::layout::{self, Layout};
+pub use cnn::{BatchNormStats, ConvOptions, ConvPadding, Interpolation, PadMode, PoolOptions};
 pub use creation::Generator;
 pub use ops::Operand;
 

@@ -5,6 +5,7 @@ pub mod alloc;
 pub mod arena;
 pub mod autotune;
 mod backend;
+pub mod conv;
 pub mod copy;
 mod creation;
 mod element;
