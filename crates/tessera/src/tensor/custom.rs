@@ -22,6 +22,33 @@
 //! node whose only input is the `custom` node. The kernel writes all of
 //! them at once (see `fusion::Kernel::Custom`).
 
+/// Runs `$body` with `$T` bound to the element type of float `$dtype`
+/// (the CPU kernels of the custom ops that have an f64 kernel; the
+/// callers import `DType`, `f16`, `bf16` and `op_err`).
+macro_rules! with_float_type {
+    ($op:expr, $dtype:expr, $T:ident => $body:expr) => {
+        match $dtype {
+            DType::F32 => {
+                type $T = f32;
+                $body
+            }
+            DType::F64 => {
+                type $T = f64;
+                $body
+            }
+            DType::F16 => {
+                type $T = f16;
+                $body
+            }
+            DType::BF16 => {
+                type $T = bf16;
+                $body
+            }
+            other => Err(op_err!(DType, $op, "has no kernel for {other}")),
+        }
+    };
+}
+
 pub mod conv;
 pub mod cross_entropy;
 pub mod flash_attention;

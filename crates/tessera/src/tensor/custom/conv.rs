@@ -278,31 +278,6 @@ fn backward_weight_backward(ctx: &BackwardCtx<'_>) -> Result<Vec<Option<Tensor>>
     Ok(vec![dx.into_iter().next(), da.into_iter().next()])
 }
 
-/// Runs `$body` with `$T` bound to the element type of float `$dtype`.
-macro_rules! with_float_type {
-    ($op:expr, $dtype:expr, $T:ident => $body:expr) => {
-        match $dtype {
-            DType::F32 => {
-                type $T = f32;
-                $body
-            }
-            DType::F64 => {
-                type $T = f64;
-                $body
-            }
-            DType::F16 => {
-                type $T = f16;
-                $body
-            }
-            DType::BF16 => {
-                type $T = bf16;
-                $body
-            }
-            other => Err(op_err!(DType, $op, "has no kernel for {other}")),
-        }
-    };
-}
-
 fn contiguous(t: &Tensor) -> Result<Tensor> {
     match t.is_contiguous() {
         true => Ok(t.clone()),

@@ -109,31 +109,6 @@ fn row_storage<A: AccFloat>(dtype: DType, values: &[A]) -> Storage {
     s
 }
 
-/// Runs `$body` with `$T` bound to the element type of float `$dtype`.
-macro_rules! with_float_type {
-    ($op:expr, $dtype:expr, $T:ident => $body:expr) => {
-        match $dtype {
-            DType::F32 => {
-                type $T = f32;
-                $body
-            }
-            DType::F64 => {
-                type $T = f64;
-                $body
-            }
-            DType::F16 => {
-                type $T = f16;
-                $body
-            }
-            DType::BF16 => {
-                type $T = bf16;
-                $body
-            }
-            other => Err(op_err!(DType, $op, "has no kernel for {other}")),
-        }
-    };
-}
-
 fn forward_kernel(attrs: &Attrs, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
     let ignore = ignore_index(FORWARD, attrs)?;
     let (logits, targets) = (inputs[0], inputs[1]);
