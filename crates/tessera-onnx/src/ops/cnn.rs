@@ -99,6 +99,17 @@ fn spatial(c: &Ctx, x: NodeId) -> Result<Vec<usize>> {
         })
 }
 
+/// The channels of `x` `[N, C, …]` (concrete: the batch alone may be
+/// symbolic).
+fn channels(c: &Ctx, x: NodeId) -> Result<usize> {
+    c.dims(x).get(1).and_then(Dim::as_const).ok_or_else(|| {
+        c.unsupported(format!(
+            "needs concrete channels (only the batch may be symbolic), got {}",
+            c.ty(x)
+        ))
+    })
+}
+
 /// An integer-list attribute of one positive entry per spatial dim.
 fn per_axis(c: &Ctx, name: &str, n: usize) -> Result<Vec<usize>> {
     match c.attr_ints(name) {
@@ -810,7 +821,7 @@ fn pool2d(c: &mut Ctx, x: NodeId, win: &Window, how: Reduce) -> Result<(NodeId, 
     };
     let (y, idx) = if how == Reduce::Sum && dilated {
         // Window sums with dilations: a depthwise convolution by ones.
-        let ch = c.concrete(x, "a dilated pool")?[1];
+        let ch = channels(c, x)?;
         let ones = c.constant(Literal {
             dtype: c.dtype(x),
             shape: vec![ch, 1, win.k[0], win.k[1]],
@@ -866,7 +877,7 @@ fn pool_nd(c: &mut Ctx, x: NodeId, win: &Window, how: Reduce) -> Result<NodeId> 
         return from_4d(c, y, n);
     }
     let xd = c.dims(x);
-    let ch = c.concrete(x, "a 3-D pool")?[1];
+    let ch = channels(c, x)?;
     let (depth, out_d) = (win.size[0], win.out[0]);
     let merged = c.reshape(
         x,
@@ -946,7 +957,7 @@ fn max_pool(c: &mut Ctx) -> Result<Vec<Val>> {
             c.ty(x)
         ))
     })?;
-    let ch = c.concrete(x, "MaxPool")?[1];
+    let ch = channels(c, x)?;
     let x4 = to_4d(c, x)?;
     let w2 = win.as_2d();
     let (y, idx) = pool2d(c, x4, &w2, Reduce::Max)?;
