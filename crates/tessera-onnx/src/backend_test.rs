@@ -257,3 +257,88 @@ pub fn compare(got: &[Tensor], want: &[Literal]) -> Option<String> {
     }
     None
 }
+
+/// Replaces each `ConstantOfShape` whose shape is an initializer (how the
+/// `onnx` package's `light/` models hold their weights: one constant value
+/// per tensor, which hides most errors) by an initializer of random f32
+/// values from `seed`, scaled by the weight's role so that activations
+/// stay of order one: He-scaled convolution weights (`N(0, 2/fan_in)`),
+/// Gemm weights `N(0, 1/fan_in)`, batch-norm scales and variances in
+/// `[0.5, 1.5)`, everything else `N(0, 0.01)`. Returns how many it
+/// replaced. `scripts/onnx_light_models.py` does the same in Python (with
+/// numpy's generator, so not the same values).
+pub fn randomise_constant_weights(model: &mut Model, seed: u64) -> Result<usize, Error> {
+    use crate::proto::{NodeProto, TensorProto};
+    use tessera::tensor::Generator;
+    let dir = model.dir.clone();
+    let graph = model.proto.graph.as_mut().expect("parsed");
+    let inits: HashMap<String, TensorProto> = graph
+        .initializer
+        .iter()
+        .map(|t| (t.name.clone(), t.clone()))
+        .collect();
+    // Who reads each value first: (op type, input index, transB).
+    let mut reader: HashMap<String, (String, usize, bool)> = HashMap::new();
+    for n in &graph.node {
+        let trans_b = n.attribute.iter().any(|a| a.name == "transB" && a.i == 1);
+        for (i, name) in n.input.iter().enumerate() {
+            reader
+                .entry(name.clone())
+                .or_insert_with(|| (n.op_type.clone(), i, trans_b));
+        }
+    }
+    let mut generator = Generator::new(seed);
+    let mut kept: Vec<NodeProto> = Vec::new();
+    let mut replaced = 0;
+    let nodes = std::mem::take(&mut graph.node);
+    for n in nodes {
+        let shape_init = n.input.first().and_then(|s| inits.get(s));
+        let (true, Some(shape_t)) = (n.op_type == "ConstantOfShape", shape_init) else {
+            kept.push(n);
+            continue;
+        };
+        let lit = read_literal(shape_t, dir.as_deref(), &shape_t.name)?;
+        let shape: Vec<usize> = crate::builder::lit_ints(&lit)
+            .into_iter()
+            .map(|v| v.max(0) as usize)
+            .collect();
+        let count: usize = shape.iter().product();
+        let out = n.output[0].clone();
+        let role = reader.get(&out).cloned().unwrap_or_default();
+        let normal =
+            |g: &mut Generator| Tensor::randn(&[count], tessera::DType::F64, g).to_f64_vec();
+        let values: Vec<f64> = match (role.0.as_str(), role.1) {
+            ("Conv", 1) => {
+                let fan_in: usize = shape[1..].iter().product();
+                let s = (2.0 / fan_in.max(1) as f64).sqrt();
+                normal(&mut generator).into_iter().map(|v| v * s).collect()
+            }
+            ("Gemm", 1) => {
+                let fan_in = if role.2 { shape[1] } else { shape[0] };
+                let s = (1.0 / fan_in.max(1) as f64).sqrt();
+                normal(&mut generator).into_iter().map(|v| v * s).collect()
+            }
+            ("BatchNormalization", 1 | 4) => {
+                Tensor::rand(&[count], tessera::DType::F64, &mut generator)
+                    .to_f64_vec()
+                    .into_iter()
+                    .map(|v| 0.5 + v)
+                    .collect()
+            }
+            _ => normal(&mut generator)
+                .into_iter()
+                .map(|v| 0.1 * v)
+                .collect(),
+        };
+        graph.initializer.push(TensorProto {
+            dims: shape.iter().map(|&d| d as i64).collect(),
+            data_type: 1, // FLOAT
+            float_data: values.into_iter().map(|v| v as f32).collect(),
+            name: out,
+            ..TensorProto::default()
+        });
+        replaced += 1;
+    }
+    graph.node = kept;
+    Ok(replaced)
+}
