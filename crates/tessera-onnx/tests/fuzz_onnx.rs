@@ -454,21 +454,21 @@ fn initializer(rng: &mut Rng, name: &str) -> TensorProto {
 fn attribute(rng: &mut Rng) -> tessera_onnx::proto::AttributeProto {
     match rng.below(4) {
         0 => {
-            let name: &str = *rng.pick(INT_ATTRS);
+            let name = *rng.pick(INT_ATTRS);
             attr_int(name, int(rng))
         }
         1 => {
             let v: Vec<i64> = (0..rng.below(7)).map(|_| int(rng)).collect();
-            let name: &str = *rng.pick(INTS_ATTRS);
+            let name = *rng.pick(INTS_ATTRS);
             attr_ints(name, &v)
         }
         2 => {
-            let name: &str = *rng.pick(FLOAT_ATTRS);
+            let name = *rng.pick(FLOAT_ATTRS);
             attr_float(name, float(rng))
         }
         _ => {
             let (name, values) = *rng.pick(STRING_ATTRS);
-            let v: &str = *rng.pick(values);
+            let v = *rng.pick(values);
             attr_string(name, v)
         }
     }

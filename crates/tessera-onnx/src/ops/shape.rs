@@ -519,11 +519,11 @@ fn normalise_indices(c: &mut Ctx, idx: NodeId, n: &Dim) -> Result<NodeId> {
                     *i += n as i64;
                 }
             }
-            return Ok(c.constant(Literal {
+            return c.constant(Literal {
                 dtype: lit.dtype,
                 shape: lit.shape,
                 data: LiteralData::Int(v),
-            })?);
+            });
         }
     }
     let n = n
