@@ -60,9 +60,9 @@ impl Site {
         let found = match &self.check {
             Check::Index(check) => format!("index {value} is {check}"),
             Check::DivisionByZero => format!("integer division by zero ({value} / 0)"),
-            Check::NegativePower => format!(
-                "integers to negative integer powers are not allowed (exponent {value})"
-            ),
+            Check::NegativePower => {
+                format!("integers to negative integer powers are not allowed (exponent {value})")
+            }
         };
         format!(
             "{found} (found by the kernel, reported at the next synchronisation; {})",
@@ -227,7 +227,10 @@ mod tests {
             m.starts_with("integer division by zero (-7 / 0) (found by the kernel"),
             "{m}"
         );
-        assert!(m.ends_with("div of i32 [4] by i32 [] at model.rs:3:9)"), "{m}");
+        assert!(
+            m.ends_with("div of i32 [4] by i32 [] at model.rs:3:9)"),
+            "{m}"
+        );
         let m = site(Check::NegativePower).message(-2);
         assert!(
             m.starts_with("integers to negative integer powers are not allowed (exponent -2)"),

@@ -196,11 +196,7 @@ mod tests {
             "{}",
             l.source
         );
-        assert!(
-            l.source.contains("tessera_report(a.report"),
-            "{}",
-            l.source
-        );
+        assert!(l.source.contains("tessera_report(a.report"), "{}", l.source);
         assert!(l.source.contains("expf(m - hi)"), "{}", l.source);
         assert_eq!(l.args.0, [6, 10, 12, 1, 2, 3, 4, 7, 2]);
         assert_eq!((l.grid, l.block), (6, BLOCK));

@@ -97,7 +97,6 @@ pub struct IndexCheck {
     pub report: u64,
 }
 
-
 /// The indexed loop over `shape`: `dim_stride` is the stride, in the
 /// operand the index moves (source for reads, destination for adds), of
 /// one step along the indexed dim.

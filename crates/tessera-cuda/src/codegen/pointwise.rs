@@ -94,7 +94,8 @@ pub fn checked_steps(steps: &[Step], compute: Compute) -> Vec<usize> {
 /// Integer division and power as the CPU computes them (`wrapping_div`,
 /// `wrapping_pow` over all 64 exponent bits), reporting a zero divisor
 /// (with the dividend) or a negative exponent through the error record.
-const INT_ARITH: &str = "__device__ long long tessera_idiv(long long x, long long y, void* report, unsigned site) {\n\
+const INT_ARITH: &str =
+    "__device__ long long tessera_idiv(long long x, long long y, void* report, unsigned site) {\n\
 if (y == 0) { tessera_report(report, site, x); return 0; }\n\
 if (y == -1) return (long long)(0ull - (unsigned long long)x);\n\
 return x / y;\n}\n\
@@ -846,13 +847,16 @@ mod tests {
         let ins = [x, y];
         // Without a site for each checked step: refused, saying why.
         let e = pointwise(&steps, &ins, &[out.clone()], &[2], Compute::I64, 1).unwrap_err();
-        assert!(e.contains("integer div needs the kernel error record"), "{e}");
+        assert!(
+            e.contains("integer div needs the kernel error record"),
+            "{e}"
+        );
         let check = ArithCheck {
             report: 0xe000,
             sites: vec![7, 8],
         };
-        let l = pointwise_checked(&steps, &ins, &[out], &[2], Compute::I64, 1, None, &check)
-            .unwrap();
+        let l =
+            pointwise_checked(&steps, &ins, &[out], &[2], Compute::I64, 1, None, &check).unwrap();
         let src = &l.source;
         assert!(
             src.contains("long long v2 = tessera_idiv(v0, v1, a.report, (unsigned)a.site[0]);"),

@@ -186,7 +186,11 @@ impl CudaBackend {
         let at = launched_at();
         let sites = checked
             .iter()
-            .map(|&s| self.gpu.errors.site(arith_site(op, steps, s, inputs, shape, &at)))
+            .map(|&s| {
+                self.gpu
+                    .errors
+                    .site(arith_site(op, steps, s, inputs, shape, &at))
+            })
             .collect();
         ArithCheck {
             report: self.gpu.errors.device,
@@ -316,7 +320,11 @@ fn arith_site(
     Site {
         op: name.to_string(),
         check,
-        context: format!("{name} of {} {joint} {}{within}{at}", operand(x), operand(y)),
+        context: format!(
+            "{name} of {} {joint} {}{within}{at}",
+            operand(x),
+            operand(y)
+        ),
     }
 }
 
