@@ -248,6 +248,64 @@ fn integer_division_and_power_match_the_cpu_and_report_bad_operands() {
     );
 }
 
+/// Attention calls the CUDA flash kernels cannot take — v's head dim
+/// unlike q's (ONNX's test_attention_4d_diff_heads_sizes), an additive
+/// mask, a row the mask hides entirely — run the composite on the device:
+/// the CPU kernel's values and gradients (zeros, not NaN, for the hidden
+/// row), eagerly and compiled, never an error.
+#[test]
+fn attention_beyond_the_flash_kernels_falls_back_to_the_composite() {
+    use tessera::custom_op::flash_attention::{scaled_dot_product_attention, SdpaOptions};
+    if !gpu() {
+        return;
+    }
+    let q = randn(&[2, 3, 4, 8], DType::F32, 60);
+    let k = randn(&[2, 3, 6, 8], DType::F32, 61);
+    let v = randn(&[2, 3, 6, 10], DType::F32, 62);
+    let g = randn(&[2, 3, 4, 10], DType::F32, 63);
+    let mut m = randn(&[4, 6], DType::F64, 64).to_vec::<f64>().unwrap();
+    m[6..12].fill(f64::NEG_INFINITY); // row 1 sees no key
+    let mask = Tensor::from_vec(m, &[4, 6]).cast(DType::F32);
+    let attend = |x: &[Tensor], masked: bool, causal: bool| {
+        let leaves: Vec<Tensor> = x[..3].iter().map(|t| t.set_requires_grad(true)).collect();
+        let options = SdpaOptions {
+            mask: masked.then_some(&x[4]),
+            causal,
+            scale: Some(0.3),
+        };
+        let out = scaled_dot_product_attention(&leaves[0], &leaves[1], &leaves[2], options);
+        out.backward_with(&x[3]);
+        let mut r = vec![out.detach()];
+        r.extend(leaves.iter().map(|l| l.grad().unwrap()));
+        r
+    };
+    let ins = [q, k, v, g, mask];
+    for (masked, causal) in [(false, false), (false, true), (true, false)] {
+        let what = format!("attention, v dim 10, mask {masked}, causal {causal}");
+        both(&what, &ins, true, |x| attend(x, masked, causal));
+        for (i, t) in attend(&ins.iter().map(cuda).collect::<Vec<_>>(), masked, causal)
+            .iter()
+            .enumerate()
+        {
+            assert!(
+                t.to_f64_vec().iter().all(|x| x.is_finite()),
+                "{what}: output {i} not finite"
+            );
+        }
+    }
+    let f = compile(|x: &[Tensor]| {
+        let options = SdpaOptions {
+            mask: None,
+            causal: false,
+            scale: None,
+        };
+        vec![scaled_dot_product_attention(&x[0], &x[1], &x[2], options)]
+    });
+    both("compiled attention, v dim 10", &ins[..3], true, |x| {
+        f.call(x)
+    });
+}
+
 #[test]
 fn reductions_softmax_and_arg_reductions() {
     if !gpu() {
