@@ -362,7 +362,7 @@ fn composite_forward(
     // lse = m + log Σ exp(s − m), m the row max (0 where the row saw no
     // key: there Σ = 0 and lse = -inf).
     let m = s.try_max(&[-1], true)?;
-    let unseen = m.try_eq(&Tensor::scalar(f64::NEG_INFINITY, DType::F32))?;
+    let unseen = m.try_eq(Tensor::scalar(f64::NEG_INFINITY, DType::F32))?;
     let shift = Tensor::try_where(&unseen, &Tensor::scalar(0.0, DType::F32), &m)?;
     let lse = s
         .try_sub(&shift)?
@@ -380,7 +380,7 @@ fn composite_forward(
 /// `exp(s − lse)` by rows (`lse` with a trailing dim of 1), 0 in a row
 /// whose lse is `-inf` (it saw no key).
 fn probabilities(s: &Tensor, lse: &Tensor) -> Result<Tensor> {
-    let unseen = lse.try_eq(&Tensor::scalar(f64::NEG_INFINITY, DType::F32))?;
+    let unseen = lse.try_eq(Tensor::scalar(f64::NEG_INFINITY, DType::F32))?;
     let zero = Tensor::scalar(0.0, DType::F32);
     let safe = Tensor::try_where(&unseen, &zero, lse)?;
     let p = s.try_sub(&safe)?.try_exp()?;

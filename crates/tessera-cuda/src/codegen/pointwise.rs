@@ -846,7 +846,15 @@ mod tests {
         assert!(checked_steps(&steps, Compute::F32).is_empty());
         let ins = [x, y];
         // Without a site for each checked step: refused, saying why.
-        let e = pointwise(&steps, &ins, &[out.clone()], &[2], Compute::I64, 1).unwrap_err();
+        let e = pointwise(
+            &steps,
+            &ins,
+            std::slice::from_ref(&out),
+            &[2],
+            Compute::I64,
+            1,
+        )
+        .unwrap_err();
         assert!(
             e.contains("integer div needs the kernel error record"),
             "{e}"
