@@ -297,7 +297,7 @@ fn pad_const(
     if before == 0 && after == 0 {
         return Ok(x);
     }
-    let v = c.scalar_like(value, x);
+    let v = c.scalar_like(value, x)?;
     let piece = |c: &mut Ctx, count: usize| -> Result<NodeId> {
         let mut s = c.dims(x);
         s[dim] = Dim::Const(count);
@@ -833,7 +833,7 @@ fn pool2d(
             dtype: c.dtype(x),
             shape: vec![ch, 1, win.k[0], win.k[1]],
             data: LiteralData::Float(vec![1.0; ch * win.k[0] * win.k[1]]),
-        });
+        })?;
         let flat = Window {
             size: padded.clone(),
             begin: vec![0, 0],
@@ -861,7 +861,7 @@ fn pool2d(
     // built only when the caller wants the indices).
     let idx = match idx {
         Some(t) => {
-            let wp = c.scalar(padded[1] as f64, DType::I64);
+            let wp = c.scalar(padded[1] as f64, DType::I64)?;
             let row = c.binary(B::Div, t, wp)?;
             let back = c.binary(B::Mul, row, wp)?;
             let col = c.binary(B::Sub, t, back)?;
@@ -973,7 +973,7 @@ fn max_pool(c: &mut Ctx) -> Result<Vec<Val>> {
     let (h, w) = (w2.size[0], w2.size[1]);
     if storage_order == 1 {
         // Column-major within the plane: h + w·H.
-        let wd = c.scalar(w as f64, DType::I64);
+        let wd = c.scalar(w as f64, DType::I64)?;
         let row = c.binary(B::Div, idx, wd)?;
         let back = c.binary(B::Mul, row, wd)?;
         let col = c.binary(B::Sub, idx, back)?;
@@ -987,7 +987,7 @@ fn max_pool(c: &mut Ctx) -> Result<Vec<Val>> {
         dtype: DType::I64,
         shape: vec![batch, ch, 1, 1],
         data: LiteralData::Int(offsets),
-    });
+    })?;
     idx = c.binary(B::Add, idx, offsets)?;
     let y = from_4d(c, y, n)?;
     let idx = from_4d(c, idx, n)?;
@@ -1036,13 +1036,13 @@ fn average(c: &mut Ctx, x: NodeId, win: &Window, include_pad: bool) -> Result<No
     let (shape, counts) = window_counts(win, include_pad);
     let first = counts[0];
     let count = if counts.iter().all(|&v| v == first) {
-        c.scalar_like(first, x)
+        c.scalar_like(first, x)?
     } else {
         c.constant(Literal {
             dtype: c.dtype(x),
             shape,
             data: LiteralData::Float(counts),
-        })
+        })?
     };
     c.binary(B::Div, sum, count)
 }
