@@ -767,10 +767,17 @@ enum Reduce {
 }
 
 /// A 2-D pool of `x` `[N, C, H, W]` (max, or window sums), with its
-/// maxima's indices in each `H·W` plane for max: tessera's op with its own
+/// maxima's indices in each `H·W` plane for max (when `indices`; without,
+/// no index arithmetic is built): tessera's op with its own
 /// padding where the geometry is one it has, else on an explicitly padded
 /// input.
-fn pool2d(c: &mut Ctx, x: NodeId, win: &Window, how: Reduce) -> Result<(NodeId, Option<NodeId>)> {
+fn pool2d(
+    c: &mut Ctx,
+    x: NodeId,
+    win: &Window,
+    how: Reduce,
+    indices: bool,
+) -> Result<(NodeId, Option<NodeId>)> {
     let op = match how {
         Reduce::Max => MAX_POOL2D,
         Reduce::Sum => AVG_POOL2D,
@@ -792,7 +799,7 @@ fn pool2d(c: &mut Ctx, x: NodeId, win: &Window, how: Reduce) -> Result<(NodeId, 
             let fits = (0..2).all(|i| p.out_size(op, i, win.size[i]).ok() == Some(win.out[i]));
             if fits {
                 let out = custom(c, op, p.attrs(), &[x])?;
-                return Ok((out[0], out.get(1).copied()));
+                return Ok((out[0], out.get(1).copied().filter(|_| indices)));
             }
         }
     }
@@ -840,7 +847,7 @@ fn pool2d(c: &mut Ctx, x: NodeId, win: &Window, how: Reduce) -> Result<(NodeId, 
     };
     // Floor sizes of the padded input may hold one window more than ONNX's.
     let mut y = y;
-    let mut idx = idx;
+    let mut idx = idx.filter(|_| indices);
     for i in 0..2 {
         let got = c.dims(y)[2 + i].as_const();
         if got != Some(win.out[i]) {
@@ -850,7 +857,8 @@ fn pool2d(c: &mut Ctx, x: NodeId, win: &Window, how: Reduce) -> Result<(NodeId, 
                 .transpose()?;
         }
     }
-    // Indices in the padded plane → the input's plane.
+    // Indices in the padded plane → the input's plane (integer arithmetic,
+    // built only when the caller wants the indices).
     let idx = match idx {
         Some(t) => {
             let wp = c.scalar(padded[1] as f64, DType::I64)?;
@@ -873,7 +881,7 @@ fn pool_nd(c: &mut Ctx, x: NodeId, win: &Window, how: Reduce) -> Result<NodeId> 
     let n = win.size.len();
     if n < 3 {
         let x4 = to_4d(c, x)?;
-        let (y, _) = pool2d(c, x4, &win.as_2d(), how)?;
+        let (y, _) = pool2d(c, x4, &win.as_2d(), how, false)?;
         return from_4d(c, y, n);
     }
     let xd = c.dims(x);
@@ -888,7 +896,7 @@ fn pool_nd(c: &mut Ctx, x: NodeId, win: &Window, how: Reduce) -> Result<NodeId> 
             Dim::Const(win.size[2]),
         ],
     )?;
-    let (plane, _) = pool2d(c, merged, &win.axes(1), how)?;
+    let (plane, _) = pool2d(c, merged, &win.axes(1), how, false)?;
     let y = c.reshape(
         plane,
         vec![
@@ -960,7 +968,7 @@ fn max_pool(c: &mut Ctx) -> Result<Vec<Val>> {
     let ch = channels(c, x)?;
     let x4 = to_4d(c, x)?;
     let w2 = win.as_2d();
-    let (y, idx) = pool2d(c, x4, &w2, Reduce::Max)?;
+    let (y, idx) = pool2d(c, x4, &w2, Reduce::Max, true)?;
     let mut idx = idx.expect("max pooling gives indices");
     let (h, w) = (w2.size[0], w2.size[1]);
     if storage_order == 1 {
@@ -1287,7 +1295,7 @@ fn lrn(c: &mut Ctx) -> Result<Vec<Val>> {
         end: vec![size / 2, 0],
         out: vec![ch, rest],
     };
-    let (sum, _) = pool2d(c, sq, &win, Reduce::Sum)?;
+    let (sum, _) = pool2d(c, sq, &win, Reduce::Sum, false)?;
     let sum = c.reshape(sum, d)?;
     let t = c.binary_c(B::Mul, sum, alpha / size as f64)?;
     let t = c.binary_c(B::Add, t, bias)?;
