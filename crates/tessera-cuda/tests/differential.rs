@@ -237,11 +237,13 @@ fn integer_division_and_power_match_the_cpu_and_report_bad_operands() {
     let _ = x.try_div(&zero).unwrap();
     let e = device::synchronize(Device::Cuda).unwrap_err();
     assert!(e.to_string().contains("integer division by zero"), "{e}");
-    let out = compiled.call(&[x.clone(), zero.clone(), x.clone(), ok.clone()]);
+    // (Exponents >= 0: the program's pow checks them too.)
+    let exps = cuda(&Tensor::from_vec(vec![2i64, 0, 3], &[3]));
+    let out = compiled.call(&[x.clone(), zero.clone(), x.clone(), exps.clone()]);
     let e = out[0].to_vec::<i64>().unwrap_err();
     assert!(e.to_string().contains("integer division by zero"), "{e}");
     assert_eq!(
-        compiled.call(&[x.clone(), ok.clone(), x.clone(), ok.clone()])[0]
+        compiled.call(&[x.clone(), ok.clone(), x.clone(), exps.clone()])[0]
             .to_vec::<i64>()
             .unwrap(),
         [1, -1, -2]
