@@ -101,6 +101,56 @@ fn offloaded_activations_leave_the_gpu_and_the_values_stay() {
         moved_peak + 2 * activation <= kept_peak,
         "device peak {moved_peak} vs {kept_peak} without offload"
     );
+    // The copies overlap compute: the plans say how many steps, and what
+    // went to page-locked host memory is accounted there.
+    let artifacts = moved.last_artifacts();
+    let memory = |name: &str| {
+        artifacts
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, t)| t.clone())
+            .unwrap_or_default()
+    };
+    let (fwd, bwd) = (memory("forward.memory.txt"), memory("backward.memory.txt"));
+    assert!(fwd.contains("overlapping"), "{fwd}");
+    assert!(bwd.contains("steps ahead"), "{bwd}");
+    let pinned = tessera_cuda::backend().unwrap().host_memory_stats();
+    assert!(
+        pinned.peak_bytes >= (LAYERS - 1) * activation,
+        "page-locked host peak {}",
+        pinned.peak_bytes
+    );
+}
+
+/// In the steady state the offloads and prefetches never make the host
+/// wait for the device: a forward and backward with offload wait exactly
+/// as often as the same step without (the gradients read back at the end).
+#[test]
+fn offload_and_prefetch_make_no_host_wait() {
+    if !gpu() {
+        return;
+    }
+    let _lock = allocator();
+    let inputs: Vec<Tensor> = (0..=LAYERS as u64)
+        .map(|i| randn(&[WIDTH, WIDTH], 70 + i, 0.03))
+        .collect();
+    let grad = randn(&[WIDTH, WIDTH], 80, 1.0);
+    let backend = tessera_cuda::backend().unwrap();
+    let waits = |f: &Compiled<_>| {
+        let leaves: Vec<Tensor> = inputs.iter().map(|t| t.set_requires_grad(true)).collect();
+        let step = || {
+            let out = f.call(&leaves).remove(0);
+            out.backward_with(&grad);
+        };
+        step(); // compiles
+        use tessera::runtime::device::Backend;
+        let before = backend.host_waits();
+        step();
+        backend.host_waits() - before
+    };
+    let kept = waits(&compile(layers(r#"{"order": "strict", "recompute": false}"#)));
+    let moved = waits(&compile(layers(r#"{"order": "strict", "offload": true}"#)));
+    assert_eq!(moved, kept, "host waits of a step with offload vs without");
 }
 
 fn attention(hint: Option<String>) -> impl Fn(&[Tensor]) -> Vec<Tensor> {

@@ -26,6 +26,7 @@
 //! in [`Schedule::notes`]; none is dropped silently.
 
 mod buffers;
+pub mod cost;
 mod hinted;
 mod kernels;
 mod list;
@@ -35,7 +36,7 @@ mod search;
 /// How kernels are ordered; defined in `hints` (a layer below), whose
 /// `order` key takes the same values.
 pub use crate::hints::Strategy;
-pub use memory::{Donation, MemoryPlan, Move, Moves, PlannedBuffer};
+pub use memory::{Donation, MemoryPlan, Move, MoveKind, Moves, PlannedBuffer};
 
 use crate::error::Result;
 use crate::fusion::Plan;

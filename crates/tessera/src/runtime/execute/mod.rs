@@ -3,8 +3,12 @@
 //! that reads it, so the bytes alive over time follow the memory plan.
 //! Results equal the interpreter's (checked by the differential tests);
 //! only the work and its order differ. A memory plan's offloads and
-//! prefetches (`schedule::memory`) run between steps through the backend
-//! (`Backend::offload` after a step, `Backend::prefetch` before one).
+//! prefetches (`schedule::memory`) start between steps through the backend
+//! (`Backend::offload_start` after a value's last step,
+//! `Backend::prefetch_start` some steps before its first) and are waited
+//! for where the plan says (`Transfer::wait`: on a device, the compute
+//! stream waits for the copy stream, the host goes on queueing), all of
+//! them by the run's end.
 
 mod job;
 mod kernels;
@@ -20,14 +24,14 @@ use self::job::{Job, Planned};
 use self::pool::{on_pool_worker, POOL_WORKER_MIN_STEPS};
 use self::profile::Profile;
 use super::cpu::arena::{Arena, Block, Place};
-use super::device::{self, Backend, Device};
+use super::device::{self, Backend, Device, Transfer};
 use crate::autograd;
 use crate::error::Result;
 use crate::fusion::{Kernel, Plan};
 use crate::ir::kernel::RowKernel;
 use crate::ir::{Graph, NodeId};
 use crate::logging::log;
-use crate::schedule::{MemoryPlan, Schedule};
+use crate::schedule::{MemoryPlan, MoveKind, Schedule};
 use crate::tensor::interpret::{bind_symbols, inputs_device};
 use crate::tensor::{trace, Tensor};
 
@@ -210,13 +214,20 @@ pub fn run_scheduled_owned(
     )
 }
 
-/// A memory plan's offloads and prefetches, by step.
+/// A memory plan's offloads and prefetches, by step (see
+/// `schedule::Move`): when each starts and when the compute waits for it.
 #[derive(Default)]
 struct StepMoves {
-    /// Per step, the values moved to host memory after it.
+    /// Per step, the values whose copy to host memory starts after it.
     offload_after: Vec<Vec<NodeId>>,
-    /// Per step, the inputs brought to the device before it.
-    prefetch_before: Vec<Vec<NodeId>>,
+    /// Per step (and one for the run's end), the offloads waited for
+    /// before it: their device bytes are released there.
+    offload_wait_before: Vec<Vec<NodeId>>,
+    /// Per step, the inputs whose copy to the device starts before it.
+    prefetch_start_before: Vec<Vec<NodeId>>,
+    /// Per step, the prefetches waited for before it (its kernels read
+    /// them).
+    prefetch_wait_before: Vec<Vec<NodeId>>,
     any_prefetch: bool,
     /// The plan's device (where prefetched inputs go).
     device: Device,
@@ -226,15 +237,19 @@ impl StepMoves {
     fn of(memory: &MemoryPlan, steps: usize) -> StepMoves {
         let mut moves = StepMoves {
             offload_after: vec![Vec::new(); steps],
-            prefetch_before: vec![Vec::new(); steps],
+            offload_wait_before: vec![Vec::new(); steps + 1],
+            prefetch_start_before: vec![Vec::new(); steps],
+            prefetch_wait_before: vec![Vec::new(); steps],
             any_prefetch: !memory.prefetches.is_empty(),
             device: memory.device,
         };
         for m in &memory.offloads {
             moves.offload_after[m.step].push(m.value);
+            moves.offload_wait_before[m.wait_or_start(MoveKind::Offload, steps)].push(m.value);
         }
         for m in &memory.prefetches {
-            moves.prefetch_before[m.step].push(m.value);
+            moves.prefetch_start_before[m.wait_or_start(MoveKind::Prefetch, steps)].push(m.value);
+            moves.prefetch_wait_before[m.step].push(m.value);
         }
         moves
     }
@@ -244,19 +259,53 @@ impl StepMoves {
     }
 }
 
-/// `values[v]` replaced by `how(its array)` (a value without an array, a
-/// traced one, stays).
+/// The copies in flight of a run, by value: each waited for (the compute
+/// stream waits for it on the device) and dropped (an offload's device
+/// bytes released) where the plan says, the rest at the run's end.
+#[derive(Default)]
+struct InFlight(HashMap<NodeId, Box<dyn Transfer>>);
+
+impl InFlight {
+    fn start(&mut self, v: NodeId, transfer: Option<Box<dyn Transfer>>) {
+        if let Some(t) = transfer {
+            self.0.insert(v, t);
+        }
+    }
+
+    /// The compute waits for the copies of `values` (those in flight).
+    fn wait(&mut self, values: &[NodeId]) -> Result<()> {
+        for v in values {
+            if let Some(t) = self.0.remove(v) {
+                t.wait()?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The compute waits for every copy still in flight.
+    fn wait_all(&mut self) -> Result<()> {
+        for (_, t) in self.0.drain() {
+            t.wait()?;
+        }
+        Ok(())
+    }
+}
+
+/// `values[v]` replaced by the array `how(its array)` makes (a value
+/// without an array, a traced one, stays), and the copy in flight.
 fn move_value(
     values: &mut [Option<Tensor>],
     v: NodeId,
-    how: impl FnOnce(&super::array::Array) -> Result<super::array::Array>,
-) -> Result<()> {
+    how: impl FnOnce(&super::array::Array) -> Result<(super::array::Array, Option<Box<dyn Transfer>>)>,
+) -> Result<Option<Box<dyn Transfer>>> {
     let slot = &mut values[v.index()];
+    let mut transfer = None;
     if let Some(array) = slot.as_ref().and_then(Tensor::try_array) {
-        let moved = how(array)?;
+        let (moved, t) = how(array)?;
+        transfer = t;
         *slot = Some(Tensor::from_array(moved));
     }
-    Ok(())
+    Ok(transfer)
 }
 
 /// What the memory plan says about one kernel.
@@ -327,8 +376,10 @@ fn execute_here(
         let grad = autograd::is_grad_enabled();
         let lanes = backend.lanes();
         let mut profile = Profile::start();
+        let mut in_flight = InFlight::default();
         for (s, (step, free)) in steps.iter().zip(&frees).enumerate() {
-            for &v in StepMoves::at(&moves.prefetch_before, s) {
+            in_flight.wait(StepMoves::at(&moves.offload_wait_before, s))?;
+            for &v in StepMoves::at(&moves.prefetch_start_before, s) {
                 // Only what is in host memory (a value the forward could
                 // not offload arrives where it is).
                 let offloaded = |a: &super::array::Array| match a.host_storage() {
@@ -340,9 +391,11 @@ fn execute_here(
                     .and_then(Tensor::try_array)
                     .is_some_and(offloaded)
                 {
-                    move_value(&mut values, v, |a| backend.prefetch(a))?;
+                    let t = move_value(&mut values, v, |a| backend.prefetch_start(a))?;
+                    in_flight.start(v, t);
                 }
             }
+            in_flight.wait(StepMoves::at(&moves.prefetch_wait_before, s))?;
             let started = profile.as_ref().map(|_| std::time::Instant::now());
             let jobs: Vec<(Job<'_>, bool)> = step
                 .iter()
@@ -384,7 +437,8 @@ fn execute_here(
                 values[id.index()] = None;
             }
             for &v in StepMoves::at(&moves.offload_after, s) {
-                move_value(&mut values, v, |a| backend.offload(a))?;
+                let t = move_value(&mut values, v, |a| backend.offload_start(a))?;
+                in_flight.start(v, t);
             }
             if let (Some(profile), Some(started)) = (profile.as_mut(), started) {
                 // On a device the step's kernels are only queued: wait for
@@ -396,6 +450,9 @@ fn execute_here(
                 profile.step(step, started.elapsed());
             }
         }
+        // The outputs leave the run with no copy in flight on the device
+        // (an offloaded one's host bytes wait for theirs when read).
+        in_flight.wait_all()?;
         if let Some(profile) = profile {
             profile.report(graph, &plan.kernels);
         }
