@@ -31,7 +31,7 @@ use crate::fusion::{Kernel, Plan};
 use crate::ir::kernel::RowKernel;
 use crate::ir::{Graph, NodeId};
 use crate::logging::log;
-use crate::schedule::{MemoryPlan, MoveKind, Schedule};
+use crate::schedule::{MemoryPlan, MoveKind, Schedule, StreamPlan};
 use crate::tensor::interpret::{bind_symbols, inputs_device};
 use crate::tensor::{trace, Tensor};
 
@@ -112,7 +112,7 @@ pub fn run_scheduled_owned(
     inputs: Vec<Tensor>,
     tune: bool,
 ) -> Result<Vec<(String, Tensor)>> {
-    let moves = StepMoves::of(memory, schedule.steps.len());
+    let moves = StepMoves::of(memory, schedule);
     let refs: Vec<&Tensor> = inputs.iter().collect();
     // Prefetched inputs arrive in host memory: the run is on the plan's
     // device.
@@ -217,7 +217,7 @@ pub fn run_scheduled_owned(
 /// A memory plan's offloads and prefetches, by step (see
 /// `schedule::Move`): when each starts and when the compute waits for it.
 #[derive(Default)]
-struct StepMoves {
+struct StepMoves<'a> {
     /// Per step, the values whose copy to host memory starts after it.
     offload_after: Vec<Vec<NodeId>>,
     /// Per step (and one for the run's end), the offloads waited for
@@ -231,11 +231,15 @@ struct StepMoves {
     any_prefetch: bool,
     /// The plan's device (where prefetched inputs go).
     device: Device,
+    /// The schedule's streams (`stream` hints), if any.
+    streams: Option<&'a StreamPlan>,
 }
 
-impl StepMoves {
-    fn of(memory: &MemoryPlan, steps: usize) -> StepMoves {
+impl<'a> StepMoves<'a> {
+    fn of(memory: &MemoryPlan, schedule: &'a Schedule) -> StepMoves<'a> {
+        let steps = schedule.steps.len();
         let mut moves = StepMoves {
+            streams: schedule.streams.as_ref(),
             offload_after: vec![Vec::new(); steps],
             offload_wait_before: vec![Vec::new(); steps + 1],
             prefetch_start_before: vec![Vec::new(); steps],
@@ -272,11 +276,16 @@ impl InFlight {
         }
     }
 
-    /// The compute waits for the copies of `values` (those in flight).
-    fn wait(&mut self, values: &[NodeId]) -> Result<()> {
+    /// The compute waits for the copies of `values` (those in flight):
+    /// each of `lanes` of `backend` (work goes to lane 0 again after).
+    fn wait(&mut self, values: &[NodeId], backend: &dyn Backend, lanes: &[usize]) -> Result<()> {
         for v in values {
             if let Some(t) = self.0.remove(v) {
-                t.wait()?;
+                for &lane in lanes {
+                    backend.lane(lane)?;
+                    t.wait()?;
+                }
+                backend.lane(0)?;
             }
         }
         Ok(())
@@ -288,6 +297,50 @@ impl InFlight {
             t.wait()?;
         }
         Ok(())
+    }
+}
+
+/// A run's kernels on the lanes of its streams (`stream` hints): stream 0
+/// on lane 0, the others spread over lanes 1.. (two streams may share a
+/// lane when the device has fewer; their events still order them).
+struct StreamLanes<'a> {
+    plan: &'a StreamPlan,
+    lane_of: Vec<usize>,
+    /// The lanes used, lane 0 first.
+    used: Vec<usize>,
+    /// Per value, the kernel that writes it (an offload starts on its lane).
+    writer: HashMap<NodeId, usize>,
+}
+
+impl<'a> StreamLanes<'a> {
+    fn new(streams: &'a StreamPlan, lanes: usize, plan: &Plan) -> StreamLanes<'a> {
+        let others: Vec<usize> = streams.streams.iter().copied().filter(|&s| s != 0).collect();
+        let lane = |s: usize| match others.iter().position(|&o| o == s) {
+            None => 0,
+            Some(i) => 1 + i % (lanes - 1),
+        };
+        let lane_of: Vec<usize> = streams.stream_of.iter().map(|&s| lane(s)).collect();
+        let mut used: Vec<usize> = lane_of.clone();
+        used.push(0);
+        used.sort_unstable();
+        used.dedup();
+        let mut writer = HashMap::new();
+        for (k, kernel) in plan.kernels.iter().enumerate() {
+            for w in kernel.writes() {
+                writer.insert(w, k);
+            }
+        }
+        StreamLanes {
+            plan: streams,
+            lane_of,
+            used,
+            writer,
+        }
+    }
+
+    /// Lanes the device forks: up to the highest used.
+    fn count(&self) -> usize {
+        self.used.last().copied().unwrap_or(0) + 1
     }
 }
 
@@ -377,8 +430,21 @@ fn execute_here(
         let lanes = backend.lanes();
         let mut profile = Profile::start();
         let mut in_flight = InFlight::default();
+        // Streams by hint: every lane forks from the run's start and joins
+        // at its end, kernels wait for each other through events; blocks
+        // freed meanwhile are held until the join (see `schedule::streams`).
+        let streams = moves
+            .streams
+            .filter(|_| lanes > 1 && !trace::is_active())
+            .map(|sp| StreamLanes::new(sp, lanes, plan));
+        if let Some(st) = &streams {
+            backend.fork(st.count())?;
+        }
+        let main = [0usize];
+        let all_lanes: &[usize] = streams.as_ref().map_or(&main, |st| &st.used);
+        let run = (|| -> Result<()> {
         for (s, (step, free)) in steps.iter().zip(&frees).enumerate() {
-            in_flight.wait(StepMoves::at(&moves.offload_wait_before, s))?;
+            in_flight.wait(StepMoves::at(&moves.offload_wait_before, s), &*backend, &main)?;
             for &v in StepMoves::at(&moves.prefetch_start_before, s) {
                 // Only what is in host memory (a value the forward could
                 // not offload arrives where it is).
@@ -395,7 +461,7 @@ fn execute_here(
                     in_flight.start(v, t);
                 }
             }
-            in_flight.wait(StepMoves::at(&moves.prefetch_wait_before, s))?;
+            in_flight.wait(StepMoves::at(&moves.prefetch_wait_before, s), &*backend, all_lanes)?;
             let started = profile.as_ref().map(|_| std::time::Instant::now());
             let jobs: Vec<(Job<'_>, bool)> = step
                 .iter()
@@ -415,9 +481,10 @@ fn execute_here(
                 .partition(|(_, alone)| !concurrent || *alone);
             let serial: Vec<Job<'_>> = serial.into_iter().map(|(job, _)| job).collect();
             let parallel: Vec<Job<'_>> = parallel.into_iter().map(|(job, _)| job).collect();
-            let mut results = match lanes.min(serial.len()) {
-                0 | 1 => serial.into_iter().map(|job| job.run(graph)).collect(),
-                n => on_lanes(&*backend, n, serial, graph)?,
+            let mut results = match (&streams, lanes.min(serial.len())) {
+                (Some(st), _) => on_streams(&*backend, st, step, serial, graph)?,
+                (None, 0 | 1) => serial.into_iter().map(|job| job.run(graph)).collect(),
+                (None, n) => on_lanes(&*backend, n, serial, graph)?,
             };
             // Rayon's workers start with grad mode on and tuning off: carry
             // the caller's.
@@ -437,8 +504,13 @@ fn execute_here(
                 values[id.index()] = None;
             }
             for &v in StepMoves::at(&moves.offload_after, s) {
-                let t = move_value(&mut values, v, |a| backend.offload_start(a))?;
-                in_flight.start(v, t);
+                // The copy follows the value's producer, on its lane.
+                if let Some(st) = &streams {
+                    backend.lane(st.writer.get(&v).map_or(0, |&k| st.lane_of[k]))?;
+                }
+                let t = move_value(&mut values, v, |a| backend.offload_start(a));
+                backend.lane(0)?;
+                in_flight.start(v, t?);
             }
             if let (Some(profile), Some(started)) = (profile.as_mut(), started) {
                 // On a device the step's kernels are only queued: wait for
@@ -452,7 +524,16 @@ fn execute_here(
         }
         // The outputs leave the run with no copy in flight on the device
         // (an offloaded one's host bytes wait for theirs when read).
-        in_flight.wait_all()?;
+        in_flight.wait_all()
+        })();
+        if streams.is_some() {
+            // Every lane joins the run's own stream, also after an error.
+            let joined = backend.lane(0).and_then(|_| backend.join());
+            run?;
+            joined?;
+        } else {
+            run?;
+        }
         if let Some(profile) = profile {
             profile.report(graph, &plan.kernels);
         }
@@ -576,6 +657,36 @@ fn on_lanes(
         Err(e) if results.iter().all(Result::is_ok) => Err(e),
         _ => Ok(results),
     }
+}
+
+/// Runs the kernels of one step (`step`, in order, with their `jobs`) on
+/// the lanes of their streams: each waits for the events of the kernels
+/// its stream plan names, and records its own when another waits for it.
+fn on_streams(
+    backend: &dyn Backend,
+    streams: &StreamLanes<'_>,
+    step: &[usize],
+    jobs: Vec<Job<'_>>,
+    graph: &Graph,
+) -> Result<Vec<KernelResult>> {
+    let mut results = Vec::with_capacity(jobs.len());
+    for (&k, job) in step.iter().zip(jobs) {
+        backend.lane(streams.lane_of[k])?;
+        for &h in &streams.plan.waits[k] {
+            backend.wait_for(h)?;
+        }
+        let result = job.run(graph);
+        let failed = result.is_err();
+        results.push(result);
+        if failed {
+            break;
+        }
+        if streams.plan.records[k] {
+            backend.record(k)?;
+        }
+    }
+    backend.lane(0)?;
+    Ok(results)
 }
 
 /// For each step, the values read for the last time in it (or made in it
