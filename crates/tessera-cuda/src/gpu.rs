@@ -674,7 +674,11 @@ impl Gpu {
     /// waited for on the host. An error while a capture records (a copy
     /// to the host cannot be replayed into a value the caller holds), which
     /// fails the capture: that run goes kernel by kernel.
-    pub fn offload_start(&self, src: u64, bytes: usize) -> Result<(PinnedBlock, CopyEvent), String> {
+    pub fn offload_start(
+        &self,
+        src: u64,
+        bytes: usize,
+    ) -> Result<(PinnedBlock, CopyEvent), String> {
         self.bind();
         if self.capturing() {
             return Err("an offload to host memory cannot be recorded in a CUDA graph".into());
@@ -701,7 +705,12 @@ impl Gpu {
     /// same stream) to device address `dst`, on the copy stream after the
     /// work queued so far on the current lane: the copy's event. An error
     /// while a capture records.
-    pub fn prefetch_start(&self, dst: u64, src: *const u8, bytes: usize) -> Result<CopyEvent, String> {
+    pub fn prefetch_start(
+        &self,
+        dst: u64,
+        src: *const u8,
+        bytes: usize,
+    ) -> Result<CopyEvent, String> {
         self.bind();
         if self.capturing() {
             return Err("a prefetch from host memory cannot be recorded in a CUDA graph".into());
@@ -777,7 +786,8 @@ impl Gpu {
         self.bind();
         let event = self.slot(slot)?;
         // SAFETY: live event and stream.
-        unsafe { cu::event::record(event, self.stream()) }.map_err(|e| driver_error("event record", e))
+        unsafe { cu::event::record(event, self.stream()) }
+            .map_err(|e| driver_error("event record", e))
     }
 
     /// The current lane's stream waits for event `slot`'s last record.
@@ -993,7 +1003,10 @@ impl PinnedBlock {
                 let p = unsafe { cu::malloc_host(cap, 0) }.map_err(|e| {
                     driver_error(&format!("page-locked host allocation of {cap} bytes"), e)
                 })?;
-                pool.lock().expect("pinned pool poisoned").ours.insert(p as usize);
+                pool.lock()
+                    .expect("pinned pool poisoned")
+                    .ours
+                    .insert(p as usize);
                 p as usize
             }
         };

@@ -149,7 +149,9 @@ fn offload_and_prefetch_make_no_host_wait() {
         step();
         backend.host_waits() - before
     };
-    let kept = waits(&compile(layers(r#"{"order": "strict", "recompute": false}"#)));
+    let kept = waits(&compile(layers(
+        r#"{"order": "strict", "recompute": false}"#,
+    )));
     let moved = waits(&compile(layers(r#"{"order": "strict", "offload": true}"#)));
     assert_eq!(moved, kept, "host waits of a step with offload vs without");
 }
@@ -195,7 +197,10 @@ fn the_slice_hint_gives_the_naive_attention_the_sliced_peak() {
 
 /// Two independent chains, on streams `s1` and `s2` when given, joined
 /// on the run's own stream.
-fn two_regions(s1: Option<&'static str>, s2: Option<&'static str>) -> impl Fn(&[Tensor]) -> Vec<Tensor> {
+fn two_regions(
+    s1: Option<&'static str>,
+    s2: Option<&'static str>,
+) -> impl Fn(&[Tensor]) -> Vec<Tensor> {
     move |a: &[Tensor]| {
         let chain = |w: &Tensor| {
             let mut h = a[0].clone();
@@ -222,7 +227,10 @@ fn regions_on_streams_1_and_2_give_the_unhinted_values() {
     let inputs: Vec<Tensor> = (0..3).map(|i| randn(&[512, 512], 60 + i, 0.05)).collect();
     let grad = randn(&[512, 512], 63, 1.0);
     let plain = compile(two_regions(None, None));
-    let streams = compile(two_regions(Some(r#"{"stream": 1}"#), Some(r#"{"stream": 2}"#)));
+    let streams = compile(two_regions(
+        Some(r#"{"stream": 1}"#),
+        Some(r#"{"stream": 2}"#),
+    ));
     let (a, _) = measured_step(&plain, &inputs, &grad);
     let (b, _) = measured_step(&streams, &inputs, &grad);
     assert_eq!(a, b, "streams change no value");
@@ -245,9 +253,9 @@ fn regions_on_streams_1_and_2_give_the_unhinted_values() {
     // Nothing said the stream hints were ignored on the GPU.
     let said = hints::not_honoured_messages();
     assert!(
-        !said
-            .iter()
-            .any(|m| m.starts_with("compiled backend") && m.contains("hint \"stream\"") && m.contains("cuda")),
+        !said.iter().any(|m| m.starts_with("compiled backend")
+            && m.contains("hint \"stream\"")
+            && m.contains("cuda")),
         "{said:?}"
     );
 }
@@ -264,8 +272,11 @@ fn streams_are_recorded_and_replayed_in_a_cuda_graph() {
     let inputs: Vec<Tensor> = (0..3).map(|i| randn(&[256, 256], 90 + i, 0.05)).collect();
     let plain = compile(two_regions(None, None));
     let want = plain.call(&inputs)[0].to_f64_vec();
-    let f = compile(two_regions(Some(r#"{"stream": 1}"#), Some(r#"{"stream": 2}"#)))
-        .mode(tessera::compile::Mode::ReduceOverhead);
+    let f = compile(two_regions(
+        Some(r#"{"stream": 1}"#),
+        Some(r#"{"stream": 2}"#),
+    ))
+    .mode(tessera::compile::Mode::ReduceOverhead);
     for _ in 0..4 {
         assert_eq!(f.call(&inputs)[0].to_f64_vec(), want);
     }

@@ -17,7 +17,7 @@
 //! | `max_width` | integer ≥ 1 | at most this many of the region's kernels run in one step: at most K independent chains in flight (the middle ground between `bfs`, unbounded, and `dfs`, one) |
 //! | `slice` | `{"dim": D, "parts": P}` (D ≥ 0, P ≥ 1) | the compiler splits the region along dim D of its results into P slices computed one after another (`crate::passes::slice`) |
 //! | `offload` | boolean | the activations the region saves for the backward wait in host memory between their last forward use and their first backward use (a strict region that offloads does not recompute by default) |
-//! | `stream` | integer ≥ 0 | the region's kernels go on a stream of their own (CUDA); known, and logged as ignored where a backend has no streams |
+//! | `stream` | integer ≥ 0 | the region's kernels go on a stream of their own (CUDA; events between streams, `crate::schedule::streams`); logged as ignored where a backend has no streams |
 //!
 //! `order: "strict"` says "memory over speed", so by default such a region
 //! is checkpointed: its backward recomputes what it needs from the region's
@@ -386,14 +386,46 @@ pub fn eager_ignores(hint: &Hint) -> Vec<(&'static str, &'static str)> {
         "order",
         "eager runs each op as it is called (program order)",
     );
-    say(hint.group_id.is_some(), "group_id", "eager runs each op as it is called: a group is one block only as written");
-    say(hint.backward_group_id.is_some(), "backward_group_id", "eager's backward runs the tape in reverse, one op at a time");
-    say(hint.memory_budget_mb.is_some(), "memory_budget_mb", "eager plans no memory: each op allocates its output when it runs");
-    say(hint.recompute.is_some(), "recompute", "the eager tape keeps what each op's backward needs (compile recomputes)");
-    say(hint.max_width.is_some(), "max_width", "eager runs one op at a time");
-    say(hint.slice.is_some(), "slice", "slicing is a graph pass of compile; eager runs the code as written");
-    say(hint.offload == Some(true), "offload", "only compile's memory plan moves saved values to host memory");
-    say(hint.stream.is_some(), "stream", "eager queues every op on the device's own stream (compile places regions on streams)");
+    say(
+        hint.group_id.is_some(),
+        "group_id",
+        "eager runs each op as it is called: a group is one block only as written",
+    );
+    say(
+        hint.backward_group_id.is_some(),
+        "backward_group_id",
+        "eager's backward runs the tape in reverse, one op at a time",
+    );
+    say(
+        hint.memory_budget_mb.is_some(),
+        "memory_budget_mb",
+        "eager plans no memory: each op allocates its output when it runs",
+    );
+    say(
+        hint.recompute.is_some(),
+        "recompute",
+        "the eager tape keeps what each op's backward needs (compile recomputes)",
+    );
+    say(
+        hint.max_width.is_some(),
+        "max_width",
+        "eager runs one op at a time",
+    );
+    say(
+        hint.slice.is_some(),
+        "slice",
+        "slicing is a graph pass of compile; eager runs the code as written",
+    );
+    say(
+        hint.offload == Some(true),
+        "offload",
+        "only compile's memory plan moves saved values to host memory",
+    );
+    say(
+        hint.stream.is_some(),
+        "stream",
+        "eager queues every op on the device's own stream (compile places regions on streams)",
+    );
     out
 }
 
@@ -754,7 +786,9 @@ mod tests {
             .filter(|m| m.starts_with("eager:") && m.contains("\"stream\":7"))
             .collect();
         assert_eq!(said.len(), 4, "{said:?}");
-        assert!(said.iter().any(|m| m.contains("hint \"stream\"") && m.contains("own stream")));
+        assert!(said
+            .iter()
+            .any(|m| m.contains("hint \"stream\"") && m.contains("own stream")));
     }
 
     #[test]

@@ -168,8 +168,10 @@ pub fn aot_autograd_choosing(
     let mut chosen_offload: HashSet<NodeId> = HashSet::new();
     let mut recomputed_by_cost = 0;
     if let Some(choose) = choose {
-        let outputs: HashSet<NodeId> =
-            joint.graph.outputs[..n_out].iter().map(|o| o.node).collect();
+        let outputs: HashSet<NodeId> = joint.graph.outputs[..n_out]
+            .iter()
+            .map(|o| o.node)
+            .collect();
         let kept: HashSet<NodeId> = saved.iter().copied().collect();
         let candidates: Vec<SavedCandidate> = saved
             .iter()
@@ -201,7 +203,11 @@ pub fn aot_autograd_choosing(
         }
         // Every activation still saved waits in host memory (what a
         // recomputation newly needs saved too).
-        chosen_offload = saved.iter().copied().filter(|id| !forced.contains(id)).collect();
+        chosen_offload = saved
+            .iter()
+            .copied()
+            .filter(|id| !forced.contains(id))
+            .collect();
     }
     let recomputed = made_before_the_backward(
         &joint.graph,

@@ -461,7 +461,8 @@ impl Executable {
                         let choose = |joint: &Graph, candidates: &[SavedCandidate]| {
                             save_or_recompute(joint, candidates, &costs)
                         };
-                        aot = aot_autograd_choosing(&graph, &wrt, options.partition, Some(&choose))?;
+                        aot =
+                            aot_autograd_choosing(&graph, &wrt, options.partition, Some(&choose))?;
                         offloaded = aot.offloaded.clone();
                     }
                 }
@@ -586,7 +587,11 @@ impl Executable {
 /// Per saved activation, whether recomputing it in the backward is
 /// estimated faster than moving it to host memory and back on a device
 /// with `costs` (see [`cost::choose`]).
-fn save_or_recompute(joint: &Graph, candidates: &[SavedCandidate], costs: &DeviceCosts) -> Vec<bool> {
+fn save_or_recompute(
+    joint: &Graph,
+    candidates: &[SavedCandidate],
+    costs: &DeviceCosts,
+) -> Vec<bool> {
     candidates
         .iter()
         .map(|c| {
@@ -657,9 +662,13 @@ mod tests {
 
     fn chosen(costs: DeviceCosts) -> (usize, usize, usize) {
         let choose = |joint: &Graph, c: &[SavedCandidate]| save_or_recompute(joint, c, &costs);
-        let aot =
-            aot_autograd_choosing(&layers(), &[0, 1, 2], Partition::SaveAll, Some(&choose)).unwrap();
-        (aot.recomputed_by_cost, aot.offloaded.len(), aot.offloadable.len())
+        let aot = aot_autograd_choosing(&layers(), &[0, 1, 2], Partition::SaveAll, Some(&choose))
+            .unwrap();
+        (
+            aot.recomputed_by_cost,
+            aot.offloaded.len(),
+            aot.offloadable.len(),
+        )
     }
 
     #[test]
@@ -708,10 +717,15 @@ mod tests {
             .collect();
         let grads = |aot: &crate::autograd::AotGraphs| {
             let fwd = crate::tensor::interpret::run_graph(&aot.forward, &inputs).unwrap();
-            let mut feed: Vec<Tensor> = fwd[aot.num_outputs..].iter().map(|(_, t)| t.clone()).collect();
+            let mut feed: Vec<Tensor> = fwd[aot.num_outputs..]
+                .iter()
+                .map(|(_, t)| t.clone())
+                .collect();
             feed.push(Tensor::from_vec(vec![1.0f32; 256 * 256], &[256, 256]));
             let out = crate::tensor::interpret::run_graph(&aot.backward, &feed).unwrap();
-            out.into_iter().map(|(_, t)| t.to_f64_vec()).collect::<Vec<_>>()
+            out.into_iter()
+                .map(|(_, t)| t.to_f64_vec())
+                .collect::<Vec<_>>()
         };
         assert_eq!(grads(&plain), grads(&recomputing));
     }

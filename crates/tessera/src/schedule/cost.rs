@@ -138,11 +138,7 @@ pub fn node_seconds(graph: &Graph, id: NodeId, costs: &DeviceCosts) -> f64 {
 /// reads and writes through memory (a fused kernel's intermediates never
 /// reach it), plus one launch.
 pub fn kernel_seconds(graph: &Graph, kernel: &Kernel, costs: &DeviceCosts) -> f64 {
-    let flops: f64 = kernel
-        .members()
-        .iter()
-        .map(|&m| node_flops(graph, m))
-        .sum();
+    let flops: f64 = kernel.members().iter().map(|&m| node_flops(graph, m)).sum();
     let bytes: usize = kernel
         .reads(graph)
         .iter()
@@ -261,7 +257,10 @@ mod tests {
         // The CPU's matmul: 268 MFLOP at 198 GFLOP/s.
         let cpu = DeviceCosts::of(Device::Cpu);
         let t = node_seconds(&g, m, &cpu);
-        assert!((t - 2.0 * 512.0 * 1024.0 * 256.0 / 198e9).abs() < 1e-9, "{t}");
+        assert!(
+            (t - 2.0 * 512.0 * 1024.0 * 256.0 / 198e9).abs() < 1e-9,
+            "{t}"
+        );
     }
 
     #[test]

@@ -883,7 +883,10 @@ fn plan_moves(
             overlap: before(first, bytes),
         };
         prefetches.push((m, last));
-        deltas.push((m.wait_or_start(MoveKind::Prefetch, steps.len()), bytes as isize));
+        deltas.push((
+            m.wait_or_start(MoveKind::Prefetch, steps.len()),
+            bytes as isize,
+        ));
         deltas.push((last + 1, -(bytes as isize)));
     }
     offloads.sort_by_key(|m| m.step);

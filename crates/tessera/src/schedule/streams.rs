@@ -118,10 +118,7 @@ impl StreamPlan {
 
     /// The plan as the schedule log prints it: each wait.
     pub fn describe(&self) -> String {
-        let mut text = format!(
-            "  streams {:?}; kernels by stream:",
-            self.streams
-        );
+        let mut text = format!("  streams {:?}; kernels by stream:", self.streams);
         for &s in &self.streams {
             let ks: Vec<String> = (0..self.stream_of.len())
                 .filter(|&k| self.stream_of[k] == s)
@@ -161,8 +158,7 @@ fn hazards(model: &BufferModel, memory: &MemoryPlan, n: usize) -> Vec<Vec<usize>
             hazards[k].extend(creator(b));
         }
     }
-    let in_arena =
-        |b: usize| !buffers[b].escapes && !buffers[b].donated && buffers[b].bytes > 0;
+    let in_arena = |b: usize| !buffers[b].escapes && !buffers[b].donated && buffers[b].bytes > 0;
     for (c, buffer) in buffers.iter().enumerate() {
         let Some(k) = creator(c) else { continue };
         // Written in place of another buffer: that one's users first.
@@ -256,7 +252,12 @@ mod tests {
 
     #[test]
     fn a_graph_without_stream_hints_has_no_stream_plan() {
-        let g = parse(&TWO_REGIONS.replace(r#" hints={"stream": 1}"#, "").replace(r#" hints={"stream": 2}"#, "")).unwrap();
+        let g = parse(
+            &TWO_REGIONS
+                .replace(r#" hints={"stream": 1}"#, "")
+                .replace(r#" hints={"stream": 2}"#, ""),
+        )
+        .unwrap();
         let plan = fuse(&g);
         let scheduled = build(&g, &plan, &ScheduleOptions::default()).unwrap();
         assert_eq!(scheduled.schedule.streams, None);

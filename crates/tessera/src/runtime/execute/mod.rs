@@ -314,7 +314,12 @@ struct StreamLanes<'a> {
 
 impl<'a> StreamLanes<'a> {
     fn new(streams: &'a StreamPlan, lanes: usize, plan: &Plan) -> StreamLanes<'a> {
-        let others: Vec<usize> = streams.streams.iter().copied().filter(|&s| s != 0).collect();
+        let others: Vec<usize> = streams
+            .streams
+            .iter()
+            .copied()
+            .filter(|&s| s != 0)
+            .collect();
         let lane = |s: usize| match others.iter().position(|&o| o == s) {
             None => 0,
             Some(i) => 1 + i % (lanes - 1),
@@ -443,88 +448,96 @@ fn execute_here(
         let main = [0usize];
         let all_lanes: &[usize] = streams.as_ref().map_or(&main, |st| &st.used);
         let run = (|| -> Result<()> {
-        for (s, (step, free)) in steps.iter().zip(&frees).enumerate() {
-            in_flight.wait(StepMoves::at(&moves.offload_wait_before, s), &*backend, &main)?;
-            for &v in StepMoves::at(&moves.prefetch_start_before, s) {
-                // Only what is in host memory (a value the forward could
-                // not offload arrives where it is).
-                let offloaded = |a: &super::array::Array| match a.host_storage() {
-                    Some(storage) => on != Device::Cpu || storage.in_host_pool(),
-                    None => false,
+            for (s, (step, free)) in steps.iter().zip(&frees).enumerate() {
+                in_flight.wait(
+                    StepMoves::at(&moves.offload_wait_before, s),
+                    &*backend,
+                    &main,
+                )?;
+                for &v in StepMoves::at(&moves.prefetch_start_before, s) {
+                    // Only what is in host memory (a value the forward could
+                    // not offload arrives where it is).
+                    let offloaded = |a: &super::array::Array| match a.host_storage() {
+                        Some(storage) => on != Device::Cpu || storage.in_host_pool(),
+                        None => false,
+                    };
+                    if values[v.index()]
+                        .as_ref()
+                        .and_then(Tensor::try_array)
+                        .is_some_and(offloaded)
+                    {
+                        let t = move_value(&mut values, v, |a| backend.prefetch_start(a))?;
+                        in_flight.start(v, t);
+                    }
+                }
+                in_flight.wait(
+                    StepMoves::at(&moves.prefetch_wait_before, s),
+                    &*backend,
+                    all_lanes,
+                )?;
+                let started = profile.as_ref().map(|_| std::time::Instant::now());
+                let jobs: Vec<(Job<'_>, bool)> = step
+                    .iter()
+                    .map(|&k| {
+                        let mem = memory(k)?;
+                        let job =
+                            Job::gather(graph, k, &plan.kernels[k], &mem.in_place, &mut values)
+                                .with_plan(mem.planned.filter(|_| {
+                                    placed_as_planned(graph, &plan.kernels[k], &*backend)
+                                }));
+                        Ok((job, mem.alone))
+                    })
+                    .collect::<Result<_>>()?;
+                let concurrent = concurrent && jobs.len() > 1;
+                let (serial, parallel): (Vec<_>, Vec<_>) = jobs
+                    .into_iter()
+                    .partition(|(_, alone)| !concurrent || *alone);
+                let serial: Vec<Job<'_>> = serial.into_iter().map(|(job, _)| job).collect();
+                let parallel: Vec<Job<'_>> = parallel.into_iter().map(|(job, _)| job).collect();
+                let mut results = match (&streams, lanes.min(serial.len())) {
+                    (Some(st), _) => on_streams(&*backend, st, step, serial, graph)?,
+                    (None, 0 | 1) => serial.into_iter().map(|job| job.run(graph)).collect(),
+                    (None, n) => on_lanes(&*backend, n, serial, graph)?,
                 };
-                if values[v.index()]
-                    .as_ref()
-                    .and_then(Tensor::try_array)
-                    .is_some_and(offloaded)
-                {
-                    let t = move_value(&mut values, v, |a| backend.prefetch_start(a))?;
-                    in_flight.start(v, t);
+                // Rayon's workers start with grad mode on and tuning off: carry
+                // the caller's.
+                results.par_extend(parallel.into_par_iter().map(|job| {
+                    let _tuning = device::Tuning::set(tune);
+                    match grad {
+                        true => job.run(graph),
+                        false => autograd::no_grad(|| job.run(graph)),
+                    }
+                }));
+                for result in results {
+                    for (id, t) in result? {
+                        values[id.index()] = Some(t);
+                    }
+                }
+                for id in free {
+                    values[id.index()] = None;
+                }
+                for &v in StepMoves::at(&moves.offload_after, s) {
+                    // The copy follows the value's producer, on its lane.
+                    if let Some(st) = &streams {
+                        backend.lane(st.writer.get(&v).map_or(0, |&k| st.lane_of[k]))?;
+                    }
+                    let t = move_value(&mut values, v, |a| backend.offload_start(a));
+                    backend.lane(0)?;
+                    in_flight.start(v, t?);
+                }
+                if let (Some(profile), Some(started)) = (profile.as_mut(), started) {
+                    // On a device the step's kernels are only queued: wait for
+                    // them, so the time is the device's (unless the host's
+                    // queueing time is asked for: `TESSERA_LOGS=profile,host`).
+                    if on != Device::Cpu && !profile.host_times() {
+                        device::synchronize(on)?;
+                    }
+                    profile.step(step, started.elapsed());
                 }
             }
-            in_flight.wait(StepMoves::at(&moves.prefetch_wait_before, s), &*backend, all_lanes)?;
-            let started = profile.as_ref().map(|_| std::time::Instant::now());
-            let jobs: Vec<(Job<'_>, bool)> = step
-                .iter()
-                .map(|&k| {
-                    let mem = memory(k)?;
-                    let job = Job::gather(graph, k, &plan.kernels[k], &mem.in_place, &mut values)
-                        .with_plan(
-                            mem.planned
-                                .filter(|_| placed_as_planned(graph, &plan.kernels[k], &*backend)),
-                        );
-                    Ok((job, mem.alone))
-                })
-                .collect::<Result<_>>()?;
-            let concurrent = concurrent && jobs.len() > 1;
-            let (serial, parallel): (Vec<_>, Vec<_>) = jobs
-                .into_iter()
-                .partition(|(_, alone)| !concurrent || *alone);
-            let serial: Vec<Job<'_>> = serial.into_iter().map(|(job, _)| job).collect();
-            let parallel: Vec<Job<'_>> = parallel.into_iter().map(|(job, _)| job).collect();
-            let mut results = match (&streams, lanes.min(serial.len())) {
-                (Some(st), _) => on_streams(&*backend, st, step, serial, graph)?,
-                (None, 0 | 1) => serial.into_iter().map(|job| job.run(graph)).collect(),
-                (None, n) => on_lanes(&*backend, n, serial, graph)?,
-            };
-            // Rayon's workers start with grad mode on and tuning off: carry
-            // the caller's.
-            results.par_extend(parallel.into_par_iter().map(|job| {
-                let _tuning = device::Tuning::set(tune);
-                match grad {
-                    true => job.run(graph),
-                    false => autograd::no_grad(|| job.run(graph)),
-                }
-            }));
-            for result in results {
-                for (id, t) in result? {
-                    values[id.index()] = Some(t);
-                }
-            }
-            for id in free {
-                values[id.index()] = None;
-            }
-            for &v in StepMoves::at(&moves.offload_after, s) {
-                // The copy follows the value's producer, on its lane.
-                if let Some(st) = &streams {
-                    backend.lane(st.writer.get(&v).map_or(0, |&k| st.lane_of[k]))?;
-                }
-                let t = move_value(&mut values, v, |a| backend.offload_start(a));
-                backend.lane(0)?;
-                in_flight.start(v, t?);
-            }
-            if let (Some(profile), Some(started)) = (profile.as_mut(), started) {
-                // On a device the step's kernels are only queued: wait for
-                // them, so the time is the device's (unless the host's
-                // queueing time is asked for: `TESSERA_LOGS=profile,host`).
-                if on != Device::Cpu && !profile.host_times() {
-                    device::synchronize(on)?;
-                }
-                profile.step(step, started.elapsed());
-            }
-        }
-        // The outputs leave the run with no copy in flight on the device
-        // (an offloaded one's host bytes wait for theirs when read).
-        in_flight.wait_all()
+            // The outputs leave the run with no copy in flight on the device
+            // (an offloaded one's host bytes wait for theirs when read).
+            in_flight.wait_all()
         })();
         if streams.is_some() {
             // Every lane joins the run's own stream, also after an error.
