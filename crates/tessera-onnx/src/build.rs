@@ -44,6 +44,15 @@ pub fn attr_ints(name: &str, v: &[i64]) -> AttributeProto {
     }
 }
 
+pub fn attr_string(name: &str, v: &str) -> AttributeProto {
+    AttributeProto {
+        name: name.into(),
+        r#type: at::STRING,
+        s: v.as_bytes().to_vec(),
+        ..AttributeProto::default()
+    }
+}
+
 pub fn attr_float(name: &str, v: f32) -> AttributeProto {
     AttributeProto {
         name: name.into(),

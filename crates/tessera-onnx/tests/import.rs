@@ -553,3 +553,176 @@ fn malformed_nodes_are_errors_not_panics() {
         assert!(!msg.contains("internal error"), "{op}: {msg}");
     }
 }
+
+/// Conv (SAME_LOWER, stride 2) → BatchNormalization → Relu → MaxPool
+/// (per-side pads, ceil mode) → AveragePool (dilated, padding not
+/// counted) on `[batch, 3, 9, 9]`.
+fn small_cnn() -> Vec<u8> {
+    let w: Vec<f32> = (0..108)
+        .map(|i| ((i * 37 % 17) as f32 - 8.0) / 20.0)
+        .collect();
+    let per = |k: f32| -> Vec<f32> { (0..4).map(|c| k + c as f32 / 8.0).collect() };
+    model(
+        13,
+        vec![
+            node(
+                "Conv",
+                &["x", "w", "b"],
+                &["c"],
+                vec![
+                    attr_ints("strides", &[2, 2]),
+                    tessera_onnx::build::attr_string("auto_pad", "SAME_LOWER"),
+                ],
+            ),
+            node(
+                "BatchNormalization",
+                &["c", "scale", "bias", "mean", "var"],
+                &["n"],
+                vec![],
+            ),
+            node("Relu", &["n"], &["r"], vec![]),
+            node(
+                "MaxPool",
+                &["r"],
+                &["m"],
+                vec![
+                    attr_ints("kernel_shape", &[3, 3]),
+                    attr_ints("strides", &[2, 2]),
+                    attr_ints("pads", &[0, 1, 1, 0]),
+                    attr_int("ceil_mode", 1),
+                ],
+            ),
+            node(
+                "AveragePool",
+                &["m"],
+                &["y"],
+                vec![
+                    attr_ints("kernel_shape", &[2, 2]),
+                    attr_ints("dilations", &[2, 2]),
+                    attr_ints("pads", &[1, 1, 1, 1]),
+                ],
+            ),
+        ],
+        vec![value(
+            "x",
+            FLOAT,
+            &[D::Param("batch"), D::Size(3), D::Size(9), D::Size(9)],
+        )],
+        vec![value(
+            "y",
+            FLOAT,
+            &[D::Param("batch"), D::Size(4), D::Size(3), D::Size(3)],
+        )],
+        vec![
+            f32_tensor("w", &[4, 3, 3, 3], &w),
+            f32_tensor("b", &[4], &per(-0.1)),
+            f32_tensor("scale", &[4], &per(0.9)),
+            f32_tensor("bias", &[4], &per(0.05)),
+            f32_tensor("mean", &[4], &per(-0.2)),
+            f32_tensor("var", &[4], &per(0.7)),
+        ],
+    )
+}
+
+#[test]
+fn a_cnn_with_a_symbolic_batch_serves_every_size() {
+    let m = Model::from_bytes(&small_cnn(), "cnn.onnx").unwrap();
+    let imported = import(&m, &ImportOptions::default()).unwrap();
+    let g = &imported.graph;
+    assert_eq!(g.node(g.outputs[0].node).ty.to_string(), "f32[batch,4,3,3]");
+    let compiled = compile_graph(g.clone(), CompileOptions::default()).unwrap();
+    let sample = |s: usize| -> Vec<f32> {
+        (0..243)
+            .map(|i| (((i + 97 * s) as f32) * 0.61).sin())
+            .collect()
+    };
+    let mut alone = Vec::new();
+    for s in 0..2 {
+        let x = Tensor::from_vec(sample(s), &[1, 3, 9, 9]);
+        let args = imported.inputs(vec![("x".into(), x)]).unwrap();
+        let y = compiled.try_call(&args).unwrap().remove(0);
+        let want = run_graph(g, &args).unwrap().remove(0).1;
+        let (a, b) = (y.to_vec::<f32>().unwrap(), want.to_vec::<f32>().unwrap());
+        for (p, q) in a.iter().zip(&b) {
+            assert!((p - q).abs() <= 1e-5 * (1.0 + q.abs()), "{p} vs {q}");
+        }
+        assert!(b.iter().any(|v| *v != 0.0));
+        alone.extend(b);
+    }
+    // Both samples in one batch: each as alone.
+    let x = Tensor::from_vec([sample(0), sample(1)].concat(), &[2, 3, 9, 9]);
+    let args = imported.inputs(vec![("x".into(), x)]).unwrap();
+    let y = compiled.try_call(&args).unwrap().remove(0);
+    assert_eq!(y.shape(), &[2, 4, 3, 3]);
+    for (p, q) in y.to_vec::<f32>().unwrap().iter().zip(&alone) {
+        assert!((p - q).abs() <= 1e-5 * (1.0 + q.abs()), "{p} vs {q}");
+    }
+}
+
+#[test]
+fn cnn_ops_outside_what_maps_are_errors_naming_the_node() {
+    let x4 = |batch: D| {
+        vec![value(
+            "x",
+            FLOAT,
+            &[batch, D::Size(2), D::Size(4), D::Size(4)],
+        )]
+    };
+    let import_err = |bytes: Vec<u8>| {
+        let m = Model::from_bytes(&bytes, "cnn.onnx").unwrap();
+        import(&m, &ImportOptions::default())
+            .unwrap_err()
+            .to_string()
+    };
+    // MaxPool's flat Indices count across the batch: a symbolic one cannot.
+    let msg = import_err(model(
+        13,
+        vec![node(
+            "MaxPool",
+            &["x"],
+            &["y", "i"],
+            vec![attr_ints("kernel_shape", &[2, 2])],
+        )],
+        x4(D::Param("batch")),
+        vec![],
+        vec![],
+    ));
+    assert!(msg.contains("node `MaxPool_y`"), "{msg}");
+    assert!(msg.contains("concrete batch"), "{msg}");
+    assert!(msg.contains("f32[batch,2,4,4]"), "{msg}");
+    // Pads of the wrong length.
+    let msg = import_err(model(
+        13,
+        vec![node(
+            "Conv",
+            &["x", "w"],
+            &["y"],
+            vec![attr_ints("pads", &[1, 1])],
+        )],
+        x4(D::Size(1)),
+        vec![],
+        vec![f32_tensor("w", &[3, 2, 3, 3], &[0.5; 54])],
+    ));
+    assert!(
+        msg.contains("node `Conv_y`") && msg.contains("`pads`"),
+        "{msg}"
+    );
+    assert!(msg.contains("[1, 1]"), "{msg}");
+    // A window larger than the padded input.
+    let msg = import_err(model(
+        13,
+        vec![node(
+            "AveragePool",
+            &["x"],
+            &["y"],
+            vec![attr_ints("kernel_shape", &[5, 5])],
+        )],
+        x4(D::Size(1)),
+        vec![],
+        vec![],
+    ));
+    assert!(
+        msg.contains("node `AveragePool_y`") && msg.contains("larger than the padded input"),
+        "{msg}"
+    );
+}

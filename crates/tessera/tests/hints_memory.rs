@@ -454,7 +454,7 @@ fn offloaded_activations_leave_the_device_and_the_values_stay() {
 fn the_memory_plans_list_the_moves_and_account_both_spaces() {
     let _lock = allocator();
     use tessera::autograd::{aot_autograd, Partition};
-    use tessera::schedule::{build_moving, Moves, ScheduleOptions};
+    use tessera::schedule::{build_moving, Donations, Moves, ScheduleOptions};
     let g = traced(
         "layers",
         &layer_inputs(),
@@ -465,9 +465,15 @@ fn the_memory_plans_list_the_moves_and_account_both_spaces() {
     assert!(aot.offloaded.iter().all(|i| aot.offloadable.contains(i)));
     let plan_of = |graph: &Graph, moves: &Moves| {
         let plan = tessera::fusion::fuse(graph);
-        build_moving(graph, &plan, &ScheduleOptions::default(), &[], moves)
-            .unwrap()
-            .memory
+        build_moving(
+            graph,
+            &plan,
+            &ScheduleOptions::default(),
+            &Donations::default(),
+            moves,
+        )
+        .unwrap()
+        .memory
     };
     let fwd = &aot.forward;
     let offload = Moves {

@@ -587,12 +587,21 @@ fn donation_writes_the_new_values_over_the_old_and_changes_no_bit() {
         let (a, b) = (step.step(&batch(i)), kept.step(&batch(i)));
         assert_eq!(a.to_f64_vec(), b.to_f64_vec(), "step {i}: the losses");
         assert_eq!(values(&donating.store), values(&keeping.store), "step {i}");
-        // 4 parameters, each with m and v: 12 new tensors, all written over
-        // the 12 handed over but the two weights' first AdamW output, which
-        // takes the buffer of the gradient's product (a matmul epilogue).
-        // (Before the first step the state is fresh zeros made for it.)
+        // 4 parameters, each with m and v: 12 new tensors, each written
+        // over its own old one (the step pairs them: none lands in
+        // another's storage, the moments of a fused update not swapped),
+        // but l2's weight, which the product for l1's output gradient
+        // reads in the same step as its update (order bfs), so it gets a
+        // buffer of its own. (Before the first step the state is fresh
+        // zeros made for it.)
         if i > 0 {
-            assert_eq!(reused(&before, &addrs(&step)), 10, "step {i}");
+            let after = addrs(&step);
+            for (slot, a) in after.iter().enumerate() {
+                if let Some(was) = before.iter().position(|b| b == a) {
+                    assert_eq!(was, slot, "step {i}: a new value in another's storage");
+                }
+            }
+            assert_eq!(reused(&before, &after), 11, "step {i}");
             // Without donation every new tensor has a buffer of its own.
             assert_eq!(reused(&kept_before, &addrs(&kept)), 0, "step {i}");
         }

@@ -3,6 +3,7 @@
 //! version) and returns the node's outputs in order.
 
 mod attention;
+mod cnn;
 mod control;
 mod elementwise;
 mod gelu;
@@ -29,6 +30,7 @@ fn converter(op_type: &str) -> Option<Converter> {
         .or_else(|| reduce::converter(op_type))
         .or_else(|| shape::converter(op_type))
         .or_else(|| nn::converter(op_type))
+        .or_else(|| cnn::converter(op_type))
         .or_else(|| more::converter(op_type))
         .or_else(|| signal::converter(op_type))
         .or(match op_type {

@@ -12,6 +12,7 @@ use super::recompile::{self, Decision};
 use super::{guards_device, Compiled, Executable, InputGuard};
 use crate::error::Result;
 use crate::logging::log;
+use crate::schedule::Donations;
 use crate::tensor::trace::Traced;
 use crate::tensor::Tensor;
 
@@ -132,7 +133,12 @@ impl<F: Fn(&[Tensor]) -> Vec<Tensor>> Compiled<F> {
         let wrt = grad_inputs(guards, &traced.lifted);
         let started = std::time::Instant::now();
         let on = guards_device(guards, &traced.lifted);
-        let donated: Vec<usize> = (0..guards.len()).filter(|&i| guards[i].donated).collect();
+        let donated = Donations {
+            inputs: (0..guards.len()).filter(|&i| guards[i].donated).collect(),
+            becomes: (0..guards.len())
+                .filter_map(|i| Some((i, guards[i].becomes?)))
+                .collect(),
+        };
         let exe = Arc::new(Executable::build(traced, wrt, &self.options, on, &donated)?);
         state.stats.compile_seconds += started.elapsed().as_secs_f64();
         state.stats.compiles += 1;

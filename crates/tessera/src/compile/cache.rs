@@ -287,7 +287,13 @@ mod tests {
 
     fn entry(key: u64, shape: &[usize], had_breaks: bool) -> Entry {
         let t = traced("f", shape, |x| x.exp());
-        let exe = Executable::build(&t, vec![], &CompileOptions::default(), Device::Cpu, &[]);
+        let exe = Executable::build(
+            &t,
+            vec![],
+            &CompileOptions::default(),
+            Device::Cpu,
+            &Default::default(),
+        );
         Entry {
             key,
             guards: guards(shape),

@@ -96,8 +96,14 @@ mod tests {
             Ok(vec![("out".into(), (a[0].exp() * 2.0).sum(&[1], false))])
         })
         .unwrap();
-        let exe =
-            Executable::build(&t, vec![], &CompileOptions::default(), Device::Cpu, &[]).unwrap();
+        let exe = Executable::build(
+            &t,
+            vec![],
+            &CompileOptions::default(),
+            Device::Cpu,
+            &Default::default(),
+        )
+        .unwrap();
         (t, vec![InputGuard::of(&x)], exe)
     }
 

@@ -14,7 +14,7 @@ use crate::runtime::device::Device;
 use crate::runtime::execute::{run_plan_with, run_scheduled_owned};
 use crate::runtime::replay::{ReplayStats, Replayer};
 use crate::schedule::cost::{self, Choice, DeviceCosts};
-use crate::schedule::{self, Moves, ScheduleOptions, Scheduled};
+use crate::schedule::{self, Donations, Moves, ScheduleOptions, Scheduled};
 use crate::tensor::interpret::{bind_symbols, concretise, run_graph};
 use crate::tensor::trace::Traced;
 use crate::tensor::Tensor;
@@ -69,14 +69,20 @@ impl MoveSpec {
 }
 
 impl Lowered {
-    /// `donated`: the positions of the graph inputs the caller hands over.
+    /// `donated`: the graph inputs the caller hands over.
     fn new(
         graph: Graph,
         options: &ScheduleOptions,
-        donated: &[usize],
+        donated: &Donations,
         moves: &MoveSpec,
     ) -> Lowered {
-        let plan = fusion::fuse(&graph);
+        let mut plan = fusion::fuse(&graph);
+        let paired: Vec<NodeId> = donated
+            .becomes
+            .iter()
+            .filter_map(|&(_, o)| Some(graph.outputs.get(o)?.node))
+            .collect();
+        fusion::keep_products_off(&graph, &mut plan, &paired);
         let moves = moves.moves(&graph);
         let scheduled = match schedule::build_moving(&graph, &plan, options, donated, &moves) {
             Ok(s) => Some(s),
@@ -162,7 +168,7 @@ type Binding = Vec<(Arc<str>, usize)>;
 struct SizedPlans {
     options: ScheduleOptions,
     /// The graph inputs the caller hands over (see [`Lowered::new`]).
-    donated: Vec<usize>,
+    donated: Donations,
     moves: MoveSpec,
     plans: Mutex<Vec<(Binding, Arc<Lowered>)>>,
 }
@@ -227,7 +233,7 @@ impl Program {
         optimized: bool,
         options: &CompileOptions,
         on: Device,
-        donated: &[usize],
+        donated: &Donations,
         moves: &MoveSpec,
     ) -> Result<Program> {
         if !optimized {
@@ -248,7 +254,7 @@ impl Program {
         let sized = is_symbolic(&graph).then(|| {
             Arc::new(SizedPlans {
                 options: schedule_options,
-                donated: donated.to_vec(),
+                donated: donated.clone(),
                 moves: moves.clone(),
                 plans: Mutex::new(Vec::new()),
             })
@@ -393,7 +399,7 @@ impl Executable {
         wrt: Vec<usize>,
         options: &CompileOptions,
         on: Device,
-        donated: &[usize],
+        donated: &Donations,
     ) -> Result<Executable> {
         let mut graph = cut_at_breaks(traced)?;
         // Decided on the captured graph, before passes simplify it.
@@ -412,8 +418,9 @@ impl Executable {
         if !donated.is_empty() && !wrt.is_empty() {
             log("memory", || {
                 format!(
-                    "graph `{name}`: inputs {donated:?} donated, but the executable has a \
-                     backward (inputs {wrt:?} require grad): nothing is written over them"
+                    "graph `{name}`: inputs {:?} donated, but the executable has a \
+                     backward (inputs {wrt:?} require grad): nothing is written over them",
+                    donated.inputs
                 )
             });
         }
@@ -446,7 +453,7 @@ impl Executable {
                 fused,
                 options,
                 on,
-                &[],
+                &Donations::default(),
                 &offload(&offloaded),
             )?;
             // A budget that ordering does not meet: each saved activation
@@ -480,7 +487,7 @@ impl Executable {
                     fused,
                     options,
                     on,
-                    &[],
+                    &Donations::default(),
                     &offload(&offloaded),
                 )?;
             }
@@ -495,7 +502,14 @@ impl Executable {
                 prefetch_inputs: moved,
             };
             let backward = BackwardGraph {
-                program: Program::new(aot.backward, fused, options, on, &[], &prefetch)?,
+                program: Program::new(
+                    aot.backward,
+                    fused,
+                    options,
+                    on,
+                    &Donations::default(),
+                    &prefetch,
+                )?,
                 wrt,
                 reached,
                 tangent_outputs,

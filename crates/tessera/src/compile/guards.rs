@@ -22,6 +22,10 @@ pub struct InputGuard {
     /// the memory plan may write an output over it, so a call that donates
     /// other inputs gets another executable.
     pub donated: bool,
+    /// The output the donated tensor's next value is
+    /// ([`super::Compiled::try_call_updating`]), which the memory plan
+    /// writes over it and nowhere else.
+    pub becomes: Option<usize>,
 }
 
 /// Whether a gradient flows to `t` in this call: it requires grad and grad
@@ -40,13 +44,16 @@ impl InputGuard {
             requires_grad: needs_grad(t),
             device: t.device().name(),
             donated: false,
+            becomes: None,
         }
     }
 
-    /// The guard of an input the caller donates.
-    pub fn donated(t: &Tensor) -> InputGuard {
+    /// The guard of an input the caller donates, its next value output
+    /// `becomes` if given.
+    pub fn donated(t: &Tensor, becomes: Option<usize>) -> InputGuard {
         InputGuard {
             donated: true,
+            becomes,
             ..InputGuard::of(t)
         }
     }
@@ -68,7 +75,7 @@ impl InputGuard {
         sizes
             + usize::from(self.strides != actual.strides)
             + usize::from(self.requires_grad != actual.requires_grad)
-            + usize::from(self.donated != actual.donated)
+            + usize::from((self.donated, self.becomes) != (actual.donated, actual.becomes))
             + usize::from(self.device != actual.device) * 2
     }
 
@@ -123,12 +130,16 @@ impl InputGuard {
                 self.device, actual.device
             ));
         }
-        if self.donated != actual.donated {
-            let says = |d: bool| if d { "donated" } else { "not donated" };
+        if (self.donated, self.becomes) != (actual.donated, actual.becomes) {
+            let says = |g: &InputGuard| match (g.donated, g.becomes) {
+                (false, _) => "not donated".to_string(),
+                (true, None) => "donated".to_string(),
+                (true, Some(o)) => format!("donated to become output {o}"),
+            };
             return Some(format!(
                 "{what}: expected {}, got {}",
-                says(self.donated),
-                says(actual.donated)
+                says(self),
+                says(actual)
             ));
         }
         None
@@ -217,8 +228,14 @@ mod tests {
         };
         let r = miss_reason(&[InputGuard::of(&a)], &[on_gpu]).unwrap();
         assert_eq!(r, "input 0: expected device cpu, got cuda");
-        let r = miss_reason(&[InputGuard::of(&a)], &[InputGuard::donated(&a)]).unwrap();
+        let r = miss_reason(&[InputGuard::of(&a)], &[InputGuard::donated(&a, None)]).unwrap();
         assert_eq!(r, "input 0: expected not donated, got donated");
+        let paired = InputGuard::donated(&a, Some(3));
+        let r = miss_reason(&[InputGuard::donated(&a, None)], &[paired]).unwrap();
+        assert_eq!(
+            r,
+            "input 0: expected donated, got donated to become output 3"
+        );
         let r = miss_reason(
             &[InputGuard::of(&a)],
             &[InputGuard::of(&a), InputGuard::of(&a)],

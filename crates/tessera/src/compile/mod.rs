@@ -58,6 +58,7 @@ pub use train_step::{train_step, StepFn, TrainStep};
 
 use crate::error::{Result, SourceLoc};
 use crate::logging::log;
+use crate::schedule::Donations;
 use crate::tensor::trace::Traced;
 use crate::tensor::Tensor;
 use cache::CacheState;
@@ -142,7 +143,7 @@ impl<F: Fn(&[Tensor]) -> Vec<Tensor>> Compiled<F> {
     /// recompile limit).
     #[track_caller]
     pub fn try_call(&self, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
-        self.call_with(&mut inputs.to_vec(), &[])
+        self.call_with(&mut inputs.to_vec(), &Donations::default())
     }
 
     /// [`Compiled::try_call`] donating the arguments at positions `donate`
@@ -182,17 +183,63 @@ impl<F: Fn(&[Tensor]) -> Vec<Tensor>> Compiled<F> {
                 ),
             ));
         }
-        self.call_with(args, donate)
+        self.call_with(args, &Donations::inputs(donate))
+    }
+
+    /// [`Compiled::try_call_donating`] the arguments at `updates`' first
+    /// positions, each pair `(argument, output)` saying that the output is
+    /// that argument's next value (JAX's `input_output_aliases`; a
+    /// training step's new parameters and optimizer state, fed back at the
+    /// next call): the memory plan writes each such output over its own
+    /// argument where the kernel making it may, and no other value there.
+    /// The caller's buffers then stay where they are from call to call
+    /// (what a device-graph replay records). Part of the guards, as
+    /// donation is.
+    #[track_caller]
+    pub fn try_call_updating(
+        &self,
+        args: &mut Vec<Tensor>,
+        updates: &[(usize, usize)],
+    ) -> Result<Vec<Tensor>> {
+        let donate: Vec<usize> = updates.iter().map(|&(i, _)| i).collect();
+        let mut inputs = donate.clone();
+        inputs.sort_unstable();
+        inputs.dedup();
+        if let Some(&bad) = donate.iter().find(|&&i| i >= args.len()) {
+            return Err(crate::error::Error::op(
+                crate::error::ErrorKind::Argument,
+                "compile",
+                format!(
+                    "cannot donate argument {bad} of a call with {} arguments",
+                    args.len()
+                ),
+            ));
+        }
+        if inputs.len() != donate.len() {
+            return Err(crate::error::Error::op(
+                crate::error::ErrorKind::Argument,
+                "compile",
+                format!("an argument paired with two outputs in {updates:?}"),
+            ));
+        }
+        self.call_with(
+            args,
+            &Donations {
+                inputs,
+                becomes: updates.to_vec(),
+            },
+        )
     }
 
     /// The call path: `args` are taken when the executable runs.
     #[track_caller]
-    fn call_with(&self, args: &mut Vec<Tensor>, donate: &[usize]) -> Result<Vec<Tensor>> {
+    fn call_with(&self, args: &mut Vec<Tensor>, donate: &Donations) -> Result<Vec<Tensor>> {
+        let becomes = |i: usize| donate.becomes.iter().find(|p| p.0 == i).map(|p| p.1);
         let guards: Vec<InputGuard> = args
             .iter()
             .enumerate()
-            .map(|(i, t)| match donate.contains(&i) {
-                true => InputGuard::donated(t),
+            .map(|(i, t)| match donate.contains(i) {
+                true => InputGuard::donated(t, becomes(i)),
                 false => InputGuard::of(t),
             })
             .collect();

@@ -383,12 +383,17 @@ impl<'a, O: TraceableOptimizer> TrainStep<'a, O> {
             optimizer: &self.shared.optimizer,
             donated: taken,
         };
-        let donate: Vec<usize> = match taken {
-            true => (first..lent.args.len()).collect(),
+        // Each parameter and state tensor handed over becomes the output
+        // in its place among the step's last outputs (same order).
+        let first_out = layout.n_outputs(n) - n * (1 + layout.state_len);
+        let updates: Vec<(usize, usize)> = match taken {
+            true => (first..lent.args.len())
+                .map(|i| (i, first_out + i - first))
+                .collect(),
             false => Vec::new(),
         };
         let compiled = &self.compiled;
-        let called = catching(|| compiled.try_call_donating(&mut lent.args, &donate));
+        let called = catching(|| compiled.try_call_updating(&mut lent.args, &updates));
         let started = lent.args.is_empty();
         // Not started: everything back where it was (also on a panic).
         drop(lent);

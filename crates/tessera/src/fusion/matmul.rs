@@ -8,7 +8,7 @@ use std::collections::{HashMap, HashSet};
 use super::group::{Domain, Group, Grouping};
 use super::nodes::shape_of;
 use super::steps::fused_kernel;
-use super::Kernel;
+use super::{Kernel, Plan};
 use crate::ir::{DType, Graph, NodeId, Op};
 
 /// A matmul whose output an epilogue may take: a float product, concrete.
@@ -33,13 +33,46 @@ pub(super) fn epilogue_kernel(
     let outputs: Vec<NodeId> = tail.iter().copied().filter(|m| users.contains(m)).collect();
     let shape = shape_of(graph, mm).expect("concrete");
     let (kernel, inputs) = fused_kernel(graph, tail, shape, &outputs);
+    let matmul_out = users.contains(&mm);
+    let dtype = graph.node(mm).ty.dtype;
     Kernel::Epilogue {
         matmul: mm,
-        matmul_out: users.contains(&mm),
+        matmul_out,
+        product_into: (!matmul_out)
+            .then(|| kernel.outputs.iter().position(|&(_, d)| d == dtype))
+            .flatten(),
         kernel,
         members: group.members.clone(),
         inputs,
         outputs,
+    }
+}
+
+/// Moves each epilogue's product off the outputs in `kept` (values a
+/// caller wants written over inputs it donates, as a training step's new
+/// parameters and moments): the product goes under another output of its
+/// dtype, else into the kernel's scratch. Otherwise the weights' update
+/// (an epilogue of their gradient's product) would write a moment into
+/// the product's fresh buffer and the parameter over the moment's old
+/// one, and the step would hand its values back in each other's storage.
+pub fn keep_products_off(graph: &Graph, plan: &mut Plan, kept: &[NodeId]) {
+    for kernel in &mut plan.kernels {
+        let Kernel::Epilogue {
+            matmul,
+            product_into: into @ Some(_),
+            kernel: code,
+            outputs,
+            ..
+        } = kernel
+        else {
+            continue;
+        };
+        let dtype = graph.node(*matmul).ty.dtype;
+        *into = code
+            .outputs
+            .iter()
+            .zip(outputs.iter())
+            .position(|(&(_, d), out)| d == dtype && !kept.contains(out));
     }
 }
 
@@ -206,6 +239,50 @@ mod tests {
     }
 
     #[test]
+    fn a_kept_output_moves_the_product_to_another_output_or_to_scratch() {
+        // An update of `p` and `m` by the product `g = x·w`: p' and m' are
+        // both f32 of its shape; the first of them takes the product.
+        let g = graph(
+            "%x, %w, %p, %m",
+            "  %x = input : f32[8,4]
+  %w = input : f32[4,8]
+  %p = input : f32[8,8]
+  %m = input : f32[8,8]
+  %g = matmul(%x, %w) : f32[8,8]
+  %m2 = add(%m, %g) : f32[8,8]
+  %p2 = sub(%p, %m2) : f32[8,8]
+  return %p2 as p2, %m2 as m2",
+        );
+        let into = |plan: &Plan| match plan.kernels[..] {
+            [Kernel::Epilogue {
+                product_into,
+                ref kernel,
+                ref outputs,
+                ..
+            }] => product_into.map(|o| {
+                assert_eq!(kernel.outputs.len(), outputs.len());
+                outputs[o]
+            }),
+            _ => panic!("one epilogue: {plan:?}"),
+        };
+        let [m2, p2] = ids(&g, &["m2", "p2"])[..] else {
+            unreachable!()
+        };
+        let plan = crate::fusion::fuse(&g);
+        let first = into(&plan).expect("an output over the product");
+        let other = if first == m2 { p2 } else { m2 };
+        let mut kept = plan.clone();
+        keep_products_off(&g, &mut kept, &[first]);
+        assert_eq!(into(&kept), Some(other));
+        let mut both = plan.clone();
+        keep_products_off(&g, &mut both, &[m2, p2]);
+        assert_eq!(into(&both), None, "the product in scratch");
+        let mut none = plan;
+        keep_products_off(&g, &mut none, &[]);
+        assert_eq!(into(&none), Some(first));
+    }
+
+    #[test]
     fn an_epilogue_loads_the_matmul_and_overwrites_it_unless_it_is_read() {
         let g = graph(
             "%x, %w, %b, %xi, %wi",
@@ -236,6 +313,7 @@ mod tests {
         let Kernel::Epilogue {
             matmul,
             matmul_out,
+            product_into,
             kernel,
             members,
             inputs,
@@ -244,7 +322,7 @@ mod tests {
         else {
             panic!("not an epilogue")
         };
-        assert_eq!((matmul, matmul_out), (m, false));
+        assert_eq!((matmul, matmul_out, product_into), (m, false, Some(0)));
         assert_eq!(
             kernel.steps,
             [
@@ -262,9 +340,15 @@ mod tests {
         );
         // The matmul's value read elsewhere too: it is written as well.
         let users: HashSet<NodeId> = [m, r].into_iter().collect();
-        let Kernel::Epilogue { matmul_out, .. } = epilogue_kernel(&g, &group, m, &users) else {
+        let Kernel::Epilogue {
+            matmul_out,
+            product_into,
+            ..
+        } = epilogue_kernel(&g, &group, m, &users)
+        else {
             panic!("not an epilogue")
         };
         assert!(matmul_out);
+        assert_eq!(product_into, None);
     }
 }

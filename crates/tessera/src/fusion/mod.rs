@@ -52,6 +52,7 @@ use crate::ir::{Graph, NodeId, Op};
 use crate::logging::log;
 use assemble::assemble;
 use group::{group, group_with, in_row_kernels, Domain, Rounds};
+pub use matmul::keep_products_off;
 use matmul::{is_epilogue_head, take_products};
 use nodes::is_fusible;
 use rows::row_reduction;
@@ -76,10 +77,17 @@ pub enum Kernel {
     },
     /// A matmul followed by a pointwise epilogue over its output: the
     /// epilogue reads the matmul's result (its input `matmul`) and, unless
-    /// the matmul's value is needed elsewhere (`matmul_out`), overwrites it.
+    /// the matmul's value is needed elsewhere (`matmul_out`), writes its
+    /// output `product_into` over it (else the product is the kernel's
+    /// scratch).
     Epilogue {
         matmul: NodeId,
         matmul_out: bool,
+        /// The fused output (position in `kernel.outputs`) written over the
+        /// product: the first of the product's dtype, unless that one must
+        /// go over a donated input ([`keep_products_off`]); `None` when
+        /// `matmul_out` or no output may.
+        product_into: Option<usize>,
         kernel: FusedKernel,
         members: Vec<NodeId>,
         /// The epilogue's inputs (the matmul among them).

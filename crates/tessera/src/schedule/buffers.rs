@@ -30,6 +30,7 @@
 //! storage (see `memory.rs`). It is never planned within a cat's output.
 
 use super::kernels::KernelGraph;
+use super::Donations;
 use crate::error::{Error, ErrorKind, Result};
 use crate::fusion::{Kernel, Plan};
 use crate::ir::{DType, Graph, NodeId, Op};
@@ -112,7 +113,7 @@ impl BufferModel {
         plan: &Plan,
         kg: &KernelGraph,
         on: Device,
-        donated: &[usize],
+        donated: &Donations,
     ) -> Result<BufferModel> {
         let backend = device::backend(on)?;
         let mut model = BufferModel {
@@ -130,7 +131,7 @@ impl BufferModel {
             let shape = concrete(graph, id)?;
             let numel: usize = shape.iter().product();
             let dtype = graph.node(id).ty.dtype;
-            let buffer = donated.contains(&i).then(|| {
+            let buffer = donated.contains(i).then(|| {
                 model.buffers.push(Buffer {
                     value: Some(id),
                     kernel: 0,
@@ -168,6 +169,7 @@ impl BufferModel {
                 model.join_in_place(graph, k, *id);
             }
         }
+        model.keep_pairs(graph, donated);
         model.check_total(graph)?;
         Ok(model)
     }
@@ -221,6 +223,33 @@ impl BufferModel {
             .collect();
         for candidates in &mut self.in_place {
             candidates.retain(|c| !alike.contains(&c.buffer));
+        }
+    }
+
+    /// A donated input paired with an output ([`Donations::becomes`]) may
+    /// take that output alone, and a paired output goes over no other
+    /// buffer.
+    fn keep_pairs(&mut self, graph: &Graph, donated: &Donations) {
+        let pairs: Vec<(usize, NodeId)> = donated
+            .becomes
+            .iter()
+            .filter_map(|&(i, o)| {
+                let buffer = self.value_buffer[graph.inputs.get(i)?.index()]?;
+                Some((buffer, graph.outputs.get(o)?.node))
+            })
+            .collect();
+        if pairs.is_empty() {
+            return;
+        }
+        let buffers = &self.buffers;
+        for candidates in &mut self.in_place {
+            candidates.retain(|c| {
+                let out = buffers[c.output_buffer].value;
+                match pairs.iter().find(|&&(b, _)| b == c.buffer) {
+                    Some(&(_, paired)) => out == Some(paired),
+                    None => !pairs.iter().any(|&(_, paired)| out == Some(paired)),
+                }
+            });
         }
     }
 
@@ -309,6 +338,7 @@ impl BufferModel {
             Kernel::Epilogue {
                 matmul,
                 matmul_out,
+                product_into,
                 kernel: code,
                 outputs,
                 ..
@@ -326,9 +356,8 @@ impl BufferModel {
                     .map(|v| (&v.layout, v.dtype, v.storage_numel))
                     .collect();
                 let dtype = graph.node(*matmul).ty.dtype;
-                let absorbed = code.outputs.iter().any(|&(_, d)| d == dtype);
                 let mut scratch = self.scratch_bytes(&graph.node(*matmul).op, &described, &shape);
-                if !*matmul_out && !absorbed {
+                if !*matmul_out && product_into.is_none() {
                     let numel: usize = shape.iter().product();
                     scratch = scratch.div_ceil(64) * 64 + numel * dtype.size_bytes();
                 }
@@ -348,9 +377,6 @@ impl BufferModel {
                 }
                 // A donated input the epilogue alone reads may take an
                 // output other than the one written over the product.
-                let target = (!*matmul_out)
-                    .then(|| code.outputs.iter().position(|&(_, d)| d == dtype))
-                    .flatten();
                 let epilogue_inputs: Vec<NodeId> = reads[n..].to_vec();
                 let candidates = in_place_candidates(
                     &code.shape,
@@ -362,7 +388,7 @@ impl BufferModel {
                 self.in_place[k] = candidates
                     .into_iter()
                     .filter(|c| {
-                        Some(c.output) != target
+                        Some(c.output) != *product_into
                             && self.buffers[c.buffer].donated
                             && !operand_buffers.contains(&Some(c.buffer))
                     })

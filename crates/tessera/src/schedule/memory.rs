@@ -1033,7 +1033,7 @@ mod tests {
     fn a_donated_input_takes_an_output_and_one_read_elsewhere_is_freed() {
         use crate::fusion::fuse;
         use crate::ir::text::parse;
-        use crate::schedule::{build, build_donating, ScheduleOptions};
+        use crate::schedule::{build, build_donating, Donations, ScheduleOptions};
         // %x is overwritten by the fused kernel's output; %w is read by
         // the matmul alone (not in place) and freed after it.
         let g = parse(
@@ -1050,7 +1050,9 @@ mod tests {
         let plan = fuse(&g);
         let options = ScheduleOptions::default();
         let plain = build(&g, &plan, &options).unwrap().memory;
-        let donating = build_donating(&g, &plan, &options, &[0, 1]).unwrap().memory;
+        let donating = build_donating(&g, &plan, &options, &Donations::inputs(&[0, 1]))
+            .unwrap()
+            .memory;
         assert_eq!(plain.check(), Ok(()));
         assert_eq!(donating.check(), Ok(()));
         // Both outputs escape: 2 × 64 bytes from the pool without donation.

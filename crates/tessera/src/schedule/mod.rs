@@ -105,18 +105,51 @@ pub struct Scheduled {
 /// plans its memory for `options.device`. Errors for symbolic shapes (the
 /// planner needs sizes) and for a device with no backend registered.
 pub fn build(graph: &Graph, plan: &Plan, options: &ScheduleOptions) -> Result<Scheduled> {
-    build_donating(graph, plan, options, &[])
+    build_donating(graph, plan, options, &Donations::default())
 }
 
-/// [`build`] for a caller that hands over the graph inputs at positions
-/// `donated` (their only handles): a fused kernel reading one for the last
-/// time may write an output over it, a graph output too (see
-/// [`memory`]'s "Donated inputs").
+/// The graph inputs a caller hands over (their only handles) and, of
+/// those, the ones whose next value is a graph output (JAX's
+/// `input_output_aliases`: a training step's new parameters and moments).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Donations {
+    /// The positions of the donated inputs.
+    pub inputs: Vec<usize>,
+    /// `(input, output)`: graph output `output` is donated input `input`'s
+    /// next value. The memory plan writes that output over that input
+    /// where the kernel making it may, and no other value there; without
+    /// the pairing, outputs of one size may land in each other's inputs
+    /// (the moments of a fused update swapped), and a caller that records
+    /// the buffers (a device-graph replay) would have to copy.
+    pub becomes: Vec<(usize, usize)>,
+}
+
+impl Donations {
+    /// The inputs at `positions`, no output paired.
+    pub fn inputs(positions: &[usize]) -> Donations {
+        Donations {
+            inputs: positions.to_vec(),
+            becomes: Vec::new(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.inputs.is_empty()
+    }
+
+    pub fn contains(&self, input: usize) -> bool {
+        self.inputs.contains(&input)
+    }
+}
+
+/// [`build`] for a caller that hands over the graph inputs `donated`
+/// names: a fused kernel reading one for the last time may write an output
+/// over it, a graph output too (see [`memory`]'s "Donated inputs").
 pub fn build_donating(
     graph: &Graph,
     plan: &Plan,
     options: &ScheduleOptions,
-    donated: &[usize],
+    donated: &Donations,
 ) -> Result<Scheduled> {
     build_moving(graph, plan, options, donated, &Moves::default())
 }
@@ -128,7 +161,7 @@ pub fn build_moving(
     graph: &Graph,
     plan: &Plan,
     options: &ScheduleOptions,
-    donated: &[usize],
+    donated: &Donations,
     moves: &Moves,
 ) -> Result<Scheduled> {
     let ctx = search::Context::new(graph, plan, options.device, donated)?;

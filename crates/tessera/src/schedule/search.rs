@@ -8,7 +8,7 @@ use super::hinted::{Hints, KernelHint};
 use super::kernels::KernelGraph;
 use super::list::{self, Base};
 use super::memory::Liveness;
-use super::{Schedule, ScheduleOptions, Strategy};
+use super::{Donations, Schedule, ScheduleOptions, Strategy};
 use crate::error::Result;
 use crate::fusion::Plan;
 use crate::ir::Graph;
@@ -37,8 +37,8 @@ impl Candidate {
 }
 
 impl Context {
-    /// `donated`: the positions of the graph inputs the caller hands over.
-    pub fn new(graph: &Graph, plan: &Plan, on: Device, donated: &[usize]) -> Result<Context> {
+    /// `donated`: the graph inputs the caller hands over.
+    pub fn new(graph: &Graph, plan: &Plan, on: Device, donated: &Donations) -> Result<Context> {
         let kg = KernelGraph::new(graph, plan);
         let hints = Hints::read(graph, plan, &kg);
         let model = BufferModel::new(graph, plan, &kg, on, donated)?;

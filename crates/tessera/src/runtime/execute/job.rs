@@ -262,13 +262,14 @@ impl<'a> Job<'a> {
             Kernel::Epilogue {
                 matmul,
                 matmul_out,
+                product_into,
                 kernel,
                 inputs,
                 outputs,
                 ..
             } => run_epilogue(
                 graph,
-                (*matmul, *matmul_out),
+                (*matmul, *matmul_out, *product_into),
                 kernel,
                 inputs,
                 outputs,

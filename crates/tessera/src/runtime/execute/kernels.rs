@@ -162,11 +162,11 @@ fn run_members(
 }
 
 /// Runs a matmul and its epilogue: the gemm writes a fresh buffer, which
-/// the epilogue then overwrites in place (one output of the matmul's dtype)
-/// unless the matmul's value is itself an output.
+/// the epilogue then overwrites in place with its output `target` (see
+/// `Kernel::Epilogue::product_into`), else the product is scratch.
 pub(super) fn run_epilogue(
     graph: &Graph,
-    (matmul, matmul_out): (NodeId, bool),
+    (matmul, matmul_out, target): (NodeId, bool, Option<usize>),
     kernel: &FusedKernel,
     inputs: &[NodeId],
     outputs: &[NodeId],
@@ -199,9 +199,6 @@ pub(super) fn run_epilogue(
             return Ok(vec![(outputs[0], sum)]);
         }
     }
-    let target = (!matmul_out)
-        .then(|| kernel.outputs.iter().position(|&(_, d)| d == dtype))
-        .flatten();
     let gemm = || Tensor::apply(&node.op, &operands, Location::caller());
     // A product that is neither an output nor overwritten by one is the
     // kernel's scratch in the memory plan.
