@@ -124,6 +124,10 @@ pub struct GptBenchConfig {
     /// The compiled step recorded once as a CUDA graph and replayed
     /// (`mode=reduce-overhead`, see `tessera::runtime::replay`).
     pub cuda_graphs: bool,
+    /// The compiled step's memory budget in MiB (the most parallel order
+    /// whose predicted peak fits; `TESSERA_LOGS=schedule,memory` says what
+    /// was chosen).
+    pub memory_budget_mb: Option<f64>,
 }
 
 impl Default for GptBenchConfig {
@@ -144,6 +148,7 @@ impl Default for GptBenchConfig {
             schedule: None,
             retrace: true,
             cuda_graphs: false,
+            memory_budget_mb: None,
         }
     }
 }
@@ -189,6 +194,15 @@ impl GptBenchConfig {
         }
         if self.cuda_graphs && self.mode == Mode::Eager {
             problems.push("--cuda-graphs is about the compiled step: not with --mode eager".into());
+        }
+        match self.memory_budget_mb {
+            Some(_) if self.mode == Mode::Eager => problems.push(
+                "--memory-budget-mb plans the compiled step's memory: not with --mode eager".into(),
+            ),
+            Some(mb) if !(mb.is_finite() && mb >= 0.0) => problems.push(format!(
+                "--memory-budget-mb must be a number of MiB ≥ 0, got {mb}"
+            )),
+            _ => {}
         }
         if problems.is_empty() && self.param_count().is_none() {
             problems.push(format!(
@@ -316,6 +330,8 @@ pub struct GptBenchReport {
     pub schedule: Option<String>,
     /// Whether the compiled step traced every step (compiled only).
     pub retrace: Option<bool>,
+    /// The compiled step's memory budget (MiB), when one was set.
+    pub memory_budget_mb: Option<f64>,
     /// Compiled with `--cuda-graphs`: steps replayed from the recorded CUDA
     /// graph, and recordings that failed (the step then ran kernel by
     /// kernel; `TESSERA_LOGS=cudagraphs` says why).
@@ -446,6 +462,9 @@ impl<'a> Stepper<'a> {
                     }
                 };
                 let mut step = train_step(loss_fn, optimizer).name("bench_gpt_step");
+                if let Some(mb) = config.memory_budget_mb {
+                    step = step.memory_budget((mb * (1u64 << 20) as f64) as usize);
+                }
                 if let Some(order) = config.schedule {
                     step = step.schedule(order);
                 }
@@ -629,6 +648,7 @@ fn run_here(
             Mode::Compiled => Some(config.schedule.map_or("default", Strategy::name).into()),
         },
         retrace: (config.mode == Mode::Compiled).then_some(config.retrace && !config.cuda_graphs),
+        memory_budget_mb: config.memory_budget_mb,
         cuda_graph_replays: replays.map(|r| r.replays),
         cuda_graph_fallbacks: replays.map(|r| r.fallbacks),
         compiles: compile.map(|(_, _, n)| n),

@@ -85,6 +85,10 @@ pub struct GptArgs {
     /// (TESSERA_LOGS=cudagraphs says why).
     #[arg(long)]
     cuda_graphs: bool,
+    /// Compiled: the step's memory budget in MiB; the JSON's `peak_mb` is
+    /// what the device's allocator then measured.
+    #[arg(long)]
+    memory_budget_mb: Option<f64>,
 }
 
 impl GptArgs {
@@ -105,6 +109,7 @@ impl GptArgs {
             schedule: self.schedule,
             retrace: !self.no_retrace,
             cuda_graphs: self.cuda_graphs,
+            memory_budget_mb: self.memory_budget_mb,
         }
     }
 }

@@ -125,6 +125,16 @@ const DEFAULT_LANES: usize = 4;
 /// The device, one context, its lanes.
 pub struct Gpu {
     context: SendPtr<sys::CUcontext>,
+    /// The stream of copies between device and host memory that overlap
+    /// compute (offloads and prefetches, see [`Gpu::offload_start`]).
+    copy_stream: SendPtr<sys::CUstream>,
+    /// Events for copies in flight, reused.
+    copy_events: Arc<Mutex<Vec<SendPtr<sys::CUevent>>>>,
+    /// Page-locked host memory for offloaded values.
+    pub pinned: Arc<Mutex<PinnedPool>>,
+    /// Events by slot (see [`Gpu::record`]): a kernel whose value a kernel
+    /// on another lane reads.
+    slots: Mutex<Vec<SendPtr<sys::CUevent>>>,
     /// Lane i's stream; lane 0 is the main stream.
     streams: Vec<SendPtr<sys::CUstream>>,
     /// Lane i's event, recorded at forks (lane 0) and joins (the others).
@@ -265,8 +275,14 @@ impl Gpu {
             streams.push(SendPtr(stream));
             events.push(SendPtr(event));
         }
+        let copy_stream = cu::stream::create(cu::stream::StreamKind::NonBlocking)
+            .map_err(|e| driver_error("stream creation", e))?;
         let gpu = Gpu {
             context: SendPtr(context),
+            copy_stream: SendPtr(copy_stream),
+            copy_events: Arc::new(Mutex::new(Vec::new())),
+            pinned: Arc::new(Mutex::new(PinnedPool::default())),
+            slots: Mutex::new(Vec::new()),
             streams,
             events,
             lane: AtomicUsize::new(0),
@@ -484,9 +500,28 @@ impl Gpu {
         }
     }
 
-    /// Gives every cached free block back to the driver.
+    /// Gives every cached free block back to the driver, page-locked host
+    /// blocks too.
     pub fn empty_cache(&self) {
         self.bind();
+        let pinned: Vec<usize> = {
+            let mut pool = self.pinned.lock().expect("pinned pool poisoned");
+            pool.cached = 0;
+            pool.free.drain().flat_map(|(_, v)| v).collect()
+        };
+        if !pinned.is_empty() {
+            // Copies queued on them may still run.
+            // SAFETY: the copy stream lives as long as the process.
+            let _ = unsafe { cu::stream::synchronize(self.copy_stream.0) };
+            let mut pool = self.pinned.lock().expect("pinned pool poisoned");
+            for p in pinned {
+                pool.ours.remove(&p);
+                // SAFETY: from cuMemHostAlloc, no copy uses it any more.
+                unsafe {
+                    let _ = cu::free_host(p as *mut c_void);
+                }
+            }
+        }
         let blocks: Vec<u64> = {
             let mut pool = self.alloc.pool.lock().expect("pool poisoned");
             pool.cached = 0;
@@ -586,6 +621,188 @@ impl Gpu {
         }
         unsafe { cu::memcpy_dtod_async(dst, src, bytes, self.stream()) }
             .map_err(|e| driver_error("device copy", e))
+    }
+
+    /// Whether a capture is recording (see [`Gpu::begin_capture`]).
+    fn capturing(&self) -> bool {
+        self.alloc
+            .pool
+            .lock()
+            .expect("pool poisoned")
+            .capture
+            .is_some()
+    }
+
+    /// An event for a copy in flight (from the reused ones).
+    fn copy_event(&self) -> Result<CopyEvent, String> {
+        let reused = self.copy_events.lock().expect("events poisoned").pop();
+        let event = match reused {
+            Some(e) => e,
+            None => SendPtr(
+                cu::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+                    .map_err(|e| driver_error("event creation", e))?,
+            ),
+        };
+        Ok(CopyEvent {
+            event,
+            free: self.copy_events.clone(),
+        })
+    }
+
+    /// The copy stream waits for the work queued so far on the current
+    /// lane (a value's producer; the last readers of a block the cache
+    /// hands to the copy).
+    fn copy_after_compute(&self) -> Result<(), String> {
+        let start = self.copy_event()?;
+        // SAFETY: live streams and event; the wait takes the event's state
+        // now, so the event may be recorded again once it returns.
+        unsafe {
+            cu::event::record(start.event.0, self.stream())
+                .map_err(|e| driver_error("event record", e))?;
+            cu::stream::wait_event(
+                self.copy_stream.0,
+                start.event.0,
+                sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+            )
+            .map_err(|e| driver_error("stream wait", e))
+        }
+    }
+
+    /// Starts copying `bytes` at device address `src` into page-locked
+    /// host memory, on the copy stream after the work queued so far on
+    /// the current lane: the host block and the copy's event. Nothing is
+    /// waited for on the host. An error while a capture records (a copy
+    /// to the host cannot be replayed into a value the caller holds), which
+    /// fails the capture: that run goes kernel by kernel.
+    pub fn offload_start(
+        &self,
+        src: u64,
+        bytes: usize,
+    ) -> Result<(PinnedBlock, CopyEvent), String> {
+        self.bind();
+        if self.capturing() {
+            return Err("an offload to host memory cannot be recorded in a CUDA graph".into());
+        }
+        let block = PinnedBlock::take(&self.pinned, bytes)?;
+        self.copy_after_compute()?;
+        let done = self.copy_event()?;
+        // SAFETY: `block` holds at least `bytes` bytes, which no host code
+        // touches until `done` completes (its storage waits for it); `src`
+        // holds `bytes` bytes, kept by the caller until the compute waits
+        // for `done`.
+        unsafe {
+            let dst = std::slice::from_raw_parts_mut(block.ptr as *mut u8, bytes);
+            cu::memcpy_dtoh_async(dst, src, self.copy_stream.0)
+                .map_err(|e| driver_error("copy to the host", e))?;
+            cu::event::record(done.event.0, self.copy_stream.0)
+                .map_err(|e| driver_error("event record", e))?;
+        }
+        Ok((block, done))
+    }
+
+    /// Starts copying `bytes` of page-locked host memory at `src` (one of
+    /// [`Gpu::offload_start`]'s blocks, whose copy is queued before on the
+    /// same stream) to device address `dst`, on the copy stream after the
+    /// work queued so far on the current lane: the copy's event. An error
+    /// while a capture records.
+    pub fn prefetch_start(
+        &self,
+        dst: u64,
+        src: *const u8,
+        bytes: usize,
+    ) -> Result<CopyEvent, String> {
+        self.bind();
+        if self.capturing() {
+            return Err("a prefetch from host memory cannot be recorded in a CUDA graph".into());
+        }
+        self.copy_after_compute()?;
+        let done = self.copy_event()?;
+        // SAFETY: `src` holds `bytes` bytes the caller keeps until the
+        // compute waited for `done` (later copies into it queue behind on
+        // this stream); `dst` holds `bytes` bytes, read only after a wait.
+        unsafe {
+            let from = std::slice::from_raw_parts(src, bytes);
+            cu::memcpy_htod_async(dst, from, self.copy_stream.0)
+                .map_err(|e| driver_error("copy to the device", e))?;
+            cu::event::record(done.event.0, self.copy_stream.0)
+                .map_err(|e| driver_error("event record", e))?;
+        }
+        Ok(done)
+    }
+
+    /// The work queued on the current lane from now on (`main`: on the
+    /// main stream) waits for the copy of `done` (no host wait).
+    pub fn wait_copy(&self, done: &CopyEvent, main: bool) -> Result<(), String> {
+        self.bind();
+        let stream = match main {
+            true => self.streams[0].0,
+            false => self.stream(),
+        };
+        // SAFETY: live stream and event.
+        unsafe {
+            cu::stream::wait_event(
+                stream,
+                done.event.0,
+                sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+            )
+        }
+        .map_err(|e| driver_error("stream wait", e))
+    }
+
+    /// The host waits for the copy of `done` (an offloaded value read on
+    /// the host).
+    pub fn host_wait(&self, done: &CopyEvent) -> Result<(), String> {
+        self.bind();
+        self.host_waits.fetch_add(1, Ordering::Relaxed);
+        let _waiting = crate::profile::Wait::start();
+        // SAFETY: a live event.
+        unsafe { cu::event::synchronize(done.event.0) }.map_err(|e| driver_error("event wait", e))
+    }
+
+    /// Whether `ptr` is the start of one of the page-locked blocks of
+    /// [`Gpu::offload_start`].
+    pub fn is_pinned_block(&self, ptr: *const u8) -> bool {
+        self.pinned
+            .lock()
+            .expect("pinned pool poisoned")
+            .ours
+            .contains(&(ptr as usize))
+    }
+
+    /// The event of `slot`, created on first use.
+    fn slot(&self, slot: usize) -> Result<sys::CUevent, String> {
+        let mut slots = self.slots.lock().expect("slots poisoned");
+        while slots.len() <= slot {
+            slots.push(SendPtr(
+                cu::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+                    .map_err(|e| driver_error("event creation", e))?,
+            ));
+        }
+        Ok(slots[slot].0)
+    }
+
+    /// Records event `slot` on the current lane's stream.
+    pub fn record(&self, slot: usize) -> Result<(), String> {
+        self.bind();
+        let event = self.slot(slot)?;
+        // SAFETY: live event and stream.
+        unsafe { cu::event::record(event, self.stream()) }
+            .map_err(|e| driver_error("event record", e))
+    }
+
+    /// The current lane's stream waits for event `slot`'s last record.
+    pub fn wait_for(&self, slot: usize) -> Result<(), String> {
+        self.bind();
+        let event = self.slot(slot)?;
+        // SAFETY: live event and stream.
+        unsafe {
+            cu::stream::wait_event(
+                self.stream(),
+                event,
+                sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+            )
+        }
+        .map_err(|e| driver_error("stream wait", e))
     }
 
     /// The loaded function for `source`, compiled on first use (see
@@ -715,6 +932,104 @@ pub fn time_on_stream(
         let _ = cu::event::destroy(end);
     }
     Ok(timed? as f64 * 1e-3 / reps.max(1) as f64)
+}
+
+/// The event of a copy on the copy stream; dropping it gives the event
+/// back for reuse.
+pub struct CopyEvent {
+    event: SendPtr<sys::CUevent>,
+    free: Arc<Mutex<Vec<SendPtr<sys::CUevent>>>>,
+}
+
+impl Drop for CopyEvent {
+    fn drop(&mut self) {
+        if let Ok(mut free) = self.free.lock() {
+            free.push(SendPtr(self.event.0));
+        }
+    }
+}
+
+/// Page-locked host blocks by rounded size, and their accounting.
+#[derive(Default)]
+pub struct PinnedPool {
+    free: HashMap<usize, Vec<usize>>,
+    cached: usize,
+    /// Every block allocated (live or cached), by address.
+    ours: std::collections::HashSet<usize>,
+    live: usize,
+    peak: usize,
+}
+
+impl PinnedPool {
+    /// Bytes of offloaded values in page-locked host memory now and at
+    /// most since the last [`PinnedPool::reset_peak`].
+    pub fn stats(&self) -> MemoryStats {
+        MemoryStats {
+            live_bytes: self.live,
+            peak_bytes: self.peak,
+        }
+    }
+
+    pub fn reset_peak(&mut self) {
+        self.peak = self.live;
+    }
+}
+
+/// A page-locked host block of the pool: dropping it gives it back (copies
+/// into it are queued on the copy stream, behind any copy that reads it).
+pub struct PinnedBlock {
+    pub ptr: usize,
+    len: usize,
+    cap: usize,
+    pool: Arc<Mutex<PinnedPool>>,
+}
+
+impl PinnedBlock {
+    /// A block of at least `bytes`: a cached one, else a new one.
+    fn take(pool: &Arc<Mutex<PinnedPool>>, bytes: usize) -> Result<PinnedBlock, String> {
+        let cap = bytes.max(1).div_ceil(ROUND) * ROUND;
+        let cached = {
+            let mut p = pool.lock().expect("pinned pool poisoned");
+            let got = p.free.get_mut(&cap).and_then(Vec::pop);
+            if got.is_some() {
+                p.cached -= cap;
+            }
+            got
+        };
+        let ptr = match cached {
+            Some(p) => p,
+            None => {
+                // SAFETY: a fresh allocation, owned by the pool from now on.
+                let p = unsafe { cu::malloc_host(cap, 0) }.map_err(|e| {
+                    driver_error(&format!("page-locked host allocation of {cap} bytes"), e)
+                })?;
+                pool.lock()
+                    .expect("pinned pool poisoned")
+                    .ours
+                    .insert(p as usize);
+                p as usize
+            }
+        };
+        let mut p = pool.lock().expect("pinned pool poisoned");
+        p.live += bytes;
+        p.peak = p.peak.max(p.live);
+        Ok(PinnedBlock {
+            ptr,
+            len: bytes,
+            cap,
+            pool: pool.clone(),
+        })
+    }
+}
+
+impl Drop for PinnedBlock {
+    fn drop(&mut self) {
+        if let Ok(mut p) = self.pool.lock() {
+            p.live -= self.len;
+            p.cached += self.cap;
+            p.free.entry(self.cap).or_default().push(self.ptr);
+        }
+    }
 }
 
 /// A block of device memory; dropping it returns the block to the cache.

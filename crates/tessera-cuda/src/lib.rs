@@ -45,7 +45,7 @@ use tessera::ir::{DType, Op};
 use tessera::runtime::array::Array;
 use tessera::runtime::cpu::{MemoryStats, Storage};
 use tessera::runtime::device::{
-    self, Backend, Device, DeviceBackend, DeviceGraph, DeviceStorage, FusedArg,
+    self, Backend, Device, DeviceBackend, DeviceGraph, DeviceStorage, FusedArg, Transfer,
 };
 use tessera::tensor::Layout;
 use tessera::Tensor;
@@ -91,6 +91,19 @@ impl CudaBackend {
         let digits = self.gpu.target.trim_start_matches("sm_");
         let (major, minor) = digits.split_at(digits.len().saturating_sub(1));
         (major.parse().unwrap_or(0), minor.parse().unwrap_or(0))
+    }
+
+    /// Bytes of offloaded values in page-locked host memory: now, and the
+    /// most at once since the last `reset_peak`.
+    pub fn host_memory_stats(&self) -> MemoryStats {
+        self.gpu
+            .pinned
+            .lock()
+            .map(|p| p.stats())
+            .unwrap_or(MemoryStats {
+                live_bytes: 0,
+                peak_bytes: 0,
+            })
     }
 
     /// The GPU's name and architecture, e.g. `NVIDIA H100 80GB HBM3 (sm_90)`.
@@ -250,16 +263,19 @@ impl Backend for CudaBackend {
     }
 
     fn reset_peak(&self) {
-        self.gpu.reset_peak()
+        self.gpu.reset_peak();
+        if let Ok(mut p) = self.gpu.pinned.lock() {
+            p.reset_peak();
+        }
     }
 
     fn empty_cache(&self) {
         self.gpu.empty_cache()
     }
 
-    /// A saved activation to host memory: synchronous, through the
-    /// download path into pageable host memory (no pinned buffer and no
-    /// copy stream yet, so it does not overlap compute).
+    /// A saved activation to host memory, synchronously (the download
+    /// path into pageable memory); the executor starts offloads with
+    /// [`Backend::offload_start`] instead.
     fn offload(&self, array: &Array) -> Result<Array> {
         match array.device_storage() {
             Some(s) => {
@@ -270,9 +286,7 @@ impl Backend for CudaBackend {
         }
     }
 
-    /// An offloaded value back on the GPU, before its first use: an
-    /// upload on the current stream (queued; the host storage is staged
-    /// before the call returns).
+    /// An offloaded value back on the GPU: an upload on the current stream.
     fn prefetch(&self, array: &Array) -> Result<Array> {
         match array.host_storage() {
             Some(s) => {
@@ -284,6 +298,87 @@ impl Backend for CudaBackend {
             }
             None => Ok(array.clone()),
         }
+    }
+
+    /// A saved activation to page-locked host memory, on the copy stream
+    /// after its producer: the host array (whose bytes wait for the copy
+    /// when read on the host) and the transfer, which keeps the device
+    /// bytes until the compute waits for the copy (see [`Transfer`]).
+    fn offload_start(&self, array: &Array) -> Result<(Array, Option<Box<dyn Transfer>>)> {
+        let Some(s) = array.device_storage() else {
+            return Ok((array.clone(), None));
+        };
+        let bytes = s.size_bytes();
+        if bytes == 0 {
+            return Ok((self.offload(array)?, None));
+        }
+        let (block, done) = self
+            .gpu
+            .offload_start(s.ptr(), bytes)
+            .map_err(|m| Error::op(ErrorKind::Device, "offload", m))?;
+        let done = Arc::new(done);
+        let ptr = block.ptr as *mut u8;
+        let fence = done.clone();
+        let wait = Box::new(move || {
+            if let Ok(b) = backend() {
+                // A failed wait leaves the copy's error to the next
+                // synchronisation, which reports it.
+                let _ = b.gpu.host_wait(&fence);
+            }
+        });
+        // SAFETY: the block holds `bytes` bytes, page-locked, owned by the
+        // storage (given back to the pool when it drops); written by the
+        // copy, which `wait` waits for before any host access.
+        let host = unsafe {
+            Storage::from_foreign_pending(s.dtype(), s.numel(), ptr, bytes, Box::new(block), wait)
+        }?;
+        let transfer = CopyInFlight {
+            done,
+            keep: Some(array.clone()),
+            waited: std::sync::atomic::AtomicBool::new(false),
+        };
+        Ok((
+            Array::from_parts(Arc::new(host), array.layout().clone()),
+            Some(Box::new(transfer)),
+        ))
+    }
+
+    /// An offloaded value back on the GPU, on the copy stream: the device
+    /// array (read by kernels only after [`Transfer::wait`]) and the
+    /// transfer, which keeps the host bytes until then. Host memory that is
+    /// not one of the offload's page-locked blocks is uploaded as
+    /// [`Backend::prefetch`] does.
+    fn prefetch_start(&self, array: &Array) -> Result<(Array, Option<Box<dyn Transfer>>)> {
+        let Some(s) = array.host_storage() else {
+            return Ok((array.clone(), None));
+        };
+        let src = s.as_ptr_unwaited();
+        let bytes = s.numel() * s.dtype().size_bytes();
+        if bytes == 0 || !self.gpu.is_pinned_block(src) {
+            return Ok((self.prefetch(array)?, None));
+        }
+        let device = self.empty(s.dtype(), s.numel())?;
+        let done = self
+            .gpu
+            .prefetch_start(device.ptr(), src, bytes)
+            .map_err(|m| Error::op(ErrorKind::Device, "prefetch", m))?;
+        let transfer = CopyInFlight {
+            done: Arc::new(done),
+            keep: Some(array.clone()),
+            waited: std::sync::atomic::AtomicBool::new(false),
+        };
+        Ok((
+            Array::from_device_parts(Arc::new(device), array.layout().clone()),
+            Some(Box::new(transfer)),
+        ))
+    }
+
+    fn record(&self, slot: usize) -> Result<()> {
+        self.gpu.record(slot).map_err(device_error)
+    }
+
+    fn wait_for(&self, slot: usize) -> Result<()> {
+        self.gpu.wait_for(slot).map_err(device_error)
     }
 
     fn lanes(&self) -> usize {
@@ -358,6 +453,39 @@ pub(crate) fn driver_error(what: &str, e: cudarc::driver::result::DriverError) -
 
 fn device_error(message: String) -> Error {
     Error::new(ErrorKind::Device, message)
+}
+
+/// A copy on the copy stream in flight, with what it reads (an offload's
+/// device array, a prefetch's host array): kept until the compute waited
+/// for the copy, so that neither the device cache nor the page-locked pool
+/// hands those bytes to work that is not ordered after it.
+struct CopyInFlight {
+    done: Arc<gpu::CopyEvent>,
+    keep: Option<Array>,
+    waited: std::sync::atomic::AtomicBool,
+}
+
+impl Transfer for CopyInFlight {
+    fn wait(&self) -> Result<()> {
+        let b = backend()?;
+        b.gpu.wait_copy(&self.done, false).map_err(device_error)?;
+        self.waited
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+        Ok(())
+    }
+}
+
+impl Drop for CopyInFlight {
+    fn drop(&mut self) {
+        if !self.waited.load(std::sync::atomic::Ordering::Relaxed) {
+            // Dropped on an error path: the main stream (which every later
+            // allocation's work follows) waits for the copy first.
+            if let Ok(b) = backend() {
+                let _ = b.gpu.wait_copy(&self.done, true);
+            }
+        }
+        drop(self.keep.take());
+    }
 }
 
 /// A captured CUDA graph as the runtime sees it.

@@ -2,7 +2,8 @@
 //! host memory after their last forward use, uploaded before their first
 //! backward use: the same values, a lower device peak), `slice` (the naive
 //! attention sliced by the compiler: the unhinted values, a lower device
-//! peak) and `stream` (known, logged as not honoured). Runs only with
+//! peak) and `stream` (regions on streams of their own, events between:
+//! the unhinted values, also recorded in a CUDA graph). Runs only with
 //! `TESSERA_CUDA_TESTS=1` (on a GPU machine, by `scripts/gpu-check.sh`);
 //! there a missing GPU is a failure, not a skip.
 
@@ -101,6 +102,58 @@ fn offloaded_activations_leave_the_gpu_and_the_values_stay() {
         moved_peak + 2 * activation <= kept_peak,
         "device peak {moved_peak} vs {kept_peak} without offload"
     );
+    // The copies overlap compute: the plans say how many steps, and what
+    // went to page-locked host memory is accounted there.
+    let artifacts = moved.last_artifacts();
+    let memory = |name: &str| {
+        artifacts
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, t)| t.clone())
+            .unwrap_or_default()
+    };
+    let (fwd, bwd) = (memory("forward.memory.txt"), memory("backward.memory.txt"));
+    assert!(fwd.contains("overlapping"), "{fwd}");
+    assert!(bwd.contains("steps ahead"), "{bwd}");
+    let pinned = tessera_cuda::backend().unwrap().host_memory_stats();
+    assert!(
+        pinned.peak_bytes >= (LAYERS - 1) * activation,
+        "page-locked host peak {}",
+        pinned.peak_bytes
+    );
+}
+
+/// In the steady state the offloads and prefetches never make the host
+/// wait for the device: a forward and backward with offload wait exactly
+/// as often as the same step without (the gradients read back at the end).
+#[test]
+fn offload_and_prefetch_make_no_host_wait() {
+    if !gpu() {
+        return;
+    }
+    let _lock = allocator();
+    let inputs: Vec<Tensor> = (0..=LAYERS as u64)
+        .map(|i| randn(&[WIDTH, WIDTH], 70 + i, 0.03))
+        .collect();
+    let grad = randn(&[WIDTH, WIDTH], 80, 1.0);
+    let backend = tessera_cuda::backend().unwrap();
+    let waits = |f: &Compiled<_>| {
+        let leaves: Vec<Tensor> = inputs.iter().map(|t| t.set_requires_grad(true)).collect();
+        let step = || {
+            let out = f.call(&leaves).remove(0);
+            out.backward_with(&grad);
+        };
+        step(); // compiles
+        use tessera::runtime::device::Backend;
+        let before = backend.host_waits();
+        step();
+        backend.host_waits() - before
+    };
+    let kept = waits(&compile(layers(
+        r#"{"order": "strict", "recompute": false}"#,
+    )));
+    let moved = waits(&compile(layers(r#"{"order": "strict", "offload": true}"#)));
+    assert_eq!(moved, kept, "host waits of a step with offload vs without");
 }
 
 fn attention(hint: Option<String>) -> impl Fn(&[Tensor]) -> Vec<Tensor> {
@@ -142,21 +195,91 @@ fn the_slice_hint_gives_the_naive_attention_the_sliced_peak() {
     );
 }
 
+/// Two independent chains, on streams `s1` and `s2` when given, joined
+/// on the run's own stream.
+fn two_regions(
+    s1: Option<&'static str>,
+    s2: Option<&'static str>,
+) -> impl Fn(&[Tensor]) -> Vec<Tensor> {
+    move |a: &[Tensor]| {
+        let chain = |w: &Tensor| {
+            let mut h = a[0].clone();
+            for _ in 0..3 {
+                h = h.matmul(w).tanh();
+            }
+            h
+        };
+        let run = |hint: Option<&str>, w: &Tensor| match hint {
+            Some(h) => hints::scope(h, || chain(w)).unwrap(),
+            None => chain(w),
+        };
+        let (p, q) = (run(s1, &a[1]), run(s2, &a[2]));
+        vec![&p + &q]
+    }
+}
+
 #[test]
-fn a_stream_hint_is_known_and_said_to_be_ignored_on_the_gpu() {
+fn regions_on_streams_1_and_2_give_the_unhinted_values() {
     if !gpu() {
         return;
     }
     let _lock = allocator();
-    let x = randn(&[64, 64], 60, 1.0);
-    let f = compile(|a: &[Tensor]| {
-        vec![hints::scope(r#"{"stream": 1}"#, || a[0].matmul(&a[0]).tanh()).unwrap()]
-    });
-    f.call(&[x]);
+    let inputs: Vec<Tensor> = (0..3).map(|i| randn(&[512, 512], 60 + i, 0.05)).collect();
+    let grad = randn(&[512, 512], 63, 1.0);
+    let plain = compile(two_regions(None, None));
+    let streams = compile(two_regions(
+        Some(r#"{"stream": 1}"#),
+        Some(r#"{"stream": 2}"#),
+    ));
+    let (a, _) = measured_step(&plain, &inputs, &grad);
+    let (b, _) = measured_step(&streams, &inputs, &grad);
+    assert_eq!(a, b, "streams change no value");
+    // The forward's schedule put the regions on their streams.
+    let schedule = streams
+        .last_artifacts()
+        .into_iter()
+        .find(|(n, _)| n == "forward.schedule.txt")
+        .map(|(_, t)| t)
+        .unwrap_or_default();
+    assert!(schedule.contains("streams [0, 1, 2]"), "{schedule}");
+    assert!(schedule.contains("waits for"), "{schedule}");
+    // Under a sequential order the streams still give the same values.
+    let strict = compile(two_regions(
+        Some(r#"{"stream": 1, "order": "strict"}"#),
+        Some(r#"{"stream": 2, "order": "strict"}"#),
+    ));
+    let (c, _) = measured_step(&strict, &inputs, &grad);
+    assert_eq!(a, c, "strict regions on streams");
+    // Nothing said the stream hints were ignored on the GPU.
     let said = hints::not_honoured_messages();
     assert!(
-        said.iter()
-            .any(|m| m.contains("hint \"stream\"") && m.contains("not implemented")),
+        !said.iter().any(|m| m.starts_with("compiled backend")
+            && m.contains("hint \"stream\"")
+            && m.contains("cuda")),
         "{said:?}"
     );
+}
+
+/// Recorded into a CUDA graph (`reduce-overhead`), the side streams fork
+/// from the capturing stream and join it through events: the replays give
+/// the values of the run without streams.
+#[test]
+fn streams_are_recorded_and_replayed_in_a_cuda_graph() {
+    if !gpu() {
+        return;
+    }
+    let _lock = allocator();
+    let inputs: Vec<Tensor> = (0..3).map(|i| randn(&[256, 256], 90 + i, 0.05)).collect();
+    let plain = compile(two_regions(None, None));
+    let want = plain.call(&inputs)[0].to_f64_vec();
+    let f = compile(two_regions(
+        Some(r#"{"stream": 1}"#),
+        Some(r#"{"stream": 2}"#),
+    ))
+    .mode(tessera::compile::Mode::ReduceOverhead);
+    for _ in 0..4 {
+        assert_eq!(f.call(&inputs)[0].to_f64_vec(), want);
+    }
+    let stats = f.replay_stats();
+    assert!(stats.replays >= 2 && stats.fallbacks == 0, "{stats:?}");
 }

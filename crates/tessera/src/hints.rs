@@ -17,7 +17,7 @@
 //! | `max_width` | integer ≥ 1 | at most this many of the region's kernels run in one step: at most K independent chains in flight (the middle ground between `bfs`, unbounded, and `dfs`, one) |
 //! | `slice` | `{"dim": D, "parts": P}` (D ≥ 0, P ≥ 1) | the compiler splits the region along dim D of its results into P slices computed one after another (`crate::passes::slice`) |
 //! | `offload` | boolean | the activations the region saves for the backward wait in host memory between their last forward use and their first backward use (a strict region that offloads does not recompute by default) |
-//! | `stream` | integer ≥ 0 | the region's kernels go on a stream of their own (CUDA); known, and logged as ignored where a backend has no streams |
+//! | `stream` | integer ≥ 0 | the region's kernels go on a stream of their own (CUDA; events between streams, `crate::schedule::streams`); logged as ignored where a backend has no streams |
 //!
 //! `order: "strict"` says "memory over speed", so by default such a region
 //! is checkpointed: its backward recomputes what it needs from the region's
@@ -371,6 +371,92 @@ pub fn not_honoured_messages() -> Vec<String> {
     NOT_HONOURED.lock().map(|m| m.clone()).unwrap_or_default()
 }
 
+/// The keys of `hint` that plain eager execution (ops run as they are
+/// called, outside `compile`) does not honour, with the reasons: all but
+/// `order: "strict"`, which is what eager does anyway.
+pub fn eager_ignores(hint: &Hint) -> Vec<(&'static str, &'static str)> {
+    let mut out = Vec::new();
+    let mut say = |on: bool, key: &'static str, why: &'static str| {
+        if on {
+            out.push((key, why));
+        }
+    };
+    say(
+        hint.order.is_some_and(|o| o != Order::Strict),
+        "order",
+        "eager runs each op as it is called (program order)",
+    );
+    say(
+        hint.group_id.is_some(),
+        "group_id",
+        "eager runs each op as it is called: a group is one block only as written",
+    );
+    say(
+        hint.backward_group_id.is_some(),
+        "backward_group_id",
+        "eager's backward runs the tape in reverse, one op at a time",
+    );
+    say(
+        hint.memory_budget_mb.is_some(),
+        "memory_budget_mb",
+        "eager plans no memory: each op allocates its output when it runs",
+    );
+    say(
+        hint.recompute.is_some(),
+        "recompute",
+        "the eager tape keeps what each op's backward needs (compile recomputes)",
+    );
+    say(
+        hint.max_width.is_some(),
+        "max_width",
+        "eager runs one op at a time",
+    );
+    say(
+        hint.slice.is_some(),
+        "slice",
+        "slicing is a graph pass of compile; eager runs the code as written",
+    );
+    say(
+        hint.offload == Some(true),
+        "offload",
+        "only compile's memory plan moves saved values to host memory",
+    );
+    say(
+        hint.stream.is_some(),
+        "stream",
+        "eager queues every op on the device's own stream (compile places regions on streams)",
+    );
+    out
+}
+
+/// Says, for the region whose hints are `region`, what plain eager
+/// execution does not honour ([`eager_ignores`]), through
+/// [`not_honoured`]: called by eager dispatch for each op run inside a
+/// [`scope`]; a region already said on this thread costs a pointer
+/// comparison.
+pub fn eager_op_in(region: &Arc<HintMap>) {
+    thread_local! {
+        static LAST: RefCell<Option<Arc<HintMap>>> = const { RefCell::new(None) };
+    }
+    let seen = LAST.with(|l| {
+        let mut last = l.borrow_mut();
+        let same = last.as_ref().is_some_and(|x| Arc::ptr_eq(x, region));
+        if !same {
+            *last = Some(region.clone());
+        }
+        same
+    });
+    if seen {
+        return;
+    }
+    let Ok((hint, _)) = Hint::from_map(region) else {
+        return;
+    };
+    for (key, reason) in eager_ignores(&hint) {
+        not_honoured("eager", region, key, reason);
+    }
+}
+
 /// `map` without `key` (`None` when nothing is left).
 pub fn without_key(map: &HintMap, key: &str) -> Option<Arc<HintMap>> {
     let mut map = map.clone();
@@ -682,6 +768,27 @@ mod tests {
         let mut ran = false;
         assert!(scope(r#"{"group_id": true}"#, || ran = true).is_err());
         assert!(!ran);
+    }
+
+    #[test]
+    fn eager_says_what_it_ignores_once_per_region() {
+        let region = Arc::new(Hint::dfs().offload(true).stream(7).max_width(3).to_map());
+        let keys: Vec<&str> = eager_ignores(&Hint::from_map(&region).unwrap().0)
+            .into_iter()
+            .map(|(k, _)| k)
+            .collect();
+        assert_eq!(keys, ["order", "max_width", "offload", "stream"]);
+        assert!(eager_ignores(&Hint::strict()).is_empty());
+        eager_op_in(&region);
+        eager_op_in(&region);
+        let said: Vec<String> = not_honoured_messages()
+            .into_iter()
+            .filter(|m| m.starts_with("eager:") && m.contains("\"stream\":7"))
+            .collect();
+        assert_eq!(said.len(), 4, "{said:?}");
+        assert!(said
+            .iter()
+            .any(|m| m.contains("hint \"stream\"") && m.contains("own stream")));
     }
 
     #[test]

@@ -580,3 +580,27 @@ fn eager_and_aot_eager_say_which_hints_they_ignore() {
     let (_, warnings) = Hint::parse_with_warnings(hint).unwrap();
     assert!(warnings.is_empty(), "{warnings:?}");
 }
+
+#[test]
+fn plain_eager_says_once_per_region_which_hints_it_ignores() {
+    let _lock = allocator();
+    let inputs = layer_inputs();
+    let hint = r#"{"order": "bfs", "stream": 5, "offload": true, "group_id": 41}"#;
+    let body = layers_fn(Some(hint));
+    let plain = layers_fn(None)(&inputs);
+    for _ in 0..3 {
+        let out = body(&inputs);
+        assert_eq!(out[0].to_f64_vec(), plain[0].to_f64_vec());
+    }
+    let said: Vec<String> = hints::not_honoured_messages()
+        .into_iter()
+        .filter(|m| m.starts_with("eager:") && m.contains("\"group_id\":41"))
+        .collect();
+    for key in ["order", "stream", "offload", "group_id"] {
+        let n = said
+            .iter()
+            .filter(|m| m.contains(&format!("hint \"{key}\"")))
+            .count();
+        assert_eq!(n, 1, "{key}: {said:?}");
+    }
+}

@@ -57,15 +57,48 @@ pub struct AotGraphs {
     /// The saved values (indices `i` of `saved{i}`) that are activations,
     /// not forward inputs: what could wait in host memory.
     pub offloadable: Vec<usize>,
-    /// Those made under a hint `{"offload": true}`: the forward moves them
-    /// to host memory after their last forward use, the backward brings
-    /// them back before their first use (see `crate::schedule::memory`).
+    /// Those made under a hint `{"offload": true}`, or kept by the cost
+    /// choice of [`aot_autograd_choosing`]: the forward moves them to host
+    /// memory after their last forward use, the backward brings them back
+    /// before their first use (see `crate::schedule::memory`).
     pub offloaded: Vec<usize>,
+    /// Saved activations the cost choice recomputes instead.
+    pub recomputed_by_cost: usize,
 }
+
+/// A saved activation the partition could recompute instead: its node in
+/// the joint graph, its bytes, and the forward nodes a recomputation runs
+/// (itself and what it needs that is not saved), for a cost model to weigh
+/// (see [`aot_autograd_choosing`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct SavedCandidate {
+    pub node: NodeId,
+    pub bytes: usize,
+    pub recompute: Vec<NodeId>,
+}
+
+/// Per candidate, whether to recompute it (`true`) or keep saving it
+/// (to be offloaded); given the joint graph the nodes are in.
+pub type SaveChoice<'a> = &'a dyn Fn(&Graph, &[SavedCandidate]) -> Vec<bool>;
 
 /// Splits `graph` into forward and backward graphs for the gradients of its
 /// float outputs with respect to the inputs at positions `wrt`.
 pub fn aot_autograd(graph: &Graph, wrt: &[usize], partition: Partition) -> Result<AotGraphs> {
+    aot_autograd_choosing(graph, wrt, partition, None)
+}
+
+/// [`aot_autograd`] for a graph whose saved activations do not fit a memory
+/// budget: `choose` (when given) decides, per saved activation, between
+/// recomputing it in the backward and saving it; those saved are all
+/// [`AotGraphs::offloaded`] (moved to host memory). Each candidate is
+/// weighed alone (recomputing several that share ancestors costs less
+/// than their sum).
+pub fn aot_autograd_choosing(
+    graph: &Graph,
+    wrt: &[usize],
+    partition: Partition,
+    choose: Option<SaveChoice<'_>>,
+) -> Result<AotGraphs> {
     graph.verify()?;
     if let Some(&bad) = wrt.iter().find(|&&i| i >= graph.inputs.len()) {
         return Err(Error::new(
@@ -123,13 +156,59 @@ pub fn aot_autograd(graph: &Graph, wrt: &[usize], partition: Partition) -> Resul
             )
         }
     };
-    let (saved, checkpointed) = checkpoint(
+    let none = HashSet::new();
+    let (mut saved, mut checkpointed) = checkpoint(
         &joint.graph,
         &split.forward,
         &split.needed_by_backward,
         &saved,
         n_out,
+        &none,
     );
+    let mut chosen_offload: HashSet<NodeId> = HashSet::new();
+    let mut recomputed_by_cost = 0;
+    if let Some(choose) = choose {
+        let outputs: HashSet<NodeId> = joint.graph.outputs[..n_out]
+            .iter()
+            .map(|o| o.node)
+            .collect();
+        let kept: HashSet<NodeId> = saved.iter().copied().collect();
+        let candidates: Vec<SavedCandidate> = saved
+            .iter()
+            .filter(|&&id| recomputable(&joint.graph, id, &outputs))
+            .map(|&id| SavedCandidate {
+                node: id,
+                bytes: bytes_of(&joint.graph.node(id).ty),
+                recompute: recompute_walk(&joint.graph, &split.forward, &kept, id, &outputs),
+            })
+            .collect();
+        let decided = choose(&joint.graph, &candidates);
+        let forced: HashSet<NodeId> = candidates
+            .iter()
+            .zip(&decided)
+            .filter(|(_, &r)| r)
+            .map(|(c, _)| c.node)
+            .collect();
+        recomputed_by_cost = forced.len();
+        if !forced.is_empty() {
+            let partitioned = saved.clone();
+            (saved, checkpointed) = checkpoint(
+                &joint.graph,
+                &split.forward,
+                &split.needed_by_backward,
+                &partitioned,
+                n_out,
+                &forced,
+            );
+        }
+        // Every activation still saved waits in host memory (what a
+        // recomputation newly needs saved too).
+        chosen_offload = saved
+            .iter()
+            .copied()
+            .filter(|id| !forced.contains(id))
+            .collect();
+    }
     let recomputed = made_before_the_backward(
         &joint.graph,
         &split.backward,
@@ -179,7 +258,7 @@ pub fn aot_autograd(graph: &Graph, wrt: &[usize], partition: Partition) -> Resul
     let offloaded: Vec<usize> = offloadable
         .iter()
         .copied()
-        .filter(|&i| hinted_offload(&joint.graph, saved[i]))
+        .filter(|&i| hinted_offload(&joint.graph, saved[i]) || chosen_offload.contains(&saved[i]))
         .collect();
     crate::logging::log("aot_graphs", || {
         format!(
@@ -199,7 +278,43 @@ pub fn aot_autograd(graph: &Graph, wrt: &[usize], partition: Partition) -> Resul
         num_outputs: n_out,
         offloadable,
         offloaded,
+        recomputed_by_cost,
     })
+}
+
+/// Whether saved value `id` may be recomputed (not an input, a custom op
+/// or a forward output).
+fn recomputable(joint: &Graph, id: NodeId, outputs: &HashSet<NodeId>) -> bool {
+    !matches!(
+        joint.node(id).op,
+        Op::Input | Op::Custom(_) | Op::CustomOutput { .. }
+    ) && !outputs.contains(&id)
+}
+
+/// The forward nodes a recomputation of `id` runs when `kept` stay saved:
+/// `id`, and walking back, every forward value not kept (or hinted to be
+/// recomputed), as [`checkpoint`] walks.
+fn recompute_walk(
+    joint: &Graph,
+    forward: &HashSet<NodeId>,
+    kept: &HashSet<NodeId>,
+    id: NodeId,
+    outputs: &HashSet<NodeId>,
+) -> Vec<NodeId> {
+    let mut found = vec![id];
+    let mut seen: HashSet<NodeId> = [id].into_iter().collect();
+    let mut stack: Vec<NodeId> = joint.node(id).inputs.clone();
+    while let Some(x) = stack.pop() {
+        if !seen.insert(x) || !forward.contains(&x) || matches!(joint.node(x).op, Op::Input) {
+            continue;
+        }
+        if hinted_recompute(joint, x, outputs) || !kept.contains(&x) {
+            found.push(x);
+            stack.extend(joint.node(x).inputs.iter().copied());
+        }
+    }
+    found.sort();
+    found
 }
 
 /// Whether forward node `id` is in a region hinted `{"offload": true}`.
@@ -404,6 +519,7 @@ fn checkpoint(
     needed: &[NodeId],
     saved: &[NodeId],
     n_out: usize,
+    forced: &HashSet<NodeId>,
 ) -> (Vec<NodeId>, Checkpointed) {
     let outputs: HashSet<NodeId> = joint.outputs[..n_out].iter().map(|o| o.node).collect();
     let base: HashSet<NodeId> = saved.iter().copied().collect();
@@ -415,7 +531,8 @@ fn checkpoint(
             continue;
         }
         let is_input = matches!(joint.node(id).op, Op::Input);
-        if !is_input && (hinted_recompute(joint, id, &outputs) || !base.contains(&id)) {
+        let recompute = hinted_recompute(joint, id, &outputs) || forced.contains(&id);
+        if !is_input && (recompute || !base.contains(&id)) {
             stack.extend(joint.node(id).inputs.iter().copied());
         } else {
             kept.insert(id);

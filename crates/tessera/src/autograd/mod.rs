@@ -15,5 +15,7 @@ pub mod rules;
 pub use crate::tensor::tape::{
     custom_function, custom_function_at, enable_grad, is_grad_enabled, no_grad, BackwardFn,
 };
-pub use aot::{aot_autograd, AotGraphs, Partition};
+pub use aot::{
+    aot_autograd, aot_autograd_choosing, AotGraphs, Partition, SaveChoice, SavedCandidate,
+};
 pub use engine::grad;

@@ -2,8 +2,9 @@
 //! backend does not honour is said, with the reason, once per region
 //! (`TESSERA_LOGS=hints`, through [`hints::not_honoured`]). The default
 //! backend honours the rest where they are read (the slice pass, AOT
-//! autograd's recompute and offload, the scheduler's order, group, width
-//! and budget, the memory planner's offloads); the scheduler's own notes
+//! autograd's recompute and offload, the scheduler's order, group, width,
+//! budget and streams (on a device with several), the memory planner's
+//! offloads); the scheduler's own notes
 //! (`TESSERA_LOGS=schedule`) say when a hint it reads cannot be met.
 
 use std::collections::BTreeMap;
@@ -51,9 +52,16 @@ fn ignored(
     on: Device,
 ) -> Vec<(&'static str, String)> {
     let mut out: Vec<(&'static str, String)> = Vec::new();
-    let no_streams = match on {
-        Device::Cpu => "the CPU has no streams: its kernels run on host threads".to_string(),
-        d => format!("per-region streams are not implemented: every kernel on {d} goes to the run's own queue"),
+    let lanes = crate::runtime::device::backend(on).map_or(1, |b| b.lanes());
+    let no_streams = match (on, backend) {
+        (Device::Cpu, _) => Some("the CPU has no streams: its kernels run on host threads".to_string()),
+        (d, Backend::Eager | Backend::AotEager) => Some(format!(
+            "this backend runs op by op on {d}'s own stream (the default backend places regions on streams)"
+        )),
+        (d, Backend::Default) if lanes < 2 => Some(format!(
+            "{d} runs one stream here (TESSERA_CUDA_LANES={lanes})"
+        )),
+        (_, Backend::Default) => None,
     };
     match backend {
         Backend::Eager | Backend::AotEager => {
@@ -103,8 +111,8 @@ fn ignored(
             }
         }
     }
-    if hint.stream.is_some() {
-        out.push(("stream", no_streams));
+    if let (Some(_), Some(why)) = (hint.stream, no_streams) {
+        out.push(("stream", why));
     }
     out
 }

@@ -290,6 +290,25 @@ pub trait Backend: Send + Sync {
         Err(unsupported(self.device(), "prefetching offloaded values"))
     }
 
+    /// [`Backend::offload`] started, not finished: the host copy, and the
+    /// copy in flight (`None`: it is done). A device copies on a stream of
+    /// its own after the work queued so far (the value's producer) and
+    /// holds the device bytes until the compute waits for the copy
+    /// ([`Transfer::wait`]) and the transfer drops. The host copy's bytes
+    /// are not to be read on the host before that (a device's host storage
+    /// waits for its copy when read there). The default runs
+    /// [`Backend::offload`].
+    fn offload_start(&self, array: &Array) -> Result<(Array, Option<Box<dyn Transfer>>)> {
+        Ok((self.offload(array)?, None))
+    }
+
+    /// [`Backend::prefetch`] started, not finished: the device copy, which
+    /// no kernel may read before the compute waits for the transfer
+    /// ([`Transfer::wait`]). The default runs [`Backend::prefetch`].
+    fn prefetch_start(&self, array: &Array) -> Result<(Array, Option<Box<dyn Transfer>>)> {
+        Ok((self.prefetch(array)?, None))
+    }
+
     /// How many streams (lanes) the kernels of one schedule step may be
     /// spread over; 1 runs everything in order on one stream.
     fn lanes(&self) -> usize {
@@ -350,6 +369,23 @@ pub trait Backend: Send + Sync {
         Ok(())
     }
 
+    /// Records event `slot` on the current lane's stream: it completes
+    /// when the work queued there so far has (a kernel whose value a
+    /// kernel on another lane reads). Between a [`Backend::fork`] and its
+    /// [`Backend::join`]; nothing to do without streams.
+    fn record(&self, slot: usize) -> Result<()> {
+        let _ = slot;
+        Ok(())
+    }
+
+    /// The work queued on the current lane from now on waits for event
+    /// `slot`'s last [`Backend::record`] (a device-side wait: the host
+    /// goes on queueing).
+    fn wait_for(&self, slot: usize) -> Result<()> {
+        let _ = slot;
+        Ok(())
+    }
+
     /// How many times so far the host waited for the device
     /// (synchronisations, downloads): what a recording
     /// ([`Backend::begin_capture`]) cannot contain. A device-graph replayer
@@ -371,6 +407,17 @@ pub trait Backend: Send + Sync {
     fn end_capture(&self) -> Result<Box<dyn DeviceGraph>> {
         Err(unsupported(self.device(), "graph capture"))
     }
+}
+
+/// A copy between host and device memory in flight
+/// ([`Backend::offload_start`], [`Backend::prefetch_start`]). Dropping it
+/// releases what the copy reads (an offload's device bytes) to the work
+/// queued after the last [`Transfer::wait`]; a transfer dropped without a
+/// wait first makes the main stream wait for it.
+pub trait Transfer: Send {
+    /// The work queued on the current lane from now on waits for the copy
+    /// (a device-side wait: no host synchronisation).
+    fn wait(&self) -> Result<()>;
 }
 
 /// What a device with memory of its own adds to [`Backend`]: allocation

@@ -24,6 +24,8 @@ pub(crate) struct KernelHint {
     pub max_width: Option<usize>,
     /// The kernel's region: kernels with the same hints form one.
     pub region: Option<usize>,
+    /// The stream its region asks for (`schedule::streams`).
+    pub stream: Option<usize>,
 }
 
 pub(crate) struct Hints {
@@ -56,22 +58,13 @@ impl Hints {
             if let Some(g) = hint.group_id {
                 groups.entry(g).or_default().push(k);
             }
-            if let (Some(n), Some(r)) = (hint.stream, region) {
-                let note = format!(
-                    "hint \"stream\": {n} of region {} not honoured: the scheduler puts \
-                     every kernel on the run's own queue (per-region streams are not implemented)",
-                    regions[r]
-                );
-                if !notes.contains(&note) {
-                    notes.push(note);
-                }
-            }
             kernels.push(KernelHint {
                 order: hint.order,
                 group: hint.group_id,
                 budget: hint.memory_budget_bytes(),
                 max_width: hint.max_width,
                 region,
+                stream: hint.stream.map(|n| n as usize),
             });
         }
         notes.extend(unknown);

@@ -57,12 +57,22 @@
 //! arrives in host memory is *prefetched*: copied to the device before the
 //! first step that reads it (or a view of it) and freed after the last.
 //! The plan lists both ([`MemoryPlan::offloads`], [`MemoryPlan::prefetches`]),
-//! the executor runs them through the backend (`Backend::offload`,
-//! `Backend::prefetch`), and the accounting is in two spaces: the steps'
-//! device bytes (prefetched copies come from the pool, like escaping
+//! the executor runs them through the backend (`Backend::offload_start`,
+//! `Backend::prefetch_start`), and the accounting is in two spaces: the
+//! steps' device bytes (prefetched copies come from the pool, like escaping
 //! values) and [`MemoryPlan::host_bytes`].
+//!
+//! On a device the copies overlap compute (a copy stream, events): each
+//! [`Move`] overlaps the fewest following (offload) or preceding
+//! (prefetch) steps whose estimated time covers the copy's (`cost`: bytes
+//! over the host bandwidth against the steps' FLOPs and bytes, at most
+//! `cost::MAX_OVERLAP_STEPS`). An offload's device bytes are held until
+//! the compute waits for its copy, a prefetch's from the step its copy
+//! starts: the device bytes of each step count them so. On the CPU the
+//! copies are synchronous (overlap 0).
 
 use super::buffers::BufferModel;
+use super::cost::{self, DeviceCosts};
 use super::Schedule;
 use crate::error::{Error, ErrorKind, Result};
 use crate::fusion::Plan;
@@ -107,12 +117,40 @@ impl PlannedBuffer {
 }
 
 /// A value moved between device and host memory at a step: an offload
-/// runs after the step, a prefetch before it.
+/// starts after step `step` (the last that reads the value), a prefetch
+/// is ready before step `step` (the first that reads it).
+///
+/// The copy overlaps `overlap` steps of compute (on a device, where it
+/// runs on a copy stream of its own): an offload is waited for before
+/// step `step + 1 + overlap` (or at the run's end), and its device bytes
+/// are held until then; a prefetch starts before step `step - overlap`,
+/// and its device bytes are held from then. 0: the copy is synchronous
+/// (the CPU's host pool), done between two steps.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Move {
     pub step: usize,
     pub value: NodeId,
     pub bytes: usize,
+    pub overlap: usize,
+}
+
+impl Move {
+    /// The step before which the compute waits for the copy (an offload:
+    /// its bytes are freed there; `steps`, the number of steps, for the
+    /// run's end), or the one before which the copy starts (a prefetch).
+    pub fn wait_or_start(&self, kind: MoveKind, steps: usize) -> usize {
+        match kind {
+            MoveKind::Offload => (self.step + 1 + self.overlap).min(steps),
+            MoveKind::Prefetch => self.step.saturating_sub(self.overlap),
+        }
+    }
+}
+
+/// Which way a [`Move`] goes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MoveKind {
+    Offload,
+    Prefetch,
 }
 
 /// What to move: graph outputs to offload (the values a forward saves for
@@ -377,15 +415,19 @@ impl MemoryPlan {
         let offsets = place(model, &live);
         let (offloads, prefetches, pool_deltas, move_notes) =
             plan_moves(graph, plan, model, &schedule.steps, &live, moves);
-        // Device bytes: an offloaded output leaves after its step, a
-        // prefetched input is there from its step to its last read.
+        // Device bytes: an offloaded output leaves once its copy is waited
+        // for, a prefetched input is there from the start of its copy to
+        // its last read.
+        let n = schedule.steps.len();
         for m in &offloads {
-            for b in &mut live.step_bytes[m.step + 1..] {
+            let from = m.wait_or_start(MoveKind::Offload, n);
+            for b in &mut live.step_bytes[from..] {
                 *b -= m.bytes;
             }
         }
         for (m, last) in &prefetches {
-            for b in &mut live.step_bytes[m.step..=*last] {
+            let from = m.wait_or_start(MoveKind::Prefetch, n);
+            for b in &mut live.step_bytes[from..=*last] {
                 *b += m.bytes;
             }
         }
@@ -578,17 +620,34 @@ impl MemoryPlan {
                 self.offloads.len(),
                 self.prefetches.len()
             ));
+            let n = self.step_bytes.len();
             for m in &self.offloads {
+                let overlap = match m.overlap {
+                    0 => String::new(),
+                    _ => format!(
+                        ", overlapping {} steps, waited for before step {}",
+                        m.overlap,
+                        m.wait_or_start(MoveKind::Offload, n)
+                    ),
+                };
                 text.push_str(&format!(
-                    "  offload {} ({} bytes) to host after step {}\n",
+                    "  offload {} ({} bytes) to host after step {}{overlap}\n",
                     graph.display_name(m.value),
                     m.bytes,
                     m.step
                 ));
             }
             for m in &self.prefetches {
+                let overlap = match m.overlap {
+                    0 => String::new(),
+                    _ => format!(
+                        ", started before step {} ({} steps ahead)",
+                        m.wait_or_start(MoveKind::Prefetch, n),
+                        m.overlap
+                    ),
+                };
                 text.push_str(&format!(
-                    "  prefetch {} ({} bytes) to the device before step {}\n",
+                    "  prefetch {} ({} bytes) to the device before step {}{overlap}\n",
                     graph.display_name(m.value),
                     m.bytes,
                     m.step
@@ -711,6 +770,28 @@ fn plan_moves(
         }
     }
     let end = steps.len() - 1;
+    // On a device, copies run beside the compute: each overlaps the steps
+    // whose estimated time covers its own (see `cost`); on the CPU they
+    // are synchronous copies between two steps.
+    let costs = DeviceCosts::of(model.device);
+    let seconds = match model.device {
+        Device::Cpu => Vec::new(),
+        _ => cost::step_seconds(graph, plan, steps, &costs),
+    };
+    let after = |step: usize, bytes: usize| match model.device {
+        Device::Cpu => 0,
+        _ => cost::overlap_steps(
+            costs.transfer_seconds(bytes),
+            seconds[step + 1..].iter().copied(),
+        ),
+    };
+    let before = |step: usize, bytes: usize| match model.device {
+        Device::Cpu => 0,
+        _ => cost::overlap_steps(
+            costs.transfer_seconds(bytes),
+            seconds[..step].iter().rev().copied(),
+        ),
+    };
     let mut outputs_of_buffer = vec![0usize; model.buffers.len()];
     for o in &graph.outputs {
         if let Some(b) = model.value_buffer[o.node.index()] {
@@ -747,12 +828,17 @@ fn plan_moves(
             notes.push(format!("{name} not offloaded: it is read by the last step"));
             continue;
         }
-        offloads.push(Move {
+        let m = Move {
             step,
             value: v,
             bytes: buffer.bytes,
-        });
-        deltas.push((step + 1, -(buffer.bytes as isize)));
+            overlap: after(step, buffer.bytes),
+        };
+        offloads.push(m);
+        deltas.push((
+            m.wait_or_start(MoveKind::Offload, steps.len()),
+            -(buffer.bytes as isize),
+        ));
     }
     for &v in &moves.prefetch {
         // The input and the views of it the kernels make.
@@ -790,15 +876,17 @@ fn plan_moves(
         let ty = &graph.node(v).ty;
         let numel: usize = ty.shape.as_concrete().map_or(0, |s| s.iter().product());
         let bytes = numel * ty.dtype.size_bytes();
-        prefetches.push((
-            Move {
-                step: first,
-                value: v,
-                bytes,
-            },
-            last,
+        let m = Move {
+            step: first,
+            value: v,
+            bytes,
+            overlap: before(first, bytes),
+        };
+        prefetches.push((m, last));
+        deltas.push((
+            m.wait_or_start(MoveKind::Prefetch, steps.len()),
+            bytes as isize,
         ));
-        deltas.push((first, bytes as isize));
         deltas.push((last + 1, -(bytes as isize)));
     }
     offloads.sort_by_key(|m| m.step);

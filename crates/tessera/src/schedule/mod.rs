@@ -21,21 +21,26 @@
 //! strategy for their region: `order` (a strict or dfs region runs one
 //! kernel at a time in its order, inside whatever the rest does),
 //! `group_id` (the group runs as one contiguous block, in program order
-//! unless it has an `order`), `memory_budget_mb`. A hint that cannot be
+//! unless it has an `order`), `memory_budget_mb`, `stream` (the region's
+//! kernels on a stream of their own, events between streams:
+//! [`streams`]). A hint that cannot be
 //! honoured is logged under `TESSERA_LOGS=schedule` with the reason and kept
 //! in [`Schedule::notes`]; none is dropped silently.
 
 mod buffers;
+pub mod cost;
 mod hinted;
 mod kernels;
 mod list;
 pub mod memory;
 mod search;
+pub mod streams;
 
 /// How kernels are ordered; defined in `hints` (a layer below), whose
 /// `order` key takes the same values.
 pub use crate::hints::Strategy;
-pub use memory::{Donation, MemoryPlan, Move, Moves, PlannedBuffer};
+pub use memory::{Donation, MemoryPlan, Move, MoveKind, Moves, PlannedBuffer};
+pub use streams::StreamPlan;
 
 use crate::error::Result;
 use crate::fusion::Plan;
@@ -66,6 +71,9 @@ pub struct Schedule {
     pub notes: Vec<String>,
     /// Warnings also printed to stderr (a budget that nothing fits).
     pub warnings: Vec<String>,
+    /// The streams of the kernels whose regions ask for one (`stream`
+    /// hints), with the events between them; `None`: one stream.
+    pub streams: Option<StreamPlan>,
 }
 
 impl Schedule {
@@ -157,8 +165,9 @@ pub fn build_moving(
     moves: &Moves,
 ) -> Result<Scheduled> {
     let ctx = search::Context::new(graph, plan, options.device, donated)?;
-    let schedule = ctx.choose(options);
+    let mut schedule = ctx.choose(options);
     let memory = MemoryPlan::from_model(graph, plan, &ctx.model, &schedule, moves)?;
+    schedule.streams = StreamPlan::new(&ctx.model, &ctx.hints, &schedule, &memory);
     log("schedule", || describe(graph, plan, &schedule, &memory));
     log("memory", || memory.describe(graph));
     Ok(Scheduled { schedule, memory })
@@ -183,6 +192,9 @@ pub fn describe(graph: &Graph, plan: &Plan, schedule: &Schedule, memory: &Memory
             .map(|&k| format!("k{k} {}", kernel_label(graph, plan, k)))
             .collect();
         text.push_str(&format!("  step {s}: {}\n", names.join(", ")));
+    }
+    if let Some(streams) = &schedule.streams {
+        text.push_str(&streams.describe());
     }
     text
 }

@@ -67,6 +67,7 @@ impl Context {
             chosen,
             notes,
             warnings,
+            streams: None,
         }
     }
 

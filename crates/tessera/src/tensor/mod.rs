@@ -430,6 +430,11 @@ impl Tensor {
         let out = if trace::is_active() {
             trace::record(op, inputs, ty, caller).map_err(at)?
         } else {
+            // Plain eager inside a hint scope: say once per region what it
+            // does not honour.
+            if let Some(region) = crate::hints::current() {
+                crate::hints::eager_op_in(&region);
+            }
             crate::error::dispatching(caller, || {
                 with_arrays(op, inputs, |arrays| {
                     let on = device::of_op(op, arrays)?;

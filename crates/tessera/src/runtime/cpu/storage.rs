@@ -32,6 +32,26 @@ struct Foreign {
     ptr: *mut u8,
     len: usize,
     _owner: ForeignOwner,
+    /// Waits until the bytes are written (a device's copy in flight), run
+    /// before the first read or write on the host (see
+    /// [`Storage::from_foreign_pending`]).
+    pending: Option<Pending>,
+}
+
+/// A wait for bytes still being written, and whether it has run.
+struct Pending {
+    wait: Box<dyn Fn() + Send + Sync + std::panic::RefUnwindSafe + std::panic::UnwindSafe>,
+    done: std::sync::atomic::AtomicBool,
+}
+
+impl Pending {
+    fn wait(&self) {
+        use std::sync::atomic::Ordering;
+        if !self.done.load(Ordering::Acquire) {
+            (self.wait)();
+            self.done.store(true, Ordering::Release);
+        }
+    }
 }
 
 // SAFETY: `Storage::from_foreign`'s contract: the bytes stay valid and
@@ -40,11 +60,17 @@ unsafe impl Send for Foreign {}
 unsafe impl Sync for Foreign {}
 
 impl Block {
+    /// The first byte, once written (a pending foreign block waits).
     fn as_ptr(&self) -> *mut u8 {
         match self {
             Block::Own(b) => b.as_ptr(),
             Block::Planned(r) => r.as_ptr(),
-            Block::Foreign(f) => f.ptr,
+            Block::Foreign(f) => {
+                if let Some(p) = &f.pending {
+                    p.wait();
+                }
+                f.ptr
+            }
         }
     }
 
@@ -171,10 +197,49 @@ impl Storage {
                 ptr,
                 len,
                 _owner: owner,
+                pending: None,
             }),
             dtype,
             numel,
         })
+    }
+
+    /// [`Storage::from_foreign`] over bytes still being written (a device
+    /// copies into them on a stream of its own: an offload in flight):
+    /// `wait` blocks until they are, and runs once, before the first read
+    /// or write on the host. A device that reads them behind its own copy
+    /// takes [`Storage::as_ptr_unwaited`].
+    ///
+    /// # Safety
+    ///
+    /// As [`Storage::from_foreign`], the bytes initialised once `wait`
+    /// returns.
+    pub unsafe fn from_foreign_pending(
+        dtype: DType,
+        numel: usize,
+        ptr: *mut u8,
+        len: usize,
+        owner: ForeignOwner,
+        wait: Box<dyn Fn() + Send + Sync + std::panic::RefUnwindSafe + std::panic::UnwindSafe>,
+    ) -> Result<Storage> {
+        let mut s = Storage::from_foreign(dtype, numel, ptr, len, owner)?;
+        if let Block::Foreign(f) = &mut s.buf {
+            f.pending = Some(Pending {
+                wait,
+                done: std::sync::atomic::AtomicBool::new(false),
+            });
+        }
+        Ok(s)
+    }
+
+    /// The address of the first byte without waiting for bytes still
+    /// being written (see [`Storage::from_foreign_pending`]): for a
+    /// device copy queued behind the copy that writes them.
+    pub fn as_ptr_unwaited(&self) -> *const u8 {
+        match &self.buf {
+            Block::Foreign(f) => f.ptr,
+            b => b.as_ptr(),
+        }
     }
 
     /// Whether the bytes are lent by another library ([`Storage::from_foreign`]).
@@ -245,5 +310,38 @@ impl Storage {
     pub fn as_bytes_mut(&mut self) -> &mut [u8] {
         // SAFETY: initialised bytes, unique access.
         unsafe { std::slice::from_raw_parts_mut(self.buf.as_ptr(), self.buf.len()) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+
+    /// Bytes "still being written": the wait writes them, once, before
+    /// the first host read; a device reading behind the copy does not wait.
+    #[test]
+    fn pending_foreign_bytes_are_waited_for_once_before_the_first_read() {
+        let bytes: &'static mut [f32] = Box::leak(vec![0.0f32; 4].into_boxed_slice());
+        let ptr = bytes.as_mut_ptr() as *mut u8;
+        let addr = ptr as usize;
+        let waits = Arc::new(AtomicUsize::new(0));
+        let counted = waits.clone();
+        let wait = Box::new(move || {
+            counted.fetch_add(1, Ordering::SeqCst);
+            // SAFETY: the leaked 16 bytes, read by nobody until this returns.
+            let written = unsafe { std::slice::from_raw_parts_mut(addr as *mut f32, 4) };
+            written.copy_from_slice(&[1.0, 2.0, 3.0, 4.0]);
+        });
+        // SAFETY: 16 leaked bytes, valid for the process.
+        let s = unsafe {
+            Storage::from_foreign_pending(DType::F32, 4, ptr, 16, Box::new(()), wait).unwrap()
+        };
+        assert_eq!(s.as_ptr_unwaited(), ptr as *const u8);
+        assert_eq!(waits.load(Ordering::SeqCst), 0, "no host read yet");
+        assert_eq!(s.as_slice::<f32>(), &[1.0, 2.0, 3.0, 4.0]);
+        assert_eq!(s.as_bytes().len(), 16);
+        assert_eq!(waits.load(Ordering::SeqCst), 1, "waited once");
     }
 }

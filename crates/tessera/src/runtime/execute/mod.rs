@@ -3,8 +3,12 @@
 //! that reads it, so the bytes alive over time follow the memory plan.
 //! Results equal the interpreter's (checked by the differential tests);
 //! only the work and its order differ. A memory plan's offloads and
-//! prefetches (`schedule::memory`) run between steps through the backend
-//! (`Backend::offload` after a step, `Backend::prefetch` before one).
+//! prefetches (`schedule::memory`) start between steps through the backend
+//! (`Backend::offload_start` after a value's last step,
+//! `Backend::prefetch_start` some steps before its first) and are waited
+//! for where the plan says (`Transfer::wait`: on a device, the compute
+//! stream waits for the copy stream, the host goes on queueing), all of
+//! them by the run's end.
 
 mod job;
 mod kernels;
@@ -20,14 +24,14 @@ use self::job::{Job, Planned};
 use self::pool::{on_pool_worker, POOL_WORKER_MIN_STEPS};
 use self::profile::Profile;
 use super::cpu::arena::{Arena, Block, Place};
-use super::device::{self, Backend, Device};
+use super::device::{self, Backend, Device, Transfer};
 use crate::autograd;
 use crate::error::Result;
 use crate::fusion::{Kernel, Plan};
 use crate::ir::kernel::RowKernel;
 use crate::ir::{Graph, NodeId};
 use crate::logging::log;
-use crate::schedule::{MemoryPlan, Schedule};
+use crate::schedule::{MemoryPlan, MoveKind, Schedule, StreamPlan};
 use crate::tensor::interpret::{bind_symbols, inputs_device};
 use crate::tensor::{trace, Tensor};
 
@@ -108,7 +112,7 @@ pub fn run_scheduled_owned(
     inputs: Vec<Tensor>,
     tune: bool,
 ) -> Result<Vec<(String, Tensor)>> {
-    let moves = StepMoves::of(memory, schedule.steps.len());
+    let moves = StepMoves::of(memory, schedule);
     let refs: Vec<&Tensor> = inputs.iter().collect();
     // Prefetched inputs arrive in host memory: the run is on the plan's
     // device.
@@ -210,31 +214,46 @@ pub fn run_scheduled_owned(
     )
 }
 
-/// A memory plan's offloads and prefetches, by step.
+/// A memory plan's offloads and prefetches, by step (see
+/// `schedule::Move`): when each starts and when the compute waits for it.
 #[derive(Default)]
-struct StepMoves {
-    /// Per step, the values moved to host memory after it.
+struct StepMoves<'a> {
+    /// Per step, the values whose copy to host memory starts after it.
     offload_after: Vec<Vec<NodeId>>,
-    /// Per step, the inputs brought to the device before it.
-    prefetch_before: Vec<Vec<NodeId>>,
+    /// Per step (and one for the run's end), the offloads waited for
+    /// before it: their device bytes are released there.
+    offload_wait_before: Vec<Vec<NodeId>>,
+    /// Per step, the inputs whose copy to the device starts before it.
+    prefetch_start_before: Vec<Vec<NodeId>>,
+    /// Per step, the prefetches waited for before it (its kernels read
+    /// them).
+    prefetch_wait_before: Vec<Vec<NodeId>>,
     any_prefetch: bool,
     /// The plan's device (where prefetched inputs go).
     device: Device,
+    /// The schedule's streams (`stream` hints), if any.
+    streams: Option<&'a StreamPlan>,
 }
 
-impl StepMoves {
-    fn of(memory: &MemoryPlan, steps: usize) -> StepMoves {
+impl<'a> StepMoves<'a> {
+    fn of(memory: &MemoryPlan, schedule: &'a Schedule) -> StepMoves<'a> {
+        let steps = schedule.steps.len();
         let mut moves = StepMoves {
+            streams: schedule.streams.as_ref(),
             offload_after: vec![Vec::new(); steps],
-            prefetch_before: vec![Vec::new(); steps],
+            offload_wait_before: vec![Vec::new(); steps + 1],
+            prefetch_start_before: vec![Vec::new(); steps],
+            prefetch_wait_before: vec![Vec::new(); steps],
             any_prefetch: !memory.prefetches.is_empty(),
             device: memory.device,
         };
         for m in &memory.offloads {
             moves.offload_after[m.step].push(m.value);
+            moves.offload_wait_before[m.wait_or_start(MoveKind::Offload, steps)].push(m.value);
         }
         for m in &memory.prefetches {
-            moves.prefetch_before[m.step].push(m.value);
+            moves.prefetch_start_before[m.wait_or_start(MoveKind::Prefetch, steps)].push(m.value);
+            moves.prefetch_wait_before[m.step].push(m.value);
         }
         moves
     }
@@ -244,19 +263,107 @@ impl StepMoves {
     }
 }
 
-/// `values[v]` replaced by `how(its array)` (a value without an array, a
-/// traced one, stays).
+/// The copies in flight of a run, by value: each waited for (the compute
+/// stream waits for it on the device) and dropped (an offload's device
+/// bytes released) where the plan says, the rest at the run's end.
+#[derive(Default)]
+struct InFlight(HashMap<NodeId, Box<dyn Transfer>>);
+
+impl InFlight {
+    fn start(&mut self, v: NodeId, transfer: Option<Box<dyn Transfer>>) {
+        if let Some(t) = transfer {
+            self.0.insert(v, t);
+        }
+    }
+
+    /// The compute waits for the copies of `values` (those in flight):
+    /// each of `lanes` of `backend` (work goes to lane 0 again after).
+    fn wait(&mut self, values: &[NodeId], backend: &dyn Backend, lanes: &[usize]) -> Result<()> {
+        for v in values {
+            if let Some(t) = self.0.remove(v) {
+                for &lane in lanes {
+                    backend.lane(lane)?;
+                    t.wait()?;
+                }
+                backend.lane(0)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The compute waits for every copy still in flight.
+    fn wait_all(&mut self) -> Result<()> {
+        for (_, t) in self.0.drain() {
+            t.wait()?;
+        }
+        Ok(())
+    }
+}
+
+/// A run's kernels on the lanes of its streams (`stream` hints): stream 0
+/// on lane 0, the others spread over lanes 1.. (two streams may share a
+/// lane when the device has fewer; their events still order them).
+struct StreamLanes<'a> {
+    plan: &'a StreamPlan,
+    lane_of: Vec<usize>,
+    /// The lanes used, lane 0 first.
+    used: Vec<usize>,
+    /// Per value, the kernel that writes it (an offload starts on its lane).
+    writer: HashMap<NodeId, usize>,
+}
+
+impl<'a> StreamLanes<'a> {
+    fn new(streams: &'a StreamPlan, lanes: usize, plan: &Plan) -> StreamLanes<'a> {
+        let others: Vec<usize> = streams
+            .streams
+            .iter()
+            .copied()
+            .filter(|&s| s != 0)
+            .collect();
+        let lane = |s: usize| match others.iter().position(|&o| o == s) {
+            None => 0,
+            Some(i) => 1 + i % (lanes - 1),
+        };
+        let lane_of: Vec<usize> = streams.stream_of.iter().map(|&s| lane(s)).collect();
+        let mut used: Vec<usize> = lane_of.clone();
+        used.push(0);
+        used.sort_unstable();
+        used.dedup();
+        let mut writer = HashMap::new();
+        for (k, kernel) in plan.kernels.iter().enumerate() {
+            for w in kernel.writes() {
+                writer.insert(w, k);
+            }
+        }
+        StreamLanes {
+            plan: streams,
+            lane_of,
+            used,
+            writer,
+        }
+    }
+
+    /// Lanes the device forks: up to the highest used.
+    fn count(&self) -> usize {
+        self.used.last().copied().unwrap_or(0) + 1
+    }
+}
+
+/// `values[v]` replaced by the array `how(its array)` makes (a value
+/// without an array, a traced one, stays), and the copy in flight.
 fn move_value(
     values: &mut [Option<Tensor>],
     v: NodeId,
-    how: impl FnOnce(&super::array::Array) -> Result<super::array::Array>,
-) -> Result<()> {
+    how: impl FnOnce(&super::array::Array) -> Result<(super::array::Array, Option<Box<dyn Transfer>>)>,
+) -> Result<Option<Box<dyn Transfer>>> {
     let slot = &mut values[v.index()];
+    let mut transfer = None;
     if let Some(array) = slot.as_ref().and_then(Tensor::try_array) {
-        let moved = how(array)?;
+        let (moved, t) = how(array)?;
+        transfer = t;
         *slot = Some(Tensor::from_array(moved));
     }
-    Ok(())
+    Ok(transfer)
 }
 
 /// What the memory plan says about one kernel.
@@ -327,74 +434,118 @@ fn execute_here(
         let grad = autograd::is_grad_enabled();
         let lanes = backend.lanes();
         let mut profile = Profile::start();
-        for (s, (step, free)) in steps.iter().zip(&frees).enumerate() {
-            for &v in StepMoves::at(&moves.prefetch_before, s) {
-                // Only what is in host memory (a value the forward could
-                // not offload arrives where it is).
-                let offloaded = |a: &super::array::Array| match a.host_storage() {
-                    Some(storage) => on != Device::Cpu || storage.in_host_pool(),
-                    None => false,
+        let mut in_flight = InFlight::default();
+        // Streams by hint: every lane forks from the run's start and joins
+        // at its end, kernels wait for each other through events; blocks
+        // freed meanwhile are held until the join (see `schedule::streams`).
+        let streams = moves
+            .streams
+            .filter(|_| lanes > 1 && !trace::is_active())
+            .map(|sp| StreamLanes::new(sp, lanes, plan));
+        if let Some(st) = &streams {
+            backend.fork(st.count())?;
+        }
+        let main = [0usize];
+        let all_lanes: &[usize] = streams.as_ref().map_or(&main, |st| &st.used);
+        let run = (|| -> Result<()> {
+            for (s, (step, free)) in steps.iter().zip(&frees).enumerate() {
+                in_flight.wait(
+                    StepMoves::at(&moves.offload_wait_before, s),
+                    &*backend,
+                    &main,
+                )?;
+                for &v in StepMoves::at(&moves.prefetch_start_before, s) {
+                    // Only what is in host memory (a value the forward could
+                    // not offload arrives where it is).
+                    let offloaded = |a: &super::array::Array| match a.host_storage() {
+                        Some(storage) => on != Device::Cpu || storage.in_host_pool(),
+                        None => false,
+                    };
+                    if values[v.index()]
+                        .as_ref()
+                        .and_then(Tensor::try_array)
+                        .is_some_and(offloaded)
+                    {
+                        let t = move_value(&mut values, v, |a| backend.prefetch_start(a))?;
+                        in_flight.start(v, t);
+                    }
+                }
+                in_flight.wait(
+                    StepMoves::at(&moves.prefetch_wait_before, s),
+                    &*backend,
+                    all_lanes,
+                )?;
+                let started = profile.as_ref().map(|_| std::time::Instant::now());
+                let jobs: Vec<(Job<'_>, bool)> = step
+                    .iter()
+                    .map(|&k| {
+                        let mem = memory(k)?;
+                        let job =
+                            Job::gather(graph, k, &plan.kernels[k], &mem.in_place, &mut values)
+                                .with_plan(mem.planned.filter(|_| {
+                                    placed_as_planned(graph, &plan.kernels[k], &*backend)
+                                }));
+                        Ok((job, mem.alone))
+                    })
+                    .collect::<Result<_>>()?;
+                let concurrent = concurrent && jobs.len() > 1;
+                let (serial, parallel): (Vec<_>, Vec<_>) = jobs
+                    .into_iter()
+                    .partition(|(_, alone)| !concurrent || *alone);
+                let serial: Vec<Job<'_>> = serial.into_iter().map(|(job, _)| job).collect();
+                let parallel: Vec<Job<'_>> = parallel.into_iter().map(|(job, _)| job).collect();
+                let mut results = match (&streams, lanes.min(serial.len())) {
+                    (Some(st), _) => on_streams(&*backend, st, step, serial, graph)?,
+                    (None, 0 | 1) => serial.into_iter().map(|job| job.run(graph)).collect(),
+                    (None, n) => on_lanes(&*backend, n, serial, graph)?,
                 };
-                if values[v.index()]
-                    .as_ref()
-                    .and_then(Tensor::try_array)
-                    .is_some_and(offloaded)
-                {
-                    move_value(&mut values, v, |a| backend.prefetch(a))?;
+                // Rayon's workers start with grad mode on and tuning off: carry
+                // the caller's.
+                results.par_extend(parallel.into_par_iter().map(|job| {
+                    let _tuning = device::Tuning::set(tune);
+                    match grad {
+                        true => job.run(graph),
+                        false => autograd::no_grad(|| job.run(graph)),
+                    }
+                }));
+                for result in results {
+                    for (id, t) in result? {
+                        values[id.index()] = Some(t);
+                    }
+                }
+                for id in free {
+                    values[id.index()] = None;
+                }
+                for &v in StepMoves::at(&moves.offload_after, s) {
+                    // The copy follows the value's producer, on its lane.
+                    if let Some(st) = &streams {
+                        backend.lane(st.writer.get(&v).map_or(0, |&k| st.lane_of[k]))?;
+                    }
+                    let t = move_value(&mut values, v, |a| backend.offload_start(a));
+                    backend.lane(0)?;
+                    in_flight.start(v, t?);
+                }
+                if let (Some(profile), Some(started)) = (profile.as_mut(), started) {
+                    // On a device the step's kernels are only queued: wait for
+                    // them, so the time is the device's (unless the host's
+                    // queueing time is asked for: `TESSERA_LOGS=profile,host`).
+                    if on != Device::Cpu && !profile.host_times() {
+                        device::synchronize(on)?;
+                    }
+                    profile.step(step, started.elapsed());
                 }
             }
-            let started = profile.as_ref().map(|_| std::time::Instant::now());
-            let jobs: Vec<(Job<'_>, bool)> = step
-                .iter()
-                .map(|&k| {
-                    let mem = memory(k)?;
-                    let job = Job::gather(graph, k, &plan.kernels[k], &mem.in_place, &mut values)
-                        .with_plan(
-                            mem.planned
-                                .filter(|_| placed_as_planned(graph, &plan.kernels[k], &*backend)),
-                        );
-                    Ok((job, mem.alone))
-                })
-                .collect::<Result<_>>()?;
-            let concurrent = concurrent && jobs.len() > 1;
-            let (serial, parallel): (Vec<_>, Vec<_>) = jobs
-                .into_iter()
-                .partition(|(_, alone)| !concurrent || *alone);
-            let serial: Vec<Job<'_>> = serial.into_iter().map(|(job, _)| job).collect();
-            let parallel: Vec<Job<'_>> = parallel.into_iter().map(|(job, _)| job).collect();
-            let mut results = match lanes.min(serial.len()) {
-                0 | 1 => serial.into_iter().map(|job| job.run(graph)).collect(),
-                n => on_lanes(&*backend, n, serial, graph)?,
-            };
-            // Rayon's workers start with grad mode on and tuning off: carry
-            // the caller's.
-            results.par_extend(parallel.into_par_iter().map(|job| {
-                let _tuning = device::Tuning::set(tune);
-                match grad {
-                    true => job.run(graph),
-                    false => autograd::no_grad(|| job.run(graph)),
-                }
-            }));
-            for result in results {
-                for (id, t) in result? {
-                    values[id.index()] = Some(t);
-                }
-            }
-            for id in free {
-                values[id.index()] = None;
-            }
-            for &v in StepMoves::at(&moves.offload_after, s) {
-                move_value(&mut values, v, |a| backend.offload(a))?;
-            }
-            if let (Some(profile), Some(started)) = (profile.as_mut(), started) {
-                // On a device the step's kernels are only queued: wait for
-                // them, so the time is the device's (unless the host's
-                // queueing time is asked for: `TESSERA_LOGS=profile,host`).
-                if on != Device::Cpu && !profile.host_times() {
-                    device::synchronize(on)?;
-                }
-                profile.step(step, started.elapsed());
-            }
+            // The outputs leave the run with no copy in flight on the device
+            // (an offloaded one's host bytes wait for theirs when read).
+            in_flight.wait_all()
+        })();
+        if streams.is_some() {
+            // Every lane joins the run's own stream, also after an error.
+            let joined = backend.lane(0).and_then(|_| backend.join());
+            run?;
+            joined?;
+        } else {
+            run?;
         }
         if let Some(profile) = profile {
             profile.report(graph, &plan.kernels);
@@ -519,6 +670,36 @@ fn on_lanes(
         Err(e) if results.iter().all(Result::is_ok) => Err(e),
         _ => Ok(results),
     }
+}
+
+/// Runs the kernels of one step (`step`, in order, with their `jobs`) on
+/// the lanes of their streams: each waits for the events of the kernels
+/// its stream plan names, and records its own when another waits for it.
+fn on_streams(
+    backend: &dyn Backend,
+    streams: &StreamLanes<'_>,
+    step: &[usize],
+    jobs: Vec<Job<'_>>,
+    graph: &Graph,
+) -> Result<Vec<KernelResult>> {
+    let mut results = Vec::with_capacity(jobs.len());
+    for (&k, job) in step.iter().zip(jobs) {
+        backend.lane(streams.lane_of[k])?;
+        for &h in &streams.plan.waits[k] {
+            backend.wait_for(h)?;
+        }
+        let result = job.run(graph);
+        let failed = result.is_err();
+        results.push(result);
+        if failed {
+            break;
+        }
+        if streams.plan.records[k] {
+            backend.record(k)?;
+        }
+    }
+    backend.lane(0)?;
+    Ok(results)
 }
 
 /// For each step, the values read for the last time in it (or made in it
