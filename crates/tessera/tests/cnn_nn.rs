@@ -127,9 +127,9 @@ fn batch_norm_tracks_running_statistics_and_uses_them_in_eval() {
     );
 }
 
-/// The small CNN of the batch-norm training tests: two conv + batch norm
-/// + relu stages (the second strided), global average pooling, a linear
-/// head.
+/// The small CNN of the batch-norm training tests: two stages of conv,
+/// batch norm and relu (the second strided), global average pooling, a
+/// linear head.
 struct BnNet {
     store: ParamStore,
     c1: Conv2d,
