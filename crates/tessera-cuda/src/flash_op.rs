@@ -71,32 +71,37 @@ fn dtype_of(t: &Tensor) -> Result<FlashDType> {
 }
 
 /// `[B, H, L, D]` dims of q and k (rank-3 `[BH, L, D]` reads as B = 1).
-fn dims(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<FlashDims> {
+fn dims(q: &Tensor, k: &Tensor) -> FlashDims {
     let r = q.rank();
     let d = q.shape()[r - 1];
-    if v.shape()[r - 1] != d {
-        return Err(Error::op(
-            ErrorKind::Unsupported,
-            FORWARD,
-            format!(
-                "the CUDA kernels need v's head dim equal to q's, got q {} and v {}",
-                q.ty(),
-                v.ty()
-            ),
-        ));
-    }
     let lead = &q.shape()[..r - 2];
     let (batch, heads) = match lead {
         [] => (1, 1),
         [h] => (1, *h),
         [b, rest @ ..] => (*b, rest.iter().product()),
     };
-    Ok(FlashDims {
+    FlashDims {
         batch,
         heads,
         q_len: q.shape()[r - 2],
         kv_len: k.shape()[r - 2],
         head_dim: d,
+    }
+}
+
+/// Why the kernels cannot take a call that the op itself allows (the
+/// composite then runs it): an additive mask, or v's head dim unlike q's.
+fn beyond_the_kernels(q: &Tensor, v: &Tensor, masked: bool) -> Option<String> {
+    let r = q.rank();
+    if masked {
+        return Some("an additive mask (the kernels take none)".into());
+    }
+    (v.shape()[r - 1] != q.shape()[r - 1]).then(|| {
+        format!(
+            "v's head dim differs from q's (q {}, v {}; the kernels need them equal)",
+            q.ty(),
+            v.ty()
+        )
     })
 }
 
@@ -141,21 +146,19 @@ fn scratch(backend: &CudaBackend, bytes: usize) -> Result<Tensor> {
 }
 
 fn forward(attrs: &Attrs, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
-    if inputs.len() > 3 {
-        return Err(Error::op(
-            ErrorKind::Unsupported,
-            FORWARD,
-            "the CUDA kernels take no additive mask (use causal, or the composite)",
-        ));
-    }
     let (causal, scale) = params(attrs)?;
     let backend = crate::backend()?;
     let (q, k, v) = (dense(inputs[0]), dense(inputs[1]), dense(inputs[2]));
-    let dims = dims(&q, &k, &v)?;
+    let mask = inputs.get(3).copied();
+    if let Some(why) = beyond_the_kernels(&q, &v, mask.is_some()) {
+        log_fallback(&why);
+        return composite_forward(&q, &k, &v, mask, causal, scale);
+    }
+    let dims = dims(&q, &k);
     let dtype = dtype_of(&q)?;
     if let Err(why) = supported(&backend, dtype, &dims) {
         log_fallback(&why);
-        return composite_forward(&q, &k, &v, causal, scale);
+        return composite_forward(&q, &k, &v, None, causal, scale);
     }
     let r = q.rank();
     let out = empty(&backend, q.dtype(), q.shape())?;
@@ -246,22 +249,20 @@ fn tuned_variant(
 }
 
 fn backward(attrs: &Attrs, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
-    if inputs.len() > 6 {
-        return Err(Error::op(
-            ErrorKind::Unsupported,
-            BACKWARD,
-            "the CUDA kernels take no additive mask",
-        ));
-    }
     let (causal, scale) = params(attrs)?;
     let backend = crate::backend()?;
     let c: Vec<Tensor> = inputs.iter().map(|t| dense(t)).collect();
     let (q, k, v, out, lse, d_out) = (&c[0], &c[1], &c[2], &c[3], &c[4], &c[5]);
-    let dims = dims(q, k, v)?;
+    let mask = c.get(6);
+    if let Some(why) = beyond_the_kernels(q, v, mask.is_some()) {
+        log_fallback(&why);
+        return composite_backward(q, k, v, mask, out, lse, d_out, causal, scale);
+    }
+    let dims = dims(q, k);
     let dtype = dtype_of(q)?;
     if let Err(why) = supported(&backend, dtype, &dims) {
         log_fallback(&why);
-        return composite_backward(q, k, v, out, lse, d_out, causal, scale);
+        return composite_backward(q, k, v, None, out, lse, d_out, causal, scale);
     }
     let dq = empty(&backend, q.dtype(), q.shape())?;
     let dk = empty(&backend, k.dtype(), k.shape())?;
@@ -314,12 +315,23 @@ fn log_fallback(why: &str) {
     });
 }
 
-/// Scores `q·kᵀ·scale`, causal positions hidden, in f32.
-fn scores(q: &Tensor, k: &Tensor, causal: bool, scale: f32) -> Result<Tensor> {
+/// Scores `q·kᵀ·scale` plus the additive mask (f32, of the scores'
+/// shape or `[Lq, Lk]`), causal positions hidden, in f32.
+fn scores(
+    q: &Tensor,
+    k: &Tensor,
+    mask: Option<&Tensor>,
+    causal: bool,
+    scale: f32,
+) -> Result<Tensor> {
     let s = q
         .try_cast(DType::F32)?
         .try_matmul(&k.try_cast(DType::F32)?.try_transpose(-2, -1)?)?
         * scale as f64;
+    let s = match mask {
+        Some(m) => s.try_add(m)?,
+        None => s,
+    };
     if !causal {
         return Ok(s);
     }
@@ -335,30 +347,44 @@ fn scores(q: &Tensor, k: &Tensor, causal: bool, scale: f32) -> Result<Tensor> {
 }
 
 /// The forward with plain device ops, for calls the launcher has no kernel
-/// for: out and the log-sum-exp residual, as the kernel returns them.
+/// for: out and the log-sum-exp residual, as the CPU kernel returns them —
+/// a row that sees no key (a mask of `-inf` across it) has out 0 and lse
+/// `-inf`, never NaN.
 fn composite_forward(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
+    mask: Option<&Tensor>,
     causal: bool,
     scale: f32,
 ) -> Result<Vec<Tensor>> {
-    let s = scores(q, k, causal, scale)?;
-    // lse = m + log Σ exp(s − m), m the row max (rows fully hidden by
-    // causality do not occur: row i always sees key 0).
+    let s = scores(q, k, mask, causal, scale)?;
+    // lse = m + log Σ exp(s − m), m the row max (0 where the row saw no
+    // key: there Σ = 0 and lse = -inf).
     let m = s.try_max(&[-1], true)?;
+    let unseen = m.try_eq(Tensor::scalar(f64::NEG_INFINITY, DType::F32))?;
+    let shift = Tensor::try_where(&unseen, &Tensor::scalar(0.0, DType::F32), &m)?;
     let lse = s
-        .try_sub(&m)?
+        .try_sub(&shift)?
         .try_exp()?
         .try_sum(&[-1], true)?
         .try_log()?
-        .try_add(&m)?;
-    let lse = lse.try_squeeze(-1)?;
-    let p = s.try_softmax(-1)?;
+        .try_add(&shift)?;
+    let p = probabilities(&s, &lse)?;
     let out = p
         .try_matmul(&v.try_cast(DType::F32)?)?
         .try_cast(q.dtype())?;
-    Ok(vec![out, lse])
+    Ok(vec![out, lse.try_squeeze(-1)?])
+}
+
+/// `exp(s − lse)` by rows (`lse` with a trailing dim of 1), 0 in a row
+/// whose lse is `-inf` (it saw no key).
+fn probabilities(s: &Tensor, lse: &Tensor) -> Result<Tensor> {
+    let unseen = lse.try_eq(Tensor::scalar(f64::NEG_INFINITY, DType::F32))?;
+    let zero = Tensor::scalar(0.0, DType::F32);
+    let safe = Tensor::try_where(&unseen, &zero, lse)?;
+    let p = s.try_sub(&safe)?.try_exp()?;
+    Tensor::try_where(&unseen, &zero, &p)
 }
 
 /// The backward with plain device ops, recomputing P from the residual.
@@ -367,6 +393,7 @@ fn composite_backward(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
+    mask: Option<&Tensor>,
     out: &Tensor,
     lse: &Tensor,
     d_out: &Tensor,
@@ -375,9 +402,7 @@ fn composite_backward(
 ) -> Result<Vec<Tensor>> {
     let f = |t: &Tensor| t.try_cast(DType::F32);
     let (qf, kf, vf, of, gf) = (f(q)?, f(k)?, f(v)?, f(out)?, f(d_out)?);
-    let p = scores(q, k, causal, scale)?
-        .try_sub(&lse.try_unsqueeze(-1)?)?
-        .try_exp()?;
+    let p = probabilities(&scores(q, k, mask, causal, scale)?, &lse.try_unsqueeze(-1)?)?;
     let dv = p.try_transpose(-2, -1)?.try_matmul(&gf)?;
     let dp = gf.try_matmul(&vf.try_transpose(-2, -1)?)?;
     let delta = gf.try_mul(&of)?.try_sum(&[-1], true)?;

@@ -1,5 +1,6 @@
 //! Errors that kernels find: an index out of range in a gather or a
-//! scatter. A kernel cannot return an error, and checking the values on
+//! scatter, an integer division by zero, an integer raised to a negative
+//! power. A kernel cannot return an error, and checking the values on
 //! the host first would download them — a synchronisation in the middle of
 //! every step that embeds tokens or gathers targets, which no CUDA graph
 //! can record. So the kernel checks each value itself, skips the element
@@ -35,17 +36,37 @@ struct ErrorRecord {
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Site {
     pub op: String,
-    /// What the value is checked against ("out of range for a dim of size 5").
-    pub check: String,
+    /// What the kernel checks, and so what the value it reports is.
+    pub check: Check,
     /// The operands, the user's line ("indices i64 [3] into f32 [3, 4] at …").
     pub context: String,
 }
 
+/// What a checked kernel checks.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum Check {
+    /// An index value against a bound ("out of range for a dim of size 5");
+    /// the report's value is the bad index.
+    Index(String),
+    /// An integer divisor against zero; the report's value is the dividend.
+    DivisionByZero,
+    /// An integer exponent against negative values; the report's value is
+    /// the exponent.
+    NegativePower,
+}
+
 impl Site {
     fn message(&self, value: i64) -> String {
+        let found = match &self.check {
+            Check::Index(check) => format!("index {value} is {check}"),
+            Check::DivisionByZero => format!("integer division by zero ({value} / 0)"),
+            Check::NegativePower => {
+                format!("integers to negative integer powers are not allowed (exponent {value})")
+            }
+        };
         format!(
-            "index {value} is {} (found by the kernel, reported at the next synchronisation; {})",
-            self.check, self.context
+            "{found} (found by the kernel, reported at the next synchronisation; {})",
+            self.context
         )
     }
 }
@@ -156,8 +177,11 @@ impl KernelErrors {
                 message: site.message(record.value),
             },
             None => KernelError {
-                op: "index".into(),
-                message: format!("index {} is out of range", record.value),
+                op: "kernel".into(),
+                message: format!(
+                    "a kernel's check failed on the value {} at a launch it did not note",
+                    record.value
+                ),
             },
         })
     }
@@ -180,7 +204,7 @@ mod tests {
     fn a_site_message_names_the_value_the_check_and_the_operands() {
         let site = Site {
             op: "index_select".into(),
-            check: "out of range for a dim of size 5".into(),
+            check: Check::Index("out of range for a dim of size 5".into()),
             context: "indices i64 [1] into f32 [3, 5]".into(),
         };
         let m = site.message(7);
@@ -189,5 +213,28 @@ mod tests {
             "{m}"
         );
         assert!(m.ends_with("indices i64 [1] into f32 [3, 5])"), "{m}");
+    }
+
+    #[test]
+    fn arithmetic_reports_say_what_was_found_and_name_the_operands() {
+        let site = |check| Site {
+            op: "div".into(),
+            check,
+            context: "div of i32 [4] by i32 [] at model.rs:3:9".into(),
+        };
+        let m = site(Check::DivisionByZero).message(-7);
+        assert!(
+            m.starts_with("integer division by zero (-7 / 0) (found by the kernel"),
+            "{m}"
+        );
+        assert!(
+            m.ends_with("div of i32 [4] by i32 [] at model.rs:3:9)"),
+            "{m}"
+        );
+        let m = site(Check::NegativePower).message(-2);
+        assert!(
+            m.starts_with("integers to negative integer powers are not allowed (exponent -2)"),
+            "{m}"
+        );
     }
 }

@@ -146,6 +146,168 @@ fn unary_binary_compare_where_and_casts() {
     });
 }
 
+/// Integer division and power on the GPU: the CPU's values (truncation
+/// toward zero for negative operands, `MIN / -1` wrapping to `MIN`,
+/// wrapping powers) eagerly, with a host scalar divisor and compiled; a
+/// zero divisor or a negative exponent is found by the kernel and reported
+/// at the next synchronisation naming the op, the operands and the user's
+/// line (the memoised launch of an earlier line does not lend it its
+/// site), once, and the device stays usable.
+#[test]
+fn integer_division_and_power_match_the_cpu_and_report_bad_operands() {
+    if !gpu() {
+        return;
+    }
+    let a = vec![7i64, -7, 7, -7, 3, -2, 5, 0, i64::MIN, i64::MIN, -9, 9];
+    let b = vec![2i64, 2, -2, -2, 4, 3, -1, 1, -1, 1, 4, -4];
+    let base = vec![3i64, -2, 5, 0, 2, -1, 7, -3, 0, 1, 2, -5];
+    let exp = vec![4i64, 3, 0, 0, 10, 7, 40, 63, 5, 9, 62, 1];
+    let compiled = compile(|x: &[Tensor]| vec![&x[0] / &x[1], x[2].pow(&x[3]) + &x[0]]);
+    for d in [DType::I64, DType::I32] {
+        let t = |v: &[i64]| {
+            let m = if d == DType::I32 {
+                i32::MIN as i64
+            } else {
+                i64::MIN
+            };
+            let v: Vec<i64> = v
+                .iter()
+                .map(|&x| if x == i64::MIN { m } else { x })
+                .collect();
+            Tensor::from_vec(v, &[3, 4]).cast(d)
+        };
+        let ins = [t(&a), t(&b), t(&base), t(&exp)];
+        // Compared exactly (wrapped values lie beyond f64's integers).
+        let exact = |what: &str, f: &dyn Fn(&[Tensor]) -> Vec<Tensor>| {
+            let cpu = f(&ins);
+            let on: Vec<Tensor> = ins.iter().map(cuda).collect();
+            for (i, (g, c)) in f(&on).iter().zip(&cpu).enumerate() {
+                assert_eq!(g.device(), Device::Cuda, "{what} output {i}");
+                assert_eq!(
+                    g.to_vec::<i64>().unwrap(),
+                    c.to_vec::<i64>().unwrap(),
+                    "{what} {d} output {i}"
+                );
+            }
+        };
+        let widen =
+            |v: Vec<Tensor>| -> Vec<Tensor> { v.iter().map(|t| t.cast(DType::I64)).collect() };
+        exact("integer div/pow", &|x| {
+            let scalar = Tensor::from_vec(vec![-3i64], &[]).cast(d);
+            widen(vec![
+                &x[0] / &x[1],
+                &x[0] / &scalar,
+                // A broadcast divisor and a strided dividend.
+                &x[0].transpose(0, 1) / &x[1].narrow(0, 1, 1).reshape(&[4, 1]),
+                x[2].pow(&x[3]),
+            ])
+        });
+        exact("compiled integer div/pow", &|x| widen(compiled.call(x)));
+    }
+    let x = cuda(&Tensor::from_vec(vec![6i64, -6, 9], &[3]));
+    let ok = cuda(&Tensor::from_vec(vec![4i64, 4, -4], &[3]));
+    let zero = cuda(&Tensor::from_vec(vec![4i64, 0, -4], &[3]));
+    // The same kernel shape first at a line whose divisors are fine…
+    let fine = x.try_div(&ok).unwrap();
+    assert_eq!(fine.to_vec::<i64>().unwrap(), [1, -1, -2]);
+    let line = line!() + 1;
+    let q = x.try_div(&zero).unwrap();
+    let e = q.to_vec::<i64>().unwrap_err();
+    let m = e.to_string();
+    assert_eq!(e.op.as_deref(), Some("div"), "{m}");
+    assert!(m.contains("integer division by zero (-6 / 0)"), "{m}");
+    assert!(m.contains("div of i64 [3] by i64 [3]"), "{m}");
+    assert!(m.contains(&format!("differential.rs:{line}")), "{m}");
+    // Reported once; the device and the same kernel work on.
+    assert_eq!(x.to_vec::<i64>().unwrap(), [6, -6, 9]);
+    assert_eq!(
+        x.try_div(&ok).unwrap().to_vec::<i64>().unwrap(),
+        [1, -1, -2]
+    );
+    let neg = cuda(&Tensor::from_vec(vec![2i64, -1, 0], &[3]));
+    let e = x.try_pow(&neg).unwrap().to_vec::<i64>().unwrap_err();
+    let m = e.to_string();
+    assert_eq!(e.op.as_deref(), Some("pow"), "{m}");
+    assert!(
+        m.contains("integers to negative integer powers are not allowed (exponent -1)"),
+        "{m}"
+    );
+    // An explicit synchronisation reports it too, and a compiled run's
+    // division by zero says where it ran.
+    let _ = x.try_div(&zero).unwrap();
+    let e = device::synchronize(Device::Cuda).unwrap_err();
+    assert!(e.to_string().contains("integer division by zero"), "{e}");
+    // (Exponents >= 0: the program's pow checks them too.)
+    let exps = cuda(&Tensor::from_vec(vec![2i64, 0, 3], &[3]));
+    let out = compiled.call(&[x.clone(), zero.clone(), x.clone(), exps.clone()]);
+    let e = out[0].to_vec::<i64>().unwrap_err();
+    assert!(e.to_string().contains("integer division by zero"), "{e}");
+    assert_eq!(
+        compiled.call(&[x.clone(), ok.clone(), x.clone(), exps.clone()])[0]
+            .to_vec::<i64>()
+            .unwrap(),
+        [1, -1, -2]
+    );
+}
+
+/// Attention calls the CUDA flash kernels cannot take — v's head dim
+/// unlike q's (ONNX's test_attention_4d_diff_heads_sizes), an additive
+/// mask, a row the mask hides entirely — run the composite on the device:
+/// the CPU kernel's values and gradients (zeros, not NaN, for the hidden
+/// row), eagerly and compiled, never an error.
+#[test]
+fn attention_beyond_the_flash_kernels_falls_back_to_the_composite() {
+    use tessera::custom_op::flash_attention::{scaled_dot_product_attention, SdpaOptions};
+    if !gpu() {
+        return;
+    }
+    let q = randn(&[2, 3, 4, 8], DType::F32, 60);
+    let k = randn(&[2, 3, 6, 8], DType::F32, 61);
+    let v = randn(&[2, 3, 6, 10], DType::F32, 62);
+    let g = randn(&[2, 3, 4, 10], DType::F32, 63);
+    let mut m = randn(&[4, 6], DType::F64, 64).to_vec::<f64>().unwrap();
+    m[6..12].fill(f64::NEG_INFINITY); // row 1 sees no key
+    let mask = Tensor::from_vec(m, &[4, 6]).cast(DType::F32);
+    let attend = |x: &[Tensor], masked: bool, causal: bool| {
+        let leaves: Vec<Tensor> = x[..3].iter().map(|t| t.set_requires_grad(true)).collect();
+        let options = SdpaOptions {
+            mask: masked.then_some(&x[4]),
+            causal,
+            scale: Some(0.3),
+        };
+        let out = scaled_dot_product_attention(&leaves[0], &leaves[1], &leaves[2], options);
+        out.backward_with(&x[3]);
+        let mut r = vec![out.detach()];
+        r.extend(leaves.iter().map(|l| l.grad().unwrap()));
+        r
+    };
+    let ins = [q, k, v, g, mask];
+    for (masked, causal) in [(false, false), (false, true), (true, false)] {
+        let what = format!("attention, v dim 10, mask {masked}, causal {causal}");
+        both(&what, &ins, true, |x| attend(x, masked, causal));
+        for (i, t) in attend(&ins.iter().map(cuda).collect::<Vec<_>>(), masked, causal)
+            .iter()
+            .enumerate()
+        {
+            assert!(
+                t.to_f64_vec().iter().all(|x| x.is_finite()),
+                "{what}: output {i} not finite"
+            );
+        }
+    }
+    let f = compile(|x: &[Tensor]| {
+        let options = SdpaOptions {
+            mask: None,
+            causal: false,
+            scale: None,
+        };
+        vec![scaled_dot_product_attention(&x[0], &x[1], &x[2], options)]
+    });
+    both("compiled attention, v dim 10", &ins[..3], true, |x| {
+        f.call(x)
+    });
+}
+
 #[test]
 fn reductions_softmax_and_arg_reductions() {
     if !gpu() {

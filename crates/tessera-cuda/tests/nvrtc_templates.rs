@@ -13,7 +13,9 @@ use tessera_cuda::codegen::copy::dense_copy;
 use tessera_cuda::codegen::cross_entropy::{self, Rows};
 use tessera_cuda::codegen::fused_rows::fused_rows;
 use tessera_cuda::codegen::index::{indexed, triangle, IndexCheck, Indexed, Strided};
-use tessera_cuda::codegen::pointwise::{pointwise, pointwise_block, Operand, Output};
+use tessera_cuda::codegen::pointwise::{
+    checked_steps, pointwise, pointwise_block, pointwise_checked, ArithCheck, Operand, Output,
+};
 use tessera_cuda::codegen::rows::{arg_reduce, reduce, reduce_in_parts};
 use tessera_cuda::codegen::softmax::softmax;
 use tessera_cuda::codegen::{Compute, Launch};
@@ -104,8 +106,9 @@ fn float_chains() -> Vec<Launch> {
         .collect()
 }
 
-/// Integer arithmetic, and a load and a store of every dtype in each
-/// compute type (every conversion the generator writes).
+/// Integer arithmetic (division and power checked), and a load and a
+/// store of every dtype in each compute type (every conversion the
+/// generator writes).
 fn integer_and_conversions() -> Vec<Launch> {
     let shape = [8];
     let l = Layout::contiguous(&shape);
@@ -132,6 +135,42 @@ fn integer_and_conversions() -> Vec<Launch> {
                 &shape,
                 Compute::I64,
                 132,
+            )
+            .unwrap(),
+        );
+    }
+    // Checked division and power (a site each), of a broadcast host scalar
+    // and of strided operands.
+    let checked_ops = vec![
+        Step::Load(0),
+        Step::Load(1),
+        Step::Load(2),
+        Step::Binary(BinaryOp::Div, 0, 1),
+        Step::Binary(BinaryOp::Pow, 3, 2),
+        Step::Binary(BinaryOp::Div, 4, 2),
+    ];
+    let sites = checked_steps(&checked_ops, Compute::I64);
+    assert_eq!(sites, [3, 4, 5]);
+    let check = ArithCheck {
+        report: 3,
+        sites: vec![0, 1, 2],
+    };
+    for d in [DType::I64, DType::I32, DType::Bool] {
+        let ins = [
+            buffer(d, Layout::contiguous(&[4, 2]).permuted(&[1, 0])),
+            buffer(d, Layout::contiguous(&[4]).expanded(&[2, 4])),
+            Operand::Scalar(3.0),
+        ];
+        v.push(
+            pointwise_checked(
+                &checked_ops,
+                &ins,
+                &[out(5, d, &[2, 4])],
+                &[2, 4],
+                Compute::I64,
+                132,
+                None,
+                &check,
             )
             .unwrap(),
         );

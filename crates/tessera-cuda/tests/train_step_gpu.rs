@@ -263,7 +263,11 @@ fn reduce_overhead_steps_match_kernel_by_kernel_and_spare_held_values() {
     let (plain, _, _) = steps_holding_a_parameter(Mode::Default);
     let (replayed, addresses, stats) = steps_holding_a_parameter(Mode::ReduceOverhead);
     eprintln!("losses {plain:?}\n       {replayed:?}\nstats {stats:?}\naddresses {addresses:x?}");
-    assert_eq!(replayed, plain, "replayed vs kernel by kernel");
+    // Not bit for bit: the embedding's gradient is a scatter_add by float
+    // atomics, whose order varies from run to run (two kernel-by-kernel
+    // runs differ too: `kernel_by_kernel_runs_differ_only_in_the_last_bits`).
+    // The bug this test caught drifted by 5e-5 from step 2.
+    assert_close(&replayed, &plain, "replayed vs kernel by kernel");
     assert_eq!(stats.recordings, 1, "{stats:?}");
     assert_eq!(stats.fallbacks, 0, "{stats:?}");
     assert!(stats.replays >= 2, "{stats:?}");
@@ -293,4 +297,26 @@ fn reduce_overhead_replays_every_step_in_place() {
             .all(|&a| a == addresses[1]),
         "{addresses:x?}"
     );
+}
+
+/// The losses agree to 1e-6 relative (f32 sums in another order).
+fn assert_close(a: &[f64], b: &[f64], what: &str) {
+    assert_eq!(a.len(), b.len(), "{what}");
+    for (x, y) in a.iter().zip(b) {
+        assert!((x - y).abs() <= 1e-6 * y.abs(), "{what}: {a:?}\n vs {b:?}");
+    }
+}
+
+/// Two kernel-by-kernel runs of the same steps: equal up to the order of
+/// the embedding gradient's atomic float sums (printed: whether they were
+/// bit for bit this time).
+#[test]
+fn kernel_by_kernel_runs_differ_only_in_the_last_bits() {
+    if !gpu() {
+        return;
+    }
+    let (first, _, _) = steps_holding_a_parameter(Mode::Default);
+    let (second, _, _) = steps_holding_a_parameter(Mode::Default);
+    eprintln!("bit for bit: {}\n{first:?}\n{second:?}", first == second);
+    assert_close(&first, &second, "two kernel-by-kernel runs");
 }

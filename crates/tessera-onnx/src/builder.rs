@@ -148,7 +148,7 @@ impl<'a> Ctx<'a> {
         }
         let d = v.dims.as_ref().expect("a value has a node or dims");
         match d.ints() {
-            Some(ints) => Ok(self.int_constant(&ints, d.scalar)),
+            Some(ints) => Ok(self.int_constant(&ints, d.scalar)?),
             None => Err(self.unsupported(format!(
                 "a shape with symbolic dims ({}) used as data: tessera computes \
                  symbolic sizes only where ops take them as shapes",
@@ -190,6 +190,31 @@ impl<'a> Ctx<'a> {
         }
         let lit = self.literal_of(i, what)?;
         Ok(lit_ints(&lit))
+    }
+
+    /// Input `i`, known at import time, as one integer (a scalar or a
+    /// one-element tensor, as ONNX's `k`, `axis` … inputs are).
+    pub fn int_scalar(&mut self, i: usize, what: &str) -> Result<i64> {
+        match self.ints(i, what)?[..] {
+            [v] => Ok(v),
+            ref other => Err(self.bad(format!(
+                "input {i} ({what}) must hold one value, got {} values",
+                other.len()
+            ))),
+        }
+    }
+
+    /// Input `i`, known at import time, as one number (see
+    /// [`Ctx::int_scalar`]).
+    pub fn float_scalar(&mut self, i: usize, what: &str) -> Result<f64> {
+        let lit = self.literal_of(i, what)?;
+        match lit_floats(&lit)[..] {
+            [v] => Ok(v),
+            ref other => Err(self.bad(format!(
+                "input {i} ({what}) must hold one value, got {} values",
+                other.len()
+            ))),
+        }
     }
 
     /// Input `i` as dims (its known dims, or its integer value).
@@ -288,13 +313,16 @@ impl<'a> Ctx<'a> {
         self.g.add(op, inputs, self.meta.clone())
     }
 
-    pub fn constant(&mut self, lit: Literal) -> NodeId {
+    /// A constant node; an error (naming the current node) when the
+    /// literal does not fit its type: a model's data of the wrong length,
+    /// a value out of its dtype's range, a size over the limit.
+    pub fn constant(&mut self, lit: Literal) -> Result<NodeId> {
         self.g
             .add(Op::Constant(lit), &[], self.meta.clone())
-            .expect("a constant is always well typed")
+            .map_err(|e| self.bad(format!("a constant it needs: {}", e.message)))
     }
 
-    pub fn int_constant(&mut self, ints: &[i64], scalar: bool) -> NodeId {
+    pub fn int_constant(&mut self, ints: &[i64], scalar: bool) -> Result<NodeId> {
         let shape = if scalar { vec![] } else { vec![ints.len()] };
         self.constant(Literal {
             dtype: DType::I64,
@@ -304,7 +332,7 @@ impl<'a> Ctx<'a> {
     }
 
     /// A rank-0 constant of `dtype`.
-    pub fn scalar(&mut self, v: f64, dtype: DType) -> NodeId {
+    pub fn scalar(&mut self, v: f64, dtype: DType) -> Result<NodeId> {
         let value = if dtype.is_float() {
             Scalar::Float(v)
         } else if dtype.is_int() {
@@ -316,7 +344,7 @@ impl<'a> Ctx<'a> {
     }
 
     /// A rank-0 constant of `like`'s dtype.
-    pub fn scalar_like(&mut self, v: f64, like: NodeId) -> NodeId {
+    pub fn scalar_like(&mut self, v: f64, like: NodeId) -> Result<NodeId> {
         let dtype = self.dtype(like);
         self.scalar(v, dtype)
     }
@@ -331,7 +359,7 @@ impl<'a> Ctx<'a> {
 
     /// `a op c` for a scalar constant `c` of `a`'s dtype.
     pub fn binary_c(&mut self, op: BinaryOp, a: NodeId, c: f64) -> Result<NodeId> {
-        let s = self.scalar_like(c, a);
+        let s = self.scalar_like(c, a)?;
         self.binary(op, a, s)
     }
 
@@ -340,7 +368,7 @@ impl<'a> Ctx<'a> {
     }
 
     pub fn compare_c(&mut self, op: CompareOp, a: NodeId, c: f64) -> Result<NodeId> {
-        let s = self.scalar_like(c, a);
+        let s = self.scalar_like(c, a)?;
         self.compare(op, a, s)
     }
 
@@ -419,7 +447,7 @@ impl<'a> Ctx<'a> {
     pub fn axis(&self, axis: i64, rank: usize) -> Result<usize> {
         let r = rank as i64;
         let a = if axis < 0 { axis + r } else { axis };
-        if a < 0 || a >= r.max(1) && !(rank == 0 && a == 0) {
+        if a < 0 || a >= r {
             return Err(self.bad(format!("axis {axis} is out of range for rank {rank}")));
         }
         Ok(a as usize)

@@ -273,7 +273,7 @@ pub fn import(model: &Model, options: &ImportOptions) -> Result<Imported> {
             params.push((t.name.clone(), value));
             ctx.g.add_input(t.name.clone(), ty)
         } else {
-            ctx.constant(lit)
+            ctx.constant(lit)?
         };
         ctx.values.insert(t.name.clone(), Val::node(id));
     }

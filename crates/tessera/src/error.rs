@@ -78,10 +78,33 @@ pub fn dispatching<T>(caller: &'static Location<'static>, f: impl FnOnce() -> T)
     f()
 }
 
+thread_local! {
+    static NODE_SITE: std::cell::RefCell<Option<SourceLoc>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+/// Runs `f`, the interpreter's dispatch of one graph node, with the node's
+/// own location (`at`: the user's line it was traced from, the model file's
+/// node) as the line [`dispatch_site`] names, over the interpreter's line
+/// that the dispatch itself notes.
+pub fn dispatching_node<T>(at: Option<&SourceLoc>, f: impl FnOnce() -> T) -> T {
+    struct Restore(Option<SourceLoc>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            NODE_SITE.with(|d| *d.borrow_mut() = self.0.take());
+        }
+    }
+    let _restore = Restore(NODE_SITE.with(|d| d.replace(at.cloned())));
+    f()
+}
+
 /// The user's line of the eager op being dispatched on this thread (see
-/// [`dispatching`]); `None` outside an eager dispatch (a compiled run).
+/// [`dispatching`], [`dispatching_node`]); `None` outside an eager dispatch
+/// (a compiled run).
 pub fn dispatch_site() -> Option<SourceLoc> {
-    DISPATCHING.with(|d| d.get().map(SourceLoc::from_static))
+    NODE_SITE
+        .with(|d| d.borrow().clone())
+        .or_else(|| DISPATCHING.with(|d| d.get().map(SourceLoc::from_static)))
 }
 
 impl fmt::Display for SourceLoc {
@@ -198,5 +221,23 @@ mod tests {
         assert_eq!(x, SourceLoc::from_location(a));
         assert_eq!(y, SourceLoc::from_location(b));
         assert_eq!(x.line + 1, y.line);
+    }
+
+    #[test]
+    fn a_graph_nodes_location_is_the_dispatch_site_over_the_interpreters() {
+        let node = SourceLoc {
+            file: Arc::from("model.onnx"),
+            line: 7,
+            column: 0,
+        };
+        let inner = Location::caller();
+        assert_eq!(dispatch_site(), None);
+        let seen = dispatching_node(Some(&node), || dispatching(inner, dispatch_site));
+        assert_eq!(seen, Some(node));
+        assert_eq!(
+            dispatching(inner, dispatch_site),
+            Some(SourceLoc::from_static(inner))
+        );
+        assert_eq!(dispatch_site(), None, "restored");
     }
 }

@@ -86,6 +86,57 @@ fn check_values(spec: &Spec, seed: u64) -> std::result::Result<(), TestCaseError
     Ok(())
 }
 
+/// Calls donating each input paired with an output of its type
+/// (`try_call_updating`, as a training step feeds its new parameters back),
+/// three in a row, each call's paired outputs the next call's inputs: every
+/// call's outputs equal the interpreter's on the same values, under the
+/// default mode and reduce-overhead (whose replays record donated inputs in
+/// place).
+fn check_donated(spec: &Spec, seed: u64) -> std::result::Result<(), TestCaseError> {
+    let g = build(spec);
+    let first = inputs(&g, seed);
+    prop_assume!(tame(&g, &first, 1e3));
+    let types: Vec<_> = run_graph(&g, &first)
+        .map_err(|e| TestCaseError::fail(format!("{e}")))?
+        .iter()
+        .map(|(_, t)| t.ty())
+        .collect();
+    let mut taken = vec![false; types.len()];
+    let mut pairs = Vec::new();
+    for (i, a) in first.iter().enumerate() {
+        if let Some(o) = (0..types.len()).find(|&o| !taken[o] && types[o] == a.ty()) {
+            taken[o] = true;
+            pairs.push((i, o));
+        }
+    }
+    prop_assume!(!pairs.is_empty());
+    drop(first);
+    for mode in [Mode::Default, Mode::ReduceOverhead] {
+        let f = tessera::compile(body(&g)).mode(mode);
+        let mut args = inputs(&g, seed);
+        for call in 0..3 {
+            if !tame(&g, &args, 1e3) {
+                break;
+            }
+            let want = run(&g, &args);
+            let mut given = std::mem::take(&mut args);
+            let out = f
+                .try_call_updating(&mut given, &pairs)
+                .map_err(|e| TestCaseError::fail(format!("{mode:?} call {call}: {e}\n{g}")))?;
+            for ((name, want), t) in want.iter().zip(&out) {
+                let what = format!("{mode:?} call {call} (pairs {pairs:?}), {name}\n{g}");
+                close(&what, want, &t.to_f64_vec(), 1e-4)?;
+            }
+            args = inputs(&g, seed.wrapping_add(call + 1));
+            let mut out: Vec<Option<Tensor>> = out.into_iter().map(Some).collect();
+            for &(i, o) in &pairs {
+                args[i] = out[o].take().expect("each output paired once");
+            }
+        }
+    }
+    Ok(())
+}
+
 /// A scalar loss mixing every output with fixed random weights, so that
 /// each output's gradient is non-trivial.
 fn loss(outs: &[Tensor], seed: u64) -> Tensor {
@@ -153,6 +204,14 @@ proptest! {
     #[test]
     fn compiled_graphs_match_eager_and_f64(spec in spec_strategy(), seed in any::<u64>()) {
         check_values(&spec, seed)?;
+    }
+
+    #[test]
+    fn donated_inputs_paired_with_outputs_match_eager(
+        spec in spec_strategy(),
+        seed in any::<u64>(),
+    ) {
+        check_donated(&spec, seed)?;
     }
 
     // Its saved cases (compile_differential.proptest-regressions) include a

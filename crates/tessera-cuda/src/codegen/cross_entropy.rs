@@ -10,8 +10,8 @@
 
 use tessera::DType;
 
-use super::index::{IndexCheck, REPORT_BAD_INDEX};
-use super::{c_type, convert, load, prelude, Compute, Launch, Words, ENTRY};
+use super::index::IndexCheck;
+use super::{c_type, convert, load, prelude, Compute, Launch, Words, ENTRY, REPORT_ERROR};
 
 /// Threads per row.
 const BLOCK: u32 = 256;
@@ -52,7 +52,7 @@ impl Rows {
         format!(
             "long long t = {load};\n\
              bool skip = {ignore};\n\
-             if (!skip && (t < 0 || t >= a.c)) {{ if (threadIdx.x == 0) tessera_bad_index(a.report, (unsigned)a.site, t); skip = true; }}\n",
+             if (!skip && (t < 0 || t >= a.c)) {{ if (threadIdx.x == 0) tessera_report(a.report, (unsigned)a.site, t); skip = true; }}\n",
             load = load(self.target_dtype, Compute::I64, "a.t", "r"),
         )
     }
@@ -94,7 +94,7 @@ pub fn forward(
     let x = load(rows.logits_dtype, rows.compute(), "a.x", "r * a.stride + c");
     let xt = load(rows.logits_dtype, rows.compute(), "a.x", "r * a.stride + t");
     let mut source = prelude(&[rows.logits_dtype, rows.target_dtype]);
-    source.push_str(REPORT_BAD_INDEX);
+    source.push_str(REPORT_ERROR);
     source.push_str(&format!(
         "struct Args {{ long long n; long long c; long long stride; const void* x; const void* t; void* nll; void* lse; void* report; long long site; }};\n\
          __device__ void merge({acc}& m, {acc}& s, {acc} m2, {acc} s2) {{\n\
@@ -146,7 +146,7 @@ pub fn backward(
     let (exp, _) = rows.math();
     let x = load(rows.logits_dtype, rows.compute(), "a.x", "r * a.stride + c");
     let mut source = prelude(&[rows.logits_dtype, rows.target_dtype]);
-    source.push_str(REPORT_BAD_INDEX);
+    source.push_str(REPORT_ERROR);
     source.push_str(&format!(
         "struct Args {{ long long n; long long c; long long stride; const void* x; const void* t; const void* lse; const void* d; void* dx; void* report; long long site; }};\n\
          extern \"C\" __global__ void {ENTRY}(Args a) {{\n\
@@ -196,11 +196,7 @@ mod tests {
             "{}",
             l.source
         );
-        assert!(
-            l.source.contains("tessera_bad_index(a.report"),
-            "{}",
-            l.source
-        );
+        assert!(l.source.contains("tessera_report(a.report"), "{}", l.source);
         assert!(l.source.contains("expf(m - hi)"), "{}", l.source);
         assert_eq!(l.args.0, [6, 10, 12, 1, 2, 3, 4, 7, 2]);
         assert_eq!((l.grid, l.block), (6, BLOCK));

@@ -6,14 +6,14 @@
 //! stride lists, then move the dim `dim` coordinate of the source (select,
 //! gather) or of the destination (the two adds) by the index value. The
 //! adds use atomics because two index entries may name the same row.
-//! Index values are checked on the host before the launch (as the CPU
-//! does), so the kernel never sees one out of range.
+//! The kernel checks each index value and reports a bad one through the
+//! error record (`crate::kernel_errors`), skipping its element.
 
 use tessera::DType;
 
 use super::{
     c_type, convert, decompose, grid_for, index_type, load, padded, prelude, Compute, Launch,
-    Words, ENTRY,
+    Words, ENTRY, REPORT_ERROR,
 };
 
 /// `tril` (`upper` false) or `triu` of the last two dims of `x` (read
@@ -89,20 +89,13 @@ pub struct Strided {
 /// bounds) and the first such value, with `site` (what the host knows of
 /// the launch), is written to the error record at `report` (host memory
 /// mapped into the device, read at the next synchronisation: see
-/// `gpu::DeviceErrors`).
+/// `crate::kernel_errors`).
 #[derive(Clone, Copy, Debug)]
 pub struct IndexCheck {
     pub bound: usize,
     pub site: u32,
     pub report: u64,
 }
-
-/// The device side of the error record (`gpu::ErrorRecord`'s layout): the
-/// first thread to claim `flag` writes the site and the value.
-pub(crate) const REPORT_BAD_INDEX: &str = "struct TesseraErrorRecord { unsigned flag; unsigned site; long long value; };\n\
-__device__ void tessera_bad_index(void* at, unsigned site, long long value) {\n\
-TesseraErrorRecord* r = (TesseraErrorRecord*)at;\n\
-if (atomicCAS(&r->flag, 0u, 1u) == 0u) { r->site = site; r->value = value; __threadfence_system(); }\n}\n";
 
 /// The indexed loop over `shape`: `dim_stride` is the stride, in the
 /// operand the index moves (source for reads, destination for adds), of
@@ -129,7 +122,7 @@ pub fn indexed(
     );
     let checked = format!(
         "long long iv = {iv};\n\
-         if (iv < 0 || iv >= a.bound) {{ tessera_bad_index(a.report, (unsigned)a.site, iv); continue; }}\n"
+         if (iv < 0 || iv >= a.bound) {{ tessera_report(a.report, (unsigned)a.site, iv); continue; }}\n"
     );
     let iv = "iv";
     let body = match kind {
@@ -156,7 +149,7 @@ pub fn indexed(
         }
     };
     let mut source = prelude(&[src.dtype, dtype]);
-    source.push_str(REPORT_BAD_INDEX);
+    source.push_str(REPORT_ERROR);
     source.push_str(&format!(
         "struct Args {{ long long n; long long shape[{rank}]; long long soff; long long sstr[{rank}]; long long ioff; long long istr[{rank}]; \
          long long doff; long long dstr[{rank}]; long long dim_stride; long long bound; const void* src; const void* idx; void* dst; void* report; long long site; }};\n\

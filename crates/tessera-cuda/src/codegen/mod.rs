@@ -102,6 +102,14 @@ pub fn convert(dtype: DType, compute: Compute, value: &str) -> String {
     }
 }
 
+/// The device side of the error record (`kernel_errors::ErrorRecord`'s
+/// layout): the first thread to claim `flag` writes the site and the value
+/// (a bad index, a dividend, an exponent: what the site's check says).
+pub(crate) const REPORT_ERROR: &str = "struct TesseraErrorRecord { unsigned flag; unsigned site; long long value; };\n\
+__device__ void tessera_report(void* at, unsigned site, long long value) {\n\
+TesseraErrorRecord* r = (TesseraErrorRecord*)at;\n\
+if (atomicCAS(&r->flag, 0u, 1u) == 0u) { r->site = site; r->value = value; __threadfence_system(); }\n}\n";
+
 /// The `#include`s and helpers every kernel starts with; the f16/bf16
 /// headers only when a dtype needs them (they cost NVRTC time).
 pub fn prelude(dtypes: &[DType]) -> String {

@@ -10,6 +10,15 @@
 //! thread per iteration; the steps unrolled over the pack) and the scalar
 //! loop takes only the tail: one 16-byte access instead of 4–8 narrow
 //! ones is what gets these kernels to the copy rate (BENCHMARKS.md).
+//!
+//! Integer division and power are checked by the kernel, as the CPU checks
+//! them: a zero divisor or a negative exponent is written to the error
+//! record (`crate::kernel_errors`) with the site the host noted for that
+//! step, the element gets 0, and the host reports the error at the next
+//! synchronisation. Division truncates toward zero and `MIN / -1` wraps to
+//! `MIN` (Rust's `wrapping_div`, which the CPU kernel uses; C leaves that
+//! quotient undefined, so the kernel negates with unsigned wrapping
+//! instead); a power is square-and-multiply with wrapping products.
 
 use tessera::ir::kernel::Step;
 use tessera::ir::{BinaryOp, CompareOp, UnaryOp};
@@ -18,7 +27,7 @@ use tessera::DType;
 
 use super::{
     aligned, at_least_one, c_type, convert, decompose, grid_for, index_type, load, padded, prelude,
-    vector_width, widen, Compute, Launch, Words, ENTRY,
+    vector_width, widen, Compute, Launch, Words, ENTRY, REPORT_ERROR,
 };
 
 /// One input of a pointwise kernel.
@@ -58,6 +67,44 @@ pub struct Output {
     pub layout: Layout,
 }
 
+/// How a pointwise kernel reports what its checked steps find (see
+/// [`checked_steps`]): the error record's device address and the site the
+/// host noted for each checked step, in step order.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ArithCheck {
+    pub report: u64,
+    pub sites: Vec<u32>,
+}
+
+/// The steps a kernel computing in `compute` checks, in order: integer
+/// division (by zero) and power (to a negative exponent). Each needs a
+/// site in the launch's [`ArithCheck`].
+pub fn checked_steps(steps: &[Step], compute: Compute) -> Vec<usize> {
+    if compute != Compute::I64 {
+        return Vec::new();
+    }
+    steps
+        .iter()
+        .enumerate()
+        .filter(|(_, s)| matches!(s, Step::Binary(BinaryOp::Div | BinaryOp::Pow, _, _)))
+        .map(|(i, _)| i)
+        .collect()
+}
+
+/// Integer division and power as the CPU computes them (`wrapping_div`,
+/// `wrapping_pow` over all 64 exponent bits), reporting a zero divisor
+/// (with the dividend) or a negative exponent through the error record.
+const INT_ARITH: &str =
+    "__device__ long long tessera_idiv(long long x, long long y, void* report, unsigned site) {\n\
+if (y == 0) { tessera_report(report, site, x); return 0; }\n\
+if (y == -1) return (long long)(0ull - (unsigned long long)x);\n\
+return x / y;\n}\n\
+__device__ long long tessera_ipow(long long x, long long e, void* report, unsigned site) {\n\
+if (e < 0) { tessera_report(report, site, e); return 0; }\n\
+unsigned long long b = (unsigned long long)x, acc = 1ull, k = (unsigned long long)e;\n\
+while (k) { if (k & 1ull) acc *= b; b *= b; k >>= 1; }\n\
+return (long long)acc;\n}\n";
+
 /// The kernel for `steps` over `shape`. Errors (as a message for the
 /// caller to attach the op to) when a step has no meaning in `compute`.
 pub fn pointwise(
@@ -82,6 +129,47 @@ pub fn pointwise_block(
     sms: u32,
     block: Option<u32>,
 ) -> Result<Launch, String> {
+    pointwise_checked(
+        steps,
+        inputs,
+        outputs,
+        shape,
+        compute,
+        sms,
+        block,
+        &ArithCheck::default(),
+    )
+}
+
+/// [`pointwise_block`] whose checked steps ([`checked_steps`]) report
+/// through `check` (one site each).
+#[allow(clippy::too_many_arguments)]
+pub fn pointwise_checked(
+    steps: &[Step],
+    inputs: &[Operand],
+    outputs: &[Output],
+    shape: &[usize],
+    compute: Compute,
+    sms: u32,
+    block: Option<u32>,
+    check: &ArithCheck,
+) -> Result<Launch, String> {
+    let checked = checked_steps(steps, compute);
+    if check.sites.len() != checked.len() {
+        let what = checked
+            .first()
+            .map(|&s| match steps[s] {
+                Step::Binary(op, _, _) => format!("integer {}", op.name()),
+                _ => unreachable!("checked steps are binary"),
+            })
+            .unwrap_or_else(|| "no step".into());
+        return Err(format!(
+            "{what} needs the kernel error record to report a division by zero or a negative \
+             exponent: {} checked steps, {} sites",
+            checked.len(),
+            check.sites.len()
+        ));
+    }
     let n: usize = shape.iter().product();
     let rank = shape.len().max(1);
     let buffers: Vec<(usize, DType, &Layout, u64)> = inputs
@@ -123,9 +211,16 @@ pub fn pointwise_block(
         _ => None,
     }));
     let mut src = prelude(&dtypes);
+    let reports = if checked.is_empty() {
+        String::new()
+    } else {
+        src.push_str(REPORT_ERROR);
+        src.push_str(INT_ARITH);
+        format!(" void* report; long long site[{}];", checked.len())
+    };
     src.push_str(&format!(
         "struct Args {{ long long n; long long shape[{rank}]; long long ioff[{ni1}]; long long istr[{ni1}][{rank}]; \
-         long long ooff[{no1}]; long long ostr[{no1}][{rank}]; double c[{nc1}]; const void* in[{ni1}]; void* out[{no1}]; }};\n",
+         long long ooff[{no1}]; long long ostr[{no1}][{rank}]; double c[{nc1}]; const void* in[{ni1}]; void* out[{no1}];{reports} }};\n",
         ni1 = at_least_one(ni),
         no1 = at_least_one(no),
         nc1 = at_least_one(nc),
@@ -136,6 +231,7 @@ pub fn pointwise_block(
         outputs,
         const_of_step: &const_of_step,
         compute,
+        checked: &checked,
     };
     let block = block.unwrap_or(DEFAULT_BLOCK);
     src.push_str(&format!(
@@ -222,6 +318,12 @@ pub fn pointwise_block(
         args.ptr(o.ptr);
     }
     args.zeros(at_least_one(no) - no);
+    if !checked.is_empty() {
+        args.ptr(check.report);
+        for &site in &check.sites {
+            args.int(i64::from(site));
+        }
+    }
     let per_thread = vec.unwrap_or(1);
     Ok(Launch {
         source: src,
@@ -280,6 +382,8 @@ struct Body<'a> {
     outputs: &'a [Output],
     const_of_step: &'a [Option<usize>],
     compute: Compute,
+    /// The checked steps, in order (their sites are `a.site[j]`).
+    checked: &'a [usize],
 }
 
 impl Body<'_> {
@@ -302,6 +406,14 @@ impl Body<'_> {
                 },
                 Step::Const(_) => {
                     format!("({acc})a.c[{}]", self.const_of_step[s].expect("a const"))
+                }
+                Step::Binary(op, x, y) if self.checked.contains(&s) => {
+                    let j = self.checked.iter().position(|&c| c == s).expect("checked");
+                    let f = match op {
+                        BinaryOp::Div => "tessera_idiv",
+                        _ => "tessera_ipow",
+                    };
+                    format!("{f}(v{x}, v{y}, a.report, (unsigned)a.site[{j}])")
                 }
                 _ => point_expr(step, compute, |x| format!("v{x}"))?,
             };
@@ -466,11 +578,11 @@ fn binary(op: BinaryOp, c: Compute, x: &str, y: &str) -> Result<String, String> 
             BinaryOp::Mul => Ok(wrap("*")),
             BinaryOp::Maximum => Ok(format!("({x} > {y} ? {x} : {y})")),
             BinaryOp::Minimum => Ok(format!("({x} < {y} ? {x} : {y})")),
-            // The CPU reports a division by zero as an error; a kernel
-            // cannot, so integer div and pow stay on the CPU.
+            // Checked: only a pointwise kernel, which has the error
+            // record, computes them (see `checked_steps`).
             BinaryOp::Div | BinaryOp::Pow => Err(format!(
-                "integer {} is not supported on the GPU (it cannot report a division by zero); \
-                 run it on the CPU",
+                "integer {} needs the kernel error record to report a division by zero or a \
+                 negative exponent, which only pointwise kernels have",
                 op.name()
             )),
         };
@@ -713,20 +825,80 @@ mod tests {
     }
 
     #[test]
-    fn integer_division_is_refused_with_a_reason() {
-        let x = Operand::test_buffer(DType::I64, Layout::contiguous(&[2]));
+    fn integer_division_and_power_are_checked_through_the_error_record() {
+        let x = Operand::test_buffer(DType::I32, Layout::contiguous(&[2]));
+        let y = Operand::test_buffer(DType::I32, Layout::contiguous(&[1]).expanded(&[2]));
         let steps = [
             Step::Load(0),
-            Step::Load(0),
+            Step::Load(1),
             Step::Binary(BinaryOp::Div, 0, 1),
+            Step::Binary(BinaryOp::Pow, 2, 1),
+            Step::Binary(BinaryOp::Add, 3, 0),
         ];
         let out = Output {
-            step: 2,
-            dtype: DType::I64,
+            step: 4,
+            dtype: DType::I32,
             ptr: 1,
             layout: Layout::contiguous(&[2]),
         };
-        let e = pointwise(&steps, &[x], &[out], &[2], Compute::I64, 1).unwrap_err();
-        assert!(e.contains("integer div"), "{e}");
+        assert_eq!(checked_steps(&steps, Compute::I64), [2, 3]);
+        // Float division and power are IEEE's: nothing to check.
+        assert!(checked_steps(&steps, Compute::F32).is_empty());
+        let ins = [x, y];
+        // Without a site for each checked step: refused, saying why.
+        let e = pointwise(
+            &steps,
+            &ins,
+            std::slice::from_ref(&out),
+            &[2],
+            Compute::I64,
+            1,
+        )
+        .unwrap_err();
+        assert!(
+            e.contains("integer div needs the kernel error record"),
+            "{e}"
+        );
+        let check = ArithCheck {
+            report: 0xe000,
+            sites: vec![7, 8],
+        };
+        let l =
+            pointwise_checked(&steps, &ins, &[out], &[2], Compute::I64, 1, None, &check).unwrap();
+        let src = &l.source;
+        assert!(
+            src.contains("long long v2 = tessera_idiv(v0, v1, a.report, (unsigned)a.site[0]);"),
+            "{src}"
+        );
+        assert!(
+            src.contains("long long v3 = tessera_ipow(v2, v1, a.report, (unsigned)a.site[1]);"),
+            "{src}"
+        );
+        assert!(src.contains("void* report; long long site[2]; };"), "{src}");
+        // MIN / -1 wraps (no C division), a zero divisor reports the dividend.
+        assert!(
+            src.contains("if (y == -1) return (long long)(0ull - (unsigned long long)x);"),
+            "{src}"
+        );
+        assert!(
+            src.contains("if (y == 0) { tessera_report(report, site, x); return 0; }"),
+            "{src}"
+        );
+        // The record and the sites are the last words.
+        assert_eq!(l.args.0[l.args.0.len() - 3..], [0xe000, 7, 8]);
+        // A kernel with no checked step has neither.
+        let add = [
+            Step::Load(0),
+            Step::Load(1),
+            Step::Binary(BinaryOp::Add, 0, 1),
+        ];
+        let plain = Output {
+            step: 2,
+            dtype: DType::I32,
+            ptr: 1,
+            layout: Layout::contiguous(&[2]),
+        };
+        let l = pointwise(&add, &ins, &[plain], &[2], Compute::I64, 1).unwrap();
+        assert!(!l.source.contains("report"), "{}", l.source);
     }
 }

@@ -11,7 +11,7 @@ use tessera::Tensor;
 use super::first;
 use crate::codegen::cross_entropy::{self, Rows};
 use crate::codegen::index::IndexCheck;
-use crate::kernel_errors::{launched_at, Site};
+use crate::kernel_errors::{launched_at, Check, Site};
 use crate::CudaBackend;
 
 /// Fills the CUDA slots of the cross-entropy ops.
@@ -57,7 +57,7 @@ fn rows_of(
     let at = launched_at();
     let site = backend.gpu.errors.site(Site {
         op: op.to_string(),
-        check: format!("out of range for {classes} classes (a target)"),
+        check: Check::Index(format!("out of range for {classes} classes (a target)")),
         context: format!(
             "targets {} {:?} for logits {} {:?}{at}",
             targets.dtype(),

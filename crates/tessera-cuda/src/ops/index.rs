@@ -10,7 +10,7 @@ use tessera::tensor::layout::contiguous_strides;
 
 use super::{base, unsupported};
 use crate::codegen::index::{self, IndexCheck, Indexed, Strided};
-use crate::kernel_errors::{launched_at, Site};
+use crate::kernel_errors::{launched_at, Check, Site};
 use crate::CudaBackend;
 
 impl CudaBackend {
@@ -188,7 +188,7 @@ fn index_site(op: &str, index: &Array, x: &Array, bound: usize) -> Site {
     let at = launched_at();
     Site {
         op: op.to_string(),
-        check: format!("out of range for a dim of size {bound}"),
+        check: Check::Index(format!("out of range for a dim of size {bound}")),
         context: format!(
             "indices {} {:?} into {} {:?}{at}",
             index.dtype(),
@@ -220,7 +220,10 @@ mod tests {
         let (idx, x) = (array(DType::I64, &[2, 3]), array(DType::BF16, &[7, 4]));
         let site = index_site("gather", &idx, &x, 7);
         assert_eq!(site.op, "gather");
-        assert_eq!(site.check, "out of range for a dim of size 7");
+        assert_eq!(
+            site.check,
+            Check::Index("out of range for a dim of size 7".into())
+        );
         assert_eq!(
             site.context,
             "indices i64 [2, 3] into bf16 [7, 4] in a compiled run"

@@ -100,6 +100,16 @@ impl Key {
         self
     }
 
+    /// The error-report sites a checked kernel passes (see
+    /// `codegen::pointwise::ArithCheck`): argument words, not addresses.
+    pub(super) fn sites(&mut self, sites: &[u32]) -> &mut Self {
+        self.word(sites.len() as u64);
+        for &s in sites {
+            self.word(u64::from(s));
+        }
+        self
+    }
+
     /// The operands without their addresses (see [`addresses`]).
     pub(super) fn operands(&mut self, operands: &[Operand]) -> &mut Self {
         self.word(operands.len() as u64);
@@ -217,5 +227,19 @@ mod tests {
         let c1 = [Step::Const(1.0)];
         let c2 = [Step::Const(2.0)];
         assert_ne!(key(&c1, 0), key(&c2, 0));
+    }
+
+    /// A checked kernel's sites are argument words the memo does not patch:
+    /// two launches that report at different sites have different keys.
+    #[test]
+    fn keys_differ_with_the_sites_a_checked_kernel_reports_at() {
+        let site = |sites: &[u32]| {
+            let mut k = Key::new(Generator::Pointwise, 132);
+            k.compute(Compute::I64).sites(sites);
+            k.into_words()
+        };
+        assert_eq!(site(&[3]), site(&[3]));
+        assert_ne!(site(&[3]), site(&[4]));
+        assert_ne!(site(&[]), site(&[0]));
     }
 }

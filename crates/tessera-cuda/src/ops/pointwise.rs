@@ -9,10 +9,13 @@ use tessera::runtime::array::Array;
 use tessera::runtime::device::{Device, DeviceStorage};
 use tessera::tensor::Layout;
 
+use tessera::ir::BinaryOp;
+
 use super::memo_key::{addresses, with_addresses, Generator, Key};
 use super::{base, device_err, unsupported};
-use crate::codegen::pointwise::{self, Operand, Output};
+use crate::codegen::pointwise::{self, checked_steps, ArithCheck, Operand, Output};
 use crate::codegen::Compute;
+use crate::kernel_errors::{launched_at, Check, Site};
 use crate::CudaBackend;
 
 /// Builds a pointwise launch writing `outputs` with a block size (`None`:
@@ -84,6 +87,7 @@ impl CudaBackend {
     ) -> Result<Vec<Array>> {
         let numel: usize = shape.iter().product();
         let operands: Vec<Operand> = inputs.iter().map(|t| self.operand(t, shape)).collect();
+        let check = self.arith_check(op, steps, inputs, shape, compute);
         let storages: Vec<DeviceStorage> = outputs
             .iter()
             .enumerate()
@@ -112,7 +116,7 @@ impl CudaBackend {
             .collect();
         if numel > 0 {
             let make = |outs: &[Output], block| {
-                pointwise::pointwise_block(
+                pointwise::pointwise_checked(
                     steps,
                     &operands,
                     outs,
@@ -120,6 +124,7 @@ impl CudaBackend {
                     compute,
                     self.gpu.sms,
                     block,
+                    &check,
                 )
             };
             if tessera::runtime::device::tuning() {
@@ -136,11 +141,12 @@ impl CudaBackend {
                     .operands(&operands)
                     .outputs(&outs)
                     .dims(shape)
-                    .compute(compute);
+                    .compute(compute)
+                    .sites(&check.sites);
                 let ptrs = addresses(&operands, &outs);
                 let generate = |p: &[u64]| {
                     let (ins, outs) = with_addresses(&operands, &outs, p);
-                    pointwise::pointwise_block(
+                    pointwise::pointwise_checked(
                         steps,
                         &ins,
                         &outs,
@@ -148,6 +154,7 @@ impl CudaBackend {
                         compute,
                         self.gpu.sms,
                         None,
+                        &check,
                     )
                 };
                 self.gpu
@@ -159,6 +166,36 @@ impl CudaBackend {
             .into_iter()
             .map(|s| Array::from_device_storage(s, shape))
             .collect())
+    }
+
+    /// How the kernel of `steps` reports what its checked steps find (a
+    /// zero divisor, a negative exponent): a site for each, noted now with
+    /// its operands and the user's line, and the error record.
+    fn arith_check(
+        &self,
+        op: &str,
+        steps: &[Step],
+        inputs: &[&Array],
+        shape: &[usize],
+        compute: Compute,
+    ) -> ArithCheck {
+        let checked = checked_steps(steps, compute);
+        if checked.is_empty() {
+            return ArithCheck::default();
+        }
+        let at = launched_at();
+        let sites = checked
+            .iter()
+            .map(|&s| {
+                self.gpu
+                    .errors
+                    .site(arith_site(op, steps, s, inputs, shape, &at))
+            })
+            .collect();
+        ArithCheck {
+            report: self.gpu.errors.device,
+            sites,
+        }
     }
 
     /// The tuned block of a pointwise kernel (see [`Self::tuned_choice`]).
@@ -250,6 +287,47 @@ fn elementwise_steps(op: &Op, input: Option<DType>, dtype: DType) -> Option<(Vec
     })
 }
 
+/// What a report of checked step `s` (an integer div or pow) names: the
+/// op, its operands' dtypes and shapes (an input the step loads; else the
+/// kernel's shape) and `at`, the user's line.
+fn arith_site(
+    op: &str,
+    steps: &[Step],
+    s: usize,
+    inputs: &[&Array],
+    shape: &[usize],
+    at: &str,
+) -> Site {
+    let Step::Binary(b, x, y) = steps[s] else {
+        unreachable!("checked steps are binary")
+    };
+    let operand = |v: usize| match steps[v] {
+        Step::Load(i) if i < inputs.len() => {
+            format!("{} {:?}", inputs[i].dtype(), inputs[i].shape())
+        }
+        _ => format!("a value of {shape:?}"),
+    };
+    let (check, joint) = match b {
+        BinaryOp::Div => (Check::DivisionByZero, "by"),
+        _ => (Check::NegativePower, "to the power"),
+    };
+    let name = b.name();
+    let within = if op == name {
+        String::new()
+    } else {
+        format!(" in {op}")
+    };
+    Site {
+        op: name.to_string(),
+        check,
+        context: format!(
+            "{name} of {} {joint} {}{within}{at}",
+            operand(x),
+            operand(y)
+        ),
+    }
+}
+
 /// Whether output `o` may be written over input `x`'s storage (see
 /// `Backend::run_fused`): `x` is of the output's dtype and `shape`,
 /// dense from element 0 of a storage of exactly its elements, so each
@@ -325,6 +403,33 @@ mod tests {
         // Not elementwise, or a cast with no input to read: none.
         assert!(elementwise_steps(&Op::MatMul, Some(DType::F32), DType::F32).is_none());
         assert!(elementwise_steps(&Op::Cast(DType::F32), None, DType::F32).is_none());
+    }
+
+    #[test]
+    fn a_division_report_names_the_op_the_operands_and_the_line() {
+        use tessera::runtime::cpu::Storage;
+        let array = |dtype, shape: &[usize]| {
+            let n = shape.iter().product();
+            Array::from_storage(Storage::try_new(dtype, n).unwrap(), shape)
+        };
+        let (a, b) = (array(DType::I64, &[2, 3]), array(DType::I64, &[]));
+        let steps = [
+            Step::Load(0),
+            Step::Load(1),
+            Step::Binary(BinaryOp::Div, 0, 1),
+            Step::Binary(BinaryOp::Pow, 2, 1),
+        ];
+        let site = arith_site("div", &steps, 2, &[&a, &b], &[2, 3], " at m.rs:4:2");
+        assert_eq!(site.op, "div");
+        assert_eq!(site.check, Check::DivisionByZero);
+        assert_eq!(site.context, "div of i64 [2, 3] by i64 [] at m.rs:4:2");
+        let site = arith_site("fused", &steps, 3, &[&a, &b], &[2, 3], " in a compiled run");
+        assert_eq!(site.op, "pow");
+        assert_eq!(site.check, Check::NegativePower);
+        assert_eq!(
+            site.context,
+            "pow of a value of [2, 3] to the power i64 [] in fused in a compiled run"
+        );
     }
 
     #[test]

@@ -41,8 +41,8 @@ fn heads(c: &mut Ctx, x: NodeId, n: usize, what: &str) -> Result<NodeId> {
 
 /// −∞ where `allowed` is false, 0 where true, in `dtype`.
 fn bias_of(c: &mut Ctx, allowed: NodeId, dtype: DType) -> Result<NodeId> {
-    let zero = c.scalar(0.0, dtype);
-    let ninf = c.scalar(f64::NEG_INFINITY, dtype);
+    let zero = c.scalar(0.0, dtype)?;
+    let ninf = c.scalar(f64::NEG_INFINITY, dtype)?;
     c.where_(allowed, zero, ninf)
 }
 
@@ -64,14 +64,14 @@ fn diagonal_distance(
                 dtype: DType::I64,
                 shape: vec![q, kv],
                 data: tessera::ir::LiteralData::Int(v),
-            }))
+            })?)
         }
         Err(per_batch) => {
             let d = c.constant(tessera::ir::Literal {
                 dtype: DType::I64,
                 shape: vec![q, kv],
                 data: tessera::ir::LiteralData::Int(base),
-            });
+            })?;
             let b = c.dims(per_batch)[0].clone();
             let o = c.reshape(
                 per_batch,
@@ -191,7 +191,7 @@ pub(super) fn attention(c: &mut Ctx) -> Result<Vec<Val>> {
     );
     if left >= 0 || right >= 0 {
         let d = diagonal_distance(c, q_len, kv_len, offset)?;
-        let t = c.scalar(1.0, DType::Bool);
+        let t = c.scalar(1.0, DType::Bool)?;
         let mut allowed = c.expand(t, c.dims(d))?;
         if left >= 0 {
             let ok = c.compare_c(C::Le, d, left as f64)?;
@@ -292,7 +292,7 @@ pub(super) fn attention(c: &mut Ctx) -> Result<Vec<Val>> {
             &[b],
         )?;
         let all = c.compare_c(C::Eq, m, f64::NEG_INFINITY)?;
-        let zero = c.scalar_like(0.0, probs);
+        let zero = c.scalar_like(0.0, probs)?;
         probs = c.where_(all, zero, probs)?;
     }
     let probs = c.cast(probs, dtype)?;

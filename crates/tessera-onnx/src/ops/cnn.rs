@@ -297,7 +297,7 @@ fn pad_const(
     if before == 0 && after == 0 {
         return Ok(x);
     }
-    let v = c.scalar_like(value, x);
+    let v = c.scalar_like(value, x)?;
     let piece = |c: &mut Ctx, count: usize| -> Result<NodeId> {
         let mut s = c.dims(x);
         s[dim] = Dim::Const(count);
@@ -767,10 +767,17 @@ enum Reduce {
 }
 
 /// A 2-D pool of `x` `[N, C, H, W]` (max, or window sums), with its
-/// maxima's indices in each `H·W` plane for max: tessera's op with its own
+/// maxima's indices in each `H·W` plane for max (when `indices`; without,
+/// no index arithmetic is built): tessera's op with its own
 /// padding where the geometry is one it has, else on an explicitly padded
 /// input.
-fn pool2d(c: &mut Ctx, x: NodeId, win: &Window, how: Reduce) -> Result<(NodeId, Option<NodeId>)> {
+fn pool2d(
+    c: &mut Ctx,
+    x: NodeId,
+    win: &Window,
+    how: Reduce,
+    indices: bool,
+) -> Result<(NodeId, Option<NodeId>)> {
     let op = match how {
         Reduce::Max => MAX_POOL2D,
         Reduce::Sum => AVG_POOL2D,
@@ -792,7 +799,7 @@ fn pool2d(c: &mut Ctx, x: NodeId, win: &Window, how: Reduce) -> Result<(NodeId, 
             let fits = (0..2).all(|i| p.out_size(op, i, win.size[i]).ok() == Some(win.out[i]));
             if fits {
                 let out = custom(c, op, p.attrs(), &[x])?;
-                return Ok((out[0], out.get(1).copied()));
+                return Ok((out[0], out.get(1).copied().filter(|_| indices)));
             }
         }
     }
@@ -826,7 +833,7 @@ fn pool2d(c: &mut Ctx, x: NodeId, win: &Window, how: Reduce) -> Result<(NodeId, 
             dtype: c.dtype(x),
             shape: vec![ch, 1, win.k[0], win.k[1]],
             data: LiteralData::Float(vec![1.0; ch * win.k[0] * win.k[1]]),
-        });
+        })?;
         let flat = Window {
             size: padded.clone(),
             begin: vec![0, 0],
@@ -840,7 +847,7 @@ fn pool2d(c: &mut Ctx, x: NodeId, win: &Window, how: Reduce) -> Result<(NodeId, 
     };
     // Floor sizes of the padded input may hold one window more than ONNX's.
     let mut y = y;
-    let mut idx = idx;
+    let mut idx = idx.filter(|_| indices);
     for i in 0..2 {
         let got = c.dims(y)[2 + i].as_const();
         if got != Some(win.out[i]) {
@@ -850,10 +857,11 @@ fn pool2d(c: &mut Ctx, x: NodeId, win: &Window, how: Reduce) -> Result<(NodeId, 
                 .transpose()?;
         }
     }
-    // Indices in the padded plane → the input's plane.
+    // Indices in the padded plane → the input's plane (integer arithmetic,
+    // built only when the caller wants the indices).
     let idx = match idx {
         Some(t) => {
-            let wp = c.scalar(padded[1] as f64, DType::I64);
+            let wp = c.scalar(padded[1] as f64, DType::I64)?;
             let row = c.binary(B::Div, t, wp)?;
             let back = c.binary(B::Mul, row, wp)?;
             let col = c.binary(B::Sub, t, back)?;
@@ -873,7 +881,7 @@ fn pool_nd(c: &mut Ctx, x: NodeId, win: &Window, how: Reduce) -> Result<NodeId> 
     let n = win.size.len();
     if n < 3 {
         let x4 = to_4d(c, x)?;
-        let (y, _) = pool2d(c, x4, &win.as_2d(), how)?;
+        let (y, _) = pool2d(c, x4, &win.as_2d(), how, false)?;
         return from_4d(c, y, n);
     }
     let xd = c.dims(x);
@@ -888,7 +896,7 @@ fn pool_nd(c: &mut Ctx, x: NodeId, win: &Window, how: Reduce) -> Result<NodeId> 
             Dim::Const(win.size[2]),
         ],
     )?;
-    let (plane, _) = pool2d(c, merged, &win.axes(1), how)?;
+    let (plane, _) = pool2d(c, merged, &win.axes(1), how, false)?;
     let y = c.reshape(
         plane,
         vec![
@@ -960,12 +968,12 @@ fn max_pool(c: &mut Ctx) -> Result<Vec<Val>> {
     let ch = channels(c, x)?;
     let x4 = to_4d(c, x)?;
     let w2 = win.as_2d();
-    let (y, idx) = pool2d(c, x4, &w2, Reduce::Max)?;
+    let (y, idx) = pool2d(c, x4, &w2, Reduce::Max, true)?;
     let mut idx = idx.expect("max pooling gives indices");
     let (h, w) = (w2.size[0], w2.size[1]);
     if storage_order == 1 {
         // Column-major within the plane: h + w·H.
-        let wd = c.scalar(w as f64, DType::I64);
+        let wd = c.scalar(w as f64, DType::I64)?;
         let row = c.binary(B::Div, idx, wd)?;
         let back = c.binary(B::Mul, row, wd)?;
         let col = c.binary(B::Sub, idx, back)?;
@@ -979,7 +987,7 @@ fn max_pool(c: &mut Ctx) -> Result<Vec<Val>> {
         dtype: DType::I64,
         shape: vec![batch, ch, 1, 1],
         data: LiteralData::Int(offsets),
-    });
+    })?;
     idx = c.binary(B::Add, idx, offsets)?;
     let y = from_4d(c, y, n)?;
     let idx = from_4d(c, idx, n)?;
@@ -1028,13 +1036,13 @@ fn average(c: &mut Ctx, x: NodeId, win: &Window, include_pad: bool) -> Result<No
     let (shape, counts) = window_counts(win, include_pad);
     let first = counts[0];
     let count = if counts.iter().all(|&v| v == first) {
-        c.scalar_like(first, x)
+        c.scalar_like(first, x)?
     } else {
         c.constant(Literal {
             dtype: c.dtype(x),
             shape,
             data: LiteralData::Float(counts),
-        })
+        })?
     };
     c.binary(B::Div, sum, count)
 }
@@ -1287,7 +1295,7 @@ fn lrn(c: &mut Ctx) -> Result<Vec<Val>> {
         end: vec![size / 2, 0],
         out: vec![ch, rest],
     };
-    let (sum, _) = pool2d(c, sq, &win, Reduce::Sum)?;
+    let (sum, _) = pool2d(c, sq, &win, Reduce::Sum, false)?;
     let sum = c.reshape(sum, d)?;
     let t = c.binary_c(B::Mul, sum, alpha / size as f64)?;
     let t = c.binary_c(B::Add, t, bias)?;

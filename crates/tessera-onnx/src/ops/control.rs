@@ -38,7 +38,7 @@ fn run_subgraph(c: &mut Ctx, g: &GraphProto, args: Vec<Val>) -> Result<Vec<Val>>
     let result = (|| -> Result<Vec<Val>> {
         for t in &g.initializer {
             let lit = crate::tensor::read_literal(t, None, &format!("initializer `{}`", t.name))?;
-            let id = c.constant(lit);
+            let id = c.constant(lit)?;
             c.values.insert(t.name.clone(), Val::node(id));
         }
         let names: Vec<String> = g.output.iter().map(|o| o.name.clone()).collect();
@@ -77,13 +77,13 @@ fn known_ints(c: &mut Ctx, v: &Val, what: &str) -> Result<Vec<i64>> {
     }
 }
 
-fn bool_scalar(c: &mut Ctx, b: bool) -> Val {
+fn bool_scalar(c: &mut Ctx, b: bool) -> Result<Val> {
     let id = c.constant(Literal {
         dtype: DType::Bool,
         shape: vec![],
         data: LiteralData::Bool(vec![b]),
-    });
-    Val::node(id)
+    })?;
+    Ok(Val::node(id))
 }
 
 pub(super) fn if_op(c: &mut Ctx) -> Result<Vec<Val>> {
@@ -154,7 +154,7 @@ pub(super) fn loop_op(c: &mut Ctx) -> Result<Vec<Val>> {
             return Err(c.unsupported(format!("a Loop of more than {MAX_ITERATIONS} iterations")));
         }
         let iter = dims_val(c, vec![DimOrNeg::Dim(Dim::Const(i as usize))], true);
-        let mut args = vec![iter, bool_scalar(c, cond)];
+        let mut args = vec![iter, bool_scalar(c, cond)?];
         args.extend(carried.iter().cloned());
         let outs = run_subgraph(c, &body, args)?;
         cond = known_ints(c, &outs[0], "the condition a Loop body computes")?[0] != 0;

@@ -148,7 +148,7 @@ fn acosh(c: &mut Ctx) -> Result<Vec<Val>> {
 /// atanh x = ½·ln((1 + x)/(1 − x)).
 fn atanh(c: &mut Ctx) -> Result<Vec<Val>> {
     in_f32(c, |c, x| {
-        let one_ = c.scalar_like(1.0, x);
+        let one_ = c.scalar_like(1.0, x)?;
         let p = c.binary(B::Add, one_, x)?;
         let m = c.binary(B::Sub, one_, x)?;
         let q = c.binary(B::Div, p, m)?;
@@ -187,7 +187,7 @@ pub(super) fn erf(c: &mut Ctx, y: NodeId) -> Result<NodeId> {
         sign * std::f64::consts::FRAC_2_SQRT_PI / (fact * (2 * n + 1) as f64)
     };
     let y2 = c.binary(B::Mul, y, y)?;
-    let mut p = c.scalar(coeff(terms - 1), wide);
+    let mut p = c.scalar(coeff(terms - 1), wide)?;
     for n in (0..terms - 1).rev() {
         p = c.binary(B::Mul, p, y2)?;
         p = c.binary_c(B::Add, p, coeff(n))?;
@@ -270,8 +270,8 @@ fn sign(c: &mut Ctx) -> Result<Vec<Val>> {
     let x = c.x(0)?;
     let pos = c.compare_c(C::Gt, x, 0.0)?;
     let neg = c.compare_c(C::Lt, x, 0.0)?;
-    let p1 = c.scalar_like(1.0, x);
-    let m1 = c.scalar_like(-1.0, x);
+    let p1 = c.scalar_like(1.0, x)?;
+    let m1 = c.scalar_like(-1.0, x)?;
     // Zero and NaN are their own sign.
     let inner = c.where_(neg, m1, x)?;
     one(c.where_(pos, p1, inner)?)
@@ -290,7 +290,7 @@ fn is_inf(c: &mut Ctx) -> Result<Vec<Val>> {
     );
     let p = c.compare_c(C::Eq, x, f64::INFINITY)?;
     let n = c.compare_c(C::Eq, x, f64::NEG_INFINITY)?;
-    let f = c.scalar(0.0, DType::Bool);
+    let f = c.scalar(0.0, DType::Bool)?;
     one(match (pos != 0, neg != 0) {
         (true, true) => c.where_(p, p, n)?,
         (true, false) => p,
@@ -304,7 +304,7 @@ fn is_inf(c: &mut Ctx) -> Result<Vec<Val>> {
 
 fn not(c: &mut Ctx) -> Result<Vec<Val>> {
     let x = c.x(0)?;
-    let f = c.scalar(0.0, DType::Bool);
+    let f = c.scalar(0.0, DType::Bool)?;
     one(c.compare(C::Eq, x, f)?)
 }
 
@@ -312,11 +312,11 @@ fn logic(c: &mut Ctx, op: &str) -> Result<Vec<Val>> {
     let (a, b) = (c.x(0)?, c.x(1)?);
     one(match op {
         "and" => {
-            let f = c.scalar(0.0, DType::Bool);
+            let f = c.scalar(0.0, DType::Bool)?;
             c.where_(a, b, f)?
         }
         "or" => {
-            let t = c.scalar(1.0, DType::Bool);
+            let t = c.scalar(1.0, DType::Bool)?;
             c.where_(a, t, b)?
         }
         _ => c.compare(C::Ne, a, b)?,
@@ -404,7 +404,7 @@ fn modulo(c: &mut Ctx) -> Result<Vec<Val>> {
         let b_inf = c.compare_c(C::Eq, ab, f64::INFINITY)?;
         let aa = c.unary(U::Abs, a64)?;
         let a_fin = c.compare_c(C::Lt, aa, f64::INFINITY)?;
-        let f = c.scalar(0.0, DType::Bool);
+        let f = c.scalar(0.0, DType::Bool)?;
         let keep_a = c.where_(b_inf, a_fin, f)?;
         let mut r = c.where_(keep_a, a64, r)?;
         if !fmod {
@@ -428,7 +428,7 @@ fn modulo(c: &mut Ctx) -> Result<Vec<Val>> {
     let rn = c.compare_c(C::Lt, r, 0.0)?;
     let bn = c.compare_c(C::Lt, b, 0.0)?;
     let differ = c.compare(C::Ne, rn, bn)?;
-    let f = c.scalar(0.0, DType::Bool);
+    let f = c.scalar(0.0, DType::Bool)?;
     let fix = c.where_(nz, differ, f)?;
     let rb = c.binary(B::Add, r, b)?;
     one(c.where_(fix, rb, r)?)
@@ -511,7 +511,7 @@ fn celu(c: &mut Ctx) -> Result<Vec<Val>> {
         let alpha = c.attr_f("alpha", 1.0);
         let xa = c.binary_c(B::Div, x, alpha)?;
         let e = exp_m1(c, xa, alpha)?;
-        let zero = c.scalar_like(0.0, x);
+        let zero = c.scalar_like(0.0, x)?;
         let pos = c.binary(B::Maximum, x, zero)?;
         let neg = c.binary(B::Minimum, e, zero)?;
         c.binary(B::Add, pos, neg)
@@ -522,7 +522,7 @@ fn thresholded_relu(c: &mut Ctx) -> Result<Vec<Val>> {
     let x = c.x(0)?;
     let alpha = c.attr_f("alpha", 1.0);
     let above = c.compare_c(C::Gt, x, alpha)?;
-    let zero = c.scalar_like(0.0, x);
+    let zero = c.scalar_like(0.0, x)?;
     one(c.where_(above, x, zero)?)
 }
 
@@ -601,7 +601,7 @@ fn shrink(c: &mut Ctx) -> Result<Vec<Val>> {
         let above = c.compare_c(C::Gt, x, lambd)?;
         let xb = c.binary_c(B::Add, x, bias)?;
         let xm = c.binary_c(B::Sub, x, bias)?;
-        let zero = c.scalar_like(0.0, x);
+        let zero = c.scalar_like(0.0, x)?;
         let inner = c.where_(above, xm, zero)?;
         c.where_(below, xb, inner)
     })
@@ -614,8 +614,8 @@ fn clip(c: &mut Ctx) -> Result<Vec<Val>> {
         let lo = c.attr("min").map(|a| a.f as f64);
         let hi = c.attr("max").map(|a| a.f as f64);
         (
-            lo.map(|v| c.scalar_like(v, x)),
-            hi.map(|v| c.scalar_like(v, x)),
+            lo.map(|v| c.scalar_like(v, x)).transpose()?,
+            hi.map(|v| c.scalar_like(v, x)).transpose()?,
         )
     } else {
         let lo = if c.has_input(1) { Some(c.x(1)?) } else { None };
@@ -648,8 +648,7 @@ fn dropout(c: &mut Ctx) -> Result<Vec<Val>> {
     };
     if training {
         let ratio = if c.opset >= 12 && c.has_input(1) {
-            let l = c.literal_of(1, "ratio")?;
-            crate::builder::lit_floats(&l)[0]
+            c.float_scalar(1, "ratio")?
         } else if c.opset >= 12 {
             0.5
         } else {

@@ -33,7 +33,7 @@ fn reflect(c: &mut Ctx, x: NodeId, lo: f64, hi: f64) -> Result<NodeId> {
         let b = c.binary_c(B::Add, nsr, far)?;
         c.where_(even, a, b)
     };
-    let lo_c = c.scalar(lo, DType::F64);
+    let lo_c = c.scalar(lo, DType::F64)?;
     let below_dx = c.binary(B::Sub, lo_c, x)?;
     let below = side(c, below_dx, lo, hi, 1.0)?;
     let above_dx = c.binary_c(B::Sub, x, hi)?;
@@ -136,14 +136,14 @@ pub(super) fn grid_sample(c: &mut Ctx) -> Result<Vec<Val>> {
         let (base, offs, weights): (NodeId, Vec<i64>, Vec<NodeId>) = match mode {
             "nearest" => {
                 let b = trunc(c, xc)?;
-                let one_ = c.scalar(1.0, DType::F64);
+                let one_ = c.scalar(1.0, DType::F64)?;
                 let w = c.expand(one_, c.dims(b))?;
                 (b, vec![0], vec![w])
             }
             "linear" => {
                 let f = floor64(c, xc)?;
                 let t = c.binary(B::Sub, xc, f)?;
-                let one_ = c.scalar(1.0, DType::F64);
+                let one_ = c.scalar(1.0, DType::F64)?;
                 let w0 = c.binary(B::Sub, one_, t)?;
                 (f, vec![0, 1], vec![w0, t])
             }
@@ -169,8 +169,8 @@ pub(super) fn grid_sample(c: &mut Ctx) -> Result<Vec<Val>> {
                     let e = c.binary(B::Mul, e, d)?;
                     c.binary_c(B::Add, e, 1.0)
                 };
-                let one_ = c.scalar(1.0, DType::F64);
-                let two = c.scalar(2.0, DType::F64);
+                let one_ = c.scalar(1.0, DType::F64)?;
+                let two = c.scalar(2.0, DType::F64)?;
                 let t1 = c.binary_c(B::Add, t, 1.0)?;
                 let m1 = c.binary(B::Sub, one_, t)?;
                 let m2 = c.binary(B::Sub, two, t)?;
@@ -228,7 +228,7 @@ pub(super) fn grid_sample(c: &mut Ctx) -> Result<Vec<Val>> {
             });
             let mut w = t.weight;
             if let Some(v) = t.valid {
-                let zero = c.scalar(0.0, DType::F64);
+                let zero = c.scalar(0.0, DType::F64)?;
                 w = c.where_(v, w, zero)?;
             }
             weight = Some(match weight {

@@ -34,7 +34,7 @@ pub(super) fn converter(op: &str) -> Option<Converter> {
 fn top_k(c: &mut Ctx) -> Result<Vec<Val>> {
     let x = c.x(0)?;
     let k = if c.opset >= 10 {
-        c.ints(1, "k")?[0]
+        c.int_scalar(1, "k")?
     } else {
         c.attr_i("k", 0)
     };
@@ -79,7 +79,7 @@ fn top_k(c: &mut Ctx) -> Result<Vec<Val>> {
         &[],
     )?;
     let r = c.reshape(r, shape1)?;
-    let gone = c.scalar(out_of_running, dtype);
+    let gone = c.scalar(out_of_running, dtype)?;
     let mut running = x;
     let (mut values, mut indices) = (Vec::new(), Vec::new());
     for _ in 0..k {
@@ -160,7 +160,7 @@ fn gather_nd(c: &mut Ctx) -> Result<Vec<Val>> {
         dtype: DType::I64,
         shape: vec![batch * tuples, 1],
         data: LiteralData::Int(offsets),
-    });
+    })?;
     let lin = match lin {
         Some(l) => c.binary(B::Add, l, off)?,
         None => off,
@@ -194,12 +194,12 @@ fn scatter_elements(c: &mut Ctx) -> Result<Vec<Val>> {
         "add" => one(c.add(Op::ScatterAdd { dim }, &[data, idx, upd])?),
         "none" => {
             let dtype = c.dtype(data);
-            let zero = c.scalar(0.0, dtype);
+            let zero = c.scalar(0.0, dtype)?;
             let zeros = c.expand(zero, c.dims(data))?;
             let placed = c.add(Op::ScatterAdd { dim }, &[zeros, idx, upd])?;
-            let ones = c.scalar(1.0, DType::F32);
+            let ones = c.scalar(1.0, DType::F32)?;
             let ones = c.expand(ones, c.dims(idx))?;
-            let fz = c.scalar(0.0, DType::F32);
+            let fz = c.scalar(0.0, DType::F32)?;
             let fzeros = c.expand(fz, c.dims(data))?;
             let hits = c.add(Op::ScatterAdd { dim }, &[fzeros, idx, ones])?;
             let hit = c.compare_c(C::Gt, hits, 0.0)?;
@@ -276,7 +276,7 @@ fn scatter_reduce(
             B::Minimum,
         ),
     };
-    let idv = c.scalar(identity, dtype);
+    let idv = c.scalar(identity, dtype)?;
     let vals = c.where_(hit, u3, idv)?;
     let _ = j;
     let red = c.add(
@@ -321,7 +321,7 @@ fn compress(c: &mut Ctx) -> Result<Vec<Val>> {
     if keep.iter().any(|&i| i as usize >= size) {
         return Err(c.bad(format!("a condition of {} for a dim of {size}", cond.len())));
     }
-    let i = c.int_constant(&keep, false);
+    let i = c.int_constant(&keep, false)?;
     one(c.add(Op::IndexSelect { dim }, &[x, i])?)
 }
 
@@ -344,7 +344,7 @@ fn cumprod(c: &mut Ctx) -> Result<Vec<Val>> {
         let head = c.slice(y, dim, 0, n - k, 1)?;
         let mut s = c.dims(y);
         s[dim] = Dim::Const(k);
-        let one_ = c.scalar_like(1.0, y);
+        let one_ = c.scalar_like(1.0, y)?;
         let ones = c.expand(one_, s)?;
         c.cat(&[ones, head], dim)
     };
@@ -501,7 +501,7 @@ fn scatter_nd(c: &mut Ctx) -> Result<Vec<Val>> {
     }
     let lin = match lin {
         Some(l) => c.reshape(l, vec![Dim::Const(tuples)])?,
-        None => c.int_constant(&vec![0; tuples], false),
+        None => c.int_constant(&vec![0; tuples], false)?,
     };
     let mut fs = vec![Dim::Const(rows)];
     fs.extend(rest.iter().map(|&v| Dim::Const(v)));
@@ -513,12 +513,12 @@ fn scatter_nd(c: &mut Ctx) -> Result<Vec<Val>> {
         "add" => c.add(Op::IndexAdd { dim: 0 }, &[flat, lin, u])?,
         "none" => {
             let dtype = c.dtype(data);
-            let z = c.scalar(0.0, dtype);
+            let z = c.scalar(0.0, dtype)?;
             let zeros = c.expand(z, fs.clone())?;
             let placed = c.add(Op::IndexAdd { dim: 0 }, &[zeros, lin, u])?;
-            let o = c.scalar(1.0, DType::F32);
+            let o = c.scalar(1.0, DType::F32)?;
             let ones = c.expand(o, us)?;
-            let fz = c.scalar(0.0, DType::F32);
+            let fz = c.scalar(0.0, DType::F32)?;
             let fzeros = c.expand(fz, fs)?;
             let hits = c.add(Op::IndexAdd { dim: 0 }, &[fzeros, lin, ones])?;
             let hit = c.compare_c(C::Gt, hits, 0.0)?;
@@ -566,7 +566,7 @@ fn scatter_nd(c: &mut Ctx) -> Result<Vec<Val>> {
                     B::Minimum,
                 ),
             };
-            let idv = c.scalar(identity, dtype);
+            let idv = c.scalar(identity, dtype)?;
             let vals = c.where_(hit, u3, idv)?;
             let red = c.add(
                 Op::Reduce {
@@ -608,7 +608,7 @@ fn causal_conv(c: &mut Ctx) -> Result<Vec<Val>> {
         let pad = match past {
             Some(p) => p,
             None => {
-                let z = c.scalar_like(0.0, x);
+                let z = c.scalar_like(0.0, x)?;
                 c.expand(z, [b, ch, k - 1].into_iter().map(Dim::Const).collect())?
             }
         };
@@ -745,7 +745,7 @@ fn linear_attention(c: &mut Ctx) -> Result<Vec<Val>> {
     let mut state = match past {
         Some(p) => c.cast(p, DType::F32)?,
         None => {
-            let z = c.scalar(0.0, DType::F32);
+            let z = c.scalar(0.0, DType::F32)?;
             c.expand(z, [b, kvh, dk, dv].into_iter().map(Dim::Const).collect())?
         }
     };
@@ -873,7 +873,7 @@ fn affine_grid(c: &mut Ctx) -> Result<Vec<Val>> {
         dtype: DType::F64,
         shape: vec![k + 1, points],
         data: LiteralData::Float(homo),
-    });
+    })?;
     let t64 = c.cast(theta, DType::F64)?;
     let g = c.add(Op::MatMul, &[t64, h])?;
     let g = c.permute(g, vec![0, 2, 1])?;
@@ -918,7 +918,7 @@ fn reverse_sequence(c: &mut Ctx) -> Result<Vec<Val>> {
         dtype: DType::I64,
         shape,
         data: LiteralData::Int(idx),
-    });
+    })?;
     let i = c.expand(i, c.dims(x))?;
     let i = c.add(Op::Contiguous, &[i])?;
     one(c.add(Op::Gather { dim: tax }, &[x, i])?)

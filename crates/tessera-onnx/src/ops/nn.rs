@@ -267,7 +267,7 @@ fn lp_norm(c: &mut Ctx) -> Result<Vec<Val>> {
     };
     // A zero norm gives zeros (ONNX's reference), not NaN.
     let zero = c.compare_c(tessera::ir::CompareOp::Eq, norm, 0.0)?;
-    let one_ = c.scalar_like(1.0, norm);
+    let one_ = c.scalar_like(1.0, norm)?;
     let safe = c.where_(zero, one_, norm)?;
     one(c.binary(B::Div, x, safe)?)
 }
@@ -518,7 +518,7 @@ fn nll(c: &mut Ctx, logp: NodeId, extra: Option<NodeId>) -> Result<Vec<Val>> {
     let (t_safe, mask) = match ignore {
         Some(ii) => {
             let keep = c.compare_c(C::Ne, t, ii as f64)?;
-            let zero = c.scalar(0.0, DType::I64);
+            let zero = c.scalar(0.0, DType::I64)?;
             (c.where_(keep, t, zero)?, Some(keep))
         }
         None => (t, None),
@@ -541,7 +541,7 @@ fn nll(c: &mut Ctx, logp: NodeId, extra: Option<NodeId>) -> Result<Vec<Val>> {
     };
     let w = match (w, mask) {
         (Some(w), Some(m)) => {
-            let zero = c.scalar(0.0, dtype);
+            let zero = c.scalar(0.0, dtype)?;
             Some(c.where_(m, w, zero)?)
         }
         (None, Some(m)) => Some(c.cast(m, dtype)?),

@@ -186,7 +186,7 @@ fn reduce(c: &mut Ctx, kind: Kind) -> Result<Vec<Val>> {
             // max + log Σ exp(x − max), the max kept finite.
             let m = r(c, R::Max, x, true)?;
             let finite = c.compare_c(C::Ne, m, f64::NEG_INFINITY)?;
-            let zero = c.scalar_like(0.0, m);
+            let zero = c.scalar_like(0.0, m)?;
             let m = c.where_(finite, m, zero)?;
             let d = c.binary(B::Sub, x, m)?;
             let e = c.unary(U::Exp, d)?;
@@ -223,14 +223,14 @@ fn arg(c: &mut Ctx, op: ArgReduceOp) -> Result<Vec<Val>> {
         .ok_or_else(|| c.unsupported("select_last_index over a symbolic dim"))?;
     let rev = reverse(c, x, dim, n)?;
     let i = c.add(Op::ArgReduce { op, dim, keepdim }, &[rev])?;
-    let last = c.scalar((n as f64) - 1.0, DType::I64);
+    let last = c.scalar((n as f64) - 1.0, DType::I64)?;
     one(c.binary(B::Sub, last, i)?)
 }
 
 /// `x` reversed along `dim` (of size `n`).
 pub(super) fn reverse(c: &mut Ctx, x: NodeId, dim: usize, n: usize) -> Result<NodeId> {
     let idx: Vec<i64> = (0..n as i64).rev().collect();
-    let i = c.int_constant(&idx, false);
+    let i = c.int_constant(&idx, false)?;
     c.add(Op::IndexSelect { dim }, &[x, i])
 }
 

@@ -84,6 +84,10 @@ fn coeffs(s: &Settings, ratio: f64, scale: f64) -> Vec<f64> {
     }
 }
 
+/// Most elements one axis's weight matrix may have (a constant of the
+/// graph, made at import): 2^24.
+const MAX_WEIGHTS: usize = 1 << 24;
+
 /// The `[out, in]` weights of one axis and the extrapolated output rows.
 fn axis_weights(
     s: &Settings,
@@ -243,6 +247,14 @@ fn resize_with(
         if identity {
             continue;
         }
+        let weights = out[a].checked_mul(d[a]).filter(|&n| n <= MAX_WEIGHTS);
+        if weights.is_none() {
+            return Err(c.unsupported(format!(
+                "resizing dim {a} from {} to {}: its [out, in] weights, computed at import, \
+                 would exceed {MAX_WEIGHTS} elements",
+                d[a], out[a]
+            )));
+        }
         let (w, ext) = axis_weights(&s, d[a], out[a], scale[a], rois[a]);
         // y (…, in, …) → move the axis last, multiply by Wᵀ [in, out].
         let mut perm: Vec<usize> = (0..r).filter(|&i| i != a).collect();
@@ -258,15 +270,15 @@ fn resize_with(
             dtype: DType::F64,
             shape: vec![d[a], out[a]],
             data: LiteralData::Float(wt),
-        });
+        })?;
         let mut p = c.add(Op::MatMul, &[moved, wn])?;
         if ext.iter().any(|&e| e) {
             let m = c.constant(Literal {
                 dtype: DType::Bool,
                 shape: vec![out[a]],
                 data: LiteralData::Bool(ext),
-            });
-            let v = c.scalar(s.extrapolation, DType::F64);
+            })?;
+            let v = c.scalar(s.extrapolation, DType::F64)?;
             p = c.where_(m, v, p)?;
         }
         let mut back = vec![0; r];

@@ -209,14 +209,14 @@ fn cell(c: &mut Ctx, kind: Cell) -> Result<Vec<Val>> {
         let mut h = match h0 {
             Some(h) => pick(c, h)?,
             None => {
-                let z = c.scalar(0.0, dtype);
+                let z = c.scalar(0.0, dtype)?;
                 c.expand(z, zeros().to_vec())?
             }
         };
         let mut cell_state = match c0 {
             Some(v) => pick(c, v)?,
             None => {
-                let z = c.scalar(0.0, dtype);
+                let z = c.scalar(0.0, dtype)?;
                 c.expand(z, zeros().to_vec())?
             }
         };
@@ -281,7 +281,7 @@ fn cell(c: &mut Ctx, kind: Cell) -> Result<Vec<Val>> {
                     let cand = clipped(c, cand)?;
                     let cand = act(c, cand, 1)?;
                     // (1 − z) ⊙ h̃ + z ⊙ H
-                    let one_ = c.scalar(1.0, dtype);
+                    let one_ = c.scalar(1.0, dtype)?;
                     let omz = c.binary(B::Sub, one_, z)?;
                     let a = c.binary(B::Mul, omz, cand)?;
                     let b = c.binary(B::Mul, z, h)?;
@@ -313,7 +313,7 @@ fn cell(c: &mut Ctx, kind: Cell) -> Result<Vec<Val>> {
                     let gi = clipped(c, gi)?;
                     let i = act(c, gi, 0)?;
                     let f = if input_forget {
-                        let one_ = c.scalar(1.0, dtype);
+                        let one_ = c.scalar(1.0, dtype)?;
                         c.binary(B::Sub, one_, i)?
                     } else {
                         let gf = with_peep(c, gf, pf, cell_state)?;

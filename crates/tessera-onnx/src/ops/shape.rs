@@ -13,7 +13,7 @@ use tessera::ir::{
 use tessera::{DType, Result};
 
 use super::{one, Converter};
-use crate::builder::{fmt_entries, lit_floats, lit_ints, Ctx, DimOrNeg, DimsVal, Val};
+use crate::builder::{fmt_entries, lit_ints, Ctx, DimOrNeg, DimsVal, Val};
 
 pub(super) fn converter(op: &str) -> Option<Converter> {
     Some(match op {
@@ -47,7 +47,9 @@ pub(super) fn converter(op: &str) -> Option<Converter> {
 /// A value of known entries: a constant node too when none is symbolic.
 pub(super) fn dims_val(c: &mut Ctx, dims: Vec<DimOrNeg>, scalar: bool) -> Val {
     let d = DimsVal { dims, scalar };
-    let id = d.ints().map(|ints| c.int_constant(&ints, scalar));
+    // Without a node when the constant cannot be made (over the size
+    // limit): materialising it later reports the error.
+    let id = d.ints().and_then(|ints| c.int_constant(&ints, scalar).ok());
     Val { id, dims: Some(d) }
 }
 
@@ -264,7 +266,10 @@ fn concat(c: &mut Ctx) -> Result<Vec<Val>> {
         return Ok(vec![dims_val(c, dims, false)]);
     }
     let xs = (0..n).map(|i| c.x(i)).collect::<Result<Vec<_>>>()?;
-    let rank = c.rank(xs[0]);
+    let Some(&first) = xs.first() else {
+        return Err(c.bad("needs at least one input"));
+    };
+    let rank = c.rank(first);
     let default_axis = if c.opset < 4 { 1 } else { 0 };
     let dim = c.axis(c.attr_i("axis", default_axis), rank)?;
     // ONNX allows empty inputs in a concat; tessera's cat takes them too,
@@ -272,7 +277,7 @@ fn concat(c: &mut Ctx) -> Result<Vec<Val>> {
     let nonempty: Vec<NodeId> = xs
         .iter()
         .copied()
-        .filter(|&x| c.dims(x)[dim] != Dim::Const(0))
+        .filter(|&x| c.dims(x).get(dim) != Some(&Dim::Const(0)))
         .collect();
     let xs = if nonempty.is_empty() {
         vec![xs[0]]
@@ -451,7 +456,7 @@ fn slice(c: &mut Ctx) -> Result<Vec<Val>> {
         x = match slice_range(size as i64, starts[k], ends[k], steps[k]) {
             Range1::Forward { start, end, step } => c.slice(x, dim, start, end, step)?,
             Range1::Indices(idx) => {
-                let i = c.int_constant(&idx, false);
+                let i = c.int_constant(&idx, false)?;
                 c.add(Op::IndexSelect { dim }, &[x, i])?
             }
         };
@@ -514,11 +519,11 @@ fn normalise_indices(c: &mut Ctx, idx: NodeId, n: &Dim) -> Result<NodeId> {
                     *i += n as i64;
                 }
             }
-            return Ok(c.constant(Literal {
+            return c.constant(Literal {
                 dtype: lit.dtype,
                 shape: lit.shape,
                 data: LiteralData::Int(v),
-            }));
+            });
         }
     }
     let n = n
@@ -635,7 +640,7 @@ fn constant(c: &mut Ctx) -> Result<Vec<Val>> {
     let small_ints = lit.dtype == DType::I64 && lit.shape.len() <= 1;
     let entries = small_ints.then(|| lit_ints(&lit));
     let scalar = lit.shape.is_empty();
-    let id = c.constant(lit);
+    let id = c.constant(lit)?;
     Ok(vec![Val {
         id: Some(id),
         dims: entries.map(|e| DimsVal {
@@ -659,10 +664,11 @@ fn constant_of_shape(c: &mut Ctx) -> Result<Vec<Val>> {
             let lit = crate::tensor::read_literal(t, None, "the value")
                 .map_err(|e| c.unsupported(e.message))?;
             let v = match lit.data {
-                LiteralData::Float(v) => Scalar::Float(v[0]),
-                LiteralData::Int(v) => Scalar::Int(v[0]),
-                LiteralData::Bool(v) => Scalar::Bool(v[0]),
-            };
+                LiteralData::Float(v) => v.first().map(|&x| Scalar::Float(x)),
+                LiteralData::Int(v) => v.first().map(|&x| Scalar::Int(x)),
+                LiteralData::Bool(v) => v.first().map(|&x| Scalar::Bool(x)),
+            }
+            .ok_or_else(|| c.bad("attribute `value` holds no value"))?;
             (v, lit.dtype)
         }
         None => (Scalar::Float(0.0), DType::F32),
@@ -677,34 +683,46 @@ fn constant_of_shape(c: &mut Ctx) -> Result<Vec<Val>> {
     )?)
 }
 
+/// Most elements a `Range` computed at import may have (its values are a
+/// constant of the graph): 2^24, 128 MiB as f64 while computed.
+const MAX_RANGE: f64 = (1u64 << 24) as f64;
+
 fn range(c: &mut Ctx) -> Result<Vec<Val>> {
-    let start = c.literal_of(0, "start")?;
-    let limit = c.literal_of(1, "limit")?;
-    let delta = c.literal_of(2, "delta")?;
-    let dtype = start.dtype;
-    let (s, l, d) = (
-        lit_floats(&start)[0],
-        lit_floats(&limit)[0],
-        lit_floats(&delta)[0],
-    );
-    if d == 0.0 {
-        return Err(c.bad("delta 0"));
+    let dtype = c.literal_of(0, "start")?.dtype;
+    let s = c.float_scalar(0, "start")?;
+    let l = c.float_scalar(1, "limit")?;
+    let d = c.float_scalar(2, "delta")?;
+    if d == 0.0 || !d.is_finite() || !s.is_finite() || !l.is_finite() {
+        return Err(c.bad(format!("start {s}, limit {l}, delta {d}: no range")));
     }
-    let n = ((l - s) / d).ceil().max(0.0) as usize;
+    let count = ((l - s) / d).ceil().max(0.0);
+    if count > MAX_RANGE {
+        return Err(c.unsupported(format!(
+            "start {s}, limit {l}, delta {d}: {count} elements, more than tessera computes \
+             at import ({MAX_RANGE})"
+        )));
+    }
+    let n = count as usize;
     // Values start + i·delta, computed exactly as ONNX's reference does.
-    let data = if dtype.is_float() {
-        LiteralData::Float((0..n).map(|i| s + i as f64 * d).collect())
-    } else {
-        let (s, d) = (lit_ints(&start)[0], lit_ints(&delta)[0]);
-        LiteralData::Int((0..n as i64).map(|i| s + i * d).collect())
-    };
+    let data =
+        if dtype.is_float() {
+            LiteralData::Float((0..n).map(|i| s + i as f64 * d).collect())
+        } else {
+            let (s, d) = (c.int_scalar(0, "start")?, c.int_scalar(2, "delta")?);
+            let values: Option<Vec<i64>> = (0..n as i64)
+                .map(|i| i.checked_mul(d).and_then(|v| v.checked_add(s)))
+                .collect();
+            LiteralData::Int(values.ok_or_else(|| {
+                c.bad(format!("start {s}, delta {d}: the range overflows {dtype}"))
+            })?)
+        };
     let lit = Literal {
         dtype,
         shape: vec![n],
         data,
     };
     // Rounded to the dtype by a cast of the f64 values.
-    one(c.constant(lit))
+    one(c.constant(lit)?)
 }
 
 fn eye_like(c: &mut Ctx) -> Result<Vec<Val>> {
@@ -737,13 +755,13 @@ fn eye_like(c: &mut Ctx) -> Result<Vec<Val>> {
         dtype,
         shape: d,
         data,
-    }))
+    })?)
 }
 
 fn trilu(c: &mut Ctx) -> Result<Vec<Val>> {
     let x = c.x(0)?;
     let k = if c.has_input(1) {
-        c.ints(1, "k")?[0]
+        c.int_scalar(1, "k")?
     } else {
         0
     };
@@ -757,10 +775,16 @@ fn trilu(c: &mut Ctx) -> Result<Vec<Val>> {
 
 fn one_hot(c: &mut Ctx) -> Result<Vec<Val>> {
     let idx = c.x(0)?;
-    let depth = lit_floats(&c.literal_of(1, "depth")?)[0] as i64;
+    let depth = c.float_scalar(1, "depth")? as i64;
     let values = c.x(2)?;
     if depth < 0 {
         return Err(c.bad(format!("depth {depth}")));
+    }
+    if c.dims(values) != [Dim::Const(2)] {
+        return Err(c.bad(format!(
+            "`values` must be [off, on] (2 elements), got {}",
+            c.ty(values)
+        )));
     }
     let rank = c.rank(idx);
     let axis = c.axis(c.attr_i("axis", -1), rank + 1)?;
@@ -800,7 +824,7 @@ fn pad(c: &mut Ctx) -> Result<Vec<Val>> {
             .or_else(|| c.attr_ints("paddings"))
             .unwrap_or_default();
         let v = c.attr_f("value", 0.0);
-        let v = c.scalar_like(v, x);
+        let v = c.scalar_like(v, x)?;
         (pads, v, None)
     } else {
         let pads = c.ints(1, "pads")?;
@@ -808,7 +832,7 @@ fn pad(c: &mut Ctx) -> Result<Vec<Val>> {
             let v = c.x(2)?;
             c.reshape(v, vec![])?
         } else {
-            c.scalar_like(0.0, x)
+            c.scalar_like(0.0, x)?
         };
         let axes = if c.has_input(3) {
             Some(c.ints(3, "axes")?)
@@ -869,7 +893,7 @@ fn pad(c: &mut Ctx) -> Result<Vec<Val>> {
                         (_, true) => (0..count).map(|i| (n - count + i).rem_euclid(n)).collect(),
                         (_, false) => (0..count).map(|i| i.rem_euclid(n)).collect(),
                     };
-                    let i = c.int_constant(&idx, false);
+                    let i = c.int_constant(&idx, false)?;
                     c.add(Op::IndexSelect { dim }, &[y, i])?
                 }
                 other => return Err(c.unsupported(format!("pad mode `{other}`"))),

@@ -51,7 +51,7 @@ fn window(c: &mut Ctx, kind: &str) -> Result<Vec<Val>> {
         dtype,
         shape: vec![size as usize],
         data,
-    }))
+    })?)
 }
 
 /// `x` (…, n) times the `[n, k]` matrix `m`, in f64.
@@ -60,7 +60,7 @@ fn times(c: &mut Ctx, x: NodeId, m: Vec<f64>, n: usize, k: usize) -> Result<Node
         dtype: DType::F64,
         shape: vec![n, k],
         data: LiteralData::Float(m),
-    });
+    })?;
     c.add(Op::MatMul, &[x, w])
 }
 
@@ -78,7 +78,7 @@ fn dft(c: &mut Ctx) -> Result<Vec<Val>> {
     }
     let axis = if c.opset >= 20 {
         if c.has_input(2) {
-            c.ints(2, "axis")?[0]
+            c.int_scalar(2, "axis")?
         } else {
             -2
         }
@@ -211,7 +211,7 @@ fn center_crop_pad(c: &mut Ctx) -> Result<Vec<Val>> {
         } else if t > dim {
             let before = (t - dim) / 2;
             let after = t - dim - before;
-            let z = c.scalar_like(0.0, y);
+            let z = c.scalar_like(0.0, y)?;
             let mut parts = Vec::new();
             for count in [before, after] {
                 let mut s = c.dims(y);

@@ -287,8 +287,11 @@ fn eval_node(
         .iter()
         .map(|x| values[x.index()].as_ref().expect("live until its last use"))
         .collect();
-    let out = trace::with_origin(&node.meta, || Tensor::apply(&op, &args, Location::caller()))
-        .map_err(|e| node_error(graph, id, e))?;
+    // A late error (a CUDA kernel's) names the node's line, not this one.
+    let out = crate::error::dispatching_node(node.meta.location.as_ref(), || {
+        trace::with_origin(&node.meta, || Tensor::apply(&op, &args, Location::caller()))
+    })
+    .map_err(|e| node_error(graph, id, e))?;
     let declared = eval_shape(&node.ty.shape, symbols).map_err(|e| node_error(graph, id, e))?;
     if out.shape() != declared.as_slice() || out.dtype() != node.ty.dtype {
         return Err(node_error(

@@ -485,7 +485,7 @@ fn report<I>(
         let _ = write!(
             text,
             "\n--- case {} ({} case{} like it): {}\n{}\n    replay: TESSERA_FUZZ_SEED={:#x} TESSERA_FUZZ_REPLAY={} \
-             cargo test --release -p tessera --test fuzz {} -- --exact --nocapture\n",
+             cargo test --release -p {} --test {} {} -- --exact --nocapture\n",
             f.first,
             f.count,
             if f.count == 1 { "" } else { "s" },
@@ -493,6 +493,8 @@ fn report<I>(
             indent(&shown),
             settings.seed,
             f.first,
+            env!("CARGO_PKG_NAME"),
+            env!("CARGO_CRATE_NAME"),
             target.test,
         );
     }
