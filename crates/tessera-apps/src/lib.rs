@@ -13,5 +13,6 @@
 //! Both use only tessera's public API.
 
 pub mod bench;
+pub mod bench_resnet;
 pub mod seed_table;
 pub mod train;

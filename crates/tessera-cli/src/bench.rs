@@ -11,6 +11,7 @@ use clap::{Args, Subcommand};
 use tessera::hints::Strategy;
 use tessera::DType;
 use tessera_apps::bench::{parse_schedule, run_gpt, GptBenchConfig, Mode};
+use tessera_apps::bench_resnet::{run_resnet, ResNetBenchConfig, ResNetTask};
 
 #[derive(Subcommand)]
 pub enum BenchCommand {
@@ -21,6 +22,38 @@ pub enum BenchCommand {
     /// 50304, batch 8 × 1024): a GPU's size. On the CPU use e.g.
     /// `--layers 4 --d-model 256 --heads 4 --vocab 1024 --seq 128`.
     Gpt(GptArgs),
+    /// Time a ResNet-18/50 on the CPU: the compiled eval-mode forward
+    /// (`--task inference`) or a compiled training step (`--task train`:
+    /// forward, cross-entropy, backward, SGD with momentum, batch norm's
+    /// batch statistics and running update) on a random batch; print
+    /// ms/step as one JSON line. PyTorch's side:
+    /// `scripts/anchors/resnet_torch.py` with the same flags.
+    Resnet(ResNetArgs),
+}
+
+#[derive(Args)]
+pub struct ResNetArgs {
+    /// 18 or 50.
+    #[arg(long, default_value_t = 50)]
+    depth: usize,
+    /// inference or train.
+    #[arg(long, default_value = "inference", value_parser = str::parse::<ResNetTask>)]
+    task: ResNetTask,
+    #[arg(long, default_value_t = 8)]
+    batch: usize,
+    /// The input's side (3 × image × image).
+    #[arg(long, default_value_t = 224)]
+    image: usize,
+    #[arg(long, default_value_t = 1000)]
+    classes: usize,
+    /// Timed runs (their median is ms_median).
+    #[arg(long, default_value_t = 5)]
+    steps: usize,
+    /// Untimed runs first (the compile).
+    #[arg(long, default_value_t = 2)]
+    warmup: usize,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
 }
 
 fn defaults() -> GptBenchConfig {
@@ -117,7 +150,40 @@ impl GptArgs {
 pub fn run(command: &BenchCommand) -> Result<()> {
     match command {
         BenchCommand::Gpt(args) => gpt(args),
+        BenchCommand::Resnet(args) => resnet(args),
     }
+}
+
+fn resnet(a: &ResNetArgs) -> Result<()> {
+    let config = ResNetBenchConfig {
+        depth: a.depth,
+        task: a.task,
+        batch: a.batch,
+        image: a.image,
+        classes: a.classes,
+        steps: a.steps,
+        warmup: a.warmup,
+        seed: a.seed,
+    };
+    eprintln!(
+        "bench resnet: resnet{} {}, batch {} × 3 × {}², {} + {} warmup runs; load average {}",
+        a.depth,
+        a.task.name(),
+        a.batch,
+        a.image,
+        a.steps,
+        a.warmup,
+        load_average()
+    );
+    let report = run_resnet(&config, |i, ms| {
+        eprintln!(
+            "run {i:>3}{}  {ms:.1} ms",
+            if i < a.warmup { " (warmup)" } else { "" }
+        )
+    })?;
+    eprintln!("load average {}", load_average());
+    println!("{}", serde_json::to_string(&report)?);
+    Ok(())
 }
 
 fn gpt(args: &GptArgs) -> Result<()> {

@@ -432,13 +432,49 @@ fn add_random_inputs(graph: &Graph, named: &mut Vec<(String, Tensor)>, seed: u64
     Ok(())
 }
 
-fn write_outputs(dir: &Path, outputs: &[(String, Tensor)]) -> Result<()> {
-    std::fs::create_dir_all(dir).map_err(|e| anyhow!("{}: {e}", dir.display()))?;
-    for (name, t) in outputs {
-        if name.is_empty() || name == "." || name == ".." || name.contains(['/', '\\']) {
-            bail!("output `{name}` cannot be used as a file name");
+/// A file name for output `name`: characters other than ASCII letters,
+/// digits, `_`, `-` and `.` become `_` (ONNX names such as
+/// `gpu_0/softmax_1`), and a name that is empty or all dots gets a leading
+/// `_`.
+fn output_file_stem(name: &str) -> String {
+    let safe: String = name
+        .chars()
+        .map(
+            |c| match c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.') {
+                true => c,
+                false => '_',
+            },
+        )
+        .collect();
+    match safe.chars().all(|c| c == '.') {
+        true => format!("_{safe}"),
+        false => safe,
+    }
+}
+
+/// The file stem of each output ([`output_file_stem`]); an error when two
+/// outputs would share a file.
+fn output_file_stems<'a>(names: impl IntoIterator<Item = &'a str>) -> Result<Vec<String>> {
+    let mut taken: std::collections::HashMap<String, &str> = std::collections::HashMap::new();
+    let mut stems = Vec::new();
+    for name in names {
+        let stem = output_file_stem(name);
+        if let Some(other) = taken.insert(stem.clone(), name) {
+            bail!(
+                "outputs `{other}` and `{name}` would both be written to {stem}.npy \
+                 (characters other than letters, digits, `_`, `-` and `.` become `_`)"
+            );
         }
-        let path = dir.join(format!("{name}.npy"));
+        stems.push(stem);
+    }
+    Ok(stems)
+}
+
+fn write_outputs(dir: &Path, outputs: &[(String, Tensor)]) -> Result<()> {
+    let stems = output_file_stems(outputs.iter().map(|(n, _)| n.as_str()))?;
+    std::fs::create_dir_all(dir).map_err(|e| anyhow!("{}: {e}", dir.display()))?;
+    for ((name, t), stem) in outputs.iter().zip(stems) {
+        let path = dir.join(format!("{stem}.npy"));
         // numpy has no bf16; f32 holds every bf16 value exactly.
         let (file_tensor, note) = match t.dtype() {
             DType::BF16 => (bf16_as_f32(t), " (bf16 written as f32)"),
@@ -453,4 +489,26 @@ fn write_outputs(dir: &Path, outputs: &[(String, Tensor)]) -> Result<()> {
 fn bf16_as_f32(t: &Tensor) -> Tensor {
     let values: Vec<f32> = t.to_f64_vec().into_iter().map(|v| v as f32).collect();
     Tensor::from_vec(values, t.shape())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{output_file_stem, output_file_stems};
+
+    #[test]
+    fn output_names_map_to_safe_file_names_and_collisions_are_errors() {
+        assert_eq!(output_file_stem("gpu_0/softmax_1"), "gpu_0_softmax_1");
+        assert_eq!(output_file_stem("a\\b:c d"), "a_b_c_d");
+        assert_eq!(output_file_stem("logits.v2-x"), "logits.v2-x");
+        assert_eq!(output_file_stem(".."), "_..");
+        assert_eq!(output_file_stem(""), "_");
+        assert_eq!(output_file_stem("é"), "_");
+        let stems = output_file_stems(["gpu_0/softmax_1", "y"]).unwrap();
+        assert_eq!(stems, ["gpu_0_softmax_1", "y"]);
+        let e = output_file_stems(["a/b", "a_b"]).unwrap_err().to_string();
+        assert!(
+            e.contains("`a/b` and `a_b`") && e.contains("a_b.npy"),
+            "{e}"
+        );
+    }
 }

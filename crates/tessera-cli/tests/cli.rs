@@ -687,3 +687,27 @@ fn onnx_errors_are_one_line() {
     ));
     assert!(err.contains("input `x` has type f32[batch,4]"), "{err}");
 }
+
+#[test]
+fn onnx_output_names_with_slashes_become_file_names() {
+    // ONNX's light ResNet-50 names its output `gpu_0/softmax_1`.
+    let model = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../tessera-onnx/tests/data/light/light_resnet50.onnx");
+    let dir = tempfile::tempdir().unwrap();
+    let out = tessera(
+        &[
+            "run",
+            model.to_str().unwrap(),
+            "--random-inputs",
+            "0",
+            "--output-dir",
+            "o",
+        ],
+        dir.path(),
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = stdout(&out);
+    assert!(text.contains("gpu_0/softmax_1  f32[1,1000]"), "{text}");
+    let y = tessera::io::read_npy(dir.path().join("o/gpu_0_softmax_1.npy")).unwrap();
+    assert_eq!(y.shape(), &[1, 1000]);
+}

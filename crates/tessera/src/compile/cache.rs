@@ -60,6 +60,7 @@ impl Entry {
     fn runs_untraced(&self, guards: &[InputGuard]) -> bool {
         !self.had_breaks
             && !self.exe.has_lifted()
+            && !self.exe.writes_state()
             && self.guards == guards
             && self.autocast == autocast::current()
     }

@@ -382,6 +382,8 @@ pub struct Executable {
     eager_autograd: bool,
     num_outputs: usize,
     num_lifted: usize,
+    /// The last outputs that are module state ([`Traced::state`]).
+    num_state: usize,
 }
 
 impl Executable {
@@ -523,6 +525,7 @@ impl Executable {
             eager_autograd,
             num_outputs,
             num_lifted: traced.lifted.len(),
+            num_state: traced.num_state_outputs(),
         })
     }
 
@@ -549,6 +552,12 @@ impl Executable {
 
     pub(super) fn has_lifted(&self) -> bool {
         self.num_lifted > 0
+    }
+
+    /// Whether its last outputs are module state to install (then every
+    /// call is traced, to know the slots).
+    pub(super) fn writes_state(&self) -> bool {
+        self.num_state > 0
     }
 
     /// Runs on the user's `inputs` followed by `extra` (lifted tensors and

@@ -59,7 +59,7 @@ pub use train_step::{train_step, StepFn, TrainStep};
 use crate::error::{Result, SourceLoc};
 use crate::logging::log;
 use crate::schedule::Donations;
-use crate::tensor::trace::Traced;
+use crate::tensor::trace::{StateWrite, Traced};
 use crate::tensor::Tensor;
 use cache::CacheState;
 use dynamic::Generalised;
@@ -280,7 +280,7 @@ impl<F: Fn(&[Tensor]) -> Vec<Tensor>> Compiled<F> {
             let mut state = self.state.lock().expect("compile cache");
             if key == view.key {
                 state.stats.cache_hits += 1;
-                return out;
+                return out.map(|out| install_state(&traced.state, out));
             }
             // The graph changed: `out` is dropped unused.
             state.stats.speculation_misses += 1;
@@ -300,7 +300,8 @@ impl<F: Fn(&[Tensor]) -> Vec<Tensor>> Compiled<F> {
         let mut owned = std::mem::take(args);
         owned.extend(traced.lifted);
         owned.extend(traced.materialized.into_iter().map(|(_, t)| t));
-        exe.run_owned(owned)
+        let out = exe.run_owned(owned)?;
+        Ok(install_state(&traced.state, out))
     }
 
     /// The trace as the cache sees it: generalised over the dynamic dims
@@ -377,6 +378,26 @@ impl<F: Fn(&[Tensor]) -> Vec<Tensor>> Compiled<F> {
     fn run_eagerly_after(&self, traced: &Traced, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
         crate::tensor::creation::replay_seeds(traced.seeds.clone(), || self.run_eagerly(inputs))
     }
+}
+
+/// Splits the module state the traced call wrote ([`Traced::state`]: the
+/// last outputs) off a run's outputs and installs it in its slots: a batch
+/// norm's running statistics, updated as the eager call updates them.
+fn install_state(state: &[StateWrite], mut out: Vec<Tensor>) -> Vec<Tensor> {
+    let n: usize = state.iter().map(|w| w.count).sum();
+    if n == 0 {
+        return out;
+    }
+    let mut values = out.split_off(out.len() - n).into_iter();
+    for write in state {
+        let v: Vec<Tensor> = values
+            .by_ref()
+            .take(write.count)
+            .map(|t| t.detach())
+            .collect();
+        write.slot.install(v);
+    }
+    out
 }
 
 #[cfg(test)]

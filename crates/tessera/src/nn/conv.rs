@@ -2,10 +2,11 @@
 //! `AvgPool2d`, `AdaptiveAvgPool2d` (NCHW, PyTorch's layouts and defaults).
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::RwLock;
+use std::sync::{Arc, RwLock};
 
 use super::{input_error, join_name, within, ParamStore, Parameter};
 use crate::error::{Error, ErrorKind, Result, SourceLoc};
+use crate::tensor::trace::{self, StateSlot};
 use crate::tensor::{unwrap_or_panic, BatchNormStats, ConvOptions, Generator, PoolOptions, Tensor};
 
 /// Registers a convolution's weight `[out, in/groups, k…]` and bias
@@ -167,10 +168,13 @@ impl Conv1d {
 /// (`momentum` 0.1, unbiased variance); in eval, uses the running
 /// statistics. `affine` adds `weight` (ones) and `bias` (zeros).
 ///
-/// The running statistics are module state, updated by an eager forward
-/// in training mode. Inside a compiled function (a trace) the update
-/// cannot be written back, so training mode there is an error; compile
-/// the model in eval mode, or train it eagerly.
+/// The running statistics are module state, updated by a forward in
+/// training mode. Eagerly the module writes them itself; inside a compiled
+/// function (`tessera::compile`, `compile::train_step`) the new statistics
+/// are extra outputs of the compiled graph, installed in the module after
+/// each run (see `tensor::trace::write_state`), so a compiled step updates
+/// them as the eager one does. A trace that cannot write state back (a
+/// bare `trace::trace`) makes training mode an error.
 pub struct BatchNorm2d {
     name: String,
     num_features: usize,
@@ -178,8 +182,43 @@ pub struct BatchNorm2d {
     pub momentum: f64,
     /// `(weight, bias)`.
     pub affine: Option<(Parameter, Parameter)>,
-    running: Option<RwLock<BatchNormStats>>,
+    running: Option<Arc<RunningStats>>,
     training: AtomicBool,
+}
+
+/// A batch norm's running statistics: the module's state slot.
+struct RunningStats {
+    name: String,
+    stats: RwLock<BatchNormStats>,
+}
+
+impl RunningStats {
+    fn get(&self) -> BatchNormStats {
+        self.stats.read().expect("running statistics").clone()
+    }
+
+    fn set(&self, stats: BatchNormStats) {
+        *self.stats.write().expect("running statistics") = stats;
+    }
+
+    /// The key of this slot in a trace.
+    fn key(self: &Arc<Self>) -> usize {
+        Arc::as_ptr(self) as usize
+    }
+}
+
+impl StateSlot for RunningStats {
+    fn install(&self, values: Vec<Tensor>) {
+        // `try_forward` writes [mean, var].
+        let mut values = values.into_iter();
+        if let (Some(mean), Some(var)) = (values.next(), values.next()) {
+            self.set(BatchNormStats { mean, var });
+        }
+    }
+
+    fn describe(&self) -> String {
+        format!("the running statistics of BatchNorm2d `{}`", self.name)
+    }
 }
 
 impl BatchNorm2d {
@@ -208,9 +247,12 @@ impl BatchNorm2d {
             )
         });
         let running = track_running_stats.then(|| {
-            RwLock::new(BatchNormStats {
-                mean: Tensor::zeros(&[num_features], store.dtype()),
-                var: Tensor::ones(&[num_features], store.dtype()),
+            Arc::new(RunningStats {
+                name: name.to_string(),
+                stats: RwLock::new(BatchNormStats {
+                    mean: Tensor::zeros(&[num_features], store.dtype()),
+                    var: Tensor::ones(&[num_features], store.dtype()),
+                }),
             })
         });
         BatchNorm2d {
@@ -235,9 +277,7 @@ impl BatchNorm2d {
 
     /// The running statistics (`None` without `track_running_stats`).
     pub fn running_stats(&self) -> Option<BatchNormStats> {
-        self.running
-            .as_ref()
-            .map(|r| r.read().expect("running statistics").clone())
+        self.running.as_ref().map(|r| r.get())
     }
 
     /// Replaces the running statistics (loading a trained model).
@@ -262,7 +302,7 @@ impl BatchNorm2d {
                 ),
             ));
         }
-        *r.write().expect("running statistics") = stats;
+        r.set(stats);
         Ok(())
     }
 
@@ -289,15 +329,23 @@ impl BatchNorm2d {
             .at(at));
         }
         let training = self.is_training();
-        if training && self.running.is_some() && x.is_traced() {
+        let traced = trace::is_active();
+        if training && self.running.is_some() && traced && !trace::accepts_state() {
             return Err(input_error(
                 "BatchNorm2d",
                 &self.name,
-                "training mode updates the running statistics, which a compiled function cannot write back: call `train(false)` before compiling, or train eagerly".to_string(),
+                "training mode updates the running statistics, which this trace cannot write back (a compiled function can): call `train(false)`, or compile with `tessera::compile`".to_string(),
             )
             .at(at));
         }
-        let stats = self.running_stats();
+        // A second call in one traced call reads the first one's update.
+        let stats = match (&self.running, traced) {
+            (Some(r), true) => trace::state_written(r.key())
+                .and_then(|v| <[Tensor; 2]>::try_from(v).ok())
+                .map(|[mean, var]| BatchNormStats { mean, var })
+                .or_else(|| self.running_stats()),
+            _ => self.running_stats(),
+        };
         let affine = self.affine.as_ref().map(|(w, b)| (w.get(), b.get()));
         let (y, update) = x
             .try_batch_norm(
@@ -310,7 +358,11 @@ impl BatchNorm2d {
             )
             .map_err(|e| within(e, "BatchNorm2d", &self.name))?;
         if let (Some(update), Some(r)) = (update, &self.running) {
-            *r.write().expect("running statistics") = update;
+            match traced {
+                true => trace::write_state(r.key(), r.clone(), vec![update.mean, update.var])
+                    .map_err(|e| within(e.at(at), "BatchNorm2d", &self.name))?,
+                false => r.set(update),
+            }
         }
         Ok(y)
     }

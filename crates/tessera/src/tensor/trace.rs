@@ -12,6 +12,7 @@ use std::cell::RefCell;
 use std::collections::HashMap;
 use std::panic::Location;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 
 use super::{interpret, Data, Layout, Tensor};
 use crate::error::{Error, ErrorKind, Result, SourceLoc};
@@ -38,6 +39,83 @@ struct TraceState {
     known: Option<HashMap<NodeId, Tensor>>,
     /// Where the traced code read a value (a graph break), in order.
     breaks: Vec<SourceLoc>,
+    /// Whether the caller writes module state back ([`write_state`]):
+    /// only a compiled function's capture does.
+    accepts_state: bool,
+    /// Module state written by the traced code, in order of first write:
+    /// the slot's key, the slot, its latest values.
+    state: Vec<(usize, Arc<dyn StateSlot>, Vec<Tensor>)>,
+}
+
+/// Module state that a traced function updates (a batch norm's running
+/// statistics): the new values are extra outputs of the traced graph, and
+/// whoever runs the graph hands them to the slot ([`StateWrite`]).
+pub trait StateSlot: Send + Sync {
+    /// Installs the values a run of the graph computed.
+    fn install(&self, values: Vec<Tensor>);
+    /// What the slot holds, for messages.
+    fn describe(&self) -> String;
+}
+
+/// A slot written by a traced function: its values are `count` graph
+/// outputs, after the function's own outputs and the slots before it.
+#[derive(Clone)]
+pub struct StateWrite {
+    pub slot: Arc<dyn StateSlot>,
+    pub count: usize,
+}
+
+impl std::fmt::Debug for StateWrite {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} ({} values)", self.slot.describe(), self.count)
+    }
+}
+
+/// Whether the active trace writes module state back (a compiled
+/// function's capture); false outside a trace.
+pub fn accepts_state() -> bool {
+    CURRENT.with(|c| c.borrow().as_ref().is_some_and(|s| s.accepts_state))
+}
+
+/// The values written to the slot `key` earlier in the active trace, if
+/// any: what a second use of the same module in one traced call reads.
+pub fn state_written(key: usize) -> Option<Vec<Tensor>> {
+    CURRENT.with(|c| {
+        c.borrow().as_ref().and_then(|s| {
+            s.state
+                .iter()
+                .find(|(k, _, _)| *k == key)
+                .map(|(_, _, v)| v.clone())
+        })
+    })
+}
+
+/// Records that the traced code writes `values` to module state `slot`
+/// (identified by `key`, e.g. its address): they become outputs of the
+/// graph, installed in the slot after each run. A later write to the same
+/// key replaces the values. An error outside a trace that accepts state
+/// ([`accepts_state`]).
+pub fn write_state(key: usize, slot: Arc<dyn StateSlot>, values: Vec<Tensor>) -> Result<()> {
+    CURRENT.with(|c| {
+        let mut guard = c.borrow_mut();
+        match guard.as_mut() {
+            Some(s) if s.accepts_state => {
+                match s.state.iter_mut().find(|(k, _, _)| *k == key) {
+                    Some(entry) => entry.2 = values,
+                    None => s.state.push((key, slot, values)),
+                }
+                Ok(())
+            }
+            _ => Err(Error::new(
+                ErrorKind::Unsupported,
+                format!(
+                    "{} is written by traced code, but this trace cannot write it back \
+                     (only a compiled function's capture can)",
+                    slot.describe()
+                ),
+            )),
+        }
+    })
 }
 
 thread_local! {
@@ -93,6 +171,16 @@ pub struct Traced {
     /// eager run of the same call must take instead of drawing again
     /// ([`super::creation::replay_seeds`]).
     pub seeds: Vec<u64>,
+    /// Module state the traced code wrote: the graph's last outputs, in
+    /// this order.
+    pub state: Vec<StateWrite>,
+}
+
+impl Traced {
+    /// How many of the graph's outputs (the last ones) are state values.
+    pub fn num_state_outputs(&self) -> usize {
+        self.state.iter().map(|w| w.count).sum()
+    }
 }
 
 pub(crate) fn is_active() -> bool {
@@ -116,12 +204,14 @@ pub fn trace(
     inputs: &[(String, TensorType)],
     f: impl FnOnce(&[Tensor]) -> Result<Vec<(String, Tensor)>>,
 ) -> Result<Traced> {
-    trace_core(name, inputs, None, f)
+    trace_core(name, inputs, None, false, f)
 }
 
 /// Like [`trace`], with the inputs' values known: where the traced code
 /// reads a value (`item()`, `to_vec()`), the graph so far is run to produce
 /// it and tracing goes on — a graph break, recorded in [`Traced::breaks`].
+/// Module state the code writes ([`write_state`]) becomes outputs after
+/// `f`'s ([`Traced::state`]): the caller installs them after each run.
 pub fn trace_with_values(
     name: &str,
     inputs: &[(String, Tensor)],
@@ -130,13 +220,14 @@ pub fn trace_with_values(
     let types: Vec<(String, TensorType)> =
         inputs.iter().map(|(n, t)| (n.clone(), t.ty())).collect();
     let values: Vec<Tensor> = inputs.iter().map(|(_, t)| t.detach()).collect();
-    trace_core(name, &types, Some(values), f)
+    trace_core(name, &types, Some(values), true, f)
 }
 
 fn trace_core(
     name: &str,
     inputs: &[(String, TensorType)],
     values: Option<Vec<Tensor>>,
+    accepts_state: bool,
     f: impl FnOnce(&[Tensor]) -> Result<Vec<(String, Tensor)>>,
 ) -> Result<Traced> {
     if is_active() {
@@ -161,6 +252,8 @@ fn trace_core(
             lifted_by_id: HashMap::new(),
             known,
             breaks: Vec::new(),
+            accepts_state,
+            state: Vec::new(),
         })
     });
     let guard = ActiveTrace;
@@ -169,6 +262,18 @@ fn trace_core(
     let mut outs = Vec::with_capacity(outputs.len());
     for (out_name, t) in &outputs {
         outs.push((out_name.clone(), node_of(t)?));
+    }
+    let written =
+        CURRENT.with(|c| std::mem::take(&mut c.borrow_mut().as_mut().expect("trace state").state));
+    let mut writes = Vec::with_capacity(written.len());
+    for (i, (_, slot, values)) in written.into_iter().enumerate() {
+        for (j, t) in values.iter().enumerate() {
+            outs.push((format!("state{i}_{j}"), node_of(t)?));
+        }
+        writes.push(StateWrite {
+            slot,
+            count: values.len(),
+        });
     }
     let mut state = CURRENT
         .with(|c| c.borrow_mut().take())
@@ -192,6 +297,7 @@ fn trace_core(
         materialized,
         breaks: state.breaks,
         seeds,
+        state: writes,
     })
 }
 

@@ -77,6 +77,7 @@ pub fn view(traced: &Traced, guards: &[InputGuard], dims: &DynamicDims) -> Gener
                 materialized: Vec::new(),
                 breaks: Vec::new(),
                 seeds: traced.seeds.clone(),
+                state: traced.state.clone(),
             }),
             dims: dims.clone(),
             refusal: None,

@@ -16,6 +16,8 @@
 //! Pooling kernels take any float type and compute in its accumulation
 //! type.
 
+use std::ops::Range;
+
 use rayon::prelude::*;
 
 use super::element::num_like::AccFloat;
@@ -64,6 +66,22 @@ impl ConvDims {
         let c = &self.conv;
         self.kh == 1 && self.kw == 1 && c.stride == [1, 1] && c.padding == [0; 4]
     }
+    /// One input and one output channel per group.
+    fn depthwise(&self) -> bool {
+        self.conv.groups == self.c && self.o == self.c && self.c > 1
+    }
+    /// Output rows per im2col block: the whole image when its matrix is
+    /// small, else blocks of about [`COL_BLOCK`] elements (at least one
+    /// row), so that the matrix a GEMM reads is still in cache (a GEMM
+    /// that runs on all threads gets a block per thread).
+    fn block_rows(&self, parallel: bool) -> usize {
+        let per_row = (self.k() * self.wo).max(1);
+        let budget = match parallel {
+            true => COL_BLOCK * rayon::current_num_threads(),
+            false => COL_BLOCK,
+        };
+        (budget / per_row).clamp(1, self.ho.max(1))
+    }
     fn in_sample(&self) -> usize {
         self.c * self.h * self.w
     }
@@ -72,15 +90,18 @@ impl ConvDims {
     }
 }
 
+/// Elements of an im2col block (1 MiB of f32).
+const COL_BLOCK: usize = 1 << 18;
+
 /// Work (multiply-adds) below which a GEMM runs on one thread.
 const PAR_WORK: usize = 1 << 20;
 
 /// `dst[m×n] (+)= a[m×k] · b[k×n]`, each operand given by row and column
-/// strides; `dst` row-major.
+/// strides; `dst` row-major with rows `dst_rs` apart.
 #[allow(clippy::too_many_arguments)]
 fn gemm<T: ConvFloat>(
     (m, n, k): (usize, usize, usize),
-    dst: &mut [T],
+    (dst, dst_rs): (&mut [T], usize),
     accumulate: bool,
     a: &[T],
     (a_rs, a_cs): (usize, usize),
@@ -91,15 +112,17 @@ fn gemm<T: ConvFloat>(
     if m == 0 || n == 0 {
         return;
     }
+    let reach = |rows: usize, cols: usize, rs: usize, cs: usize| (rows - 1) * rs + (cols - 1) * cs;
     if k == 0 {
         if !accumulate {
-            dst[..m * n].fill(T::ZERO);
+            dst.chunks_mut(dst_rs)
+                .take(m)
+                .for_each(|r| r[..n].fill(T::ZERO));
         }
         return;
     }
-    let reach = |rows: usize, cols: usize, rs: usize, cs: usize| (rows - 1) * rs + (cols - 1) * cs;
     assert!(
-        dst.len() >= m * n
+        dst.len() > reach(m, n, dst_rs, 1)
             && a.len() > reach(m, k, a_rs, a_cs)
             && b.len() > reach(k, n, b_rs, b_cs),
         "internal error: a convolution GEMM does not fit its buffers"
@@ -119,7 +142,7 @@ fn gemm<T: ConvFloat>(
             k,
             dst.as_mut_ptr(),
             1,
-            n as isize,
+            dst_rs as isize,
             accumulate,
             a.as_ptr(),
             a_cs as isize,
@@ -137,32 +160,63 @@ fn gemm<T: ConvFloat>(
     }
 }
 
-/// The im2col matrix `[K, P]` of group `g` of one sample `x` (`[c, h, w]`).
-fn im2col<T: ConvFloat>(d: &ConvDims, x: &[T], g: usize, col: &mut [T]) {
-    let (cg, p) = (d.cg(), d.p());
+/// The outputs `lo..hi` along one axis (of `out` outputs) whose input
+/// position `o·stride + offset` lies in `0..size`.
+fn valid_range(out: usize, size: usize, stride: usize, offset: isize) -> (usize, usize) {
+    // o·s + off >= 0  ⇔  o >= ceil(-off / s);  o·s + off < size  ⇔  o < ceil((size - off) / s)
+    let s = stride as isize;
+    let ceil_div = |a: isize| if a <= 0 { -((-a) / s) } else { (a + s - 1) / s };
+    let lo = ceil_div(-offset).clamp(0, out as isize) as usize;
+    let hi = ceil_div(size as isize - offset).clamp(lo as isize, out as isize) as usize;
+    (lo, hi)
+}
+
+/// The columns of output rows `rows` of the im2col matrix `[K, P]` of
+/// group `g` of one sample `x` (`[c, h, w]`), as a `[K, rows·wo]` block.
+/// Each row segment is the valid range of its output row, copied (a slice
+/// copy at stride 1), with zeros for the padding on either side.
+fn im2col<T: ConvFloat>(d: &ConvDims, x: &[T], g: usize, rows: Range<usize>, col: &mut [T]) {
+    let cg = d.cg();
+    let p = rows.len() * d.wo;
     let [sh, sw] = d.conv.stride;
     let [dh, dw] = d.conv.dilation;
     let (pt, pl) = (d.conv.padding[0] as isize, d.conv.padding[2] as isize);
     for ci in 0..cg {
         let plane = &x[(g * cg + ci) * d.h * d.w..][..d.h * d.w];
         for ki in 0..d.kh {
+            let (h_lo, h_hi) = valid_range(d.ho, d.h, sh, (ki * dh) as isize - pt);
             for kj in 0..d.kw {
+                let off = (kj * dw) as isize - pl;
+                let (lo, hi) = valid_range(d.wo, d.w, sw, off);
                 let row = ((ci * d.kh + ki) * d.kw + kj) * p;
                 let row = &mut col[row..row + p];
-                for oh in 0..d.ho {
+                let (h_lo, h_hi) = (
+                    h_lo.clamp(rows.start, rows.end),
+                    h_hi.clamp(rows.start, rows.end),
+                );
+                let h_hi = h_hi.max(h_lo);
+                row[..(h_lo - rows.start) * d.wo].fill(T::ZERO);
+                row[(h_hi - rows.start) * d.wo..].fill(T::ZERO);
+                for oh in h_lo..h_hi {
                     let ih = (oh * sh + ki * dh) as isize - pt;
-                    let out = &mut row[oh * d.wo..(oh + 1) * d.wo];
-                    if ih < 0 || ih >= d.h as isize {
-                        out.fill(T::ZERO);
+                    let r = oh - rows.start;
+                    let out = &mut row[r * d.wo..(r + 1) * d.wo];
+                    let src = &plane[ih as usize * d.w..][..d.w];
+                    out[..lo].fill(T::ZERO);
+                    out[hi..].fill(T::ZERO);
+                    if lo == hi {
                         continue;
                     }
-                    let src = &plane[ih as usize * d.w..][..d.w];
-                    for (ow, o) in out.iter_mut().enumerate() {
-                        let iw = (ow * sw + kj * dw) as isize - pl;
-                        *o = match iw >= 0 && iw < d.w as isize {
-                            true => src[iw as usize],
-                            false => T::ZERO,
-                        };
+                    let first = (lo as isize * sw as isize + off) as usize;
+                    match sw {
+                        1 => out[lo..hi].copy_from_slice(&src[first..first + hi - lo]),
+                        _ => {
+                            for (o, v) in
+                                out[lo..hi].iter_mut().zip(src[first..].iter().step_by(sw))
+                            {
+                                *o = *v;
+                            }
+                        }
                     }
                 }
             }
@@ -170,28 +224,33 @@ fn im2col<T: ConvFloat>(d: &ConvDims, x: &[T], g: usize, col: &mut [T]) {
     }
 }
 
-/// Adds the im2col-shaped `col` of group `g` back into one sample's `dx`.
-fn col2im<T: ConvFloat>(d: &ConvDims, col: &[T], g: usize, dx: &mut [T]) {
-    let (cg, p) = (d.cg(), d.p());
+/// Adds the im2col-shaped block `col` (`[K, rows·wo]`, output rows
+/// `rows`) of group `g` back into one sample's `dx`.
+fn col2im<T: ConvFloat>(d: &ConvDims, col: &[T], g: usize, rows: Range<usize>, dx: &mut [T]) {
+    let cg = d.cg();
+    let p = rows.len() * d.wo;
     let [sh, sw] = d.conv.stride;
     let [dh, dw] = d.conv.dilation;
     let (pt, pl) = (d.conv.padding[0] as isize, d.conv.padding[2] as isize);
     for ci in 0..cg {
         let plane = &mut dx[(g * cg + ci) * d.h * d.w..][..d.h * d.w];
         for ki in 0..d.kh {
+            let (h_lo, h_hi) = valid_range(d.ho, d.h, sh, (ki * dh) as isize - pt);
             for kj in 0..d.kw {
+                let off = (kj * dw) as isize - pl;
+                let (lo, hi) = valid_range(d.wo, d.w, sw, off);
+                if lo == hi {
+                    continue;
+                }
+                let first = (lo as isize * sw as isize + off) as usize;
                 let row = &col[((ci * d.kh + ki) * d.kw + kj) * p..][..p];
-                for oh in 0..d.ho {
+                for oh in h_lo.max(rows.start)..h_hi.min(rows.end) {
                     let ih = (oh * sh + ki * dh) as isize - pt;
-                    if ih < 0 || ih >= d.h as isize {
-                        continue;
-                    }
                     let dst = &mut plane[ih as usize * d.w..][..d.w];
-                    for (ow, &v) in row[oh * d.wo..(oh + 1) * d.wo].iter().enumerate() {
-                        let iw = (ow * sw + kj * dw) as isize - pl;
-                        if iw >= 0 && iw < d.w as isize {
-                            dst[iw as usize] = dst[iw as usize] + v;
-                        }
+                    let r = oh - rows.start;
+                    let src = &row[r * d.wo + lo..r * d.wo + hi];
+                    for (o, &v) in dst[first..].iter_mut().step_by(sw).zip(src) {
+                        *o = *o + v;
                     }
                 }
             }
@@ -227,29 +286,117 @@ pub fn conv2d_forward<T: ConvFloat>(
     bias: Option<&[T]>,
     y: &mut [T],
 ) {
+    if d.depthwise() {
+        return depthwise_forward(d, x, w, bias, y);
+    }
     let (k, p, og) = (d.k(), d.p(), d.og());
     per_sample(y, d.out_sample(), |s, y, parallel| {
         let x = &x[s * d.in_sample()..][..d.in_sample()];
+        let block = d.block_rows(parallel);
         let mut col = match d.direct() {
             true => Vec::new(),
-            false => vec![T::ZERO; k * p],
+            false => vec![T::ZERO; k * block * d.wo],
         };
         for g in 0..d.conv.groups {
-            let cols: &[T] = match d.direct() {
-                true => &x[g * k * p..][..k * p],
-                false => {
-                    im2col(d, x, g, &mut col);
-                    &col
-                }
-            };
             let out = &mut y[g * og * p..][..og * p];
             let wg = &w[g * og * k..][..og * k];
-            gemm((og, p, k), out, false, wg, (k, 1), cols, (p, 1), parallel);
+            match d.direct() {
+                true => {
+                    let xg = &x[g * k * p..][..k * p];
+                    gemm(
+                        (og, p, k),
+                        (out, p),
+                        false,
+                        wg,
+                        (k, 1),
+                        xg,
+                        (p, 1),
+                        parallel,
+                    );
+                }
+                false => {
+                    for rows in row_blocks(d.ho, block) {
+                        let n = rows.len() * d.wo;
+                        let dst = &mut out[rows.start * d.wo..];
+                        im2col(d, x, g, rows, &mut col[..k * n]);
+                        gemm(
+                            (og, n, k),
+                            (dst, p),
+                            false,
+                            wg,
+                            (k, 1),
+                            &col,
+                            (n, 1),
+                            parallel,
+                        );
+                    }
+                }
+            }
             for (oc, row) in out.chunks_mut(p).enumerate() {
                 let b = bias.map_or(T::ZERO, |b| b[g * og + oc]);
                 epilogue(row, b, d.conv.activation);
             }
         }
+    });
+}
+
+/// Output rows `0..ho` in blocks of `block`.
+fn row_blocks(ho: usize, block: usize) -> impl Iterator<Item = Range<usize>> {
+    (0..ho)
+        .step_by(block.max(1))
+        .map(move |r| r..(r + block.max(1)).min(ho))
+}
+
+/// A depthwise convolution (one input and one output channel per group),
+/// directly: each output plane is the sum over the kernel's taps of a
+/// weight times the input plane shifted (a row segment per output row,
+/// the padding skipped), in parallel over planes. The same sums as the
+/// im2col path's GEMM of `K = kh·kw`, in the same tap order.
+fn depthwise_forward<T: ConvFloat>(
+    d: &ConvDims,
+    x: &[T],
+    w: &[T],
+    bias: Option<&[T]>,
+    y: &mut [T],
+) {
+    let [sh, sw] = d.conv.stride;
+    let [dh, dw] = d.conv.dilation;
+    let (pt, pl) = (d.conv.padding[0] as isize, d.conv.padding[2] as isize);
+    let (p, plane) = (d.p(), d.h * d.w);
+    let taps = d.kh * d.kw;
+    y.par_chunks_mut(p.max(1)).enumerate().for_each(|(i, out)| {
+        let c = i % d.c;
+        let src = &x[i * plane..][..plane];
+        let wc = &w[c * taps..][..taps];
+        out.fill(T::ZERO);
+        for ki in 0..d.kh {
+            let (h_lo, h_hi) = valid_range(d.ho, d.h, sh, (ki * dh) as isize - pt);
+            for kj in 0..d.kw {
+                let off = (kj * dw) as isize - pl;
+                let (lo, hi) = valid_range(d.wo, d.w, sw, off);
+                if lo == hi {
+                    continue;
+                }
+                let wv = wc[ki * d.kw + kj];
+                let first = (lo as isize * sw as isize + off) as usize;
+                for oh in h_lo..h_hi {
+                    let ih = (oh * sh + ki * dh) as isize - pt;
+                    let row = &src[ih as usize * d.w..][..d.w];
+                    let o = &mut out[oh * d.wo + lo..oh * d.wo + hi];
+                    match sw {
+                        1 => o
+                            .iter_mut()
+                            .zip(&row[first..first + (hi - lo)])
+                            .for_each(|(o, &v)| *o = *o + wv * v),
+                        _ => o
+                            .iter_mut()
+                            .zip(row[first..].iter().step_by(sw))
+                            .for_each(|(o, &v)| *o = *o + wv * v),
+                    }
+                }
+            }
+        }
+        epilogue(out, bias.map_or(T::ZERO, |b| b[c]), d.conv.activation);
     });
 }
 
@@ -274,23 +421,21 @@ pub fn conv2d_backward_input<T: ConvFloat>(d: &ConvDims, dy: &[T], w: &[T], dx: 
     per_sample(dx, d.in_sample(), |s, dx, parallel| {
         let dy = &dy[s * d.out_sample()..][..d.out_sample()];
         dx.fill(T::ZERO);
+        let block = d.block_rows(parallel);
         let mut col = match d.direct() {
             true => Vec::new(),
-            false => vec![T::ZERO; k * p],
+            false => vec![T::ZERO; k * block * d.wo],
         };
         for g in 0..d.conv.groups {
             let wg = &w[g * og * k..][..og * k];
             let dyg = &dy[g * og * p..][..og * p];
-            // col[K, P] = wgᵀ[K, Og] · dyg[Og, P]
+            // col[K, P] = wgᵀ[K, Og] · dyg[Og, P], a block of rows at a time
             match d.direct() {
                 true => {
                     let dst = &mut dx[g * k * p..][..k * p];
-                    gemm((k, p, og), dst, false, wg, (1, k), dyg, (p, 1), parallel);
-                }
-                false => {
                     gemm(
                         (k, p, og),
-                        &mut col,
+                        (dst, p),
                         false,
                         wg,
                         (1, k),
@@ -298,7 +443,15 @@ pub fn conv2d_backward_input<T: ConvFloat>(d: &ConvDims, dy: &[T], w: &[T], dx: 
                         (p, 1),
                         parallel,
                     );
-                    col2im(d, &col, g, dx);
+                }
+                false => {
+                    for rows in row_blocks(d.ho, block) {
+                        let n = rows.len() * d.wo;
+                        let b = &dyg[rows.start * d.wo..];
+                        let c = &mut col[..k * n];
+                        gemm((k, n, og), (c, n), false, wg, (1, k), b, (p, 1), parallel);
+                        col2im(d, c, g, rows, dx);
+                    }
                 }
             }
         }
@@ -314,25 +467,51 @@ pub fn conv2d_backward_weight<T: ConvFloat>(d: &ConvDims, x: &[T], dy: &[T], dw:
     // does not depend on which thread ran which part.
     let partial = |part: usize, parallel: bool| -> Vec<T> {
         let mut acc = vec![T::ZERO; dw.len()];
+        let block = d.block_rows(parallel);
         let mut col = match d.direct() {
             true => Vec::new(),
-            false => vec![T::ZERO; k * p],
+            false => vec![T::ZERO; k * block * d.wo],
         };
         for s in part * per_part..((part + 1) * per_part).min(d.n) {
             let x = &x[s * d.in_sample()..][..d.in_sample()];
             let dy = &dy[s * d.out_sample()..][..d.out_sample()];
             for g in 0..d.conv.groups {
-                let cols: &[T] = match d.direct() {
-                    true => &x[g * k * p..][..k * p],
-                    false => {
-                        im2col(d, x, g, &mut col);
-                        &col
-                    }
-                };
                 let dst = &mut acc[g * og * k..][..og * k];
                 let dyg = &dy[g * og * p..][..og * p];
-                // dw[Og, K] += dy[Og, P] · colᵀ[P, K]
-                gemm((og, k, p), dst, true, dyg, (p, 1), cols, (1, p), parallel);
+                // dw[Og, K] += dy[Og, P] · colᵀ[P, K], a block of rows at a time
+                match d.direct() {
+                    true => {
+                        let xg = &x[g * k * p..][..k * p];
+                        gemm(
+                            (og, k, p),
+                            (dst, k),
+                            true,
+                            dyg,
+                            (p, 1),
+                            xg,
+                            (1, p),
+                            parallel,
+                        );
+                    }
+                    false => {
+                        for rows in row_blocks(d.ho, block) {
+                            let n = rows.len() * d.wo;
+                            let a = &dyg[rows.start * d.wo..];
+                            im2col(d, x, g, rows, &mut col[..k * n]);
+                            let c = &col[..k * n];
+                            gemm(
+                                (og, k, n),
+                                (&mut *dst, k),
+                                true,
+                                a,
+                                (p, 1),
+                                c,
+                                (1, n),
+                                parallel,
+                            );
+                        }
+                    }
+                }
             }
         }
         acc
@@ -377,11 +556,27 @@ impl PoolDims {
     }
 }
 
+/// The input positions of output `o`'s window along one axis (`k`
+/// positions `start + i·dilation`), clipped to `0..size`: the first valid
+/// `i` and one past the last.
+fn window_taps(start: isize, k: usize, dilation: usize, size: usize) -> (usize, usize) {
+    valid_range(k, size, dilation, start)
+}
+
 /// Max pooling: `y` and the flat index in its plane of each maximum (the
-/// first on ties; a NaN wins, as in PyTorch).
+/// first on ties; a NaN wins, as in PyTorch). Each window's valid taps are
+/// found once per row and column, so the inner loop has no bounds tests.
 pub fn max_pool2d_forward<T: Float>(d: &PoolDims, x: &[T], y: &mut [T], idx: &mut [i64]) {
     let [kh, kw] = d.pool.kernel;
     let [dh, dw] = d.pool.dilation;
+    // Per output column: its first input column and valid taps.
+    let cols: Vec<(isize, usize, usize)> = (0..d.wo)
+        .map(|ow| {
+            let ws = d.start(1, ow);
+            let (j0, j1) = window_taps(ws, kw, dw, d.w);
+            (ws, j0, j1)
+        })
+        .collect();
     y.par_chunks_mut(d.out_plane().max(1))
         .zip(idx.par_chunks_mut(d.out_plane().max(1)))
         .enumerate()
@@ -389,30 +584,37 @@ pub fn max_pool2d_forward<T: Float>(d: &PoolDims, x: &[T], y: &mut [T], idx: &mu
             let x = &x[pl * d.in_plane()..][..d.in_plane()];
             for oh in 0..d.ho {
                 let hs = d.start(0, oh);
-                for ow in 0..d.wo {
-                    let ws = d.start(1, ow);
-                    let mut best = T::Acc::NEG_INFINITY;
-                    let mut at = -1i64;
-                    for i in 0..kh {
-                        let ih = hs + (i * dh) as isize;
-                        if ih < 0 || ih >= d.h as isize {
-                            continue;
-                        }
-                        for j in 0..kw {
-                            let iw = ws + (j * dw) as isize;
-                            if iw < 0 || iw >= d.w as isize {
-                                continue;
-                            }
-                            let flat = ih as usize * d.w + iw as usize;
-                            let v = x[flat].to_acc();
-                            if at < 0 || v > best || (v.is_nan() && !best.is_nan()) {
+                let (i0, i1) = window_taps(hs, kh, dh, d.h);
+                let y = &mut y[oh * d.wo..(oh + 1) * d.wo];
+                let idx = &mut idx[oh * d.wo..(oh + 1) * d.wo];
+                for (ow, &(ws, j0, j1)) in cols.iter().enumerate() {
+                    if i0 == i1 || j0 == j1 {
+                        // A window wholly in the padding (PyTorch forbids it).
+                        y[ow] = T::from_acc(T::Acc::NEG_INFINITY);
+                        idx[ow] = -1;
+                        continue;
+                    }
+                    let first = (hs + (i0 * dh) as isize) as usize * d.w
+                        + (ws + (j0 * dw) as isize) as usize;
+                    let mut best = x[first].to_acc();
+                    let mut at = first;
+                    for i in i0..i1 {
+                        let base = (hs + (i * dh) as isize) as usize * d.w;
+                        let row = &x[base..][..d.w];
+                        for j in j0..j1 {
+                            let col = (ws + (j * dw) as isize) as usize;
+                            let v = row[col].to_acc();
+                            // v > best, or v a NaN over a number; a NaN stays.
+                            #[allow(clippy::neg_cmp_op_on_partial_ord)]
+                            let replace = !(v <= best) && !best.is_nan();
+                            if replace {
                                 best = v;
-                                at = flat as i64;
+                                at = base + col;
                             }
                         }
                     }
-                    y[oh * d.wo + ow] = T::from_acc(best);
-                    idx[oh * d.wo + ow] = at;
+                    y[ow] = T::from_acc(best);
+                    idx[ow] = at as i64;
                 }
             }
         });
@@ -513,11 +715,11 @@ pub fn avg_pool2d_backward<T: Float>(d: &PoolDims, dy: &[T], dx: &mut [T]) {
 }
 
 #[cfg(test)]
-mod tests {
+mod tests_support {
     use super::*;
 
     /// The convolution by its definition, in f64.
-    fn naive(d: &ConvDims, x: &[f64], w: &[f64]) -> Vec<f64> {
+    pub fn naive(d: &ConvDims, x: &[f64], w: &[f64]) -> Vec<f64> {
         let (cg, og) = (d.cg(), d.og());
         let mut y = vec![0.0; d.n * d.out_sample()];
         for n in 0..d.n {
@@ -553,11 +755,17 @@ mod tests {
         y
     }
 
-    fn values(n: usize, seed: u64) -> Vec<f64> {
+    pub fn values(n: usize, seed: u64) -> Vec<f64> {
         (0..n)
             .map(|i| (((i as u64 * 2654435761 + seed) % 1000) as f64 / 500.0) - 1.0)
             .collect()
     }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::tests_support::*;
+    use super::*;
 
     #[test]
     fn forward_and_its_adjoints_match_the_definition() {
@@ -601,5 +809,96 @@ mod tests {
         let via_x: f64 = dx.iter().zip(&x).map(|(a, b)| a * b).sum();
         let via_w: f64 = dw.iter().zip(&wt).map(|(a, b)| a * b).sum();
         assert!((lhs - via_x).abs() < 1e-9 && (lhs - via_w).abs() < 1e-9);
+    }
+}
+
+#[cfg(test)]
+mod shape_tests {
+    use super::tests_support::*;
+    use super::*;
+
+    /// The im2col fast paths (valid ranges, stride-1 copies, strided
+    /// gathers), the depthwise direct kernel and col2im, over geometries
+    /// whose windows leave the input on either side.
+    #[test]
+    fn every_path_matches_the_definition() {
+        // (c, o, groups, h, w, kh, kw, stride, padding [t, b, l, r], dilation)
+        let cases = [
+            (3, 4, 1, 9, 8, 7, 7, [2, 2], [3, 3, 3, 3], [1, 1]),
+            (4, 4, 4, 7, 6, 3, 3, [1, 1], [1, 1, 1, 1], [1, 1]),
+            (4, 4, 4, 7, 9, 3, 3, [2, 2], [1, 1, 1, 1], [1, 1]),
+            (6, 6, 6, 8, 5, 3, 2, [2, 1], [0, 2, 2, 0], [2, 1]),
+            (4, 6, 2, 5, 5, 1, 1, [2, 2], [0, 0, 0, 0], [1, 1]),
+            (2, 3, 1, 4, 11, 2, 5, [1, 3], [1, 0, 4, 4], [1, 2]),
+            (2, 2, 2, 3, 3, 5, 5, [1, 1], [2, 2, 2, 2], [1, 1]),
+            // An im2col matrix of several blocks (COL_BLOCK).
+            (16, 4, 1, 70, 66, 3, 3, [1, 1], [1, 1, 1, 1], [1, 1]),
+            (32, 4, 2, 66, 130, 3, 3, [1, 2], [0, 1, 1, 1], [1, 1]),
+        ];
+        for (i, &(c, o, groups, h, w, kh, kw, stride, padding, dilation)) in
+            cases.iter().enumerate()
+        {
+            let conv = Conv2d {
+                stride,
+                padding,
+                dilation,
+                groups,
+                activation: Activation::None,
+            };
+            let ho = conv.out_size("t", 0, h, kh).unwrap();
+            let wo = conv.out_size("t", 1, w, kw).unwrap();
+            let d = ConvDims {
+                n: 2,
+                c,
+                h,
+                w,
+                o,
+                kh,
+                kw,
+                ho,
+                wo,
+                conv,
+            };
+            let x = values(2 * c * h * w, 1 + i as u64);
+            let wt = values(o * (c / groups) * kh * kw, 7);
+            let bias = values(o, 5);
+            let mut y = vec![0.0; 2 * o * ho * wo];
+            conv2d_forward(&d, &x, &wt, Some(&bias), &mut y);
+            let want = naive(&d, &x, &wt);
+            for (j, (a, b)) in y.iter().zip(&want).enumerate() {
+                let b = b + bias[(j / (ho * wo)) % o];
+                assert!((a - b).abs() < 1e-12, "case {i}: {a} vs {b}");
+            }
+            let dy = values(y.len(), 3);
+            let lhs: f64 = dy.iter().zip(&want).map(|(a, b)| a * b).sum();
+            let mut dx = vec![0.0; x.len()];
+            conv2d_backward_input(&d, &dy, &wt, &mut dx);
+            let via_x: f64 = dx.iter().zip(&x).map(|(a, b)| a * b).sum();
+            assert!((lhs - via_x).abs() < 1e-9, "case {i}: {lhs} vs {via_x}");
+            let mut dw = vec![0.0; wt.len()];
+            conv2d_backward_weight(&d, &x, &dy, &mut dw);
+            let via_w: f64 = dw.iter().zip(&wt).map(|(a, b)| a * b).sum();
+            assert!((lhs - via_w).abs() < 1e-9, "case {i}: {lhs} vs {via_w}");
+        }
+    }
+
+    #[test]
+    fn valid_ranges_are_the_outputs_inside_the_input() {
+        for out in 0..6 {
+            for size in 1..6 {
+                for stride in 1..4 {
+                    for offset in -4isize..4 {
+                        let (lo, hi) = valid_range(out, size, stride, offset);
+                        let want: Vec<usize> = (0..out)
+                            .filter(|&o| {
+                                (0..size as isize)
+                                    .contains(&(o as isize * stride as isize + offset))
+                            })
+                            .collect();
+                        assert_eq!((lo..hi).collect::<Vec<_>>(), want);
+                    }
+                }
+            }
+        }
     }
 }
