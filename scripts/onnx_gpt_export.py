@@ -12,11 +12,11 @@ batch size B (default 1 and 32), and prints ONNX Runtime's median latency
 
 import os
 import sys
-import time
 
 import numpy as np
 import torch
 import torch.nn as nn
+from ort_bench import cpu_session, timed
 
 VOCAB, D, HEADS, LAYERS, SEQ = 1024, 256, 4, 4, 128
 
@@ -83,25 +83,17 @@ def main():
     )
     import onnxruntime as ort
 
-    opts = ort.SessionOptions()
-    opts.intra_op_num_threads = os.cpu_count()
-    sess = ort.InferenceSession(path, opts, providers=["CPUExecutionProvider"])
+    sess = cpu_session(path)
     rng = np.random.default_rng(0)
     for b in batches:
         tokens = rng.integers(0, VOCAB, size=(b, SEQ), dtype=np.int64)
         np.save(os.path.join(out, f"tokens_{b}.npy"), tokens)
-        for _ in range(3):
-            logits = sess.run(None, {"tokens": tokens})[0]
-        times = []
-        for _ in range(10):
-            t0 = time.perf_counter()
-            sess.run(None, {"tokens": tokens})
-            times.append((time.perf_counter() - t0) * 1e3)
+        logits, median = timed(sess, {"tokens": tokens}, 3, 10)
         np.save(os.path.join(out, f"ort_logits_{b}.npy"), logits)
         with torch.no_grad():
             ref = model(torch.from_numpy(tokens)).numpy()
         print(
-            f"onnxruntime {ort.__version__} batch {b}: median {np.median(times):.3f} ms "
+            f"onnxruntime {ort.__version__} batch {b}: median {median:.3f} ms "
             f"(max |ORT - torch| {np.abs(logits - ref).max():.2e})"
         )
 

@@ -15,11 +15,11 @@ Compare tessera's output with `onnx_resnet_export.py --compare A.npy B.npy`.
 
 import os
 import sys
-import time
 
 import numpy as np
 import torch
 import torch.nn as nn
+from ort_bench import cpu_session, timed
 
 
 class Bottleneck(nn.Module):
@@ -110,25 +110,17 @@ def main():
     )
     import onnxruntime as ort
 
-    opts = ort.SessionOptions()
-    opts.intra_op_num_threads = os.cpu_count()
-    sess = ort.InferenceSession(path, opts, providers=["CPUExecutionProvider"])
+    sess = cpu_session(path)
     rng = np.random.default_rng(0)
     for b in batches:
         x = rng.standard_normal((b, 3, 224, 224), dtype=np.float32)
         np.save(os.path.join(out, f"x_{b}.npy"), x)
-        for _ in range(2):
-            logits = sess.run(None, {"x": x})[0]
-        times = []
-        for _ in range(5):
-            t0 = time.perf_counter()
-            sess.run(None, {"x": x})
-            times.append((time.perf_counter() - t0) * 1e3)
+        logits, median = timed(sess, {"x": x}, 2, 5)
         np.save(os.path.join(out, f"ort_logits_{b}.npy"), logits)
         with torch.no_grad():
             ref = model(torch.from_numpy(x)).numpy()
         print(
-            f"onnxruntime {ort.__version__} batch {b}: median {np.median(times):.3f} ms "
+            f"onnxruntime {ort.__version__} batch {b}: median {median:.3f} ms "
             f"(max |ORT - torch| {np.abs(logits - ref).max():.2e})"
         )
 

@@ -173,17 +173,8 @@ impl<F: Fn(&[Tensor]) -> Vec<Tensor>> Compiled<F> {
         args: &mut Vec<Tensor>,
         donate: &[usize],
     ) -> Result<Vec<Tensor>> {
-        if let Some(&bad) = donate.iter().find(|&&i| i >= args.len()) {
-            return Err(crate::error::Error::op(
-                crate::error::ErrorKind::Argument,
-                "compile",
-                format!(
-                    "cannot donate argument {bad} of a call with {} arguments",
-                    args.len()
-                ),
-            ));
-        }
-        self.call_with(args, &Donations::inputs(donate))
+        let donations = checked_donations(args.len(), donate, &[])?;
+        self.call_with(args, &donations)
     }
 
     /// [`Compiled::try_call_donating`] the arguments at `updates`' first
@@ -202,33 +193,8 @@ impl<F: Fn(&[Tensor]) -> Vec<Tensor>> Compiled<F> {
         updates: &[(usize, usize)],
     ) -> Result<Vec<Tensor>> {
         let donate: Vec<usize> = updates.iter().map(|&(i, _)| i).collect();
-        let mut inputs = donate.clone();
-        inputs.sort_unstable();
-        inputs.dedup();
-        if let Some(&bad) = donate.iter().find(|&&i| i >= args.len()) {
-            return Err(crate::error::Error::op(
-                crate::error::ErrorKind::Argument,
-                "compile",
-                format!(
-                    "cannot donate argument {bad} of a call with {} arguments",
-                    args.len()
-                ),
-            ));
-        }
-        if inputs.len() != donate.len() {
-            return Err(crate::error::Error::op(
-                crate::error::ErrorKind::Argument,
-                "compile",
-                format!("an argument paired with two outputs in {updates:?}"),
-            ));
-        }
-        self.call_with(
-            args,
-            &Donations {
-                inputs,
-                becomes: updates.to_vec(),
-            },
-        )
+        let donations = checked_donations(args.len(), &donate, updates)?;
+        self.call_with(args, &donations)
     }
 
     /// The call path: `args` are taken when the executable runs.
@@ -400,11 +366,63 @@ fn install_state(state: &[StateWrite], mut out: Vec<Tensor>) -> Vec<Tensor> {
     out
 }
 
+/// The donations of a call with `n_args` arguments: the positions `donate`
+/// (each once, in range) and the `(argument, output)` pairs `updates`
+/// (each argument and each output paired once).
+fn checked_donations(
+    n_args: usize,
+    donate: &[usize],
+    updates: &[(usize, usize)],
+) -> Result<Donations> {
+    let bad = |message: String| {
+        crate::error::Error::op(crate::error::ErrorKind::Argument, "compile", message)
+    };
+    if let Some(&i) = donate.iter().find(|&&i| i >= n_args) {
+        return Err(bad(format!(
+            "cannot donate argument {i} of a call with {n_args} arguments"
+        )));
+    }
+    let mut inputs = donate.to_vec();
+    inputs.sort_unstable();
+    inputs.dedup();
+    let mut outputs: Vec<usize> = updates.iter().map(|&(_, o)| o).collect();
+    outputs.sort_unstable();
+    outputs.dedup();
+    if !updates.is_empty() && (inputs.len() != donate.len() || outputs.len() != updates.len()) {
+        return Err(bad(format!(
+            "an argument or an output paired twice in {updates:?}"
+        )));
+    }
+    Ok(Donations {
+        inputs,
+        becomes: updates.to_vec(),
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::ir::DType;
     use std::cell::Cell;
+
+    #[test]
+    fn donations_are_checked_in_range_and_paired_once() {
+        let d = checked_donations(3, &[2, 0], &[]).unwrap();
+        assert_eq!(d.inputs, [0, 2]);
+        let e = checked_donations(2, &[2], &[]).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("cannot donate argument 2 of a call with 2"),
+            "{e}"
+        );
+        let d = checked_donations(3, &[1, 2], &[(1, 0), (2, 1)]).unwrap();
+        assert_eq!(d.becomes, [(1, 0), (2, 1)]);
+        for twice in [[(1, 0), (1, 1)], [(1, 0), (2, 0)]] {
+            let donate: Vec<usize> = twice.iter().map(|p| p.0).collect();
+            let e = checked_donations(3, &donate, &twice).unwrap_err();
+            assert!(e.to_string().contains("paired twice"), "{e}");
+        }
+    }
 
     fn x(n: usize) -> [Tensor; 1] {
         [Tensor::from_vec((0..n).map(|i| i as f64).collect(), &[n])]
