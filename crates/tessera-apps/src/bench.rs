@@ -32,7 +32,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::Serialize;
 
-use tessera::compile::{train_step, Mode as CompileMode, TrainStep};
+use tessera::compile::{compile, train_step, Compiled, Mode as CompileMode, TrainStep};
 use tessera::error::{Error, ErrorKind, Result};
 use tessera::hints::Strategy;
 use tessera::nn::{try_cross_entropy, ParamStore, TransformerConfig, TransformerLM};
@@ -51,6 +51,12 @@ pub enum Mode {
     /// graph: `tessera::compile::train_step`.
     #[default]
     Compiled,
+    /// The model and its loss compiled (`tessera::compile`: a forward and
+    /// an ahead-of-time backward graph, the activations the backward
+    /// needs saved between them), the AdamW update eager: what
+    /// `torch.compile(model)` does, and the form in which a memory budget
+    /// can recompute saved activations or move them to host memory.
+    CompiledModel,
 }
 
 impl Mode {
@@ -58,6 +64,7 @@ impl Mode {
         match self {
             Mode::Eager => "eager",
             Mode::Compiled => "compiled",
+            Mode::CompiledModel => "compiled-model",
         }
     }
 }
@@ -68,7 +75,10 @@ impl std::str::FromStr for Mode {
         match s {
             "eager" => Ok(Mode::Eager),
             "compiled" => Ok(Mode::Compiled),
-            _ => Err(format!("unknown mode `{s}` (expected eager or compiled)")),
+            "compiled-model" => Ok(Mode::CompiledModel),
+            _ => Err(format!(
+                "unknown mode `{s}` (expected eager, compiled or compiled-model)"
+            )),
         }
     }
 }
@@ -189,11 +199,19 @@ impl GptBenchConfig {
                 "--schedule orders the compiled step's kernels: not with --mode eager".into(),
             );
         }
-        if !self.retrace && self.mode == Mode::Eager {
-            problems.push("--no-retrace is about the compiled step: not with --mode eager".into());
+        if !self.retrace && self.mode != Mode::Compiled {
+            problems.push(format!(
+                "--no-retrace is about the whole compiled step: only with --mode compiled, \
+                 not {}",
+                self.mode
+            ));
         }
-        if self.cuda_graphs && self.mode == Mode::Eager {
-            problems.push("--cuda-graphs is about the compiled step: not with --mode eager".into());
+        if self.cuda_graphs && self.mode != Mode::Compiled {
+            problems.push(format!(
+                "--cuda-graphs records the whole compiled step: only with --mode compiled, \
+                 not {}",
+                self.mode
+            ));
         }
         match self.memory_budget_mb {
             Some(_) if self.mode == Mode::Eager => problems.push(
@@ -431,6 +449,35 @@ enum Stepper<'a> {
         /// the compiler's complaint about the empty stand-in loss.
         error: Rc<RefCell<Option<Error>>>,
     },
+    CompiledModel {
+        loss: Box<Compiled<LossFn<'a>>>,
+        optimizer: AdamW,
+        precision: MixedPrecision,
+        /// As `Compiled`'s.
+        error: Rc<RefCell<Option<Error>>>,
+    },
+}
+
+/// The compiled loss function of [`Mode::CompiledModel`].
+type LossFn<'a> = Box<dyn Fn(&[Tensor]) -> Vec<Tensor> + 'a>;
+
+/// The loss of `model` as a function a compiler traces: it must return
+/// tensors, so an error is kept in `error` and an empty tensor returned
+/// in its place (which the caller reports as that error).
+fn kept_loss<'a>(
+    model: &'a TransformerLM,
+    vocab: usize,
+    dtype: DType,
+    error: Rc<RefCell<Option<Error>>>,
+) -> impl Fn(&[Tensor]) -> Tensor + 'a {
+    move |data: &[Tensor]| match in_precision(dtype, || loss(model, vocab, data)) {
+        Ok(l) => l,
+        Err(e) => {
+            error.borrow_mut().get_or_insert(e);
+            // Not a scalar: the compiled step stops with an error.
+            Tensor::zeros(&[0], DType::F32)
+        }
+    }
 }
 
 impl<'a> Stepper<'a> {
@@ -448,22 +495,30 @@ impl<'a> Stepper<'a> {
                 optimizer,
                 precision: MixedPrecision::new(dtype, store.parameters())?,
             },
+            Mode::CompiledModel => {
+                let error = Rc::new(RefCell::new(None));
+                let loss_fn = kept_loss(model, vocab, dtype, error.clone());
+                let traced: LossFn<'a> = Box::new(move |data: &[Tensor]| vec![loss_fn(data)]);
+                let mut loss = compile(traced);
+                if let Some(mb) = config.memory_budget_mb {
+                    loss = loss.memory_budget(mib_to_bytes(mb));
+                }
+                if let Some(order) = config.schedule {
+                    loss = loss.schedule(order);
+                }
+                Stepper::CompiledModel {
+                    loss: Box::new(loss),
+                    optimizer,
+                    precision: MixedPrecision::new(dtype, store.parameters())?,
+                    error,
+                }
+            }
             Mode::Compiled => {
                 let error = Rc::new(RefCell::new(None));
-                let kept = error.clone();
-                let loss_fn = move |data: &[Tensor]| {
-                    match in_precision(dtype, || loss(model, vocab, data)) {
-                        Ok(l) => l,
-                        Err(e) => {
-                            kept.borrow_mut().get_or_insert(e);
-                            // Not a scalar: train_step stops with an error.
-                            Tensor::zeros(&[0], DType::F32)
-                        }
-                    }
-                };
+                let loss_fn = kept_loss(model, vocab, dtype, error.clone());
                 let mut step = train_step(loss_fn, optimizer).name("bench_gpt_step");
                 if let Some(mb) = config.memory_budget_mb {
-                    step = step.memory_budget((mb * (1u64 << 20) as f64) as usize);
+                    step = step.memory_budget(mib_to_bytes(mb));
                 }
                 if let Some(order) = config.schedule {
                     step = step.schedule(order);
@@ -506,6 +561,24 @@ impl<'a> Stepper<'a> {
                 }
                 result
             }
+            Stepper::CompiledModel {
+                loss,
+                optimizer,
+                precision,
+                error,
+            } => {
+                optimizer.zero_grad();
+                // The autocast scope is the trace's: compile traces the
+                // loss inside it on every call.
+                let l = precision.forward(|| loss.try_call(data));
+                if let Some(e) = error.borrow_mut().take() {
+                    return Err(e);
+                }
+                let l = l?.swap_remove(0);
+                precision.backward(&l)?;
+                precision.step(optimizer)?;
+                Ok(l)
+            }
         }
     }
 
@@ -513,9 +586,11 @@ impl<'a> Stepper<'a> {
     /// (f16 only).
     fn loss_scaler(&self) -> Result<Option<(f64, usize)>> {
         match self {
-            Stepper::Eager { precision, .. } => Ok(precision
-                .scaler()
-                .map(|s| (s.scale_factor(), s.skipped_steps()))),
+            Stepper::Eager { precision, .. } | Stepper::CompiledModel { precision, .. } => {
+                Ok(precision
+                    .scaler()
+                    .map(|s| (s.scale_factor(), s.skipped_steps())))
+            }
             Stepper::Compiled { step, .. } => Ok(step.loss_scale()?.zip(step.skipped_steps()?)),
         }
     }
@@ -528,12 +603,16 @@ impl<'a> Stepper<'a> {
                 let s = step.stats();
                 Some((s.compile_seconds, s.trace_seconds, s.compiles))
             }
+            Stepper::CompiledModel { loss, .. } => {
+                let s = loss.stats();
+                Some((s.compile_seconds, s.trace_seconds, s.compiles))
+            }
         }
     }
 
     fn replay_stats(&self) -> Option<ReplayStats> {
         match self {
-            Stepper::Eager { .. } => None,
+            Stepper::Eager { .. } | Stepper::CompiledModel { .. } => None,
             Stepper::Compiled { step, .. } => Some(step.replay_stats()),
         }
     }
@@ -548,6 +627,11 @@ fn too_large(params: usize, why: String) -> Error {
              do not fit on this device: {why}"
         ),
     )
+}
+
+/// `mb` MiB in bytes (validated finite and non-negative).
+fn mib_to_bytes(mb: f64) -> usize {
+    (mb * (1u64 << 20) as f64) as usize
 }
 
 fn mib(bytes: usize) -> f64 {
@@ -645,7 +729,9 @@ fn run_here(
         warmup: config.warmup,
         schedule: match config.mode {
             Mode::Eager => None,
-            Mode::Compiled => Some(config.schedule.map_or("default", Strategy::name).into()),
+            Mode::Compiled | Mode::CompiledModel => {
+                Some(config.schedule.map_or("default", Strategy::name).into())
+            }
         },
         retrace: (config.mode == Mode::Compiled).then_some(config.retrace && !config.cuda_graphs),
         memory_budget_mb: config.memory_budget_mb,
@@ -713,7 +799,7 @@ mod tests {
         );
         // Every precision in both modes (f16 compiled: the step's loss
         // scaler).
-        for mode in [Mode::Eager, Mode::Compiled] {
+        for mode in [Mode::Eager, Mode::Compiled, Mode::CompiledModel] {
             for dtype in [DType::F32, DType::BF16, DType::F16] {
                 let c = GptBenchConfig {
                     dtype,
@@ -730,6 +816,50 @@ mod tests {
         let e = c.validate().unwrap_err().to_string();
         assert!(e.contains("not with --mode eager"), "{e}");
         assert!(e.contains("dtype must be f32, bf16 or f16, got i64"), "{e}");
+        let c = GptBenchConfig {
+            cuda_graphs: true,
+            retrace: false,
+            ..tiny(Mode::CompiledModel)
+        };
+        let e = c.validate().unwrap_err().to_string();
+        assert!(
+            e.contains("--cuda-graphs records the whole compiled step"),
+            "{e}"
+        );
+        assert!(
+            e.contains("--no-retrace is about the whole compiled step"),
+            "{e}"
+        );
+    }
+
+    /// The compiled model (forward and ahead-of-time backward, AdamW eager)
+    /// trains as the eager loop does, step for step; under a memory budget
+    /// too small for its saved activations it recomputes or offloads some
+    /// (the log says which) and still trains the same.
+    #[test]
+    fn the_compiled_model_steps_as_eager_does() {
+        let steps = |mode, budget| {
+            let c = GptBenchConfig {
+                memory_budget_mb: budget,
+                ..tiny(mode)
+            };
+            run_gpt(&c, Device::Cpu, |_| {}).unwrap()
+        };
+        let eager = steps(Mode::Eager, None);
+        for budget in [None, Some(0.0)] {
+            let compiled = steps(Mode::CompiledModel, budget);
+            assert_eq!(compiled.mode, "compiled-model");
+            assert_eq!(compiled.compiles, Some(1));
+            for (a, b) in [
+                (compiled.loss_first, eager.loss_first),
+                (compiled.loss_last, eager.loss_last),
+            ] {
+                assert!(
+                    (a - b).abs() <= 1e-4 * b.abs(),
+                    "{budget:?}: {a} vs eager {b}"
+                );
+            }
+        }
     }
 
     /// The parameter count is gpt_torch.py's, the one the model has.

@@ -93,8 +93,11 @@ pub struct GptArgs {
     /// f16 with a dynamic loss scaler, eager or inside the compiled step).
     #[arg(long, default_value_t = defaults().dtype)]
     dtype: DType,
-    /// eager (op by op) or compiled (the whole step as one graph:
-    /// tessera::compile::train_step).
+    /// eager (op by op), compiled (the whole step as one graph:
+    /// tessera::compile::train_step) or compiled-model (the model and loss
+    /// compiled with an ahead-of-time backward, AdamW eager: what
+    /// torch.compile(model) does; a memory budget can then recompute the
+    /// saved activations or move them to host memory).
     #[arg(long, default_value_t = defaults().mode, value_parser = str::parse::<Mode>)]
     mode: Mode,
     /// cpu or cuda: where the model, the optimizer state and the steps run.
@@ -118,8 +121,10 @@ pub struct GptArgs {
     /// (TESSERA_LOGS=cudagraphs says why).
     #[arg(long)]
     cuda_graphs: bool,
-    /// Compiled: the step's memory budget in MiB; the JSON's `peak_mb` is
-    /// what the device's allocator then measured.
+    /// Compiled: the memory budget in MiB of the step's graph (compiled)
+    /// or of the model's forward graph (compiled-model: saved activations
+    /// over it are recomputed or offloaded, by estimated cost); the JSON's
+    /// `peak_mb` is what the device's allocator then measured.
     #[arg(long)]
     memory_budget_mb: Option<f64>,
 }

@@ -66,10 +66,12 @@ pub struct AotGraphs {
     pub recomputed_by_cost: usize,
 }
 
-/// A saved activation the partition could recompute instead: its node in
-/// the joint graph, its bytes, and the forward nodes a recomputation runs
-/// (itself and what it needs that is not saved), for a cost model to weigh
-/// (see [`aot_autograd_choosing`]).
+/// A saved activation the partition could take off the device: its node
+/// in the joint graph, its bytes, and the forward nodes a recomputation
+/// runs (itself and what it needs that is not saved; empty when it cannot
+/// be recomputed — a custom op's output, an output of the function — and
+/// can only move to host memory), for a cost model to weigh (see
+/// [`aot_autograd_choosing`]).
 #[derive(Clone, Debug, PartialEq)]
 pub struct SavedCandidate {
     pub node: NodeId,
@@ -77,9 +79,21 @@ pub struct SavedCandidate {
     pub recompute: Vec<NodeId>,
 }
 
-/// Per candidate, whether to recompute it (`true`) or keep saving it
-/// (to be offloaded); given the joint graph the nodes are in.
-pub type SaveChoice<'a> = &'a dyn Fn(&Graph, &[SavedCandidate]) -> Vec<bool>;
+/// Where a saved activation waits for the backward.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SavedAs {
+    /// In device memory (the default).
+    Device,
+    /// Nowhere: the backward recomputes it (only for candidates with a
+    /// recomputation).
+    Recompute,
+    /// In host memory: offloaded after its last forward use, prefetched
+    /// before its first backward use.
+    Host,
+}
+
+/// Per candidate, where it waits; given the joint graph the nodes are in.
+pub type SaveChoice<'a> = &'a dyn Fn(&Graph, &[SavedCandidate]) -> Vec<SavedAs>;
 
 /// Splits `graph` into forward and backward graphs for the gradients of its
 /// float outputs with respect to the inputs at positions `wrt`.
@@ -88,11 +102,11 @@ pub fn aot_autograd(graph: &Graph, wrt: &[usize], partition: Partition) -> Resul
 }
 
 /// [`aot_autograd`] for a graph whose saved activations do not fit a memory
-/// budget: `choose` (when given) decides, per saved activation, between
-/// recomputing it in the backward and saving it; those saved are all
-/// [`AotGraphs::offloaded`] (moved to host memory). Each candidate is
-/// weighed alone (recomputing several that share ancestors costs less
-/// than their sum).
+/// budget: `choose` (when given) decides, per saved activation, whether it
+/// stays on the device, is recomputed in the backward, or waits in host
+/// memory ([`AotGraphs::offloaded`]). Each candidate is weighed alone
+/// (recomputing several that share ancestors costs less than their sum);
+/// what a recomputation newly needs saved stays on the device.
 pub fn aot_autograd_choosing(
     graph: &Graph,
     wrt: &[usize],
@@ -175,20 +189,29 @@ pub fn aot_autograd_choosing(
         let kept: HashSet<NodeId> = saved.iter().copied().collect();
         let candidates: Vec<SavedCandidate> = saved
             .iter()
-            .filter(|&&id| recomputable(&joint.graph, id, &outputs))
+            .filter(|&&id| !matches!(joint.graph.node(id).op, Op::Input))
             .map(|&id| SavedCandidate {
                 node: id,
                 bytes: bytes_of(&joint.graph.node(id).ty),
-                recompute: recompute_walk(&joint.graph, &split.forward, &kept, id, &outputs),
+                recompute: match recomputable(&joint.graph, id, &outputs) {
+                    true => recompute_walk(&joint.graph, &split.forward, &kept, id, &outputs),
+                    false => Vec::new(),
+                },
             })
             .collect();
         let decided = choose(&joint.graph, &candidates);
-        let forced: HashSet<NodeId> = candidates
-            .iter()
-            .zip(&decided)
-            .filter(|(_, &r)| r)
-            .map(|(c, _)| c.node)
-            .collect();
+        let chosen_as = |way: SavedAs| -> HashSet<NodeId> {
+            candidates
+                .iter()
+                .zip(&decided)
+                .filter(|(c, &w)| {
+                    // A choice to recompute what cannot be is not taken.
+                    w == way && (way != SavedAs::Recompute || !c.recompute.is_empty())
+                })
+                .map(|(c, _)| c.node)
+                .collect()
+        };
+        let forced = chosen_as(SavedAs::Recompute);
         recomputed_by_cost = forced.len();
         if !forced.is_empty() {
             let partitioned = saved.clone();
@@ -201,12 +224,9 @@ pub fn aot_autograd_choosing(
                 &forced,
             );
         }
-        // Every activation still saved waits in host memory (what a
-        // recomputation newly needs saved too).
-        chosen_offload = saved
-            .iter()
-            .copied()
-            .filter(|id| !forced.contains(id))
+        chosen_offload = chosen_as(SavedAs::Host)
+            .into_iter()
+            .filter(|id| saved.contains(id))
             .collect();
     }
     let recomputed = made_before_the_backward(

@@ -16,6 +16,6 @@ pub use crate::tensor::tape::{
     custom_function, custom_function_at, enable_grad, is_grad_enabled, no_grad, BackwardFn,
 };
 pub use aot::{
-    aot_autograd, aot_autograd_choosing, AotGraphs, Partition, SaveChoice, SavedCandidate,
+    aot_autograd, aot_autograd_choosing, AotGraphs, Partition, SaveChoice, SavedAs, SavedCandidate,
 };
 pub use engine::grad;

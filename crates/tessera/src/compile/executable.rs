@@ -4,7 +4,7 @@
 use std::sync::{Arc, Mutex};
 
 use super::{Backend, CompileOptions};
-use crate::autograd::{self, aot_autograd, aot_autograd_choosing, SavedCandidate};
+use crate::autograd::{self, aot_autograd, aot_autograd_choosing, SavedAs, SavedCandidate};
 use crate::error::Result;
 use crate::fusion::{self, Plan};
 use crate::ir::{Graph, NodeId};
@@ -296,6 +296,22 @@ impl Program {
             .is_some_and(|s| s.schedule.warnings.iter().any(|w| w.contains("budget")))
     }
 
+    /// Whether its plan fits `budget`: the memory plan's predicted peak,
+    /// offloads counted, against the compile option's budget; a region's
+    /// hinted budget (`budget` `None`) by the schedule's word.
+    fn fits(&self, budget: Option<usize>) -> bool {
+        match (self.predicted_peak(), budget) {
+            (Some(peak), Some(budget)) => peak <= budget,
+            _ => !self.over_budget(),
+        }
+    }
+
+    /// Its memory plan's predicted peak in bytes (`None` without a plan).
+    fn predicted_peak(&self) -> Option<usize> {
+        let lowered = self.lowered.as_ref()?;
+        Some(lowered.scheduled.as_ref()?.memory.peak_bytes)
+    }
+
     /// The positions of the outputs its memory plan offloads (`None`
     /// without a plan: a symbolic graph's plans are made per size).
     fn offloaded_outputs(&self) -> Option<Vec<usize>> {
@@ -458,40 +474,66 @@ impl Executable {
                 &Donations::default(),
                 &offload(&offloaded),
             )?;
-            // A budget that ordering does not meet: each saved activation
-            // is recomputed in the backward or waits in host memory,
-            // whichever the cost model says is faster (symbolic graphs,
-            // whose sizes are not known, offload them all).
+            // A budget that ordering does not meet: saved activations
+            // leave the device, cheapest per byte first, until the
+            // forward's predicted peak fits — each recomputed in the
+            // backward or waiting in host memory, whichever the cost model
+            // says is faster (symbolic graphs, whose sizes are not known,
+            // offload them all).
             if fused && forward.over_budget() && offloaded.len() < aot.offloadable.len() {
-                match is_symbolic(&graph) {
-                    true => offloaded = aot.offloadable.clone(),
-                    false => {
-                        let costs = DeviceCosts::of(on);
-                        let choose = |joint: &Graph, candidates: &[SavedCandidate]| {
-                            save_or_recompute(joint, candidates, &costs)
-                        };
-                        aot =
-                            aot_autograd_choosing(&graph, &wrt, options.partition, Some(&choose))?;
-                        offloaded = aot.offloaded.clone();
+                let budget = options.memory_budget;
+                let mut excess = excess_bytes(forward.predicted_peak(), budget);
+                let mut placed_before = None;
+                for _ in 0..BUDGET_ROUNDS {
+                    match is_symbolic(&graph) {
+                        true => offloaded = aot.offloadable.clone(),
+                        false => {
+                            let costs = DeviceCosts::of(on);
+                            let choose = |joint: &Graph, candidates: &[SavedCandidate]| {
+                                place_saved(joint, candidates, &costs, excess)
+                            };
+                            aot = aot_autograd_choosing(
+                                &graph,
+                                &wrt,
+                                options.partition,
+                                Some(&choose),
+                            )?;
+                            offloaded = aot.offloaded.clone();
+                        }
                     }
+                    forward = Program::new(
+                        aot.forward.clone(),
+                        fused,
+                        options,
+                        on,
+                        &Donations::default(),
+                        &offload(&offloaded),
+                    )?;
+                    log("memory", || {
+                        format!(
+                            "graph `{name}`: the memory budget is not met by ordering; {excess} \
+                             bytes of saved activations asked off the device: by estimated \
+                             cost ({on}: transfer vs recompute) {} recompute in the backward \
+                             and {} wait in host memory; predicted peak now {:?} bytes",
+                            aot.recomputed_by_cost,
+                            offloaded.len(),
+                            forward.predicted_peak()
+                        )
+                    });
+                    // Done when the plan (with its moves) fits, or when
+                    // asking more moved nothing more.
+                    let placed = Some((aot.recomputed_by_cost, offloaded.len()));
+                    if forward.fits(budget) || is_symbolic(&graph) || placed == placed_before {
+                        break;
+                    }
+                    placed_before = placed;
+                    // A value off the device lowers the peak by less
+                    // than its bytes where it was not live at the peak:
+                    // ask twice as much again, plus what is still over.
+                    excess = excess
+                        .saturating_mul(2)
+                        .saturating_add(excess_bytes(forward.predicted_peak(), budget));
                 }
-                log("memory", || {
-                    format!(
-                        "graph `{name}`: the memory budget is not met by ordering; by estimated \
-                         cost ({on}: transfer vs recompute) {} saved activations recompute in \
-                         the backward and {} wait in host memory",
-                        aot.recomputed_by_cost,
-                        offloaded.len()
-                    )
-                });
-                forward = Program::new(
-                    aot.forward.clone(),
-                    fused,
-                    options,
-                    on,
-                    &Donations::default(),
-                    &offload(&offloaded),
-                )?;
             }
             // What the forward's plan moves (some saved values cannot
             // move: views of others), else all that were asked.
@@ -607,25 +649,67 @@ impl Executable {
     }
 }
 
-/// Per saved activation, whether recomputing it in the backward is
-/// estimated faster than moving it to host memory and back on a device
-/// with `costs` (see [`cost::choose`]).
-fn save_or_recompute(
+/// How many times the forward is re-partitioned for a budget before its
+/// plan is run over budget (each round asks about three times the bytes
+/// off the device: 3⁵ covers what any plan's peak can miss by).
+const BUDGET_ROUNDS: usize = 6;
+
+/// The bytes a predicted peak is over `budget` (all of them, `usize::MAX`,
+/// when either is unknown: a region's hinted budget, a plan-less graph).
+fn excess_bytes(peak: Option<usize>, budget: Option<usize>) -> usize {
+    match (peak, budget) {
+        (Some(peak), Some(budget)) => peak.saturating_sub(budget).max(1),
+        _ => usize::MAX,
+    }
+}
+
+/// Where each saved activation waits under a budget that needs `excess`
+/// bytes off the device: the candidates are taken cheapest per byte first
+/// (seconds of recomputation, or of two copies for one that can only
+/// move), each recomputed in the backward or moved to host memory as
+/// [`cost::choose`] estimates faster on a device with `costs`, until
+/// `excess` bytes are off; the rest stay on the device.
+fn place_saved(
     joint: &Graph,
     candidates: &[SavedCandidate],
     costs: &DeviceCosts,
-) -> Vec<bool> {
-    candidates
+    excess: usize,
+) -> Vec<SavedAs> {
+    let ways: Vec<(SavedAs, f64)> = candidates
         .iter()
-        .map(|c| {
-            let seconds: f64 = c
-                .recompute
-                .iter()
-                .map(|&n| cost::node_seconds(joint, n, costs))
-                .sum();
-            cost::choose(c.bytes, seconds, costs) == Choice::Recompute
-        })
-        .collect()
+        .map(|c| cheaper_way(joint, c, costs))
+        .collect();
+    let per_byte = |i: usize| ways[i].1 / candidates[i].bytes.max(1) as f64;
+    let mut order: Vec<usize> = (0..candidates.len()).collect();
+    order.sort_by(|&a, &b| per_byte(a).total_cmp(&per_byte(b)));
+    let mut placed = vec![SavedAs::Device; candidates.len()];
+    let mut off = 0usize;
+    for i in order {
+        if off >= excess {
+            break;
+        }
+        placed[i] = ways[i].0;
+        off = off.saturating_add(candidates[i].bytes);
+    }
+    placed
+}
+
+/// Recompute or offload, whichever is estimated faster for `c`, and its
+/// estimated seconds (see [`cost::choose`]).
+fn cheaper_way(joint: &Graph, c: &SavedCandidate, costs: &DeviceCosts) -> (SavedAs, f64) {
+    let copies = 2.0 * costs.transfer_seconds(c.bytes);
+    if c.recompute.is_empty() {
+        return (SavedAs::Host, copies);
+    }
+    let seconds: f64 = c
+        .recompute
+        .iter()
+        .map(|&n| cost::node_seconds(joint, n, costs))
+        .sum();
+    match cost::choose(c.bytes, seconds, costs) {
+        Choice::Recompute => (SavedAs::Recompute, seconds),
+        Choice::Offload => (SavedAs::Host, copies),
+    }
 }
 
 fn is_symbolic(graph: &Graph) -> bool {
@@ -684,7 +768,8 @@ mod tests {
     }
 
     fn chosen(costs: DeviceCosts) -> (usize, usize, usize) {
-        let choose = |joint: &Graph, c: &[SavedCandidate]| save_or_recompute(joint, c, &costs);
+        let choose =
+            |joint: &Graph, c: &[SavedCandidate]| place_saved(joint, c, &costs, usize::MAX);
         let aot = aot_autograd_choosing(&layers(), &[0, 1, 2], Partition::SaveAll, Some(&choose))
             .unwrap();
         (
@@ -721,9 +806,66 @@ mod tests {
     }
 
     #[test]
+    fn a_small_excess_takes_only_the_cheapest_saved_values_off_the_device() {
+        let gpu = DeviceCosts::of(Device::Cuda);
+        let joint = aot_autograd(&layers(), &[0, 1, 2], Partition::SaveAll)
+            .unwrap()
+            .joint;
+        let mib = 1 << 20;
+        // Node ids of the joint graph are only weighed, never run here: a
+        // tanh (cheap to recompute), a matmul chain (dearer per byte), and
+        // a value that can only move.
+        let tanh = joint
+            .nodes
+            .iter()
+            .position(|n| n.op.name() == "tanh")
+            .map(|i| NodeId(i as u32))
+            .unwrap();
+        let matmul = joint
+            .nodes
+            .iter()
+            .position(|n| n.op.name() == "matmul")
+            .map(|i| NodeId(i as u32))
+            .unwrap();
+        let candidates = [
+            SavedCandidate {
+                node: tanh,
+                bytes: mib,
+                recompute: vec![matmul, tanh],
+            },
+            SavedCandidate {
+                node: tanh,
+                bytes: mib,
+                recompute: vec![tanh],
+            },
+            SavedCandidate {
+                node: tanh,
+                bytes: mib,
+                recompute: vec![],
+            },
+        ];
+        let placed = |excess| place_saved(&joint, &candidates, &gpu, excess);
+        assert_eq!(
+            placed(1),
+            [SavedAs::Device, SavedAs::Recompute, SavedAs::Device],
+            "one value is enough: the cheapest per byte"
+        );
+        assert_eq!(placed(mib + 1)[0], SavedAs::Recompute, "then the next");
+        assert_eq!(placed(mib + 1)[2], SavedAs::Device);
+        assert_eq!(
+            placed(usize::MAX),
+            [SavedAs::Recompute, SavedAs::Recompute, SavedAs::Host],
+            "all of them, the one without a recomputation to host memory"
+        );
+        assert_eq!(excess_bytes(Some(10), Some(4)), 6);
+        assert_eq!(excess_bytes(Some(3), Some(4)), 1, "over by the plan's word");
+        assert_eq!(excess_bytes(None, Some(4)), usize::MAX);
+    }
+
+    #[test]
     fn recomputing_by_cost_keeps_the_gradients() {
         let gpu = DeviceCosts::of(Device::Cuda);
-        let choose = |joint: &Graph, c: &[SavedCandidate]| save_or_recompute(joint, c, &gpu);
+        let choose = |joint: &Graph, c: &[SavedCandidate]| place_saved(joint, c, &gpu, usize::MAX);
         let g = layers();
         let plain = aot_autograd(&g, &[0, 1, 2], Partition::SaveAll).unwrap();
         let recomputing =
