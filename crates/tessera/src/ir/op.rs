@@ -107,10 +107,17 @@ pub enum UnaryOp {
     /// gelu with the tanh approximation.
     GeluTanh,
     Silu,
+    Atan,
+    /// NaN outside [-1, 1].
+    Asin,
+    /// NaN outside [-1, 1].
+    Acos,
+    /// Bitwise not (integers only).
+    BitNot,
 }
 
 impl UnaryOp {
-    pub const ALL: [UnaryOp; 15] = [
+    pub const ALL: [UnaryOp; 19] = [
         UnaryOp::Neg,
         UnaryOp::Abs,
         UnaryOp::Exp,
@@ -126,6 +133,10 @@ impl UnaryOp {
         UnaryOp::Gelu,
         UnaryOp::GeluTanh,
         UnaryOp::Silu,
+        UnaryOp::Atan,
+        UnaryOp::Asin,
+        UnaryOp::Acos,
+        UnaryOp::BitNot,
     ];
 
     pub fn name(self) -> &'static str {
@@ -145,12 +156,24 @@ impl UnaryOp {
             UnaryOp::Gelu => "gelu",
             UnaryOp::GeluTanh => "gelu_tanh",
             UnaryOp::Silu => "silu",
+            UnaryOp::Atan => "atan",
+            UnaryOp::Asin => "asin",
+            UnaryOp::Acos => "acos",
+            UnaryOp::BitNot => "bitwise_not",
         }
     }
 
     /// Ops that are defined on integers too (the rest need a float dtype).
     pub fn accepts_int(self) -> bool {
-        matches!(self, UnaryOp::Neg | UnaryOp::Abs | UnaryOp::Relu)
+        matches!(
+            self,
+            UnaryOp::Neg | UnaryOp::Abs | UnaryOp::Relu | UnaryOp::BitNot
+        )
+    }
+
+    /// Ops defined on floats (all but the bitwise one).
+    pub fn accepts_float(self) -> bool {
+        self != UnaryOp::BitNot
     }
 }
 
@@ -164,10 +187,19 @@ pub enum BinaryOp {
     Pow,
     Maximum,
     Minimum,
+    /// The bitwise ops and shifts take integers only. A shift by a negative
+    /// amount or by the width or more gives 0 (a right shift of a negative
+    /// signed value: -1), as numpy's.
+    BitAnd,
+    BitOr,
+    BitXor,
+    Shl,
+    /// Arithmetic on signed types, logical on unsigned ones.
+    Shr,
 }
 
 impl BinaryOp {
-    pub const ALL: [BinaryOp; 7] = [
+    pub const ALL: [BinaryOp; 12] = [
         BinaryOp::Add,
         BinaryOp::Sub,
         BinaryOp::Mul,
@@ -175,7 +207,20 @@ impl BinaryOp {
         BinaryOp::Pow,
         BinaryOp::Maximum,
         BinaryOp::Minimum,
+        BinaryOp::BitAnd,
+        BinaryOp::BitOr,
+        BinaryOp::BitXor,
+        BinaryOp::Shl,
+        BinaryOp::Shr,
     ];
+
+    /// The ops defined on integers only (bitwise ops and shifts).
+    pub fn is_bitwise(self) -> bool {
+        matches!(
+            self,
+            BinaryOp::BitAnd | BinaryOp::BitOr | BinaryOp::BitXor | BinaryOp::Shl | BinaryOp::Shr
+        )
+    }
 
     pub fn name(self) -> &'static str {
         match self {
@@ -186,6 +231,11 @@ impl BinaryOp {
             BinaryOp::Pow => "pow",
             BinaryOp::Maximum => "maximum",
             BinaryOp::Minimum => "minimum",
+            BinaryOp::BitAnd => "bitwise_and",
+            BinaryOp::BitOr => "bitwise_or",
+            BinaryOp::BitXor => "bitwise_xor",
+            BinaryOp::Shl => "shift_left",
+            BinaryOp::Shr => "shift_right",
         }
     }
 }

@@ -25,7 +25,7 @@ pub use alloc::{empty_cache, host_memory_stats, memory_stats, reset_peak, Memory
 pub(crate) use backend::cpu_backend;
 pub use backend::CpuBackend;
 pub use element::num_like::AccFloat;
-pub use element::{Element, Float};
+pub use element::{Element, Float, U8};
 pub use matmul::{
     alike, blocks_products, for_each_block, thin_dims, transposes, BlockedProduct, DescribedProduct,
 };
