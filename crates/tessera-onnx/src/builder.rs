@@ -552,7 +552,8 @@ pub fn lit_floats(lit: &Literal) -> Vec<f64> {
 pub fn tensor_literal(t: &Tensor) -> Result<Literal> {
     let data = match t.dtype() {
         DType::I64 => LiteralData::Int(t.to_vec::<i64>()?),
-        DType::I32 => LiteralData::Int(t.to_vec::<i32>()?.into_iter().map(i64::from).collect()),
+        // Every other integer through i64 (a u64 keeps its bit pattern).
+        d if d.is_int() => LiteralData::Int(t.try_cast(DType::I64)?.to_vec::<i64>()?),
         DType::Bool => LiteralData::Bool(t.to_vec::<u8>()?.into_iter().map(|b| b != 0).collect()),
         _ => LiteralData::Float(t.to_f64_vec()),
     };

@@ -16,6 +16,7 @@ pub fn vjp(op: &Op, inputs: &[Tensor], output: &Tensor, g: &Tensor) -> Result<Ve
         Op::Binary(b) if b.is_bitwise() => vec![None, None],
         Op::Unary(u) => vec![Some(unary(*u, x, output, g)?)],
         Op::Cast(_) => vec![x.dtype().is_float().then(|| g.cast(x.dtype()))],
+        Op::BitCast(_) => vec![None],
         Op::Binary(b) => {
             let (ga, gb) = binary(*b, x, &inputs[1], output, g)?;
             vec![

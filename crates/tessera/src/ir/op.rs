@@ -349,6 +349,9 @@ pub enum Op {
     Unary(UnaryOp),
     /// (x) → the same values in another dtype (floats to ints truncate).
     Cast(DType),
+    /// (x) → the same bits read as another dtype of the same width
+    /// (`f32` ↔ `i32`, `u16` ↔ `i16` …); not differentiable.
+    BitCast(DType),
     /// (a, b), NumPy broadcasting, same dtype.
     Binary(BinaryOp),
     /// (a, b) → bool, NumPy broadcasting, same dtype.
@@ -441,6 +444,7 @@ impl Op {
             Op::Randn { .. } => "randn",
             Op::Unary(u) => u.name(),
             Op::Cast(_) => "cast",
+            Op::BitCast(_) => "bitcast",
             Op::Binary(b) => b.name(),
             Op::Compare(c) => c.name(),
             Op::Where => "where",
@@ -507,7 +511,7 @@ impl Op {
                 dtype.hash(h);
             }
             Op::Unary(u) => u.hash(h),
-            Op::Cast(d) => d.hash(h),
+            Op::Cast(d) | Op::BitCast(d) => d.hash(h),
             Op::Binary(b) => b.hash(h),
             Op::Compare(c) => c.hash(h),
             Op::Reduce { op, dims, keepdim } => {

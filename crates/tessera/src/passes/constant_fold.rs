@@ -92,6 +92,7 @@ fn keeps_uniform(op: &Op) -> bool {
             | Op::Compare(_)
             | Op::Where
             | Op::Cast(_)
+            | Op::BitCast(_)
             | Op::Reshape(_)
             | Op::Permute(_)
             | Op::Expand(_)

@@ -219,6 +219,9 @@ reduce_ops! {
 tensor_ops! {
     /// The same values as `dtype`.
     fn cast / try_cast(&self, dtype: DType) { run(Op::Cast(dtype), &[self]) }
+    /// The same bits read as `dtype`, which has the same width (`f32` ↔
+    /// `i32` …).
+    fn bitcast / try_bitcast(&self, dtype: DType) { run(Op::BitCast(dtype), &[self]) }
 
     /// Index of the largest value along `dim` (first on ties), as i64.
     fn argmax / try_argmax(&self, dim: isize, keepdim: bool) {

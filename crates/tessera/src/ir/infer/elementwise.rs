@@ -28,6 +28,21 @@ pub(super) fn infer(op: &Op, inputs: &[TensorType]) -> Result<TensorType> {
             dtype: *d,
             shape: inputs[0].shape.clone(),
         }),
+        Op::BitCast(d) => {
+            let from = inputs[0].dtype;
+            if from.size_bytes() != d.size_bytes() || *d == DType::Bool || from == DType::Bool {
+                return Err(op_err!(
+                    DType,
+                    "bitcast",
+                    "reinterprets between dtypes of one width other than bool, got {} to {d}",
+                    inputs[0]
+                ));
+            }
+            Ok(TensorType {
+                dtype: *d,
+                shape: inputs[0].shape.clone(),
+            })
+        }
         Op::Binary(b) => {
             let dtype = same_dtype(op, inputs)?;
             if dtype == DType::Bool || (b.is_bitwise() && !dtype.is_int()) {
