@@ -613,6 +613,7 @@ impl Op {
                 | Op::Rand { .. }
                 | Op::Randn { .. }
                 | Op::Compare(_)
+                | Op::BitCast(_)
                 | Op::ArgReduce { .. }
                 | Op::Custom(_)
                 | Op::CustomOutput { .. }
