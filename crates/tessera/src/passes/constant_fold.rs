@@ -22,7 +22,7 @@ use super::pattern::{is_constant, uniform_value};
 use super::rewrite::Replacements;
 use super::PassContext;
 use crate::error::Result;
-use crate::ir::{DType, Graph, Literal, LiteralData, NodeId, Op, Scalar, Shape};
+use crate::ir::{Graph, Literal, LiteralData, NodeId, Op, Scalar, Shape};
 use crate::runtime::array::Array;
 use crate::runtime::cpu;
 use crate::tensor::Tensor;
