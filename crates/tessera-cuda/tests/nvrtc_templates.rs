@@ -66,11 +66,11 @@ fn float_chains() -> Vec<Launch> {
             let y = buffer(d, Layout::contiguous(&[6]).expanded(&shape));
             let mut steps = vec![Step::Load(0), Step::Load(1), Step::Load(2)];
             let mut last = 0;
-            for u in UnaryOp::ALL {
+            for u in UnaryOp::ALL.into_iter().filter(|u| u.accepts_float()) {
                 steps.push(Step::Unary(u, last));
                 last = steps.len() - 1;
             }
-            for b in BinaryOp::ALL {
+            for b in BinaryOp::ALL.into_iter().filter(|b| !b.is_bitwise()) {
                 steps.push(Step::Binary(b, last, 1));
                 last = steps.len() - 1;
             }
@@ -124,16 +124,22 @@ fn integer_and_conversions() -> Vec<Launch> {
         Step::Unary(UnaryOp::Neg, 6),
         Step::Unary(UnaryOp::Abs, 7),
         Step::Unary(UnaryOp::Relu, 8),
+        Step::Unary(UnaryOp::BitNot, 9),
+        Step::Binary(BinaryOp::BitAnd, 10, 0),
+        Step::Binary(BinaryOp::BitOr, 11, 1),
+        Step::Binary(BinaryOp::BitXor, 12, 0),
+        Step::Binary(BinaryOp::Shl, 13, 1),
+        Step::Binary(BinaryOp::Shr, 14, 0),
     ];
-    for d in [DType::I64, DType::I32] {
+    for d in DType::ALL.into_iter().filter(|d| d.is_int()) {
         let ins = [buffer(d, l.clone()), buffer(d, l.clone())];
         v.push(
             pointwise(
                 &int_steps,
                 &ins,
-                &[out(9, d, &shape)],
+                &[out(15, d, &shape)],
                 &shape,
-                Compute::I64,
+                Compute::of(d),
                 132,
             )
             .unwrap(),
@@ -155,7 +161,7 @@ fn integer_and_conversions() -> Vec<Launch> {
         report: 3,
         sites: vec![0, 1, 2],
     };
-    for d in [DType::I64, DType::I32, DType::Bool] {
+    for d in DType::ALL.into_iter().filter(|d| !d.is_float()) {
         let ins = [
             buffer(d, Layout::contiguous(&[4, 2]).permuted(&[1, 0])),
             buffer(d, Layout::contiguous(&[4]).expanded(&[2, 4])),
@@ -167,7 +173,7 @@ fn integer_and_conversions() -> Vec<Launch> {
                 &ins,
                 &[out(5, d, &[2, 4])],
                 &[2, 4],
-                Compute::I64,
+                Compute::of(d),
                 132,
                 None,
                 &check,
@@ -175,7 +181,7 @@ fn integer_and_conversions() -> Vec<Launch> {
             .unwrap(),
         );
     }
-    for compute in [Compute::F32, Compute::F64, Compute::I64] {
+    for compute in [Compute::F32, Compute::F64, Compute::I64, Compute::U64] {
         let ins: Vec<Operand> = DType::ALL.iter().map(|&d| buffer(d, l.clone())).collect();
         let steps: Vec<Step> = (0..ins.len()).map(Step::Load).collect();
         let outs: Vec<Output> = DType::ALL
@@ -287,7 +293,8 @@ fn indexing() -> Vec<Launch> {
                 strides: vec![1, 0],
             };
             v.push(indexed(Indexed::Read, &[3, 4], &op, &idx, &op, 4, CHECK, 132).unwrap());
-            if d != DType::Bool {
+            // CUDA has atomic adds of 32- and 64-bit integers only.
+            if !matches!(d, DType::Bool | DType::I16 | DType::I8 | DType::U8 | DType::U16) {
                 v.push(indexed(Indexed::Add, &[3, 4], &op, &idx, &op, 4, CHECK, 132).unwrap());
             }
         }
@@ -329,7 +336,7 @@ fn vectorised() -> Vec<Launch> {
         let ins = [buffer(a, l.clone()), buffer(b, scalar.clone())];
         let mut steps = vec![Step::Load(0), Step::Load(1)];
         let mut last = 0;
-        for u in UnaryOp::ALL {
+        for u in UnaryOp::ALL.into_iter().filter(|u| u.accepts_float()) {
             steps.push(Step::Unary(u, last));
             last = steps.len() - 1;
         }

@@ -271,6 +271,19 @@ pub fn compare(got: &[Tensor], want: &[Literal]) -> Option<String> {
             Ok(h) => h,
             Err(e) => return Some(format!("output {k}: {e}")),
         };
+        if w.dtype.is_int() {
+            // Integers compare exactly as i64 (a u64 as its bit pattern,
+            // as the literal holds it).
+            let gv = match host.try_cast(tessera::DType::I64).and_then(|t| t.to_vec::<i64>()) {
+                Ok(v) => v,
+                Err(e) => return Some(format!("output {k}: {e}")),
+            };
+            let wv = crate::builder::lit_ints(w);
+            if let Some(i) = (0..gv.len()).find(|&i| gv[i] != wv[i]) {
+                return Some(format!("output {k}[{i}] = {}, expected {}", gv[i], wv[i]));
+            }
+            continue;
+        }
         let gv = host.to_f64_vec();
         let wv = crate::builder::lit_floats(w);
         let exact = !w.dtype.is_float();

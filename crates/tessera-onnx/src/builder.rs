@@ -550,17 +550,7 @@ pub fn lit_floats(lit: &Literal) -> Vec<f64> {
 
 /// A host tensor's values as a literal.
 pub fn tensor_literal(t: &Tensor) -> Result<Literal> {
-    let data = match t.dtype() {
-        DType::I64 => LiteralData::Int(t.to_vec::<i64>()?),
-        DType::I32 => LiteralData::Int(t.to_vec::<i32>()?.into_iter().map(i64::from).collect()),
-        DType::Bool => LiteralData::Bool(t.to_vec::<u8>()?.into_iter().map(|b| b != 0).collect()),
-        _ => LiteralData::Float(t.to_f64_vec()),
-    };
-    Ok(Literal {
-        dtype: t.dtype(),
-        shape: t.shape().to_vec(),
-        data,
-    })
+    t.to_literal()
 }
 
 /// Adds context to an error's message.

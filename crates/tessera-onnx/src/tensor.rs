@@ -20,12 +20,19 @@ pub fn dtype_of(onnx_type: i32, what: &str) -> Result<DType> {
         dt::INT64 => DType::I64,
         dt::INT32 => DType::I32,
         dt::BOOL => DType::Bool,
+        dt::INT16 => DType::I16,
+        dt::INT8 => DType::I8,
+        dt::UINT8 => DType::U8,
+        dt::UINT16 => DType::U16,
+        dt::UINT32 => DType::U32,
+        dt::UINT64 => DType::U64,
         other => {
             return Err(Error::new(
                 ErrorKind::Unsupported,
                 format!(
                     "{what} has element type {}, which tessera does not have \
-                     (it has float, double, float16, bfloat16, int64, int32 and bool)",
+                     (it has float, double, float16, bfloat16, the 8- to 64-bit signed and unsigned \
+                     integers, and bool)",
                     dt::name(other)
                 ),
             ))
@@ -43,6 +50,12 @@ pub fn onnx_type_of(dtype: DType) -> i32 {
         DType::I64 => dt::INT64,
         DType::I32 => dt::INT32,
         DType::Bool => dt::BOOL,
+        DType::I16 => dt::INT16,
+        DType::I8 => dt::INT8,
+        DType::U8 => dt::UINT8,
+        DType::U16 => dt::UINT16,
+        DType::U32 => dt::UINT32,
+        DType::U64 => dt::UINT64,
     }
 }
 
@@ -120,6 +133,25 @@ fn from_raw(bytes: &[u8], dtype: DType, count: usize, what: &str) -> Result<Lite
         ));
     }
     let chunks = bytes.chunks_exact(size);
+    // Integers of every width as i64 (a u64 as its bit pattern, see
+    // `LiteralData::Int`), sign- or zero-extended as their type says.
+    let int = |signed: bool| {
+        LiteralData::Int(
+            bytes
+                .chunks_exact(size)
+                .map(|c| {
+                    let mut b = [0u8; 8];
+                    b[..size].copy_from_slice(c);
+                    let v = u64::from_le_bytes(b);
+                    let shift = 64 - 8 * size as u32;
+                    match signed {
+                        true => ((v << shift) as i64) >> shift,
+                        false => v as i64,
+                    }
+                })
+                .collect(),
+        )
+    };
     Ok(match dtype {
         DType::F32 => LiteralData::Float(
             chunks
@@ -141,17 +173,8 @@ fn from_raw(bytes: &[u8], dtype: DType, count: usize, what: &str) -> Result<Lite
                 .map(|c| half::bf16::from_le_bytes(c.try_into().unwrap()).to_f64())
                 .collect(),
         ),
-        DType::I64 => LiteralData::Int(
-            chunks
-                .map(|c| i64::from_le_bytes(c.try_into().unwrap()))
-                .collect(),
-        ),
-        DType::I32 => LiteralData::Int(
-            chunks
-                .map(|c| i32::from_le_bytes(c.try_into().unwrap()) as i64)
-                .collect(),
-        ),
         DType::Bool => LiteralData::Bool(bytes.iter().map(|&b| b != 0).collect()),
+        d => int(!d.is_unsigned()),
     })
 }
 
@@ -173,7 +196,14 @@ fn from_fields(t: &TensorProto, dtype: DType) -> Result<LiteralData> {
                 .collect(),
         ),
         DType::I64 => LiteralData::Int(t.int64_data.clone()),
-        DType::I32 => LiteralData::Int(t.int32_data.iter().map(|&v| v as i64).collect()),
+        // The narrow integers travel in int32_data, u32 and u64 in
+        // uint64_data (a u64 kept as its bit pattern).
+        DType::I32 | DType::I16 | DType::I8 | DType::U8 | DType::U16 => {
+            LiteralData::Int(t.int32_data.iter().map(|&v| v as i64).collect())
+        }
+        DType::U32 | DType::U64 => {
+            LiteralData::Int(t.uint64_data.iter().map(|&v| v as i64).collect())
+        }
         DType::Bool => LiteralData::Bool(t.int32_data.iter().map(|&v| v != 0).collect()),
     })
 }
@@ -273,6 +303,28 @@ mod tests {
     }
 
     #[test]
+    fn narrow_integers_are_sign_or_zero_extended() {
+        let mut i8s = proto(dt::INT8, &[2]);
+        i8s.raw_data = vec![0xff, 0x7f];
+        assert_eq!(
+            read_literal(&i8s, None, "t").unwrap().data,
+            LiteralData::Int(vec![-1, 127])
+        );
+        let mut u16s = proto(dt::UINT16, &[1]);
+        u16s.raw_data = vec![0xff, 0xff];
+        assert_eq!(
+            read_literal(&u16s, None, "t").unwrap().data,
+            LiteralData::Int(vec![65535])
+        );
+        let mut u64s = proto(dt::UINT64, &[1]);
+        u64s.uint64_data = vec![u64::MAX];
+        assert_eq!(
+            read_literal(&u64s, None, "t").unwrap().data,
+            LiteralData::Int(vec![-1])
+        );
+    }
+
+    #[test]
     fn bad_tensors_are_errors_naming_them() {
         let mut short = proto(dt::INT64, &[3]);
         short.int64_data = vec![1, 2];
@@ -281,8 +333,8 @@ mod tests {
             e.to_string().contains("initializer `w` holds 2 values"),
             "{e}"
         );
-        let e = read_literal(&proto(dt::UINT8, &[1]), None, "input `x`").unwrap_err();
-        assert!(e.to_string().contains("uint8"), "{e}");
+        let e = read_literal(&proto(dt::COMPLEX64, &[1]), None, "input `x`").unwrap_err();
+        assert!(e.to_string().contains("complex64"), "{e}");
         let mut ext = proto(dt::FLOAT, &[1]);
         ext.data_location = 1;
         ext.external_data = vec![StringStringEntryProto {

@@ -34,7 +34,9 @@ use tessera::tensor::interpret::run_graph;
 use tessera::tensor::Generator;
 use tessera::{DType, Tensor};
 use tessera_onnx::build::{attr_float, attr_int, attr_ints, attr_string, node, value, D};
-use tessera_onnx::proto::data_type::{BOOL, DOUBLE, FLOAT, FLOAT16, INT32, INT64};
+use tessera_onnx::proto::data_type::{
+    BOOL, DOUBLE, FLOAT, FLOAT16, INT32, INT64, INT8, UINT16, UINT64, UINT8,
+};
 use tessera_onnx::proto::{ModelProto, TensorProto};
 use tessera_onnx::{import, ImportOptions, Model};
 
@@ -52,12 +54,18 @@ fn onnx_importer() {
 /// Ops tessera maps (a sample across its families).
 const OPS: &[&str] = &[
     "Abs",
+    "Acos",
     "Add",
     "And",
     "ArgMax",
     "ArgMin",
     "AveragePool",
     "BatchNormalization",
+    "BitCast",
+    "BitShift",
+    "BitwiseAnd",
+    "BitwiseNot",
+    "BitwiseXor",
     "Cast",
     "Ceil",
     "Clip",
@@ -69,8 +77,10 @@ const OPS: &[&str] = &[
     "Cos",
     "CumSum",
     "DepthToSpace",
+    "DequantizeLinear",
     "Div",
     "Dropout",
+    "DynamicQuantizeLinear",
     "Einsum",
     "Elu",
     "Equal",
@@ -104,6 +114,7 @@ const OPS: &[&str] = &[
     "LpNormalization",
     "LpPool",
     "MatMul",
+    "MatMulInteger",
     "Max",
     "MaxPool",
     "Mean",
@@ -117,6 +128,8 @@ const OPS: &[&str] = &[
     "Pad",
     "Pow",
     "PRelu",
+    "QLinearMatMul",
+    "QuantizeLinear",
     "Range",
     "Reciprocal",
     "ReduceL1",
@@ -290,6 +303,8 @@ fn generate(rng: &mut Rng) -> Vec<u8> {
 /// that the interpreter and the compiler are compared on them).
 const UNARY: &[&str] = &[
     "Abs",
+    "Atan",
+    "Asin",
     "Ceil",
     "Cos",
     "Elu",
@@ -383,7 +398,9 @@ fn random_model(rng: &mut Rng) -> Vec<u8> {
     let mut names: Vec<String> = Vec::new();
     for i in 0..n_inputs {
         let name = format!("x{i}");
-        let elem = *rng.pick(&[FLOAT, FLOAT, FLOAT, INT64, BOOL, DOUBLE, FLOAT16, INT32]);
+        let elem = *rng.pick(&[
+            FLOAT, FLOAT, FLOAT, INT64, BOOL, DOUBLE, FLOAT16, INT32, UINT8, INT8, UINT16, UINT64,
+        ]);
         let shape: Vec<D> = dims(rng)
             .into_iter()
             .map(|d| match rng.below(10) {

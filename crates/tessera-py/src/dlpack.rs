@@ -73,6 +73,12 @@ fn dtype_of(t: DLDataType) -> Result<DType> {
         (DL_BFLOAT, 16, 1) => DType::BF16,
         (DL_INT, 64, 1) => DType::I64,
         (DL_INT, 32, 1) => DType::I32,
+        (DL_INT, 16, 1) => DType::I16,
+        (DL_INT, 8, 1) => DType::I8,
+        (DL_UINT, 8, 1) => DType::U8,
+        (DL_UINT, 16, 1) => DType::U16,
+        (DL_UINT, 32, 1) => DType::U32,
+        (DL_UINT, 64, 1) => DType::U64,
         (DL_BOOL, 8, 1) => DType::Bool,
         (code, bits, lanes) => {
             let kind = match code {
@@ -87,7 +93,7 @@ fn dtype_of(t: DLDataType) -> Result<DType> {
                 ErrorKind::Unsupported,
                 format!(
                     "from_dlpack: dtype {kind}{bits} (code {code}, {lanes} lanes) has no tessera \
-                     dtype (tessera has f32 f64 f16 bf16 i64 i32 bool)"
+                     dtype (tessera has f32 f64 f16 bf16 i64 i32 i16 i8 u8 u16 u32 u64 bool)"
                 ),
             ));
         }
@@ -103,6 +109,12 @@ fn dl_dtype(d: DType) -> DLDataType {
         DType::BF16 => (DL_BFLOAT, 16),
         DType::I64 => (DL_INT, 64),
         DType::I32 => (DL_INT, 32),
+        DType::I16 => (DL_INT, 16),
+        DType::I8 => (DL_INT, 8),
+        DType::U8 => (DL_UINT, 8),
+        DType::U16 => (DL_UINT, 16),
+        DType::U32 => (DL_UINT, 32),
+        DType::U64 => (DL_UINT, 64),
         DType::Bool => (DL_BOOL, 8),
     };
     DLDataType {

@@ -268,7 +268,11 @@ fn every_op_kind_round_trips() {
         used(&op);
         add(&mut g, op, &[seed]);
     }
-    let mut unary_like: Vec<Op> = UnaryOp::ALL.map(Op::Unary).to_vec();
+    let mut unary_like: Vec<Op> = UnaryOp::ALL
+        .into_iter()
+        .filter(|u| u.accepts_float())
+        .map(Op::Unary)
+        .collect();
     unary_like.extend(ReduceOp::ALL.map(|op| Op::Reduce {
         op,
         dims: vec![0, 2],
@@ -303,9 +307,21 @@ fn every_op_kind_round_trips() {
         used(&op);
         add(&mut g, op, &[x]);
     }
-    for op in BinaryOp::ALL.map(Op::Binary) {
+    for op in BinaryOp::ALL.into_iter().filter(|b| !b.is_bitwise()) {
+        let op = Op::Binary(op);
         used(&op);
         add(&mut g, op, &[x, x]);
+    }
+    // The integer-only ops, on the bits of x as u32.
+    let bits = Op::BitCast(DType::U32);
+    used(&bits);
+    let xi = add(&mut g, bits, &[x]);
+    used(&Op::Unary(UnaryOp::BitNot));
+    add(&mut g, Op::Unary(UnaryOp::BitNot), &[xi]);
+    for op in BinaryOp::ALL.into_iter().filter(|b| b.is_bitwise()) {
+        let op = Op::Binary(op);
+        used(&op);
+        add(&mut g, op, &[xi, xi]);
     }
     let mut last_bool = x;
     for op in CompareOp::ALL.map(Op::Compare) {
@@ -925,14 +941,15 @@ impl Builder {
                 }
             }
             6 => {
-                self.add(Op::Unary(UnaryOp::ALL[a % 15]), &[x], m);
+                self.add(Op::Unary(UnaryOp::ALL[a % UnaryOp::ALL.len()]), &[x], m);
             }
             7 => {
                 self.add(Op::Cast(DTYPES[a % 9]), &[x], m);
             }
             8 => {
-                self.add(Op::Binary(BinaryOp::ALL[a % 7]), &[x, y], m)
-                    .or_else(|| self.add(Op::Binary(BinaryOp::ALL[a % 7]), &[x, x], m));
+                let op = BinaryOp::ALL[a % BinaryOp::ALL.len()];
+                self.add(Op::Binary(op), &[x, y], m)
+                    .or_else(|| self.add(Op::Binary(op), &[x, x], m));
             }
             9 => {
                 self.add(Op::Compare(CompareOp::ALL[a % 6]), &[x, y], m)

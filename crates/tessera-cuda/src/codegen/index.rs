@@ -135,14 +135,19 @@ pub fn indexed(
             let ptr = format!("(({}*)a.dst) + dO", c_type(dtype));
             let v = convert(dtype, compute, &value);
             let add = match dtype {
-                DType::F32 | DType::F64 | DType::F16 | DType::BF16 | DType::I32 => {
-                    format!("atomicAdd({ptr}, {v});")
-                }
+                DType::F32
+                | DType::F64
+                | DType::F16
+                | DType::BF16
+                | DType::I32
+                | DType::U32
+                | DType::U64 => format!("atomicAdd({ptr}, {v});"),
                 DType::I64 => {
                     format!("atomicAdd((unsigned long long*)({ptr}), (unsigned long long)({v}));")
                 }
-                DType::Bool => {
-                    return Err("an indexed add of bools is not supported on the GPU".into())
+                // CUDA has no 8- or 16-bit integer atomics.
+                d @ (DType::Bool | DType::I16 | DType::I8 | DType::U8 | DType::U16) => {
+                    return Err(format!("an indexed add of {d} is not supported on the GPU"))
                 }
             };
             format!("dO += {iv} * a.dim_stride;\n{add}")

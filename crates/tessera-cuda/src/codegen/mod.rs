@@ -29,16 +29,27 @@ pub enum Compute {
     F32,
     F64,
     I64,
+    U64,
 }
 
 impl Compute {
-    /// f16/bf16/f32 compute in f32 (as on the CPU), f64 in f64, integers
-    /// and bools in 64-bit integers.
+    /// f16/bf16/f32 compute in f32 (as on the CPU), f64 in f64, u64 in
+    /// `unsigned long long`, the other integers and bools in `long long`:
+    /// sign- or zero-extended, their wrapping sums, products, shifts and
+    /// quotients are those of their own width once truncated on store.
     pub fn of(dtype: DType) -> Compute {
         match dtype {
             DType::F64 => Compute::F64,
             DType::F32 | DType::F16 | DType::BF16 => Compute::F32,
-            DType::I64 | DType::I32 | DType::Bool => Compute::I64,
+            DType::U64 => Compute::U64,
+            DType::I64
+            | DType::I32
+            | DType::I16
+            | DType::I8
+            | DType::U8
+            | DType::U16
+            | DType::U32
+            | DType::Bool => Compute::I64,
         }
     }
 
@@ -47,11 +58,12 @@ impl Compute {
             Compute::F32 => "float",
             Compute::F64 => "double",
             Compute::I64 => "long long",
+            Compute::U64 => "unsigned long long",
         }
     }
 
     pub fn is_float(self) -> bool {
-        self != Compute::I64
+        matches!(self, Compute::F32 | Compute::F64)
     }
 }
 
@@ -64,7 +76,12 @@ pub fn c_type(dtype: DType) -> &'static str {
         DType::BF16 => "__nv_bfloat16",
         DType::I64 => "long long",
         DType::I32 => "int",
-        DType::Bool => "unsigned char",
+        DType::I16 => "short",
+        DType::I8 => "signed char",
+        DType::U8 | DType::Bool => "unsigned char",
+        DType::U16 => "unsigned short",
+        DType::U32 => "unsigned int",
+        DType::U64 => "unsigned long long",
     }
 }
 

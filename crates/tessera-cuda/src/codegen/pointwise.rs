@@ -80,7 +80,7 @@ pub struct ArithCheck {
 /// division (by zero) and power (to a negative exponent). Each needs a
 /// site in the launch's [`ArithCheck`].
 pub fn checked_steps(steps: &[Step], compute: Compute) -> Vec<usize> {
-    if compute != Compute::I64 {
+    if compute.is_float() {
         return Vec::new();
     }
     steps
@@ -103,7 +103,14 @@ __device__ long long tessera_ipow(long long x, long long e, void* report, unsign
 if (e < 0) { tessera_report(report, site, e); return 0; }\n\
 unsigned long long b = (unsigned long long)x, acc = 1ull, k = (unsigned long long)e;\n\
 while (k) { if (k & 1ull) acc *= b; b *= b; k >>= 1; }\n\
-return (long long)acc;\n}\n";
+return (long long)acc;\n}\n\
+__device__ unsigned long long tessera_udiv(unsigned long long x, unsigned long long y, void* report, unsigned site) {\n\
+if (y == 0ull) { tessera_report(report, site, (long long)x); return 0ull; }\n\
+return x / y;\n}\n\
+__device__ unsigned long long tessera_upow(unsigned long long x, unsigned long long e, void* report, unsigned site) {\n\
+unsigned long long acc = 1ull;\n\
+while (e) { if (e & 1ull) acc *= x; x *= x; e >>= 1; }\n\
+return acc;\n}\n";
 
 /// The kernel for `steps` over `shape`. Errors (as a message for the
 /// caller to attach the op to) when a step has no meaning in `compute`.
@@ -409,8 +416,10 @@ impl Body<'_> {
                 }
                 Step::Binary(op, x, y) if self.checked.contains(&s) => {
                     let j = self.checked.iter().position(|&c| c == s).expect("checked");
-                    let f = match op {
-                        BinaryOp::Div => "tessera_idiv",
+                    let f = match (op, compute) {
+                        (BinaryOp::Div, Compute::U64) => "tessera_udiv",
+                        (BinaryOp::Div, _) => "tessera_idiv",
+                        (_, Compute::U64) => "tessera_upow",
                         _ => "tessera_ipow",
                     };
                     format!("{f}(v{x}, v{y}, a.report, (unsigned)a.site[{j}])")
@@ -520,6 +529,14 @@ fn lit(compute: Compute, v: f64) -> String {
 
 /// A unary op as CPU computes it (runtime/cpu/elementwise.rs).
 fn unary(op: UnaryOp, c: Compute, x: &str) -> Result<String, String> {
+    if c == Compute::U64 {
+        return match op {
+            UnaryOp::Neg => Ok(format!("(0ull - {x})")),
+            UnaryOp::Abs | UnaryOp::Relu => Ok(x.to_string()),
+            UnaryOp::BitNot => Ok(format!("(~{x})")),
+            other => Err(format!("{} is not defined for integers", other.name())),
+        };
+    }
     if c == Compute::I64 {
         return match op {
             UnaryOp::Neg => Ok(format!("(long long)(0ull - (unsigned long long){x})")),
@@ -527,6 +544,7 @@ fn unary(op: UnaryOp, c: Compute, x: &str) -> Result<String, String> {
                 "({x} < 0 ? (long long)(0ull - (unsigned long long){x}) : {x})"
             )),
             UnaryOp::Relu => Ok(format!("({x} < 0 ? 0ll : {x})")),
+            UnaryOp::BitNot => Ok(format!("(~{x})")),
             other => Err(format!("{} is not defined for integers", other.name())),
         };
     }
@@ -563,19 +581,42 @@ fn unary(op: UnaryOp, c: Compute, x: &str) -> Result<String, String> {
             lit(c, 0.044715)
         ),
         UnaryOp::Silu => format!("({x} * {})", sigmoid(x)),
+        UnaryOp::Atan => format!("{}({x})", f("atan", c)),
+        UnaryOp::Asin => format!("{}({x})", f("asin", c)),
+        UnaryOp::Acos => format!("{}({x})", f("acos", c)),
+        UnaryOp::BitNot => return Err("bitwise_not is not defined for floats".into()),
     })
 }
 
 /// A binary op as CPU computes it; NaN-propagating maximum/minimum.
 fn binary(op: BinaryOp, c: Compute, x: &str, y: &str) -> Result<String, String> {
-    if c == Compute::I64 {
-        let wrap = |sym: &str| {
-            format!("(long long)((unsigned long long){x} {sym} (unsigned long long){y})")
+    if !c.is_float() {
+        let signed = c == Compute::I64;
+        let wrap = |sym: &str| match signed {
+            true => format!("(long long)((unsigned long long){x} {sym} (unsigned long long){y})"),
+            false => format!("({x} {sym} {y})"),
+        };
+        // Shifts as numpy's (and the CPU's): by a negative amount or past
+        // the width, 0 (a right shift of a negative value: -1). Past 63 is
+        // past every width; a narrower type computed here, sign- or
+        // zero-extended, gets the same bits once truncated on store.
+        let past = match signed {
+            true => format!("({y} < 0 || {y} > 63)"),
+            false => format!("({y} > 63ull)"),
         };
         return match op {
             BinaryOp::Add => Ok(wrap("+")),
             BinaryOp::Sub => Ok(wrap("-")),
             BinaryOp::Mul => Ok(wrap("*")),
+            BinaryOp::BitAnd => Ok(format!("({x} & {y})")),
+            BinaryOp::BitOr => Ok(format!("({x} | {y})")),
+            BinaryOp::BitXor => Ok(format!("({x} ^ {y})")),
+            BinaryOp::Shl if signed => Ok(format!(
+                "({past} ? 0ll : (long long)((unsigned long long){x} << {y}))"
+            )),
+            BinaryOp::Shl => Ok(format!("({past} ? 0ull : ({x} << {y}))")),
+            BinaryOp::Shr if signed => Ok(format!("({x} >> ({past} ? 63ll : {y}))")),
+            BinaryOp::Shr => Ok(format!("({past} ? 0ull : ({x} >> {y}))")),
             BinaryOp::Maximum => Ok(format!("({x} > {y} ? {x} : {y})")),
             BinaryOp::Minimum => Ok(format!("({x} < {y} ? {x} : {y})")),
             // Checked: only a pointwise kernel, which has the error
@@ -595,6 +636,9 @@ fn binary(op: BinaryOp, c: Compute, x: &str, y: &str) -> Result<String, String> 
         BinaryOp::Pow => format!("{}({x}, {y})", f("pow", c)),
         BinaryOp::Maximum => format!("(({x} > {y} || {x} != {x}) ? {x} : {y})"),
         BinaryOp::Minimum => format!("(({x} < {y} || {x} != {x}) ? {x} : {y})"),
+        BinaryOp::BitAnd | BinaryOp::BitOr | BinaryOp::BitXor | BinaryOp::Shl | BinaryOp::Shr => {
+            return Err(format!("{} is not defined for floats", op.name()))
+        }
     })
 }
 

@@ -246,6 +246,7 @@ pub fn accumulator(dtype: DType) -> DType {
         Compute::F32 => DType::F32,
         Compute::F64 => DType::F64,
         Compute::I64 => DType::I64,
+        Compute::U64 => DType::U64,
     }
 }
 
@@ -277,6 +278,13 @@ fn reduce_impl(
         (ReduceOp::Min, true) => (
             "TS_INF".to_string(),
             "(((a_) < (b_) || (a_) != (a_)) ? (a_) : (b_))",
+        ),
+        (ReduceOp::Max, false) if compute == Compute::U64 => {
+            ("0".to_string(), "((a_) > (b_) ? (a_) : (b_))")
+        }
+        (ReduceOp::Min, false) if compute == Compute::U64 => (
+            "18446744073709551615ull".to_string(),
+            "((a_) < (b_) ? (a_) : (b_))",
         ),
         (ReduceOp::Max, false) => (
             "(-9223372036854775807ll - 1)".to_string(),

@@ -119,6 +119,13 @@ impl CudaBackend {
             | Op::Binary(_)
             | Op::Compare(_)
             | Op::Where => self.elementwise(op, inputs, dtype, shape),
+            // The bytes copied as they are: a same-width reinterpretation.
+            Op::BitCast(_) => {
+                let x = self.on_device(inputs[0])?;
+                let s = self.empty(dtype, x.numel())?;
+                self.copy_into(name, &x, s.ptr(), Layout::contiguous(shape))?;
+                Ok(Array::from_device_storage(s, shape))
+            }
             Op::Contiguous | Op::Reshape(_) => {
                 let x = self.on_device(inputs[0])?;
                 let c = self.contiguous(name, &x)?;

@@ -338,6 +338,17 @@ fn conv(c: &mut Ctx) -> Result<Vec<Val>> {
     let x = c.x(0)?;
     let w = c.x(1)?;
     let bias = if c.has_input(2) { Some(c.x(2)?) } else { None };
+    one(conv_of(c, x, w, bias)?)
+}
+
+/// The convolution of `x` by `w` (plus `bias`) with the current node's
+/// attributes (Conv's, which ConvInteger and QLinearConv share).
+pub(super) fn conv_of(
+    c: &mut Ctx,
+    x: NodeId,
+    w: NodeId,
+    bias: Option<NodeId>,
+) -> Result<NodeId> {
     float_input(c, x)?;
     let size = spatial(c, x)?;
     let wd = c.concrete(w, "Conv's weight")?;
@@ -371,7 +382,7 @@ fn conv(c: &mut Ctx) -> Result<Vec<Val>> {
         }
         _ => conv3d(c, x, w, bias, &win, groups as usize)?,
     };
-    one(y)
+    Ok(y)
 }
 
 /// `tessera::conv2d` of `x` `[N, C, H, W]` and `w` `[M, C/g, kh, kw]` with
@@ -945,6 +956,17 @@ fn pool_window(c: &Ctx, x: NodeId) -> Result<Window> {
 
 fn max_pool(c: &mut Ctx) -> Result<Vec<Val>> {
     let x = c.x(0)?;
+    let dtype = c.dtype(x);
+    if dtype.is_int() && dtype.size_bytes() <= 2 {
+        // The 8- and 16-bit integers are exact in f32, where the max pool
+        // kernel runs; the maxima are cast back. (Indices are unaffected.)
+        let xf = c.cast(x, DType::F32)?;
+        c.inputs[0] = Some(Val::node(xf));
+        let mut outs = max_pool(c)?;
+        let y = c.materialise(&outs[0])?;
+        outs[0] = Val::node(c.cast(y, dtype)?);
+        return Ok(outs);
+    }
     float_input(c, x)?;
     let win = pool_window(c, x)?;
     let n = win.size.len();

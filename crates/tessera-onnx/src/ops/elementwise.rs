@@ -25,6 +25,14 @@ pub(super) fn converter(op: &str) -> Option<Converter> {
         "Tanh" => |c| unary(c, U::Tanh),
         "Sigmoid" => |c| unary(c, U::Sigmoid),
         "Relu" => |c| unary(c, U::Relu),
+        "Atan" => |c| unary(c, U::Atan),
+        "Asin" => |c| unary(c, U::Asin),
+        "Acos" => |c| unary(c, U::Acos),
+        "BitwiseNot" => |c| unary(c, U::BitNot),
+        "BitwiseAnd" => |c| binary(c, B::BitAnd),
+        "BitwiseOr" => |c| binary(c, B::BitOr),
+        "BitwiseXor" => |c| binary(c, B::BitXor),
+        "BitShift" => bit_shift,
         "Tan" => tan,
         "Sinh" => |c| hyperbolic(c, false),
         "Cosh" => |c| hyperbolic(c, true),
@@ -77,6 +85,7 @@ pub(super) fn converter(op: &str) -> Option<Converter> {
         "Dropout" => dropout,
         "Cast" => cast,
         "CastLike" => cast_like,
+        "BitCast" => bitcast,
         _ => return None,
     })
 }
@@ -99,6 +108,16 @@ fn in_f32(c: &mut Ctx, f: impl FnOnce(&mut Ctx, NodeId) -> Result<NodeId>) -> Re
 fn unary(c: &mut Ctx, op: U) -> Result<Vec<Val>> {
     let x = c.x(0)?;
     one(c.unary(op, x)?)
+}
+
+/// BitShift: `direction` LEFT or RIGHT (the unsigned types: logical).
+fn bit_shift(c: &mut Ctx) -> Result<Vec<Val>> {
+    let op = match c.attr_s("direction", "").as_str() {
+        "LEFT" => B::Shl,
+        "RIGHT" => B::Shr,
+        other => return Err(c.bad(format!("direction `{other}` (expected LEFT or RIGHT)"))),
+    };
+    binary(c, op)
 }
 
 fn tan(c: &mut Ctx) -> Result<Vec<Val>> {
@@ -248,22 +267,25 @@ fn rounding(c: &mut Ctx, mode: Rounding) -> Result<Vec<Val>> {
             let f = floor64(c, n)?;
             c.unary(U::Neg, f)?
         }
-        Rounding::Even => {
-            // floor(x + ½), one less at a tie that lands on an odd number.
-            let h = c.binary_c(B::Add, x64, 0.5)?;
-            let r = floor64(c, h)?;
-            let d = c.binary(B::Sub, r, x64)?;
-            let tie = c.compare_c(C::Eq, d, 0.5)?;
-            let half = c.binary_c(B::Mul, r, 0.5)?;
-            let fh = floor64(c, half)?;
-            let twice = c.binary_c(B::Mul, fh, 2.0)?;
-            let odd = c.compare(C::Ne, twice, r)?;
-            let fix = c.where_(tie, odd, tie)?;
-            let r1 = c.binary_c(B::Sub, r, 1.0)?;
-            c.where_(fix, r1, r)?
-        }
+        Rounding::Even => round_even64(c, x64)?,
     };
     one(c.cast(r, dtype)?)
+}
+
+/// x (f64) rounded to the nearest integer, ties to even (numpy's `rint`):
+/// floor(x + ½), one less at a tie that lands on an odd number.
+pub(super) fn round_even64(c: &mut Ctx, x64: NodeId) -> Result<NodeId> {
+    let h = c.binary_c(B::Add, x64, 0.5)?;
+    let r = floor64(c, h)?;
+    let d = c.binary(B::Sub, r, x64)?;
+    let tie = c.compare_c(C::Eq, d, 0.5)?;
+    let half = c.binary_c(B::Mul, r, 0.5)?;
+    let fh = floor64(c, half)?;
+    let twice = c.binary_c(B::Mul, fh, 2.0)?;
+    let odd = c.compare(C::Ne, twice, r)?;
+    let fix = c.where_(tie, odd, tie)?;
+    let r1 = c.binary_c(B::Sub, r, 1.0)?;
+    c.where_(fix, r1, r)
 }
 
 fn sign(c: &mut Ctx) -> Result<Vec<Val>> {
@@ -684,6 +706,27 @@ fn cast(c: &mut Ctx) -> Result<Vec<Val>> {
     let dtype = crate::tensor::dtype_of(to, "the target of the cast")
         .map_err(|e| c.unsupported(e.message))?;
     cast_to(c, dtype)
+}
+
+/// BitCast: the same bits as `to`, a type of the same width (bool, of one
+/// byte, reads as 0/1 in uint8 and int8: ONNX stores it so).
+fn bitcast(c: &mut Ctx) -> Result<Vec<Val>> {
+    let to = c.attr_i("to", 0) as i32;
+    let dtype = crate::tensor::dtype_of(to, "the target of the bitcast")
+        .map_err(|e| c.unsupported(e.message))?;
+    let x = c.x(0)?;
+    let from = c.dtype(x);
+    if from == dtype {
+        return one(x);
+    }
+    if from == DType::Bool || dtype == DType::Bool {
+        // Bool's byte is 0 or 1, the value of the one-byte integer.
+        if from.size_bytes() != 1 || dtype.size_bytes() != 1 {
+            return Err(c.bad(format!("a bitcast of {} to {dtype}", c.ty(x))));
+        }
+        return one(c.cast(x, dtype)?);
+    }
+    one(c.add(Op::BitCast(dtype), &[x])?)
 }
 
 fn cast_like(c: &mut Ctx) -> Result<Vec<Val>> {

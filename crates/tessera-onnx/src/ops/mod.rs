@@ -10,6 +10,7 @@ mod gelu;
 mod grid_sample;
 mod more;
 mod nn;
+mod quant;
 mod reduce;
 mod resize;
 mod rnn;
@@ -33,6 +34,7 @@ fn converter(op_type: &str) -> Option<Converter> {
         .or_else(|| cnn::converter(op_type))
         .or_else(|| more::converter(op_type))
         .or_else(|| signal::converter(op_type))
+        .or_else(|| quant::converter(op_type))
         .or(match op_type {
             "Attention" => Some(attention::attention as Converter),
             "Resize" => Some(resize::resize as Converter),

@@ -51,17 +51,7 @@ fn top_k(c: &mut Ctx) -> Result<Vec<Val>> {
     }
     let largest = c.attr_i("largest", 1) != 0;
     let dtype = c.dtype(x);
-    let out_of_running = if dtype.is_float() {
-        if largest {
-            f64::NEG_INFINITY
-        } else {
-            f64::INFINITY
-        }
-    } else if largest {
-        i64::MIN as f64
-    } else {
-        i64::MAX as f64
-    };
+
     let op = if largest {
         ArgReduceOp::ArgMax
     } else {
@@ -79,7 +69,16 @@ fn top_k(c: &mut Ctx) -> Result<Vec<Val>> {
         &[],
     )?;
     let r = c.reshape(r, shape1)?;
-    let gone = c.scalar(out_of_running, dtype)?;
+    // The value a taken element is replaced by: one no other beats.
+    let gone = match dtype.int_range() {
+        Some((lo, hi)) => c.constant(Literal {
+            dtype,
+            shape: Vec::new(),
+            // A u64 travels as its bit pattern in i64.
+            data: LiteralData::Int(vec![if largest { lo } else { hi } as u64 as i64]),
+        })?,
+        None => c.scalar(if largest { f64::NEG_INFINITY } else { f64::INFINITY }, dtype)?,
+    };
     let mut running = x;
     let (mut values, mut indices) = (Vec::new(), Vec::new());
     for _ in 0..k {

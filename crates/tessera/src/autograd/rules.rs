@@ -11,8 +11,12 @@ use crate::tensor::Tensor;
 pub fn vjp(op: &Op, inputs: &[Tensor], output: &Tensor, g: &Tensor) -> Result<Vec<Option<Tensor>>> {
     let x = &inputs[0];
     Ok(match op {
+        // Bitwise ops take integers only, which carry no gradient.
+        Op::Unary(UnaryOp::BitNot) => vec![None],
+        Op::Binary(b) if b.is_bitwise() => vec![None, None],
         Op::Unary(u) => vec![Some(unary(*u, x, output, g)?)],
         Op::Cast(_) => vec![x.dtype().is_float().then(|| g.cast(x.dtype()))],
+        Op::BitCast(_) => vec![None],
         Op::Binary(b) => {
             let (ga, gb) = binary(*b, x, &inputs[1], output, g)?;
             vec![
@@ -173,6 +177,11 @@ fn unary(op: UnaryOp, x: &Tensor, y: &Tensor, g: &Tensor) -> Result<Tensor> {
             let s = x.sigmoid();
             g * &(&s * &(1.0 + &(x * &(1.0 - &s))))
         }
+        UnaryOp::Atan => g / &(x * x + 1.0),
+        // d asin = 1/√(1−x²), d acos = −1/√(1−x²).
+        UnaryOp::Asin => g * &(1.0 - &(x * x)).rsqrt(),
+        UnaryOp::Acos => -(g * &(1.0 - &(x * x)).rsqrt()),
+        UnaryOp::BitNot => unreachable!("integer ops are handled by `vjp`"),
     })
 }
 
@@ -231,6 +240,11 @@ fn binary(
             let wb = 1.0 - &wa;
             (g * &wa, g * &wb)
         }
+        BinaryOp::BitAnd
+        | BinaryOp::BitOr
+        | BinaryOp::BitXor
+        | BinaryOp::Shl
+        | BinaryOp::Shr => unreachable!("integer ops are handled by `vjp`"),
     })
 }
 

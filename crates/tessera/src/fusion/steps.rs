@@ -22,18 +22,20 @@ pub(super) struct Steps {
 /// each input from outside the members is loaded once, or inlined as a
 /// constant when it is a scalar.
 pub(super) fn build_steps(graph: &Graph, members: &[NodeId]) -> Steps {
+    let f64_in = |m: &NodeId| {
+        let node = graph.node(*m);
+        node.ty.dtype == DType::F64 || node.inputs.iter().any(|&x| graph.node(x).ty.dtype == DType::F64)
+    };
     let mut b = Steps {
         steps: Vec::new(),
         step_of: HashMap::new(),
         inputs: Vec::new(),
-        wide: false,
+        wide: members.iter().any(f64_in),
     };
     for &m in members {
         let node = graph.node(m);
-        b.wide |= node.ty.dtype == DType::F64;
         let mut args = Vec::with_capacity(node.inputs.len());
         for &x in &node.inputs {
-            b.wide |= graph.node(x).ty.dtype == DType::F64;
             let s = match b.step_of.get(&x) {
                 Some(&s) => s,
                 None => {
@@ -75,6 +77,13 @@ pub(super) fn build_steps(graph: &Graph, members: &[NodeId]) -> Steps {
             other => unreachable!("{} is not fusible", other.name()),
         };
         b.steps.push(RowStep::Point(step));
+        // In a block computing in f64, an f32 (or half) node's value is
+        // rounded to its type, as eager computes it: an f32 division
+        // then widened gives the f32 quotient, not the f64 one.
+        let narrow = matches!(node.ty.dtype, DType::F32 | DType::F16 | DType::BF16);
+        if b.wide && narrow && !matches!(node.op, Op::Cast(_)) {
+            b.steps.push(RowStep::Point(Step::Round(node.ty.dtype, b.steps.len() - 1)));
+        }
         b.step_of.insert(m, b.steps.len() - 1);
     }
     b

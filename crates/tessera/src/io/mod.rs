@@ -105,6 +105,8 @@ mod test_support {
         match dtype {
             DType::Bool => vec![1., 0., 0., 1., 1., 0.],
             DType::I64 | DType::I32 => vec![-3., 0., 7., 1048576., -1., 42.],
+            DType::I16 | DType::I8 => vec![-3., 0., 7., 100., -1., 42.],
+            d if d.is_unsigned() => vec![3., 0., 7., 100., 255., 42.],
             _ => vec![0.5, -1.25, 3.0, -4.0, 6.5, 1024.0],
         }
     }

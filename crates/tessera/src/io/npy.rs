@@ -180,10 +180,17 @@ fn tessera_dtype(dtype: &npyz::DType) -> Result<(DType, bool), String> {
         (TypeChar::Float, 2) => DType::F16,
         (TypeChar::Int, 8) => DType::I64,
         (TypeChar::Int, 4) => DType::I32,
+        (TypeChar::Int, 2) => DType::I16,
+        (TypeChar::Int, 1) => DType::I8,
+        (TypeChar::Uint, 1) => DType::U8,
+        (TypeChar::Uint, 2) => DType::U16,
+        (TypeChar::Uint, 4) => DType::U32,
+        (TypeChar::Uint, 8) => DType::U64,
         (TypeChar::Bool, 1) => DType::Bool,
         _ => {
             return Err(format!(
-                "unsupported dtype {} (supported: float32, float64, float16, int64, int32, bool)",
+                "unsupported dtype {} (supported: float32, float64, float16, the signed and \
+                 unsigned integers of 8 to 64 bits, bool)",
                 numpy_name(ts)
             ))
         }
@@ -219,6 +226,12 @@ fn npy_type_str(dtype: DType) -> Option<TypeStr> {
         DType::F16 => format!("{order}f2"),
         DType::I64 => format!("{order}i8"),
         DType::I32 => format!("{order}i4"),
+        DType::I16 => format!("{order}i2"),
+        DType::I8 => "|i1".to_string(),
+        DType::U8 => "|u1".to_string(),
+        DType::U16 => format!("{order}u2"),
+        DType::U32 => format!("{order}u4"),
+        DType::U64 => format!("{order}u8"),
         DType::Bool => "|b1".to_string(),
         DType::BF16 => return None,
     };
@@ -232,12 +245,18 @@ mod tests {
     use super::*;
     use crate::io::test_support::{fixture, sample, sample_values, sliced, transposed};
 
-    const NPY_DTYPES: [DType; 6] = [
+    const NPY_DTYPES: [DType; 12] = [
         DType::F32,
         DType::F64,
         DType::F16,
         DType::I64,
         DType::I32,
+        DType::I16,
+        DType::I8,
+        DType::U8,
+        DType::U16,
+        DType::U32,
+        DType::U64,
         DType::Bool,
     ];
 

@@ -109,6 +109,12 @@ fn safetensors_dtype(dtype: DType) -> Dtype {
         DType::BF16 => Dtype::BF16,
         DType::I64 => Dtype::I64,
         DType::I32 => Dtype::I32,
+        DType::I16 => Dtype::I16,
+        DType::I8 => Dtype::I8,
+        DType::U8 => Dtype::U8,
+        DType::U16 => Dtype::U16,
+        DType::U32 => Dtype::U32,
+        DType::U64 => Dtype::U64,
         DType::Bool => Dtype::BOOL,
     }
 }

@@ -107,10 +107,17 @@ pub enum UnaryOp {
     /// gelu with the tanh approximation.
     GeluTanh,
     Silu,
+    Atan,
+    /// NaN outside [-1, 1].
+    Asin,
+    /// NaN outside [-1, 1].
+    Acos,
+    /// Bitwise not (integers only).
+    BitNot,
 }
 
 impl UnaryOp {
-    pub const ALL: [UnaryOp; 15] = [
+    pub const ALL: [UnaryOp; 19] = [
         UnaryOp::Neg,
         UnaryOp::Abs,
         UnaryOp::Exp,
@@ -126,6 +133,10 @@ impl UnaryOp {
         UnaryOp::Gelu,
         UnaryOp::GeluTanh,
         UnaryOp::Silu,
+        UnaryOp::Atan,
+        UnaryOp::Asin,
+        UnaryOp::Acos,
+        UnaryOp::BitNot,
     ];
 
     pub fn name(self) -> &'static str {
@@ -145,12 +156,24 @@ impl UnaryOp {
             UnaryOp::Gelu => "gelu",
             UnaryOp::GeluTanh => "gelu_tanh",
             UnaryOp::Silu => "silu",
+            UnaryOp::Atan => "atan",
+            UnaryOp::Asin => "asin",
+            UnaryOp::Acos => "acos",
+            UnaryOp::BitNot => "bitwise_not",
         }
     }
 
     /// Ops that are defined on integers too (the rest need a float dtype).
     pub fn accepts_int(self) -> bool {
-        matches!(self, UnaryOp::Neg | UnaryOp::Abs | UnaryOp::Relu)
+        matches!(
+            self,
+            UnaryOp::Neg | UnaryOp::Abs | UnaryOp::Relu | UnaryOp::BitNot
+        )
+    }
+
+    /// Ops defined on floats (all but the bitwise one).
+    pub fn accepts_float(self) -> bool {
+        self != UnaryOp::BitNot
     }
 }
 
@@ -164,10 +187,19 @@ pub enum BinaryOp {
     Pow,
     Maximum,
     Minimum,
+    /// The bitwise ops and shifts take integers only. A shift by a negative
+    /// amount or by the width or more gives 0 (a right shift of a negative
+    /// signed value: -1), as numpy's.
+    BitAnd,
+    BitOr,
+    BitXor,
+    Shl,
+    /// Arithmetic on signed types, logical on unsigned ones.
+    Shr,
 }
 
 impl BinaryOp {
-    pub const ALL: [BinaryOp; 7] = [
+    pub const ALL: [BinaryOp; 12] = [
         BinaryOp::Add,
         BinaryOp::Sub,
         BinaryOp::Mul,
@@ -175,7 +207,20 @@ impl BinaryOp {
         BinaryOp::Pow,
         BinaryOp::Maximum,
         BinaryOp::Minimum,
+        BinaryOp::BitAnd,
+        BinaryOp::BitOr,
+        BinaryOp::BitXor,
+        BinaryOp::Shl,
+        BinaryOp::Shr,
     ];
+
+    /// The ops defined on integers only (bitwise ops and shifts).
+    pub fn is_bitwise(self) -> bool {
+        matches!(
+            self,
+            BinaryOp::BitAnd | BinaryOp::BitOr | BinaryOp::BitXor | BinaryOp::Shl | BinaryOp::Shr
+        )
+    }
 
     pub fn name(self) -> &'static str {
         match self {
@@ -186,6 +231,11 @@ impl BinaryOp {
             BinaryOp::Pow => "pow",
             BinaryOp::Maximum => "maximum",
             BinaryOp::Minimum => "minimum",
+            BinaryOp::BitAnd => "bitwise_and",
+            BinaryOp::BitOr => "bitwise_or",
+            BinaryOp::BitXor => "bitwise_xor",
+            BinaryOp::Shl => "shift_left",
+            BinaryOp::Shr => "shift_right",
         }
     }
 }
@@ -299,6 +349,9 @@ pub enum Op {
     Unary(UnaryOp),
     /// (x) → the same values in another dtype (floats to ints truncate).
     Cast(DType),
+    /// (x) → the same bits read as another dtype of the same width
+    /// (`f32` ↔ `i32`, `u16` ↔ `i16` …); not differentiable.
+    BitCast(DType),
     /// (a, b), NumPy broadcasting, same dtype.
     Binary(BinaryOp),
     /// (a, b) → bool, NumPy broadcasting, same dtype.
@@ -391,6 +444,7 @@ impl Op {
             Op::Randn { .. } => "randn",
             Op::Unary(u) => u.name(),
             Op::Cast(_) => "cast",
+            Op::BitCast(_) => "bitcast",
             Op::Binary(b) => b.name(),
             Op::Compare(c) => c.name(),
             Op::Where => "where",
@@ -457,7 +511,7 @@ impl Op {
                 dtype.hash(h);
             }
             Op::Unary(u) => u.hash(h),
-            Op::Cast(d) => d.hash(h),
+            Op::Cast(d) | Op::BitCast(d) => d.hash(h),
             Op::Binary(b) => b.hash(h),
             Op::Compare(c) => c.hash(h),
             Op::Reduce { op, dims, keepdim } => {
@@ -559,6 +613,7 @@ impl Op {
                 | Op::Rand { .. }
                 | Op::Randn { .. }
                 | Op::Compare(_)
+                | Op::BitCast(_)
                 | Op::ArgReduce { .. }
                 | Op::Custom(_)
                 | Op::CustomOutput { .. }

@@ -22,7 +22,7 @@ use super::pattern::{is_constant, uniform_value};
 use super::rewrite::Replacements;
 use super::PassContext;
 use crate::error::Result;
-use crate::ir::{DType, Graph, Literal, LiteralData, NodeId, Op, Scalar, Shape};
+use crate::ir::{Graph, Literal, LiteralData, NodeId, Op, Scalar, Shape};
 use crate::runtime::array::Array;
 use crate::runtime::cpu;
 use crate::tensor::Tensor;
@@ -80,7 +80,7 @@ fn fold(g: &Graph, id: NodeId, inputs: &[NodeId], ctx: &PassContext) -> Option<O
         .collect::<Option<_>>()?;
     let refs: Vec<&Array> = values.iter().collect();
     let value = cpu::eval(&node.op, &refs, node.ty.dtype, &shape).ok()?;
-    Some(source_op(&Tensor::from_array(value)))
+    source_op(&Tensor::from_array(value))
 }
 
 /// Ops that map `full`s to a `full`: elementwise ops and views.
@@ -92,6 +92,7 @@ fn keeps_uniform(op: &Op) -> bool {
             | Op::Compare(_)
             | Op::Where
             | Op::Cast(_)
+            | Op::BitCast(_)
             | Op::Reshape(_)
             | Op::Permute(_)
             | Op::Expand(_)
@@ -126,7 +127,7 @@ fn fold_uniform(g: &Graph, id: NodeId, inputs: &[NodeId]) -> Option<Op> {
     };
     let one = cpu::eval(&op, &refs, node.ty.dtype, &[]).ok()?;
     Some(Op::Full {
-        value: scalar_of(&Tensor::from_array(one), 0),
+        value: scalar_of(&Tensor::from_array(one).to_literal().ok()?, 0),
         shape: node.ty.shape.clone(),
         dtype: node.ty.dtype,
     })
@@ -141,43 +142,29 @@ fn evaluate_source(g: &Graph, id: NodeId) -> Option<Array> {
 
 /// `full` when every element of `t` is the same (bit for bit), else
 /// `constant`.
-fn source_op(t: &Tensor) -> Op {
-    let values = t.to_f64_vec();
-    let uniform = !values.is_empty() && values.iter().all(|v| v.to_bits() == values[0].to_bits());
-    if uniform {
-        return Op::Full {
-            value: scalar_of(t, 0),
+fn source_op(t: &Tensor) -> Option<Op> {
+    let lit = t.to_literal().ok()?;
+    let uniform = match &lit.data {
+        LiteralData::Float(v) => v.iter().all(|x| x.to_bits() == v[0].to_bits()),
+        LiteralData::Int(v) => v.iter().all(|x| *x == v[0]),
+        LiteralData::Bool(v) => v.iter().all(|x| *x == v[0]),
+    };
+    if uniform && !lit.data.is_empty() {
+        return Some(Op::Full {
+            value: scalar_of(&lit, 0),
             shape: Shape::from_concrete(t.shape()),
             dtype: t.dtype(),
-        };
+        });
     }
-    let data = match t.dtype() {
-        DType::Bool => LiteralData::Bool(values.iter().map(|&v| v != 0.0).collect()),
-        DType::I64 => LiteralData::Int(t.to_vec::<i64>().expect("i64")),
-        DType::I32 => LiteralData::Int(
-            t.to_vec::<i32>()
-                .expect("i32")
-                .into_iter()
-                .map(i64::from)
-                .collect(),
-        ),
-        // f64 holds every f32, f16 and bf16 value exactly.
-        _ => LiteralData::Float(values),
-    };
-    Op::Constant(Literal {
-        dtype: t.dtype(),
-        shape: t.shape().to_vec(),
-        data,
-    })
+    Some(Op::Constant(lit))
 }
 
-/// Element `i` (row-major) of `t` as a scalar of its kind, exactly.
-fn scalar_of(t: &Tensor, i: usize) -> Scalar {
-    match t.dtype() {
-        DType::Bool => Scalar::Bool(t.to_f64_vec()[i] != 0.0),
-        DType::I64 => Scalar::Int(t.to_vec::<i64>().expect("i64")[i]),
-        DType::I32 => Scalar::Int(t.to_vec::<i32>().expect("i32")[i].into()),
-        _ => Scalar::Float(t.to_f64_vec()[i]),
+/// Element `i` (row-major) of `lit` as a scalar of its kind, exactly.
+fn scalar_of(lit: &Literal, i: usize) -> Scalar {
+    match &lit.data {
+        LiteralData::Float(v) => Scalar::Float(v[i]),
+        LiteralData::Int(v) => Scalar::Int(v[i]),
+        LiteralData::Bool(v) => Scalar::Bool(v[i]),
     }
 }
 

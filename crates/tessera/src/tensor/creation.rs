@@ -9,7 +9,7 @@ use rand::SeedableRng;
 
 use super::{unwrap_or_panic, Tensor};
 use crate::error::{Error, ErrorKind, Result};
-use crate::ir::{DType, Literal, Op, Scalar, Shape};
+use crate::ir::{DType, Literal, LiteralData, Op, Scalar, Shape};
 use crate::runtime::cpu::{in_kernel as cpu_in_kernel, Element, Storage};
 use crate::with_dtype;
 
@@ -312,6 +312,24 @@ impl Tensor {
     #[track_caller]
     pub fn from_literal(lit: Literal) -> Tensor {
         unwrap_or_panic(Tensor::apply(&Op::Constant(lit), &[], Location::caller()))
+    }
+
+    /// The values as a literal (the inverse of [`Tensor::from_literal`]):
+    /// floats as f64 (which holds every f32, f16 and bf16 value exactly),
+    /// integers as i64 (a u64 as its bit pattern), bools as bools.
+    #[track_caller]
+    pub fn to_literal(&self) -> Result<Literal> {
+        let data = match self.dtype() {
+            DType::Bool => LiteralData::Bool(self.to_vec::<u8>()?.into_iter().map(|b| b != 0).collect()),
+            DType::I64 => LiteralData::Int(self.to_vec::<i64>()?),
+            d if d.is_int() => LiteralData::Int(self.try_cast(DType::I64)?.to_vec::<i64>()?),
+            _ => LiteralData::Float(self.to_f64_vec()),
+        };
+        Ok(Literal {
+            dtype: self.dtype(),
+            shape: self.shape().to_vec(),
+            data,
+        })
     }
 
     /// The elements in row-major order. Errors when `T` is not the dtype.

@@ -153,6 +153,10 @@ unary_ops! {
     gelu / try_gelu => Gelu,
     gelu_tanh / try_gelu_tanh => GeluTanh,
     silu / try_silu => Silu,
+    atan / try_atan => Atan,
+    asin / try_asin => Asin,
+    acos / try_acos => Acos,
+    bitwise_not / try_bitwise_not => BitNot,
 }
 
 macro_rules! binary_ops {
@@ -175,6 +179,11 @@ binary_ops! {
     pow / try_pow => Op::Binary(BinaryOp::Pow),
     maximum / try_maximum => Op::Binary(BinaryOp::Maximum),
     minimum / try_minimum => Op::Binary(BinaryOp::Minimum),
+    bitwise_and / try_bitwise_and => Op::Binary(BinaryOp::BitAnd),
+    bitwise_or / try_bitwise_or => Op::Binary(BinaryOp::BitOr),
+    bitwise_xor / try_bitwise_xor => Op::Binary(BinaryOp::BitXor),
+    shift_left / try_shift_left => Op::Binary(BinaryOp::Shl),
+    shift_right / try_shift_right => Op::Binary(BinaryOp::Shr),
     eq / try_eq => Op::Compare(CompareOp::Eq),
     ne / try_ne => Op::Compare(CompareOp::Ne),
     lt / try_lt => Op::Compare(CompareOp::Lt),
@@ -210,6 +219,9 @@ reduce_ops! {
 tensor_ops! {
     /// The same values as `dtype`.
     fn cast / try_cast(&self, dtype: DType) { run(Op::Cast(dtype), &[self]) }
+    /// The same bits read as `dtype`, which has the same width (`f32` ↔
+    /// `i32` …).
+    fn bitcast / try_bitcast(&self, dtype: DType) { run(Op::BitCast(dtype), &[self]) }
 
     /// Index of the largest value along `dim` (first on ties), as i64.
     fn argmax / try_argmax(&self, dim: isize, keepdim: bool) {

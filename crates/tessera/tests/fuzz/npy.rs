@@ -141,6 +141,12 @@ fn encode(value: f64, dtype: DType, big: bool, out: &mut Vec<u8>) {
         DType::I64 => (value as i64).to_le_bytes().to_vec(),
         DType::I32 => (value as i32).to_le_bytes().to_vec(),
         DType::Bool => vec![u8::from(value != 0.0)],
+        DType::I16 => (value as i16).to_le_bytes().to_vec(),
+        DType::I8 => (value as i8).to_le_bytes().to_vec(),
+        DType::U8 => (value as u8).to_le_bytes().to_vec(),
+        DType::U16 => (value as u16).to_le_bytes().to_vec(),
+        DType::U32 => (value as u32).to_le_bytes().to_vec(),
+        DType::U64 => (value as u64).to_le_bytes().to_vec(),
         DType::BF16 => unreachable!("numpy has no bf16"),
     };
     if big {

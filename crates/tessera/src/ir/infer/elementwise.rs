@@ -14,7 +14,12 @@ pub(super) fn infer(op: &Op, inputs: &[TensorType]) -> Result<TensorType> {
     match op {
         Op::Unary(u) => {
             let t = &inputs[0];
-            if t.dtype == DType::Bool || (!u.accepts_int() && !t.dtype.is_float()) {
+            let ok = if t.dtype.is_float() {
+                u.accepts_float()
+            } else {
+                t.dtype != DType::Bool && u.accepts_int()
+            };
+            if !ok {
                 return Err(op_err!(DType, u.name(), "is not defined for {t}"));
             }
             Ok(t.clone())
@@ -23,13 +28,28 @@ pub(super) fn infer(op: &Op, inputs: &[TensorType]) -> Result<TensorType> {
             dtype: *d,
             shape: inputs[0].shape.clone(),
         }),
+        Op::BitCast(d) => {
+            let from = inputs[0].dtype;
+            if from.size_bytes() != d.size_bytes() || *d == DType::Bool || from == DType::Bool {
+                return Err(op_err!(
+                    DType,
+                    "bitcast",
+                    "reinterprets between dtypes of one width other than bool, got {} to {d}",
+                    inputs[0]
+                ));
+            }
+            Ok(TensorType {
+                dtype: *d,
+                shape: inputs[0].shape.clone(),
+            })
+        }
         Op::Binary(b) => {
             let dtype = same_dtype(op, inputs)?;
-            if dtype == DType::Bool {
+            if dtype == DType::Bool || (b.is_bitwise() && !dtype.is_int()) {
                 return Err(op_err!(
                     DType,
                     b.name(),
-                    "is not defined for bool ({})",
+                    "is not defined for {dtype} ({})",
                     describe(inputs)
                 ));
             }

@@ -165,6 +165,7 @@ impl Op {
             | Op::Randn { .. } => creation::infer(self, inputs),
             Op::Unary(_)
             | Op::Cast(_)
+            | Op::BitCast(_)
             | Op::Binary(_)
             | Op::Compare(_)
             | Op::Where

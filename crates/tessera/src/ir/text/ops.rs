@@ -179,7 +179,7 @@ pub(super) fn attrs_of(op: &Op) -> Vec<Attr> {
         Op::Rand { shape, dtype } | Op::Randn { shape, dtype } => {
             vec![A::Shape(shape.clone()), A::DType(*dtype)]
         }
-        Op::Cast(dtype) => vec![A::DType(*dtype)],
+        Op::Cast(dtype) | Op::BitCast(dtype) => vec![A::DType(*dtype)],
         Op::Reduce { dims, keepdim, .. } => vec![A::Dims(dims.clone()), A::Bool(*keepdim)],
         Op::ArgReduce { dim, keepdim, .. } => vec![A::Usize(*dim), A::Bool(*keepdim)],
         Op::Softmax { dim }
@@ -249,6 +249,7 @@ pub(super) fn build(op_name: &str, attrs: &[Attr], ty: &TensorType) -> Result<Op
             dtype: *dtype,
         },
         ("cast", [A::DType(dtype)]) => Op::Cast(*dtype),
+        ("bitcast", [A::DType(dtype)]) => Op::BitCast(*dtype),
         ("softmax", [A::Usize(dim)]) => Op::Softmax { dim: *dim },
         ("log_softmax", [A::Usize(dim)]) => Op::LogSoftmax { dim: *dim },
         ("cat", [A::Usize(dim)]) => Op::Cat { dim: *dim },
@@ -502,6 +503,7 @@ mod tests {
                 dtype: DType::BF16,
             },
             Op::Cast(DType::Bool),
+            Op::BitCast(DType::U16),
             Op::Where,
             Op::Reduce {
                 op: ReduceOp::Mean,

@@ -36,8 +36,8 @@ pub fn constant(lit: &Literal) -> Result<Array> {
     }
     Ok(with_dtype!(lit.dtype, T => match &lit.data {
         LiteralData::Float(v) => generate(&lit.shape, |i| T::narrow(Wide::F64(v[i]))),
-        LiteralData::Int(v) => generate(&lit.shape, |i| T::narrow(Wide::Int(v[i]))),
-        LiteralData::Bool(v) => generate(&lit.shape, |i| T::narrow(Wide::Int(v[i] as i64))),
+        LiteralData::Int(v) => generate(&lit.shape, |i| T::narrow(Wide::Int(v[i] as i128))),
+        LiteralData::Bool(v) => generate(&lit.shape, |i| T::narrow(Wide::Int(v[i] as i128))),
     }))
 }
 
@@ -45,8 +45,8 @@ pub fn constant(lit: &Literal) -> Result<Array> {
 pub fn full(value: Scalar, dtype: DType, shape: &[usize]) -> Array {
     let wide = match value {
         Scalar::Float(v) => Wide::F64(v),
-        Scalar::Int(v) => Wide::Int(v),
-        Scalar::Bool(v) => Wide::Int(v as i64),
+        Scalar::Int(v) => Wide::Int(v as i128),
+        Scalar::Bool(v) => Wide::Int(v as i128),
     };
     with_dtype!(dtype, T => {
         let v = T::narrow(wide);

@@ -66,6 +66,24 @@ pub(crate) fn to_f32_round_odd(v: f64) -> f32 {
 element!(i64, I64, |x| x as f64, |v| v as i64);
 element!(i32, I32, |x| x as f64, |v| v as i32);
 element!(u8, Bool, |x| x as f64, |v| (v != 0.0) as u8);
+element!(i16, I16, |x| x as f64, |v| v as i16);
+element!(i8, I8, |x| x as f64, |v| v as i8);
+element!(U8, U8, |x| x.0 as f64, |v| U8(v as u8));
+element!(u16, U16, |x| x as f64, |v| v as u16);
+element!(u32, U32, |x| x as f64, |v| v as u32);
+element!(u64, U64, |x| x as f64, |v| v as u64);
+
+/// An element of dtype `u8` (Rust's `u8` is the storage of `Bool`, so the
+/// byte integers get a type of their own): `Tensor::from_vec(vec![U8(7)],
+/// &[1])` is a `u8` tensor.
+#[repr(transparent)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct U8(pub u8);
+
+// SAFETY: a transparent wrapper of `u8`, which is `Pod`.
+unsafe impl bytemuck::Zeroable for U8 {}
+// SAFETY: as above.
+unsafe impl bytemuck::Pod for U8 {}
 
 macro_rules! float {
     ($t:ty, $acc:ty, |$x:ident| $to:expr, |$v:ident| $from:expr) => {
@@ -115,6 +133,9 @@ pub mod num_like {
         fn sin(self) -> Self;
         fn cos(self) -> Self;
         fn tanh(self) -> Self;
+        fn atan(self) -> Self;
+        fn asin(self) -> Self;
+        fn acos(self) -> Self;
         fn abs(self) -> Self;
         fn powf(self, e: Self) -> Self;
         fn max(self, o: Self) -> Self;
@@ -162,6 +183,18 @@ pub mod num_like {
                     <$t>::tanh(self)
                 }
                 #[inline(always)]
+                fn atan(self) -> Self {
+                    <$t>::atan(self)
+                }
+                #[inline(always)]
+                fn asin(self) -> Self {
+                    <$t>::asin(self)
+                }
+                #[inline(always)]
+                fn acos(self) -> Self {
+                    <$t>::acos(self)
+                }
+                #[inline(always)]
                 fn abs(self) -> Self {
                     <$t>::abs(self)
                 }
@@ -187,6 +220,125 @@ pub mod num_like {
     acc!(f32);
     acc!(f64);
 }
+
+/// Integer arithmetic with two's-complement wrapping, so that overflow never
+/// panics (debug builds) and matches PyTorch, numpy and ONNX.
+pub(crate) trait Int: Element + Ord {
+    const ZERO: Self;
+    fn wrapping_add(self, o: Self) -> Self;
+    fn wrapping_sub(self, o: Self) -> Self;
+    fn wrapping_mul(self, o: Self) -> Self;
+    /// Truncates toward zero; `o` must be non-zero.
+    fn wrapping_div(self, o: Self) -> Self;
+    /// `self^e` for `e >= 0`.
+    fn wrapping_pow(self, e: Self) -> Self;
+    fn wrapping_neg(self) -> Self;
+    fn wrapping_abs(self) -> Self;
+    /// The bits as a `u64` (sign-extended for signed types) and back
+    /// (truncated to the type's width): what the bitwise ops work on.
+    fn to_bits(self) -> u64;
+    fn from_bits(b: u64) -> Self;
+    /// The width in bits.
+    const BITS: u32;
+}
+
+macro_rules! int {
+    ($t:ty, |$x:ident| $unwrap:expr, |$v:ident| $wrap:expr, $abs:ident) => {
+        impl Int for $t {
+            const ZERO: Self = {
+                let $v = 0;
+                $wrap
+            };
+            const BITS: u32 = (std::mem::size_of::<$t>() * 8) as u32;
+            #[inline(always)]
+            fn wrapping_add(self, o: Self) -> Self {
+                int!(@2 self, o, $x, $unwrap, $v, $wrap, wrapping_add)
+            }
+            #[inline(always)]
+            fn wrapping_sub(self, o: Self) -> Self {
+                int!(@2 self, o, $x, $unwrap, $v, $wrap, wrapping_sub)
+            }
+            #[inline(always)]
+            fn wrapping_mul(self, o: Self) -> Self {
+                int!(@2 self, o, $x, $unwrap, $v, $wrap, wrapping_mul)
+            }
+            #[inline(always)]
+            fn wrapping_div(self, o: Self) -> Self {
+                int!(@2 self, o, $x, $unwrap, $v, $wrap, wrapping_div)
+            }
+            fn wrapping_pow(self, e: Self) -> Self {
+                // Square-and-multiply over all 64 exponent bits: std's
+                // `wrapping_pow` takes a u32 exponent.
+                let (mut base, mut e, mut acc) = (self, e.to_bits(), Self::from_bits(1));
+                while e > 0 {
+                    if e & 1 == 1 {
+                        acc = acc.wrapping_mul(base);
+                    }
+                    base = base.wrapping_mul(base);
+                    e >>= 1;
+                }
+                acc
+            }
+            #[inline(always)]
+            fn wrapping_neg(self) -> Self {
+                let $x = self;
+                let $v = $unwrap.wrapping_neg();
+                $wrap
+            }
+            #[inline(always)]
+            fn wrapping_abs(self) -> Self {
+                let $x = self;
+                let $v = $unwrap.$abs();
+                $wrap
+            }
+            #[inline(always)]
+            fn to_bits(self) -> u64 {
+                let $x = self;
+                $unwrap as u64
+            }
+            #[inline(always)]
+            fn from_bits(b: u64) -> Self {
+                let $v = b as _;
+                $wrap
+            }
+        }
+    };
+    (@2 $a:expr, $b:expr, $x:ident, $unwrap:expr, $v:ident, $wrap:expr, $f:ident) => {{
+        let $x = $b;
+        let y = $unwrap;
+        let $x = $a;
+        let $v = $unwrap.$f(y);
+        $wrap
+    }};
+}
+
+int!(i64, |x| x, |v| v, wrapping_abs);
+int!(i32, |x| x, |v| v, wrapping_abs);
+int!(i16, |x| x, |v| v, wrapping_abs);
+int!(i8, |x| x, |v| v, wrapping_abs);
+int!(U8, |x| x.0, |v| U8(v), wrapping_abs_unsigned);
+int!(u16, |x| x, |v| v, wrapping_abs_unsigned);
+int!(u32, |x| x, |v| v, wrapping_abs_unsigned);
+int!(u64, |x| x, |v| v, wrapping_abs_unsigned);
+
+/// `abs` of an unsigned integer: itself (named so the `int!` macro can call
+/// it like the signed types' `wrapping_abs`).
+trait AbsUnsigned {
+    fn wrapping_abs_unsigned(self) -> Self;
+}
+
+macro_rules! abs_unsigned {
+    ($($t:ty),*) => {$(
+        impl AbsUnsigned for $t {
+            #[inline(always)]
+            fn wrapping_abs_unsigned(self) -> Self {
+                self
+            }
+        }
+    )*};
+}
+
+abs_unsigned!(u8, u16, u32, u64);
 
 /// Runs `$body` with `$T` bound to the Rust element type of `$dtype`.
 #[macro_export]
@@ -222,6 +374,74 @@ macro_rules! with_dtype {
                 type $T = u8;
                 $body
             }
+            $crate::ir::DType::I16 => {
+                type $T = i16;
+                $body
+            }
+            $crate::ir::DType::I8 => {
+                type $T = i8;
+                $body
+            }
+            $crate::ir::DType::U8 => {
+                type $T = $crate::runtime::cpu::U8;
+                $body
+            }
+            $crate::ir::DType::U16 => {
+                type $T = u16;
+                $body
+            }
+            $crate::ir::DType::U32 => {
+                type $T = u32;
+                $body
+            }
+            $crate::ir::DType::U64 => {
+                type $T = u64;
+                $body
+            }
+        }
+    };
+}
+
+/// Like [`with_dtype!`] for the integer dtypes only (`$T`: `i64`, `i32`,
+/// `i16`, `i8`, `U8`, `u16`, `u32`, `u64`); `$other` runs for the rest.
+#[macro_export]
+#[doc(hidden)]
+macro_rules! with_int_dtype {
+    ($dtype:expr, $T:ident => $body:expr, _ => $other:expr) => {
+        match $dtype {
+            $crate::ir::DType::I64 => {
+                type $T = i64;
+                $body
+            }
+            $crate::ir::DType::I32 => {
+                type $T = i32;
+                $body
+            }
+            $crate::ir::DType::I16 => {
+                type $T = i16;
+                $body
+            }
+            $crate::ir::DType::I8 => {
+                type $T = i8;
+                $body
+            }
+            $crate::ir::DType::U8 => {
+                type $T = $crate::runtime::cpu::U8;
+                $body
+            }
+            $crate::ir::DType::U16 => {
+                type $T = u16;
+                $body
+            }
+            $crate::ir::DType::U32 => {
+                type $T = u32;
+                $body
+            }
+            $crate::ir::DType::U64 => {
+                type $T = u64;
+                $body
+            }
+            _ => $other,
         }
     };
 }

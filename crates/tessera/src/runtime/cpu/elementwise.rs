@@ -18,14 +18,15 @@ use rayon::prelude::*;
 
 use super::copy::{copy_strided, PAR_THRESHOLD};
 use super::element::num_like::AccFloat;
-use super::element::{Element, Float};
+use super::element::{Element, Float, Int};
 use super::fastmath::{erfc_f32, exp_f32, exp_nonpositive_f32, tanh_f32, unary_simd_f32};
 use super::Storage;
 use crate::error::{op_err, Result};
 use crate::ir::{BinaryOp, CompareOp, DType, UnaryOp};
 use crate::runtime::array::Array;
 use crate::runtime::layout::Layout;
-use crate::{with_dtype, with_float_dtype};
+use super::element::U8;
+use crate::{with_dtype, with_float_dtype, with_int_dtype};
 
 /// Output elements per parallel task: 256 KiB of f32, big enough to amortise
 /// a rayon task and small enough to balance the load across threads.
@@ -40,10 +41,9 @@ const TILE: usize = 32;
 
 /// `op(x)`; floats compute in `Acc`, integers accept only neg, abs and relu.
 pub fn unary(op: UnaryOp, x: &Array) -> Result<Array> {
-    with_float_dtype!(x.dtype(), T => Ok(float_unary::<T>(op, x)), _ => match x.dtype() {
-        DType::I64 => int_unary::<i64>(op, x),
-        DType::I32 => int_unary::<i32>(op, x),
-        d => Err(op_err!(DType, op.name(), "is not defined for {d}")),
+    with_float_dtype!(x.dtype(), T => Ok(float_unary::<T>(op, x)), _ => {
+        with_int_dtype!(x.dtype(), T => int_unary::<T>(op, x),
+            _ => Err(op_err!(DType, op.name(), "is not defined for {}", x.dtype())))
     })
 }
 
@@ -113,6 +113,19 @@ macro_rules! with_unary_fn {
                 let $f = silu::<$A>;
                 $body
             }
+            UnaryOp::Atan => {
+                let $f = |v: $A| v.atan();
+                $body
+            }
+            UnaryOp::Asin => {
+                let $f = |v: $A| v.asin();
+                $body
+            }
+            UnaryOp::Acos => {
+                let $f = |v: $A| v.acos();
+                $body
+            }
+            UnaryOp::BitNot => unreachable!("bitwise_not on a float (inference refuses it)"),
         }
     }};
 }
@@ -284,82 +297,21 @@ fn int_unary<T: Int>(op: UnaryOp, x: &Array) -> Result<Array> {
         UnaryOp::Neg => Ok(map1(x, |v: T| v.wrapping_neg())),
         UnaryOp::Abs => Ok(map1(x, |v: T| v.wrapping_abs())),
         UnaryOp::Relu => Ok(map1(x, |v: T| v.max(T::ZERO))),
+        UnaryOp::BitNot => Ok(map1(x, |v: T| T::from_bits(!v.to_bits()))),
         _ => Err(op_err!(DType, op.name(), "is not defined for {}", x.ty())),
     }
 }
-
-/// Integer arithmetic with two's-complement wrapping, so that overflow never
-/// panics (debug builds) and matches PyTorch.
-trait Int: Element + Ord {
-    const ZERO: Self;
-    fn wrapping_add(self, o: Self) -> Self;
-    fn wrapping_sub(self, o: Self) -> Self;
-    fn wrapping_mul(self, o: Self) -> Self;
-    /// Truncates toward zero; `o` must be non-zero.
-    fn wrapping_div(self, o: Self) -> Self;
-    /// `self^e` for `e >= 0`.
-    fn wrapping_pow(self, e: Self) -> Self;
-    fn wrapping_neg(self) -> Self;
-    fn wrapping_abs(self) -> Self;
-}
-
-macro_rules! int {
-    ($t:ty) => {
-        impl Int for $t {
-            const ZERO: Self = 0;
-            #[inline(always)]
-            fn wrapping_add(self, o: Self) -> Self {
-                <$t>::wrapping_add(self, o)
-            }
-            #[inline(always)]
-            fn wrapping_sub(self, o: Self) -> Self {
-                <$t>::wrapping_sub(self, o)
-            }
-            #[inline(always)]
-            fn wrapping_mul(self, o: Self) -> Self {
-                <$t>::wrapping_mul(self, o)
-            }
-            #[inline(always)]
-            fn wrapping_div(self, o: Self) -> Self {
-                <$t>::wrapping_div(self, o)
-            }
-            fn wrapping_pow(self, e: Self) -> Self {
-                // Square-and-multiply over all 64 exponent bits: std's
-                // `wrapping_pow` takes a u32 exponent.
-                let (mut base, mut e, mut acc) = (self, e as u64, 1 as $t);
-                while e > 0 {
-                    if e & 1 == 1 {
-                        acc = acc.wrapping_mul(base);
-                    }
-                    base = base.wrapping_mul(base);
-                    e >>= 1;
-                }
-                acc
-            }
-            #[inline(always)]
-            fn wrapping_neg(self) -> Self {
-                <$t>::wrapping_neg(self)
-            }
-            #[inline(always)]
-            fn wrapping_abs(self) -> Self {
-                <$t>::wrapping_abs(self)
-            }
-        }
-    };
-}
-
-int!(i64);
-int!(i32);
 
 // ---------------------------------------------------------------------------
 // Casts
 
 /// An element on its way between dtypes, in a carrier that holds every
-/// source value exactly: ints and bools as i64, f16/bf16/f32 as f32, f64 as
-/// f64. Converting from the carrier then rounds (or truncates) only once.
+/// source value exactly: ints and bools as i128 (u64 and i64 both fit),
+/// f16/bf16/f32 as f32, f64 as f64. Converting from the carrier then rounds
+/// (or truncates) only once.
 #[derive(Clone, Copy)]
 pub(super) enum Wide {
-    Int(i64),
+    Int(i128),
     F32(f32),
     F64(f64),
 }
@@ -423,21 +375,63 @@ castable!(
 );
 castable!(
     i64,
-    |x| Wide::Int(x),
-    int | i | i,
+    |x| Wide::Int(x as i128),
+    int | i | i as i64,
     f32 | v | v as i64,
     f64 | v | v as i64
 );
 castable!(
     i32,
-    |x| Wide::Int(x as i64),
+    |x| Wide::Int(x as i128),
     int | i | i as i32,
     f32 | v | v as i32,
     f64 | v | v as i32
 );
 castable!(
+    i16,
+    |x| Wide::Int(x as i128),
+    int | i | i as i16,
+    f32 | v | v as i16,
+    f64 | v | v as i16
+);
+castable!(
+    i8,
+    |x| Wide::Int(x as i128),
+    int | i | i as i8,
+    f32 | v | v as i8,
+    f64 | v | v as i8
+);
+castable!(
+    U8,
+    |x| Wide::Int(x.0 as i128),
+    int | i | U8(i as u8),
+    f32 | v | U8(v as u8),
+    f64 | v | U8(v as u8)
+);
+castable!(
+    u16,
+    |x| Wide::Int(x as i128),
+    int | i | i as u16,
+    f32 | v | v as u16,
+    f64 | v | v as u16
+);
+castable!(
+    u32,
+    |x| Wide::Int(x as i128),
+    int | i | i as u32,
+    f32 | v | v as u32,
+    f64 | v | v as u32
+);
+castable!(
+    u64,
+    |x| Wide::Int(x as i128),
+    int | i | i as u64,
+    f32 | v | v as u64,
+    f64 | v | v as u64
+);
+castable!(
     u8,
-    |x| Wide::Int((x != 0) as i64),
+    |x| Wide::Int((x != 0) as i128),
     int | i | (i != 0) as u8,
     f32 | v | (v != 0.0) as u8,
     f64 | v | (v != 0.0) as u8
@@ -453,15 +447,24 @@ pub fn cast(x: &Array, dtype: DType) -> Array {
     with_dtype!(x.dtype(), S => with_dtype!(dtype, D => map1(x, |v: S| D::narrow(v.widen()))))
 }
 
+/// `x`'s bits read as `dtype`, of the same width (inference checks it): a
+/// contiguous copy of the bytes.
+pub fn bitcast(x: &Array, dtype: DType) -> Array {
+    let dense = super::copy::contiguous(x);
+    let mut out = Storage::new(dtype, x.numel());
+    let n = x.numel() * dtype.size_bytes();
+    out.as_bytes_mut()[..n].copy_from_slice(&dense.storage().as_bytes()[..n]);
+    Array::from_storage(out, x.shape())
+}
+
 // ---------------------------------------------------------------------------
 // Binary ops, comparisons, where
 
 /// `op(a, b)` broadcast to `shape`.
 pub fn binary(op: BinaryOp, a: &Array, b: &Array, shape: &[usize]) -> Result<Array> {
-    with_float_dtype!(a.dtype(), T => Ok(float_binary::<T>(op, a, b, shape)), _ => match a.dtype() {
-        DType::I64 => int_binary::<i64>(op, a, b, shape),
-        DType::I32 => int_binary::<i32>(op, a, b, shape),
-        d => Err(op_err!(DType, op.name(), "is not defined for {d}")),
+    with_float_dtype!(a.dtype(), T => Ok(float_binary::<T>(op, a, b, shape)), _ => {
+        with_int_dtype!(a.dtype(), T => int_binary::<T>(op, a, b, shape),
+            _ => Err(op_err!(DType, op.name(), "is not defined for {}", a.dtype())))
     })
 }
 
@@ -499,6 +502,11 @@ macro_rules! with_binary_fn {
                 let $f = |x: $A, y: $A| if x < y || x.is_nan() { x } else { y };
                 $body
             }
+            BinaryOp::BitAnd
+            | BinaryOp::BitOr
+            | BinaryOp::BitXor
+            | BinaryOp::Shl
+            | BinaryOp::Shr => unreachable!("bitwise op on a float (inference refuses it)"),
         }
     }};
 }
@@ -583,6 +591,17 @@ fn int_binary<T: Int>(op: BinaryOp, a: &Array, b: &Array, shape: &[usize]) -> Re
         }),
         BinaryOp::Maximum => map2(a, b, shape, |x: T, y: T| x.max(y)),
         BinaryOp::Minimum => map2(a, b, shape, |x: T, y: T| x.min(y)),
+        BinaryOp::BitAnd => map2(a, b, shape, |x: T, y: T| {
+            T::from_bits(x.to_bits() & y.to_bits())
+        }),
+        BinaryOp::BitOr => map2(a, b, shape, |x: T, y: T| {
+            T::from_bits(x.to_bits() | y.to_bits())
+        }),
+        BinaryOp::BitXor => map2(a, b, shape, |x: T, y: T| {
+            T::from_bits(x.to_bits() ^ y.to_bits())
+        }),
+        BinaryOp::Shl => map2(a, b, shape, shift_left::<T>),
+        BinaryOp::Shr => map2(a, b, shape, shift_right::<T>),
     };
     if bad.load(Ordering::Relaxed) {
         let why = match op {
@@ -598,6 +617,36 @@ fn int_binary<T: Int>(op: BinaryOp, a: &Array, b: &Array, shape: &[usize]) -> Re
         ));
     }
     Ok(out)
+}
+
+/// `x << s`, 0 when `s` is negative or at least the width (numpy's rule).
+#[inline(always)]
+fn shift_left<T: Int>(x: T, s: T) -> T {
+    match shift_amount(s) {
+        Some(n) => T::from_bits(x.to_bits() << n),
+        None => T::ZERO,
+    }
+}
+
+/// `x >> s`: arithmetic for signed types (the bits are sign-extended in
+/// `to_bits`), logical for unsigned; past the width, 0 or -1 (the sign).
+#[inline(always)]
+fn shift_right<T: Int>(x: T, s: T) -> T {
+    let signed = T::from_bits(u64::MAX) < T::ZERO;
+    let bits = x.to_bits();
+    let n = shift_amount(s).unwrap_or(T::BITS);
+    match signed {
+        true => T::from_bits(((bits as i64) >> n.min(63)) as u64),
+        false if n >= 64 => T::ZERO,
+        false => T::from_bits(bits >> n),
+    }
+}
+
+/// The shift count `s` when it is within `0..T::BITS`.
+#[inline(always)]
+fn shift_amount<T: Int>(s: T) -> Option<u32> {
+    let n = s.to_bits();
+    (s >= T::ZERO && n < T::BITS as u64).then_some(n as u32)
 }
 
 /// `op(a, b)` as bool (0/1) broadcast to `shape`. Any comparison with NaN
@@ -1091,11 +1140,45 @@ mod tests {
     // pasted as printed (hence clippy's approx_constant allowance).
     const XS: [f64; 5] = [-2.5, -0.5, 0.0, 0.75, 3.0];
     const POS: [f64; 4] = [0.25, 1.0, 2.0, 10.0];
+    const UNIT: [f64; 5] = [-0.75, -0.5, 0.0, 0.25, 1.0];
     #[allow(clippy::approx_constant)]
     fn math_table() -> Vec<(UnaryOp, &'static [f64], [f64; 5])> {
         use UnaryOp::*;
         let mut t: Vec<(UnaryOp, &'static [f64], [f64; 5])> = vec![
             (Neg, &XS, [2.5, 0.5, 0.0, -0.75, -3.0]),
+            (
+                Atan,
+                &XS,
+                [
+                    -1.1902899496825317,
+                    -0.4636476090008061,
+                    0.0,
+                    0.6435011087932844,
+                    1.2490457723982544,
+                ],
+            ),
+            (
+                Asin,
+                &UNIT,
+                [
+                    -0.848062078981481,
+                    -0.5235987755982989,
+                    0.0,
+                    0.25268025514207865,
+                    1.5707963267948966,
+                ],
+            ),
+            (
+                Acos,
+                &UNIT,
+                [
+                    2.4188584057763776,
+                    2.0943951023931957,
+                    1.5707963267948966,
+                    1.318116071652818,
+                    0.0,
+                ],
+            ),
             (Abs, &XS, [2.5, 0.5, 0.0, 0.75, 3.0]),
             (Relu, &XS, [0.0, 0.0, 0.0, 0.75, 3.0]),
             (
@@ -1209,7 +1292,8 @@ mod tests {
     #[test]
     fn unary_float_ops_match_math() {
         let table = math_table();
-        assert_eq!(table.len(), UnaryOp::ALL.len(), "every unary op is covered");
+        let float_ops = UnaryOp::ALL.iter().filter(|u| u.accepts_float()).count();
+        assert_eq!(table.len(), float_ops, "every float unary op is covered");
         for (op, xs, expected) in table {
             let expected = &expected[..xs.len()];
             let x64 = Tensor::from_vec(xs.to_vec(), &[xs.len()]);
@@ -1372,7 +1456,8 @@ mod tests {
             (BinaryOp::Maximum, [2.0, 3.0, 0.5, 4.0]),
             (BinaryOp::Minimum, [1.5, -2.0, -0.25, 0.5]),
         ];
-        assert_eq!(cases.len(), BinaryOp::ALL.len());
+        let float_ops = BinaryOp::ALL.iter().filter(|b| !b.is_bitwise()).count();
+        assert_eq!(cases.len(), float_ops);
         for (op, e) in cases {
             assert_close(&bin(op, &a, &b).to_vec::<f64>().unwrap(), &e, 1e-15);
             let a32 = Tensor::from_array(cast(a.array(), DType::F32));

@@ -18,6 +18,7 @@ use std::sync::Mutex;
 
 use rayon::prelude::*;
 
+use super::element::Int;
 use super::element::{Element, Float};
 use super::Storage;
 use crate::error::{op_err, Result};
@@ -44,9 +45,8 @@ pub fn matmul(a: &Array, b: &Array, out_shape: &[usize]) -> Result<Array> {
         DType::F64 => gemm_storage::<f64>(&plan, a.storage(), b.storage()),
         DType::F16 => return Ok(matmul_via_f32::<half::f16>(a, b, out_shape)),
         DType::BF16 => return Ok(matmul_via_f32::<half::bf16>(a, b, out_shape)),
-        DType::I64 => int_storage::<i64>(&plan, a.storage(), b.storage()),
-        DType::I32 => int_storage::<i32>(&plan, a.storage(), b.storage()),
-        DType::Bool => return Err(op_err!(DType, "matmul", "is not defined for bool")),
+        d => crate::with_int_dtype!(d, T => int_storage::<T>(&plan, a.storage(), b.storage()),
+            _ => return Err(op_err!(DType, "matmul", "is not defined for {d}"))),
     };
     Ok(Array::from_storage(out, out_shape))
 }
@@ -805,23 +805,7 @@ fn to_f32<T: Float<Acc = f32>>(x: &Array) -> Array {
 
 /// Integer matmul: not performance critical, a plain loop in i-k-j order
 /// (unit stride over the output row). Wraps on overflow like torch.
-trait WrappingInt: Element + Default {
-    fn mul_add(self, a: Self, b: Self) -> Self;
-}
-
-impl WrappingInt for i64 {
-    fn mul_add(self, a: i64, b: i64) -> i64 {
-        self.wrapping_add(a.wrapping_mul(b))
-    }
-}
-
-impl WrappingInt for i32 {
-    fn mul_add(self, a: i32, b: i32) -> i32 {
-        self.wrapping_add(a.wrapping_mul(b))
-    }
-}
-
-fn int_storage<T: WrappingInt>(plan: &Plan, a: &Storage, b: &Storage) -> Storage {
+fn int_storage<T: Int>(plan: &Plan, a: &Storage, b: &Storage) -> Storage {
     let mut out = Storage::new(T::DTYPE, plan.batch() * plan.m * plan.n);
     let dst = out.as_mut_slice::<T>();
     if dst.is_empty() {
@@ -832,15 +816,15 @@ fn int_storage<T: WrappingInt>(plan: &Plan, a: &Storage, b: &Storage) -> Storage
     out
 }
 
-fn int_one<T: WrappingInt>(plan: &Plan, i: usize, a: &[T], b: &[T], dst: &mut [T]) {
+fn int_one<T: Int>(plan: &Plan, i: usize, a: &[T], b: &[T], dst: &mut [T]) {
     let (a_off, b_off) = plan.offsets(i);
     for (r, row) in dst.chunks_mut(plan.n).enumerate() {
-        row.fill(T::default());
+        row.fill(T::ZERO);
         for p in 0..plan.k {
             let av = a[a_off + r * plan.a_rs + p * plan.a_cs];
             let b_row = b_off + p * plan.b_rs;
             for (c, o) in row.iter_mut().enumerate() {
-                *o = o.mul_add(av, b[b_row + c * plan.b_cs]);
+                *o = o.wrapping_add(av.wrapping_mul(b[b_row + c * plan.b_cs]));
             }
         }
     }

@@ -25,7 +25,7 @@ pub use alloc::{empty_cache, host_memory_stats, memory_stats, reset_peak, Memory
 pub(crate) use backend::cpu_backend;
 pub use backend::CpuBackend;
 pub use element::num_like::AccFloat;
-pub use element::{Element, Float};
+pub use element::{Element, Float, U8};
 pub use matmul::{
     alike, blocks_products, for_each_block, thin_dims, transposes, BlockedProduct, DescribedProduct,
 };
@@ -82,6 +82,7 @@ fn run_kernel(op: &Op, inputs: &[&Array], dtype: DType, shape: &[usize]) -> Resu
         )),
         Op::Unary(u) => elementwise::unary(*u, inputs[0]),
         Op::Cast(d) => Ok(elementwise::cast(inputs[0], *d)),
+        Op::BitCast(d) => Ok(elementwise::bitcast(inputs[0], *d)),
         Op::Binary(b) => elementwise::binary(*b, inputs[0], inputs[1], shape),
         Op::Compare(c) => Ok(elementwise::compare(*c, inputs[0], inputs[1], shape)),
         Op::Where => Ok(elementwise::where_(inputs[0], inputs[1], inputs[2], shape)),

@@ -29,7 +29,8 @@ use crate::error::{op_err, Result};
 use crate::ir::{ArgReduceOp, DType, ReduceOp};
 use crate::runtime::array::Array;
 use crate::runtime::layout::Layout;
-use crate::with_float_dtype;
+use super::element::U8;
+use crate::{with_float_dtype, with_int_dtype};
 
 /// Contiguous runs longer than this are summed in two halves on two rayon
 /// tasks (a single huge row, e.g. a full reduction, still uses every core).
@@ -117,28 +118,34 @@ macro_rules! float_arith {
 float_arith!(f32);
 float_arith!(f64);
 
-impl Arith for i64 {
-    const ZERO: Self = 0;
-    const ONE: Self = 1;
-    const LOWEST: Self = i64::MIN;
-    const HIGHEST: Self = i64::MAX;
-    const NAN: Option<Self> = None;
-    #[inline(always)]
-    fn add(self, o: Self) -> Self {
-        self.wrapping_add(o)
-    }
-    #[inline(always)]
-    fn mul(self, o: Self) -> Self {
-        self.wrapping_mul(o)
-    }
-    #[inline(always)]
-    fn is_nan(self) -> bool {
-        false
-    }
-    fn div_count(self, n: usize) -> Self {
-        self.checked_div(n as i64).unwrap_or(0)
-    }
+macro_rules! int_arith {
+    ($t:ty) => {
+        impl Arith for $t {
+            const ZERO: Self = 0;
+            const ONE: Self = 1;
+            const LOWEST: Self = <$t>::MIN;
+            const HIGHEST: Self = <$t>::MAX;
+            const NAN: Option<Self> = None;
+            #[inline(always)]
+            fn add(self, o: Self) -> Self {
+                self.wrapping_add(o)
+            }
+            #[inline(always)]
+            fn mul(self, o: Self) -> Self {
+                self.wrapping_mul(o)
+            }
+            #[inline(always)]
+            fn is_nan(self) -> bool {
+                false
+            }
+            fn div_count(self, n: usize) -> Self {
+                self.checked_div(n as $t).unwrap_or(0)
+            }
+        }
+    };
 }
+int_arith!(i64);
+int_arith!(u64);
 
 /// An element type that reduces in `Acc`.
 pub(crate) trait Reducible: Element {
@@ -181,6 +188,36 @@ macro_rules! int_reducible {
 }
 int_reducible!(i64);
 int_reducible!(i32);
+int_reducible!(i16);
+int_reducible!(i8);
+int_reducible!(u16);
+int_reducible!(u32);
+
+impl Reducible for U8 {
+    type Acc = i64;
+    #[inline(always)]
+    fn acc(self) -> i64 {
+        self.0 as i64
+    }
+    #[inline(always)]
+    fn from_acc(a: i64) -> U8 {
+        U8(a as u8)
+    }
+}
+
+/// u64 reduces in u64: its values past i64's range order (max, min) and
+/// divide (mean) as unsigned.
+impl Reducible for u64 {
+    type Acc = u64;
+    #[inline(always)]
+    fn acc(self) -> u64 {
+        self
+    }
+    #[inline(always)]
+    fn from_acc(a: u64) -> u64 {
+        a
+    }
+}
 
 /// `op` over `dims` of `x`. Errors for max/min of integers over an empty
 /// extent (there is no value to return); for floats that case gives NaN.
@@ -189,10 +226,9 @@ pub fn reduce(op: ReduceOp, x: &Array, dims: &[usize], keepdim: bool) -> Result<
         return Ok(copy::contiguous(x).into_owned());
     }
     let shape = reduced_shape(x.shape(), dims, keepdim);
-    with_float_dtype!(x.dtype(), T => reduce_typed::<T>(op, x, dims, &shape), _ => match x.dtype() {
-        DType::I64 => reduce_typed::<i64>(op, x, dims, &shape),
-        DType::I32 => reduce_typed::<i32>(op, x, dims, &shape),
-        d => Err(op_err!(DType, op.name(), "is not defined for {d}")),
+    with_float_dtype!(x.dtype(), T => reduce_typed::<T>(op, x, dims, &shape), _ => {
+        with_int_dtype!(x.dtype(), T => reduce_typed::<T>(op, x, dims, &shape),
+            _ => Err(op_err!(DType, op.name(), "is not defined for {}", x.dtype())))
     })
 }
 
@@ -589,10 +625,9 @@ pub fn arg_reduce(op: ArgReduceOp, x: &Array, dim: usize, keepdim: bool) -> Resu
     }
     let mut out = Storage::new(DType::I64, numel);
     let dst = out.as_mut_slice::<i64>();
-    with_float_dtype!(x.dtype(), T => arg_typed::<T>(op, x, dim, dst), _ => match x.dtype() {
-        DType::I64 => arg_typed::<i64>(op, x, dim, dst),
-        DType::I32 => arg_typed::<i32>(op, x, dim, dst),
-        d => return Err(op_err!(DType, op.name(), "is not defined for {d}")),
+    with_float_dtype!(x.dtype(), T => arg_typed::<T>(op, x, dim, dst), _ => {
+        with_int_dtype!(x.dtype(), T => arg_typed::<T>(op, x, dim, dst),
+            _ => return Err(op_err!(DType, op.name(), "is not defined for {}", x.dtype())))
     });
     Ok(Array::from_storage(out, &shape))
 }

@@ -5,6 +5,7 @@ use std::borrow::Cow;
 
 use half::{bf16, f16};
 
+use super::element::{Int, U8};
 use super::{copy, Element, Storage};
 use crate::error::{op_err, Result};
 use crate::ir::DType;
@@ -27,7 +28,19 @@ macro_rules! native_add {
         }
     )*};
 }
-native_add!(f32, f64, i64, i32);
+native_add!(f32, f64);
+
+macro_rules! wrapping_add {
+    ($($t:ty),*) => {$(
+        impl Accumulate for $t {
+            #[inline]
+            fn add(self, other: Self) -> Self {
+                Int::wrapping_add(self, other)
+            }
+        }
+    )*};
+}
+wrapping_add!(i64, i32, i16, i8, U8, u16, u32, u64);
 
 impl Accumulate for f16 {
     fn add(self, other: Self) -> Self {
