@@ -20,16 +20,20 @@ use tessera::nn::{ParamStore, ResNet, ResNetConfig};
 use tessera::tensor::{ConvOptions, Generator, PoolOptions};
 use tessera::{autograd, compile, DType, Tensor};
 
-/// (label, input [c, h], output channels, kernel, stride, padding)
-const CONVS: &[(&str, [usize; 2], usize, usize, usize, usize)] = &[
-    ("stem 7x7/2 3->64 @224", [3, 224], 64, 7, 2, 3),
-    ("3x3 64->64 @56", [64, 56], 64, 3, 1, 1),
-    ("1x1 64->256 @56", [64, 56], 256, 1, 1, 0),
-    ("3x3 128->128 @28", [128, 28], 128, 3, 1, 1),
-    ("3x3 256->256 @14", [256, 14], 256, 3, 1, 1),
-    ("1x1 1024->256 @14", [1024, 14], 256, 1, 1, 0),
-    ("3x3 512->512 @7", [512, 7], 512, 3, 1, 1),
-    ("1x1 512->2048 @7", [512, 7], 2048, 1, 1, 0),
+/// A convolution: input channels and side, output channels, then kernel,
+/// stride and padding.
+type Shape = ([usize; 2], usize, usize, usize, usize);
+
+/// (label, shape)
+const CONVS: &[(&str, Shape)] = &[
+    ("stem 7x7/2 3->64 @224", ([3, 224], 64, 7, 2, 3)),
+    ("3x3 64->64 @56", ([64, 56], 64, 3, 1, 1)),
+    ("1x1 64->256 @56", ([64, 56], 256, 1, 1, 0)),
+    ("3x3 128->128 @28", ([128, 28], 128, 3, 1, 1)),
+    ("3x3 256->256 @14", ([256, 14], 256, 3, 1, 1)),
+    ("1x1 1024->256 @14", ([1024, 14], 256, 1, 1, 0)),
+    ("3x3 512->512 @7", ([512, 7], 512, 3, 1, 1)),
+    ("1x1 512->2048 @7", ([512, 7], 2048, 1, 1, 0)),
 ];
 
 /// The best wall time (ms) of `reps` runs of `f` and that run's CPU time.
@@ -61,7 +65,7 @@ fn main() {
         .unwrap_or(5);
     let mut g = Generator::new(0);
     println!("batch {n}, {} threads", rayon::current_num_threads());
-    for &(label, [c, h], o, k, s, p) in CONVS {
+    for &(label, ([c, h], o, k, s, p)) in CONVS {
         let x = Tensor::randn(&[n, c, h, h], DType::F32, &mut g);
         let w = Tensor::randn(&[o, c, k, k], DType::F32, &mut g);
         let scale = Tensor::randn(&[1, o, 1, 1], DType::F32, &mut g);
