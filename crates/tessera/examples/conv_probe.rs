@@ -6,7 +6,9 @@
 //! - `worker`: the same call inside `rayon::scope` (so on a pool worker,
 //!   as the compiled executor's loop runs);
 //! - `compiled`: `tessera::compile` of the op plus a per-channel scale
-//!   (a folded batch norm) and ReLU, under `no_grad`.
+//!   (a folded batch norm) and ReLU, under `no_grad`;
+//! - `nhwc` (1×1 convolutions): the same product channels-last, one
+//!   matmul of `[n·h·w, c]` by `[c, o]`.
 //!
 //! With `RESNET=50` (or 18): that ResNet in eval mode at batch `batch`
 //! (224²), eager and compiled, alternated `REPS` times.
@@ -75,10 +77,11 @@ fn main() {
         let f = compile(move |a: &[Tensor]| vec![(a[0].conv2d(&a[1], None, opts) * &a[2]).relu()]);
         let args = [x.clone(), w.clone(), scale.clone()];
         let compiled = best(reps, || autograd::no_grad(|| f.call(&args)[0].clone()));
-        report(
-            label,
-            &[("eager", eager), ("worker", worker), ("compiled", compiled)],
-        );
+        let mut ways = vec![("eager", eager), ("worker", worker), ("compiled", compiled)];
+        if k == 1 && s == 1 && p == 0 {
+            ways.push(("nhwc", nhwc_pointwise(&x, &w, reps)));
+        }
+        report(label, &ways);
     }
     let x = Tensor::randn(&[n, 64, 112, 112], DType::F32, &mut g);
     let pool = PoolOptions::new(3).stride(2).padding(1);
@@ -92,6 +95,23 @@ fn main() {
         "max_pool 3x3/2 @112",
         &[("eager", eager), ("worker", worker), ("compiled", compiled)],
     );
+}
+
+/// A 1×1 convolution channels-last: the `[n·h·w, c]` input times the
+/// `[c, o]` weight, one GEMM (the layouts made outside the timing), for
+/// the NCHW kernel's per-sample `[o, c] · [c, h·w]` to be compared with.
+fn nhwc_pointwise(x: &Tensor, w: &Tensor, reps: usize) -> (f64, f64) {
+    let (n, c, h, wd) = (x.shape()[0], x.shape()[1], x.shape()[2], x.shape()[3]);
+    let o = w.shape()[0];
+    let rows = x
+        .permute(&[0, 2, 3, 1])
+        .contiguous()
+        .reshape(&[(n * h * wd) as isize, c as isize]);
+    let wt = w
+        .reshape(&[o as isize, c as isize])
+        .permute(&[1, 0])
+        .contiguous();
+    best(reps, || rows.matmul(&wt))
 }
 
 fn report(label: &str, ways: &[(&str, (f64, f64))]) {

@@ -387,7 +387,7 @@ pub struct Executable {
     /// The last outputs that are module state ([`Traced::state`]).
     num_state: usize,
     /// A forward-only executable's values computed from its lifted tensors
-    /// alone, computed once (see [`frozen`]); the forward takes them as
+    /// alone, computed once (see `frozen`); the forward takes them as
     /// its last inputs.
     frozen: Option<frozen::Frozen>,
 }
@@ -568,7 +568,9 @@ impl Executable {
         out
     }
 
-    /// How often its frozen values were computed (see [`frozen`]).
+    /// How often its frozen values (computed from its lifted tensors alone:
+    /// folded batch norms) were computed: once until a tensor they read is
+    /// replaced.
     pub fn frozen_computes(&self) -> usize {
         self.frozen.as_ref().map_or(0, frozen::Frozen::computes)
     }

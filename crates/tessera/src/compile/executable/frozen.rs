@@ -258,10 +258,13 @@ mod tests {
         let s = split(&g, &[1, 2]).unwrap().expect("a frozen value");
         assert_eq!(s.reads, vec![1, 2]);
         let pro = s.prologue.to_string();
-        assert!(pro.contains("rsqrt(") && pro.contains("mul("), "{pro}");
+        assert!(pro.contains("= rsqrt(") && pro.contains("= mul("), "{pro}");
         assert_eq!(s.prologue.outputs.len(), 1, "the scaled weight only: {pro}");
         let main = s.main.to_string();
-        assert!(!main.contains("rsqrt(") && !main.contains("mul("), "{main}");
+        assert!(
+            !main.contains("= rsqrt(") && !main.contains("= mul("),
+            "{main}"
+        );
         // The transposed weight is a view: it stays, reading %w.
         assert!(main.contains("permute(%w)"), "{main}");
         assert!(main.contains("matmul(%x"), "{main}");
