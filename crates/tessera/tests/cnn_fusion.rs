@@ -23,11 +23,21 @@ fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
 
 /// The optimised forward graph of the last compile, as text.
 fn forward_graph(artifacts: &[(String, String)]) -> String {
+    graph_text(artifacts, "forward.tir")
+}
+
+/// The graph of the values computed once from the frozen (lifted)
+/// tensors: the folded weights and biases.
+fn frozen_graph(artifacts: &[(String, String)]) -> String {
+    graph_text(artifacts, "frozen.tir")
+}
+
+fn graph_text(artifacts: &[(String, String)], file: &str) -> String {
     artifacts
         .iter()
-        .find(|(name, _)| name.ends_with(".tir") && !name.contains("backward"))
+        .find(|(name, _)| name.ends_with(file))
         .map(|(_, text)| text.clone())
-        .expect("a forward graph")
+        .unwrap_or_else(|| panic!("no {file} among {artifacts:?}"))
 }
 
 fn lines_with(text: &str, needle: &str) -> usize {
@@ -99,12 +109,73 @@ fn eval_batch_norm_folds_into_the_conv_weights() {
     assert_eq!(lines_with(&text, "tessera::conv2d"), 1, "{text}");
     assert_eq!(lines_with(&text, RELU_EPILOGUE), 1, "{text}");
     assert_eq!(lines_with(&text, ": f32[2,8,9,8]"), 1, "{text}");
-    // The scale multiplies the weights.
+    // The scale multiplies the weights (in the forward graph: the
+    // parameters require grad here, and their gradients go through it).
     assert!(
         text.lines()
             .any(|l| l.contains("mul(") && l.contains("f32[8,3,3,3]")),
         "{text}"
     );
+}
+
+#[test]
+fn folded_weights_are_computed_once_and_again_when_a_parameter_changes() {
+    let mut store = ParamStore::new();
+    let mut g = Generator::new(40);
+    let conv = Conv2d::new(
+        &mut store,
+        "c",
+        3,
+        4,
+        [3, 3],
+        ConvOptions::default().padding(1),
+        true,
+        &mut g,
+    );
+    let bn = BatchNorm2d::new(&mut store, "bn", 4);
+    bn.set_running_stats(BatchNormStats {
+        mean: randn(&[4], 41),
+        var: randn(&[4], 42).abs() + 0.5,
+    })
+    .unwrap();
+    bn.train(false);
+    let model = |x: &Tensor| bn.forward(&conv.forward(x)).relu();
+    let f = compile(|a: &[Tensor]| vec![model(&a[0])]);
+    let check = |seed: u64| {
+        let x = randn(&[2, 3, 7, 6], seed);
+        let got = tessera::autograd::no_grad(|| f.call(std::slice::from_ref(&x))[0].clone());
+        let d = max_diff(&got, &model(&x));
+        assert!(d < 1e-5, "{d}");
+    };
+    check(43);
+    check(44);
+    assert_eq!(f.frozen_computes(), 1, "the same parameters: folded once");
+    // Under no_grad nothing needs the parameters' gradients: the scaled
+    // weights and the bias are computed apart, the forward reads them.
+    let (text, frozen) = (
+        forward_graph(&f.last_artifacts()),
+        frozen_graph(&f.last_artifacts()),
+    );
+    assert_eq!(lines_with(&text, "tessera::conv2d"), 1, "{text}");
+    assert_eq!(lines_with(&text, "rsqrt("), 0, "{text}");
+    assert_eq!(lines_with(&text, "mul("), 0, "{text}");
+    assert_eq!(lines_with(&frozen, "rsqrt("), 1, "{frozen}");
+    assert!(
+        frozen
+            .lines()
+            .any(|l| l.contains("mul(") && l.contains("f32[4,3,3,3]")),
+        "{frozen}"
+    );
+    // A new value for the batch norm's scale and the conv's weight: the
+    // next call folds them again (and matches eager with them).
+    let (w, _) = bn.affine.as_ref().unwrap();
+    w.set(&randn(&[4], 45));
+    check(46);
+    assert_eq!(f.frozen_computes(), 2);
+    conv.weight.set(&randn(&[4, 3, 3, 3], 47));
+    check(48);
+    check(49);
+    assert_eq!(f.frozen_computes(), 3);
 }
 
 #[test]

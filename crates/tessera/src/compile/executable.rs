@@ -1,6 +1,8 @@
 //! What a compile produces: the graph(s) to run and how to hook them into
 //! autograd.
 
+mod frozen;
+
 use std::sync::{Arc, Mutex};
 
 use super::{Backend, CompileOptions};
@@ -400,6 +402,10 @@ pub struct Executable {
     num_lifted: usize,
     /// The last outputs that are module state ([`Traced::state`]).
     num_state: usize,
+    /// A forward-only executable's values computed from its lifted tensors
+    /// alone, computed once (see `frozen`); the forward takes them as
+    /// its last inputs.
+    frozen: Option<frozen::Frozen>,
 }
 
 impl Executable {
@@ -443,8 +449,26 @@ impl Executable {
             });
         }
         super::hint_report::report(&graph, options.backend, !wrt.is_empty(), on);
+        let mut frozen = None;
         let (forward, backward) = if wrt.is_empty() || eager_autograd {
             let none = MoveSpec::default();
+            let lifted = lifted_positions(traced, &graph);
+            let split = match fused && wrt.is_empty() {
+                true => frozen::split(&graph, &lifted)?,
+                false => None,
+            };
+            if let Some(split) = split {
+                let prologue = Program::new(
+                    split.prologue,
+                    true,
+                    options,
+                    on,
+                    &Donations::default(),
+                    &none,
+                )?;
+                frozen = Some(frozen::Frozen::new(prologue, split.reads));
+                graph = split.main;
+            }
             (
                 Program::new(graph, fused, options, on, donated, &none)?,
                 None,
@@ -568,6 +592,7 @@ impl Executable {
             num_outputs,
             num_lifted: traced.lifted.len(),
             num_state: traced.num_state_outputs(),
+            frozen,
         })
     }
 
@@ -579,7 +604,17 @@ impl Executable {
         if let Some(bwd) = &self.backward {
             out.extend(bwd.program.artifacts("backward"));
         }
+        if let Some(frozen) = &self.frozen {
+            out.extend(frozen.artifacts());
+        }
         out
+    }
+
+    /// How often its frozen values (computed from its lifted tensors alone:
+    /// folded batch norms) were computed: once until a tensor they read is
+    /// replaced.
+    pub fn frozen_computes(&self) -> usize {
+        self.frozen.as_ref().map_or(0, frozen::Frozen::computes)
     }
 
     /// What the device-graph replayers of its forward and backward did
@@ -619,7 +654,11 @@ impl Executable {
         }
         if self.backward.is_none() {
             // Each detached handle is left the only one once `t` drops.
-            let detached: Vec<Tensor> = args.into_iter().map(|t| t.detach()).collect();
+            let mut detached: Vec<Tensor> = args.into_iter().map(|t| t.detach()).collect();
+            if let Some(frozen) = &self.frozen {
+                let values = autograd::no_grad(|| frozen.values(&detached))?;
+                detached.extend(values);
+            }
             let mut outs = autograd::no_grad(|| self.forward.run(detached))?;
             outs.truncate(self.num_outputs);
             return Ok(outs);
@@ -717,6 +756,13 @@ fn is_symbolic(graph: &Graph) -> bool {
         .nodes
         .iter()
         .any(|n| n.ty.shape.as_concrete().is_none())
+}
+
+/// The positions of `graph`'s inputs that are the trace's lifted tensors
+/// (after the user inputs, before the values read at graph breaks).
+fn lifted_positions(traced: &Traced, graph: &Graph) -> Vec<usize> {
+    let end = traced.graph.inputs.len().min(graph.inputs.len());
+    (end.saturating_sub(traced.lifted.len())..end).collect()
 }
 
 /// The traced graph with the nodes read at graph breaks turned into inputs

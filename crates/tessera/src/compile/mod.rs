@@ -97,6 +97,15 @@ impl<F: Fn(&[Tensor]) -> Vec<Tensor>> Compiled<F> {
         self.state.lock().expect("compile cache").stats
     }
 
+    /// How often values computed from frozen tensors alone (a batch norm
+    /// folded into a convolution's weights, in inference) were computed,
+    /// over every executable of the cache: once per executable until a
+    /// tensor they read is replaced (see `executable::frozen`).
+    pub fn frozen_computes(&self) -> usize {
+        let state = self.state.lock().expect("compile cache");
+        state.entries.iter().map(|e| e.exe.frozen_computes()).sum()
+    }
+
     /// What the device-graph replay of `mode=reduce-overhead` did, over
     /// every executable of the cache (see `runtime::replay`).
     pub fn replay_stats(&self) -> crate::runtime::replay::ReplayStats {

@@ -475,7 +475,7 @@ fn execute_here(
                     &*backend,
                     all_lanes,
                 )?;
-                let started = profile.as_ref().map(|_| std::time::Instant::now());
+                let started = profile.as_ref().map(|_| profile::Clock::now());
                 let jobs: Vec<(Job<'_>, bool)> = step
                     .iter()
                     .map(|&k| {
@@ -532,7 +532,7 @@ fn execute_here(
                     if on != Device::Cpu && !profile.host_times() {
                         device::synchronize(on)?;
                     }
-                    profile.step(step, started.elapsed());
+                    profile.step(step, &started);
                 }
             }
             // The outputs leave the run with no copy in flight on the device

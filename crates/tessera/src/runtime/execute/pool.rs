@@ -141,7 +141,7 @@ impl Usage {
 
 /// The CPU time of every thread of this process.
 #[cfg(unix)]
-fn process_cpu_time() -> Option<Duration> {
+pub(super) fn process_cpu_time() -> Option<Duration> {
     let mut time = libc::timespec {
         tv_sec: 0,
         tv_nsec: 0,
@@ -152,7 +152,7 @@ fn process_cpu_time() -> Option<Duration> {
 }
 
 #[cfg(not(unix))]
-fn process_cpu_time() -> Option<Duration> {
+pub(super) fn process_cpu_time() -> Option<Duration> {
     None
 }
 
