@@ -48,6 +48,9 @@ fn launch(gpus: usize) -> Result<()> {
         let child = std::process::Command::new(&exe)
             .args(&args)
             .env("CUDA_VISIBLE_DEVICES", rank.to_string())
+            // NVLink multicast off: on shared hosts it can take the GPUs
+            // out of service (the device machines' KINDS.md).
+            .env("NCCL_NVLS_ENABLE", "0")
             .env(nccl::ENV_ID, &id)
             .env(nccl::ENV_RANK, rank.to_string())
             .env(nccl::ENV_WORLD, gpus.to_string())

@@ -161,7 +161,11 @@ fn adamw(store: &ParamStore) -> AdamW {
 /// which this is `group`'s (or one without a group), each on its share of
 /// the global batch. Ranks start from different seeds: the first step's
 /// broadcast makes them rank 0's.
-fn run(group: Option<ProcessGroup>, zero: bool) -> (Vec<f64>, Vec<Vec<f64>>, Vec<usize>) {
+/// What a run gives back: losses, final parameters, each parameter's
+/// state size, and the compiled step's graph (text).
+type Run = (Vec<f64>, Vec<Vec<f64>>, Vec<usize>, String);
+
+fn run(group: Option<ProcessGroup>, zero: bool) -> Run {
     let (rank, world) = group.as_ref().map_or((0, 1), |g| (g.rank(), g.world()));
     let mut store = ParamStore::with_dtype(DType::F64);
     let model = Mlp::new(&mut store, 7 + rank as u64);
@@ -178,9 +182,23 @@ fn run(group: Option<ProcessGroup>, zero: bool) -> (Vec<f64>, Vec<Vec<f64>>, Vec
         losses.push(step.step(&[x.contiguous(), y.contiguous()]).item());
     }
     let params = store.parameters().iter().map(|p| p.get().to_f64_vec()).collect();
+    let graph = step
+        .last_artifacts()
+        .into_iter()
+        .find(|(name, _)| name == "forward.tir")
+        .map(|(_, text)| text)
+        .unwrap_or_default();
     let opt = step.optimizer();
     let state_sizes = (0..opt.params().len()).map(|i| opt.state(i)[0].numel()).collect();
-    (losses, params, state_sizes)
+    (losses, params, state_sizes, graph)
+}
+
+/// The graph's calls of collective `op`: how many, and how many of them
+/// carry the stream hint.
+fn calls(graph: &str, op: &str) -> (usize, usize) {
+    let lines: Vec<&str> = graph.lines().filter(|l| l.contains(op)).collect();
+    let on_stream = lines.iter().filter(|l| l.contains(r#""stream":1"#)).count();
+    (lines.len(), on_stream)
 }
 
 fn close(a: &[f64], b: &[f64], what: &str) {
@@ -191,10 +209,15 @@ fn close(a: &[f64], b: &[f64], what: &str) {
 }
 
 fn data_parallel_matches_one_rank(zero: bool) {
-    let (losses, params, _) = run(None, false);
+    let (losses, params, _, _) = run(None, false);
     let ranks = dist::spawn(2, 1, |g| run(Some(g), zero)).unwrap();
     let sizes: Vec<usize> = params.iter().map(Vec::len).collect();
-    for (r, (l, p, state)) in ranks.iter().enumerate() {
+    for (r, (l, p, state, graph)) in ranks.iter().enumerate() {
+        // The loss and 2 buckets (600 B: b's bias, weight and a's bias,
+        // then a's weight) on stream 1; with ZeRO-1 one broadcast per rank.
+        assert_eq!(calls(graph, "tessera::all_reduce"), (3, 3), "rank {r}:\n{graph}");
+        let broadcasts = if zero { (2, 0) } else { (0, 0) };
+        assert_eq!(calls(graph, "tessera::broadcast"), broadcasts, "rank {r}");
         close(l, &losses, &format!("rank {r} losses"));
         for (j, (a, b)) in p.iter().zip(&params).enumerate() {
             close(a, b, &format!("rank {r} parameter {j}"));
