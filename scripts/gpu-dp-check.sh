@@ -41,7 +41,11 @@ steps=${STEPS:-6}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 nccl=$(python3 -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib"))' 2>/dev/null \
   || dirname "$(find / -name 'libnccl.so.2' 2>/dev/null | head -1)")
-export LD_LIBRARY_PATH=/usr/local/cuda/lib64:$nccl:${LD_LIBRARY_PATH:-}
+# cudarc loads `libnccl.so` (or .so.1/.9–.13), not `libnccl.so.2`, the
+# name the pip wheel ships: a link of that name next to nothing else.
+links=$(mktemp -d)
+ln -sf "$nccl/libnccl.so.2" "$links/libnccl.so"
+export LD_LIBRARY_PATH=/usr/local/cuda/lib64:$links:$nccl:${LD_LIBRARY_PATH:-}
 export TESSERA_CUDA_TESTS=1 TESSERA_CACHE_DIR=${TESSERA_CACHE_DIR:-$out/cache}
 status=0
 step() { echo "== $1" | tee -a "$out/summary.txt"; }

@@ -33,7 +33,9 @@ pub fn role(gpus: usize, device: &str) -> Result<Role> {
     match gpus {
         0 => bail!("--gpus must be at least 1"),
         1 => Ok(Role::Alone),
-        _ if device != "cuda" => bail!("--gpus {gpus} runs one process per GPU: needs --device cuda"),
+        _ if device != "cuda" => {
+            bail!("--gpus {gpus} runs one process per GPU: needs --device cuda")
+        }
         _ => launch(gpus).map(|()| Role::Launched),
     }
 }
@@ -43,10 +45,18 @@ fn launch(gpus: usize) -> Result<()> {
     let id = nccl::unique_id().map_err(|e| anyhow!("--gpus: {}", e.message))?;
     let exe = std::env::current_exe()?;
     let args: Vec<String> = std::env::args().skip(1).collect();
+    // Each rank an equal share of the cores for its rayon pool, as
+    // torchrun sets OMP_NUM_THREADS: N processes with a pool of every core
+    // each, whose idle workers poll for work, crowd each other's host
+    // loops. (Not measured yet: G23 ran without it.)
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let threads =
+        std::env::var("RAYON_NUM_THREADS").unwrap_or_else(|_| (cores / gpus).max(1).to_string());
     let mut children = Vec::with_capacity(gpus);
     for rank in 0..gpus {
         let child = std::process::Command::new(&exe)
             .args(&args)
+            .env("RAYON_NUM_THREADS", &threads)
             .env("CUDA_VISIBLE_DEVICES", rank.to_string())
             // NVLink multicast off: on shared hosts it can take the GPUs
             // out of service (the device machines' KINDS.md).

@@ -40,8 +40,8 @@ fn check_present() -> Result<()> {
         true => Ok(()),
         false => Err(Error::new(
             ErrorKind::Device,
-            "NCCL (libnccl.so.2) was not found: add its folder to LD_LIBRARY_PATH \
-             (PyTorch's is in site-packages/nvidia/nccl/lib)",
+            "NCCL was not found: put a folder with `libnccl.so` on LD_LIBRARY_PATH \
+             (a link to libnccl.so.2, e.g. PyTorch's site-packages/nvidia/nccl/lib/libnccl.so.2)",
         )),
     }
 }
@@ -50,19 +50,24 @@ fn check_present() -> Result<()> {
 pub fn unique_id() -> Result<String> {
     check_present()?;
     let id = result::get_uniqueid().map_err(|e| nccl_err("ncclGetUniqueId", e))?;
-    Ok(id.internal.iter().map(|&b| format!("{:02x}", b as u8)).collect())
+    Ok(id
+        .internal
+        .iter()
+        .map(|&b| format!("{:02x}", b as u8))
+        .collect())
 }
 
 fn parse_id(hex: &str) -> Result<sys::ncclUniqueId> {
     let bad = || {
         Error::new(
             ErrorKind::Argument,
-            format!("{ENV_ID}: expected 256 hex digits, got {} characters", hex.len()),
+            format!(
+                "{ENV_ID}: expected 256 hex digits, got {} characters",
+                hex.len()
+            ),
         )
     };
-    let mut id = sys::ncclUniqueId {
-        internal: [0; 128],
-    };
+    let mut id = sys::ncclUniqueId { internal: [0; 128] };
     if hex.len() != 256 {
         return Err(bad());
     }
@@ -151,15 +156,9 @@ impl NcclGroup {
                 Kind::AllReduce(o) => {
                     result::all_reduce(send, recv, count, dtype, op(o), comm, stream)
                 }
-                Kind::ReduceScatter(o) => result::reduce_scatter(
-                    send,
-                    recv,
-                    output.numel(),
-                    dtype,
-                    op(o),
-                    comm,
-                    stream,
-                ),
+                Kind::ReduceScatter(o) => {
+                    result::reduce_scatter(send, recv, output.numel(), dtype, op(o), comm, stream)
+                }
                 Kind::AllGather => result::all_gather(send, recv, count, dtype, comm, stream),
                 Kind::Broadcast { root } => {
                     result::broadcast(send, recv, count, dtype, root as i32, comm, stream)

@@ -72,7 +72,10 @@ fn nccl_collectives_compute_their_definitions() {
     let r = g.rank();
     for dtype in [DType::F32, DType::BF16, DType::F64, DType::I32] {
         let v: Vec<f32> = (0..6).map(|i| (r * 10 + i) as f32).collect();
-        let x = Tensor::from_vec(v, &[6]).cast(dtype).to(Device::Cuda).unwrap();
+        let x = Tensor::from_vec(v, &[6])
+            .cast(dtype)
+            .to(Device::Cuda)
+            .unwrap();
         let sum = g.all_reduce(&[&x, &x], ReduceOp::Sum).unwrap();
         let want: Vec<f64> = (0..6).map(|i| (10 + 2 * i) as f64).collect();
         assert_eq!(host(&sum[0]), want, "{dtype} all_reduce");
@@ -83,7 +86,11 @@ fn nccl_collectives_compute_their_definitions() {
             assert_eq!(host(&avg[0]), half, "{dtype} avg");
         }
         let scattered = g.reduce_scatter(&[&x], ReduceOp::Sum).unwrap();
-        assert_eq!(host(&scattered[0]), want[3 * r..3 * r + 3].to_vec(), "{dtype}");
+        assert_eq!(
+            host(&scattered[0]),
+            want[3 * r..3 * r + 3].to_vec(),
+            "{dtype}"
+        );
         let gathered = g.all_gather(&[&x]).unwrap();
         let all: Vec<f64> = (0..2)
             .flat_map(|q| (0..6).map(move |i| (q * 10 + i) as f64))
@@ -110,8 +117,11 @@ fn config() -> TransformerConfig {
 /// The global batch of step `i`: 8 sequences.
 fn global_batch(i: usize) -> (Tensor, Tensor) {
     let c = config();
-    let ids = (Tensor::rand(&[8, c.max_len + 1], DType::F32, &mut Generator::new(50 + i as u64))
-        * c.vocab as f64)
+    let ids = (Tensor::rand(
+        &[8, c.max_len + 1],
+        DType::F32,
+        &mut Generator::new(50 + i as u64),
+    ) * c.vocab as f64)
         .cast(DType::I64);
     (
         ids.narrow(1, 0, c.max_len).contiguous(),
@@ -143,12 +153,19 @@ fn train(group: Option<ProcessGroup>, zero: bool) -> (Vec<f64>, Vec<Vec<f64>>, V
     let mut losses = Vec::new();
     for i in 0..4 {
         let (x, y) = global_batch(i);
-        let part = |t: &Tensor| t.narrow(0, rank * share, share).contiguous().to(Device::Cuda).unwrap();
+        let part = |t: &Tensor| {
+            t.narrow(0, rank * share, share)
+                .contiguous()
+                .to(Device::Cuda)
+                .unwrap()
+        };
         losses.push(step.step(&[part(&x), part(&y)]).item());
     }
     let params = store.parameters().iter().map(|p| host(&p.get())).collect();
     let opt = step.optimizer();
-    let states = (0..opt.params().len()).map(|i| opt.state(i)[0].numel()).collect();
+    let states = (0..opt.params().len())
+        .map(|i| opt.state(i)[0].numel())
+        .collect();
     (losses, params, states)
 }
 
@@ -165,21 +182,35 @@ fn two_gpus_train_as_one(name: &str, zero: bool) {
     let (losses, params, _) = train(None, false);
     let (dp_losses, dp_params, states) = train(Some(g), zero);
     for (a, b) in dp_losses.iter().zip(&losses) {
-        assert!((a - b).abs() <= TOL * b.abs().max(1.0), "rank {rank}: loss {a} vs {b}");
+        assert!(
+            (a - b).abs() <= TOL * b.abs().max(1.0),
+            "rank {rank}: loss {a} vs {b}"
+        );
     }
     let sizes: Vec<usize> = params.iter().map(Vec::len).collect();
     let owner = owners(&sizes, WORLD);
     for (j, (a, b)) in dp_params.iter().zip(&params).enumerate() {
-        let worst = a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f64::max);
+        let worst = a
+            .iter()
+            .zip(b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0.0, f64::max);
         assert!(worst <= TOL, "rank {rank}: parameter {j} off by {worst}");
-        let want = if zero && owner[j] != rank { 0 } else { sizes[j] };
+        let want = if zero && owner[j] != rank {
+            0
+        } else {
+            sizes[j]
+        };
         assert_eq!(states[j], want, "rank {rank}: parameter {j}'s AdamW state");
     }
 }
 
 #[test]
 fn two_gpus_with_half_batches_train_as_one_with_the_whole() {
-    two_gpus_train_as_one("two_gpus_with_half_batches_train_as_one_with_the_whole", false);
+    two_gpus_train_as_one(
+        "two_gpus_with_half_batches_train_as_one_with_the_whole",
+        false,
+    );
 }
 
 #[test]

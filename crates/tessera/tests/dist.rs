@@ -7,6 +7,7 @@
 
 use tessera::compile::{compile, train_step, DataParallel, TrainStep};
 use tessera::dist::{self, Kind, ProcessGroup, ReduceOp};
+use tessera::hints::{self, Hint};
 use tessera::nn::{mse, Linear, ParamStore};
 use tessera::optim::{AdamW, AdamWConfig, TraceableOptimizer};
 use tessera::tensor::Generator;
@@ -27,7 +28,10 @@ fn collectives_compute_their_definitions_on_three_threads() {
     let world = 3;
     let out = dist::spawn(world, 1, |g: ProcessGroup| {
         let r = g.rank();
-        let (x, y) = (ranked(r, 6), Tensor::full(&[2, 2], r as f64 + 1.0, DType::F64));
+        let (x, y) = (
+            ranked(r, 6),
+            Tensor::full(&[2, 2], r as f64 + 1.0, DType::F64),
+        );
         let sum = g.all_reduce(&[&x, &y], ReduceOp::Sum).unwrap();
         let avg = g.all_reduce(&[&x], ReduceOp::Avg).unwrap();
         let scattered = g.reduce_scatter(&[&x], ReduceOp::Sum).unwrap();
@@ -70,7 +74,10 @@ fn mismatched_calls_fail_on_every_rank_and_name_the_op() {
     let e = ProcessGroup::threads(2).unwrap()[0]
         .reduce_scatter(&[&ranked(0, 3)], ReduceOp::Sum)
         .unwrap_err();
-    assert!(e.to_string().contains("divisible by the group's size 2"), "{e}");
+    assert!(
+        e.to_string().contains("divisible by the group's size 2"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -95,14 +102,18 @@ fn compiled_collectives_equal_eager_ones_and_differentiate() {
             let gathered = g.collective(Kind::AllGather, 5, &[&s[0]]).unwrap();
             vec![gathered[0].add(1.0)]
         };
-        let eager = f(&[x.clone()]);
+        let eager = f(std::slice::from_ref(&x));
         let compiled = compile(f);
-        let out = compiled.call(&[x.clone()]);
+        let out = compiled.call(std::slice::from_ref(&x));
         // d/dx_r Σ_k(all_reduce avg of 2·x_k) summed over both ranks' outputs.
         let leaf = x.detach().set_requires_grad(true);
         let y = g.all_reduce(&[&leaf], ReduceOp::Sum).unwrap();
         y[0].sum(&[], false).backward();
-        (values(&eager[0]), values(&out[0]), values(&leaf.grad().unwrap()))
+        (
+            values(&eager[0]),
+            values(&out[0]),
+            values(&leaf.grad().unwrap()),
+        )
     })
     .unwrap();
     for (eager, compiled, grad) in out {
@@ -130,7 +141,10 @@ impl Mlp {
     }
 
     fn loss(&self, batch: &[Tensor]) -> Tensor {
-        mse(&self.b.forward(&self.a.forward(&batch[0]).tanh()), &batch[1])
+        mse(
+            &self.b.forward(&self.a.forward(&batch[0]).tanh()),
+            &batch[1],
+        )
     }
 }
 
@@ -178,10 +192,17 @@ fn run(group: Option<ProcessGroup>, zero: bool) -> Run {
     let mut losses = Vec::new();
     for i in 0..STEPS {
         let (x, y) = global_batch(i);
-        let (x, y) = (x.narrow(0, rank * share, share), y.narrow(0, rank * share, share));
+        let (x, y) = (
+            x.narrow(0, rank * share, share),
+            y.narrow(0, rank * share, share),
+        );
         losses.push(step.step(&[x.contiguous(), y.contiguous()]).item());
     }
-    let params = store.parameters().iter().map(|p| p.get().to_f64_vec()).collect();
+    let params = store
+        .parameters()
+        .iter()
+        .map(|p| p.get().to_f64_vec())
+        .collect();
     let graph = step
         .last_artifacts()
         .into_iter()
@@ -189,7 +210,9 @@ fn run(group: Option<ProcessGroup>, zero: bool) -> Run {
         .map(|(_, text)| text)
         .unwrap_or_default();
     let opt = step.optimizer();
-    let state_sizes = (0..opt.params().len()).map(|i| opt.state(i)[0].numel()).collect();
+    let state_sizes = (0..opt.params().len())
+        .map(|i| opt.state(i)[0].numel())
+        .collect();
     (losses, params, state_sizes, graph)
 }
 
@@ -204,7 +227,10 @@ fn calls(graph: &str, op: &str) -> (usize, usize) {
 fn close(a: &[f64], b: &[f64], what: &str) {
     assert_eq!(a.len(), b.len());
     for (x, y) in a.iter().zip(b) {
-        assert!((x - y).abs() <= TOL * x.abs().max(1.0), "{what}: {x} vs {y}");
+        assert!(
+            (x - y).abs() <= TOL * x.abs().max(1.0),
+            "{what}: {x} vs {y}"
+        );
     }
 }
 
@@ -215,7 +241,11 @@ fn data_parallel_matches_one_rank(zero: bool) {
     for (r, (l, p, state, graph)) in ranks.iter().enumerate() {
         // The loss and 2 buckets (600 B: b's bias, weight and a's bias,
         // then a's weight) on stream 1; with ZeRO-1 one broadcast per rank.
-        assert_eq!(calls(graph, "tessera::all_reduce"), (3, 3), "rank {r}:\n{graph}");
+        assert_eq!(
+            calls(graph, "tessera::all_reduce"),
+            (3, 3),
+            "rank {r}:\n{graph}"
+        );
         let broadcasts = if zero { (2, 0) } else { (0, 0) };
         assert_eq!(calls(graph, "tessera::broadcast"), broadcasts, "rank {r}");
         close(l, &losses, &format!("rank {r} losses"));
@@ -238,4 +268,37 @@ fn two_ranks_with_half_batches_train_as_one_with_the_whole() {
 #[test]
 fn a_sharded_optimizer_trains_the_same_and_keeps_a_share_of_the_state() {
     data_parallel_matches_one_rank(true);
+}
+
+#[test]
+fn without_a_stream_of_its_own_the_hints_in_force_place_the_collectives() {
+    let graphs = dist::spawn(2, 1, |g| {
+        let mut store = ParamStore::with_dtype(DType::F64);
+        let model = Mlp::new(&mut store, 7);
+        let dp = DataParallel::new(g.clone()).stream(None);
+        let mut step = train_step(|b: &[Tensor]| model.loss(b), adamw(&store)).data_parallel(dp);
+        let (x, y) = global_batch(0);
+        let (x, y) = (x.narrow(0, 4 * g.rank(), 4), y.narrow(0, 4 * g.rank(), 4));
+        let hint = Hint::default().stream(2).group(5);
+        hints::scope(hint, || step.step(&[x.contiguous(), y.contiguous()])).unwrap();
+        let artifacts = step.last_artifacts().into_iter();
+        artifacts
+            .filter(|(n, _)| n == "forward.tir")
+            .map(|(_, t)| t)
+            .collect::<String>()
+    })
+    .unwrap();
+    for graph in graphs {
+        let reduces: Vec<&str> = graph
+            .lines()
+            .filter(|l| l.contains("tessera::all_reduce"))
+            .collect();
+        assert!(!reduces.is_empty(), "{graph}");
+        for line in reduces {
+            assert!(
+                line.contains(r#""stream":2"#) && line.contains(r#""group_id":5"#),
+                "{line}"
+            );
+        }
+    }
 }

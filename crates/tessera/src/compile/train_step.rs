@@ -544,7 +544,10 @@ impl<'a, O: TraceableOptimizer> TrainStep<'a, O> {
         let params = lock(&self.shared.optimizer).params().to_vec();
         let values: Vec<Tensor> = params.iter().map(|p| p.get().detach()).collect();
         let refs: Vec<&Tensor> = values.iter().collect();
-        let synced = no_grad(|| dp.group.collective(Kind::Broadcast { root: 0 }, TAG_SYNC, &refs))?;
+        let synced = no_grad(|| {
+            dp.group
+                .collective(Kind::Broadcast { root: 0 }, TAG_SYNC, &refs)
+        })?;
         for (p, v) in params.iter().zip(&synced) {
             p.try_set(v)?;
         }
@@ -639,7 +642,12 @@ impl<'a, O: TraceableOptimizer> TrainStep<'a, O> {
         let owner = lock(&self.shared.dp)
             .as_ref()
             .filter(|dp| dp.zero)
-            .map(|dp| (dp.group.rank(), owners(&param_bytes(&params), dp.group.world())));
+            .map(|dp| {
+                (
+                    dp.group.rank(),
+                    owners(&param_bytes(&params), dp.group.world()),
+                )
+            });
         let taken = self.donate && !has_duplicates(&params);
         let first_state = inputs.len() + params.len();
         if taken {
@@ -1176,7 +1184,10 @@ fn reduced(
 ) -> Result<(Tensor, Vec<Option<Tensor>>, Tensor)> {
     let sizes: Vec<usize> = grads
         .iter()
-        .map(|g| g.as_ref().map_or(0, |g| g.numel().saturating_mul(g.dtype().size_bytes())))
+        .map(|g| {
+            g.as_ref()
+                .map_or(0, |g| g.numel().saturating_mul(g.dtype().size_bytes()))
+        })
         .collect();
     let avg = Kind::AllReduce(ReduceOp::Avg);
     let mut run = || -> Result<(Tensor, Tensor)> {
@@ -1185,12 +1196,18 @@ fn reduced(
         // Each call after the one before: one order on every rank.
         let mut last = loss.clone();
         for (b, bucket) in buckets(&sizes, dp.bucket_bytes).iter().enumerate() {
-            let present: Vec<usize> = bucket.iter().copied().filter(|&i| grads[i].is_some()).collect();
+            let present: Vec<usize> = bucket
+                .iter()
+                .copied()
+                .filter(|&i| grads[i].is_some())
+                .collect();
             if present.is_empty() {
                 continue;
             }
             let args: Vec<&Tensor> = present.iter().filter_map(|&i| grads[i].as_ref()).collect();
-            let out = dp.group.collective_after(avg, TAG_BUCKETS + b as u64, &args, &[&last])?;
+            let out = dp
+                .group
+                .collective_after(avg, TAG_BUCKETS + b as u64, &args, &[&last])?;
             last = out[0].clone();
             for (i, g) in present.into_iter().zip(out) {
                 grads[i] = Some(g);
@@ -1228,7 +1245,9 @@ fn gathered(
         }
         let args: Vec<&Tensor> = mine.iter().map(|&i| &new_values[i]).collect();
         let kind = Kind::Broadcast { root };
-        let out = dp.group.collective_after(kind, TAG_OWNED + root as u64, &args, &[&last])?;
+        let out = dp
+            .group
+            .collective_after(kind, TAG_OWNED + root as u64, &args, &[&last])?;
         last = out[0].clone();
         for (i, v) in mine.into_iter().zip(out) {
             new_values[i] = v;

@@ -225,7 +225,9 @@ pub fn owners(sizes: &[usize], world: usize) -> Vec<usize> {
     let mut load = vec![0usize; world.max(1)];
     let mut owner = vec![0usize; sizes.len()];
     for i in order {
-        let rank = (0..load.len()).min_by_key(|&r| (load[r], r)).expect("a rank");
+        let rank = (0..load.len())
+            .min_by_key(|&r| (load[r], r))
+            .expect("a rank");
         owner[i] = rank;
         load[rank] = load[rank].saturating_add(sizes[i]);
     }
@@ -238,7 +240,10 @@ mod tests {
 
     #[test]
     fn buckets_run_backwards_under_the_cap() {
-        assert_eq!(buckets(&[4, 4, 4, 10, 2], 8), vec![vec![4], vec![3], vec![2, 1], vec![0]]);
+        assert_eq!(
+            buckets(&[4, 4, 4, 10, 2], 8),
+            vec![vec![4], vec![3], vec![2, 1], vec![0]]
+        );
         assert_eq!(buckets(&[1, 1, 1], 100), vec![vec![2, 1, 0]]);
         assert!(buckets(&[], 8).is_empty());
     }

@@ -233,9 +233,11 @@ impl Call {
         }
         let world = Dim::from(self.world);
         let first = |t: &TensorType| -> Result<Dim> {
-            t.shape.0.first().cloned().ok_or_else(|| {
-                op_err!(Shape, name, "needs tensors of rank >= 1, got {t}")
-            })
+            t.shape
+                .0
+                .first()
+                .cloned()
+                .ok_or_else(|| op_err!(Shape, name, "needs tensors of rank >= 1, got {t}"))
         };
         let with_first = |d: Dim| {
             let mut dims = t.shape.0.clone();
@@ -257,9 +259,9 @@ impl Call {
             }
             Kind::AllGather => {
                 let d = first(t)?;
-                d.checked_mul(&world).map(with_first).ok_or_else(|| {
-                    op_err!(Shape, name, "{t} times {} overflows", self.world)
-                })
+                d.checked_mul(&world)
+                    .map(with_first)
+                    .ok_or_else(|| op_err!(Shape, name, "{t} times {} overflows", self.world))
             }
         }
     }
@@ -315,7 +317,10 @@ mod tests {
         let mut bad = call(Kind::Broadcast { root: 0 }).attrs();
         bad.insert("root".into(), 2.into());
         let err = Call::decode(BROADCAST, &bad).unwrap_err();
-        assert!(err.to_string().contains("root 2 is not in a group of 2"), "{err}");
+        assert!(
+            err.to_string().contains("root 2 is not in a group of 2"),
+            "{err}"
+        );
     }
 
     #[test]
@@ -327,7 +332,10 @@ mod tests {
             TensorType::new(DType::F32, vec![2usize, 3])
         );
         let gather = call(Kind::AllGather).output_types(std::slice::from_ref(&t));
-        assert_eq!(gather.unwrap()[0], TensorType::new(DType::F32, vec![8usize, 3]));
+        assert_eq!(
+            gather.unwrap()[0],
+            TensorType::new(DType::F32, vec![8usize, 3])
+        );
         let odd = TensorType::new(DType::F32, vec![3usize]);
         let err = scatter.output_types(&[odd]).unwrap_err();
         assert!(err.to_string().contains("divisible"), "{err}");

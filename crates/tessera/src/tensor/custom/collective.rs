@@ -46,10 +46,7 @@ static NEXT_GROUP: AtomicU64 = AtomicU64::new(1);
 /// Registers `comm` and returns its group id (unique in this process).
 pub fn register_communicator(comm: Arc<dyn Communicator>) -> u64 {
     let id = NEXT_GROUP.fetch_add(1, Ordering::Relaxed);
-    GROUPS
-        .write()
-        .expect("process groups")
-        .insert(id, comm);
+    GROUPS.write().expect("process groups").insert(id, comm);
     id
 }
 
@@ -211,12 +208,20 @@ impl ThreadGroup {
         if meeting.shape != shape {
             meeting.error = Some(format!(
                 "rank {} called {name} on {:?}, another rank {} on {:?} (call {} of tag {})",
-                call.rank, shape.1, meeting.shape.0.name(), meeting.shape.1, key.1, key.0
+                call.rank,
+                shape.1,
+                meeting.shape.0.name(),
+                meeting.shape.1,
+                key.1,
+                key.0
             ));
         }
         meeting.inputs[call.rank] = Some(values);
         if meeting.inputs.iter().all(Option::is_some) {
-            let all = meeting.inputs.iter_mut().map(|v| v.take().expect("all came"));
+            let all = meeting
+                .inputs
+                .iter_mut()
+                .map(|v| v.take().expect("all came"));
             meeting.all = Some(Arc::new(all.collect()));
             self.met.notify_all();
         }
@@ -326,7 +331,10 @@ fn outputs_of(call: &Call, all: &[Vec<Vec<f64>>], j: usize) -> Vec<f64> {
             let block = sum.len() / call.world;
             sum[call.rank * block..(call.rank + 1) * block].to_vec()
         }
-        Kind::AllGather => all.iter().flat_map(|rank| rank[j].iter().copied()).collect(),
+        Kind::AllGather => all
+            .iter()
+            .flat_map(|rank| rank[j].iter().copied())
+            .collect(),
         Kind::Broadcast { root } => all[root][j].clone(),
     }
 }
