@@ -1,5 +1,5 @@
 # PyTorch DDP anchor of `tessera bench gpt --gpus N`: the GPT-2-shaped model of
-# gpt_torch.py (same classes, copied: that script runs on import), trained
+# gpt_torch.py (its classes, read from it), trained
 # data-parallel with DistributedDataParallel (NCCL, 25 MB buckets, gradients
 # all-reduced during the backward), AdamW lr 1e-3, random tokens, no TF32.
 # usage: torchrun --standalone --nproc_per_node N gpt_ddp_torch.py LAYERS D_MODEL HEADS BATCH SEQ VOCAB STEPS [f32|bf16] [eager|compile]
@@ -16,27 +16,10 @@ dev = "cuda"
 amp = (lambda: torch.autocast(dev, dtype=torch.bfloat16)) if DT == "bf16" else contextlib.nullcontext
 torch.backends.cuda.matmul.allow_tf32 = False
 torch.backends.cudnn.allow_tf32 = False
-class Block(nn.Module):
-    def __init__(s):
-        super().__init__(); s.ln1 = nn.LayerNorm(D); s.qkv = nn.Linear(D, 3*D); s.proj = nn.Linear(D, D)
-        s.ln2 = nn.LayerNorm(D); s.fc1 = nn.Linear(D, 4*D); s.fc2 = nn.Linear(4*D, D)
-    def forward(s, x):
-        b, t, _ = x.shape
-        q, k, v = s.qkv(s.ln1(x)).split(D, dim=2)
-        q, k, v = (z.view(b, t, H, D // H).transpose(1, 2) for z in (q, k, v))
-        att = (q @ k.transpose(-2, -1)) / math.sqrt(D // H)
-        att = att.masked_fill(torch.ones(t, t, device=x.device, dtype=torch.bool).triu(1), float('-inf')).softmax(-1)
-        y = (att @ v).transpose(1, 2).reshape(b, t, D)
-        x = x + s.proj(y)
-        return x + s.fc2(F.gelu(s.fc1(s.ln2(x))))
-class GPT(nn.Module):
-    def __init__(s):
-        super().__init__(); s.tok = nn.Embedding(V, D); s.pos = nn.Embedding(T, D)
-        s.blocks = nn.ModuleList([Block() for _ in range(L)]); s.lnf = nn.LayerNorm(D); s.head = nn.Linear(D, V, bias=False)
-    def forward(s, idx):
-        x = s.tok(idx) + s.pos(torch.arange(idx.shape[1], device=idx.device))
-        for b in s.blocks: x = b(x)
-        return s.head(s.lnf(x))
+# gpt_torch.py's model classes, read from its source (that script runs on
+# import): the same Block and GPT, over the globals L, D, H, T, V set above.
+_src = open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpt_torch.py")).read()
+exec(_src[_src.index("class Block(nn.Module):"):_src.index("def run(mode):")])
 dist.init_process_group("nccl")
 rank, world = dist.get_rank(), dist.get_world_size()
 local = int(os.environ.get("LOCAL_RANK", rank))

@@ -54,16 +54,9 @@ fn launch(gpus: usize) -> Result<()> {
         std::env::var("RAYON_NUM_THREADS").unwrap_or_else(|_| (cores / gpus).max(1).to_string());
     let mut children = Vec::with_capacity(gpus);
     for rank in 0..gpus {
-        let child = std::process::Command::new(&exe)
+        let child = nccl::rank_command(&exe, rank, gpus, &id)
             .args(&args)
             .env("RAYON_NUM_THREADS", &threads)
-            .env("CUDA_VISIBLE_DEVICES", rank.to_string())
-            // NVLink multicast off: on shared hosts it can take the GPUs
-            // out of service (the device machines' KINDS.md).
-            .env("NCCL_NVLS_ENABLE", "0")
-            .env(nccl::ENV_ID, &id)
-            .env(nccl::ENV_RANK, rank.to_string())
-            .env(nccl::ENV_WORLD, gpus.to_string())
             .spawn()
             .map_err(|e| anyhow!("--gpus: starting rank {rank}: {e}"))?;
         children.push(child);

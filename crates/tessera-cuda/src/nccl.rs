@@ -78,6 +78,26 @@ fn parse_id(hex: &str) -> Result<sys::ncclUniqueId> {
     Ok(id)
 }
 
+/// The command that starts rank `rank` of `world` as `program`: its GPU
+/// alone visible (`CUDA_VISIBLE_DEVICES=rank`), the NCCL id, rank and size
+/// in its environment ([`NcclGroup::from_env`] joins them), and NVLink
+/// multicast off (`NCCL_NVLS_ENABLE=0`: on shared hosts it can take the
+/// GPUs out of service). The caller adds the arguments.
+pub fn rank_command(
+    program: &std::path::Path,
+    rank: usize,
+    world: usize,
+    id_hex: &str,
+) -> std::process::Command {
+    let mut cmd = std::process::Command::new(program);
+    cmd.env("CUDA_VISIBLE_DEVICES", rank.to_string())
+        .env("NCCL_NVLS_ENABLE", "0")
+        .env(ENV_ID, id_hex)
+        .env(ENV_RANK, rank.to_string())
+        .env(ENV_WORLD, world.to_string());
+    cmd
+}
+
 /// This process's communicator of a group of `world`, as rank `rank`,
 /// on the CUDA backend's GPU (opened and registered as `Device::Cuda`).
 pub struct NcclGroup {

@@ -43,13 +43,8 @@ fn ranks(name: &str) -> Option<ProcessGroup> {
     let exe = std::env::current_exe().unwrap();
     let children: Vec<_> = (0..WORLD)
         .map(|rank| {
-            std::process::Command::new(&exe)
+            nccl::rank_command(&exe, rank, WORLD, &id)
                 .args([name, "--exact", "--nocapture", "--test-threads=1"])
-                .env("CUDA_VISIBLE_DEVICES", rank.to_string())
-                .env("NCCL_NVLS_ENABLE", "0")
-                .env(nccl::ENV_ID, &id)
-                .env(nccl::ENV_RANK, rank.to_string())
-                .env(nccl::ENV_WORLD, WORLD.to_string())
                 .spawn()
                 .unwrap()
         })

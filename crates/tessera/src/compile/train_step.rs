@@ -98,6 +98,18 @@
 //!   gets the counts back in [`TrainStep::into_optimizer`]; until then its
 //!   own counts include the skipped steps.
 //!
+//! - **Data parallel** ([`TrainStep::data_parallel`], [`DataParallel`]).
+//!   Each rank of a [`ProcessGroup`] traces the same step on its share of
+//!   the batch; the graph averages the loss and the gradients over the
+//!   ranks with `tessera::all_reduce` nodes, one per bucket of gradients
+//!   ([`buckets`]: reverse parameter order, 25 MiB), traced under a
+//!   `stream` hint so that the schedule runs each beside the rest of the
+//!   backward, and chained (each call orders after the one before) so
+//!   that every rank makes its calls in one order, as NCCL requires. With
+//!   ZeRO-1 each rank updates only the parameters it owns ([`owners`]),
+//!   keeps an empty state for the others and broadcasts its new values.
+//!   Before the first step the parameters are broadcast from rank 0.
+//!
 //! Parameters without a gradient in the traced step (unused by the loss)
 //! keep their value and state, as in the eager step. Tensors the model
 //! uses that are not the optimizer's parameters are constants of the step
