@@ -8,8 +8,9 @@
 //! to NCCL in one `ncclGroupStart`/`ncclGroupEnd`, on the stream of the
 //! backend's current lane, so a collective placed on a stream by the
 //! schedule (`{"stream": N}`) runs there, ordered by the executor's events
-//! like any kernel. [`register`] fills the collective ops' CUDA slots
-//! with `dist::dispatch`, which finds the call's group.
+//! like any kernel. `register` (run by `tessera_cuda::register`) fills
+//! the collective ops' CUDA slots with `dist::dispatch`, which finds the
+//! call's group.
 
 use std::sync::Arc;
 
