@@ -32,7 +32,10 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::Serialize;
 
-use tessera::compile::{compile, train_step, Compiled, Mode as CompileMode, TrainStep};
+use tessera::compile::{
+    compile, train_step, Compiled, DataParallel, Mode as CompileMode, TrainStep,
+};
+use tessera::dist::ProcessGroup;
 use tessera::error::{Error, ErrorKind, Result};
 use tessera::hints::Strategy;
 use tessera::nn::{try_cross_entropy, ParamStore, TransformerConfig, TransformerLM};
@@ -138,6 +141,12 @@ pub struct GptBenchConfig {
     /// whose predicted peak fits; `TESSERA_LOGS=schedule,memory` says what
     /// was chosen).
     pub memory_budget_mb: Option<f64>,
+    /// Data parallel: this process's rank of the group (each rank runs
+    /// `batch` sequences of its own; the figures are the group's: global
+    /// batch = world × batch). Compiled mode only.
+    pub group: Option<ProcessGroup>,
+    /// With a group: shard AdamW's state over the ranks (ZeRO-1).
+    pub zero: bool,
 }
 
 impl Default for GptBenchConfig {
@@ -159,6 +168,8 @@ impl Default for GptBenchConfig {
             retrace: true,
             cuda_graphs: false,
             memory_budget_mb: None,
+            group: None,
+            zero: false,
         }
     }
 }
@@ -212,6 +223,18 @@ impl GptBenchConfig {
                  not {}",
                 self.mode
             ));
+        }
+        if self.group.is_some() && self.mode != Mode::Compiled {
+            problems.push(format!(
+                "--gpus trains the whole compiled step data-parallel: only with --mode \
+                 compiled, not {}",
+                self.mode
+            ));
+        }
+        if self.zero && self.group.is_none() {
+            problems.push(
+                "--zero shards the optimizer over several GPUs: needs --gpus 2 or more".into(),
+            );
         }
         match self.memory_budget_mb {
             Some(_) if self.mode == Mode::Eager => problems.push(
@@ -350,6 +373,10 @@ pub struct GptBenchReport {
     pub retrace: Option<bool>,
     /// The compiled step's memory budget (MiB), when one was set.
     pub memory_budget_mb: Option<f64>,
+    /// Ranks (GPUs) of a data-parallel run; tokens_per_s is all of theirs.
+    pub gpus: usize,
+    /// The optimizer's state sharded over them (ZeRO-1).
+    pub zero: bool,
     /// Compiled with `--cuda-graphs`: steps replayed from the recorded CUDA
     /// graph, and recordings that failed (the step then ran kernel by
     /// kernel; `TESSERA_LOGS=cudagraphs` says why).
@@ -531,6 +558,9 @@ impl<'a> Stepper<'a> {
                     // As eager's `MixedPrecision`: PyTorch's defaults.
                     step = step.loss_scaler(GradScalerConfig::default());
                 }
+                if let Some(group) = &config.group {
+                    step = step.data_parallel(DataParallel::new(group.clone()).zero(config.zero));
+                }
                 Stepper::Compiled {
                     step: Box::new(step),
                     error,
@@ -661,7 +691,10 @@ fn run_here(
     let mut g = Generator::new(config.seed);
     let mut store = ParamStore::new();
     let model = TransformerLM::new(&mut store, "", config.model_config(), &mut g);
-    let data = batch(config, g.next_seed(), on)?;
+    // Each rank its own tokens (the weights are rank 0's after the first
+    // step's broadcast).
+    let rank = config.group.as_ref().map_or(0, ProcessGroup::rank);
+    let data = batch(config, g.next_seed().wrapping_add(rank as u64), on)?;
     let mut stepper = Stepper::new(config, &model, &store)?;
     device::synchronize(on)?;
     device::reset_peak(on)?;
@@ -701,6 +734,7 @@ fn run_here(
     let compile = stepper.compile_stats();
     let replays = stepper.replay_stats().filter(|_| config.cuda_graphs);
     let scaler = stepper.loss_scaler()?;
+    let gpus = config.group.as_ref().map_or(1, ProcessGroup::world);
     Ok(GptBenchReport {
         system: "tessera".into(),
         mode: config.mode.name().into(),
@@ -708,8 +742,8 @@ fn run_here(
         device: on.name().into(),
         params: store.num_parameters(),
         ms_median: round(median, 2),
-        tokens_per_s: ((config.batch * config.seq) as f64 / (median / 1e3).max(1e-12)).round()
-            as u64,
+        tokens_per_s: ((gpus * config.batch * config.seq) as f64 / (median / 1e3).max(1e-12))
+            .round() as u64,
         peak_mb: mib(peak),
         base_mb: mib(base),
         first_step_s: round(first_step_s, 3),
@@ -735,6 +769,8 @@ fn run_here(
         },
         retrace: (config.mode == Mode::Compiled).then_some(config.retrace && !config.cuda_graphs),
         memory_budget_mb: config.memory_budget_mb,
+        gpus,
+        zero: config.zero,
         cuda_graph_replays: replays.map(|r| r.replays),
         cuda_graph_fallbacks: replays.map(|r| r.fallbacks),
         compiles: compile.map(|(_, _, n)| n),

@@ -9,9 +9,12 @@
 use anyhow::Result;
 use clap::{Args, Subcommand};
 use tessera::hints::Strategy;
+use tessera::runtime::device::Device;
 use tessera::DType;
 use tessera_apps::bench::{parse_schedule, run_gpt, GptBenchConfig, Mode};
 use tessera_apps::bench_resnet::{run_resnet, ResNetBenchConfig, ResNetTask};
+
+use crate::launch::Role;
 
 #[derive(Subcommand)]
 pub enum BenchCommand {
@@ -127,6 +130,15 @@ pub struct GptArgs {
     /// `peak_mb` is what the device's allocator then measured.
     #[arg(long)]
     memory_budget_mb: Option<f64>,
+    /// Data parallel over this many GPUs (--device cuda): one process per
+    /// GPU, each with --batch sequences of its own (global batch = gpus ×
+    /// batch), gradients all-reduced over NCCL while the backward runs;
+    /// tokens_per_s counts every GPU's tokens.
+    #[arg(long, default_value_t = 1)]
+    gpus: usize,
+    /// With --gpus: shard AdamW's state over the GPUs (ZeRO-1).
+    #[arg(long)]
+    zero: bool,
 }
 
 impl GptArgs {
@@ -148,6 +160,8 @@ impl GptArgs {
             retrace: !self.no_retrace,
             cuda_graphs: self.cuda_graphs,
             memory_budget_mb: self.memory_budget_mb,
+            group: None,
+            zero: self.zero,
         }
     }
 }
@@ -192,10 +206,21 @@ fn resnet(a: &ResNetArgs) -> Result<()> {
 }
 
 fn gpt(args: &GptArgs) -> Result<()> {
-    let config = args.config();
-    // Bad flags fail here, before the device opens or anything runs.
-    config.validate()?;
-    let device = crate::device::open(&args.device)?;
+    let mut config = args.config();
+    let device = match crate::launch::role(args.gpus, &args.device)? {
+        Role::Launched => return Ok(()),
+        Role::Alone => {
+            // Bad flags fail here, before the device opens or anything runs.
+            config.validate()?;
+            crate::device::open(&args.device)?
+        }
+        Role::Rank(group) => {
+            config.group = Some(group);
+            config.validate()?;
+            Device::Cuda
+        }
+    };
+    let rank = config.group.as_ref().map_or(0, |g| g.rank());
     let c = &config;
     eprintln!(
         "bench gpt: {} layers, d_model {}, {} heads, d_ff {}, vocab {}; batch {} × {}; \
@@ -233,7 +258,9 @@ fn gpt(args: &GptArgs) -> Result<()> {
         eprintln!("over the {} timed steps: {profile}", c.steps);
     }
     eprintln!("load average {}", load_average());
-    println!("{}", serde_json::to_string(&report)?);
+    if rank == 0 {
+        println!("{}", serde_json::to_string(&report)?);
+    }
     Ok(())
 }
 

@@ -7,6 +7,7 @@
 
 mod bench;
 mod device;
+mod launch;
 mod model;
 mod seed_table;
 

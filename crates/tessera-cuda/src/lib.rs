@@ -34,6 +34,8 @@ mod flash_op;
 mod gpu;
 mod kernel_errors;
 mod matmul;
+#[cfg(feature = "nccl")]
+pub mod nccl;
 mod ops;
 pub mod profile;
 
@@ -82,6 +84,8 @@ pub fn register() -> Result<()> {
     device::register(b)?;
     ops::cross_entropy::register()?;
     ops::conv::register()?;
+    #[cfg(feature = "nccl")]
+    nccl::register()?;
     flash_op::register()
 }
 

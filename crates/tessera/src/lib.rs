@@ -21,6 +21,7 @@
 pub mod autograd;
 pub mod compile;
 pub mod custom_op;
+pub mod dist;
 pub mod error;
 pub mod fusion;
 pub mod hints;

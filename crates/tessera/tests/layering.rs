@@ -29,6 +29,7 @@ const LAYERS: &[(&str, usize)] = &[
     ("tensor", 4),
     ("autograd", 5),
     ("custom_op", 6),
+    ("dist", 6),
     ("io", 7),
     ("nn", 8),
     ("optim", 9),

@@ -54,7 +54,7 @@ pub use executable::Executable;
 pub use graph::{compile_graph, CompiledGraph, GraphFn};
 pub use guards::{miss_reason, InputGuard};
 pub use options::{Backend, CompileOptions, Mode};
-pub use train_step::{train_step, StepFn, TrainStep};
+pub use train_step::{train_step, DataParallel, StepFn, TrainStep};
 
 use crate::error::{Result, SourceLoc};
 use crate::logging::log;

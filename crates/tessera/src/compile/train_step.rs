@@ -98,6 +98,18 @@
 //!   gets the counts back in [`TrainStep::into_optimizer`]; until then its
 //!   own counts include the skipped steps.
 //!
+//! - **Data parallel** ([`TrainStep::data_parallel`], [`DataParallel`]).
+//!   Each rank of a [`ProcessGroup`] traces the same step on its share of
+//!   the batch; the graph averages the loss and the gradients over the
+//!   ranks with `tessera::all_reduce` nodes, one per bucket of gradients
+//!   ([`buckets`]: reverse parameter order, 25 MiB), traced under a
+//!   `stream` hint so that the schedule runs each beside the rest of the
+//!   backward, and chained (each call orders after the one before) so
+//!   that every rank makes its calls in one order, as NCCL requires. With
+//!   ZeRO-1 each rank updates only the parameters it owns ([`owners`]),
+//!   keeps an empty state for the others and broadcasts its new values.
+//!   Before the first step the parameters are broadcast from rank 0.
+//!
 //! Parameters without a gradient in the traced step (unused by the loss)
 //! keep their value and state, as in the eager step. Tensors the model
 //! uses that are not the optimizer's parameters are constants of the step
@@ -112,6 +124,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use super::{compile, Backend, CompileStats, Compiled, Mode};
 use crate::autograd::{self, enable_grad, no_grad};
+use crate::dist::{buckets, owners, Kind, ProcessGroup, ReduceOp};
 use crate::error::{Error, ErrorKind, Result, SourceLoc};
 use crate::ir::{DType, TensorType};
 use crate::nn::Parameter;
@@ -137,6 +150,52 @@ pub struct TrainStep<'a, O: TraceableOptimizer> {
     donate: bool,
     /// The dynamic loss scaler, when on ([`TrainStep::loss_scaler`]).
     scaler: Option<Scaler>,
+    /// Whether the parameters were broadcast from rank 0 (data parallel).
+    synced: bool,
+}
+
+/// Data-parallel training ([`TrainStep::data_parallel`]): the group, how
+/// gradients are bucketed and where their collectives run, and whether
+/// the optimizer's state is sharded (ZeRO-1).
+#[derive(Clone, Debug)]
+pub struct DataParallel {
+    pub group: ProcessGroup,
+    /// A bucket's most bytes of gradients (PyTorch DDP's 25 MiB).
+    pub bucket_bytes: usize,
+    /// The stream hint of the collectives (`None`: the hints in force
+    /// where the step is traced place them).
+    pub stream: Option<i64>,
+    /// Each rank keeps the optimizer state of its own parameters only
+    /// ([`owners`]), updates them and broadcasts their new values.
+    pub zero: bool,
+}
+
+impl DataParallel {
+    /// Data parallel over `group`: 25 MiB buckets on stream 1, no sharding.
+    pub fn new(group: ProcessGroup) -> DataParallel {
+        DataParallel {
+            group,
+            bucket_bytes: 25 << 20,
+            stream: Some(1),
+            zero: false,
+        }
+    }
+
+    /// Shards the optimizer's state over the ranks (ZeRO-1).
+    pub fn zero(mut self, on: bool) -> DataParallel {
+        self.zero = on;
+        self
+    }
+
+    pub fn bucket_bytes(mut self, bytes: usize) -> DataParallel {
+        self.bucket_bytes = bytes;
+        self
+    }
+
+    pub fn stream(mut self, stream: Option<i64>) -> DataParallel {
+        self.stream = stream;
+        self
+    }
 }
 
 /// The loss scaler of a step: its settings and its state, 0-dim f64
@@ -167,6 +226,8 @@ struct Shared<O> {
     layout: Mutex<Layout>,
     /// Per parameter, whether the last traced step gave it a gradient.
     has_grad: Mutex<Vec<bool>>,
+    /// Data parallel, when on.
+    dp: Mutex<Option<DataParallel>>,
 }
 
 /// The order of a step's inputs (after the batch): the scalar groups'
@@ -186,6 +247,9 @@ struct Layout {
     /// class (then there are no scalar groups: the scalars are computed
     /// in the step from the learning rate and the counts).
     scaler: Option<ScaledLayout>,
+    /// With a sharded optimizer: each parameter's owner (its state is
+    /// empty on every other rank).
+    owner: Option<Vec<usize>>,
 }
 
 #[derive(Clone, Debug)]
@@ -260,6 +324,7 @@ where
         optimizer: Mutex::new(optimizer),
         layout: Mutex::new(Layout::default()),
         has_grad: Mutex::new(Vec::new()),
+        dp: Mutex::new(None),
     });
     let inner = shared.clone();
     let f: StepFn<'a> = Box::new(
@@ -275,6 +340,7 @@ where
         last_grad_norm: None,
         donate: true,
         scaler: None,
+        synced: false,
     }
 }
 
@@ -310,6 +376,21 @@ impl<'a, O: TraceableOptimizer> TrainStep<'a, O> {
             config,
             state: None,
         });
+        self
+    }
+
+    /// Trains data-parallel: each rank (a thread or process of `dp.group`)
+    /// runs this step on its own share of the batch; the first step
+    /// broadcasts the parameters from rank 0; each step averages the
+    /// gradients over the ranks — bucketed in reverse parameter order, one
+    /// `tessera::all_reduce` node per bucket, placed by the `stream` hint
+    /// so that a bucket's reduction runs while the rest of the backward
+    /// does — and the loss (so every rank returns the global batch's mean
+    /// loss when the ranks' batches are equal). With `dp.zero`, each rank
+    /// keeps the optimizer state of the parameters it owns only, updates
+    /// those, and broadcasts their new values (ZeRO-1).
+    pub fn data_parallel(self, dp: DataParallel) -> Self {
+        *lock(&self.shared.dp) = Some(dp);
         self
     }
 
@@ -370,6 +451,7 @@ impl<'a, O: TraceableOptimizer> TrainStep<'a, O> {
                 )
             })?;
         }
+        self.sync_parameters()?;
         let (inputs, layout, params, taken) = self.inputs(batch)?;
         let n = params.len();
         *lock(&self.shared.layout) = layout.clone();
@@ -464,6 +546,27 @@ impl<'a, O: TraceableOptimizer> TrainStep<'a, O> {
         Ok(loss)
     }
 
+    /// Data parallel: before the first step, every rank's parameters
+    /// become rank 0's (one broadcast of them all).
+    fn sync_parameters(&mut self) -> Result<()> {
+        let dp = lock(&self.shared.dp).clone();
+        let Some(dp) = dp.filter(|_| !self.synced) else {
+            return Ok(());
+        };
+        let params = lock(&self.shared.optimizer).params().to_vec();
+        let values: Vec<Tensor> = params.iter().map(|p| p.get().detach()).collect();
+        let refs: Vec<&Tensor> = values.iter().collect();
+        let synced = no_grad(|| {
+            dp.group
+                .collective(Kind::Broadcast { root: 0 }, TAG_SYNC, &refs)
+        })?;
+        for (p, v) in params.iter().zip(&synced) {
+            p.try_set(v)?;
+        }
+        self.synced = true;
+        Ok(())
+    }
+
     /// The step's inputs for `batch`: the batch, the scalar groups, the
     /// parameters' values and the optimizer's state — when donating, taken
     /// out of the parameters and the optimizer (see [`Lent`]), after every
@@ -548,7 +651,17 @@ impl<'a, O: TraceableOptimizer> TrainStep<'a, O> {
                 ));
             }
         }
+        let owner = lock(&self.shared.dp)
+            .as_ref()
+            .filter(|dp| dp.zero)
+            .map(|dp| {
+                (
+                    dp.group.rank(),
+                    owners(&param_bytes(&params), dp.group.world()),
+                )
+            });
         let taken = self.donate && !has_duplicates(&params);
+        let first_state = inputs.len() + params.len();
         if taken {
             drop(values);
             // The state first: before its first step it is zeros of the
@@ -563,6 +676,14 @@ impl<'a, O: TraceableOptimizer> TrainStep<'a, O> {
                 inputs.extend(optimizer.state(i).iter().map(Tensor::detach));
             }
         }
+        if let Some((rank, owner)) = &owner {
+            for (i, _) in owner.iter().enumerate().filter(|(_, o)| *o != rank) {
+                for s in 0..state_len {
+                    let at = first_state + i * state_len + s;
+                    inputs[at] = unowned_state(&inputs[at])?;
+                }
+            }
+        }
         let layout = Layout {
             n_batch: batch.len(),
             group_of,
@@ -571,6 +692,7 @@ impl<'a, O: TraceableOptimizer> TrainStep<'a, O> {
             state_len,
             max_grad_norm: self.max_grad_norm,
             scaler: scaled,
+            owner: owner.map(|(_, o)| o),
         };
         debug_assert_eq!(inputs.len(), layout.n_inputs(params.len()));
         Ok((inputs, layout, params, taken))
@@ -895,6 +1017,15 @@ fn step_graph<O: TraceableOptimizer>(
         enable_grad(|| gradients(loss_fn(batch), &leaves, scale))?
     };
     let has_grad: Vec<bool> = grads.iter().map(Option::is_some).collect();
+    let dp = lock(&shared.dp).clone();
+    // With data parallel: the last collective so far (the next follows it).
+    let (loss, grads, chain) = match &dp {
+        Some(dp) => {
+            let (loss, grads, last) = no_grad(|| reduced(dp, loss, grads))?;
+            (loss, grads, Some(last))
+        }
+        None => (loss, grads, None),
+    };
     // Outside any autocast scope of the caller's: the scaler, clipping and
     // update run in their inputs' dtypes, as the eager ones do.
     let outputs = autocast::disabled(|| {
@@ -961,9 +1092,11 @@ fn step_graph<O: TraceableOptimizer>(
             let mut counted: Vec<((usize, DType), Vec<Tensor>)> = Vec::new();
             let mut new_values = Vec::with_capacity(n);
             let mut new_states = Vec::with_capacity(states.len());
+            let rank = dp.as_ref().map_or(0, |dp| dp.group.rank());
             for (i, (value, grad)) in values.iter().zip(&grads).enumerate() {
                 let state = &states[i * layout.state_len..(i + 1) * layout.state_len];
-                let Some(g) = grad else {
+                let unowned = layout.owner.as_ref().is_some_and(|o| o[i] != rank);
+                let (Some(g), false) = (grad, unowned) else {
                     new_values.push(value.clone());
                     new_states.extend(state.iter().cloned());
                     continue;
@@ -1015,6 +1148,9 @@ fn step_graph<O: TraceableOptimizer>(
                 new_values.push(next);
                 new_states.extend(next_state);
             }
+            if let (Some(dp), Some(owner), Some(last)) = (&dp, &layout.owner, &chain) {
+                new_values = gathered(dp, owner, &has_grad, new_values, last.clone())?;
+            }
             outputs.extend(scaler_outputs);
             outputs.extend(new_values);
             outputs.extend(new_states);
@@ -1023,6 +1159,113 @@ fn step_graph<O: TraceableOptimizer>(
     })?;
     *lock(&shared.has_grad) = has_grad;
     Ok(outputs)
+}
+
+/// The tag of the broadcast of the parameters before the first step.
+const TAG_SYNC: u64 = 0;
+/// The tag of the loss's all-reduce; the buckets' are `TAG_BUCKETS + b`.
+const TAG_LOSS: u64 = 1;
+const TAG_BUCKETS: u64 = 1 << 16;
+/// The tag of a sharded optimizer's broadcast from rank r: `TAG_OWNED + r`.
+const TAG_OWNED: u64 = 1 << 32;
+
+/// Each parameter's size in bytes.
+fn param_bytes(params: &[Parameter]) -> Vec<usize> {
+    params
+        .iter()
+        .map(|p| p.numel().saturating_mul(p.get().dtype().size_bytes()))
+        .collect()
+}
+
+/// What stands for a state tensor of a parameter another rank owns: an
+/// empty tensor of its dtype on its device (the step passes it through).
+fn unowned_state(state: &Tensor) -> Result<Tensor> {
+    with_device(state.device(), || Tensor::try_zeros(&[0], state.dtype()))
+}
+
+/// The loss and gradients averaged over `dp`'s ranks: one all-reduce per
+/// bucket of gradients (reverse parameter order, [`buckets`]), traced
+/// under `dp`'s stream hint so that each runs as soon as its gradients
+/// exist, beside the rest of the backward. Also the last call's first
+/// output, which the step's next collective follows.
+#[allow(clippy::type_complexity)]
+fn reduced(
+    dp: &DataParallel,
+    loss: Tensor,
+    mut grads: Vec<Option<Tensor>>,
+) -> Result<(Tensor, Vec<Option<Tensor>>, Tensor)> {
+    let sizes: Vec<usize> = grads
+        .iter()
+        .map(|g| {
+            g.as_ref()
+                .map_or(0, |g| g.numel().saturating_mul(g.dtype().size_bytes()))
+        })
+        .collect();
+    let avg = Kind::AllReduce(ReduceOp::Avg);
+    let mut run = || -> Result<(Tensor, Tensor)> {
+        let loss = dp.group.collective(avg, TAG_LOSS, &[&loss])?;
+        let loss = loss.into_iter().next().expect("one output");
+        // Each call after the one before: one order on every rank.
+        let mut last = loss.clone();
+        for (b, bucket) in buckets(&sizes, dp.bucket_bytes).iter().enumerate() {
+            let present: Vec<usize> = bucket
+                .iter()
+                .copied()
+                .filter(|&i| grads[i].is_some())
+                .collect();
+            if present.is_empty() {
+                continue;
+            }
+            let args: Vec<&Tensor> = present.iter().filter_map(|&i| grads[i].as_ref()).collect();
+            let out = dp
+                .group
+                .collective_after(avg, TAG_BUCKETS + b as u64, &args, &[&last])?;
+            last = out[0].clone();
+            for (i, g) in present.into_iter().zip(out) {
+                grads[i] = Some(g);
+            }
+        }
+        Ok((loss, last))
+    };
+    let (loss, last) = match dp.stream {
+        Some(n) => crate::hints::scope(crate::hints::Hint::default().stream(n), run)??,
+        None => run()?,
+    };
+    Ok((loss, grads, last))
+}
+
+/// A sharded optimizer's new parameter values: each rank broadcasts those
+/// it owns and updated (`new_values` holds the old value of the others),
+/// the broadcasts chained after `after` (the last gradient bucket's
+/// reduction) and each other: the ranks' graphs differ here (each updates
+/// its own parameters), their schedules with them, but not the order of
+/// their calls.
+fn gathered(
+    dp: &DataParallel,
+    owner: &[usize],
+    has_grad: &[bool],
+    mut new_values: Vec<Tensor>,
+    after: Tensor,
+) -> Result<Vec<Tensor>> {
+    let mut last = after;
+    for root in 0..dp.group.world() {
+        let mine: Vec<usize> = (0..owner.len())
+            .filter(|&i| owner[i] == root && has_grad[i])
+            .collect();
+        if mine.is_empty() {
+            continue;
+        }
+        let args: Vec<&Tensor> = mine.iter().map(|&i| &new_values[i]).collect();
+        let kind = Kind::Broadcast { root };
+        let out = dp
+            .group
+            .collective_after(kind, TAG_OWNED + root as u64, &args, &[&last])?;
+        last = out[0].clone();
+        for (i, v) in mine.into_iter().zip(out) {
+            new_values[i] = v;
+        }
+    }
+    Ok(new_values)
 }
 
 /// The loss and its gradients with respect to `leaves` (`None` for those
@@ -1120,6 +1363,7 @@ mod tests {
             state_len: 2,
             max_grad_norm: Some(1.0),
             scaler: None,
+            owner: None,
         };
         // batch, 2 groups of 3 scalars, 3 values and 3·2 state tensors.
         assert_eq!(layout.n_inputs(3), 2 + 6 + 3 + 6);

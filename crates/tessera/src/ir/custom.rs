@@ -11,6 +11,7 @@
 //! signatures ([`flash_attention`]) are here from the start, so a graph
 //! naming them parses before anything else runs.
 
+pub mod collective;
 pub mod conv;
 pub mod cross_entropy;
 pub mod flash_attention;
@@ -104,6 +105,7 @@ static SIGNATURES: LazyLock<RwLock<HashMap<String, Arc<Signature>>>> = LazyLock:
     let mut builtins = flash_attention::signatures();
     builtins.extend(cross_entropy::signatures());
     builtins.extend(conv::signatures());
+    builtins.extend(collective::signatures());
     RwLock::new(
         builtins
             .into_iter()

@@ -49,6 +49,7 @@ macro_rules! with_float_type {
     };
 }
 
+pub mod collective;
 pub mod conv;
 pub mod cross_entropy;
 pub mod flash_attention;
@@ -220,6 +221,7 @@ static REGISTRY: LazyLock<RwLock<HashMap<String, Arc<CustomOp>>>> = LazyLock::ne
     let mut builtins = flash_attention::builtins();
     builtins.extend(cross_entropy::builtins());
     builtins.extend(conv::builtins());
+    builtins.extend(collective::builtins());
     RwLock::new(
         builtins
             .into_iter()
