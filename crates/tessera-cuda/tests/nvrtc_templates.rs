@@ -294,7 +294,10 @@ fn indexing() -> Vec<Launch> {
             };
             v.push(indexed(Indexed::Read, &[3, 4], &op, &idx, &op, 4, CHECK, 132).unwrap());
             // CUDA has atomic adds of 32- and 64-bit integers only.
-            if !matches!(d, DType::Bool | DType::I16 | DType::I8 | DType::U8 | DType::U16) {
+            if !matches!(
+                d,
+                DType::Bool | DType::I16 | DType::I8 | DType::U8 | DType::U16
+            ) {
                 v.push(indexed(Indexed::Add, &[3, 4], &op, &idx, &op, 4, CHECK, 132).unwrap());
             }
         }

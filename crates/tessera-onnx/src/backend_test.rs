@@ -274,7 +274,10 @@ pub fn compare(got: &[Tensor], want: &[Literal]) -> Option<String> {
         if w.dtype.is_int() {
             // Integers compare exactly as i64 (a u64 as its bit pattern,
             // as the literal holds it).
-            let gv = match host.try_cast(tessera::DType::I64).and_then(|t| t.to_vec::<i64>()) {
+            let gv = match host
+                .try_cast(tessera::DType::I64)
+                .and_then(|t| t.to_vec::<i64>())
+            {
                 Ok(v) => v,
                 Err(e) => return Some(format!("output {k}: {e}")),
             };

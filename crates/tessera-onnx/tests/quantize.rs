@@ -50,8 +50,18 @@ fn quantize_round_trip_matches_the_f64_reference() {
             let bytes = model(
                 21,
                 vec![
-                    node("QuantizeLinear", &["x", "s", "z"], &["q"], vec![attr_int("axis", 1)]),
-                    node("DequantizeLinear", &["q", "s", "z"], &["y"], vec![attr_int("axis", 1)]),
+                    node(
+                        "QuantizeLinear",
+                        &["x", "s", "z"],
+                        &["q"],
+                        vec![attr_int("axis", 1)],
+                    ),
+                    node(
+                        "DequantizeLinear",
+                        &["q", "s", "z"],
+                        &["y"],
+                        vec![attr_int("axis", 1)],
+                    ),
                 ],
                 vec![value("x", dt::FLOAT, &[D::Size(2), D::Size(3), D::Size(4)])],
                 vec![

@@ -41,6 +41,6 @@ pub use custom_op::flash_attention::{
 };
 pub use error::{Error, ErrorKind, Result, SourceLoc};
 pub use ir::{DType, Graph};
-pub use tensor::autocast::{autocast, try_autocast};
 pub use runtime::cpu::U8;
+pub use tensor::autocast::{autocast, try_autocast};
 pub use tensor::Tensor;

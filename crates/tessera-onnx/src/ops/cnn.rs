@@ -343,12 +343,7 @@ fn conv(c: &mut Ctx) -> Result<Vec<Val>> {
 
 /// The convolution of `x` by `w` (plus `bias`) with the current node's
 /// attributes (Conv's, which ConvInteger and QLinearConv share).
-pub(super) fn conv_of(
-    c: &mut Ctx,
-    x: NodeId,
-    w: NodeId,
-    bias: Option<NodeId>,
-) -> Result<NodeId> {
+pub(super) fn conv_of(c: &mut Ctx, x: NodeId, w: NodeId, bias: Option<NodeId>) -> Result<NodeId> {
     float_input(c, x)?;
     let size = spatial(c, x)?;
     let wd = c.concrete(w, "Conv's weight")?;

@@ -77,7 +77,14 @@ fn top_k(c: &mut Ctx) -> Result<Vec<Val>> {
             // A u64 travels as its bit pattern in i64.
             data: LiteralData::Int(vec![if largest { lo } else { hi } as u64 as i64]),
         })?,
-        None => c.scalar(if largest { f64::NEG_INFINITY } else { f64::INFINITY }, dtype)?,
+        None => c.scalar(
+            if largest {
+                f64::NEG_INFINITY
+            } else {
+                f64::INFINITY
+            },
+            dtype,
+        )?,
     };
     let mut running = x;
     let (mut values, mut indices) = (Vec::new(), Vec::new());

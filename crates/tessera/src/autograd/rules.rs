@@ -240,11 +240,9 @@ fn binary(
             let wb = 1.0 - &wa;
             (g * &wa, g * &wb)
         }
-        BinaryOp::BitAnd
-        | BinaryOp::BitOr
-        | BinaryOp::BitXor
-        | BinaryOp::Shl
-        | BinaryOp::Shr => unreachable!("integer ops are handled by `vjp`"),
+        BinaryOp::BitAnd | BinaryOp::BitOr | BinaryOp::BitXor | BinaryOp::Shl | BinaryOp::Shr => {
+            unreachable!("integer ops are handled by `vjp`")
+        }
     })
 }
 

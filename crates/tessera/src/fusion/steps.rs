@@ -24,7 +24,11 @@ pub(super) struct Steps {
 pub(super) fn build_steps(graph: &Graph, members: &[NodeId]) -> Steps {
     let f64_in = |m: &NodeId| {
         let node = graph.node(*m);
-        node.ty.dtype == DType::F64 || node.inputs.iter().any(|&x| graph.node(x).ty.dtype == DType::F64)
+        node.ty.dtype == DType::F64
+            || node
+                .inputs
+                .iter()
+                .any(|&x| graph.node(x).ty.dtype == DType::F64)
     };
     let mut b = Steps {
         steps: Vec::new(),
@@ -82,7 +86,10 @@ pub(super) fn build_steps(graph: &Graph, members: &[NodeId]) -> Steps {
         // then widened gives the f32 quotient, not the f64 one.
         let narrow = matches!(node.ty.dtype, DType::F32 | DType::F16 | DType::BF16);
         if b.wide && narrow && !matches!(node.op, Op::Cast(_)) {
-            b.steps.push(RowStep::Point(Step::Round(node.ty.dtype, b.steps.len() - 1)));
+            b.steps.push(RowStep::Point(Step::Round(
+                node.ty.dtype,
+                b.steps.len() - 1,
+            )));
         }
         b.step_of.insert(m, b.steps.len() - 1);
     }

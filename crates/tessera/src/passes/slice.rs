@@ -321,9 +321,7 @@ fn map_dim(g: &Graph, id: NodeId, d: usize) -> std::result::Result<Vec<Read>, Re
     };
     let across = |what: &str| Err(Refusal::Op(format!("{what} dim {d}, the sliced dim")));
     match &node.op {
-        Op::Unary(_) | Op::Cast(_) | Op::BitCast(_) | Op::Contiguous => {
-            Ok(vec![Read::Sliced(d)])
-        }
+        Op::Unary(_) | Op::Cast(_) | Op::BitCast(_) | Op::Contiguous => Ok(vec![Read::Sliced(d)]),
         Op::Binary(_) | Op::Compare(_) | Op::Where => {
             node.inputs.iter().map(|&x| broadcast(x)).collect()
         }

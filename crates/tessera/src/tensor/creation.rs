@@ -320,7 +320,9 @@ impl Tensor {
     #[track_caller]
     pub fn to_literal(&self) -> Result<Literal> {
         let data = match self.dtype() {
-            DType::Bool => LiteralData::Bool(self.to_vec::<u8>()?.into_iter().map(|b| b != 0).collect()),
+            DType::Bool => {
+                LiteralData::Bool(self.to_vec::<u8>()?.into_iter().map(|b| b != 0).collect())
+            }
             DType::I64 => LiteralData::Int(self.to_vec::<i64>()?),
             d if d.is_int() => LiteralData::Int(self.try_cast(DType::I64)?.to_vec::<i64>()?),
             _ => LiteralData::Float(self.to_f64_vec()),

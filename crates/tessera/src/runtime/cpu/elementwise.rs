@@ -18,6 +18,7 @@ use rayon::prelude::*;
 
 use super::copy::{copy_strided, PAR_THRESHOLD};
 use super::element::num_like::AccFloat;
+use super::element::U8;
 use super::element::{Element, Float, Int};
 use super::fastmath::{erfc_f32, exp_f32, exp_nonpositive_f32, tanh_f32, unary_simd_f32};
 use super::Storage;
@@ -25,7 +26,6 @@ use crate::error::{op_err, Result};
 use crate::ir::{BinaryOp, CompareOp, DType, UnaryOp};
 use crate::runtime::array::Array;
 use crate::runtime::layout::Layout;
-use super::element::U8;
 use crate::{with_dtype, with_float_dtype, with_int_dtype};
 
 /// Output elements per parallel task: 256 KiB of f32, big enough to amortise

@@ -21,6 +21,7 @@ use rayon::prelude::*;
 
 use super::copy::{self, PAR_THRESHOLD};
 use super::element::num_like::AccFloat;
+use super::element::U8;
 use super::element::{Element, Float};
 use super::fastmath::exp_nonpositive_f32;
 use super::stream::{prefetch, stream_copy, stream_min_bytes};
@@ -29,7 +30,6 @@ use crate::error::{op_err, Result};
 use crate::ir::{ArgReduceOp, DType, ReduceOp};
 use crate::runtime::array::Array;
 use crate::runtime::layout::Layout;
-use super::element::U8;
 use crate::{with_float_dtype, with_int_dtype};
 
 /// Contiguous runs longer than this are summed in two halves on two rayon
