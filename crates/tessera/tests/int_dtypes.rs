@@ -163,7 +163,7 @@ fn compiled_integer_graphs_match_eager() {
     let f = |x: &[Tensor]| {
         let a = &x[0];
         let b = &x[1];
-        let s = (a + b).bitwise_xor(&a.shift_left(&b.bitwise_and(&u8s(&[7], &[]))));
+        let s = (a + b).bitwise_xor(a.shift_left(b.bitwise_and(u8s(&[7], &[]))));
         vec![
             s.clone(),
             s.cast(DType::I16).sum(&[1], false),
