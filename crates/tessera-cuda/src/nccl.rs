@@ -264,11 +264,15 @@ fn nccl_dtype(op: &str, dtype: DType) -> Result<sys::ncclDataType_t> {
         DType::BF16 => N::ncclBfloat16,
         DType::I32 => N::ncclInt32,
         DType::I64 => N::ncclInt64,
-        DType::Bool => {
+        DType::I8 => N::ncclInt8,
+        DType::U8 => N::ncclUint8,
+        DType::U32 => N::ncclUint32,
+        DType::U64 => N::ncclUint64,
+        DType::Bool | DType::I16 | DType::U16 => {
             return Err(Error::op(
                 ErrorKind::DType,
                 op,
-                "NCCL has no bool: cast to i32 first",
+                format!("NCCL has no {dtype}: cast to i32 first"),
             ))
         }
     })
