@@ -683,9 +683,11 @@ fn constant_of_shape(c: &mut Ctx) -> Result<Vec<Val>> {
     )?)
 }
 
-/// Most elements a `Range` computed at import may have (its values are a
-/// constant of the graph): 2^24, 128 MiB as f64 while computed.
-const MAX_RANGE: f64 = (1u64 << 24) as f64;
+/// Most elements a `Range` or `EyeLike` computed at import may have (its
+/// values are a constant of the graph): 2^24, 128 MiB as f64 while
+/// computed.
+const MAX_IMPORT_CONSTANT: usize = 1 << 24;
+const MAX_RANGE: f64 = MAX_IMPORT_CONSTANT as f64;
 
 fn range(c: &mut Ctx) -> Result<Vec<Val>> {
     let dtype = c.literal_of(0, "start")?.dtype;
@@ -737,7 +739,14 @@ fn eye_like(c: &mut Ctx) -> Result<Vec<Val>> {
         None => c.dtype(x),
     };
     let k = c.attr_i("k", 0);
-    let mut v = vec![0.0; d[0] * d[1]];
+    let elements = d[0].checked_mul(d[1]).filter(|&n| n <= MAX_IMPORT_CONSTANT);
+    let Some(elements) = elements else {
+        return Err(c.unsupported(format!(
+            "an identity of {} × {} elements, computed at import, is more than {MAX_IMPORT_CONSTANT}",
+            d[0], d[1]
+        )));
+    };
+    let mut v = vec![0.0; elements];
     for i in 0..d[0] as i64 {
         let j = i + k;
         if (0..d[1] as i64).contains(&j) {
@@ -925,12 +934,14 @@ fn reflect(i: i64, n: i64) -> i64 {
 fn depth_to_space(c: &mut Ctx) -> Result<Vec<Val>> {
     let x = c.x(0)?;
     let d = c.concrete(x, "DepthToSpace")?;
-    let b = c.attr_i("blocksize", 0) as usize;
-    if d.len() != 4 || b == 0 || d[1] % (b * b) != 0 {
-        return Err(c.bad(format!("blocksize {b} for {}", c.ty(x))));
-    }
+    let blocksize = c.attr_i("blocksize", 0);
+    let b = usize::try_from(blocksize).unwrap_or(0);
+    let square = b.checked_mul(b).filter(|&s| s > 0);
+    let Some(square) = square.filter(|&s| d.len() == 4 && d[1] % s == 0) else {
+        return Err(c.bad(format!("blocksize {blocksize} for {}", c.ty(x))));
+    };
     let (n, ch, h, w) = (d[0], d[1], d[2], d[3]);
-    let oc = ch / (b * b);
+    let oc = ch / square;
     let crd = c.attr_s("mode", "DCR") == "CRD";
     let (inner, perm) = if crd {
         (vec![n, oc, b, b, h, w], vec![0, 1, 4, 2, 5, 3])
@@ -949,9 +960,10 @@ fn depth_to_space(c: &mut Ctx) -> Result<Vec<Val>> {
 fn space_to_depth(c: &mut Ctx) -> Result<Vec<Val>> {
     let x = c.x(0)?;
     let d = c.concrete(x, "SpaceToDepth")?;
-    let b = c.attr_i("blocksize", 0) as usize;
+    let blocksize = c.attr_i("blocksize", 0);
+    let b = usize::try_from(blocksize).unwrap_or(0);
     if d.len() != 4 || b == 0 || d[2] % b != 0 || d[3] % b != 0 {
-        return Err(c.bad(format!("blocksize {b} for {}", c.ty(x))));
+        return Err(c.bad(format!("blocksize {blocksize} for {}", c.ty(x))));
     }
     let (n, ch, h, w) = (d[0], d[1], d[2], d[3]);
     let y = c.reshape(
