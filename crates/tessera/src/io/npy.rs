@@ -373,7 +373,7 @@ mod tests {
         assert_eq!(
             read_npy(&path).unwrap_err().to_string(),
             format!(
-                "{}: unsupported dtype complex128 (supported: float32, float64, float16, int64, int32, bool)",
+                "{}: unsupported dtype complex128 (supported: float32, float64, float16, the signed and unsigned integers of 8 to 64 bits, bool)",
                 path.display()
             )
         );

@@ -151,7 +151,10 @@ mod tests {
         let names: Vec<&str> = back.iter().map(|(n, _)| n.as_str()).collect();
         assert_eq!(
             names,
-            ["t_bf16", "t_bool", "t_f16", "t_f32", "t_f64", "t_i32", "t_i64"]
+            [
+                "t_bf16", "t_bool", "t_f16", "t_f32", "t_f64", "t_i16", "t_i32", "t_i64", "t_i8",
+                "t_u16", "t_u32", "t_u64", "t_u8"
+            ]
         );
         for (name, t) in &back {
             let dtype: DType = name[2..].parse().unwrap();
@@ -250,10 +253,13 @@ mod tests {
     #[test]
     fn bad_files_get_errors_naming_the_file_and_tensor() {
         let dir = tempfile::tempdir().unwrap();
-        let u8_file = raw_file(dir.path(), "U8", &[1, 2]);
+        let fp8_file = raw_file(dir.path(), "F8_E4M3", &[1, 2]);
         assert_eq!(
-            load_safetensors(&u8_file).unwrap_err().to_string(),
-            format!("{}: tensor `a`: unsupported dtype U8", u8_file.display())
+            load_safetensors(&fp8_file).unwrap_err().to_string(),
+            format!(
+                "{}: tensor `a`: unsupported dtype F8_E4M3",
+                fp8_file.display()
+            )
         );
         let bool_file = raw_file(dir.path(), "BOOL", &[1, 7]);
         assert_eq!(

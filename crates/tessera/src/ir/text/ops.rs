@@ -113,7 +113,7 @@ pub(super) fn signature(op_name: &str) -> Option<&'static [(&'static str, AttrKi
             ("dtype", DType),
         ],
         "rand" | "randn" => &[("shape", Shape), ("dtype", DType)],
-        "cast" => &[("dtype", DType)],
+        "cast" | "bitcast" => &[("dtype", DType)],
         "softmax" | "log_softmax" | "cat" | "index_select" | "gather" | "index_add"
         | "scatter_add" => &[("dim", Usize)],
         "reshape" | "expand" => &[("shape", Shape)],

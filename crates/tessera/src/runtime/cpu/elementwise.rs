@@ -1707,10 +1707,13 @@ mod tests {
     fn cast_all_dtype_pairs() {
         let float_src = [-2.75, -0.5, 0.0, 1.0, 3.5];
         let int_src = [-3.0, 0.0, 1.0, 7.0];
+        let unsigned_src = [0.0, 1.0, 7.0, 100.0];
         let bool_src = [0.0, 1.0, 1.0];
         for from in DType::ALL {
             let src: &[f64] = if from.is_float() {
                 &float_src
+            } else if from.is_unsigned() {
+                &unsigned_src
             } else if from.is_int() {
                 &int_src
             } else {
@@ -1725,6 +1728,12 @@ mod tests {
                     .iter()
                     .map(|&v| match to {
                         DType::Bool => (v != 0.0) as u8 as f64,
+                        // Negative values: floats saturate at 0, integers
+                        // wrap (as numpy and ONNX).
+                        d if d.is_unsigned() && v < 0.0 => match from.is_float() {
+                            true => 0.0,
+                            false => v + 2f64.powi(8 * d.size_bytes() as i32),
+                        },
                         d if d.is_int() => v.trunc(),
                         _ => v,
                     })
