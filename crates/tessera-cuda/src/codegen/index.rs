@@ -252,7 +252,7 @@ mod tests {
             132,
         )
         .unwrap_err();
-        assert!(e.contains("bools"), "{e}");
+        assert!(e.contains("indexed add of bool"), "{e}");
     }
 
     #[test]
