@@ -5,7 +5,7 @@
 # caching allocator refuses what would pass it. Issue 20's peer: tessera must
 # train a batch at least 2x this under the same cap.
 # usage: gpt_torch_cap.py LAYERS D_MODEL HEADS SEQ VOCAB CAP_MB STEPS [f32|bf16] [MAX_BATCH]
-import sys, json, time, math, contextlib, gc
+import os, sys, json, time, math, contextlib, gc
 import torch, torch.nn as nn, torch.nn.functional as F
 
 L, D, H, T, V, CAP, S = map(int, sys.argv[1:8])
@@ -17,31 +17,10 @@ torch.backends.cuda.matmul.allow_tf32 = False
 torch.backends.cudnn.allow_tf32 = False
 
 
-class Block(nn.Module):  # gpt_torch.py's
-    def __init__(s):
-        super().__init__(); s.ln1 = nn.LayerNorm(D); s.qkv = nn.Linear(D, 3 * D); s.proj = nn.Linear(D, D)
-        s.ln2 = nn.LayerNorm(D); s.fc1 = nn.Linear(D, 4 * D); s.fc2 = nn.Linear(4 * D, D)
-
-    def forward(s, x):
-        b, t, _ = x.shape
-        q, k, v = s.qkv(s.ln1(x)).split(D, dim=2)
-        q, k, v = (z.view(b, t, H, D // H).transpose(1, 2) for z in (q, k, v))
-        att = (q @ k.transpose(-2, -1)) / math.sqrt(D // H)
-        att = att.masked_fill(torch.ones(t, t, device=x.device, dtype=torch.bool).triu(1), float('-inf')).softmax(-1)
-        y = (att @ v).transpose(1, 2).reshape(b, t, D)
-        x = x + s.proj(y)
-        return x + s.fc2(F.gelu(s.fc1(s.ln2(x))))
-
-
-class GPT(nn.Module):
-    def __init__(s):
-        super().__init__(); s.tok = nn.Embedding(V, D); s.pos = nn.Embedding(T, D)
-        s.blocks = nn.ModuleList([Block() for _ in range(L)]); s.lnf = nn.LayerNorm(D); s.head = nn.Linear(D, V, bias=False)
-
-    def forward(s, idx):
-        x = s.tok(idx) + s.pos(torch.arange(idx.shape[1], device=idx.device))
-        for b in s.blocks: x = b(x)
-        return s.head(s.lnf(x))
+# gpt_torch.py's model classes, read from its source (that script runs on
+# import): the same Block and GPT, over the globals L, D, H, T, V set above.
+_src = open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpt_torch.py")).read()
+exec(_src[_src.index("class Block(nn.Module):"):_src.index("def run(mode):")])
 
 
 def trains(batch):
