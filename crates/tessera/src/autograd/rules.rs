@@ -394,6 +394,123 @@ mod tests {
         }
     }
 
+    /// `Op::gradient_reads` (what the eager tape keeps of an offloaded
+    /// op) agrees with the rules: each rule gives the same gradients, bit
+    /// for bit, with the values the table says it does not read poisoned
+    /// (NaN: a rule that read one would show it).
+    #[test]
+    fn the_rules_read_only_what_the_irs_table_says() {
+        use crate::ir::{BinaryOp, ReduceOp, Shape};
+        let mut gen = Generator::new(5);
+        // In (0.1, 0.9): inside every unary op's domain, no ties.
+        let pos =
+            |shape: &[usize], g: &mut Generator| &(&Tensor::rand(shape, DType::F64, g) * 0.8) + 0.1;
+        let (x, y) = (pos(&[3, 4], &mut gen), pos(&[3, 4], &mut gen));
+        let m = pos(&[4, 2], &mut gen);
+        let cond = x.try_gt(0.5).unwrap();
+        let rows = Tensor::from_vec(vec![2i64, 0], &[2]);
+        let at = Tensor::from_vec(vec![0i64, 2, 1, 0, 1, 2, 0, 1, 2, 0, 0, 1], &[3, 4]);
+        let src = pos(&[2, 4], &mut gen);
+        let shape = |s: &[usize]| Shape::from(s);
+        let mut cases: Vec<(Op, Vec<&Tensor>)> = UnaryOp::ALL
+            .iter()
+            .filter(|&&u| u != UnaryOp::BitNot)
+            .map(|&u| (Op::Unary(u), vec![&x]))
+            .collect();
+        for b in [
+            BinaryOp::Add,
+            BinaryOp::Sub,
+            BinaryOp::Mul,
+            BinaryOp::Div,
+            BinaryOp::Pow,
+            BinaryOp::Maximum,
+            BinaryOp::Minimum,
+        ] {
+            cases.push((Op::Binary(b), vec![&x, &y]));
+        }
+        for r in [
+            ReduceOp::Sum,
+            ReduceOp::Mean,
+            ReduceOp::Max,
+            ReduceOp::Min,
+            ReduceOp::Prod,
+        ] {
+            let dims = vec![1];
+            cases.push((
+                Op::Reduce {
+                    op: r,
+                    dims,
+                    keepdim: false,
+                },
+                vec![&x],
+            ));
+        }
+        cases.extend([
+            (Op::Where, vec![&cond, &x, &y]),
+            (Op::Softmax { dim: 1 }, vec![&x]),
+            (Op::LogSoftmax { dim: 1 }, vec![&x]),
+            (Op::MatMul, vec![&x, &m]),
+            (
+                Op::MatMulT {
+                    transpose_a: false,
+                    transpose_b: true,
+                },
+                vec![&x, &y],
+            ),
+            (Op::Reshape(shape(&[4, 3])), vec![&x]),
+            (Op::Permute(vec![1, 0]), vec![&x]),
+            (Op::Expand(shape(&[2, 3, 4])), vec![&x]),
+            (
+                Op::Slice {
+                    dim: 1,
+                    start: 1,
+                    end: 4usize.into(),
+                    step: 2,
+                },
+                vec![&x],
+            ),
+            (Op::Cat { dim: 0 }, vec![&x, &y]),
+            (Op::Contiguous, vec![&x]),
+            (Op::Tril { diagonal: 0 }, vec![&x]),
+            (Op::Triu { diagonal: 1 }, vec![&x]),
+            (Op::Cast(DType::F32), vec![&x]),
+            (Op::IndexSelect { dim: 0 }, vec![&x, &rows]),
+            (Op::Gather { dim: 0 }, vec![&x, &at]),
+            (Op::IndexAdd { dim: 0 }, vec![&x, &rows, &src]),
+            (Op::ScatterAdd { dim: 0 }, vec![&x, &at, &y]),
+        ]);
+        let poison = |t: &Tensor| match t.dtype().is_float() {
+            true => Tensor::full(t.shape(), f64::NAN, t.dtype()),
+            false => Tensor::zeros(t.shape(), t.dtype()),
+        };
+        let bits = |grads: Vec<Option<Tensor>>| -> Vec<Option<Vec<u64>>> {
+            grads
+                .into_iter()
+                .map(|g| g.map(|g| g.to_f64_vec().iter().map(|v| v.to_bits()).collect()))
+                .collect()
+        };
+        for (op, inputs) in cases {
+            let out = Tensor::apply(&op, &inputs, Location::caller()).unwrap();
+            let g = pos(out.shape(), &mut gen).cast(out.dtype());
+            let owned: Vec<Tensor> = inputs.iter().map(|&t| t.clone()).collect();
+            let want = bits(super::vjp(&op, &owned, &out, &g).unwrap());
+            let kept: Vec<Tensor> = owned
+                .iter()
+                .enumerate()
+                .map(|(i, t)| match op.gradient_reads(Some(i)) {
+                    true => t.clone(),
+                    false => poison(t),
+                })
+                .collect();
+            let out_kept = match op.gradient_reads(None) {
+                true => out.clone(),
+                false => poison(&out),
+            };
+            let got = bits(super::vjp(&op, &kept, &out_kept, &g).unwrap());
+            assert_eq!(got, want, "{}", op.name());
+        }
+    }
+
     /// `matmul_t`'s gradients are those of the matmul of explicit transposes.
     #[test]
     fn matmul_t_gradients_match_matmul_of_permutes() {

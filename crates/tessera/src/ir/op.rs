@@ -619,6 +619,49 @@ impl Op {
                 | Op::CustomOutput { .. }
         )
     }
+
+    /// Which saved values the op's VJP rule (`autograd::rules`) reads:
+    /// `input` is the position of an input, `None` the output. The rest
+    /// it reads only the shape and dtype of (`add`, `reshape`, `sum` …).
+    /// The eager tape keeps in host memory only what is read (the `offload`
+    /// hint) and drops the others' values; a test in `autograd::rules`
+    /// runs each rule with the unread values poisoned.
+    pub fn gradient_reads(&self, input: Option<usize>) -> bool {
+        use BinaryOp as B;
+        use UnaryOp as U;
+        match (self, input) {
+            (Op::Unary(u), None) => matches!(
+                u,
+                U::Exp | U::Sqrt | U::Rsqrt | U::Reciprocal | U::Tanh | U::Sigmoid | U::Gelu
+            ),
+            (Op::Unary(u), Some(0)) => !matches!(
+                u,
+                U::Neg | U::Exp | U::Sqrt | U::Reciprocal | U::Tanh | U::Sigmoid | U::BitNot
+            ),
+            (Op::Binary(b), None) => matches!(b, B::Div | B::Pow),
+            (Op::Binary(b), Some(0)) => matches!(b, B::Mul | B::Pow | B::Maximum | B::Minimum),
+            (Op::Binary(b), Some(1)) => {
+                matches!(b, B::Mul | B::Div | B::Pow | B::Maximum | B::Minimum)
+            }
+            (Op::Reduce { op, .. }, _) => {
+                matches!(op, ReduceOp::Max | ReduceOp::Min | ReduceOp::Prod) && input != Some(1)
+            }
+            (Op::Softmax { .. } | Op::LogSoftmax { .. }, i) => i.is_none(),
+            (Op::MatMul | Op::MatMulT { .. }, i) => i.is_some(),
+            // The condition; the index.
+            (Op::Where, i) => i == Some(0),
+            (
+                Op::IndexSelect { .. }
+                | Op::Gather { .. }
+                | Op::IndexAdd { .. }
+                | Op::ScatterAdd { .. },
+                i,
+            ) => i == Some(1),
+            // Views, copies, casts: shapes and dtypes only; ops without a
+            // gradient record nothing.
+            _ => false,
+        }
+    }
 }
 
 fn hash_scalar<H: Hasher>(value: Scalar, h: &mut H) {

@@ -13,9 +13,10 @@ use std::cell::Cell;
 use std::panic::Location;
 use std::sync::{Arc, Mutex};
 
-use super::{trace, Tensor};
+use super::{offload, trace, Tensor};
 use crate::error::{Error, ErrorKind, Result, SourceLoc};
 use crate::ir::{DType, NodeMeta, Op};
+use crate::runtime::device::Device;
 
 /// Autograd state of a tensor that requires grad.
 pub(crate) struct AutogradMeta {
@@ -55,12 +56,42 @@ pub(crate) struct GradNode {
     /// Where a `backward` that did not retain the graph went through this
     /// node: a second one through it is an error (see `Tensor::backward`).
     pub(crate) used_by: Mutex<Option<SourceLoc>>,
+    /// Which saved values wait in host memory (an op of an offload region).
+    pub(crate) moved: Option<Moved>,
+}
+
+/// The saved values of a node that wait in host memory, and the device
+/// they come back to.
+pub(crate) struct Moved {
+    device: Device,
+    /// Per input: in host memory.
+    inputs: Vec<bool>,
+    output: bool,
 }
 
 impl GradNode {
     /// A stable identity for this node.
     pub(crate) fn id(self: &Arc<Self>) -> usize {
         Arc::as_ptr(self) as usize
+    }
+
+    /// The saved inputs and output its rule reads, on its device: those
+    /// waiting in host memory are copied back (see [`Moved`]).
+    pub(crate) fn saved_values(&self, output: &Tensor) -> Result<(Vec<Tensor>, Tensor)> {
+        let Some(moved) = &self.moved else {
+            return Ok((self.inputs.clone(), output.clone()));
+        };
+        let back = |t: &Tensor, host: bool| match host {
+            true => offload::to_device(t, moved.device),
+            false => Ok(t.clone()),
+        };
+        let inputs = self
+            .inputs
+            .iter()
+            .zip(&moved.inputs)
+            .map(|(t, &host)| back(t, host))
+            .collect::<Result<Vec<_>>>()?;
+        Ok((inputs, back(output, moved.output)?))
     }
 
     /// The op's name, or the custom function's.
@@ -112,34 +143,104 @@ fn tracks(inputs: &[&Tensor], any_float_output: bool) -> bool {
     is_grad_enabled() && any_float_output && inputs.iter().any(|t| t.requires_grad())
 }
 
-/// Hangs the op's node on `out` when an input requires grad.
+/// Hangs the op's node on `out` when an input requires grad. Inside a
+/// region hinted `{"offload": true}` the node keeps what its rule reads in
+/// host memory, and nothing of the rest (see [`offloaded`]).
 pub(crate) fn record(
     op: &Op,
     inputs: &[&Tensor],
     out: Tensor,
     caller: &'static Location<'static>,
-) -> Tensor {
+) -> Result<Tensor> {
     if !op.has_gradient() || !out.dtype().is_float() {
         // Remember the cut, so a later `backward` can name the op.
-        return match inputs.iter().any(|t| t.requires_grad()) && is_grad_enabled() {
-            true => out.cut_by(op.name()),
-            false => inherit_cut(inputs, out),
-        };
+        return Ok(
+            match inputs.iter().any(|t| t.requires_grad()) && is_grad_enabled() {
+                true => out.cut_by(op.name()),
+                false => inherit_cut(inputs, out),
+            },
+        );
     }
     if !tracks(inputs, true) {
-        return inherit_cut(inputs, out);
+        say_nothing_to_offload();
+        return Ok(inherit_cut(inputs, out));
     }
+    let origin = backward_origin(caller);
+    let mut saved: Vec<Tensor> = inputs.iter().map(|&t| t.clone()).collect();
+    let mut output = out.clone();
+    let moved = match offloads(&origin) && !out.is_traced() {
+        true => Some(offloaded(op, &mut saved, &mut output)?),
+        false => None,
+    };
     let node = Arc::new(GradNode {
         backward: Backward::Op {
             op: op.clone(),
-            output: out.clone(),
+            output,
         },
-        inputs: inputs.iter().map(|&t| t.clone()).collect(),
+        inputs: saved,
         outputs: vec![(out.shape().to_vec(), out.dtype())],
-        origin: backward_origin(caller),
+        origin,
         used_by: Mutex::new(None),
+        moved,
     });
-    attach(&out, &node, 0)
+    Ok(attach(&out, &node, 0))
+}
+
+/// Whether ops attributed to `origin` keep their saved values in host memory.
+fn offloads(origin: &NodeMeta) -> bool {
+    origin
+        .hints
+        .as_ref()
+        .is_some_and(|h| h.get("offload") == Some(&serde_json::Value::Bool(true)))
+}
+
+/// An op of a plain eager offload region (not a replayed graph's node,
+/// not a backward op: their runners report their own) that records
+/// nothing has nothing to move: said once per region (`TESSERA_LOGS=hints`).
+fn say_nothing_to_offload() {
+    if trace::has_origin() || trace::is_active() {
+        return;
+    }
+    let Some(region) = crate::hints::current()
+        .filter(|h| h.get("offload") == Some(&serde_json::Value::Bool(true)))
+    else {
+        return;
+    };
+    crate::hints::not_honoured(
+        "eager",
+        &region,
+        "offload",
+        "ops of the region that record nothing for a backward (grad mode off, or no input \
+         requires grad) save nothing to move to host memory",
+    );
+}
+
+/// Moves a node's saved values off its device: those its rule reads
+/// ([`Op::gradient_reads`]) to host memory, except leaves that require
+/// grad (parameters, which stay on the device for the optimizer anyway:
+/// a copy would free nothing); the others' values are dropped. Returns
+/// which are in host memory.
+fn offloaded(op: &Op, inputs: &mut [Tensor], output: &mut Tensor) -> Result<Moved> {
+    let on = output.device();
+    let mut host = vec![false; inputs.len()];
+    for (i, t) in inputs.iter_mut().enumerate() {
+        if !op.gradient_reads(Some(i)) {
+            *t = offload::unread(t)?;
+        } else if !(t.is_leaf() && t.requires_grad()) && t.device() == on {
+            *t = offload::to_host(t, on)?;
+            host[i] = true;
+        }
+    }
+    let output_on_host = op.gradient_reads(None);
+    *output = match output_on_host {
+        true => offload::to_host(output, on)?,
+        false => offload::unread(output)?,
+    };
+    Ok(Moved {
+        device: on,
+        inputs: host,
+        output: output_on_host,
+    })
 }
 
 /// A result of a cut tensor stays cut (by the same op).
@@ -203,6 +304,7 @@ pub fn custom_function_at(
             .collect(),
         origin: backward_origin(caller),
         used_by: Mutex::new(None),
+        moved: None,
     });
     outputs
         .iter()
