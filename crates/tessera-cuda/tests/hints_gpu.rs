@@ -156,7 +156,10 @@ fn eager_offload_leaves_less_on_the_gpu_after_the_forward() {
         device::synchronize(Device::Cuda).unwrap();
         let held = device::memory_stats(Device::Cuda).unwrap().live_bytes - before;
         loss.backward();
-        let grads: Vec<Vec<f64>> = params.iter().map(|p| p.grad().unwrap().to_f64_vec()).collect();
+        let grads: Vec<Vec<f64>> = params
+            .iter()
+            .map(|p| p.grad().unwrap().to_f64_vec())
+            .collect();
         (held, loss.to_f64_vec(), grads, offload::stats())
     };
     let (kept, loss, grads, none) = run(None);

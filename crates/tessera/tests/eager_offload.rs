@@ -119,6 +119,7 @@ fn outside_a_region_and_without_grad_nothing_moves_and_the_log_says_why() {
 
 #[test]
 fn an_offload_region_that_records_says_only_what_it_ignores() {
+    let _lock = host_pool();
     let region = r#"{"offload": true, "stream": 3, "group_id": 9102}"#;
     for _ in 0..2 {
         step(Some(region));
@@ -152,7 +153,10 @@ fn aot_eager_moves_the_saved_values_of_offload_regions() {
         let (l, g, moved) = run(Some(r#"{"offload": true}"#), backend);
         assert_eq!((&l, &g), (&loss, &grad), "{backend:?}");
         assert!(moved.offloaded_bytes > 0, "{backend:?}: {moved:?}");
-        assert_eq!(moved.prefetched_bytes, moved.offloaded_bytes, "{backend:?}");
+        assert_eq!(
+            moved.prefetched_bytes, moved.offloaded_bytes,
+            "{backend:?}: {moved:?}"
+        );
     }
     // Without the hint aot_eager moves nothing.
     assert_eq!(run(None, Backend::AotEager).2, OffloadStats::default());

@@ -67,17 +67,18 @@ pub fn run_graph_moving(
     })
 }
 
-/// [`HostMoves`] by node: the offloaded values with the node after which
-/// each goes, and the inputs that come back.
+/// [`HostMoves`] by node: the values offloaded after each node (their last
+/// reader, or themselves when none reads them), and the inputs that come
+/// back.
 struct Moving {
     on: Device,
-    offload_after: HashMap<NodeId, usize>,
+    offload_after: HashMap<usize, Vec<NodeId>>,
     prefetch: HashSet<NodeId>,
 }
 
 impl Moving {
     fn new(graph: &Graph, moves: &HostMoves, on: Device) -> Moving {
-        let mut offload_after: HashMap<NodeId, usize> = moves
+        let mut last: HashMap<NodeId, usize> = moves
             .offload_outputs
             .iter()
             .filter_map(|&o| graph.outputs.get(o))
@@ -85,10 +86,14 @@ impl Moving {
             .collect();
         for (i, node) in graph.nodes.iter().enumerate() {
             for x in &node.inputs {
-                if let Some(last) = offload_after.get_mut(x) {
-                    *last = i;
+                if let Some(at) = last.get_mut(x) {
+                    *at = i;
                 }
             }
+        }
+        let mut offload_after: HashMap<usize, Vec<NodeId>> = HashMap::new();
+        for (value, at) in last {
+            offload_after.entry(at).or_default().push(value);
         }
         let prefetch = moves
             .prefetch_inputs
@@ -123,18 +128,10 @@ impl Moving {
 
     /// Puts the values whose last use was node `i` in host memory.
     fn after(&self, graph: &Graph, i: usize, values: &mut [Option<Tensor>]) -> Result<()> {
-        if self.offload_after.is_empty() {
-            return Ok(());
-        }
-        let node = &graph.nodes[i];
-        let id = NodeId(i as u32);
-        for x in node.inputs.iter().copied().chain([id]) {
-            if self.offload_after.get(&x) == Some(&i) {
-                let slot = &mut values[x.index()];
-                if let Some(t) = slot.as_ref() {
-                    *slot =
-                        Some(offload::to_host(t, self.on).map_err(|e| node_error(graph, x, e))?);
-                }
+        for &x in self.offload_after.get(&i).into_iter().flatten() {
+            let slot = &mut values[x.index()];
+            if let Some(t) = slot.as_ref() {
+                *slot = Some(offload::to_host(t, self.on).map_err(|e| node_error(graph, x, e))?);
             }
         }
         Ok(())

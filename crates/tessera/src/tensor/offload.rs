@@ -25,6 +25,7 @@ use std::sync::{Arc, Mutex, Weak};
 
 use super::Tensor;
 use crate::error::Result;
+use crate::ir::Op;
 use crate::runtime::array::{Array, Buffer};
 use crate::runtime::cpu::Storage;
 use crate::runtime::device::{self, Device, DeviceStorage, Transfer};
@@ -205,12 +206,16 @@ pub(crate) fn unread(t: &Tensor) -> Result<Tensor> {
         return Ok(t.clone());
     }
     let dtype = t.dtype();
+    // Made by the CPU's kernel directly: not an op of the user's region.
     let one = match dtype.is_float() {
-        true => Tensor::from_vec(vec![f64::NAN], &[]).try_cast(dtype)?,
-        false => Tensor::from_storage(Storage::try_new(dtype, 1)?, &[]),
+        true => {
+            let nan = Array::from_storage(Storage::try_from_slice(&[f64::NAN])?, &[]);
+            device::eval(Device::Cpu, &Op::Cast(dtype), &[&nan], dtype, &[])?
+        }
+        false => Array::from_storage(Storage::try_new(dtype, 1)?, &[]),
     };
     let layout = one.layout().expanded(t.shape());
-    Ok(t.with_values(one.array().view(layout)))
+    Ok(t.with_values(one.view(layout)))
 }
 
 #[cfg(test)]
