@@ -9,7 +9,7 @@
 //! `cpu::host_memory_stats`, as compiled runs on the CPU offload — on the
 //! CPU both pools are the same RAM, so the copy costs time and saves no
 //! physical memory: it keeps the CPU path the same as the GPU's, and
-//! measurable). Up to [`IN_FLIGHT`] copies stay in flight, so that the
+//! measurable). Up to `IN_FLIGHT` (2) copies stay in flight, so that the
 //! compute queued after one overlaps it; the device bytes are released
 //! when it is waited for. Views of one buffer share one host copy. A value
 //! comes back through `Backend::prefetch_start` when the backward reads
