@@ -9,6 +9,7 @@ use tessera::runtime::cpu::arena;
 use tessera::tensor::Layout;
 
 use super::{base, device_err, first, ViewExt};
+use crate::codegen::int_matmul::{int_matmul, Matrices};
 use crate::matmul::{Epilogue, Mat};
 use crate::CudaBackend;
 
@@ -81,6 +82,27 @@ impl CudaBackend {
             ma.rows = batch * m;
             m_n = batch * m;
             batch_n = 1;
+        }
+        if dtype.is_int() {
+            // Integer products have no epilogue (fusion forms those on
+            // floats only) and run a generated kernel, not cuBLASLt.
+            debug_assert!(bias.is_none() && epilogue == Epilogue::None);
+            let matrices = |x: &Mat| Matrices {
+                ptr: x.ptr,
+                strides: [x.batch_stride, x.row_stride, x.col_stride],
+            };
+            let launch = int_matmul(
+                dtype,
+                batch_n,
+                (m_n, k, n),
+                matrices(&ma),
+                matrices(&mb),
+                base(&result),
+                self.gpu.sms,
+            );
+            self.launch(name, &launch)?;
+            drop(keep);
+            return Ok(result);
         }
         let bias_ptr = bias.map(first);
         self.blas
