@@ -621,6 +621,108 @@ impl Op {
     }
 }
 
+/// The values an op's backward reads besides the output gradient (shapes
+/// and dtypes it always has): which inputs, and whether its output. The
+/// eager tape keeps only these alive until the backward (the others as
+/// stand-ins without storage), as PyTorch's saved tensors are; the VJP
+/// rules (`autograd::rules`) read nothing else, which their tests check.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BackwardReads {
+    pub inputs: Vec<bool>,
+    pub output: bool,
+}
+
+impl Op {
+    /// [`BackwardReads`] of this op when `needs[i]` says whether input
+    /// `i` wants a gradient (a product reads each operand only for the
+    /// other's gradient).
+    pub fn backward_reads(&self, needs: &[bool]) -> BackwardReads {
+        let n = needs.len();
+        let need = |i: usize| needs.get(i).copied().unwrap_or(false);
+        let any = needs.iter().any(|&x| x);
+        let mut inputs = vec![false; n];
+        let mut read = |i: usize, yes: bool| {
+            if let Some(slot) = inputs.get_mut(i) {
+                *slot |= yes;
+            }
+        };
+        let output = match self {
+            Op::Unary(u) => {
+                let (x, y) = unary_reads(*u);
+                read(0, x);
+                y
+            }
+            Op::Binary(b) => match b {
+                BinaryOp::Mul => {
+                    read(0, need(1));
+                    read(1, need(0));
+                    false
+                }
+                BinaryOp::Div => {
+                    read(1, any);
+                    need(1)
+                }
+                BinaryOp::Pow => {
+                    read(0, any);
+                    read(1, need(0));
+                    need(1)
+                }
+                BinaryOp::Maximum | BinaryOp::Minimum => {
+                    read(0, any);
+                    read(1, any);
+                    false
+                }
+                _ => false,
+            },
+            Op::MatMul | Op::MatMulT { .. } => {
+                read(0, need(1));
+                read(1, need(0));
+                false
+            }
+            Op::Where => {
+                read(0, true);
+                false
+            }
+            Op::Reduce { op, .. } => {
+                let extremal = matches!(op, ReduceOp::Max | ReduceOp::Min | ReduceOp::Prod);
+                read(0, extremal);
+                extremal
+            }
+            Op::Softmax { .. } | Op::LogSoftmax { .. } => true,
+            Op::IndexSelect { .. }
+            | Op::Gather { .. }
+            | Op::IndexAdd { .. }
+            | Op::ScatterAdd { .. } => {
+                read(1, true);
+                false
+            }
+            _ => false,
+        };
+        BackwardReads { inputs, output }
+    }
+}
+
+/// (input, output) read by a unary op's VJP rule.
+fn unary_reads(op: UnaryOp) -> (bool, bool) {
+    match op {
+        UnaryOp::Neg | UnaryOp::BitNot => (false, false),
+        UnaryOp::Exp | UnaryOp::Sqrt | UnaryOp::Reciprocal | UnaryOp::Tanh | UnaryOp::Sigmoid => {
+            (false, true)
+        }
+        UnaryOp::Rsqrt | UnaryOp::Gelu => (true, true),
+        UnaryOp::Abs
+        | UnaryOp::Log
+        | UnaryOp::Sin
+        | UnaryOp::Cos
+        | UnaryOp::Relu
+        | UnaryOp::GeluTanh
+        | UnaryOp::Silu
+        | UnaryOp::Atan
+        | UnaryOp::Asin
+        | UnaryOp::Acos => (true, false),
+    }
+}
+
 fn hash_scalar<H: Hasher>(value: Scalar, h: &mut H) {
     match value {
         Scalar::Float(v) => (0u8, v.to_bits()).hash(h),

@@ -129,17 +129,71 @@ pub(crate) fn record(
     if !tracks(inputs, true) {
         return inherit_cut(inputs, out);
     }
+    let needs: Vec<bool> = inputs.iter().map(|t| t.requires_grad()).collect();
+    let reads = op.backward_reads(&needs);
     let node = Arc::new(GradNode {
         backward: Backward::Op {
             op: op.clone(),
-            output: out.clone(),
+            output: saved(&out, reads.output),
         },
-        inputs: inputs.iter().map(|&t| t.clone()).collect(),
+        inputs: inputs
+            .iter()
+            .zip(&reads.inputs)
+            .map(|(&t, &read)| saved(t, read))
+            .collect(),
         outputs: vec![(out.shape().to_vec(), out.dtype())],
         origin: backward_origin(caller),
         used_by: Mutex::new(None),
     });
     attach(&out, &node, 0)
+}
+
+/// What a node keeps of `t`: `t` itself when its backward reads the
+/// values (`read`), else a stand-in with `t`'s shape, dtype, device and
+/// autograd edge but no storage of its own — a NaN broadcast from one
+/// element, so that a rule reading it by mistake gives NaN gradients, not
+/// plausible ones. Dropping the values is what lets eager training free
+/// activations as PyTorch does (a node used to keep every input and its
+/// output alive until the backward). Traced tensors have no values to keep
+/// and stay as they are.
+fn saved(t: &Tensor, read: bool) -> Tensor {
+    if read || t.is_traced() || trace::is_active() || t.numel() <= 1 {
+        return t.clone();
+    }
+    match stand_in_values(t) {
+        Some(values) => Tensor::from_array(values).with_autograd(t.autograd_meta().cloned()),
+        None => t.clone(),
+    }
+}
+
+/// `t`'s shape over one NaN of its dtype on its device (cached per thread,
+/// device and dtype: one element each, made once).
+fn stand_in_values(t: &Tensor) -> Option<crate::runtime::array::Array> {
+    thread_local! {
+        static SCALARS: std::cell::RefCell<Vec<Tensor>> = const { std::cell::RefCell::new(Vec::new()) };
+    }
+    let (device, dtype) = (t.device(), t.dtype());
+    let scalar = SCALARS.with(|cache| {
+        let found = cache
+            .borrow()
+            .iter()
+            .find(|s| s.device() == device && s.dtype() == dtype)
+            .cloned();
+        found.or_else(|| {
+            let made = no_grad(|| Tensor::from_vec(vec![f64::NAN], &[]).try_cast(dtype))
+                .ok()?
+                .to(device)
+                .ok()?;
+            cache.borrow_mut().push(made.clone());
+            Some(made)
+        })
+    })?;
+    let layout = crate::tensor::Layout {
+        shape: t.shape().to_vec(),
+        strides: vec![0; t.rank()],
+        offset: 0,
+    };
+    Some(scalar.try_array()?.view(layout))
 }
 
 /// A result of a cut tensor stays cut (by the same op).
@@ -196,7 +250,8 @@ pub fn custom_function_at(
             name: name.to_string(),
             backward,
         },
-        inputs: inputs.iter().map(|&t| t.clone()).collect(),
+        // The backward closure holds what it reads: the inputs are edges.
+        inputs: inputs.iter().map(|&t| saved(t, false)).collect(),
         outputs: outputs
             .iter()
             .map(|t| (t.shape().to_vec(), t.dtype()))
@@ -316,14 +371,22 @@ mod tests {
         Tensor::from_vec(vec![1.0f32, 2.0], &[2]).set_requires_grad(true)
     }
 
+    /// A node keeps the values its backward reads (exp's: its output;
+    /// log's: its input) and, for the others, a stand-in of the same
+    /// shape that still leads to the input's autograd state.
     #[test]
-    fn an_op_on_a_leaf_records_its_inputs_and_output() {
+    fn an_op_on_a_leaf_records_what_its_backward_reads() {
         let x = leaf();
         let y = x.exp();
         let (node, index) = y.grad_fn().expect("recorded");
         assert_eq!((node.name(), *index), ("exp", 0));
         assert_eq!(node.inputs.len(), 1);
-        assert!(node.inputs[0].shares_storage(&x));
+        let edge = &node.inputs[0];
+        assert!(!edge.shares_storage(&x) && edge.shape() == x.shape());
+        let same_state = |a: &Tensor, b: &Tensor| {
+            Arc::ptr_eq(a.autograd_meta().unwrap(), b.autograd_meta().unwrap())
+        };
+        assert!(same_state(edge, &x));
         assert_eq!(node.outputs, [(vec![2], DType::F32)]);
         match &node.backward {
             Backward::Op { op, output } => {
@@ -333,6 +396,13 @@ mod tests {
             Backward::Custom { .. } => panic!("an op node"),
         }
         assert!(x.is_leaf() && !y.is_leaf() && y.requires_grad());
+        let z = x.log();
+        let (node, _) = z.grad_fn().expect("recorded");
+        assert!(node.inputs[0].shares_storage(&x) && same_state(&node.inputs[0], &x));
+        let Backward::Op { output, .. } = &node.backward else {
+            panic!("an op node")
+        };
+        assert!(!output.shares_storage(&z) && output.shape() == z.shape());
     }
 
     #[test]
