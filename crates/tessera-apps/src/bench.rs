@@ -147,6 +147,9 @@ pub struct GptBenchConfig {
     pub group: Option<ProcessGroup>,
     /// With a group: shard AdamW's state over the ranks (ZeRO-1).
     pub zero: bool,
+    /// With a group: the gradient buckets' most MiB (`None`: DataParallel's
+    /// default, PyTorch DDP's 25).
+    pub bucket_mb: Option<f64>,
 }
 
 impl Default for GptBenchConfig {
@@ -170,6 +173,7 @@ impl Default for GptBenchConfig {
             memory_budget_mb: None,
             group: None,
             zero: false,
+            bucket_mb: None,
         }
     }
 }
@@ -230,6 +234,15 @@ impl GptBenchConfig {
                  compiled, not {}",
                 self.mode
             ));
+        }
+        match self.bucket_mb {
+            Some(_) if self.group.is_none() => problems.push(
+                "--bucket-mb sizes the gradients' all-reduces: needs --gpus 2 or more".into(),
+            ),
+            Some(mb) if !(mb.is_finite() && mb > 0.0) => problems.push(format!(
+                "--bucket-mb must be a positive number of MiB, got {mb}"
+            )),
+            _ => {}
         }
         if self.zero && self.group.is_none() {
             problems.push(
@@ -377,6 +390,8 @@ pub struct GptBenchReport {
     pub gpus: usize,
     /// The optimizer's state sharded over them (ZeRO-1).
     pub zero: bool,
+    /// The gradient buckets' most MiB, when set (`--bucket-mb`).
+    pub bucket_mb: Option<f64>,
     /// Compiled with `--cuda-graphs`: steps replayed from the recorded CUDA
     /// graph, and recordings that failed (the step then ran kernel by
     /// kernel; `TESSERA_LOGS=cudagraphs` says why).
@@ -559,7 +574,11 @@ impl<'a> Stepper<'a> {
                     step = step.loss_scaler(GradScalerConfig::default());
                 }
                 if let Some(group) = &config.group {
-                    step = step.data_parallel(DataParallel::new(group.clone()).zero(config.zero));
+                    let mut dp = DataParallel::new(group.clone()).zero(config.zero);
+                    if let Some(mb) = config.bucket_mb {
+                        dp = dp.bucket_bytes(mib_to_bytes(mb));
+                    }
+                    step = step.data_parallel(dp);
                 }
                 Stepper::Compiled {
                     step: Box::new(step),
@@ -771,6 +790,7 @@ fn run_here(
         memory_budget_mb: config.memory_budget_mb,
         gpus,
         zero: config.zero,
+        bucket_mb: config.bucket_mb,
         cuda_graph_replays: replays.map(|r| r.replays),
         cuda_graph_fallbacks: replays.map(|r| r.fallbacks),
         compiles: compile.map(|(_, _, n)| n),
