@@ -873,6 +873,31 @@ mod tests {
         assert!(e.contains("not with --mode eager"), "{e}");
         assert!(e.contains("dtype must be f32, bf16 or f16, got i64"), "{e}");
         let c = GptBenchConfig {
+            bucket_mb: Some(50.0),
+            ..tiny(Mode::Compiled)
+        };
+        let e = c.validate().unwrap_err().to_string();
+        assert!(
+            e.contains("--bucket-mb sizes the gradients' all-reduces"),
+            "{e}"
+        );
+        let group = tessera::dist::ProcessGroup::threads(2).unwrap().remove(0);
+        for (mb, ok) in [(0.5, true), (0.0, false), (f64::NAN, false)] {
+            let c = GptBenchConfig {
+                bucket_mb: Some(mb),
+                group: Some(group.clone()),
+                ..tiny(Mode::Compiled)
+            };
+            let e = c.validate().err().map(|e| e.to_string());
+            assert_eq!(e.is_none(), ok, "{mb}: {e:?}");
+            if let Some(e) = e {
+                assert!(
+                    e.contains("--bucket-mb must be a positive number of MiB"),
+                    "{e}"
+                );
+            }
+        }
+        let c = GptBenchConfig {
             cuda_graphs: true,
             retrace: false,
             ..tiny(Mode::CompiledModel)
