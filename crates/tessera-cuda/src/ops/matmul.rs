@@ -84,9 +84,14 @@ impl CudaBackend {
             batch_n = 1;
         }
         if dtype.is_int() {
-            // Integer products have no epilogue (fusion forms those on
-            // floats only) and run a generated kernel, not cuBLASLt.
-            debug_assert!(bias.is_none() && epilogue == Epilogue::None);
+            // Integer products run a generated kernel, not cuBLASLt; it
+            // has no epilogue (fusion forms those on floats only).
+            if bias.is_some() || epilogue != Epilogue::None {
+                return Err(device_err(
+                    name,
+                    format!("an integer ({dtype}) product takes no bias or activation epilogue"),
+                ));
+            }
             let matrices = |x: &Mat| Matrices {
                 ptr: x.ptr,
                 strides: [x.batch_stride, x.row_stride, x.col_stride],

@@ -447,26 +447,12 @@ mod tests {
             .filter(|&u| u != UnaryOp::BitNot)
             .map(|u| (Op::Unary(u), vec![a.clone()]))
             .collect();
-        for op in [
-            BinaryOp::Add,
-            BinaryOp::Sub,
-            BinaryOp::Mul,
-            BinaryOp::Div,
-            BinaryOp::Pow,
-            BinaryOp::Maximum,
-            BinaryOp::Minimum,
-        ] {
+        for op in BinaryOp::ALL.into_iter().filter(|b| !b.is_bitwise()) {
             cases.push((Op::Binary(op), vec![a.clone(), b.clone()]));
             // A broadcast operand.
             cases.push((Op::Binary(op), vec![a.clone(), n.clone()]));
         }
-        for op in [
-            ReduceOp::Sum,
-            ReduceOp::Mean,
-            ReduceOp::Max,
-            ReduceOp::Min,
-            ReduceOp::Prod,
-        ] {
+        for op in ReduceOp::ALL {
             let reduce = Op::Reduce {
                 op,
                 dims: vec![1],
