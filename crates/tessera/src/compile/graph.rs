@@ -8,10 +8,17 @@
 //! The graph's ops depend only on its inputs' types, so a call whose inputs
 //! pass the guards of a cached executable runs it without re-tracing
 //! ([`super::Compiled::retrace`] off).
+//!
+//! A graph whose inputs declare symbolic dims (`f32[s0,16]`, as tessera-py
+//! writes a PyTorch graph with dynamic sizes) starts with those dims
+//! dynamic under automatic dynamic shapes (`dynamic = None`): its first
+//! compile is already symbolic, and one executable serves every size of
+//! them, instead of a concrete compile followed by a recompile.
 
 use std::sync::{Arc, Mutex};
 
 use super::cache::{CacheState, CompileStats};
+use super::dynamic::DynamicDims;
 use super::raised::{catching, raise};
 use super::{CompileOptions, Compiled};
 use crate::error::{Error, ErrorKind, Result};
@@ -48,9 +55,27 @@ pub fn compile_graph(graph: Graph, options: CompileOptions) -> Result<CompiledGr
             retrace: false,
             ..options
         },
-        state: Mutex::new(CacheState::default()),
+        state: Mutex::new(CacheState {
+            dynamic_dims: declared_dynamic_dims(&graph),
+            ..CacheState::default()
+        }),
     };
     Ok(CompiledGraph { graph, compiled })
+}
+
+/// The (input, dim) pairs whose declared dim is symbolic.
+fn declared_dynamic_dims(graph: &Graph) -> DynamicDims {
+    graph
+        .inputs
+        .iter()
+        .enumerate()
+        .flat_map(|(i, &id)| {
+            let dims = graph.node(id).ty.shape.dims();
+            (0..dims.len())
+                .filter(move |&d| !dims[d].is_const())
+                .map(move |d| (i, d))
+        })
+        .collect()
 }
 
 impl CompiledGraph {
@@ -132,6 +157,47 @@ mod tests {
             .find(|(name, _)| name.ends_with(".tir"))
             .expect("a graph artifact");
         assert!(forward.1.contains("\"order\":\"strict\""), "{}", forward.1);
+    }
+
+    /// The MLP over a batch of `s0` rows, flattened to `[4*s0]` (a size
+    /// computed from the symbol) and back.
+    const SYMBOLIC: &str = "graph mlp(%x, %w) {
+  %x = input : f32[s0,3]
+  %w = input : f32[3,4]
+  %y = matmul(%x, %w) : f32[s0,4]
+  %f = reshape(%y) {shape=[4*s0]} : f32[4*s0]
+  %r = relu(%f) : f32[4*s0]
+  %o = reshape(%r) {shape=[s0,4]} : f32[s0,4]
+  return %o as r
+}
+";
+
+    #[test]
+    fn declared_symbolic_dims_compile_once_for_every_size() {
+        let g = compile_graph(parse(SYMBOLIC).unwrap(), CompileOptions::default()).unwrap();
+        let w = Tensor::from_vec((0..12).map(|i| i as f32 - 6.0).collect::<Vec<_>>(), &[3, 4]);
+        for rows in [5usize, 2, 9] {
+            let x = Tensor::from_vec(
+                (0..rows * 3).map(|i| (i as f32 * 0.7).sin()).collect::<Vec<_>>(),
+                &[rows, 3],
+            );
+            let out = g.try_call(&[x.clone(), w.clone()]).unwrap();
+            let want = run_graph(g.graph(), &[x, w.clone()]).unwrap();
+            assert_eq!(out[0].shape(), &[rows, 4]);
+            assert_eq!(
+                out[0].to_vec::<f32>().unwrap(),
+                want[0].1.to_vec::<f32>().unwrap()
+            );
+        }
+        let stats = g.stats();
+        assert_eq!((stats.compiles, stats.recompiles), (1, 0), "{stats:?}");
+        // Without declared symbols every size compiles anew (the first
+        // recompile then makes the dim dynamic: automatic mode).
+        assert!(declared_dynamic_dims(&parse(MLP).unwrap()).is_empty());
+        assert_eq!(
+            declared_dynamic_dims(&parse(SYMBOLIC).unwrap()),
+            DynamicDims::from([(0, 0)])
+        );
     }
 
     #[test]
