@@ -441,7 +441,9 @@ def test_dynamic_batch_and_sequence_lengths_of_a_gpt_block(sdpa, fallbacks):
     compiles = tessera_compiles()
     assert compiles and max(compiles.values()) <= 2, compiles
     assert len(symbolic_texts()) == len(compiles), "every partition is one symbolic graph"
-    assert fallbacks() == []
+    # pos[:n]'s gradient writes a slice of symbolic length into a constant
+    # shape, which tessera's ops cannot say: that one op runs in PyTorch.
+    assert [line for line in fallbacks() if "slice_scatter" not in line] == [], fallbacks()
 
 
 def test_a_creation_op_of_a_symbolic_size_runs_in_pytorch(fallbacks):
@@ -456,9 +458,24 @@ def test_a_creation_op_of_a_symbolic_size_runs_in_pytorch(fallbacks):
     assert max(tessera_compiles().values()) <= 1
 
 
-def test_an_op_needing_a_constant_size_compiles_its_partition_per_size(caplog):
+def test_an_op_needing_a_constant_size_runs_in_pytorch(fallbacks):
     def f(x):
         return torch.var(torch.sin(x), dim=0)
+
+    compiled = torch.compile(f, backend="tessera", dynamic=True)
+    for batch in (3, 6):
+        x = torch.randn(batch, 4)
+        got, want = values_and_grads(compiled, [x]), values_and_grads(f, [x])
+        assert_close_all(got[0], want[0])
+        assert_close_all(got[1], want[1])
+    assert any("var_mean" in line and "symbolic size" in line for line in fallbacks()), fallbacks()
+    assert tessera_graphs(), "the rest runs on tessera"
+
+
+def test_a_partition_whose_symbols_no_input_binds_compiles_per_size(caplog):
+    def f(x):
+        flat = torch.cumsum(x.reshape(-1), dim=0)  # cumsum runs in PyTorch
+        return torch.tanh(flat).reshape(x.shape[0], -1)
 
     compiled = torch.compile(f, backend="tessera", dynamic=True)
     with caplog.at_level("WARNING", logger="tessera"):
@@ -468,5 +485,5 @@ def test_an_op_needing_a_constant_size_compiles_its_partition_per_size(caplog):
             assert_close_all(got[0], want[0])
             assert_close_all(got[1], want[1])
     lines = [r.getMessage() for r in caplog.records if "compiled per size" in r.getMessage()]
-    assert any("var_mean" in line and "symbolic size" in line for line in lines), caplog.text
-    assert tessera_graphs(), "the partition still runs on tessera"
+    assert any("not a dim of any tensor input" in line for line in lines), caplog.text
+    assert tessera_graphs(), "the partition still runs on tessera, per size"

@@ -837,6 +837,9 @@ def _slice_scatter(e, node):
     base, src = e.val(node.args[0]), e.val(node.args[1])
     r = len(base.shape)
     dim = normalise_dim(arg(node, 2, "dim", 0), r)
+    if arg(node, 5, "step", 1) in (None, 1) and src.shape == base.shape:
+        # The whole dim (of a size that may be symbolic) is written.
+        return e.op("contiguous", [e.cast(src, e.out_type()[0])], final=True)
     size = concrete(base.shape[dim], f"the dim slice_scatter writes along ({dim})")
     start, end, step = (size_arg(arg(node, i, k, d)) for i, k, d in ((3, "start", None), (4, "end", None), (5, "step", 1)))
     start, end = (None if v is None else concrete(v, "a slice_scatter bound") for v in (start, end))

@@ -55,6 +55,10 @@ KEEP = [
     aten.gelu.default,
     aten.gelu_backward.default,
     aten.nll_loss_backward.default,
+    # Decomposed, a causal mask compares two aranges: of a symbolic length
+    # they would run in PyTorch (tessera's arange has a constant length).
+    aten.tril.default,
+    aten.triu.default,
 ]
 
 #: The decompositions applied while AOTAutograd traces: PyTorch's core
@@ -80,15 +84,13 @@ def _note_fallback(name, why):
 TT = _convert.TT
 
 
-def _type_of(v, hint=False):
-    """The TT of a node's value; its SymInt sizes as tessera symbolic dims
-    (see :mod:`tessera._dims`), or as the sizes of the example that Dynamo
-    traced with (`hint`)."""
+def _type_of(v):
+    """The TT of a node's value, its SymInt sizes as tessera symbolic dims
+    (see :mod:`tessera._dims`)."""
     if isinstance(v, torch.Tensor):
-        shape = [d.node.hint if hint and isinstance(d, torch.SymInt) else _dims.dim_of(d) for d in v.shape]
-        return TT(v.dtype, shape)
+        return TT(v.dtype, [_dims.dim_of(d) for d in v.shape])
     if isinstance(v, (list, tuple)):
-        return [_type_of(x, hint) for x in v]
+        return [_type_of(x) for x in v]
     return v
 
 
@@ -100,8 +102,8 @@ def _is_symbolic(v):
     return isinstance(v, torch.SymInt)
 
 
-def _types(gm, hint=False):
-    return {n: _type_of(n.meta.get("val"), hint) for n in gm.graph.nodes}
+def _types(gm):
+    return {n: _type_of(n.meta.get("val")) for n in gm.graph.nodes}
 
 
 def _device_ok(v):
@@ -127,29 +129,6 @@ class _DryEmitter(_convert.Emitter):
         return super().val(arg)
 
 
-def _dry_convert(dry, concrete, node):
-    """Converts `node` in the dry emitters; None when it converts, else why
-    not. A node that converts only with concrete dims (a
-    `_dims.NotSymbolic`) converts when it has tensor inputs: its partition
-    is then compiled per size (logged there); a creation op (no tensor
-    inputs) runs in PyTorch instead, which keeps its partition symbolic."""
-    try:
-        dry.values[node] = _convert.convert_node(dry, node)
-        return None
-    except _dims.NotSymbolic as e:
-        if not any(isinstance(concrete.types.get(a), TT) for a in node.all_input_nodes):
-            return str(e)
-        try:
-            _convert.convert_node(concrete, node)
-        except _convert.Unsupported:
-            return str(e)
-        # Later nodes see its symbolic type.
-        dry.values[node] = _value_of(node.name, dry.types.get(node))
-        return None
-    except _convert.Unsupported as e:
-        return str(e)
-
-
 def _value_of(name, t):
     if isinstance(t, list):
         return [_value_of(f"{name}_{i}", x) for i, x in enumerate(t)]
@@ -161,7 +140,6 @@ def _value_of(name, t):
 def _supported_nodes(gm):
     """For each call_function node: None when tessera converts it, else why not."""
     dry = _DryEmitter("dry", _types(gm))
-    concrete = _DryEmitter("dry", _types(gm, hint=True))
     verdict = {}
     for node in gm.graph.nodes:
         if node.op != "call_function":
@@ -181,7 +159,14 @@ def _supported_nodes(gm):
         ):
             verdict[node] = "a device tessera-py does not run"
             continue
-        verdict[node] = _dry_convert(dry, concrete, node)
+        # A node that needs a symbolic size constant (`_dims.NotSymbolic`)
+        # runs in PyTorch as an unsupported one does: the rest stays one
+        # tessera graph for every size.
+        try:
+            dry.values[node] = _convert.convert_node(dry, node)
+            verdict[node] = None
+        except _convert.Unsupported as e:
+            verdict[node] = str(e)
     return verdict
 
 
@@ -252,10 +237,11 @@ class TesseraPartition(torch.nn.Module):
     """One converted partition, run through DLPack. A partition whose FX
     types have symbolic sizes (`dynamic=True`, or dims Dynamo made dynamic)
     becomes one tessera graph with symbolic dims, compiled once for every
-    size; when it cannot (an op that needs a size constant, a size outside
-    tessera's dim algebra, a symbol no input binds) that is logged with the
-    op and why, and it is compiled per set of input shapes, as a partition
-    of static shapes is (tessera's own cache serves repeated calls)."""
+    size (its ops that need a size constant were left to PyTorch by the
+    partitioner); when tessera refuses that graph, or a symbol is a dim of
+    no tensor input (nothing would bind it), that is logged with why, and
+    it is compiled per set of input shapes, as a partition of static shapes
+    is (tessera's own cache serves repeated calls)."""
 
     def __init__(self, gm, name, config, backward=False):
         super().__init__()
@@ -307,7 +293,12 @@ class TesseraPartition(torch.nn.Module):
         try:
             _check_bound(self.gm, types)
             text, positions, _ = _convert.to_tir(self.gm, self.name, types, self.backward)
-            return self._build(text), positions
+            graph = self._build(text)
+            if graph.symbolic_refusal():
+                # tessera serves it per size: its calls trace and compile
+                # anew where a trace does not generalise.
+                log.warning("tessera: %s is compiled per size: %s", self.name, graph.symbolic_refusal())
+            return graph, positions
         except (_convert.Unsupported, TesseraError) as e:
             log.warning("tessera: %s is compiled per size, its dims cannot stay symbolic: %s", self.name, e)
             return None

@@ -10,15 +10,21 @@
 //! ([`super::Compiled::retrace`] off).
 //!
 //! A graph whose inputs declare symbolic dims (`f32[s0,16]`, as tessera-py
-//! writes a PyTorch graph with dynamic sizes) starts with those dims
-//! dynamic under automatic dynamic shapes (`dynamic = None`): its first
-//! compile is already symbolic, and one executable serves every size of
-//! them, instead of a concrete compile followed by a recompile.
+//! writes a PyTorch graph with dynamic sizes) is compiled once over those
+//! symbols ([`dynamic::trace_symbolic`]: traced at probe sizes, where
+//! value matching is unambiguous), and that executable serves every call
+//! whose sizes bind the symbols, without a trace. When it cannot be built
+//! (logged under `recompiles`), the calls take the traced path with those
+//! dims dynamic from the start (automatic dynamic shapes).
 
 use std::sync::{Arc, Mutex};
 
 use super::cache::{CacheState, CompileStats};
-use super::dynamic::DynamicDims;
+use super::dynamic::{self, DynamicDims};
+use super::Executable;
+use crate::logging::log;
+use crate::runtime::device::Device;
+use crate::schedule::Donations;
 use super::raised::{catching, raise};
 use super::{CompileOptions, Compiled};
 use crate::error::{Error, ErrorKind, Result};
@@ -34,6 +40,11 @@ pub type GraphFn = Box<dyn Fn(&[Tensor]) -> Vec<Tensor> + Send + Sync>;
 pub struct CompiledGraph {
     graph: Arc<Graph>,
     compiled: Compiled<GraphFn>,
+    /// The executable over the graph's declared symbols, when it has some
+    /// and it built.
+    symbolic: Option<Arc<Executable>>,
+    /// Why a graph with declared symbols has no symbolic executable.
+    refusal: Option<String>,
 }
 
 /// Compiles `graph` (verified first: an invalid graph is an error naming
@@ -60,7 +71,55 @@ pub fn compile_graph(graph: Graph, options: CompileOptions) -> Result<CompiledGr
             ..CacheState::default()
         }),
     };
-    Ok(CompiledGraph { graph, compiled })
+    let (symbolic, refusal) = match options.dynamic {
+        Some(false) => (None, None),
+        _ => match build_symbolic(&compiled, &graph) {
+            Ok(exe) => (exe, None),
+            Err(why) => (None, Some(why)),
+        },
+    };
+    Ok(CompiledGraph {
+        graph,
+        compiled,
+        symbolic,
+        refusal,
+    })
+}
+
+/// The executable of a graph with declared symbolic input dims, counted as
+/// a compile; `None` for a graph without them; why (logged) for one that
+/// does not build symbolically.
+fn build_symbolic(
+    compiled: &Compiled<GraphFn>,
+    graph: &Graph,
+) -> std::result::Result<Option<Arc<Executable>>, String> {
+    if declared_dynamic_dims(graph).is_empty() {
+        return Ok(None);
+    }
+    let started = std::time::Instant::now();
+    let built = dynamic::trace_symbolic(graph).and_then(|traced| {
+        Executable::build(
+            &traced,
+            Vec::new(),
+            &compiled.options,
+            Device::Cpu,
+            &Donations::default(),
+        )
+    });
+    match built {
+        Ok(exe) => {
+            let mut state = compiled.state.lock().expect("compile cache");
+            state.stats.compiles += 1;
+            state.stats.compile_seconds += started.elapsed().as_secs_f64();
+            Ok(Some(Arc::new(exe)))
+        }
+        Err(e) => {
+            log("recompiles", || {
+                format!("{}: compiled per size ({e})", graph.name)
+            });
+            Err(e.to_string())
+        }
+    }
 }
 
 /// The (input, dim) pairs whose declared dim is symbolic.
@@ -101,6 +160,16 @@ impl CompiledGraph {
         }
         let given: Vec<Option<&Tensor>> = inputs.iter().map(Some).collect();
         bind_symbols(&self.graph, &given)?;
+        let on_host = inputs.iter().all(|t| t.device() == Device::Cpu);
+        if let (Some(exe), true) = (&self.symbolic, on_host) {
+            self.compiled
+                .state
+                .lock()
+                .expect("compile cache")
+                .stats
+                .cache_hits += 1;
+            return exe.run(inputs, &[]);
+        }
         catching(|| self.compiled.try_call(inputs))
     }
 
@@ -111,7 +180,17 @@ impl CompiledGraph {
     /// Every stage's artifact of the executable built last (see
     /// [`Compiled::last_artifacts`]).
     pub fn last_artifacts(&self) -> Vec<(String, String)> {
-        self.compiled.last_artifacts()
+        match &self.symbolic {
+            Some(exe) => exe.artifacts(),
+            None => self.compiled.last_artifacts(),
+        }
+    }
+
+    /// Why a graph whose inputs declare symbolic dims is not compiled once
+    /// over them (its calls then trace, and compile per size where the
+    /// trace does not generalise); `None` when it is, or has none.
+    pub fn symbolic_refusal(&self) -> Option<&str> {
+        self.refusal.as_deref()
     }
 
     /// Why each recompile happened.
