@@ -21,14 +21,14 @@ use std::sync::{Arc, Mutex};
 
 use super::cache::{CacheState, CompileStats};
 use super::dynamic::{self, DynamicDims};
-use super::Executable;
-use crate::logging::log;
-use crate::runtime::device::Device;
-use crate::schedule::Donations;
 use super::raised::{catching, raise};
+use super::Executable;
 use super::{CompileOptions, Compiled};
 use crate::error::{Error, ErrorKind, Result};
 use crate::ir::Graph;
+use crate::logging::log;
+use crate::runtime::device::Device;
+use crate::schedule::Donations;
 use crate::tensor::interpret::{bind_symbols, run_graph};
 use crate::tensor::Tensor;
 
@@ -257,7 +257,9 @@ mod tests {
         let w = Tensor::from_vec((0..12).map(|i| i as f32 - 6.0).collect::<Vec<_>>(), &[3, 4]);
         for rows in [5usize, 2, 9] {
             let x = Tensor::from_vec(
-                (0..rows * 3).map(|i| (i as f32 * 0.7).sin()).collect::<Vec<_>>(),
+                (0..rows * 3)
+                    .map(|i| (i as f32 * 0.7).sin())
+                    .collect::<Vec<_>>(),
                 &[rows, 3],
             );
             let out = g.try_call(&[x.clone(), w.clone()]).unwrap();

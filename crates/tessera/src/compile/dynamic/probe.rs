@@ -80,7 +80,10 @@ fn trace_at_probe(graph: &Graph, symbols: &[Arc<str>], primes: &[usize]) -> Resu
         })
     })?;
     if !traced.breaks.is_empty() || !traced.lifted.is_empty() || !traced.state.is_empty() {
-        return Err(refused(graph, "its trace reads values or lifts tensors".into()));
+        return Err(refused(
+            graph,
+            "its trace reads values or lifts tensors".into(),
+        ));
     }
     let general = back_to_symbols(&traced.graph, &binding)?;
     Ok(Traced {
@@ -223,9 +226,6 @@ fn back_to_symbols(graph: &Graph, binding: &Binding) -> Result<Graph> {
 fn refused(graph: &Graph, why: String) -> Error {
     Error::new(
         ErrorKind::Unsupported,
-        format!(
-            "the symbolic graph of `{}` is not built: {why}",
-            graph.name
-        ),
+        format!("the symbolic graph of `{}` is not built: {why}", graph.name),
     )
 }
