@@ -11,7 +11,7 @@
 //!
 //! A graph whose inputs declare symbolic dims (`f32[s0,16]`, as tessera-py
 //! writes a PyTorch graph with dynamic sizes) is compiled once over those
-//! symbols ([`dynamic::trace_symbolic`]: traced at probe sizes, where
+//! symbols (`dynamic::trace_symbolic`: traced at probe sizes, where
 //! value matching is unambiguous), and that executable serves every call
 //! whose sizes bind the symbols, without a trace. When it cannot be built
 //! (logged under `recompiles`), the calls take the traced path with those
