@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
-# Data parallel over NCCL on a machine with 2 GPUs (issue 23), every output
-# into OUTDIR:
+# Data parallel over NCCL on a machine with 2 (or 4) GPUs (issue 23), every
+# output into OUTDIR:
 #   1. the NCCL tests (crates/tessera-cuda/tests/nccl_gpu.rs: collectives,
 #      2-GPU training == 1-GPU with the global batch, with and without ZeRO-1);
-#   2. tessera bench gpt --device cuda --dtype bf16 --gpus 1, then --gpus 2,
-#      then --gpus 2 --zero (GPT-2 small, the bench's defaults, batch 8 per GPU);
-#   3. PyTorch DDP (scripts/anchors/gpt_ddp_torch.py, torchrun) on 1 and 2 GPUs.
+#   2. tessera bench gpt --device cuda --dtype bf16 --gpus 1, then for N in
+#      GPU_COUNTS (default: 2, and 4 on a machine with 4 or more) --gpus N and
+#      --gpus N --zero (GPT-2 small, the bench's defaults, batch 8 per GPU);
+#   3. PyTorch DDP (scripts/anchors/gpt_ddp_torch.py, torchrun) on 1 and N GPUs;
+#   4. tessera train --device cuda (the reversal task, TRAIN_STEPS steps) on
+#      1 GPU, then --gpus 2 and --gpus 2 --zero: the losses' worst relative
+#      gap to the 1-GPU run (the global batch split over the GPUs).
 #
 # usage: scripts/gpu-dp-check.sh OUTDIR
 # Binaries: TESSERA_BIN_DIR (default .gpu/pack, or .gpu/pack.tar.xz unpacked
@@ -67,10 +71,34 @@ ddp() {
   timeout "${T_TORCH:-60}" torchrun --standalone --nproc_per_node "$1" scripts/anchors/gpt_ddp_torch.py \
     12 768 12 8 1024 50304 "$steps" bf16 2>> "$out/torch.err" | tee -a "$out/summary.txt" || status=1
 }
+train() {
+  step "tessera train --device cuda --steps $train_steps $*"
+  timeout "${T_TRAIN:-90}" "$bin/tessera" train --device cuda --steps "$train_steps" \
+    --eval-every "$train_steps" "$@" 2>> "$out/train.err" | grep -E "^(final|wall time|data parallel)" | tee -a "$out/summary.txt" || status=1
+}
+# The worst relative loss gap of OUTDIR/train-$1 to OUTDIR/train-1.
+gap() {
+  python3 - "$out/train-1/summary.json" "$out/train-$1/summary.json" <<'PY' | tee -a "$out/summary.txt"
+import json, sys
+a, b = (json.load(open(p))["losses"] for p in sys.argv[1:])
+print(f"train {sys.argv[2].split('/')[-2]} vs 1 GPU: worst relative loss gap "
+      f"{max(abs(x - y) / abs(x) for x, y in zip(a, b)):.2e} over {len(a)} steps")
+PY
+}
+gpus=$(nvidia-smi -L | wc -l)
+counts=${GPU_COUNTS:-$( [ "$gpus" -ge 4 ] && echo "2 4" || echo 2 )}
+train_steps=${TRAIN_STEPS:-200}
 bench --gpus 1
-bench --gpus 2
 ddp 1
-ddp 2
-bench --gpus 2 --zero
-tail -5 "$out/bench.err" "$out/torch.err" > "$out/errors_tail.txt" 2>&1
+for n in $counts; do
+  bench --gpus "$n"
+  ddp "$n"
+  bench --gpus "$n" --zero
+done
+train --out-dir "$out/train-1"
+train --gpus 2 --out-dir "$out/train-2"
+train --gpus 2 --zero --out-dir "$out/train-2zero"
+gap 2
+gap 2zero
+tail -5 "$out/bench.err" "$out/torch.err" "$out/train.err" > "$out/errors_tail.txt" 2>&1
 exit $status

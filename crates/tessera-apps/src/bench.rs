@@ -147,6 +147,9 @@ pub struct GptBenchConfig {
     pub group: Option<ProcessGroup>,
     /// With a group: shard AdamW's state over the ranks (ZeRO-1).
     pub zero: bool,
+    /// With a group: the gradient buckets' most MiB (`None`: DataParallel's
+    /// default, PyTorch DDP's 25).
+    pub bucket_mb: Option<f64>,
 }
 
 impl Default for GptBenchConfig {
@@ -170,6 +173,7 @@ impl Default for GptBenchConfig {
             memory_budget_mb: None,
             group: None,
             zero: false,
+            bucket_mb: None,
         }
     }
 }
@@ -230,6 +234,15 @@ impl GptBenchConfig {
                  compiled, not {}",
                 self.mode
             ));
+        }
+        match self.bucket_mb {
+            Some(_) if self.group.is_none() => problems.push(
+                "--bucket-mb sizes the gradients' all-reduces: needs --gpus 2 or more".into(),
+            ),
+            Some(mb) if !(mb.is_finite() && mb > 0.0) => problems.push(format!(
+                "--bucket-mb must be a positive number of MiB, got {mb}"
+            )),
+            _ => {}
         }
         if self.zero && self.group.is_none() {
             problems.push(
@@ -377,6 +390,8 @@ pub struct GptBenchReport {
     pub gpus: usize,
     /// The optimizer's state sharded over them (ZeRO-1).
     pub zero: bool,
+    /// The gradient buckets' most MiB, when set (`--bucket-mb`).
+    pub bucket_mb: Option<f64>,
     /// Compiled with `--cuda-graphs`: steps replayed from the recorded CUDA
     /// graph, and recordings that failed (the step then ran kernel by
     /// kernel; `TESSERA_LOGS=cudagraphs` says why).
@@ -559,7 +574,11 @@ impl<'a> Stepper<'a> {
                     step = step.loss_scaler(GradScalerConfig::default());
                 }
                 if let Some(group) = &config.group {
-                    step = step.data_parallel(DataParallel::new(group.clone()).zero(config.zero));
+                    let mut dp = DataParallel::new(group.clone()).zero(config.zero);
+                    if let Some(mb) = config.bucket_mb {
+                        dp = dp.bucket_bytes(mib_to_bytes(mb));
+                    }
+                    step = step.data_parallel(dp);
                 }
                 Stepper::Compiled {
                     step: Box::new(step),
@@ -771,6 +790,7 @@ fn run_here(
         memory_budget_mb: config.memory_budget_mb,
         gpus,
         zero: config.zero,
+        bucket_mb: config.bucket_mb,
         cuda_graph_replays: replays.map(|r| r.replays),
         cuda_graph_fallbacks: replays.map(|r| r.fallbacks),
         compiles: compile.map(|(_, _, n)| n),
@@ -852,6 +872,31 @@ mod tests {
         let e = c.validate().unwrap_err().to_string();
         assert!(e.contains("not with --mode eager"), "{e}");
         assert!(e.contains("dtype must be f32, bf16 or f16, got i64"), "{e}");
+        let c = GptBenchConfig {
+            bucket_mb: Some(50.0),
+            ..tiny(Mode::Compiled)
+        };
+        let e = c.validate().unwrap_err().to_string();
+        assert!(
+            e.contains("--bucket-mb sizes the gradients' all-reduces"),
+            "{e}"
+        );
+        let group = tessera::dist::ProcessGroup::threads(2).unwrap().remove(0);
+        for (mb, ok) in [(0.5, true), (0.0, false), (f64::NAN, false)] {
+            let c = GptBenchConfig {
+                bucket_mb: Some(mb),
+                group: Some(group.clone()),
+                ..tiny(Mode::Compiled)
+            };
+            let e = c.validate().err().map(|e| e.to_string());
+            assert_eq!(e.is_none(), ok, "{mb}: {e:?}");
+            if let Some(e) = e {
+                assert!(
+                    e.contains("--bucket-mb must be a positive number of MiB"),
+                    "{e}"
+                );
+            }
+        }
         let c = GptBenchConfig {
             cuda_graphs: true,
             retrace: false,

@@ -3,14 +3,17 @@
 
 use std::collections::HashSet;
 
+use tessera::compile::DataParallel;
+use tessera::dist;
 use tessera::nn::{ParamStore, TransformerLM};
+use tessera::runtime::device::Device;
 use tessera::tensor::Generator;
 use tessera::{DType, ErrorKind, Result, Tensor};
 use tessera_apps::train::eval::{evaluate, greedy_decode, score};
 use tessera_apps::train::task::{answer, Sampler};
 use tessera_apps::train::{
-    evaluate_model, train, Execution, ReversalTask, TrainConfig, TrainReport, IGNORE_INDEX, SEP,
-    VOCAB,
+    evaluate_model, train, train_rank, Execution, ReversalTask, TrainConfig, TrainReport,
+    IGNORE_INDEX, SEP, VOCAB,
 };
 
 const I: i64 = IGNORE_INDEX;
@@ -167,6 +170,91 @@ fn compiled_and_eager_runs_from_the_same_seed_agree() {
         no_dropout.losses[0],
         eager.losses[0]
     );
+}
+
+/// Data parallel on 2 CPU ranks (threads over the in-memory
+/// communicator), each on half of every global batch, against 1 rank on
+/// the whole: the losses (the global batch's mean on every rank) follow
+/// the single run step by step, plain and with AdamW's state sharded
+/// (ZeRO-1, which must equal plain data parallel as closely); rank 0
+/// alone evaluates and writes.
+#[test]
+fn two_ranks_on_half_batches_train_as_one_on_the_whole() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = TrainConfig {
+        steps: 12,
+        warmup: 2,
+        eval_every: 12,
+        ..tiny_config(dir.path())
+    };
+    let alone = train(&config, |_| {}).unwrap();
+    let ranks = |zero: bool| {
+        let config = TrainConfig {
+            checkpoint: Some(dir.path().join(format!("dp{zero}/model.safetensors"))),
+            plot: None,
+            ..config.clone()
+        };
+        dist::spawn(2, 1, |g| {
+            // Small buckets: several all-reduces, each after the one before.
+            let dp = DataParallel::new(g).zero(zero).bucket_bytes(16 << 10);
+            train_rank(&config, Device::Cpu, Some(dp), |_| {}).unwrap()
+        })
+        .unwrap()
+    };
+    let (plain, sharded) = (ranks(false), ranks(true));
+    for (r, (p, z)) in plain.iter().zip(&sharded).enumerate() {
+        let (to_one, zero_to_plain) = (
+            worst_gap(&p.losses, &alone.losses),
+            worst_gap(&z.losses, &p.losses),
+        );
+        eprintln!(
+            "rank {r}: 2 ranks vs 1, worst relative loss gap {to_one:.2e}; ZeRO-1 vs plain {zero_to_plain:.2e}"
+        );
+        // Stated tolerance: 1e-4 relative at every step (f32: the mean of
+        // two half-batch means against one whole-batch mean, then AdamW).
+        assert!(to_one <= 1e-4, "{:?}\n{:?}", p.losses, alone.losses);
+        assert!(zero_to_plain <= 1e-4, "{:?}\n{:?}", z.losses, p.losses);
+        assert_eq!((p.ranks, p.zero, z.zero), (2, false, true));
+        assert_eq!(p.evals.len(), usize::from(r == 0), "rank {r} evaluates");
+    }
+    // Training happened: the loss moved (the tolerance tells steps apart).
+    assert!(worst_gap(&alone.losses[1..], &alone.losses[..11]) > 1e-3);
+    assert!(dir.path().join("dpfalse/model.safetensors").exists());
+    let accuracy = |r: &TrainReport| r.final_accuracy;
+    assert!((accuracy(&plain[0]) - accuracy(&alone)).abs() <= 0.02);
+}
+
+/// A global batch that does not split over the ranks, and eager steps,
+/// are clear errors on every rank.
+#[test]
+fn data_parallel_refuses_an_uneven_batch_and_eager_steps() {
+    let dir = tempfile::tempdir().unwrap();
+    let bad = [
+        (
+            TrainConfig {
+                batch: 33,
+                ..tiny_config(dir.path())
+            },
+            "does not split evenly",
+        ),
+        (
+            TrainConfig {
+                execution: Execution::Eager,
+                ..tiny_config(dir.path())
+            },
+            "compiled steps",
+        ),
+    ];
+    for (config, want) in bad {
+        let errors = dist::spawn(2, 1, |g| {
+            train_rank(&config, Device::Cpu, Some(DataParallel::new(g)), |_| {}).unwrap_err()
+        })
+        .unwrap();
+        for e in errors {
+            assert_eq!(e.kind, ErrorKind::Argument);
+            assert!(e.message.contains(want), "{e}");
+        }
+    }
 }
 
 /// bf16 and f16 autocast (the loss compiled) train, near the f32 run.

@@ -139,6 +139,11 @@ pub struct GptArgs {
     /// With --gpus: shard AdamW's state over the GPUs (ZeRO-1).
     #[arg(long)]
     zero: bool,
+    /// With --gpus: the gradient buckets' most MiB (each bucket one
+    /// all-reduce; a parameter larger than it is a bucket of its own)
+    /// [default: 25, PyTorch DDP's].
+    #[arg(long)]
+    bucket_mb: Option<f64>,
 }
 
 impl GptArgs {
@@ -162,6 +167,7 @@ impl GptArgs {
             memory_budget_mb: self.memory_budget_mb,
             group: None,
             zero: self.zero,
+            bucket_mb: self.bucket_mb,
         }
     }
 }

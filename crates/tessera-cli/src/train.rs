@@ -2,6 +2,12 @@
 //! (`--task reverse`, the default) or a small CNN on scikit-learn's 8×8
 //! handwritten digits (`--task digits`), and writes a checkpoint, the loss
 //! curve and a JSON summary.
+//!
+//! Data parallel: `--gpus N` (one process per GPU, the launcher of
+//! `bench gpt`, NCCL) or `--ranks N` (N threads of this process over the
+//! in-memory communicator, on the CPU: the same code path, testable
+//! without GPUs); `--batch` is then the global batch, each rank trains on
+//! its share, rank 0 alone prints and writes the artifacts.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -9,9 +15,16 @@ use std::time::Duration;
 use anyhow::{anyhow, Result};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
+use tessera::compile::DataParallel;
+use tessera::dist::{self, ProcessGroup};
+use tessera::runtime::device::Device;
 use tessera::DType;
 use tessera_apps::train::digits::{train_digits, DigitsConfig, DigitsProgress, DigitsReport};
-use tessera_apps::train::{train_on, Decay, Execution, Progress, TrainConfig, TrainReport};
+use tessera_apps::train::{
+    check_data_parallel, train_rank, Decay, Execution, Progress, TrainConfig, TrainReport,
+};
+
+use crate::launch::Role;
 
 /// The defaults of every flag: one place, the library's.
 fn defaults() -> TrainConfig {
@@ -105,6 +118,21 @@ pub struct TrainArgs {
     /// cpu or cuda: where the model, the optimizer state and every step run.
     #[arg(long, default_value = "cpu")]
     device: String,
+    /// Data parallel over this many GPUs (--device cuda): one process per
+    /// GPU, each training on --batch ÷ gpus strings of every batch (--batch
+    /// is the global batch), gradients all-reduced over NCCL while the
+    /// backward runs; rank 0 prints and writes the artifacts.
+    #[arg(long, default_value_t = 1)]
+    gpus: usize,
+    /// Data parallel over this many ranks on the CPU (--device cpu):
+    /// threads of this process, each with its share of the cores and of
+    /// every batch, over the in-memory communicator (what --gpus does with
+    /// processes and NCCL).
+    #[arg(long, default_value_t = 1)]
+    ranks: usize,
+    /// With --gpus or --ranks: shard AdamW's state over the ranks (ZeRO-1).
+    #[arg(long)]
+    zero: bool,
 }
 
 impl TrainArgs {
@@ -168,13 +196,88 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         return run_digits(args);
     }
     let config = args.config();
-    // Bad flags fail here, before any output or training.
+    // Bad flags fail here, before any output, process or training.
     config.validate()?;
-    let device = crate::device::open(&args.device)?;
-    let c = &config;
+    let (gpus, ranks) = (args.gpus, args.ranks);
+    if gpus == 0 || ranks == 0 {
+        return Err(anyhow!("--gpus and --ranks must be at least 1"));
+    }
+    if gpus > 1 && ranks > 1 {
+        return Err(anyhow!(
+            "--gpus {gpus} and --ranks {ranks}: one or the other (GPUs, or CPU threads)"
+        ));
+    }
+    if args.zero && gpus.max(ranks) == 1 {
+        return Err(anyhow!(
+            "--zero shards the optimizer over ranks: needs --gpus or --ranks 2 or more"
+        ));
+    }
+    check_data_parallel(&config, gpus.max(ranks))?;
+    match (gpus, ranks) {
+        (1, r) if r > 1 => run_threads(args, &config, r),
+        (g, _) => match crate::launch::role(g, &args.device)? {
+            Role::Launched => Ok(()),
+            Role::Alone => run_reverse(args, &config, crate::device::open(&args.device)?, None),
+            Role::Rank(group) => run_reverse(args, &config, Device::Cuda, Some(dp(args, group))),
+        },
+    }
+}
+
+fn dp(args: &TrainArgs, group: ProcessGroup) -> DataParallel {
+    DataParallel::new(group).zero(args.zero)
+}
+
+/// `--ranks N`: N threads of this process, each a rank with an equal share
+/// of the cores (as the launcher gives each GPU's process).
+fn run_threads(args: &TrainArgs, config: &TrainConfig, ranks: usize) -> Result<()> {
+    if args.device != "cpu" {
+        return Err(anyhow!(
+            "--ranks {ranks} trains on CPU threads: needs --device cpu (for GPUs, --gpus)"
+        ));
+    }
+    let cores = std::env::var("RAYON_NUM_THREADS")
+        .ok()
+        .and_then(|n| n.parse::<usize>().ok())
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    let per_rank = (cores / ranks).max(1);
+    let results = dist::spawn(ranks, per_rank, |group| {
+        run_reverse(args, config, Device::Cpu, Some(dp(args, group)))
+    })
+    .map_err(|e| anyhow!("--ranks {ranks}: {}", e.message))?;
+    results.into_iter().collect()
+}
+
+/// Trains the reversal task, alone or as one rank of `dp`; only rank 0
+/// prints and writes.
+fn run_reverse(
+    args: &TrainArgs,
+    config: &TrainConfig,
+    device: Device,
+    dp: Option<DataParallel>,
+) -> Result<()> {
+    let lead = dp.as_ref().is_none_or(|dp| dp.group.rank() == 0);
+    let parallel = dp.as_ref().map(|dp| {
+        let world = dp.group.world();
+        let unit = if args.gpus > 1 { "GPUs" } else { "CPU ranks" };
+        let zero = if dp.zero {
+            ", AdamW state sharded (ZeRO-1)"
+        } else {
+            ""
+        };
+        format!(
+            "; data parallel over {world} {unit}, {} strings each{zero}",
+            config.batch / world
+        )
+    });
+    let c = config;
+    if !lead {
+        return train_rank(config, device, dp, |_| {})
+            .map(drop)
+            .map_err(Into::into);
+    }
     println!(
         "reversing {}-digit strings: TransformerLM d_model {}, {} heads, {} layers, d_ff {}; \
-         {} steps of batch {}, lr {} ({} decay, warmup {}), seed {}, {} {}, on {device}",
+         {} steps of batch {}, lr {} ({} decay, warmup {}), seed {}, {} {}, on {device}{}",
         c.digits,
         c.d_model,
         c.n_heads,
@@ -187,11 +290,12 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         c.warmup,
         c.seed,
         c.execution,
-        c.dtype
+        c.dtype,
+        parallel.unwrap_or_default()
     );
     let bar = progress_bar(c.steps as u64);
     let mut last_accuracy = None;
-    let report = train_on(&config, device, |p| {
+    let report = train_rank(config, device, dp, |p| {
         if let Some(e) = p.eval {
             last_accuracy = Some(e.accuracy.exact_match);
             bar.suspend(|| println!("{}", eval_line(p)));
@@ -208,6 +312,11 @@ pub fn run(args: &TrainArgs) -> Result<()> {
 
 /// `tessera train --task digits`.
 fn run_digits(args: &TrainArgs) -> Result<()> {
+    if args.gpus != 1 || args.ranks != 1 || args.zero {
+        return Err(anyhow!(
+            "--task digits trains on one CPU: --gpus, --ranks and --zero are for --task reverse"
+        ));
+    }
     if args.dtype != DType::F32 || args.device != "cpu" {
         return Err(anyhow!(
             "--task digits trains in f32 on the cpu (got --dtype {}, --device {})",
@@ -360,6 +469,14 @@ fn print_summary(report: &TrainReport, out_dir: &Path) {
         report.config.execution,
         report.config.dtype
     );
+    if report.ranks > 1 {
+        println!(
+            "data parallel: {} ranks of {} strings each{} (tokens/s counts every rank's)",
+            report.ranks,
+            report.config.batch / report.ranks,
+            if report.zero { ", ZeRO-1" } else { "" }
+        );
+    }
     if let Some(c) = &report.compile {
         println!(
             "compile: {} compile{} ({} recompile{}) in {:.1} ms, tracing {:.1} ms over {} steps{}",

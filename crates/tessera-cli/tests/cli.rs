@@ -354,6 +354,90 @@ fn train_eager_in_bf16_says_so_and_reports_no_compile() {
     assert_eq!(summary["losses"].as_array().unwrap().len(), 10);
 }
 
+/// The losses a run wrote to `dir/run/summary.json`, and the summary.
+fn run_losses(dir: &Path) -> (Vec<f64>, serde_json::Value) {
+    let text = std::fs::read_to_string(dir.join("run/summary.json")).unwrap();
+    let summary: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let losses = summary["losses"].as_array().unwrap();
+    let losses = losses.iter().map(|l| l.as_f64().unwrap()).collect();
+    (losses, summary)
+}
+
+/// `--ranks 2` (and `--zero`): data parallel on two CPU threads, each on
+/// half of every batch, trains as the single run on the whole batch;
+/// one rank prints.
+#[test]
+fn train_on_two_cpu_ranks_gives_the_single_runs_losses() {
+    let one = tempfile::tempdir().unwrap();
+    let out = tessera(TINY_RUN, one.path());
+    assert!(out.status.success(), "stderr: {}", stderr(&out));
+    let (alone, _) = run_losses(one.path());
+    for zero in [false, true] {
+        let dir = tempfile::tempdir().unwrap();
+        let mut args = TINY_RUN.to_vec();
+        args.extend(["--ranks", "2"]);
+        if zero {
+            args.push("--zero");
+        }
+        let out = tessera(&args, dir.path());
+        assert!(out.status.success(), "stderr: {}", stderr(&out));
+        let text = stdout(&out);
+        assert_eq!(
+            text.matches("final held-out exact match").count(),
+            1,
+            "{text}"
+        );
+        assert!(
+            text.contains("data parallel over 2 CPU ranks, 16 strings each"),
+            "{text}"
+        );
+        let (losses, summary) = run_losses(dir.path());
+        assert_eq!(
+            (summary["ranks"].as_u64(), summary["zero"].as_bool()),
+            (Some(2), Some(zero))
+        );
+        assert_eq!(losses.len(), alone.len());
+        for (i, (a, b)) in losses.iter().zip(&alone).enumerate() {
+            // Stated tolerance: 1e-4 relative (f32; measured 2e-7).
+            assert!((a - b).abs() <= 1e-4 * b.abs(), "step {i}: {a} vs {b}");
+        }
+    }
+}
+
+#[test]
+fn train_refuses_data_parallel_flags_that_cannot_run() {
+    let cases: &[(&[&str], &str)] = &[
+        (
+            &["--ranks", "2", "--batch", "33"],
+            "does not split evenly over 2 ranks",
+        ),
+        (&["--ranks", "2", "--eager"], "compiled steps"),
+        (&["--zero"], "--zero shards the optimizer over ranks"),
+        (
+            &["--ranks", "2", "--device", "cuda"],
+            "--ranks 2 trains on CPU threads",
+        ),
+        (
+            &["--gpus", "2"],
+            "--gpus 2 runs one process per GPU: needs --device cuda",
+        ),
+        (&["--gpus", "2", "--ranks", "2"], "one or the other"),
+        (&["--ranks", "0"], "must be at least 1"),
+        (
+            &["--task", "digits", "--ranks", "2"],
+            "--task digits trains on one CPU",
+        ),
+    ];
+    for (flags, want) in cases {
+        let dir = tempfile::tempdir().unwrap();
+        let mut args = vec!["train", "--out-dir", "run"];
+        args.extend_from_slice(flags);
+        let err = assert_one_line_error(&tessera(&args, dir.path()));
+        assert!(err.contains(want), "{flags:?}: {err}");
+        assert!(!dir.path().join("run").exists(), "{flags:?}");
+    }
+}
+
 #[test]
 fn train_rejects_a_dtype_it_cannot_train_in() {
     let dir = tempfile::tempdir().unwrap();

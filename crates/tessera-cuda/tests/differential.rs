@@ -476,6 +476,71 @@ fn matmul_batched_transposed_broadcast_and_vectors() {
     }
 }
 
+/// Integer products (a generated kernel: cuBLASLt has none for these
+/// forms) wrap as on the CPU; floats cast to integers saturate as on the
+/// CPU (NaN to 0, beyond the range to its bound).
+#[test]
+fn integer_matmul_and_saturating_casts_match_the_cpu() {
+    if !gpu() {
+        return;
+    }
+    let ints = [
+        DType::I8,
+        DType::U8,
+        DType::I16,
+        DType::U16,
+        DType::I32,
+        DType::U32,
+        DType::I64,
+        DType::U64,
+    ];
+    // Integers in [-60, 60]: i8 and u8 products and sums wrap.
+    // (Cast truncates toward zero; unsigned types saturate negatives to 0.)
+    let small = |shape: &[usize], seed: u64| randn(shape, DType::F64, seed) * 30.0;
+    for d in ints {
+        let (a, b, w) = (
+            small(&[3, 7, 5], 1).cast(d),
+            small(&[3, 5, 4], 2).cast(d),
+            small(&[5, 4], 3).cast(d),
+        );
+        both(&format!("{d} matmul"), &[a, b, w], false, |x| {
+            let (a, b, w) = (&x[0], &x[1], &x[2]);
+            vec![
+                a.matmul(b),
+                a.matmul(w),                                      // shared right operand
+                b.transpose(-2, -1).matmul(&a.transpose(-2, -1)), // both transposed
+                a.narrow(2, 1, 3).matmul(&b.narrow(1, 0, 3)),     // column slices
+            ]
+        });
+    }
+    let edges = vec![
+        f64::NAN,
+        f64::INFINITY,
+        f64::NEG_INFINITY,
+        -1e30,
+        1e30,
+        -129.7,
+        128.9,
+        255.5,
+        256.0,
+        -0.9,
+        0.9,
+        65_535.9,
+        -40_000.0,
+        3e9,
+        -3e9,
+        1e19,
+        2e19,
+    ];
+    let n = edges.len();
+    for float in [DType::F32, DType::F64, DType::F16, DType::BF16] {
+        let x = Tensor::from_vec(edges.clone(), &[n]).cast(float);
+        both(&format!("{float} to integers"), &[x], false, |x| {
+            ints.iter().map(|&d| x[0].cast(d)).collect()
+        });
+    }
+}
+
 #[test]
 fn matmul_epilogue_matches_the_composed_ops() {
     if !gpu() {

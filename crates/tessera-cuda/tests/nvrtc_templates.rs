@@ -13,6 +13,7 @@ use tessera_cuda::codegen::copy::dense_copy;
 use tessera_cuda::codegen::cross_entropy::{self, Rows};
 use tessera_cuda::codegen::fused_rows::fused_rows;
 use tessera_cuda::codegen::index::{indexed, triangle, IndexCheck, Indexed, Strided};
+use tessera_cuda::codegen::int_matmul::{int_matmul, Matrices};
 use tessera_cuda::codegen::pointwise::{
     checked_steps, pointwise, pointwise_block, pointwise_checked, ArithCheck, Operand, Output,
 };
@@ -190,6 +191,20 @@ fn integer_and_conversions() -> Vec<Launch> {
             .map(|(i, &d)| out(i, d, &shape))
             .collect();
         v.push(pointwise(&steps, &ins, &outs, &shape, compute, 132).unwrap());
+    }
+    // Integer products, one per integer dtype.
+    let (a, b) = (
+        Matrices {
+            ptr: 0,
+            strides: [12, 4, 1],
+        },
+        Matrices {
+            ptr: 0,
+            strides: [0, 1, 4],
+        },
+    );
+    for d in DType::ALL.into_iter().filter(|d| d.is_int()) {
+        v.push(int_matmul(d, 2, (3, 4, 5), a, b, 0, 132));
     }
     v
 }

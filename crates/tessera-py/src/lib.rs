@@ -192,6 +192,12 @@ impl PyCompiledGraph {
         Ok(d)
     }
 
+    /// Why a graph with symbolic dims is not compiled once over them
+    /// (None when it is, or has none).
+    fn symbolic_refusal(&self) -> Option<String> {
+        self.0.symbolic_refusal().map(str::to_string)
+    }
+
     fn recompile_reasons(&self) -> Vec<String> {
         self.0.recompile_reasons()
     }

@@ -396,16 +396,94 @@ def test_options_map_to_compile_options():
         torch.compile(f, backend="tessera", options={"schedule": "fast"})(torch.randn(4, 8))
 
 
-def test_dynamic_batch_sizes_without_recompiles():
+def tessera_compiles():
+    """Executables tessera built, per partition."""
+    return {p.name: p.compiles() for p in tessera.torch.compiled_partitions()}
+
+
+def symbolic_texts():
+    return [g.graph_text() for p in tessera.torch.compiled_partitions() if p.shared for g in p.compiled_graphs()]
+
+
+def test_dynamic_batch_sizes_without_recompiles(fallbacks):
     from torch._dynamo.utils import counters
 
     m = MLP()
     compiled = torch.compile(m, backend="tessera", dynamic=True)
     counters.clear()
-    for batch in (3, 5, 9):
+    for batch in (3, 5, 9, 17, 30):
         x = torch.randn(batch, 12)
         want = values_and_grads(m, [x], list(m.parameters()))
         got = values_and_grads(compiled, [x], list(m.parameters()))
         assert_close_all(got[0], want[0])
         assert_close_all(got[1], want[1])
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    compiles = tessera_compiles()
+    assert {k[:3] for k in compiles} == {"for", "bac"}, compiles
+    assert max(compiles.values()) <= 2, compiles
+    # The forward and the backward are graphs over the batch symbol.
+    texts = symbolic_texts()
+    assert len(texts) == len(compiles) and all(re.search(r"f32\[s\d+,12\]", t) for t in texts), texts
+    assert fallbacks() == []
+
+
+@pytest.mark.parametrize("sdpa", [False, True])
+def test_dynamic_batch_and_sequence_lengths_of_a_gpt_block(sdpa, fallbacks):
+    m = Block(sdpa=sdpa)
+    compiled = torch.compile(lambda i, t: m(i, t), backend="tessera", dynamic=True)
+    params = list(m.parameters())
+    for batch, n in ((4, 3), (6, 5), (9, 7), (10, 3), (12, 5)):
+        ids, targets = torch.randint(0, 11, (batch, n)), torch.randint(0, 11, (batch, n))
+        want = values_and_grads(lambda: m(ids, targets), [], params)
+        got = values_and_grads(lambda: compiled(ids, targets), [], params)
+        assert_close_all(got[0], want[0])
+        assert_close_all(got[1], want[1])
+    compiles = tessera_compiles()
+    assert compiles and max(compiles.values()) <= 2, compiles
+    assert len(symbolic_texts()) == len(compiles), "every partition is one symbolic graph"
+    # pos[:n]'s gradient writes a slice of symbolic length into a constant
+    # shape, which tessera's ops cannot say: that one op runs in PyTorch.
+    assert [line for line in fallbacks() if "slice_scatter" not in line] == [], fallbacks()
+
+
+def test_a_creation_op_of_a_symbolic_size_runs_in_pytorch(fallbacks):
+    def f(x):
+        return torch.tanh(x) * torch.arange(x.shape[0], dtype=x.dtype)[:, None]
+
+    compiled = torch.compile(f, backend="tessera", dynamic=True)
+    for batch in (3, 6, 7):
+        x = torch.randn(batch, 4)
+        assert_close_all(values_and_grads(compiled, [x])[0], values_and_grads(f, [x])[0])
+    assert any("arange" in line and "symbolic" in line for line in fallbacks()), fallbacks()
+    assert max(tessera_compiles().values()) <= 1
+
+
+def test_an_op_needing_a_constant_size_runs_in_pytorch(fallbacks):
+    def f(x):
+        return F.layer_norm(torch.sin(x), x.shape[-1:])
+
+    compiled = torch.compile(f, backend="tessera", dynamic=True)
+    for batch in (3, 6):
+        x = torch.randn(batch, 4)
+        got, want = values_and_grads(compiled, [x]), values_and_grads(f, [x])
+        assert_close_all(got[0], want[0])
+        assert_close_all(got[1], want[1])
+    assert any("var_mean" in line and "symbolic size" in line for line in fallbacks()), fallbacks()
+    assert tessera_graphs(), "the rest runs on tessera"
+
+
+def test_a_partition_whose_symbols_no_input_binds_compiles_per_size(caplog):
+    def f(x):
+        flat = torch.cumsum(x.reshape(-1), dim=0)  # cumsum runs in PyTorch
+        return torch.tanh(flat).reshape(x.shape[0], -1)
+
+    compiled = torch.compile(f, backend="tessera", dynamic=True)
+    with caplog.at_level("WARNING", logger="tessera"):
+        for batch in (3, 6):
+            x = torch.randn(batch, 4)
+            got, want = values_and_grads(compiled, [x]), values_and_grads(f, [x])
+            assert_close_all(got[0], want[0])
+            assert_close_all(got[1], want[1])
+    lines = [r.getMessage() for r in caplog.records if "compiled per size" in r.getMessage()]
+    assert any("not a dim of any tensor input" in line for line in lines), caplog.text
+    assert tessera_graphs(), "the partition still runs on tessera, per size"

@@ -240,13 +240,14 @@ fn data_parallel_matches_one_rank(zero: bool) {
     let sizes: Vec<usize> = params.iter().map(Vec::len).collect();
     for (r, (l, p, state, graph)) in ranks.iter().enumerate() {
         // The loss and 2 buckets (600 B: b's bias, weight and a's bias,
-        // then a's weight) on stream 1; with ZeRO-1 one broadcast per rank.
+        // then a's weight) on stream 1; with ZeRO-1 one broadcast per rank,
+        // on stream 1 too.
         assert_eq!(
             calls(graph, "tessera::all_reduce"),
             (3, 3),
             "rank {r}:\n{graph}"
         );
-        let broadcasts = if zero { (2, 0) } else { (0, 0) };
+        let broadcasts = if zero { (2, 2) } else { (0, 0) };
         assert_eq!(calls(graph, "tessera::broadcast"), broadcasts, "rank {r}");
         close(l, &losses, &format!("rank {r} losses"));
         for (j, (a, b)) in p.iter().zip(&params).enumerate() {

@@ -15,6 +15,13 @@
 //! by op ([`Execution::Eager`]), in the config's precision (f32, or
 //! bf16/f16 autocast; eagerly through `tessera::optim::MixedPrecision`).
 //!
+//! [`train_rank`] runs as one rank of data-parallel training (compiled
+//! steps only: `TrainStep::data_parallel`): every rank draws the same
+//! global batch of `config.batch` strings and trains on its share of it
+//! (rank r the r-th `batch / world` rows); the gradients and the loss are
+//! averaged over the ranks, so the run computes what one rank computes
+//! on the global batch. Rank 0 alone evaluates and writes the artifacts.
+//!
 //! ```no_run
 //! use tessera_apps::train::{train, TrainConfig};
 //!
@@ -49,7 +56,8 @@ pub use task::{ReversalTask, IGNORE_INDEX, SEP, VOCAB};
 
 use step::Stepper;
 use task::{Batch, Digits, Sampler};
-use tessera::error::{Error, Result};
+use tessera::compile::DataParallel;
+use tessera::error::{Error, ErrorKind, Result};
 use tessera::nn::{ParamStore, TransformerLM};
 use tessera::runtime::device::{self, Device};
 use tessera::tensor::Generator;
@@ -107,6 +115,18 @@ pub struct TrainReport {
     /// The f16 loss scale after the last step (f16 runs).
     #[serde(default)]
     pub loss_scale: Option<f64>,
+    /// The ranks of a data-parallel run (1: not one); the throughput
+    /// figures count every rank's tokens.
+    #[serde(default = "one")]
+    pub ranks: usize,
+    /// Data parallel with the optimizer state sharded over the ranks
+    /// (ZeRO-1).
+    #[serde(default)]
+    pub zero: bool,
+}
+
+fn one() -> usize {
+    1
 }
 
 /// Trains a model as `config` says, calling `progress` after every step.
@@ -126,15 +146,78 @@ pub fn train_on(
     device: Device,
     progress: impl FnMut(&Progress),
 ) -> Result<TrainReport> {
-    device::with_device(device, || train_here(config, device, progress))
+    train_rank(config, device, None, progress)
+}
+
+/// [`train_on`] as one rank of data-parallel training over `dp`'s group
+/// (see the module docs), or alone without `dp`. Every rank must call it
+/// with the same `config`; `config.batch` is the global batch, which must
+/// split evenly over the ranks. Each rank's report has the run's losses
+/// (the global batch's), rank 0's alone its evaluations.
+pub fn train_rank(
+    config: &TrainConfig,
+    device: Device,
+    dp: Option<DataParallel>,
+    progress: impl FnMut(&Progress),
+) -> Result<TrainReport> {
+    device::with_device(device, || train_here(config, device, dp, progress))
+}
+
+/// Whether `config` can train data-parallel over `world` ranks: compiled
+/// steps, a global batch that splits evenly.
+pub fn check_data_parallel(config: &TrainConfig, world: usize) -> Result<()> {
+    let problem = if world == 0 {
+        Some("data parallel over 0 ranks".to_string())
+    } else if world > 1 && config.execution != Execution::Compiled {
+        Some("data-parallel training runs compiled steps, not eager ones".to_string())
+    } else if !config.batch.is_multiple_of(world) {
+        Some(format!(
+            "batch {} (the global batch) does not split evenly over {world} ranks",
+            config.batch
+        ))
+    } else {
+        None
+    };
+    match problem {
+        Some(p) => Err(Error::op(ErrorKind::Argument, "train", p)),
+        None => Ok(()),
+    }
+}
+
+/// Which rows of the global batch a rank trains on.
+#[derive(Clone, Copy, Debug)]
+struct Shard {
+    rank: usize,
+    world: usize,
+}
+
+impl Shard {
+    /// `dp`'s shard of `config`'s batch, checked ([`check_data_parallel`]).
+    fn of(config: &TrainConfig, dp: Option<&DataParallel>) -> Result<Shard> {
+        let Some(dp) = dp else {
+            return Ok(Shard { rank: 0, world: 1 });
+        };
+        let (rank, world) = (dp.group.rank(), dp.group.world());
+        check_data_parallel(config, world)?;
+        Ok(Shard { rank, world })
+    }
+
+    /// This rank's rows of the global batch `samples`.
+    fn rows<'s>(&self, samples: &'s [Digits]) -> &'s [Digits] {
+        let share = samples.len() / self.world;
+        &samples[self.rank * share..(self.rank + 1) * share]
+    }
 }
 
 fn train_here(
     config: &TrainConfig,
     device: Device,
+    dp: Option<DataParallel>,
     mut progress: impl FnMut(&Progress),
 ) -> Result<TrainReport> {
     config.validate()?;
+    let shard = Shard::of(config, dp.as_ref())?;
+    let zero = dp.as_ref().is_some_and(|dp| dp.zero);
     let start = Instant::now();
     let task = config.task();
     let eval_set = task.eval_set(config.eval_size);
@@ -142,7 +225,7 @@ fn train_here(
     let mut store = ParamStore::new();
     let model = TransformerLM::new(&mut store, "", config.model_config(), &mut g);
     let mut sampler = Sampler::new(task, g.next_seed(), &eval_set);
-    let mut stepper = Stepper::new(config, &model, &store)?;
+    let mut stepper = Stepper::new(config, &model, &store, dp)?;
     let schedule = config.schedule();
     let mut losses = Vec::with_capacity(config.steps);
     let mut step_times = Vec::with_capacity(config.steps);
@@ -152,7 +235,8 @@ fn train_here(
     for step in 0..config.steps {
         let lr = schedule.at(step);
         let t0 = Instant::now();
-        let batch = sampler.next_batch(config.batch);
+        let samples = sampler.next_samples(config.batch);
+        let batch = task.batch(shard.rows(&samples));
         let batch = Batch {
             inputs: batch.inputs.to(device)?,
             targets: batch.targets.to(device)?,
@@ -165,7 +249,8 @@ fn train_here(
         skipped_steps += usize::from(!outcome.stepped);
 
         let done = step + 1;
-        let eval = if done % config.eval_every == 0 || done == config.steps {
+        let due = done % config.eval_every == 0 || done == config.steps;
+        let eval = if due && shard.rank == 0 {
             let accuracy = evaluate_model(&model, &task, &eval_set)?;
             let point = EvalPoint {
                 step: done,
@@ -185,7 +270,9 @@ fn train_here(
             eval,
         });
     }
-    write_artifacts(config, &store, &losses, &evals)?;
+    if shard.rank == 0 {
+        write_artifacts(config, &store, &losses, &evals)?;
+    }
     let final_accuracy = evals.last().map_or(0.0, |e| e.accuracy.exact_match);
     Ok(TrainReport {
         config: config.clone(),
@@ -199,6 +286,8 @@ fn train_here(
         compile: stepper.compile_report(),
         skipped_steps,
         loss_scale: stepper.loss_scale(),
+        ranks: shard.world,
+        zero,
         losses,
         evals,
         final_accuracy,

@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 
 use super::config::{Execution, TrainConfig};
 use super::task::{Batch, IGNORE_INDEX, VOCAB};
-use tessera::compile::{train_step, CompileStats, TrainStep};
+use tessera::compile::{train_step, CompileStats, DataParallel, TrainStep};
 use tessera::error::{Error, Result};
 use tessera::nn::{try_cross_entropy, ParamStore, TransformerLM};
 use tessera::optim::{
@@ -108,11 +108,13 @@ pub(super) enum Stepper<'a> {
 
 impl<'a> Stepper<'a> {
     /// The steps `config` asks for (its execution, dtype, optimizer and
-    /// clipping) on `model`, whose parameters are `store`'s.
+    /// clipping) on `model`, whose parameters are `store`'s; data parallel
+    /// with `dp` (compiled steps only: the caller checks).
     pub(super) fn new(
         config: &TrainConfig,
         model: &'a TransformerLM,
         store: &'a ParamStore,
+        dp: Option<DataParallel>,
     ) -> Result<Stepper<'a>> {
         let optimizer = AdamW::new(
             store.parameters(),
@@ -153,6 +155,9 @@ impl<'a> Stepper<'a> {
                 if dtype == DType::F16 {
                     // As the eager `MixedPrecision`: PyTorch's defaults.
                     step = step.loss_scaler(GradScalerConfig::default());
+                }
+                if let Some(dp) = dp {
+                    step = step.data_parallel(dp);
                 }
                 Stepper::Compiled {
                     step: Box::new(step),

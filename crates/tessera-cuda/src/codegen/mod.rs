@@ -14,6 +14,7 @@ pub mod copy;
 pub mod cross_entropy;
 pub mod fused_rows;
 pub mod index;
+pub mod int_matmul;
 pub mod pointwise;
 pub mod rows;
 pub mod softmax;
@@ -115,7 +116,25 @@ pub fn convert(dtype: DType, compute: Compute, value: &str) -> String {
         (DType::BF16, Compute::F64) => format!("__double2bfloat16({value})"),
         (DType::BF16, _) => format!("__float2bfloat16_rn((float)({value}))"),
         (DType::Bool, _) => format!("(unsigned char)(({value}) != 0)"),
+        (d, c) if c.is_float() && d.is_int() => {
+            let (lo, hi) = d.int_range().expect("an integer dtype");
+            let (t, f) = (c_type(d), c.c_type());
+            let (lo, hi) = (c_literal(lo), c_literal(hi));
+            format!(
+                "tessera_saturate<{t}, {f}>({value}, ({f}){lo}, ({f}){hi}, ({t}){lo}, ({t}){hi})"
+            )
+        }
         (d, _) => format!("({})({value})", c_type(d)),
+    }
+}
+
+/// An integer bound as a C literal of a type that holds it (`i64::MIN`
+/// has no literal of its own: it is written as a difference).
+fn c_literal(v: i128) -> String {
+    match v {
+        v if v == i64::MIN as i128 => "(-9223372036854775807LL - 1)".to_string(),
+        v if v > i64::MAX as i128 => format!("{v}ULL"),
+        v => format!("{v}LL"),
     }
 }
 
@@ -136,8 +155,16 @@ pub fn prelude(dtypes: &[DType]) -> String {
     }
     s.push_str("#define TS_INF __int_as_float(0x7f800000)\n");
     s.push_str(PACK);
+    s.push_str(SATURATE);
     s
 }
+
+/// A float converted to an integer type as the CPU (Rust's `as`) and
+/// PyTorch's CPU do: toward zero, NaN to 0, out of range to the nearest
+/// bound. A plain C cast is undefined out of range, and for types narrower
+/// than 32 bits the GPU wraps the 32-bit result instead of clamping.
+const SATURATE: &str = "template <typename T, typename F> __device__ __forceinline__ T tessera_saturate(F v, F lo, F hi, T tlo, T thi) \
+{ return v != v ? (T)0 : v <= lo ? tlo : v >= hi ? thi : (T)v; }\n";
 
 /// `V` elements of `T` moved as one 16-byte (or 8-byte) access: the
 /// vectorised kernels load and store through it, indexing `v` only with

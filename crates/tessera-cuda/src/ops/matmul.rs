@@ -9,6 +9,7 @@ use tessera::runtime::cpu::arena;
 use tessera::tensor::Layout;
 
 use super::{base, device_err, first, ViewExt};
+use crate::codegen::int_matmul::{int_matmul, Matrices};
 use crate::matmul::{Epilogue, Mat};
 use crate::CudaBackend;
 
@@ -81,6 +82,32 @@ impl CudaBackend {
             ma.rows = batch * m;
             m_n = batch * m;
             batch_n = 1;
+        }
+        if dtype.is_int() {
+            // Integer products run a generated kernel, not cuBLASLt; it
+            // has no epilogue (fusion forms those on floats only).
+            if bias.is_some() || epilogue != Epilogue::None {
+                return Err(device_err(
+                    name,
+                    format!("an integer ({dtype}) product takes no bias or activation epilogue"),
+                ));
+            }
+            let matrices = |x: &Mat| Matrices {
+                ptr: x.ptr,
+                strides: [x.batch_stride, x.row_stride, x.col_stride],
+            };
+            let launch = int_matmul(
+                dtype,
+                batch_n,
+                (m_n, k, n),
+                matrices(&ma),
+                matrices(&mb),
+                base(&result),
+                self.gpu.sms,
+            );
+            self.launch(name, &launch)?;
+            drop(keep);
+            return Ok(result);
         }
         let bias_ptr = bias.map(first);
         self.blas

@@ -22,6 +22,8 @@ import re
 
 import torch
 
+from ._dims import NotSymbolic, Unsupported, any_symbolic, broadcast, concrete, dim_of, dim_str, is_symbolic
+
 aten = torch.ops.aten
 prims = torch.ops.prims
 
@@ -37,12 +39,8 @@ DTYPES = {
 
 
 class TT(collections.namedtuple("TT", ["dtype", "shape"])):
-    """A tensor's type (dtype, concrete shape): what converters read of a
-    node's value."""
-
-
-class Unsupported(Exception):
-    """A node this converter cannot express in tessera (the message says why)."""
+    """A tensor's type (dtype, shape of ints and symbolic dims, see
+    :mod:`tessera._dims`): what converters read of a node's value."""
 
 
 def tir_dtype(dtype):
@@ -53,7 +51,7 @@ def tir_dtype(dtype):
 
 
 def type_str(dtype, shape):
-    return f"{tir_dtype(dtype)}[{','.join(str(int(d)) for d in shape)}]"
+    return f"{tir_dtype(dtype)}[{','.join(dim_str(d) for d in shape)}]"
 
 
 def fmt_scalar(value, dtype):
@@ -116,7 +114,7 @@ def normalise_dim(dim, rank):
 
 
 def broadcast_shapes(*shapes):
-    return list(torch.broadcast_shapes(*[torch.Size(s) for s in shapes]))
+    return broadcast(*shapes)
 
 
 class Value:
@@ -127,7 +125,7 @@ class Value:
     def __init__(self, name, dtype, shape):
         self.name = name
         self.dtype = dtype
-        self.shape = [int(d) for d in shape]
+        self.shape = [dim_of(d) for d in shape]
 
 
 class Emitter:
@@ -219,7 +217,7 @@ class Emitter:
     def identity(self, v):
         """The node's value is `v` (a no-op such as detach)."""
         dtype, shape = self.out_type()
-        if v.dtype != dtype or v.shape != [int(d) for d in shape]:
+        if v.dtype != dtype or v.shape != [dim_of(d) for d in shape]:
             raise Unsupported(f"an identity from {type_str(v.dtype, v.shape)} to {type_str(dtype, shape)}")
         return v
 
@@ -258,7 +256,7 @@ def dims_list(dims, rank):
 
 
 def fmt_list(xs):
-    return "[" + ",".join(str(int(x)) for x in xs) + "]"
+    return "[" + ",".join(dim_str(x) for x in xs) + "]"
 
 
 UNARY = {
@@ -358,7 +356,7 @@ def _nll_loss_backward(e, node):
     dtype, shape = e.out_type()
     if len(shape) != 2:
         raise Unsupported(f"nll_loss_backward of a rank-{len(shape)} input")
-    n, c = shape
+    n, c = shape[0], concrete(shape[1], "nll_loss_backward's class count")
     t = e.op("reshape", [target], [("shape", fmt_list([n, 1]))], dtype=target.dtype, shape=[n, 1])
     classes = e.op(
         "arange", [], [("start", "0.0"), ("end", repr(float(c))), ("step", "1.0"), ("dtype", tir_dtype(target.dtype))],
@@ -779,15 +777,48 @@ def _identity(e, node):
     return e.identity(e.val(node.args[0]))
 
 
+def size_arg(a):
+    """A size argument (an int, a SymInt, or the FX node of a SymInt) as a
+    dim; None stays None."""
+    if isinstance(a, torch.fx.Node):
+        a = a.meta.get("val")
+        if not isinstance(a, (int, torch.SymInt)):
+            raise Unsupported(f"a size argument of type {type(a).__name__}")
+    return None if a is None else dim_of(a)
+
+
+def _symbolic_slice(e, x, dim, start, step):
+    """A slice where the dim, start or end is symbolic: PyTorch has clamped
+    the bounds already (its result's length says where it ends); tessera
+    takes a symbolic end from a start of 0 with step 1."""
+    _, shape = e.out_type()
+    length = shape[dim]
+    start = concrete(0 if start is None else start, f"the start of a slice along dim {dim}")
+    if start < 0:
+        raise NotSymbolic(f"a slice from {start} (from the end) of the symbolic dim {x.shape[dim]}")
+    if is_symbolic(length):
+        if (start, step) != (0, 1):
+            raise NotSymbolic(f"a slice of symbolic length {length} from {start} with step {step} "
+                              "(tessera's symbolic slices start at 0 with step 1)")  # fmt: skip
+        end = length
+    else:
+        end = start + (length - 1) * step + 1 if length > 0 else start
+    attrs = [("dim", dim), ("start", start), ("end", dim_str(end)), ("step", step)]
+    return e.op("slice", [x], attrs, final=True)
+
+
 @converts(aten.slice.Tensor)
 def _slice(e, node):
     x = e.val(node.args[0])
     r = len(x.shape)
     dim = normalise_dim(arg(node, 1, "dim", 0), r)
     size = x.shape[dim]
-    start, end, step = arg(node, 2, "start"), arg(node, 3, "end"), arg(node, 4, "step", 1)
-    if step is None or int(step) < 1:
+    start, end, step = (size_arg(arg(node, i, k, d)) for i, k, d in ((2, "start", None), (3, "end", None), (4, "step", 1)))
+    step = 1 if step is None else concrete(step, "a slice step")
+    if step < 1:
         raise Unsupported(f"slice step {step}")
+    if any(is_symbolic(v) for v in (size, start, end)):
+        return _symbolic_slice(e, x, dim, start, step)
     start = 0 if start is None else int(start)
     end = size if end is None else int(end)
     if start < 0:
@@ -796,7 +827,7 @@ def _slice(e, node):
         end += size
     start = min(max(start, 0), size)
     end = min(max(end, start), size)
-    attrs = [("dim", dim), ("start", start), ("end", end), ("step", int(step))]
+    attrs = [("dim", dim), ("start", start), ("end", end), ("step", step)]
     return e.op("slice", [x], attrs, final=True)
 
 
@@ -806,8 +837,12 @@ def _slice_scatter(e, node):
     base, src = e.val(node.args[0]), e.val(node.args[1])
     r = len(base.shape)
     dim = normalise_dim(arg(node, 2, "dim", 0), r)
-    size = base.shape[dim]
-    start, end, step = arg(node, 3, "start"), arg(node, 4, "end"), arg(node, 5, "step", 1)
+    if arg(node, 5, "step", 1) in (None, 1) and src.shape == base.shape:
+        # The whole dim (of a size that may be symbolic) is written.
+        return e.op("contiguous", [e.cast(src, e.out_type()[0])], final=True)
+    size = concrete(base.shape[dim], f"the dim slice_scatter writes along ({dim})")
+    start, end, step = (size_arg(arg(node, i, k, d)) for i, k, d in ((3, "start", None), (4, "end", None), (5, "step", 1)))
+    start, end = (None if v is None else concrete(v, "a slice_scatter bound") for v in (start, end))
     if step not in (None, 1):
         raise Unsupported(f"slice_scatter with step {step}")
     start = 0 if start is None else int(start)
@@ -832,9 +867,12 @@ def _slice_scatter(e, node):
 def _select(e, node):
     x = e.val(node.args[0])
     dim = normalise_dim(node.args[1], len(x.shape))
-    i = int(node.args[2])
+    i = concrete(size_arg(node.args[2]), "select's index")
     size = x.shape[dim]
-    if not -size <= i < size:
+    if is_symbolic(size):
+        if i < 0:
+            raise NotSymbolic(f"select of index {i} (from the end) of the symbolic dim {size}")
+    elif not -size <= i < size:
         raise Unsupported(f"select index {i} out of range for size {size}")
     i = i + size if i < 0 else i
     sh = list(x.shape)
@@ -905,6 +943,8 @@ def _arange(e, node):
     else:
         start, end = a[0], a[1]
         step = a[2] if len(a) > 2 else node.kwargs.get("step", 1)
+    start, end, step = (concrete(size_arg(v), f"arange's {k}") if isinstance(v, (torch.fx.Node, torch.SymInt)) else v
+                        for v, k in ((start, "start"), (end, "end"), (step, "step")))  # fmt: skip
     attrs = [
         ("start", repr(float(start))),
         ("end", repr(float(end))),
@@ -998,7 +1038,8 @@ def _embedding(e, node):
 @converts(aten.embedding_dense_backward.default)
 def _embedding_backward(e, node):
     grad, ids = e.val(node.args[0]), e.val(node.args[1])
-    num_weights, padding_idx = int(node.args[2]), int(node.args[3])
+    num_weights = concrete(size_arg(node.args[2]), "embedding_dense_backward's row count")
+    padding_idx = concrete(size_arg(node.args[3]), "embedding_dense_backward's padding index")
     if len(node.args) > 4 and node.args[4]:
         raise Unsupported("embedding backward with scale_grad_by_freq")
     dtype, shape = e.out_type()
@@ -1045,6 +1086,7 @@ def _var_mean(e, node):
     sq = e.op("mul", [diff, diff], dtype=dtype, shape=x.shape)
     ss = e.op("sum", [sq], [("dims", fmt_list(dims)), ("keepdim", "true" if keepdim else "false")],
               dtype=dtype, shape=list(var_t.shape))  # fmt: skip
+    n = concrete(n, f"the element count var_mean divides by (dims {dims})")
     denom = e.scalar(max(n - correction, 0), dtype)
     var = e.line(node.name + "_var", "div", [ss, denom], [], dtype, list(var_t.shape))
     if keepdim:
@@ -1064,12 +1106,12 @@ def _split(e, node):
     dim = normalise_dim(arg(node, 2 if node.target != aten.unbind.int else 1, "dim", default_dim), len(x.shape))
     values, start = [], 0
     for i, o in enumerate(outs):
-        n = x.shape[dim] // len(outs) if node.target == aten.unbind.int else o.shape[dim]
-        n = 1 if node.target == aten.unbind.int else n
+        n = 1 if node.target == aten.unbind.int else o.shape[dim]
         sh = list(x.shape)
         sh[dim] = n
+        start = concrete(start, f"the start of split part {i} along dim {dim}")
         part = e.line(f"{node.name}_{i}" if node.target != aten.unbind.int else f"{node.name}_s{i}", "slice", [x],
-                      [("dim", dim), ("start", start), ("end", start + n), ("step", 1)], x.dtype, sh)  # fmt: skip
+                      [("dim", dim), ("start", start), ("end", dim_str(start + n)), ("step", 1)], x.dtype, sh)  # fmt: skip
         if node.target == aten.unbind.int:
             part = e.line(f"{node.name}_{i}", "reshape", [part], [("shape", fmt_list(o.shape))], x.dtype, o.shape)
         values.append(part)
@@ -1093,6 +1135,10 @@ def convert_node(e, node):
     e.node = node
     try:
         return fn(e, node)
+    except NotSymbolic as err:
+        site = call_site(node)
+        where = f"{op_name(node)} ({node.name}{', ' + site if site else ''})"
+        raise NotSymbolic(f"{where}: {err}") from None
     finally:
         e.node = None
 

@@ -38,7 +38,7 @@ from torch._decomp import core_aten_decompositions, get_decompositions
 from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
 from torch.fx.passes.operator_support import OperatorSupport
 
-from . import _convert, _hints
+from . import _convert, _dims, _hints
 from ._tessera import CompiledGraph, TesseraError
 
 log = logging.getLogger("tessera")
@@ -55,6 +55,10 @@ KEEP = [
     aten.gelu.default,
     aten.gelu_backward.default,
     aten.nll_loss_backward.default,
+    # Decomposed, a causal mask compares two aranges: of a symbolic length
+    # they would run in PyTorch (tessera's arange has a constant length).
+    aten.tril.default,
+    aten.triu.default,
 ]
 
 #: The decompositions applied while AOTAutograd traces: PyTorch's core
@@ -81,9 +85,10 @@ TT = _convert.TT
 
 
 def _type_of(v):
+    """The TT of a node's value, its SymInt sizes as tessera symbolic dims
+    (see :mod:`tessera._dims`)."""
     if isinstance(v, torch.Tensor):
-        shape = [d.node.hint if isinstance(d, torch.SymInt) else int(d) for d in v.shape]
-        return TT(v.dtype, shape)
+        return TT(v.dtype, [_dims.dim_of(d) for d in v.shape])
     if isinstance(v, (list, tuple)):
         return [_type_of(x) for x in v]
     return v
@@ -118,17 +123,23 @@ class _DryEmitter(_convert.Emitter):
 
     def val(self, arg):
         if isinstance(arg, torch.fx.Node) and arg not in self.values:
-            t = self.types.get(arg)
-            if not isinstance(t, TT):
+            if not isinstance(self.types.get(arg), TT):
                 raise _convert.Unsupported(f"input {arg.name} is not a tensor")
-            self.values[arg] = _convert.Value(arg.name, t.dtype, t.shape)
+            self.values[arg] = _value_of(arg.name, self.types[arg])
         return super().val(arg)
+
+
+def _value_of(name, t):
+    if isinstance(t, list):
+        return [_value_of(f"{name}_{i}", x) for i, x in enumerate(t)]
+    if not isinstance(t, TT):
+        raise _convert.Unsupported(f"{name} is not a tensor")
+    return _convert.Value(name, t.dtype, t.shape)
 
 
 def _supported_nodes(gm):
     """For each call_function node: None when tessera converts it, else why not."""
-    types = _types(gm)
-    dry = _DryEmitter("dry", types)
+    dry = _DryEmitter("dry", _types(gm))
     verdict = {}
     for node in gm.graph.nodes:
         if node.op != "call_function":
@@ -148,6 +159,9 @@ def _supported_nodes(gm):
         ):
             verdict[node] = "a device tessera-py does not run"
             continue
+        # A node that needs a symbolic size constant (`_dims.NotSymbolic`)
+        # runs in PyTorch as an unsupported one does: the rest stays one
+        # tessera graph for every size.
         try:
             dry.values[node] = _convert.convert_node(dry, node)
             verdict[node] = None
@@ -220,8 +234,14 @@ def _unwrap_hints_wrapper(gm):
 
 
 class TesseraPartition(torch.nn.Module):
-    """One converted partition: compiled per set of input shapes (tessera's
-    own cache serves repeated calls), run through DLPack."""
+    """One converted partition, run through DLPack. A partition whose FX
+    types have symbolic sizes (`dynamic=True`, or dims Dynamo made dynamic)
+    becomes one tessera graph with symbolic dims, compiled once for every
+    size (its ops that need a size constant were left to PyTorch by the
+    partitioner); when tessera refuses that graph, or a symbol is a dim of
+    no tensor input (nothing would bind it), that is logged with why, and
+    it is compiled per set of input shapes, as a partition of static shapes
+    is (tessera's own cache serves repeated calls)."""
 
     def __init__(self, gm, name, config, backward=False):
         super().__init__()
@@ -240,6 +260,7 @@ class TesseraPartition(torch.nn.Module):
             for r in results
         ]  # fmt: skip
         self.symbolic = any(_is_symbolic(n.meta.get("val")) for n in gm.graph.nodes)
+        self.shared = None  # the symbolic entry, once built: (graph, positions)
         _compiled.append(self)
 
     def _key(self, args):
@@ -264,6 +285,25 @@ class TesseraPartition(torch.nn.Module):
             if isinstance(a, torch.Tensor):
                 types[p] = TT(a.dtype, list(a.shape))
         text, positions, _ = _convert.to_tir(self.gm, self.name, types, self.backward)
+        return self._build(text), positions
+
+    def _compile_symbolic(self):
+        """The partition as one graph over its symbolic dims, or None (logged)."""
+        types = _types(self.gm)
+        try:
+            _check_bound(self.gm, types)
+            text, positions, _ = _convert.to_tir(self.gm, self.name, types, self.backward)
+            graph = self._build(text)
+            if graph.symbolic_refusal():
+                # tessera serves it per size: its calls trace and compile
+                # anew where a trace does not generalise.
+                log.warning("tessera: %s is compiled per size: %s", self.name, graph.symbolic_refusal())
+            return graph, positions
+        except (_convert.Unsupported, TesseraError) as e:
+            log.warning("tessera: %s is compiled per size, its dims cannot stay symbolic: %s", self.name, e)
+            return None
+
+    def _build(self, text):
         c = self.config
         started = time.perf_counter()
         try:
@@ -286,9 +326,13 @@ class TesseraPartition(torch.nn.Module):
                 raise TesseraError(f"{e}\n  in: {lines[int(at.group(1)) - 1].strip()}") from e
             raise
         log.debug("tessera: %s compiled in %.3f s:\n%s", self.name, time.perf_counter() - started, text)
-        return graph, positions
+        return graph
 
-    def forward(self, *args):
+    def _entry(self, args):
+        if self.symbolic and self.shared is None:
+            self.shared = self._compile_symbolic() or (None, None)
+        if self.shared is not None and self.shared[0] is not None:
+            return self.shared
         key = self._key(args)
         entry = self.entries.get(key)
         if entry is None:
@@ -300,7 +344,10 @@ class TesseraPartition(torch.nn.Module):
                 log.warning("tessera: partition %s runs in PyTorch: %s", self.name, e)
                 entry = (None, None)
             self.entries[key] = entry
-        graph, positions = entry
+        return entry
+
+    def forward(self, *args):
+        graph, positions = self._entry(args)
         if graph is None:
             return self.gm(*args)
         caps = []
@@ -326,7 +373,33 @@ class TesseraPartition(torch.nn.Module):
         return tuple(outs) if self.tuple_output else outs[0]
 
     def compiled_graphs(self):
-        return [g for g, _ in self.entries.values() if g is not None]
+        """The tessera graphs built so far: the symbolic one, or one per
+        set of input shapes."""
+        shared = [self.shared[0]] if self.shared is not None and self.shared[0] is not None else []
+        return shared + [g for g, _ in self.entries.values() if g is not None]
+
+    def compiles(self):
+        """How many executables tessera built for this partition (every
+        graph's first compile and its recompiles)."""
+        return sum(g.stats()["compiles"] for g in self.compiled_graphs())
+
+
+def _check_bound(gm, types):
+    """Every symbol the partition's types use is a whole dim of one of its
+    tensor inputs, which binds it when tessera is called (a size that only
+    a non-tensor input carries would have no value)."""
+    used, bound = set(), set()
+    for node in gm.graph.nodes:
+        for t in types[node] if isinstance(types.get(node), list) else [types.get(node)]:
+            if isinstance(t, TT):
+                used |= _dims.symbols_of(t.shape)
+                if node.op == "placeholder":
+                    bound |= _dims.plain_symbols(t.shape)
+    if used - bound:
+        raise _dims.NotSymbolic(
+            f"the size symbol(s) {sorted(used - bound)} are not a dim of any tensor input "
+            f"(inputs bind {sorted(bound) or 'none'})"
+        )
 
 
 class Config:

@@ -107,7 +107,8 @@
 //!   backward, and chained (each call orders after the one before) so
 //!   that every rank makes its calls in one order, as NCCL requires. With
 //!   ZeRO-1 each rank updates only the parameters it owns ([`owners`]),
-//!   keeps an empty state for the others and broadcasts its new values.
+//!   keeps an empty state for the others and broadcasts its new values
+//!   (on the same stream, chained after the last bucket).
 //!   Before the first step the parameters are broadcast from rank 0.
 //!
 //! Parameters without a gradient in the traced step (unused by the loss)
@@ -680,7 +681,12 @@ impl<'a, O: TraceableOptimizer> TrainStep<'a, O> {
             for (i, _) in owner.iter().enumerate().filter(|(_, o)| *o != rank) {
                 for s in 0..state_len {
                     let at = first_state + i * state_len + s;
-                    inputs[at] = unowned_state(&inputs[at])?;
+                    // After the first step the state given back is empty
+                    // already: no new tensor (and no device allocation)
+                    // per state tensor per step.
+                    if inputs[at].numel() != 0 {
+                        inputs[at] = unowned_state(&inputs[at])?;
+                    }
                 }
             }
         }
@@ -1202,7 +1208,7 @@ fn reduced(
         })
         .collect();
     let avg = Kind::AllReduce(ReduceOp::Avg);
-    let mut run = || -> Result<(Tensor, Tensor)> {
+    let run = || -> Result<(Tensor, Tensor)> {
         let loss = dp.group.collective(avg, TAG_LOSS, &[&loss])?;
         let loss = loss.into_iter().next().expect("one output");
         // Each call after the one before: one order on every rank.
@@ -1227,11 +1233,17 @@ fn reduced(
         }
         Ok((loss, last))
     };
-    let (loss, last) = match dp.stream {
-        Some(n) => crate::hints::scope(crate::hints::Hint::default().stream(n), run)??,
-        None => run()?,
-    };
+    let (loss, last) = on_comm_stream(dp, run)?;
     Ok((loss, grads, last))
+}
+
+/// `f` traced under `dp`'s stream hint (the communication stream), or
+/// under the hints in force without one.
+fn on_comm_stream<R>(dp: &DataParallel, f: impl FnOnce() -> Result<R>) -> Result<R> {
+    match dp.stream {
+        Some(n) => crate::hints::scope(crate::hints::Hint::default().stream(n), f)?,
+        None => f(),
+    }
 }
 
 /// A sharded optimizer's new parameter values: each rank broadcasts those
@@ -1239,8 +1251,23 @@ fn reduced(
 /// the broadcasts chained after `after` (the last gradient bucket's
 /// reduction) and each other: the ranks' graphs differ here (each updates
 /// its own parameters), their schedules with them, but not the order of
-/// their calls.
+/// their calls. On the communication stream, as the gradients' buckets:
+/// a rank's broadcasts from the others (which read nothing of its own
+/// update) run beside its own updates instead of queueing among them.
 fn gathered(
+    dp: &DataParallel,
+    owner: &[usize],
+    has_grad: &[bool],
+    new_values: Vec<Tensor>,
+    after: Tensor,
+) -> Result<Vec<Tensor>> {
+    on_comm_stream(dp, || {
+        broadcast_owned(dp, owner, has_grad, new_values, after)
+    })
+}
+
+/// [`gathered`]'s broadcasts, traced where the caller's hints say.
+fn broadcast_owned(
     dp: &DataParallel,
     owner: &[usize],
     has_grad: &[bool],

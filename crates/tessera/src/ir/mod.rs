@@ -17,6 +17,7 @@ pub use dtype::DType;
 pub use graph::{Graph, Node, NodeId, NodeMeta, Output};
 pub use infer::{broadcast_shapes, TensorType};
 pub use op::{
-    ArgReduceOp, BinaryOp, CompareOp, Literal, LiteralData, Op, ReduceOp, Scalar, UnaryOp,
+    ArgReduceOp, BackwardReads, BinaryOp, CompareOp, Literal, LiteralData, Op, ReduceOp, Scalar,
+    UnaryOp,
 };
 pub use shape::{Dim, EvalError, Shape};

@@ -619,48 +619,107 @@ impl Op {
                 | Op::CustomOutput { .. }
         )
     }
+}
 
-    /// Which saved values the op's VJP rule (`autograd::rules`) reads:
-    /// `input` is the position of an input, `None` the output. The rest
-    /// it reads only the shape and dtype of (`add`, `reshape`, `sum` …).
-    /// The eager tape keeps in host memory only what is read (the `offload`
-    /// hint) and drops the others' values; a test in `autograd::rules`
-    /// runs each rule with the unread values poisoned.
-    pub fn gradient_reads(&self, input: Option<usize>) -> bool {
-        use BinaryOp as B;
-        use UnaryOp as U;
-        match (self, input) {
-            (Op::Unary(u), None) => matches!(
-                u,
-                U::Exp | U::Sqrt | U::Rsqrt | U::Reciprocal | U::Tanh | U::Sigmoid | U::Gelu
-            ),
-            (Op::Unary(u), Some(0)) => !matches!(
-                u,
-                U::Neg | U::Exp | U::Sqrt | U::Reciprocal | U::Tanh | U::Sigmoid | U::BitNot
-            ),
-            (Op::Binary(b), None) => matches!(b, B::Div | B::Pow),
-            (Op::Binary(b), Some(0)) => matches!(b, B::Mul | B::Pow | B::Maximum | B::Minimum),
-            (Op::Binary(b), Some(1)) => {
-                matches!(b, B::Mul | B::Div | B::Pow | B::Maximum | B::Minimum)
+/// The values an op's backward reads besides the output gradient (shapes
+/// and dtypes it always has): which inputs, and whether its output. The
+/// eager tape keeps only these alive until the backward (the others as
+/// stand-ins without storage), as PyTorch's saved tensors are; the VJP
+/// rules (`autograd::rules`) read nothing else, which their tests check.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BackwardReads {
+    pub inputs: Vec<bool>,
+    pub output: bool,
+}
+
+impl Op {
+    /// [`BackwardReads`] of this op when `needs[i]` says whether input
+    /// `i` wants a gradient (a product reads each operand only for the
+    /// other's gradient).
+    pub fn backward_reads(&self, needs: &[bool]) -> BackwardReads {
+        let n = needs.len();
+        let need = |i: usize| needs.get(i).copied().unwrap_or(false);
+        let any = needs.iter().any(|&x| x);
+        let mut inputs = vec![false; n];
+        let mut read = |i: usize, yes: bool| {
+            if let Some(slot) = inputs.get_mut(i) {
+                *slot |= yes;
             }
-            (Op::Reduce { op, .. }, _) => {
-                matches!(op, ReduceOp::Max | ReduceOp::Min | ReduceOp::Prod) && input != Some(1)
+        };
+        let output = match self {
+            Op::Unary(u) => {
+                let (x, y) = unary_reads(*u);
+                read(0, x);
+                y
             }
-            (Op::Softmax { .. } | Op::LogSoftmax { .. }, i) => i.is_none(),
-            (Op::MatMul | Op::MatMulT { .. }, i) => i.is_some(),
-            // The condition; the index.
-            (Op::Where, i) => i == Some(0),
-            (
-                Op::IndexSelect { .. }
-                | Op::Gather { .. }
-                | Op::IndexAdd { .. }
-                | Op::ScatterAdd { .. },
-                i,
-            ) => i == Some(1),
-            // Views, copies, casts: shapes and dtypes only; ops without a
-            // gradient record nothing.
+            Op::Binary(b) => match b {
+                BinaryOp::Mul => {
+                    read(0, need(1));
+                    read(1, need(0));
+                    false
+                }
+                BinaryOp::Div => {
+                    read(1, any);
+                    need(1)
+                }
+                BinaryOp::Pow => {
+                    read(0, any);
+                    read(1, need(0));
+                    need(1)
+                }
+                BinaryOp::Maximum | BinaryOp::Minimum => {
+                    read(0, any);
+                    read(1, any);
+                    false
+                }
+                _ => false,
+            },
+            Op::MatMul | Op::MatMulT { .. } => {
+                read(0, need(1));
+                read(1, need(0));
+                false
+            }
+            Op::Where => {
+                read(0, true);
+                false
+            }
+            Op::Reduce { op, .. } => {
+                let extremal = matches!(op, ReduceOp::Max | ReduceOp::Min | ReduceOp::Prod);
+                read(0, extremal);
+                extremal
+            }
+            Op::Softmax { .. } | Op::LogSoftmax { .. } => true,
+            Op::IndexSelect { .. }
+            | Op::Gather { .. }
+            | Op::IndexAdd { .. }
+            | Op::ScatterAdd { .. } => {
+                read(1, true);
+                false
+            }
             _ => false,
+        };
+        BackwardReads { inputs, output }
+    }
+}
+
+/// (input, output) read by a unary op's VJP rule.
+fn unary_reads(op: UnaryOp) -> (bool, bool) {
+    match op {
+        UnaryOp::Neg | UnaryOp::BitNot => (false, false),
+        UnaryOp::Exp | UnaryOp::Sqrt | UnaryOp::Reciprocal | UnaryOp::Tanh | UnaryOp::Sigmoid => {
+            (false, true)
         }
+        UnaryOp::Rsqrt | UnaryOp::Gelu => (true, true),
+        UnaryOp::Abs
+        | UnaryOp::Log
+        | UnaryOp::Sin
+        | UnaryOp::Cos
+        | UnaryOp::Relu
+        | UnaryOp::GeluTanh
+        | UnaryOp::Silu
+        | UnaryOp::Atan
+        | UnaryOp::Asin
+        | UnaryOp::Acos => (true, false),
     }
 }
 

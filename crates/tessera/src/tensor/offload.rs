@@ -25,7 +25,6 @@ use std::sync::{Arc, Mutex, Weak};
 
 use super::Tensor;
 use crate::error::Result;
-use crate::ir::Op;
 use crate::runtime::array::{Array, Buffer};
 use crate::runtime::cpu::Storage;
 use crate::runtime::device::{self, Device, DeviceStorage, Transfer};
@@ -198,30 +197,9 @@ pub(crate) fn to_device(t: &Tensor, on: Device) -> Result<Tensor> {
     Ok(t.with_values(back))
 }
 
-/// A stand-in for a saved value no rule reads (`Op::gradient_reads`): the
-/// same handle (autograd state, shape, dtype) over one element, NaN for
-/// floats, so that a rule that read it after all would show it.
-pub(crate) fn unread(t: &Tensor) -> Result<Tensor> {
-    if t.try_array().is_none() {
-        return Ok(t.clone());
-    }
-    let dtype = t.dtype();
-    // Made by the CPU's kernel directly: not an op of the user's region.
-    let one = match dtype.is_float() {
-        true => {
-            let nan = Array::from_storage(Storage::try_from_slice(&[f64::NAN])?, &[]);
-            device::eval(Device::Cpu, &Op::Cast(dtype), &[&nan], dtype, &[])?
-        }
-        false => Array::from_storage(Storage::try_new(dtype, 1)?, &[]),
-    };
-    let layout = one.layout().expanded(t.shape());
-    Ok(t.with_values(one.view(layout)))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ir::DType;
 
     #[test]
     fn views_of_one_buffer_share_one_host_copy_and_come_back_equal() {
@@ -246,14 +224,5 @@ mod tests {
         let back = to_device(&hv, Device::Cpu).unwrap();
         assert_eq!(back.to_vec::<f32>().unwrap(), v.to_vec::<f32>().unwrap());
         assert_eq!(stats().prefetched_bytes, 48);
-    }
-
-    #[test]
-    fn an_unread_value_keeps_its_type_and_reads_as_nan() {
-        let x = Tensor::ones(&[2, 3], DType::F32).set_requires_grad(true);
-        let u = unread(&x).unwrap();
-        assert_eq!((u.shape(), u.dtype()), (x.shape(), x.dtype()));
-        assert!(u.requires_grad() && u.is_leaf());
-        assert!(u.to_vec::<f32>().unwrap().iter().all(|v| v.is_nan()));
     }
 }

@@ -15,8 +15,10 @@ use std::sync::{Arc, Mutex};
 
 use super::{offload, trace, Tensor};
 use crate::error::{Error, ErrorKind, Result, SourceLoc};
-use crate::ir::{DType, NodeMeta, Op};
-use crate::runtime::device::Device;
+use crate::ir::{BackwardReads, DType, NodeMeta, Op};
+use crate::runtime::array::Array;
+use crate::runtime::cpu::Storage;
+use crate::runtime::device::{self, Device};
 
 /// Autograd state of a tensor that requires grad.
 pub(crate) struct AutogradMeta {
@@ -166,10 +168,16 @@ pub(crate) fn record(
         return Ok(inherit_cut(inputs, out));
     }
     let origin = backward_origin(caller);
-    let mut saved: Vec<Tensor> = inputs.iter().map(|&t| t.clone()).collect();
-    let mut output = out.clone();
+    let needs: Vec<bool> = inputs.iter().map(|t| t.requires_grad()).collect();
+    let reads = op.backward_reads(&needs);
+    let mut kept: Vec<Tensor> = inputs
+        .iter()
+        .zip(&reads.inputs)
+        .map(|(&t, &read)| saved(t, read))
+        .collect();
+    let mut output = saved(&out, reads.output);
     let moved = match offloads(&origin) && !out.is_traced() {
-        true => Some(offloaded(op, &mut saved, &mut output)?),
+        true => Some(offloaded(&reads, &mut kept, &mut output)?),
         false => None,
     };
     let node = Arc::new(GradNode {
@@ -177,7 +185,7 @@ pub(crate) fn record(
             op: op.clone(),
             output,
         },
-        inputs: saved,
+        inputs: kept,
         outputs: vec![(out.shape().to_vec(), out.dtype())],
         origin,
         used_by: Mutex::new(None),
@@ -215,32 +223,77 @@ fn say_nothing_to_offload() {
     );
 }
 
-/// Moves a node's saved values off its device: those its rule reads
-/// ([`Op::gradient_reads`]) to host memory, except leaves that require
-/// grad (parameters, which stay on the device for the optimizer anyway:
-/// a copy would free nothing); the others' values are dropped. Returns
-/// which are in host memory.
-fn offloaded(op: &Op, inputs: &mut [Tensor], output: &mut Tensor) -> Result<Moved> {
+/// Moves the values a node keeps (those its backward reads, `reads`; the
+/// others are already stand-ins without storage) to host memory, except
+/// leaves that require grad (parameters, which stay on the device for the
+/// optimizer anyway: a copy would free nothing). Returns which are in host
+/// memory.
+fn offloaded(reads: &BackwardReads, inputs: &mut [Tensor], output: &mut Tensor) -> Result<Moved> {
     let on = output.device();
     let mut host = vec![false; inputs.len()];
     for (i, t) in inputs.iter_mut().enumerate() {
-        if !op.gradient_reads(Some(i)) {
-            *t = offload::unread(t)?;
-        } else if !(t.is_leaf() && t.requires_grad()) && t.device() == on {
+        if reads.inputs[i] && !(t.is_leaf() && t.requires_grad()) && t.device() == on {
             *t = offload::to_host(t, on)?;
             host[i] = true;
         }
     }
-    let output_on_host = op.gradient_reads(None);
-    *output = match output_on_host {
-        true => offload::to_host(output, on)?,
-        false => offload::unread(output)?,
-    };
+    if reads.output {
+        *output = offload::to_host(output, on)?;
+    }
     Ok(Moved {
         device: on,
         inputs: host,
-        output: output_on_host,
+        output: reads.output,
     })
+}
+
+/// What a node keeps of `t`: `t` itself when its backward reads the
+/// values (`read`), else a stand-in with `t`'s shape, dtype, device and
+/// autograd edge but no storage of its own — a NaN broadcast from one
+/// element, so that a rule reading it by mistake gives NaN gradients, not
+/// plausible ones. Dropping the values is what lets eager training free
+/// activations as PyTorch does (a node used to keep every input and its
+/// output alive until the backward). Traced tensors have no values to keep
+/// and stay as they are.
+fn saved(t: &Tensor, read: bool) -> Tensor {
+    if read || t.is_traced() || trace::is_active() || t.numel() <= 1 {
+        return t.clone();
+    }
+    match stand_in_values(t) {
+        Some(values) => Tensor::from_array(values).with_autograd(t.autograd_meta().cloned()),
+        None => t.clone(),
+    }
+}
+
+/// `t`'s shape over one NaN of its dtype on its device (cached per thread,
+/// device and dtype: one element each, made once).
+fn stand_in_values(t: &Tensor) -> Option<Array> {
+    thread_local! {
+        static SCALARS: std::cell::RefCell<Vec<Tensor>> = const { std::cell::RefCell::new(Vec::new()) };
+    }
+    let (device, dtype) = (t.device(), t.dtype());
+    let scalar = SCALARS.with(|cache| {
+        let found = cache
+            .borrow()
+            .iter()
+            .find(|s| s.device() == device && s.dtype() == dtype)
+            .cloned();
+        found.or_else(|| {
+            // Made by the CPU's kernel directly, not by a tensor op: it is
+            // not an op of the user's region (hint reports, the tape).
+            let nan = Array::from_storage(Storage::try_from_slice(&[f64::NAN]).ok()?, &[]);
+            let one = device::eval(Device::Cpu, &Op::Cast(dtype), &[&nan], dtype, &[]).ok()?;
+            let made = Tensor::from_array(one).to(device).ok()?;
+            cache.borrow_mut().push(made.clone());
+            Some(made)
+        })
+    })?;
+    let layout = crate::tensor::Layout {
+        shape: t.shape().to_vec(),
+        strides: vec![0; t.rank()],
+        offset: 0,
+    };
+    Some(scalar.try_array()?.view(layout))
 }
 
 /// A result of a cut tensor stays cut (by the same op).
@@ -297,7 +350,8 @@ pub fn custom_function_at(
             name: name.to_string(),
             backward,
         },
-        inputs: inputs.iter().map(|&t| t.clone()).collect(),
+        // The backward closure holds what it reads: the inputs are edges.
+        inputs: inputs.iter().map(|&t| saved(t, false)).collect(),
         outputs: outputs
             .iter()
             .map(|t| (t.shape().to_vec(), t.dtype()))
@@ -418,14 +472,22 @@ mod tests {
         Tensor::from_vec(vec![1.0f32, 2.0], &[2]).set_requires_grad(true)
     }
 
+    /// A node keeps the values its backward reads (exp's: its output;
+    /// log's: its input) and, for the others, a stand-in of the same
+    /// shape that still leads to the input's autograd state.
     #[test]
-    fn an_op_on_a_leaf_records_its_inputs_and_output() {
+    fn an_op_on_a_leaf_records_what_its_backward_reads() {
         let x = leaf();
         let y = x.exp();
         let (node, index) = y.grad_fn().expect("recorded");
         assert_eq!((node.name(), *index), ("exp", 0));
         assert_eq!(node.inputs.len(), 1);
-        assert!(node.inputs[0].shares_storage(&x));
+        let edge = &node.inputs[0];
+        assert!(!edge.shares_storage(&x) && edge.shape() == x.shape());
+        let same_state = |a: &Tensor, b: &Tensor| {
+            Arc::ptr_eq(a.autograd_meta().unwrap(), b.autograd_meta().unwrap())
+        };
+        assert!(same_state(edge, &x));
         assert_eq!(node.outputs, [(vec![2], DType::F32)]);
         match &node.backward {
             Backward::Op { op, output } => {
@@ -435,6 +497,13 @@ mod tests {
             Backward::Custom { .. } => panic!("an op node"),
         }
         assert!(x.is_leaf() && !y.is_leaf() && y.requires_grad());
+        let z = x.log();
+        let (node, _) = z.grad_fn().expect("recorded");
+        assert!(node.inputs[0].shares_storage(&x) && same_state(&node.inputs[0], &x));
+        let Backward::Op { output, .. } = &node.backward else {
+            panic!("an op node")
+        };
+        assert!(!output.shares_storage(&z) && output.shape() == z.shape());
     }
 
     #[test]

@@ -38,7 +38,7 @@ mod matching;
 mod probe;
 
 pub use matching::{Binding, Refusal};
-pub use probe::aot_symbolic;
+pub use probe::{aot_symbolic, trace_symbolic};
 
 /// (user input, dim) pairs that are dynamic.
 pub type DynamicDims = BTreeSet<(usize, usize)>;

@@ -19,7 +19,8 @@ use super::matching::{generalise_graph, Binding};
 use crate::autograd::{aot_autograd, AotGraphs, Partition};
 use crate::error::{Error, ErrorKind, Result};
 use crate::ir::{Dim, Graph, Op, Shape, TensorType};
-use crate::tensor::interpret::concretise;
+use crate::tensor::interpret::{concretise, run_graph};
+use crate::tensor::trace::{trace, Traced};
 
 /// Probe sizes are primes at most this (products of three stay far within
 /// the size limit even times a wide feature dim).
@@ -40,6 +41,70 @@ pub fn aot_symbolic(graph: &Graph, wrt: &[usize], partition: Partition) -> Resul
         ));
     }
     Ok(first)
+}
+
+/// The trace of a graph whose inputs declare symbolic dims (a `.tir`
+/// program, a PyTorch graph with dynamic sizes), over those symbols: the
+/// graph run by the interpreter under tracing at two sets of probe sizes,
+/// each trace generalised back (unambiguous at primes), and the two
+/// required to be the same graph. What then runs at any binding of the
+/// symbols, compiled once.
+pub fn trace_symbolic(graph: &Graph) -> Result<Traced> {
+    let symbols = symbols_of(graph);
+    let [a, b] = probe_values(graph, &symbols)?;
+    let first = trace_at_probe(graph, &symbols, &a)?;
+    let second = trace_at_probe(graph, &symbols, &b)?;
+    if first.graph.to_string() != second.graph.to_string() {
+        return Err(refused(
+            graph,
+            "its trace depends on the sizes other than through shapes".into(),
+        ));
+    }
+    Ok(first)
+}
+
+fn trace_at_probe(graph: &Graph, symbols: &[Arc<str>], primes: &[usize]) -> Result<Traced> {
+    let binding = probe_binding(graph, symbols, primes);
+    let concrete = concretise(graph, binding.map())?;
+    let inputs: Vec<(String, TensorType)> = concrete
+        .inputs
+        .iter()
+        .map(|&id| (concrete.display_name(id), concrete.node(id).ty.clone()))
+        .collect();
+    let traced = crate::autograd::no_grad(|| {
+        trace(&graph.name, &inputs, |args| {
+            Ok(run_graph(&concrete, args)?
+                .into_iter()
+                .map(|(name, t)| (name.to_string(), t))
+                .collect())
+        })
+    })?;
+    if !traced.breaks.is_empty() || !traced.lifted.is_empty() || !traced.state.is_empty() {
+        return Err(refused(
+            graph,
+            "its trace reads values or lifts tensors".into(),
+        ));
+    }
+    let general = back_to_symbols(&traced.graph, &binding)?;
+    Ok(Traced {
+        graph: general,
+        ..traced
+    })
+}
+
+fn probe_binding(graph: &Graph, symbols: &[Arc<str>], primes: &[usize]) -> Binding {
+    let bounds: Vec<(usize, Arc<str>)> = symbols
+        .iter()
+        .filter_map(|s| Some((upper_bound(graph, s)?, s.clone())))
+        .collect();
+    Binding::new(
+        symbols
+            .iter()
+            .cloned()
+            .zip(primes.iter().copied())
+            .collect(),
+    )
+    .with_differences(&bounds)
 }
 
 /// Two probe sizes per symbol: distinct primes, as large as the symbol's
@@ -118,18 +183,7 @@ fn at_probe(
     symbols: &[Arc<str>],
     primes: &[usize],
 ) -> Result<AotGraphs> {
-    let bounds: Vec<(usize, Arc<str>)> = symbols
-        .iter()
-        .filter_map(|s| Some((upper_bound(graph, s)?, s.clone())))
-        .collect();
-    let binding = Binding::new(
-        symbols
-            .iter()
-            .cloned()
-            .zip(primes.iter().copied())
-            .collect(),
-    )
-    .with_differences(&bounds);
+    let binding = probe_binding(graph, symbols, primes);
     let concrete = concretise(graph, binding.map())?;
     let aot = aot_autograd(&concrete, wrt, partition)?;
     let forward = back_to_symbols(&aot.forward, &binding)?;
@@ -172,9 +226,6 @@ fn back_to_symbols(graph: &Graph, binding: &Binding) -> Result<Graph> {
 fn refused(graph: &Graph, why: String) -> Error {
     Error::new(
         ErrorKind::Unsupported,
-        format!(
-            "the symbolic backward of `{}` is not built: {why}",
-            graph.name
-        ),
+        format!("the symbolic graph of `{}` is not built: {why}", graph.name),
     )
 }

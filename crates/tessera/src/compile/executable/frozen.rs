@@ -50,6 +50,11 @@ pub(super) fn split(graph: &Graph, frozen: &[usize]) -> Result<Option<Split>> {
         is_frozen[graph.inputs[i].index()] = true;
     }
     for (i, node) in graph.nodes.iter().enumerate() {
+        // A value of symbolic shape (a causal mask of `[s0,s0]`) depends
+        // on the call's sizes: the prologue, run once, has none to bind.
+        if !node.ty.shape.dims().iter().all(|d| d.is_const()) {
+            continue;
+        }
         match &node.op {
             Op::Constant(_) | Op::Full { .. } | Op::Arange { .. } => is_frozen[i] = true,
             op if hoistable(op) && !node.inputs.is_empty() => {
@@ -269,6 +274,21 @@ mod tests {
         assert!(main.contains("permute(%w)"), "{main}");
         assert!(main.contains("matmul(%x"), "{main}");
         assert_eq!(s.main.inputs.len(), 5, "its own four and the frozen value");
+    }
+
+    #[test]
+    fn values_of_symbolic_shape_stay_in_the_main_graph() {
+        let g = parse(
+            "graph masked(%x) {
+      %x = input : f32[s0,s0]
+      %ones = full {value=1.0, shape=[s0,s0], dtype=f32} : f32[s0,s0]
+      %mask = tril(%ones) {diagonal=0} : f32[s0,s0]
+      %y = mul(%x, %mask) : f32[s0,s0]
+      return %y as y
+    }",
+        )
+        .unwrap();
+        assert!(split(&g, &[]).unwrap().is_none(), "the mask needs s0");
     }
 
     #[test]
