@@ -28,7 +28,11 @@ fn input_gradients(node: &GradNode, grads: Vec<Option<Tensor>>) -> Result<Vec<Op
         .map(|(g, (shape, dtype))| g.unwrap_or_else(|| Tensor::zeros(shape, *dtype)))
         .collect();
     let result = trace::with_origin(&node.origin, || match &node.backward {
-        Backward::Op { op, output } => rules::vjp(op, &node.inputs, output, &filled[0]),
+        Backward::Op { op, output } => {
+            // Saved values waiting in host memory come back first.
+            let (inputs, output) = node.saved_values(output)?;
+            rules::vjp(op, &inputs, &output, &filled[0])
+        }
         Backward::Custom { backward, .. } => backward(&filled),
     });
     let result = result.map_err(|e| match &node.origin.location {
