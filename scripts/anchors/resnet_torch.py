@@ -11,7 +11,9 @@ ways on a random batch:
 --dtype bf16|f16 puts the parameters, the batch-norm statistics and the batch
 in that dtype (model.to(dtype)), as `tessera bench resnet --dtype` does.
 --mode compile runs torch.compile(model) (the default inductor backend; the
-loss, backward call and optimizer step stay eager). f32 convolutions and
+loss, backward call and optimizer step stay eager); --mode reduce-overhead
+adds CUDA graphs (torch.compile's mode="reduce-overhead", the peer of
+`tessera bench resnet --cuda-graphs`). f32 convolutions and
 matmuls run without TF32 (as tessera's f32: CUDNN_FMA_MATH and
 CUBLAS_COMPUTE_32F); cudnn.benchmark stays off (as tessera, which takes
 cuDNN's heuristic choice).
@@ -119,7 +121,7 @@ def main():
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--dtype", choices=list(DTYPES), default="f32")
-    p.add_argument("--mode", choices=["eager", "compile"], default="eager")
+    p.add_argument("--mode", choices=["eager", "compile", "reduce-overhead"], default="eager")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     torch.manual_seed(a.seed)
@@ -129,7 +131,11 @@ def main():
     model = ResNet(a.depth, a.classes).to(a.device, dtype)
     x = torch.randn(a.batch, 3, a.image, a.image).to(a.device, dtype)
     y = (torch.arange(a.batch) % a.classes).to(a.device)
-    net = torch.compile(model) if a.mode == "compile" else model
+    net = {
+        "eager": model,
+        "compile": torch.compile(model),
+        "reduce-overhead": torch.compile(model, mode="reduce-overhead"),
+    }[a.mode]
     times, last, first = [], 0.0, 0.0
     if a.task == "inference":
         model.eval()

@@ -18,7 +18,7 @@ use std::time::Instant;
 
 use serde::Serialize;
 
-use tessera::compile::{compile, train_step};
+use tessera::compile::{compile, train_step, Mode};
 use tessera::error::{Error, ErrorKind, Result};
 use tessera::nn::{try_cross_entropy, ParamStore, ResNet, ResNetConfig};
 use tessera::optim::{Sgd, SgdConfig};
@@ -72,6 +72,9 @@ pub struct ResNetBenchConfig {
     pub device: Device,
     /// f32, bf16 or f16: the parameters', statistics' and batch's dtype.
     pub dtype: DType,
+    /// Record each run as a CUDA graph and replay it
+    /// (`Mode::ReduceOverhead`): no host dispatch per kernel.
+    pub cuda_graphs: bool,
 }
 
 /// One JSON line.
@@ -84,6 +87,7 @@ pub struct ResNetReport {
     pub image: usize,
     pub device: String,
     pub dtype: String,
+    pub cuda_graphs: bool,
     pub threads: usize,
     pub ms_median: f64,
     pub ms_min: f64,
@@ -160,7 +164,11 @@ fn run_here(c: &ResNetBenchConfig, mut progress: impl FnMut(usize, f64)) -> Resu
     match c.task {
         ResNetTask::Inference => {
             model.train(false);
-            let f = compile(|a: &[Tensor]| vec![model.forward(&a[0])]);
+            let mode = match c.cuda_graphs {
+                true => Mode::ReduceOverhead,
+                false => Mode::Default,
+            };
+            let f = compile(|a: &[Tensor]| vec![model.forward(&a[0])]).mode(mode);
             for i in 0..c.warmup + c.steps {
                 timed(i, &mut || {
                     let out = tessera::autograd::no_grad(|| f.try_call(std::slice::from_ref(&x)))?;
@@ -186,6 +194,9 @@ fn run_here(c: &ResNetBenchConfig, mut progress: impl FnMut(usize, f64)) -> Resu
                 Err(e) => panic!("{e}"),
             };
             let mut step = train_step(loss_fn, sgd);
+            if c.cuda_graphs {
+                step = step.mode(Mode::ReduceOverhead);
+            }
             let batch = [x.clone(), y.clone()];
             for i in 0..c.warmup + c.steps {
                 timed(i, &mut || Ok(step.try_step(&batch)?.item()))?;
@@ -202,6 +213,7 @@ fn run_here(c: &ResNetBenchConfig, mut progress: impl FnMut(usize, f64)) -> Resu
         image: c.image,
         device: c.device.name().into(),
         dtype: c.dtype.name().into(),
+        cuda_graphs: c.cuda_graphs,
         threads: std::env::var("RAYON_NUM_THREADS")
             .ok()
             .and_then(|v| v.parse().ok())

@@ -64,6 +64,10 @@ pub struct ResNetArgs {
     /// batch's dtype (PyTorch's `model.to(dtype)`).
     #[arg(long, default_value_t = DType::F32)]
     dtype: DType,
+    /// --device cuda: record each run once as a CUDA graph and replay it
+    /// (tessera::compile's mode=reduce-overhead).
+    #[arg(long)]
+    cuda_graphs: bool,
 }
 
 fn defaults() -> GptBenchConfig {
@@ -199,6 +203,7 @@ fn resnet(a: &ResNetArgs) -> Result<()> {
         seed: a.seed,
         device,
         dtype: a.dtype,
+        cuda_graphs: a.cuda_graphs,
     };
     eprintln!(
         "bench resnet: resnet{} {}, batch {} × 3 × {}², {} on {device}, {} + {} warmup runs; load average {}",
@@ -212,11 +217,19 @@ fn resnet(a: &ResNetArgs) -> Result<()> {
         load_average()
     );
     let report = run_resnet(&config, |i, ms| {
+        // TESSERA_CUDA_PROFILE=1 times the timed runs only.
+        if i + 1 == a.warmup {
+            tessera_cuda::profile::reset();
+        }
         eprintln!(
             "run {i:>3}{}  {ms:.1} ms",
             if i < a.warmup { " (warmup)" } else { "" }
         )
     })?;
+    let profile = tessera_cuda::profile::report(40);
+    if !profile.is_empty() {
+        eprintln!("over the {} timed runs: {profile}", a.steps);
+    }
     eprintln!("load average {}", load_average());
     println!("{}", serde_json::to_string(&report)?);
     Ok(())

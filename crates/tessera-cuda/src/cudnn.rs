@@ -630,6 +630,27 @@ mod tests {
     }
 
     #[test]
+    fn a_missing_libcudnn_is_an_error_not_a_panic() {
+        // SAFETY: only tries to open the library.
+        if unsafe { sys::is_culib_present() } {
+            eprintln!("libcudnn is present here: the missing-library path is not exercised");
+            return;
+        }
+        let why = open().expect_err("no libcudnn here");
+        assert!(why.contains("libcudnn.so could not be loaded") && why.contains("LD_LIBRARY_PATH"), "{why}");
+    }
+
+    #[test]
+    fn the_path_comes_from_the_setting() {
+        set_conv_path(ConvPath::Direct);
+        assert_eq!(conv_path(), ConvPath::Direct);
+        set_conv_path(ConvPath::Cudnn);
+        assert_eq!(conv_path(), ConvPath::Cudnn);
+        set_conv_path(ConvPath::Auto);
+        assert_eq!(conv_path(), ConvPath::Auto);
+    }
+
+    #[test]
     fn f32_convolutions_never_use_tf32() {
         assert_eq!(math(DType::F32), sys::cudnnMathType_t::CUDNN_FMA_MATH);
         assert_eq!(math(DType::BF16), sys::cudnnMathType_t::CUDNN_TENSOR_OP_MATH);
