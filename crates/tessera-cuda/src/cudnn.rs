@@ -275,9 +275,7 @@ fn open() -> std::result::Result<sys::cudnnHandle_t, String> {
     }
     let version = dnn::get_version();
     if version < MIN_VERSION {
-        return Err(format!(
-            "cuDNN {version} is older than {MIN_VERSION} (8.0)"
-        ));
+        return Err(format!("cuDNN {version} is older than {MIN_VERSION} (8.0)"));
     }
     dnn::create_handle().map_err(|e| dnn_error("handle creation", e))
 }
@@ -475,7 +473,9 @@ unsafe fn make_plan(handle: sys::cudnnHandle_t, k: &Key) -> std::result::Result<
         y,
         w,
         conv,
-        algo: Algo::Forward(sys::cudnnConvolutionFwdAlgo_t::CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_GEMM),
+        algo: Algo::Forward(
+            sys::cudnnConvolutionFwdAlgo_t::CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_GEMM,
+        ),
         workspace: 0,
     };
     for (algo, status, math_type) in ranked(handle, k.pass, &plan)? {
@@ -552,8 +552,7 @@ unsafe fn ranked(
                 .collect()
         }
         Pass::BackwardFilter => {
-            let mut perf =
-                [std::mem::zeroed::<sys::cudnnConvolutionBwdFilterAlgoPerf_t>(); MAX];
+            let mut perf = [std::mem::zeroed::<sys::cudnnConvolutionBwdFilterAlgoPerf_t>(); MAX];
             dnn::get_convolution_backward_filter_algorithm(
                 handle,
                 p.x,
@@ -637,7 +636,10 @@ mod tests {
             return;
         }
         let why = open().expect_err("no libcudnn here");
-        assert!(why.contains("libcudnn.so could not be loaded") && why.contains("LD_LIBRARY_PATH"), "{why}");
+        assert!(
+            why.contains("libcudnn.so could not be loaded") && why.contains("LD_LIBRARY_PATH"),
+            "{why}"
+        );
     }
 
     #[test]
@@ -653,6 +655,9 @@ mod tests {
     #[test]
     fn f32_convolutions_never_use_tf32() {
         assert_eq!(math(DType::F32), sys::cudnnMathType_t::CUDNN_FMA_MATH);
-        assert_eq!(math(DType::BF16), sys::cudnnMathType_t::CUDNN_TENSOR_OP_MATH);
+        assert_eq!(
+            math(DType::BF16),
+            sys::cudnnMathType_t::CUDNN_TENSOR_OP_MATH
+        );
     }
 }

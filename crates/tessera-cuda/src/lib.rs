@@ -31,9 +31,9 @@
 pub mod autotune;
 pub mod codegen;
 pub mod compiler;
+pub mod cudnn;
 pub mod flash;
 mod flash_op;
-pub mod cudnn;
 mod gpu;
 mod kernel_errors;
 mod matmul;

@@ -78,7 +78,11 @@ fn cases() -> Vec<Case> {
             x: [2, 4, 9, 8],
             w: [6, 2, 3, 2],
             bias: true,
-            options: o().stride_hw(2, 1).padding_hw(1, 2).dilation_hw(2, 1).groups(2),
+            options: o()
+                .stride_hw(2, 1)
+                .padding_hw(1, 2)
+                .dilation_hw(2, 1)
+                .groups(2),
         },
         Case {
             name: "depthwise stride 2",
@@ -116,7 +120,10 @@ fn cases() -> Vec<Case> {
 fn run(c: &Case, inputs: &[Tensor], cot: &Tensor) -> (Tensor, Vec<Tensor>) {
     let y = inputs[0].conv2d(&inputs[1], inputs.get(2), c.options);
     (&y * cot).sum(&[], false).backward();
-    let grads = inputs.iter().map(|t| t.grad().expect("a gradient")).collect();
+    let grads = inputs
+        .iter()
+        .map(|t| t.grad().expect("a gradient"))
+        .collect();
     (y, grads)
 }
 
@@ -132,7 +139,10 @@ fn check_case(c: &Case, dtype: DType, path: ConvPath) {
         .map(|t| t.to_device("cuda").unwrap().set_requires_grad(true))
         .collect();
     let before = conv_runs();
-    let out_shape = host[0].conv2d(&host[1], host.get(2), c.options).shape().to_vec();
+    let out_shape = host[0]
+        .conv2d(&host[1], host.get(2), c.options)
+        .shape()
+        .to_vec();
     let cot = randn(&out_shape, 9, dtype);
     let (yc, gc) = run(c, &cpu, &cot);
     let (yg, gg) = run(c, &dev, &cot.to_device("cuda").unwrap());
@@ -144,8 +154,14 @@ fn check_case(c: &Case, dtype: DType, path: ConvPath) {
     let after = conv_runs();
     match path {
         // The forward, the input gradient and the weight gradient.
-        ConvPath::Cudnn => assert!(after.0 >= before.0 + 3, "{what}: cuDNN ran {before:?} → {after:?}"),
-        ConvPath::Direct => assert!(after.1 >= before.1 + 3, "{what}: direct ran {before:?} → {after:?}"),
+        ConvPath::Cudnn => assert!(
+            after.0 >= before.0 + 3,
+            "{what}: cuDNN ran {before:?} → {after:?}"
+        ),
+        ConvPath::Direct => assert!(
+            after.1 >= before.1 + 3,
+            "{what}: direct ran {before:?} → {after:?}"
+        ),
         ConvPath::Auto => {}
     }
 }
@@ -167,11 +183,17 @@ fn check_epilogue(dtype: DType, path: ConvPath) {
     let y = f.call(&dev)[0].clone();
     let after = conv_runs();
     if path == ConvPath::Cudnn {
-        assert!(after.0 > before.0, "compiled conv+bias+relu {dtype}: cuDNN ran");
+        assert!(
+            after.0 > before.0,
+            "compiled conv+bias+relu {dtype}: cuDNN ran"
+        );
     }
     let what = format!("compiled conv+bias+relu {dtype} {path:?}");
     close(&what, &y, &f.call(&host)[0], tol(dtype).0);
-    assert!(y.to_f64_vec().iter().all(|v| *v >= 0.0), "{what}: the ReLU ran");
+    assert!(
+        y.to_f64_vec().iter().all(|v| *v >= 0.0),
+        "{what}: the ReLU ran"
+    );
 }
 
 #[test]
@@ -203,7 +225,10 @@ fn every_convolution_path_matches_the_cpu() {
     check_case(&same, DType::F32, ConvPath::Auto);
     check_case(&cases()[1], DType::F64, ConvPath::Auto);
     let after = conv_runs();
-    assert!(after.1 >= before.1 + 6, "the fallback ran: {before:?} → {after:?}");
+    assert!(
+        after.1 >= before.1 + 6,
+        "the fallback ran: {before:?} → {after:?}"
+    );
 }
 
 #[test]
@@ -213,8 +238,12 @@ fn a_forced_cudnn_path_refuses_what_cudnn_cannot_run() {
     }
     let _turn = PATH_LOCK.lock().unwrap_or_else(|e| e.into_inner());
     set_conv_path(ConvPath::Cudnn);
-    let x = randn(&[1, 2, 5, 6], 1, DType::F64).to_device("cuda").unwrap();
-    let w = randn(&[3, 2, 3, 3], 2, DType::F64).to_device("cuda").unwrap();
+    let x = randn(&[1, 2, 5, 6], 1, DType::F64)
+        .to_device("cuda")
+        .unwrap();
+    let w = randn(&[3, 2, 3, 3], 2, DType::F64)
+        .to_device("cuda")
+        .unwrap();
     let e = x
         .try_conv2d(&w, None, ConvOptions::default().padding(1))
         .expect_err("cuDNN does not run f64");

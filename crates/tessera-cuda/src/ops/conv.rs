@@ -141,7 +141,12 @@ fn conv2d(attrs: &Attrs, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
     if y.numel() == 0 {
         return Ok(vec![y]);
     }
-    let (xa, wa, ya, ba) = (address(&x), address(&w), address(&y), b.as_ref().map(address));
+    let (xa, wa, ya, ba) = (
+        address(&x),
+        address(&w),
+        address(&y),
+        b.as_ref().map(address),
+    );
     let sms = backend.gpu.sms;
     let direct = || kernels::conv2d_forward(&s, xa, wa, ba, ya, sms);
     let fast = conv_pass(&backend, CONV2D, Pass::Forward, &s, [xa, wa, ya], direct)?;
