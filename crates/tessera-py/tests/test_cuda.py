@@ -76,6 +76,9 @@ def test_transformer_block_on_cuda_trains_like_eager(sdpa, fallbacks, on_tessera
 
 
 def test_training_steps_with_adamw_on_cuda_match_eager(fallbacks, on_tessera_gpu):
+    """AdamW with foreach=False: its default on CUDA, the multi-tensor
+    `_foreach_*` ops, has no tessera conversion yet and runs in PyTorch
+    (logged per op)."""
     ref = Block(sdpa=True).cuda()
     m = Block(sdpa=True).cuda()
     m.load_state_dict(ref.state_dict())
@@ -83,7 +86,7 @@ def test_training_steps_with_adamw_on_cuda_match_eager(fallbacks, on_tessera_gpu
     targets = torch.randint(0, 11, (2, 8), device="cuda")
 
     def make_step(model):
-        opt = torch.optim.AdamW(model.parameters(), lr=0.05, eps=1e-3)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.05, eps=1e-3, foreach=False)
 
         def step():
             opt.zero_grad()
