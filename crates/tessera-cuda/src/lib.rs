@@ -115,6 +115,15 @@ impl CudaBackend {
             })
     }
 
+    /// The CUDA stream (a `CUstream`, as an integer) that tessera queues
+    /// its work on between calls. A library sharing the GPU (PyTorch through
+    /// tessera-py) orders its own streams against this one with events
+    /// (`torch.cuda.ExternalStream`), so that neither reads memory the other
+    /// is still writing, and no host synchronisation is needed.
+    pub fn stream_handle(&self) -> u64 {
+        self.gpu.stream() as u64
+    }
+
     /// The GPU's name and architecture, e.g. `NVIDIA H100 80GB HBM3 (sm_90)`.
     pub fn describe(&self) -> String {
         format!(
