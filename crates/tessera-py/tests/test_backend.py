@@ -186,24 +186,19 @@ def test_dropout_falls_back_and_the_rest_runs_on_tessera(fallbacks):
     assert w.grad is not None and tessera_graphs()
 
 
-@pytest.mark.parametrize("optimizer", ["SGD", "AdamW"])
-def test_training_step_with_optimizer_matches_eager(optimizer, fallbacks):
-    """A whole step (zero_grad, forward, backward, optimizer) compiled: the
-    losses and the parameters after three steps are eager's."""
+def steps_match_eager(optimizer, device="cpu", atol=1e-5, **options):
+    """Three whole training steps of a GPT block (zero_grad, forward,
+    backward, `optimizer` with `options`) compiled with backend="tessera":
+    the losses and the parameters after them are eager's."""
     torch.manual_seed(0)
-    ref = Block(sdpa=True)
-    m = Block(sdpa=True)
+    ref = Block(sdpa=True).to(device)
+    m = Block(sdpa=True).to(device)
     m.load_state_dict(ref.state_dict())
-    ids, targets = torch.randint(0, 11, (2, 8)), torch.randint(0, 11, (2, 8))
+    ids = torch.randint(0, 11, (2, 8), device=device)
+    targets = torch.randint(0, 11, (2, 8), device=device)
 
     def make_step(model):
-        # AdamW's default eps (1e-8) turns the rounding noise of a gradient
-        # that is zero in exact arithmetic (the key bias: softmax ignores a
-        # per-row constant) into full-size updates, under any backend
-        # (aot_eager and Inductor differ from eager by 1e-2 there too);
-        # eps=1e-3 keeps the update a smooth function of the gradient.
-        extra = {"eps": 1e-3} if optimizer == "AdamW" else {}
-        opt = getattr(torch.optim, optimizer)(model.parameters(), lr=0.05, **extra)
+        opt = getattr(torch.optim, optimizer)(model.parameters(), lr=0.05, **options)
 
         def step():
             opt.zero_grad()
@@ -216,9 +211,19 @@ def test_training_step_with_optimizer_matches_eager(optimizer, fallbacks):
 
     eager, compiled = make_step(ref), torch.compile(make_step(m), backend="tessera")
     for _ in range(3):
-        torch.testing.assert_close(compiled(), eager(), atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(compiled(), eager(), atol=atol, rtol=1e-4)
     for p, q in zip(m.parameters(), ref.parameters()):
-        torch.testing.assert_close(p, q, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(p, q, atol=atol, rtol=1e-4)
+
+
+@pytest.mark.parametrize("optimizer", ["SGD", "AdamW"])
+def test_training_step_with_optimizer_matches_eager(optimizer, fallbacks):
+    # AdamW's default eps (1e-8) turns the rounding noise of a gradient
+    # that is zero in exact arithmetic (the key bias: softmax ignores a
+    # per-row constant) into full-size updates, under any backend
+    # (aot_eager and Inductor differ from eager by 1e-2 there too);
+    # eps=1e-3 keeps the update a smooth function of the gradient.
+    steps_match_eager(optimizer, **({"eps": 1e-3} if optimizer == "AdamW" else {}))
     assert fallbacks() == [], "the model, its backward and the optimizer's update run on tessera"
 
 

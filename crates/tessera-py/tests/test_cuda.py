@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import tessera
-from test_backend import MLP, Block, compare, tessera_graphs
+from test_backend import MLP, Block, compare, steps_match_eager, tessera_graphs
 from tessera.seed import PySDPA
 
 pytestmark = pytest.mark.skipif(
@@ -79,29 +79,7 @@ def test_training_steps_with_adamw_on_cuda_match_eager(fallbacks, on_tessera_gpu
     """AdamW with foreach=False: its default on CUDA, the multi-tensor
     `_foreach_*` ops, has no tessera conversion yet and runs in PyTorch
     (logged per op)."""
-    ref = Block(sdpa=True).cuda()
-    m = Block(sdpa=True).cuda()
-    m.load_state_dict(ref.state_dict())
-    ids = torch.randint(0, 11, (2, 8), device="cuda")
-    targets = torch.randint(0, 11, (2, 8), device="cuda")
-
-    def make_step(model):
-        opt = torch.optim.AdamW(model.parameters(), lr=0.05, eps=1e-3, foreach=False)
-
-        def step():
-            opt.zero_grad()
-            loss = model(ids, targets)
-            loss.backward()
-            opt.step()
-            return loss.detach()
-
-        return step
-
-    eager, compiled = make_step(ref), torch.compile(make_step(m), backend="tessera")
-    for _ in range(3):
-        torch.testing.assert_close(compiled(), eager(), atol=1e-4, rtol=1e-4)
-    for p, q in zip(m.parameters(), ref.parameters()):
-        torch.testing.assert_close(p, q, atol=1e-4, rtol=1e-4)
+    steps_match_eager("AdamW", device="cuda", atol=1e-4, eps=1e-3, foreach=False)
     assert fallbacks() == [], fallbacks()
 
 
