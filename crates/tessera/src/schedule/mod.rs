@@ -6,12 +6,15 @@
 //! previous one has finished. Strategies ([`Strategy`]):
 //!
 //! - `bfs`: every kernel as soon as its producers are done — level order,
-//!   the most independent work in flight (the default, fastest);
+//!   the most independent work in flight (the fastest);
 //! - `dfs`: one kernel at a time, finishing what one consumer needs before
 //!   the next (post-order from the outputs, producers in operand order);
 //! - `strict`: one kernel at a time in program order, as eager would;
-//! - `auto`: the lowest predicted peak among bfs, dfs, strict and a greedy
-//!   memory-aware order;
+//! - `auto` (compile's default, memory-aware as Inductor's
+//!   `reorder_for_peak_memory`): of bfs, dfs, strict and a greedy
+//!   memory-aware order, the most parallel whose predicted peak is within
+//!   a third of the lowest, coarsened into concurrent steps within that
+//!   bound — bfs wherever it is about as low;
 //! - with a memory budget: the requested order if it fits, else the most
 //!   parallel candidate that fits (sequential orders are coarsened into
 //!   concurrent steps while the budget allows), else the lowest peak with a
@@ -166,8 +169,24 @@ pub fn build_moving(
 ) -> Result<Scheduled> {
     let ctx = search::Context::new(graph, plan, options.device, donated)?;
     let mut schedule = ctx.choose(options);
-    let memory = MemoryPlan::from_model(graph, plan, &ctx.model, &schedule, moves)?;
-    schedule.streams = StreamPlan::new(&ctx.model, &ctx.hints, &schedule, &memory);
+    let mut memory = MemoryPlan::from_model(graph, plan, &ctx.model, &schedule, moves)?;
+    let mut model = &ctx.model;
+    // Cats in place save a copy, but hold their whole output from the
+    // first piece on: in this order, the lower peak decides.
+    let unjoined = ctx.model.without_joins();
+    if let Some(m) = &unjoined {
+        let apart = MemoryPlan::from_model(graph, plan, m, &schedule, moves)?;
+        if apart.peak_bytes < memory.peak_bytes {
+            log("memory", || {
+                format!(
+                    "graph `{}`: cats not in place: predicted peak {} bytes instead of {}",
+                    graph.name, apart.peak_bytes, memory.peak_bytes
+                )
+            });
+            (memory, model) = (apart, m);
+        }
+    }
+    schedule.streams = StreamPlan::new(model, &ctx.hints, &schedule, &memory);
     log("schedule", || describe(graph, plan, &schedule, &memory));
     log("memory", || memory.describe(graph));
     Ok(Scheduled { schedule, memory })
