@@ -3,7 +3,7 @@
 //! program order, groups contiguous, bfs steps after their producers); a
 //! hint that cannot be honoured says why; budgets choose what fits. And the
 //! seed's point: the sliced attention hinted `strict` needs far less memory
-//! than the default `bfs`, which runs every slice's scores at once.
+//! than `bfs`, which runs every slice's scores at once.
 
 mod schedule_util;
 
