@@ -85,7 +85,6 @@ struct ValueLayout {
     buffer: Option<usize>,
 }
 
-#[derive(Clone)]
 pub(crate) struct BufferModel {
     pub buffers: Vec<Buffer>,
     /// Per node, the buffer its value lives in.
@@ -173,23 +172,6 @@ impl BufferModel {
         model.keep_pairs(graph, donated);
         model.check_total(graph)?;
         Ok(model)
-    }
-
-    /// The same buffers with no cat joined in place: each piece a buffer
-    /// of its own, which the cat copies. A joined cat's output lives from
-    /// its first piece's kernel on; in a sequential order that runs the
-    /// pieces' kernels far apart (a backward freeing the saved values as it
-    /// goes), the pieces alone may hold less at the peak.
-    pub fn without_joins(&self) -> Option<BufferModel> {
-        if !self.joins.contains(&true) {
-            return None;
-        }
-        let mut model = self.clone();
-        for b in &mut model.buffers {
-            b.within = None;
-        }
-        model.joins.fill(false);
-        Some(model)
     }
 
     /// Every offset, arena size and peak the planner computes is at most

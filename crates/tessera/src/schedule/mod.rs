@@ -169,24 +169,8 @@ pub fn build_moving(
 ) -> Result<Scheduled> {
     let ctx = search::Context::new(graph, plan, options.device, donated)?;
     let mut schedule = ctx.choose(options);
-    let mut memory = MemoryPlan::from_model(graph, plan, &ctx.model, &schedule, moves)?;
-    let mut model = &ctx.model;
-    // Cats in place save a copy, but hold their whole output from the
-    // first piece on: in this order, the lower peak decides.
-    let unjoined = ctx.model.without_joins();
-    if let Some(m) = &unjoined {
-        let apart = MemoryPlan::from_model(graph, plan, m, &schedule, moves)?;
-        if apart.peak_bytes < memory.peak_bytes {
-            log("memory", || {
-                format!(
-                    "graph `{}`: cats not in place: predicted peak {} bytes instead of {}",
-                    graph.name, apart.peak_bytes, memory.peak_bytes
-                )
-            });
-            (memory, model) = (apart, m);
-        }
-    }
-    schedule.streams = StreamPlan::new(model, &ctx.hints, &schedule, &memory);
+    let memory = MemoryPlan::from_model(graph, plan, &ctx.model, &schedule, moves)?;
+    schedule.streams = StreamPlan::new(&ctx.model, &ctx.hints, &schedule, &memory);
     log("schedule", || describe(graph, plan, &schedule, &memory));
     log("memory", || memory.describe(graph));
     Ok(Scheduled { schedule, memory })

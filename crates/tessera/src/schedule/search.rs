@@ -150,12 +150,14 @@ impl Context {
         let peaks = peaks_of(&all);
         let low = all.iter().map(Candidate::peak).min().unwrap_or(0);
         let bound = low.saturating_add(low / AUTO_SLACK);
-        let best = all
+        let mut best = all
             .into_iter()
             .filter(|c| c.peak() <= bound)
             .map(|c| self.coarsened(c, bound, region_order))
             .min_by_key(|c| (c.steps.len(), c.peak()))
             .expect("the lowest is within the bound");
+        // Coarsening checked the bound; a memory budget is checked next.
+        best.fits = self.fits(&best.steps, &best.live, options.memory_budget);
         let name = format!("auto: {} (peaks: {peaks})", best.name);
         (best, name)
     }
