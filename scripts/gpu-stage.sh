@@ -4,7 +4,8 @@
 # (with `tessera bench gpt`), matmul_rate, the tessera-cuda test executables
 # (under tests/), and the scripts. Then, on the device:
 # TESSERA_BIN_DIR=DIR scripts/gpu-check.sh OUT, or
-# TESSERA_BIN_DIR=DIR scripts/bench_gpt.sh OUT (GPT step, tessera and PyTorch)
+# TESSERA_BIN_DIR=DIR scripts/bench_gpt.sh OUT (GPT step, tessera and PyTorch), or
+# TESSERA_BIN_DIR=DIR scripts/bench_resnet_gpu.sh OUT (conv tests, ResNet)
 set -euo pipefail
 dir=${1:-/work/main/.gpu/cuda}
 cd "$(dirname "$0")/.."
@@ -21,6 +22,6 @@ for l in sys.stdin:
         print(m["executable"])' \
   | while read -r exe; do cp "$exe" "$dir/tests/"; done
 strip "$dir/tessera" "$dir/matmul_rate" "$dir"/tests/* 2>/dev/null || true
-cp scripts/gpu-check.sh scripts/bench_gpt.sh "$dir/scripts/"
+cp scripts/gpu-check.sh scripts/bench_gpt.sh scripts/bench_resnet_gpu.sh "$dir/scripts/"
 cp scripts/anchors/*.py "$dir/scripts/anchors/"
 du -sh "$dir"

@@ -9,7 +9,8 @@ Writes OUT_DIR/resnet50.onnx (random weights and batch-norm statistics,
 seed 0; eval mode; a dynamic batch dim; input `x` [B, 3, 224, 224], output
 `logits` [B, 1000]), OUT_DIR/x_B.npy and OUT_DIR/ort_logits_B.npy for each
 batch size B (default 1 and 32), and prints ONNX Runtime's median latency
-(CPU, intra-op threads = the machine's cores) of 5 runs after 2 warm-ups.
+(CPU, intra-op threads = the machine's cores; its CUDA provider with
+ORT_DEVICE=cuda, inputs and outputs in GPU memory) of 5 runs after 2 warm-ups.
 Compare tessera's output with `onnx_resnet_export.py --compare A.npy B.npy`.
 """
 
@@ -19,7 +20,7 @@ import sys
 import numpy as np
 import torch
 import torch.nn as nn
-from ort_bench import cpu_session, timed
+from ort_bench import device, session, timed
 
 
 class Bottleneck(nn.Module):
@@ -110,7 +111,7 @@ def main():
     )
     import onnxruntime as ort
 
-    sess = cpu_session(path)
+    sess = session(path)
     rng = np.random.default_rng(0)
     for b in batches:
         x = rng.standard_normal((b, 3, 224, 224), dtype=np.float32)
@@ -120,7 +121,7 @@ def main():
         with torch.no_grad():
             ref = model(torch.from_numpy(x)).numpy()
         print(
-            f"onnxruntime {ort.__version__} batch {b}: median {median:.3f} ms "
+            f"onnxruntime {ort.__version__} ({device()}) batch {b}: median {median:.3f} ms "
             f"(max |ORT - torch| {np.abs(logits - ref).max():.2e})"
         )
 

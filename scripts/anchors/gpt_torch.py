@@ -3,7 +3,10 @@
 # The same GPT-2-shaped model and step in PyTorch: eager and torch.compile, f32 (no TF32).
 # usage: gpt_torch.py DEVICE LAYERS D_MODEL HEADS BATCH SEQ VOCAB STEPS [f32|bf16]
 # bf16: torch.autocast(bfloat16) around forward and loss (f32 master weights).
-import sys, json, time, math, contextlib
+# GPT_TORCH_MODES (default "eager,compile"): the runs, in order; "compile:B"
+# is torch.compile with backend B (e.g. compile:tessera, tessera-py's backend,
+# whose GPU memory is added to the peak: its allocator is not PyTorch's).
+import os, sys, json, time, math, contextlib
 import torch, torch.nn as nn, torch.nn.functional as F
 dev = sys.argv[1]; L, D, H, B, T, V, S = map(int, sys.argv[2:9])
 DT = sys.argv[9] if len(sys.argv) > 9 else "f32"
@@ -35,7 +38,10 @@ def run(mode):
     torch.manual_seed(0)
     m = GPT().to(dev); opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
     ids = torch.randint(0, V, (B, T + 1), device=dev); x, y = ids[:, :-1].contiguous(), ids[:, 1:].reshape(-1)
-    f = m if mode == "eager" else torch.compile(m)
+    backend = mode.split(":")[1] if ":" in mode else "inductor"
+    f = m if mode == "eager" else torch.compile(m, backend=backend)
+    tessera = __import__("tessera") if backend == "tessera" else None
+    if tessera and dev == "cuda": tessera.cuda_reset_peak_memory()
     if dev == "cuda": torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats(); base = torch.cuda.memory_allocated()
     else: base = 0
     ts, losses = [], []; t_first = time.perf_counter(); first = 0
@@ -52,9 +58,10 @@ def run(mode):
         if step >= 3: ts.append((time.perf_counter() - t0) * 1e3)
     ts.sort(); med = ts[len(ts) // 2]
     peak = torch.cuda.max_memory_allocated() / 2**20 if dev == "cuda" else 0
+    if tessera and dev == "cuda": peak += tessera.cuda_memory_stats()[1] / 2**20
     print(json.dumps(dict(system="torch", mode=mode, dtype=DT, params=sum(p.numel() for p in m.parameters()), ms_median=round(med, 2),
         tokens_per_s=round(B * T / (med / 1e3)), peak_mb=round(peak), base_mb=round(base / 2**20), first_step_s=round(first, 2),
         loss_first=round(losses[0], 4), loss_last=round(losses[-1], 4))), flush=True)
-for mode in ("eager", "compile"):
+for mode in os.environ.get("GPT_TORCH_MODES", "eager,compile").split(","):
     try: run(mode)
     except Exception as e: print(json.dumps(dict(system="torch", mode=mode, error=repr(e)[:200])), flush=True)

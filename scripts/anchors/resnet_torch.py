@@ -1,17 +1,31 @@
 """PyTorch's side of `tessera bench resnet`: a torchvision-free ResNet-18/50
 (torchvision's architecture: 7x7/2 stem, batch norm, ReLU, 3x3/2 max pool,
 basic or bottleneck blocks with the stride on the 3x3 conv, global average
-pool, linear head), eager, on the CPU, timed two ways on a random batch:
+pool, linear head), on the CPU or the GPU, eager or torch.compile, timed two
+ways on a random batch:
 
   --task inference   model.eval(), torch.inference_mode(), forward
   --task train       model.train(), zero_grad, forward, cross-entropy,
                      backward, SGD (lr 0.01, momentum 0.9) step
 
+--dtype bf16|f16 puts the parameters, the batch-norm statistics and the batch
+in that dtype (model.to(dtype)), as `tessera bench resnet --dtype` does.
+--mode compile runs torch.compile(model) (the default inductor backend; the
+loss, backward call and optimizer step stay eager); --mode reduce-overhead
+adds CUDA graphs (torch.compile's mode="reduce-overhead", the peer of
+`tessera bench resnet --cuda-graphs`). f32 convolutions and
+matmuls run without TF32 (as tessera's f32: CUDNN_FMA_MATH and
+CUBLAS_COMPUTE_32F); cudnn.benchmark stays off (as tessera, which takes
+cuDNN's heuristic choice).
+
 `--warmup` untimed runs, then `--steps` timed ones; the median is the
-figure. Prints one JSON line with the fields `tessera bench resnet` prints.
+figure. Every run reads its result back (.item(), which waits for the GPU).
+Prints one JSON line with the fields `tessera bench resnet` prints.
 
     python scripts/anchors/resnet_torch.py --depth 50 --task inference \
         --batch 8 --image 224 --threads 2
+    python scripts/anchors/resnet_torch.py --device cuda --mode compile \
+        --depth 50 --batch 32 --dtype bf16
 """
 
 import argparse
@@ -22,6 +36,8 @@ import time
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
 
 
 class Basic(nn.Module):
@@ -103,49 +119,67 @@ def main():
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--dtype", choices=list(DTYPES), default="f32")
+    p.add_argument("--mode", choices=["eager", "compile", "reduce-overhead"], default="eager")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     torch.manual_seed(a.seed)
-    model = ResNet(a.depth, a.classes)
-    x = torch.randn(a.batch, 3, a.image, a.image)
-    y = torch.arange(a.batch) % a.classes
-    times, last = [], 0.0
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    dtype = DTYPES[a.dtype]
+    model = ResNet(a.depth, a.classes).to(a.device, dtype)
+    x = torch.randn(a.batch, 3, a.image, a.image).to(a.device, dtype)
+    y = (torch.arange(a.batch) % a.classes).to(a.device)
+    net = {
+        "eager": model,
+        "compile": torch.compile(model),
+        "reduce-overhead": torch.compile(model, mode="reduce-overhead"),
+    }[a.mode]
+    times, last, first = [], 0.0, 0.0
     if a.task == "inference":
         model.eval()
-        for i in range(a.warmup + a.steps):
-            t = time.perf_counter()
+
+        def run():
             with torch.inference_mode():
-                last = model(x).mean().item()
-            ms = (time.perf_counter() - t) * 1e3
-            if i >= a.warmup:
-                times.append(ms)
+                return net(x).float().mean().item()
+
     else:
         model.train()
         opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-        for i in range(a.warmup + a.steps):
-            t = time.perf_counter()
+
+        def run():
             opt.zero_grad(set_to_none=True)
-            loss = F.cross_entropy(model(x), y)
+            loss = F.cross_entropy(net(x), y)
             loss.backward()
             opt.step()
-            last = loss.item()
-            ms = (time.perf_counter() - t) * 1e3
-            if i >= a.warmup:
-                times.append(ms)
+            return loss.item()
+
+    for i in range(a.warmup + a.steps):
+        t = time.perf_counter()
+        last = run()
+        ms = (time.perf_counter() - t) * 1e3
+        if i == 0:
+            first = ms
+        if i >= a.warmup:
+            times.append(ms)
     times.sort()
     med = times[len(times) // 2]
     print(
         json.dumps(
             {
-                "framework": f"pytorch {torch.__version__} eager",
+                "framework": f"pytorch {torch.__version__} {a.mode}",
                 "model": f"resnet{a.depth}",
                 "task": a.task,
                 "batch": a.batch,
                 "image": a.image,
+                "device": a.device,
+                "dtype": a.dtype,
                 "threads": torch.get_num_threads(),
                 "ms_median": med,
                 "ms_min": times[0],
                 "images_per_s": a.batch / (med / 1e3),
+                "first_ms": first,
                 "last_value": last,
                 "load": os.getloadavg()[0],
             }

@@ -25,7 +25,7 @@ pub enum BenchCommand {
     /// 50304, batch 8 × 1024): a GPU's size. On the CPU use e.g.
     /// `--layers 4 --d-model 256 --heads 4 --vocab 1024 --seq 128`.
     Gpt(GptArgs),
-    /// Time a ResNet-18/50 on the CPU: the compiled eval-mode forward
+    /// Time a ResNet-18/50 on the CPU or the GPU: the compiled eval-mode forward
     /// (`--task inference`) or a compiled training step (`--task train`:
     /// forward, cross-entropy, backward, SGD with momentum, batch norm's
     /// batch statistics and running update) on a random batch; print
@@ -57,6 +57,17 @@ pub struct ResNetArgs {
     warmup: usize,
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// cpu or cuda: where the model and the runs live.
+    #[arg(long, default_value = "cpu")]
+    device: String,
+    /// f32, bf16 or f16: the parameters', batch-norm statistics' and
+    /// batch's dtype (PyTorch's `model.to(dtype)`).
+    #[arg(long, default_value_t = DType::F32)]
+    dtype: DType,
+    /// --device cuda: record each run once as a CUDA graph and replay it
+    /// (tessera::compile's mode=reduce-overhead).
+    #[arg(long)]
+    cuda_graphs: bool,
 }
 
 fn defaults() -> GptBenchConfig {
@@ -180,6 +191,7 @@ pub fn run(command: &BenchCommand) -> Result<()> {
 }
 
 fn resnet(a: &ResNetArgs) -> Result<()> {
+    let device = crate::device::open(&a.device)?;
     let config = ResNetBenchConfig {
         depth: a.depth,
         task: a.task,
@@ -189,23 +201,35 @@ fn resnet(a: &ResNetArgs) -> Result<()> {
         steps: a.steps,
         warmup: a.warmup,
         seed: a.seed,
+        device,
+        dtype: a.dtype,
+        cuda_graphs: a.cuda_graphs,
     };
     eprintln!(
-        "bench resnet: resnet{} {}, batch {} × 3 × {}², {} + {} warmup runs; load average {}",
+        "bench resnet: resnet{} {}, batch {} × 3 × {}², {} on {device}, {} + {} warmup runs; load average {}",
         a.depth,
         a.task.name(),
         a.batch,
         a.image,
+        a.dtype,
         a.steps,
         a.warmup,
         load_average()
     );
     let report = run_resnet(&config, |i, ms| {
+        // TESSERA_CUDA_PROFILE=1 times the timed runs only.
+        if i + 1 == a.warmup {
+            tessera_cuda::profile::reset();
+        }
         eprintln!(
             "run {i:>3}{}  {ms:.1} ms",
             if i < a.warmup { " (warmup)" } else { "" }
         )
     })?;
+    let profile = tessera_cuda::profile::report(40);
+    if !profile.is_empty() {
+        eprintln!("over the {} timed runs: {profile}", a.steps);
+    }
     eprintln!("load average {}", load_average());
     println!("{}", serde_json::to_string(&report)?);
     Ok(())

@@ -19,6 +19,8 @@
 //!   matmul, indexing, memory);
 //! - `matmul`: cuBLASLt (f32, f16, bf16 with f32 accumulation; f64),
 //!   batched, transposed operands, bias/activation epilogues;
+//! - [`cudnn`]: convolutions (forward and both gradients) through cuDNN,
+//!   the direct kernels of `codegen::conv` as the fallback;
 //! - [`flash`]: the flash attention kernels' launcher (`flash_op`: their
 //!   custom-op slot).
 //!
@@ -29,6 +31,7 @@
 pub mod autotune;
 pub mod codegen;
 pub mod compiler;
+pub mod cudnn;
 pub mod flash;
 mod flash_op;
 mod gpu;
@@ -58,6 +61,7 @@ pub use matmul::Epilogue;
 pub struct CudaBackend {
     gpu: gpu::Gpu,
     blas: matmul::Blas,
+    dnn: cudnn::Dnn,
 }
 
 static BACKEND: OnceLock<std::result::Result<Arc<CudaBackend>, String>> = OnceLock::new();
@@ -71,6 +75,7 @@ pub fn backend() -> Result<Arc<CudaBackend>> {
                 Arc::new(CudaBackend {
                     gpu,
                     blas: matmul::Blas::default(),
+                    dnn: cudnn::Dnn::default(),
                 })
             })
         })
@@ -108,6 +113,15 @@ impl CudaBackend {
                 live_bytes: 0,
                 peak_bytes: 0,
             })
+    }
+
+    /// The CUDA stream (a `CUstream`, as an integer) that tessera queues
+    /// its work on between calls. A library sharing the GPU (PyTorch through
+    /// tessera-py) orders its own streams against this one with events
+    /// (`torch.cuda.ExternalStream`), so that neither reads memory the other
+    /// is still writing, and no host synchronisation is needed.
+    pub fn stream_handle(&self) -> u64 {
+        self.gpu.stream() as u64
     }
 
     /// The GPU's name and architecture, e.g. `NVIDIA H100 80GB HBM3 (sm_90)`.

@@ -123,6 +123,67 @@ fn offloaded_activations_leave_the_gpu_and_the_values_stay() {
     );
 }
 
+/// Plain eager code under `{"offload": true}` (PyTorch's `save_on_cpu`):
+/// the tape keeps what each op saves in page-locked host memory, so the
+/// GPU holds less after the forward; the backward brings the values back
+/// and gives the unhinted gradients.
+#[test]
+fn eager_offload_leaves_less_on_the_gpu_after_the_forward() {
+    if !gpu() {
+        return;
+    }
+    let _lock = allocator();
+    use tessera::tensor::offload;
+    let x = randn(&[WIDTH, WIDTH], 60, 1.0);
+    let run = |hint: Option<&str>| {
+        let params: Vec<Tensor> = (0..LAYERS as u64)
+            .map(|i| randn(&[WIDTH, WIDTH], 61 + i, 0.03).set_requires_grad(true))
+            .collect();
+        device::synchronize(Device::Cuda).unwrap();
+        let before = device::memory_stats(Device::Cuda).unwrap().live_bytes;
+        offload::reset_stats();
+        let body = || {
+            let mut h = x.clone();
+            for w in &params {
+                h = h.matmul(w).tanh();
+            }
+            h.sum(&[], false)
+        };
+        let loss = match hint {
+            Some(h) => hints::scope(h, body).unwrap(),
+            None => body(),
+        };
+        device::synchronize(Device::Cuda).unwrap();
+        let held = device::memory_stats(Device::Cuda).unwrap().live_bytes - before;
+        loss.backward();
+        let grads: Vec<Vec<f64>> = params
+            .iter()
+            .map(|p| p.grad().unwrap().to_f64_vec())
+            .collect();
+        (held, loss.to_f64_vec(), grads, offload::stats())
+    };
+    let (kept, loss, grads, none) = run(None);
+    let (held, loss2, grads2, moved) = run(Some(r#"{"offload": true}"#));
+    eprintln!("GPU bytes held after the forward: {kept} kept, {held} offloaded; {moved:?}");
+    let activation = WIDTH * WIDTH * 4;
+    assert_eq!(none, offload::OffloadStats::default());
+    // x and each layer's tanh output (also the next matmul's input: one copy).
+    assert_eq!(moved.offloaded_bytes, (LAYERS + 1) * activation);
+    assert_eq!(moved.values, 2 * LAYERS);
+    assert!(
+        held + 2 * activation <= kept,
+        "device bytes after the forward: {held} offloaded vs {kept} kept"
+    );
+    let diff = grads
+        .iter()
+        .flatten()
+        .zip(grads2.iter().flatten())
+        .chain(loss.iter().zip(&loss2))
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0, f64::max);
+    assert!(diff <= 1e-6, "gradients differ by {diff}");
+}
+
 /// In the steady state the offloads and prefetches never make the host
 /// wait for the device: a forward and backward with offload wait exactly
 /// as often as the same step without (the gradients read back at the end).

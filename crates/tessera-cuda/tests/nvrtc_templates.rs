@@ -540,6 +540,8 @@ fn conv_kernels() -> Vec<Launch> {
                 conv::conv2d_forward(&s(Activation::None), 0, 0, None, 0, 132),
                 conv::conv2d_backward_input(&s(Activation::None), 0, 0, 0, 132),
                 conv::conv2d_backward_weight(&s(Activation::None), 0, 0, 0, 132),
+                conv::conv2d_epilogue(dtype, [2, 6, 12], Some(0), Activation::Relu, 0, 132),
+                conv::conv2d_epilogue(dtype, [2, 6, 12], None, Activation::None, 0, 132),
                 conv::max_pool2d_forward(&p, 0, 0, 0, 132),
                 conv::max_pool2d_backward(&p, 0, 0, 0, 132),
                 conv::avg_pool2d_forward(&p, 0, 0, 132),

@@ -1,12 +1,16 @@
 //! DLPack (the legacy, unversioned `DLManagedTensor` of DLPack 0.8, which
 //! `torch.utils.dlpack.to_dlpack`/`from_dlpack` speak): tensors cross
-//! between PyTorch and tessera without a copy on the host.
+//! between PyTorch and tessera without a copy, in host memory and in the
+//! GPU's (tessera's CUDA backend runs GPU 0 of the process).
 //!
-//! Import wraps the producer's memory in tessera host storage whose owner
-//! calls the producer's deleter when the last view drops
-//! ([`tessera::runtime::cpu::Storage::from_foreign`]). Export hands out a
+//! Import wraps the producer's memory in tessera storage whose owner
+//! calls the producer's deleter when the last view drops: host storage
+//! ([`tessera::runtime::cpu::Storage::from_foreign`]) or device storage
+//! over a foreign block (`ForeignBlock`). Export hands out a
 //! `DLManagedTensor` that keeps the tessera array (so its storage) alive
-//! until the consumer calls its deleter.
+//! until the consumer calls its deleter. Neither side synchronises: the
+//! caller orders the two libraries' streams (`tessera.torch` does, with
+//! events).
 
 use std::ffi::{c_void, CStr};
 use std::sync::Arc;
@@ -16,6 +20,7 @@ use pyo3::prelude::*;
 
 use tessera::runtime::array::{Array, Buffer};
 use tessera::runtime::cpu::{ForeignOwner, Storage};
+use tessera::runtime::device::{Device, DeviceMemory, DeviceStorage};
 use tessera::runtime::layout::Layout;
 use tessera::{DType, Error, ErrorKind, Result, Tensor};
 
@@ -147,8 +152,8 @@ impl Drop for Managed {
 }
 
 /// A tensor over the memory of a `"dltensor"` capsule (consumed: renamed
-/// `"used_dltensor"`, as the protocol says). Host memory only; the error
-/// names the device otherwise.
+/// `"used_dltensor"`, as the protocol says): host memory or GPU 0's; the
+/// error names any other device.
 pub fn import(capsule: &Bound<'_, PyAny>) -> PyResult<Tensor> {
     let obj = capsule.as_ptr();
     // SAFETY: capsule calls on a live Python object, with the GIL held.
@@ -174,20 +179,7 @@ fn wrap(managed: Managed) -> Result<Tensor> {
     // SAFETY: a valid DLManagedTensor, alive until `managed` drops.
     let t = unsafe { &(*managed.0).dl_tensor };
     let dtype = dtype_of(t.dtype)?;
-    if t.device.device_type != DL_CPU && t.device.device_type != DL_CUDA_HOST {
-        let device = match t.device.device_type {
-            DL_CUDA => "cuda".to_string(),
-            other => format!("DLPack device type {other}"),
-        };
-        return Err(Error::new(
-            ErrorKind::Unsupported,
-            format!(
-                "from_dlpack: a tensor on {device} (id {}): tessera-py takes host tensors \
-                 (the torch backend copies CUDA tensors to the host)",
-                t.device.device_id
-            ),
-        ));
-    }
+    let device = device_of(t.device)?;
     let ndim = usize::try_from(t.ndim)
         .map_err(|_| Error::new(ErrorKind::Argument, "from_dlpack: negative ndim"))?;
     // SAFETY: DLPack: `shape` holds ndim entries, `strides` ndim or is null.
@@ -221,7 +213,7 @@ fn wrap(managed: Managed) -> Result<Tensor> {
     }
     if shape.contains(&0) {
         // Nothing to share (the producer's pointer may even be null).
-        return Ok(Tensor::zeros(&shape, dtype));
+        return Tensor::zeros(&shape, dtype).to(device);
     }
     // The elements the strided view reaches: its extent in storage.
     let extent = shape
@@ -234,17 +226,84 @@ fn wrap(managed: Managed) -> Result<Tensor> {
         .ok_or_else(|| bad("strides reaching past the size limit"))?;
     let ptr = (t.data as *mut u8).wrapping_add(t.byte_offset as usize);
     let len = extent * dtype.size_bytes();
-    let owner: ForeignOwner = Box::new(managed);
-    // SAFETY: DLPack's contract: `len` bytes from `ptr` are the producer's
-    // live tensor until the deleter (in `owner`) runs; tessera only reads
-    // them (graph inputs are never donated).
-    let storage = unsafe { Storage::from_foreign(dtype, extent, ptr, len, owner)? };
     let layout = Layout {
         shape,
         strides,
         offset: 0,
     };
-    Ok(Tensor::from_parts(Arc::new(storage), layout))
+    match device {
+        Device::Cpu => {
+            let owner: ForeignOwner = Box::new(managed);
+            // SAFETY: DLPack's contract: `len` bytes from `ptr` are the
+            // producer's live tensor until the deleter (in `owner`) runs;
+            // tessera only reads them (graph inputs are never donated).
+            let storage = unsafe { Storage::from_foreign(dtype, extent, ptr, len, owner)? };
+            Ok(Tensor::from_parts(Arc::new(storage), layout))
+        }
+        Device::Cuda => {
+            if ptr.is_null() || !(ptr as usize).is_multiple_of(dtype.size_bytes()) {
+                return Err(bad("a null or misaligned device pointer"));
+            }
+            let block = ForeignBlock {
+                ptr: ptr as u64,
+                len,
+                _owner: managed,
+            };
+            let storage = DeviceStorage::new(Device::Cuda, dtype, extent, Box::new(block));
+            Ok(Tensor::from_array(Array::from_device_parts(
+                Arc::new(storage),
+                layout,
+            )))
+        }
+    }
+}
+
+/// The tessera device of a DLPack device: the host (CPU or pinned host
+/// memory) or GPU 0, where tessera's CUDA backend runs (opened here on
+/// first use); anything else is an error naming it.
+fn device_of(d: DLDevice) -> Result<Device> {
+    match d.device_type {
+        DL_CPU | DL_CUDA_HOST => Ok(Device::Cpu),
+        DL_CUDA if d.device_id == 0 => {
+            crate::cuda::open()?;
+            Ok(Device::Cuda)
+        }
+        DL_CUDA => Err(Error::new(
+            ErrorKind::Unsupported,
+            format!(
+                "from_dlpack: a tensor on cuda:{}: tessera's CUDA backend runs GPU 0 of the \
+                 process (choose the GPU with CUDA_VISIBLE_DEVICES)",
+                d.device_id
+            ),
+        )),
+        other => Err(Error::new(
+            ErrorKind::Unsupported,
+            format!(
+                "from_dlpack: a tensor on DLPack device type {other} (id {}): tessera-py \
+                 takes host and CUDA tensors",
+                d.device_id
+            ),
+        )),
+    }
+}
+
+/// A producer's GPU memory as a tessera device block: its address and
+/// extent, and the producer's tensor, given back when tessera drops the
+/// block. Not counted by tessera's allocator (it did not allocate it).
+struct ForeignBlock {
+    ptr: u64,
+    len: usize,
+    _owner: Managed,
+}
+
+impl DeviceMemory for ForeignBlock {
+    fn ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    fn len(&self) -> usize {
+        self.len
+    }
 }
 
 /// What an exported tensor keeps alive: its array and the shape and
@@ -279,8 +338,8 @@ unsafe extern "C" fn capsule_destructor(capsule: *mut ffi::PyObject) {
     }
 }
 
-/// A `"dltensor"` capsule over `t`'s values, without a copy (host arrays;
-/// device arrays are refused with an error naming the device).
+/// A `"dltensor"` capsule over `t`'s values, without a copy (host memory,
+/// or GPU 0's for a tensor of tessera's CUDA backend).
 pub fn export<'py>(py: Python<'py>, t: &Tensor) -> PyResult<Bound<'py, PyAny>> {
     let array = t
         .try_array()
@@ -291,18 +350,9 @@ pub fn export<'py>(py: Python<'py>, t: &Tensor) -> PyResult<Bound<'py, PyAny>> {
             ))
         })?
         .clone();
-    let data = match array.buffer() {
-        Buffer::Host(s) => s.as_ptr() as *mut c_void,
-        Buffer::Device(_) => {
-            return Err(crate::to_py(Error::new(
-                ErrorKind::Unsupported,
-                format!(
-                    "to_dlpack: a {} array on {}: tessera-py exports host arrays",
-                    array.ty(),
-                    array.device()
-                ),
-            )))
-        }
+    let (data, device_type) = match array.buffer() {
+        Buffer::Host(s) => (s.as_ptr() as *mut c_void, DL_CPU),
+        Buffer::Device(s) => (s.ptr() as *mut c_void, DL_CUDA),
     };
     let layout = array.layout();
     let shape: Vec<i64> = layout.shape.iter().map(|&d| d as i64).collect();
@@ -315,7 +365,7 @@ pub fn export<'py>(py: Python<'py>, t: &Tensor) -> PyResult<Bound<'py, PyAny>> {
             dl_tensor: DLTensor {
                 data,
                 device: DLDevice {
-                    device_type: DL_CPU,
+                    device_type,
                     device_id: 0,
                 },
                 ndim,

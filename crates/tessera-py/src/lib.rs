@@ -6,15 +6,19 @@
 //! - `CompiledGraph(text, ...)`: a `.tir` graph parsed (errors at their
 //!   line and column) and compiled with [`tessera::compile::compile_graph`]
 //!   under options that map to [`CompileOptions`]; `run_dlpack` runs it on
-//!   DLPack capsules and returns capsules (zero copy on the host);
+//!   DLPack capsules and returns capsules (zero copy, host and CUDA
+//!   memory);
 //! - `Tensor`: a tessera tensor (`from_dlpack`, `to_dlpack`, `to_list`);
 //! - `check_hints`: a hint object validated and normalised by
 //!   [`tessera::hints::Hint`] (unknown keys come back as warnings);
-//! - `memory_stats`/`reset_peak_memory`: the host allocator's accounting.
+//! - `memory_stats`/`reset_peak_memory`: the host allocator's accounting;
+//! - `cuda_*`: tessera's CUDA backend (`cuda.rs`: opened on first use, its
+//!   stream for ordering PyTorch's work with tessera's, its memory stats).
 //!
 //! Every tessera error is raised as `tessera.TesseraError` with tessera's
 //! message (the op, the shapes and dtypes, the line).
 
+mod cuda;
 mod dlpack;
 
 use pyo3::create_exception;
@@ -38,7 +42,7 @@ fn argument(message: String) -> PyErr {
     to_py(tessera::Error::new(tessera::ErrorKind::Argument, message))
 }
 
-/// A tessera tensor with values (host memory).
+/// A tessera tensor with values (host or GPU memory).
 #[pyclass(name = "Tensor", module = "tessera._tessera", frozen)]
 struct PyTensor(Tensor);
 
@@ -63,6 +67,12 @@ impl PyTensor {
     #[getter]
     fn dtype(&self) -> String {
         self.0.dtype().to_string()
+    }
+
+    /// Where the values are: `cpu` or `cuda`.
+    #[getter]
+    fn device(&self) -> String {
+        self.0.device().to_string()
     }
 
     /// The values as a flat list of floats (row-major), for tests.
@@ -266,5 +276,6 @@ fn _tessera(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(memory_stats, m)?)?;
     m.add_function(wrap_pyfunction!(reset_peak_memory, m)?)?;
     m.add_function(wrap_pyfunction!(dtypes, m)?)?;
+    cuda::add(m)?;
     Ok(())
 }

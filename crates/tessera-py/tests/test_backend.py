@@ -125,7 +125,7 @@ def attention(q, k, v, causal):
     s = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
     if causal:
         n = q.shape[-2]
-        mask = torch.ones(n, n, dtype=torch.bool).tril()
+        mask = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
         s = s.masked_fill(~mask, float("-inf"))
     return F.softmax(s, dim=-1) @ v
 

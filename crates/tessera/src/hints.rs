@@ -13,10 +13,10 @@
 //! | `group_id` | integer | the group's kernels run as one contiguous block |
 //! | `backward_group_id` | integer | the `group_id` of the region's backward ops |
 //! | `memory_budget_mb` | number ≥ 0 | the most memory the region's steps may use |
-//! | `recompute` | boolean (default: `true` under `order: "strict"`, else `false`) | AOT autograd recomputes the region's forward values in the backward instead of saving them (activation checkpointing, matmuls included) |
+//! | `recompute` | boolean (default: `true` under `order: "strict"`, else `false`) | AOT autograd recomputes the region's forward values in the backward instead of saving them (activation checkpointing, matmuls included; the default and `aot_eager` backends); the eager tape ignores it, with a log line |
 //! | `max_width` | integer ≥ 1 | at most this many of the region's kernels run in one step: at most K independent chains in flight (the middle ground between `bfs`, unbounded, and `dfs`, one) |
 //! | `slice` | `{"dim": D, "parts": P}` (D ≥ 0, P ≥ 1) | the compiler splits the region along dim D of its results into P slices computed one after another (`crate::passes::slice`) |
-//! | `offload` | boolean | the activations the region saves for the backward wait in host memory between their last forward use and their first backward use (a strict region that offloads does not recompute by default) |
+//! | `offload` | boolean | the activations the region saves for the backward wait in host memory between their last forward use and their first backward use (a strict region that offloads does not recompute by default); honoured by compile's memory plan, by the `aot_eager` backend (moved op by op), and by the eager tape, like PyTorch's `save_on_cpu` (`crate::tensor::offload`) |
 //! | `stream` | integer ≥ 0 | the region's kernels go on a stream of their own (CUDA; events between streams, `crate::schedule::streams`); logged as ignored where a backend has no streams |
 //!
 //! `order: "strict"` says "memory over speed", so by default such a region
@@ -373,7 +373,10 @@ pub fn not_honoured_messages() -> Vec<String> {
 
 /// The keys of `hint` that plain eager execution (ops run as they are
 /// called, outside `compile`) does not honour, with the reasons: all but
-/// `order: "strict"`, which is what eager does anyway.
+/// `order: "strict"`, which is what eager does anyway, and `offload`,
+/// which the tape honours (the saved values of the region's ops wait in
+/// host memory, `crate::tensor::offload`; an op that records nothing says
+/// so there).
 pub fn eager_ignores(hint: &Hint) -> Vec<(&'static str, &'static str)> {
     let mut out = Vec::new();
     let mut say = |on: bool, key: &'static str, why: &'static str| {
@@ -415,11 +418,6 @@ pub fn eager_ignores(hint: &Hint) -> Vec<(&'static str, &'static str)> {
         hint.slice.is_some(),
         "slice",
         "slicing is a graph pass of compile; eager runs the code as written",
-    );
-    say(
-        hint.offload == Some(true),
-        "offload",
-        "only compile's memory plan moves saved values to host memory",
     );
     say(
         hint.stream.is_some(),
@@ -777,7 +775,8 @@ mod tests {
             .into_iter()
             .map(|(k, _)| k)
             .collect();
-        assert_eq!(keys, ["order", "max_width", "offload", "stream"]);
+        // The tape honours `offload`.
+        assert_eq!(keys, ["order", "max_width", "stream"]);
         assert!(eager_ignores(&Hint::strict()).is_empty());
         eager_op_in(&region);
         eager_op_in(&region);
@@ -785,7 +784,7 @@ mod tests {
             .into_iter()
             .filter(|m| m.starts_with("eager:") && m.contains("\"stream\":7"))
             .collect();
-        assert_eq!(said.len(), 4, "{said:?}");
+        assert_eq!(said.len(), 3, "{said:?}");
         assert!(said
             .iter()
             .any(|m| m.contains("hint \"stream\"") && m.contains("own stream")));

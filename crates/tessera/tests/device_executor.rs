@@ -419,3 +419,22 @@ fn a_compiled_function_plans_for_its_inputs_device_and_recompiles_on_another() {
         "{reasons:?}"
     );
 }
+
+/// A forward-only graph whose causal mask is made of constants alone (too
+/// large to fold into a literal: 80² > the passes' fold limit): the frozen
+/// prologue computes it once, on the device of the call's inputs (it has
+/// none of its own to go by), not on the host beside them.
+#[test]
+fn values_made_of_constants_alone_live_on_the_inputs_device() {
+    let _lock = fake();
+    let f = compile(|x: &[Tensor]| {
+        let n = x[0].shape()[0];
+        let mask = Tensor::ones(&[n, n], DType::F32).tril(0);
+        vec![(&x[0] * &mask).exp()]
+    });
+    let x = randn(&[80, 80], 60);
+    let on_host = f.call(std::slice::from_ref(&x));
+    let on_device = f.call(&on_fake(&[x]));
+    assert_eq!(on_device[0].device(), Device::Cuda);
+    assert_eq!(bits(&on_host), bits(&on_device));
+}

@@ -12,8 +12,10 @@
 //!   gradients gather from the outputs whose windows hold each input.
 //!
 //! These are the correct baseline, not tuned kernels: no shared-memory
-//! tiling, no tensor cores (an implicit-GEMM kernel or cuDNN would be the
-//! fast path).
+//! tiling, no tensor cores. The fast path is cuDNN (`crate::cudnn`); these
+//! kernels run what it cannot (f64, uneven padding, no libcudnn) and when
+//! `TESSERA_CUDA_CONV=direct` asks for them. [`conv2d_epilogue`] applies
+//! the bias and activation to a cuDNN convolution's output in place.
 
 use tessera::ir::custom::conv::{Activation, Conv2d, Pool2d};
 use tessera::DType;
@@ -128,6 +130,43 @@ pub fn conv2d_forward(s: &ConvShape, x: u64, w: u64, b: Option<u64>, y: u64, sms
     args.ptr(x).ptr(w).ptr(b.unwrap_or(0)).ptr(y);
     let total = s.input[0] * s.weight[0] * s.out_hw[0] * s.out_hw[1];
     launch(source, args, total, sms)
+}
+
+/// `y = act(y + b)` in place over an NCHW output `[n, o, hw]`: the bias
+/// (per channel) and the activation a cuDNN convolution leaves out — one
+/// pass over `y`, as PyTorch's cuDNN path adds its bias.
+pub fn conv2d_epilogue(
+    dtype: DType,
+    sizes: [usize; 3],
+    b: Option<u64>,
+    activation: Activation,
+    y: u64,
+    sms: u32,
+) -> Launch {
+    let d = dtype;
+    let cm = Compute::of(d);
+    let acc = cm.c_type();
+    let bias = match b {
+        Some(_) => format!("v += {};\n", load(d, cm, "a.b", "(i / a.hw) % a.o")),
+        None => String::new(),
+    };
+    let relu = match activation {
+        Activation::Relu => "if (v < 0) v = 0;\n",
+        Activation::None => "",
+    };
+    let body = format!(
+        "{acc} v = {yv};\n{bias}{relu}(({ct}*)a.y)[i] = {store};\n",
+        yv = load(d, cm, "a.y", "i"),
+        ct = c_type(d),
+        store = convert(d, cm, "v"),
+    );
+    let mut source = prelude(&[d]);
+    source.push_str("struct Args { long long n, o, hw; const void* b; void* y; };\n");
+    source.push_str(&grid_loop("a.n * a.o * a.hw", &body));
+    let mut args = Words::default();
+    args.ints(sizes.map(|v| v as i64));
+    args.ptr(b.unwrap_or(0)).ptr(y);
+    launch(source, args, sizes.iter().product(), sms)
 }
 
 /// `dx` from `dy` and `w` (also `conv_transpose2d`'s forward).
@@ -429,6 +468,11 @@ mod tests {
         assert!(l.source.contains("double acc"));
         let l = conv2d_backward_weight(&shape(DType::F32, false), 1, 2, 3, 132);
         assert_eq!(l.grid, 1, "6·2·3·3 = 108 weights: one block");
+        let l = conv2d_epilogue(DType::F16, [2, 6, 24], Some(5), Activation::Relu, 7, 132);
+        assert!(l.source.contains("(i / a.hw) % a.o") && l.source.contains("if (v < 0) v = 0;"));
+        assert_eq!(l.args.0, vec![2, 6, 24, 5, 7]);
+        let l = conv2d_epilogue(DType::F32, [2, 6, 24], None, Activation::None, 7, 132);
+        assert!(!l.source.contains("a.b)") && !l.source.contains("v < 0"));
     }
 
     #[test]

@@ -1,22 +1,30 @@
 //! The CUDA kernel slots of the convolution and pooling custom ops
 //! (`tessera::conv2d`, its input and weight gradients, `max_pool2d`,
-//! `avg_pool2d` and their gradients): the direct kernels of
-//! `codegen::conv` on the backend's stream. Operands are made contiguous
-//! first; the attributes and sizes are checked by the ops' signatures
-//! before a kernel runs.
+//! `avg_pool2d` and their gradients) on the backend's stream. Operands are
+//! made contiguous first; the attributes and sizes are checked by the ops'
+//! signatures before a kernel runs.
+//!
+//! A convolution pass runs through cuDNN (`crate::cudnn`: tensor-core
+//! engines, many times faster) when it can, then the bias and activation
+//! the compiler fused into the op (`conv_epilogue`) as one pass over the
+//! output; otherwise — f64, uneven padding, no libcudnn, an unaligned view,
+//! `TESSERA_CUDA_CONV=direct` — through the direct kernels of
+//! `codegen::conv`, which fuse the epilogue themselves. Pooling always runs
+//! the direct kernels (memory-bound: one pass either way).
 
 use tessera::custom_op::{self, Attrs, Backend};
 use tessera::error::{Error, ErrorKind, Result};
 use tessera::ir::custom::conv::{
-    check_conv, check_pool, Conv2d, Pool2d, AVG_POOL2D, AVG_POOL2D_BACKWARD, CONV2D,
+    check_conv, check_pool, Activation, Conv2d, Pool2d, AVG_POOL2D, AVG_POOL2D_BACKWARD, CONV2D,
     CONV2D_BACKWARD_INPUT, CONV2D_BACKWARD_WEIGHT, MAX_POOL2D, MAX_POOL2D_BACKWARD,
 };
 use tessera::ir::TensorType;
 use tessera::{DType, Tensor};
 
-use super::first;
+use super::{device_err, first};
 use crate::codegen::conv::{self as kernels, ConvShape, PoolShape};
 use crate::codegen::Launch;
+use crate::cudnn::{self, Pass};
 use crate::CudaBackend;
 
 /// Fills the CUDA slots of the convolution and pooling ops.
@@ -100,6 +108,28 @@ fn run(backend: &CudaBackend, op: &str, items: usize, launch: Launch) -> Result<
     }
 }
 
+/// Runs `pass` of convolution `s` (operands `a`, `b`, result `out`, see
+/// `cudnn::Dnn::conv`) through cuDNN when it can, else through the direct
+/// kernel `direct()` builds; `Ok(true)` when cuDNN ran it.
+fn conv_pass(
+    backend: &CudaBackend,
+    op: &str,
+    pass: Pass,
+    s: &ConvShape,
+    [a, b, out]: [u64; 3],
+    direct: impl FnOnce() -> Launch,
+) -> Result<bool> {
+    let fast = backend
+        .dnn
+        .conv(&backend.gpu, pass, s, a, b, out)
+        .map_err(|m| device_err(op, m))?;
+    if !fast {
+        backend.launch(op, &direct())?;
+        cudnn::count_direct();
+    }
+    Ok(fast)
+}
+
 fn conv2d(attrs: &Attrs, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
     let backend = crate::backend()?;
     let conv = Conv2d::from_attrs(CONV2D, attrs)?;
@@ -108,15 +138,24 @@ fn conv2d(attrs: &Attrs, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
     let s = conv_shape(CONV2D, conv, x.dtype(), four(x.shape()), four(w.shape()))?;
     let shape = [s.input[0], s.weight[0], s.out_hw[0], s.out_hw[1]];
     let y = empty(&backend, x.dtype(), &shape)?;
-    let launch = kernels::conv2d_forward(
-        &s,
+    if y.numel() == 0 {
+        return Ok(vec![y]);
+    }
+    let (xa, wa, ya, ba) = (
         address(&x),
         address(&w),
-        b.as_ref().map(address),
         address(&y),
-        backend.gpu.sms,
+        b.as_ref().map(address),
     );
-    run(&backend, CONV2D, y.numel(), launch)?;
+    let sms = backend.gpu.sms;
+    let direct = || kernels::conv2d_forward(&s, xa, wa, ba, ya, sms);
+    let fast = conv_pass(&backend, CONV2D, Pass::Forward, &s, [xa, wa, ya], direct)?;
+    // cuDNN computed the bare convolution: the bias and activation follow.
+    if fast && (ba.is_some() || s.conv.activation != Activation::None) {
+        let sizes = [shape[0], shape[1], shape[2] * shape[3]];
+        let epilogue = kernels::conv2d_epilogue(s.dtype, sizes, ba, s.conv.activation, ya, sms);
+        backend.launch(CONV2D, &epilogue)?;
+    }
     Ok(vec![y])
 }
 
@@ -129,14 +168,14 @@ fn backward_input(attrs: &Attrs, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
     let x = [dy.shape()[0], w.shape()[1] * conv.groups, h, wd];
     let s = conv_shape(op, conv, dy.dtype(), x, four(w.shape()))?;
     let dx = empty(&backend, dy.dtype(), &x)?;
-    let launch = kernels::conv2d_backward_input(
-        &s,
-        address(&dy),
-        address(&w),
-        address(&dx),
-        backend.gpu.sms,
-    );
-    run(&backend, op, dx.numel(), launch)?;
+    if dx.numel() == 0 {
+        return Ok(vec![dx]);
+    }
+    let operands = [address(&dy), address(&w), address(&dx)];
+    let [dya, wa, dxa] = operands;
+    let sms = backend.gpu.sms;
+    let direct = || kernels::conv2d_backward_input(&s, dya, wa, dxa, sms);
+    conv_pass(&backend, op, Pass::BackwardData, &s, operands, direct)?;
     Ok(vec![dx])
 }
 
@@ -149,14 +188,14 @@ fn backward_weight(attrs: &Attrs, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
     let w = [dy.shape()[1], x.shape()[1] / conv.groups, kh, kw];
     let s = conv_shape(op, conv, x.dtype(), four(x.shape()), w)?;
     let dw = empty(&backend, x.dtype(), &w)?;
-    let launch = kernels::conv2d_backward_weight(
-        &s,
-        address(&x),
-        address(&dy),
-        address(&dw),
-        backend.gpu.sms,
-    );
-    run(&backend, op, dw.numel(), launch)?;
+    if dw.numel() == 0 {
+        return Ok(vec![dw]);
+    }
+    let operands = [address(&x), address(&dy), address(&dw)];
+    let [xa, dya, dwa] = operands;
+    let sms = backend.gpu.sms;
+    let direct = || kernels::conv2d_backward_weight(&s, xa, dya, dwa, sms);
+    conv_pass(&backend, op, Pass::BackwardFilter, &s, operands, direct)?;
     Ok(vec![dw])
 }
 

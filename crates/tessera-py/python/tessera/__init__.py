@@ -4,7 +4,9 @@
 - ``tessera.hints('{"order": "strict"}')``: context hints for the ops traced
   inside a block (see :mod:`tessera._hints`);
 - ``tessera.CompiledGraph``: a graph in tessera's text form, compiled;
-- ``tessera.Tensor``: a tessera tensor (``from_dlpack``/``to_dlpack``).
+- ``tessera.Tensor``: a tessera tensor (``from_dlpack``/``to_dlpack``);
+- ``tessera.cuda_is_available()`` and the ``cuda_*`` functions: tessera's
+  CUDA backend (opened when a CUDA tensor first crosses), its GPU memory.
 """
 
 from ._tessera import (  # noqa: F401
@@ -13,6 +15,11 @@ from ._tessera import (  # noqa: F401
     TesseraError,
     __version__,
     check_hints,
+    cuda_describe,
+    cuda_is_available,
+    cuda_memory_stats,
+    cuda_reset_peak_memory,
+    cuda_synchronize,
     dtypes,
     memory_stats,
     reset_peak_memory,

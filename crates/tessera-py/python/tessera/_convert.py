@@ -961,10 +961,10 @@ def _arange(e, node):
 def _to_copy(e, node):
     x = e.val(node.args[0])
     dtype, _ = e.out_type()
-    for k in ("layout", "device", "memory_format", "pin_memory"):
-        v = node.kwargs.get(k)
-        if k == "device" and v is not None and torch.device(v).type != "cpu":
-            raise Unsupported(f"a copy to {v}")
+    # A device argument changes nothing here: a partition runs on one
+    # device, its inputs moved there first (a host scalar beside GPU
+    # tensors: AdamW's step count) and each output moved to the device
+    # PyTorch expects it on (`TesseraPartition.forward`).
     if x.dtype == dtype:
         return e.op("contiguous", [x], final=True)
     return e.cast(x, dtype, final=True)

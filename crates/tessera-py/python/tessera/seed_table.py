@@ -8,9 +8,11 @@ compiled scenarios under Inductor next to them.
 
 Working MB is the peak of the step's allocations beyond its inputs, output
 and gradients. PyTorch's allocations are read from its profiler's
-allocation records; tessera's from its own allocator's peak
-(``tessera.memory_stats``). For tessera rows the two are added: an upper
-bound, since the two peaks need not coincide. Compile ms is the first
+allocation records on the CPU and from its CUDA allocator's peak on the
+GPU; tessera's from its own allocator's peak (``tessera.memory_stats``, or
+``cuda_memory_stats`` when tessera's CUDA backend runs the graphs). For
+tessera rows the two are added: an upper bound, since the two peaks need
+not coincide. Compile ms is the first
 call's time less the median.
 """
 
@@ -54,6 +56,27 @@ def peak_torch_mb(step):
         cur += e.nbytes()
         peak = max(peak, cur)
     return peak / 2**20
+
+
+def peak_mb(step, device):
+    """PyTorch's peak working memory during `step` plus tessera's (host
+    memory on the CPU, tessera's GPU allocator on CUDA when its CUDA
+    backend runs the graphs)."""
+    on_gpu = device != "cpu" and _tessera.cuda_is_available()
+    stats = _tessera.cuda_memory_stats if on_gpu else _tessera.memory_stats
+    (_tessera.cuda_reset_peak_memory if on_gpu else _tessera.reset_peak_memory)()
+    live0, _ = stats()
+    if device == "cpu":
+        peak = peak_torch_mb(step)
+    else:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        step()
+        torch.cuda.synchronize()
+        peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+    _, tpeak = stats()
+    return peak + max(tpeak - live0, 0) / 2**20
 
 
 def reference(q, k, v, g):
@@ -124,11 +147,7 @@ def measure(name, fn, backend, options, shape, device, dtype, reps):
         return dict(scenario=name, error=f"{type(e).__name__}: {str(e).splitlines()[0][:100]}")
     median = times[len(times) // 2]
     io = 4 * q.numel() * q.element_size() / 2**20
-    _tessera.reset_peak_memory()
-    live0, _ = _tessera.memory_stats()
-    peak = peak_torch_mb(step)
-    _, tpeak = _tessera.memory_stats()
-    peak += max(tpeak - live0, 0) / 2**20
+    peak = peak_mb(step, device)
     return dict(
         scenario=name,
         working_mb=round(peak - io, 1),

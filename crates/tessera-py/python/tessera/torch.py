@@ -6,9 +6,12 @@ turns it into a forward and a backward graph of ATen ops. Each is split
 into partitions: maximal runs of nodes tessera converts
 (:mod:`tessera._convert`) become one tessera graph each, compiled by
 tessera's pipeline (passes, fusion, the schedule under context hints, the
-memory plan) and run on tessera's CPU backend; every other node runs in
-PyTorch, and each op that does is logged once (logger ``"tessera"``), as a
-graph break is. Tensors cross by DLPack without a copy on the host.
+memory plan) and run on tessera's CPU backend, or its CUDA backend when the
+inputs are on the GPU; every other node runs in PyTorch, and each op that
+does is logged once (logger ``"tessera"``), as a graph break is. Tensors
+cross by DLPack without a copy, in host and GPU memory; PyTorch's and
+tessera's CUDA streams are ordered with events at each call's start and
+end, never by synchronising the host.
 
 Options (``torch.compile(..., mode=..., options={...})``):
 
@@ -112,6 +115,36 @@ def _device_ok(v):
     if isinstance(v, (list, tuple)):
         return all(_device_ok(x) for x in v)
     return True
+
+
+_gpu = {}  # "stream": tessera's stream as a torch ExternalStream; "refused": logged
+
+
+def _gpu_stream(inputs):
+    """tessera's CUDA stream (a ``torch.cuda.ExternalStream``) when a
+    partition's inputs are on the GPU and tessera's CUDA backend opens;
+    None when it runs on the host."""
+    if not any(t.device.type == "cuda" for t in inputs):
+        return None
+    from . import _tessera
+
+    if not _tessera.cuda_is_available():
+        if "refused" not in _gpu:
+            _gpu["refused"] = True
+            log.warning(
+                "tessera: CUDA tensors cross through the host and run on tessera's CPU backend: %s",
+                _tessera.cuda_unavailable_reason(),
+            )
+        return None
+    devices = {t.device.index or 0 for t in inputs if t.device.type == "cuda"}
+    if devices != {0}:
+        raise TesseraError(
+            f"tessera's CUDA backend runs GPU 0 of the process; inputs on cuda:{sorted(devices)} "
+            "(choose the GPU with CUDA_VISIBLE_DEVICES)"
+        )
+    if "stream" not in _gpu:
+        _gpu["stream"] = torch.cuda.ExternalStream(_tessera.cuda_stream(), device=torch.device("cuda", 0))
+    return _gpu["stream"]
 
 
 # -- partitioning ---------------------------------------------------------------
@@ -253,7 +286,7 @@ class TesseraPartition(torch.nn.Module):
         out = next(n for n in gm.graph.nodes if n.op == "output")
         self.tuple_output = isinstance(out.args[0], (list, tuple))
         results = out.args[0] if self.tuple_output else [out.args[0]]
-        # Where each output lives in PyTorch (tessera computes on the host).
+        # Where each output lives in PyTorch (tessera computes on its inputs' device).
         self.out_devices = [
             r.meta["val"].device if isinstance(r, torch.fx.Node) and isinstance(r.meta.get("val"), torch.Tensor)
             else torch.device("cpu")
@@ -350,16 +383,26 @@ class TesseraPartition(torch.nn.Module):
         graph, positions = self._entry(args)
         if graph is None:
             return self.gm(*args)
-        caps = []
-        storages = set()
-        for i in positions:
-            t = args[i].detach()
-            if t.device.type != "cpu":
-                t = t.cpu()  # CUDA tensors cross through the host
-            storages.add(t.untyped_storage().data_ptr())
-            caps.append(torch.utils.dlpack.to_dlpack(t))
+        inputs = [args[i].detach() for i in positions]
+        stream = _gpu_stream(inputs)
+        target = "cpu" if stream is None else "cuda"
+        # Host scalars next to GPU tensors go to the GPU (tessera runs a
+        # graph on one device); CUDA tensors cross through the host only
+        # when tessera's CUDA backend does not open (logged once).
+        inputs = [t if t.device.type == target else t.to(target) for t in inputs]
+        if stream is not None:
+            # tessera's stream waits for what PyTorch queued before (the
+            # inputs' producers, the copies just above).
+            stream.wait_stream(torch.cuda.current_stream())
+        storages = {t.untyped_storage().data_ptr() for t in inputs}
+        results = graph.run_dlpack([torch.utils.dlpack.to_dlpack(t) for t in inputs])
+        if stream is not None:
+            # And PyTorch's for tessera's results; a buffer PyTorch frees
+            # later is reused by tessera only after PyTorch's work queued
+            # before the next call (that call's wait above).
+            torch.cuda.current_stream().wait_stream(stream)
         outs = []
-        for c, device in zip(graph.run_dlpack(caps), self.out_devices):
+        for c, device in zip(results, self.out_devices):
             o = torch.utils.dlpack.from_dlpack(c)
             # tessera may hand back an input's buffer (`contiguous` of a
             # contiguous input) or one buffer for two outputs; PyTorch takes
@@ -369,7 +412,7 @@ class TesseraPartition(torch.nn.Module):
                 o = o.clone()
                 ptr = o.untyped_storage().data_ptr()
             storages.add(ptr)
-            outs.append(o if device.type == "cpu" else o.to(device))
+            outs.append(o if o.device == device else o.to(device))
         return tuple(outs) if self.tuple_output else outs[0]
 
     def compiled_graphs(self):

@@ -35,7 +35,11 @@ fn input_gradients(node: &GradNode, grads: Vec<Option<Tensor>>) -> Result<Vec<Op
                 output: Some(output),
                 ..
             },
-        ) => rules::vjp(op, &saved.inputs, output, &filled[0]),
+        ) => {
+            // Saved values waiting in host memory come back first.
+            let (inputs, output) = node.saved_values(&saved, output)?;
+            rules::vjp(op, &inputs, &output, &filled[0])
+        }
         (
             Backward::Custom { .. },
             Saved {

@@ -17,7 +17,7 @@ use crate::runtime::execute::{run_plan_with, run_scheduled_owned};
 use crate::runtime::replay::{ReplayStats, Replayer};
 use crate::schedule::cost::{self, Choice, DeviceCosts};
 use crate::schedule::{self, Donations, Moves, ScheduleOptions, Scheduled};
-use crate::tensor::interpret::{bind_symbols, concretise, run_graph};
+use crate::tensor::interpret::{bind_symbols, concretise, run_graph_moving, HostMoves};
 use crate::tensor::trace::Traced;
 use crate::tensor::Tensor;
 
@@ -34,6 +34,9 @@ struct Program {
     tune: bool,
     /// Device graphs of its runs (`mode=reduce-overhead`).
     replay: Option<Arc<Replayer>>,
+    /// What a run node by node moves to and from host memory (a lowered
+    /// plan's memory plan makes the moves itself).
+    moves: MoveSpec,
 }
 
 /// A graph's fused kernels, their schedule and memory plan.
@@ -46,27 +49,25 @@ struct Lowered {
 }
 
 /// Which of a graph's outputs are offloaded to host memory and which of
-/// its inputs arrive there (by position: the passes renumber nodes).
-#[derive(Clone, Debug, Default, PartialEq)]
-pub(super) struct MoveSpec {
-    pub offload_outputs: Vec<usize>,
-    pub prefetch_inputs: Vec<usize>,
-}
+/// its inputs arrive there (by position: the passes renumber nodes). A
+/// lowered program's memory plan makes them; a program run node by node
+/// (`aot_eager`, a symbolic graph past its sizes) makes them in the
+/// interpreter.
+pub(super) type MoveSpec = HostMoves;
 
-impl MoveSpec {
-    fn moves(&self, graph: &Graph) -> Moves {
-        Moves {
-            offload: self
-                .offload_outputs
-                .iter()
-                .map(|&i| graph.outputs[i].node)
-                .collect(),
-            prefetch: self
-                .prefetch_inputs
-                .iter()
-                .map(|&i| graph.inputs[i])
-                .collect(),
-        }
+/// `spec` as the memory planner takes it: by node of `graph`.
+fn moves_of(spec: &MoveSpec, graph: &Graph) -> Moves {
+    Moves {
+        offload: spec
+            .offload_outputs
+            .iter()
+            .map(|&i| graph.outputs[i].node)
+            .collect(),
+        prefetch: spec
+            .prefetch_inputs
+            .iter()
+            .map(|&i| graph.inputs[i])
+            .collect(),
     }
 }
 
@@ -85,7 +86,7 @@ impl Lowered {
             .filter_map(|&(_, o)| Some(graph.outputs.get(o)?.node))
             .collect();
         fusion::keep_products_off(&graph, &mut plan, &paired);
-        let moves = moves.moves(&graph);
+        let moves = moves_of(moves, &graph);
         let scheduled = match schedule::build_moving(&graph, &plan, options, donated, &moves) {
             Ok(s) => Some(s),
             Err(e) => {
@@ -245,6 +246,7 @@ impl Program {
                 sized: None,
                 tune: false,
                 replay: None,
+                moves: moves.clone(),
             });
         }
         pipeline(options).run(&mut graph, &PassContext::default())?;
@@ -269,6 +271,7 @@ impl Program {
             tune: options.mode == super::Mode::MaxAutotune,
             replay: (options.mode == super::Mode::ReduceOverhead)
                 .then(|| Arc::new(Replayer::new())),
+            moves: moves.clone(),
         })
     }
 
@@ -345,7 +348,7 @@ impl Program {
         };
         let outs = match at_size.as_ref().or(self.lowered.as_ref()) {
             Some(lowered) => lowered.run(args, self.tune)?,
-            None => run_graph(&self.graph, &args)?,
+            None => run_graph_moving(&self.graph, &args, &self.moves)?,
         };
         Ok(outs.into_iter().map(|(_, t)| t).collect())
     }

@@ -4,7 +4,9 @@
 //! backend honours the rest where they are read (the slice pass, AOT
 //! autograd's recompute and offload, the scheduler's order, group, width,
 //! budget and streams (on a device with several), the memory planner's
-//! offloads); the scheduler's own notes
+//! offloads). `aot_eager` honours recompute (the AOT partition) and
+//! offload (its interpreter moves the saved values, op by op); `eager`
+//! honours offload (the tape keeps its saved values in host memory); the scheduler's own notes
 //! (`TESSERA_LOGS=schedule`) say when a hint it reads cannot be met.
 
 use std::collections::BTreeMap;
@@ -87,13 +89,6 @@ fn ignored(
                     "slicing is a graph pass of the default backend; this backend runs the code as written".into(),
                 ));
             }
-            if hint.offload == Some(true) {
-                out.push((
-                    "offload",
-                    "only the default backend's memory plan moves saved values to host memory"
-                        .into(),
-                ));
-            }
             if backend == Backend::Eager && hint.recompute.is_some() {
                 out.push((
                     "recompute",
@@ -102,14 +97,15 @@ fn ignored(
                 ));
             }
         }
-        Backend::Default => {
-            if hint.offload == Some(true) && !has_backward {
-                out.push((
-                    "offload",
-                    "nothing requires grad: the forward saves nothing for a backward".into(),
-                ));
-            }
-        }
+        Backend::Default => {}
+    }
+    // Every backend moves saved values to host memory: the default one's
+    // memory plan, aot_eager's interpreter, eager's tape.
+    if hint.offload == Some(true) && !has_backward {
+        out.push((
+            "offload",
+            "nothing requires grad: the forward saves nothing for a backward".into(),
+        ));
     }
     if let (Some(_), Some(why)) = (hint.stream, no_streams) {
         out.push(("stream", why));
@@ -130,14 +126,14 @@ mod tests {
                 .map(|(k, _)| k)
                 .collect()
         };
-        assert_eq!(
-            keys(Backend::Eager, true),
-            ["order", "group_id", "slice", "offload", "stream"]
-        );
-        assert_eq!(
-            keys(Backend::AotEager, true),
-            ["order", "group_id", "slice", "offload", "stream"]
-        );
+        // Offload is honoured wherever there is a backward.
+        for b in [Backend::Eager, Backend::AotEager] {
+            assert_eq!(keys(b, true), ["order", "group_id", "slice", "stream"]);
+            assert_eq!(
+                keys(b, false),
+                ["order", "group_id", "slice", "offload", "stream"]
+            );
+        }
         assert_eq!(keys(Backend::Default, true), ["stream"]);
         assert_eq!(keys(Backend::Default, false), ["offload", "stream"]);
         // Strict is what eager does anyway.

@@ -17,7 +17,7 @@ use std::collections::{HashMap, HashSet};
 use std::panic::Location;
 use std::sync::Arc;
 
-use super::{custom, trace, Tensor};
+use super::{custom, offload, trace, Tensor};
 use crate::error::{Error, ErrorKind, Result};
 use crate::ir::custom::CustomCall;
 use crate::ir::{Dim, EvalError, Graph, NodeId, Op, Shape};
@@ -30,14 +30,112 @@ pub type Symbols = HashMap<Arc<str>, usize>;
 /// returns its named outputs. The graph is verified first; each input is
 /// checked against its declared type (see [`bind_symbols`]).
 pub fn run_graph(graph: &Graph, inputs: &[Tensor]) -> Result<Vec<(String, Tensor)>> {
+    run_graph_moving(graph, inputs, &HostMoves::default())
+}
+
+/// Values a run moves between device and host memory, by position: the
+/// outputs it puts in host memory after their last use in the graph (a
+/// forward's saved values), and the inputs that arrive there, each
+/// brought back to the device before its first use (a backward's).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct HostMoves {
+    pub offload_outputs: Vec<usize>,
+    pub prefetch_inputs: Vec<usize>,
+}
+
+/// [`run_graph`] with `moves` made (through [`super::offload`]).
+pub fn run_graph_moving(
+    graph: &Graph,
+    inputs: &[Tensor],
+    moves: &HostMoves,
+) -> Result<Vec<(String, Tensor)>> {
     graph.verify()?;
     let given: Vec<Option<&Tensor>> = inputs.iter().map(Some).collect();
     let symbols = bind_symbols(graph, &given)?;
     // Nodes without inputs (full, arange …) and random ops with a host
-    // seed run on the inputs' device.
-    let refs: Vec<&Tensor> = inputs.iter().collect();
+    // seed run on the inputs' device; inputs waiting in host memory come
+    // to it.
+    let refs: Vec<&Tensor> = inputs
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| !moves.prefetch_inputs.contains(i))
+        .map(|(_, t)| t)
+        .collect();
     let on = inputs_device(graph, &refs)?;
-    device::with_device(on, || run_nodes(graph, inputs, &symbols))
+    device::with_device(on, || {
+        run_nodes(graph, inputs, &symbols, &Moving::new(graph, moves, on))
+    })
+}
+
+/// [`HostMoves`] by node: the values offloaded after each node (their last
+/// reader, or themselves when none reads them), and the inputs that come
+/// back.
+struct Moving {
+    on: Device,
+    offload_after: HashMap<usize, Vec<NodeId>>,
+    prefetch: HashSet<NodeId>,
+}
+
+impl Moving {
+    fn new(graph: &Graph, moves: &HostMoves, on: Device) -> Moving {
+        let mut last: HashMap<NodeId, usize> = moves
+            .offload_outputs
+            .iter()
+            .filter_map(|&o| graph.outputs.get(o))
+            .map(|out| (out.node, out.node.index()))
+            .collect();
+        for (i, node) in graph.nodes.iter().enumerate() {
+            for x in &node.inputs {
+                if let Some(at) = last.get_mut(x) {
+                    *at = i;
+                }
+            }
+        }
+        let mut offload_after: HashMap<usize, Vec<NodeId>> = HashMap::new();
+        for (value, at) in last {
+            offload_after.entry(at).or_default().push(value);
+        }
+        let prefetch = moves
+            .prefetch_inputs
+            .iter()
+            .filter_map(|&i| graph.inputs.get(i).copied())
+            .collect();
+        Moving {
+            on,
+            offload_after,
+            prefetch,
+        }
+    }
+
+    /// Brings `node`'s inputs that wait in host memory back to the device.
+    fn before(
+        &self,
+        graph: &Graph,
+        id: NodeId,
+        values: &mut [Option<Tensor>],
+        back: &mut HashSet<NodeId>,
+    ) -> Result<()> {
+        for x in &graph.node(id).inputs {
+            if self.prefetch.contains(x) && back.insert(*x) {
+                let slot = &mut values[x.index()];
+                let host = slot.as_ref().expect("live until its last use");
+                *slot =
+                    Some(offload::to_device(host, self.on).map_err(|e| node_error(graph, id, e))?);
+            }
+        }
+        Ok(())
+    }
+
+    /// Puts the values whose last use was node `i` in host memory.
+    fn after(&self, graph: &Graph, i: usize, values: &mut [Option<Tensor>]) -> Result<()> {
+        for &x in self.offload_after.get(&i).into_iter().flatten() {
+            let slot = &mut values[x.index()];
+            if let Some(t) = slot.as_ref() {
+                *slot = Some(offload::to_host(t, self.on).map_err(|e| node_error(graph, x, e))?);
+            }
+        }
+        Ok(())
+    }
 }
 
 /// The device of a program's inputs (scalars on the host go with any);
@@ -47,7 +145,12 @@ pub(crate) fn inputs_device(graph: &Graph, inputs: &[&Tensor]) -> Result<Device>
         .map_err(|e| Error::new(e.kind, format!("graph `{}`: {}", graph.name, e.message)))
 }
 
-fn run_nodes(graph: &Graph, inputs: &[Tensor], symbols: &Symbols) -> Result<Vec<(String, Tensor)>> {
+fn run_nodes(
+    graph: &Graph,
+    inputs: &[Tensor],
+    symbols: &Symbols,
+    moving: &Moving,
+) -> Result<Vec<(String, Tensor)>> {
     let last_use = last_uses(graph);
     let mut values: Vec<Option<Tensor>> = vec![None; graph.len()];
     for (&id, t) in graph.inputs.iter().zip(inputs) {
@@ -56,8 +159,10 @@ fn run_nodes(graph: &Graph, inputs: &[Tensor], symbols: &Symbols) -> Result<Vec<
     // Outputs after the first of custom ops, until their `custom_output`
     // node takes them.
     let mut custom_outputs: HashMap<(NodeId, usize), Tensor> = HashMap::new();
+    let mut back = HashSet::new();
     for (i, node) in graph.nodes.iter().enumerate() {
         let id = NodeId(i as u32);
+        moving.before(graph, id, &mut values, &mut back)?;
         match &node.op {
             Op::Input => {}
             Op::Custom(call) => {
@@ -77,6 +182,7 @@ fn run_nodes(graph: &Graph, inputs: &[Tensor], symbols: &Symbols) -> Result<Vec<
                 values[x.index()] = None;
             }
         }
+        moving.after(graph, i, &mut values)?;
     }
     Ok(graph
         .outputs

@@ -28,6 +28,7 @@ mod cnn;
 pub mod creation;
 pub(crate) mod custom;
 pub mod interpret;
+pub mod offload;
 mod ops;
 pub(crate) mod tape;
 pub mod trace;
@@ -139,6 +140,20 @@ impl Tensor {
         }))
     }
 
+    /// `values` (the same shape and dtype: a copy elsewhere) under a new
+    /// handle with this one's autograd state.
+    pub(crate) fn with_values(&self, values: Array) -> Tensor {
+        debug_assert_eq!(
+            (values.shape(), values.dtype()),
+            (self.shape(), self.dtype())
+        );
+        Tensor(Arc::new(TensorImpl {
+            data: Data::Values(values),
+            autograd: self.0.autograd.clone(),
+            cut_by: self.0.cut_by,
+        }))
+    }
+
     /// The same values, marked as cut from autograd by `op`.
     pub(crate) fn cut_by(&self, op: &'static str) -> Tensor {
         Tensor(Arc::new(TensorImpl {
@@ -174,7 +189,11 @@ impl Tensor {
         // Checked once the handle is ours: until then another handle could
         // still have made a view of the buffer.
         match inner.data {
-            Data::Values(array) if array.buffer().is_unique() => Ok(array),
+            Data::Values(array) if array.buffer().is_unique() => {
+                // Its values change: a host copy made of them is stale.
+                offload::forget(array.buffer_addr());
+                Ok(array)
+            }
             data => Err(Tensor(Arc::new(TensorImpl { data, ..inner }))),
         }
     }
@@ -445,7 +464,7 @@ impl Tensor {
             })
             .map_err(at)?
         };
-        Ok(tape::record(op, inputs, out, caller))
+        tape::record(op, inputs, out, caller).map_err(at)
     }
 }
 

@@ -14,9 +14,12 @@ use std::panic::Location;
 use std::sync::{Arc, Mutex};
 use std::thread::LocalKey;
 
-use super::{trace, Tensor};
+use super::{offload, trace, Tensor};
 use crate::error::{Error, ErrorKind, Result, SourceLoc};
-use crate::ir::{DType, NodeMeta, Op};
+use crate::ir::{BackwardReads, DType, NodeMeta, Op};
+use crate::runtime::array::Array;
+use crate::runtime::cpu::Storage;
+use crate::runtime::device::{self, Device};
 
 /// Autograd state of a tensor that requires grad.
 pub(crate) struct AutogradMeta {
@@ -70,12 +73,46 @@ pub(crate) struct GradNode {
     /// Where a `backward` that did not retain the graph went through this
     /// node: a second one through it is an error (see `Tensor::backward`).
     pub(crate) used_by: Mutex<Option<SourceLoc>>,
+    /// Which saved values wait in host memory (an op of an offload region).
+    pub(crate) moved: Option<Moved>,
+}
+
+/// The saved values of a node that wait in host memory, and the device
+/// they come back to.
+pub(crate) struct Moved {
+    device: Device,
+    /// Per input: in host memory.
+    inputs: Vec<bool>,
+    output: bool,
 }
 
 impl GradNode {
     /// A stable identity for this node.
     pub(crate) fn id(self: &Arc<Self>) -> usize {
         Arc::as_ptr(self) as usize
+    }
+
+    /// `saved`'s inputs and `output` (an op node's), on its device: those
+    /// waiting in host memory are copied back (see [`Moved`]).
+    pub(crate) fn saved_values(
+        &self,
+        saved: &Saved,
+        output: &Tensor,
+    ) -> Result<(Vec<Tensor>, Tensor)> {
+        let Some(moved) = &self.moved else {
+            return Ok((saved.inputs.clone(), output.clone()));
+        };
+        let back = |t: &Tensor, host: bool| match host {
+            true => offload::to_device(t, moved.device),
+            false => Ok(t.clone()),
+        };
+        let inputs = saved
+            .inputs
+            .iter()
+            .zip(&moved.inputs)
+            .map(|(t, &host)| back(t, host))
+            .collect::<Result<Vec<_>>>()?;
+        Ok((inputs, back(output, moved.output)?))
     }
 
     /// The op's name, or the custom function's.
@@ -175,41 +212,107 @@ fn tracks(inputs: &[&Tensor], any_float_output: bool) -> bool {
     is_grad_enabled() && any_float_output && inputs.iter().any(|t| t.requires_grad())
 }
 
-/// Hangs the op's node on `out` when an input requires grad.
+/// Hangs the op's node on `out` when an input requires grad. Inside a
+/// region hinted `{"offload": true}` the node keeps what its rule reads in
+/// host memory, and nothing of the rest (see [`offloaded`]).
 pub(crate) fn record(
     op: &Op,
     inputs: &[&Tensor],
     out: Tensor,
     caller: &'static Location<'static>,
-) -> Tensor {
+) -> Result<Tensor> {
     if !op.has_gradient() || !out.dtype().is_float() {
         // Remember the cut, so a later `backward` can name the op.
-        return match inputs.iter().any(|t| t.requires_grad()) && is_grad_enabled() {
-            true => out.cut_by(op.name()),
-            false => inherit_cut(inputs, out),
-        };
+        return Ok(
+            match inputs.iter().any(|t| t.requires_grad()) && is_grad_enabled() {
+                true => out.cut_by(op.name()),
+                false => inherit_cut(inputs, out),
+            },
+        );
     }
     if !tracks(inputs, true) {
-        return inherit_cut(inputs, out);
+        say_nothing_to_offload();
+        return Ok(inherit_cut(inputs, out));
     }
+    let origin = backward_origin(caller);
     let needs: Vec<bool> = inputs.iter().map(|t| t.requires_grad()).collect();
     let reads = op.backward_reads(&needs);
+    let mut held: Vec<Tensor> = inputs
+        .iter()
+        .zip(&reads.inputs)
+        .map(|(&t, &read)| kept(t, read))
+        .collect();
+    let mut output = kept(&out, reads.output);
+    let moved = match offloads(&origin) && !out.is_traced() {
+        true => Some(offloaded(&reads, &mut held, &mut output)?),
+        false => None,
+    };
     let node = Arc::new(GradNode {
         backward: Backward::Op(op.clone()),
         saved: Mutex::new(Saved {
-            inputs: inputs
-                .iter()
-                .zip(&reads.inputs)
-                .map(|(&t, &read)| kept(t, read))
-                .collect(),
-            output: Some(kept(&out, reads.output)),
+            inputs: held,
+            output: Some(output),
             function: None,
         }),
         outputs: vec![(out.shape().to_vec(), out.dtype())],
-        origin: backward_origin(caller),
+        origin,
         used_by: Mutex::new(None),
+        moved,
     });
-    attach(&out, &node, 0)
+    Ok(attach(&out, &node, 0))
+}
+
+/// Whether ops attributed to `origin` keep their saved values in host memory.
+fn offloads(origin: &NodeMeta) -> bool {
+    origin
+        .hints
+        .as_ref()
+        .is_some_and(|h| h.get("offload") == Some(&serde_json::Value::Bool(true)))
+}
+
+/// An op of a plain eager offload region (not a replayed graph's node,
+/// not a backward op: their runners report their own) that records
+/// nothing has nothing to move: said once per region (`TESSERA_LOGS=hints`).
+fn say_nothing_to_offload() {
+    if trace::has_origin() || trace::is_active() {
+        return;
+    }
+    let Some(region) = crate::hints::current()
+        .filter(|h| h.get("offload") == Some(&serde_json::Value::Bool(true)))
+    else {
+        return;
+    };
+    crate::hints::not_honoured(
+        "eager",
+        &region,
+        "offload",
+        "ops of the region that record nothing for a backward (grad mode off, or no input \
+         requires grad) save nothing to move to host memory",
+    );
+}
+
+/// Moves the values a node keeps (those its backward reads, `reads`; the
+/// others are already stand-ins without storage) to host memory, except
+/// leaves that require grad (parameters, which stay on the device for the
+/// optimizer anyway: a copy would free nothing). Returns which are in host
+/// memory.
+fn offloaded(reads: &BackwardReads, inputs: &mut [Tensor], output: &mut Tensor) -> Result<Moved> {
+    let on = output.device();
+    let mut host = vec![false; inputs.len()];
+    for (i, t) in inputs.iter_mut().enumerate() {
+        if reads.inputs[i] && !(t.is_leaf() && t.requires_grad()) && t.device() == on {
+            *t = offload::to_host(t, on)?;
+            host[i] = true;
+        }
+    }
+    if reads.output {
+        *output = offload::to_host(output, on)?;
+    }
+    Ok(Moved {
+        device: on,
+        inputs: host,
+        output: reads.output,
+    })
 }
 
 /// What a node keeps of `t`: `t` itself when its backward reads the
@@ -232,7 +335,7 @@ fn kept(t: &Tensor, read: bool) -> Tensor {
 
 /// `t`'s shape over one NaN of its dtype on its device (cached per thread,
 /// device and dtype: one element each, made once).
-fn stand_in_values(t: &Tensor) -> Option<crate::runtime::array::Array> {
+fn stand_in_values(t: &Tensor) -> Option<Array> {
     thread_local! {
         static SCALARS: std::cell::RefCell<Vec<Tensor>> = const { std::cell::RefCell::new(Vec::new()) };
     }
@@ -244,10 +347,11 @@ fn stand_in_values(t: &Tensor) -> Option<crate::runtime::array::Array> {
             .find(|s| s.device() == device && s.dtype() == dtype)
             .cloned();
         found.or_else(|| {
-            let made = no_grad(|| Tensor::from_vec(vec![f64::NAN], &[]).try_cast(dtype))
-                .ok()?
-                .to(device)
-                .ok()?;
+            // Made by the CPU's kernel directly, not by a tensor op: it is
+            // not an op of the user's region (hint reports, the tape).
+            let nan = Array::from_storage(Storage::try_from_slice(&[f64::NAN]).ok()?, &[]);
+            let one = device::eval(Device::Cpu, &Op::Cast(dtype), &[&nan], dtype, &[]).ok()?;
+            let made = Tensor::from_array(one).to(device).ok()?;
             cache.borrow_mut().push(made.clone());
             Some(made)
         })
@@ -325,6 +429,7 @@ pub fn custom_function_at(
             .collect(),
         origin: backward_origin(caller),
         used_by: Mutex::new(None),
+        moved: None,
     });
     outputs
         .iter()

@@ -142,6 +142,12 @@ pub fn with_origin<R>(origin: &NodeMeta, f: impl FnOnce() -> R) -> R {
     f()
 }
 
+/// Whether ops are attributed to an origin now (a replayed graph node, a
+/// backward op), rather than to the caller and the open `hints::scope`s.
+pub(crate) fn has_origin() -> bool {
+    ORIGIN.with(|o| o.borrow().is_some())
+}
+
 /// The metadata a new node gets: the origin in force (with its own hints),
 /// else the caller with the hints of the open `hints::scope`s.
 pub(crate) fn node_meta(caller: &'static Location<'static>) -> NodeMeta {

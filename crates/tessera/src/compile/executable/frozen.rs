@@ -24,6 +24,7 @@ use crate::error::Result;
 use crate::ir::extract::extract;
 use crate::ir::{Graph, NodeId, Op};
 use crate::logging::log;
+use crate::runtime::device::{self, with_device};
 use crate::tensor::Tensor;
 
 /// A forward graph cut in two by [`split`].
@@ -191,15 +192,24 @@ impl Frozen {
     /// ones while the tensors read are the same, else computed now.
     pub(super) fn values(&self, args: &[Tensor]) -> Result<Vec<Tensor>> {
         let from: Vec<Tensor> = self.reads.iter().map(|&i| args[i].clone()).collect();
+        // The forward's device: a prologue that reads no input (a causal
+        // mask made of constants) would otherwise make its values on the
+        // host, beside device inputs.
+        let device = device::of_inputs(&self.program.graph.name, &args.iter().collect::<Vec<_>>())?;
         let mut cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(c) = cache.as_ref() {
-            if c.from.len() == from.len() && c.from.iter().zip(&from).all(|(a, b)| same(a, b)) {
+            let fresh =
+                c.from.len() == from.len() && c.from.iter().zip(&from).all(|(a, b)| same(a, b));
+            if fresh && c.values.iter().all(|v| v.device() == device) {
                 return Ok(c.values.clone());
             }
         }
         // The old values go before the new ones are made.
         *cache = None;
-        let values = self.program.run(from.clone())?;
+        let values = with_device(device, || self.program.run(from.clone()))?
+            .into_iter()
+            .map(|v| v.to(device))
+            .collect::<Result<Vec<_>>>()?;
         let runs = self.computes.fetch_add(1, Ordering::Relaxed) + 1;
         log("fusion", || {
             let bytes: usize = values
