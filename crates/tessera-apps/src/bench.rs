@@ -92,14 +92,16 @@ impl std::fmt::Display for Mode {
     }
 }
 
-/// Parses a kernel order for the compiled step: `bfs`, `dfs` or `strict`.
+/// Parses a kernel order for the compiled step: `bfs`, `dfs`, `strict` or
+/// `auto` (compile's default).
 pub fn parse_schedule(s: &str) -> std::result::Result<Strategy, String> {
     match s {
         "bfs" => Ok(Strategy::Bfs),
         "dfs" => Ok(Strategy::Dfs),
         "strict" => Ok(Strategy::Strict),
+        "auto" => Ok(Strategy::Auto),
         _ => Err(format!(
-            "unknown schedule `{s}` (expected bfs, dfs or strict)"
+            "unknown schedule `{s}` (expected bfs, dfs, strict or auto)"
         )),
     }
 }

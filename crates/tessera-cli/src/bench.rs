@@ -120,8 +120,8 @@ pub struct GptArgs {
     /// Seeds the initial weights and the token batch.
     #[arg(long, default_value_t = defaults().seed)]
     seed: u64,
-    /// The compiled step's kernel order: bfs, dfs or strict [default: the
-    /// compiler's].
+    /// The compiled step's kernel order: bfs, dfs, strict or auto [default:
+    /// the compiler's, auto].
     #[arg(long, value_parser = parse_schedule)]
     schedule: Option<Strategy>,
     /// Compiled: run the cached executable of a step whose inputs pass its

@@ -446,24 +446,15 @@ fn row_kernels() -> Vec<Launch> {
             v.push(fused_rows(&k, &[x, per_row, Operand::Scalar(0.5)], &ptrs, 132).unwrap());
         }
     }
-    // Softmax backward on packs: p * (dp - sum(dp * p)), bf16 and f32.
-    for d in [DType::BF16, DType::F32, DType::F16] {
+    // Softmax's and log_softmax's gradient (eager backward's row kernel,
+    // what fusion makes of the decomposed rule) on packs: p * (dp - sum(dp
+    // * p)) and dp - exp(p) * sum(dp), bf16, f32 and f16.
+    for (d, log) in [DType::BF16, DType::F32, DType::F16]
+        .into_iter()
+        .flat_map(|d| [(d, false), (d, true)])
+    {
         let full = [64, 2048];
-        let k = RowKernel {
-            outer: vec![64],
-            len: 2048,
-            steps: vec![
-                RowStep::Point(Step::Load(0)),
-                RowStep::Point(Step::Load(1)),
-                RowStep::Point(Step::Binary(BinaryOp::Mul, 1, 0)),
-                RowStep::Reduce(ReduceOp::Sum, 2),
-                RowStep::Point(Step::Binary(BinaryOp::Sub, 1, 3)),
-                RowStep::Point(Step::Binary(BinaryOp::Mul, 0, 4)),
-            ],
-            is_row: vec![true, true, true, false, true, true],
-            outputs: vec![(5, d, full.to_vec())],
-            wide: false,
-        };
+        let k = RowKernel::softmax_backward(vec![64], 2048, d, log);
         let l = fused_rows(
             &k,
             &[

@@ -8,7 +8,7 @@
 //! The defaults are issue 17's GPT: 4 layers, d256 (4 heads, MLP 1024),
 //! batch 8×128, vocab 1024 — the shapes of `../shared/anchors/gpt_torch.py`.
 //! `STEP_SCHEDULE=strict|dfs|bfs` picks the compiled step's kernel order
-//! (default bfs).
+//! (default: compile's, `auto`).
 
 use std::time::Instant;
 

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use super::rules;
 use crate::error::{Error, ErrorKind, Result, SourceLoc};
 use crate::ir::Op;
-use crate::tensor::tape::{no_grad, Backward, GradNode};
+use crate::tensor::tape::{consuming, no_grad, Backward, GradNode, Saved};
 use crate::tensor::{autocast, trace, Tensor};
 
 /// How the VJP rules run: without recording (`no_grad`) and with autocast
@@ -27,26 +27,46 @@ fn input_gradients(node: &GradNode, grads: Vec<Option<Tensor>>) -> Result<Vec<Op
         .zip(&node.outputs)
         .map(|(g, (shape, dtype))| g.unwrap_or_else(|| Tensor::zeros(shape, *dtype)))
         .collect();
-    let result = trace::with_origin(&node.origin, || match &node.backward {
-        Backward::Op { op, output } => {
+    let saved = node.saved();
+    let result = trace::with_origin(&node.origin, || match (&node.backward, &saved) {
+        (
+            Backward::Op(op),
+            Saved {
+                output: Some(output),
+                ..
+            },
+        ) => {
             // Saved values waiting in host memory come back first.
-            let (inputs, output) = node.saved_values(output)?;
+            let (inputs, output) = node.saved_values(&saved, output)?;
             rules::vjp(op, &inputs, &output, &filled[0])
         }
-        Backward::Custom { backward, .. } => backward(&filled),
+        (
+            Backward::Custom { .. },
+            Saved {
+                function: Some(backward),
+                ..
+            },
+        ) => backward(&filled),
+        _ => Err(Error::op(
+            ErrorKind::Verify,
+            node.name(),
+            "its saved values were already released by a backward",
+        )),
     });
+    drop(saved);
     let result = result.map_err(|e| match &node.origin.location {
         Some(loc) => e.at(loc.clone()),
         None => e,
     })?;
-    if result.len() != node.inputs.len() {
+    let inputs = node.inputs().len();
+    if result.len() != inputs {
         return Err(Error::op(
             ErrorKind::Verify,
             node.name(),
             format!(
                 "backward returned {} gradients for {} inputs",
                 result.len(),
-                node.inputs.len()
+                inputs
             ),
         ));
     }
@@ -110,7 +130,8 @@ impl Tensor {
             let roots = std::slice::from_ref(self);
             let nodes = reverse_topological(roots);
             check_unused(&nodes).map_err(|e| e.at(at.clone()))?;
-            backward_mode(|| propagate(roots, &nodes, vec![seed], &mut Sink::Leaves))
+            let release = (!retain_graph).then_some(&at);
+            backward_mode(|| propagate(roots, &nodes, vec![seed], &mut Sink::Leaves, release))
                 .map_err(|e| e.at(at.clone()))?;
             if !retain_graph {
                 for node in &nodes {
@@ -207,7 +228,7 @@ fn reverse_topological(roots: &[Tensor]) -> Vec<Arc<GradNode>> {
             continue;
         }
         stack.push((node.clone(), true));
-        for input in &node.inputs {
+        for input in &node.inputs() {
             if let Some((n, _)) = input.grad_fn() {
                 if !seen.contains(&n.id()) {
                     stack.push((n.clone(), false));
@@ -366,20 +387,16 @@ fn route(t: &Tensor, g: Partial, pending: &mut Pending, sink: &mut Sink) -> Resu
 }
 
 /// For a step-1 slice, the gradient of its input as a slice piece.
-fn slice_piece(node: &GradNode, g: &Tensor) -> Option<Partial> {
+fn slice_piece(node: &GradNode, input: &Tensor, g: &Tensor) -> Option<Partial> {
     match &node.backward {
-        Backward::Op {
-            op:
-                Op::Slice {
-                    dim,
-                    start,
-                    step: 1,
-                    ..
-                },
+        Backward::Op(Op::Slice {
+            dim,
+            start,
+            step: 1,
             ..
-        } => Some(Partial::Slices {
+        }) => Some(Partial::Slices {
             dim: *dim,
-            shape: node.inputs[0].shape().to_vec(),
+            shape: input.shape().to_vec(),
             pieces: vec![(*start, g.clone())],
         }),
         _ => None,
@@ -387,12 +404,16 @@ fn slice_piece(node: &GradNode, g: &Tensor) -> Option<Partial> {
 }
 
 /// Backpropagates `seeds` from `roots` through `order`, the nodes
-/// [`reverse_topological`] gives for `roots`.
+/// [`reverse_topological`] gives for `roots`. `release`: the backward
+/// does not retain the graph (its call site): each node's saved values
+/// are dropped once its gradients are computed, and custom backwards may
+/// consume what they hold ([`crate::tensor::tape::backward_consumes`]).
 fn propagate(
     roots: &[Tensor],
     order: &[Arc<GradNode>],
     seeds: Vec<Tensor>,
     sink: &mut Sink,
+    release: Option<&SourceLoc>,
 ) -> Result<()> {
     let mut pending = Pending::default();
     for (root, seed) in roots.iter().zip(seeds) {
@@ -421,20 +442,28 @@ fn propagate(
                 sink.capture(Some(Slot::Output(node.id(), i)), g)?;
             }
         }
+        let first = node.inputs().swap_remove(0);
         if let (Some(piece), true) = (
-            grads[0].as_ref().and_then(|g| slice_piece(node, g)),
-            node.inputs[0].requires_grad(),
+            grads[0].as_ref().and_then(|g| slice_piece(node, &first, g)),
+            first.requires_grad(),
         ) {
-            trace::with_origin(&node.origin, || {
-                route(&node.inputs[0], piece, &mut pending, sink)
-            })?;
+            trace::with_origin(&node.origin, || route(&first, piece, &mut pending, sink))?;
+            if let Some(at) = release {
+                node.release(at);
+            }
             continue;
         }
-        let input_grads = input_gradients(node, grads)?;
+        drop(first);
+        let input_grads = consuming(release.is_some(), || input_gradients(node, grads))?;
+        if let Some(at) = release {
+            node.release(at);
+        }
+        // Edges only, once released: no saved value outlives the rule.
+        let inputs = node.inputs();
         // The sums of partial gradients are part of this node's backward too:
         // in an AOT backward graph they carry the forward op's line and hints.
         trace::with_origin(&node.origin, || -> Result<()> {
-            for (input, g) in node.inputs.iter().zip(input_grads) {
+            for (input, g) in inputs.iter().zip(input_grads) {
                 let Some(g) = g.filter(|_| input.requires_grad()) else {
                     continue;
                 };
@@ -487,7 +516,7 @@ pub fn grad(
     check_unused(&order).map_err(|e| e.at(at.clone()))?;
     let on = outputs.first().map_or(Default::default(), Tensor::device);
     crate::runtime::device::with_device(on, || {
-        backward_mode(|| propagate(outputs, &order, seeds, &mut sink))
+        backward_mode(|| propagate(outputs, &order, seeds, &mut sink, None))
     })
     .map_err(|e| e.at(at))?;
     match sink {
@@ -523,4 +552,35 @@ fn accumulate_leaf(leaf: &Tensor, g: Tensor) -> Result<()> {
     };
     *slot = Some(sum);
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::tensor::Tensor;
+
+    /// A backward that does not retain the graph frees each node's saved
+    /// values once its gradients are computed, though the graph's output
+    /// is still held (here `exp`'s output, which only its node keeps); one
+    /// that retains the graph keeps them for the next. Gradients are the
+    /// same either way.
+    #[test]
+    fn a_backward_frees_the_saved_values_as_it_goes() {
+        let x = Tensor::from_vec(vec![1.0f32, 2.0], &[2]).set_requires_grad(true);
+        for retain in [true, false] {
+            x.zero_grad();
+            let y = x.exp().sum(&[], false);
+            let (sum, _) = y.grad_fn().expect("recorded");
+            let (exp, _) = sum.inputs()[0].grad_fn().expect("recorded").clone();
+            let before = exp.saved().output.expect("exp keeps its output");
+            match retain {
+                true => y.backward_retain_graph(),
+                false => y.backward(),
+            }
+            let after = exp.saved().output.expect("an op node has an output");
+            assert_eq!(after.shares_storage(&before), retain, "retain {retain}");
+            assert_eq!(after.shape(), before.shape());
+            let g = x.grad().unwrap().to_vec::<f32>().unwrap();
+            assert_eq!(g, [1f32.exp(), 2f32.exp()]);
+        }
+    }
 }

@@ -13,7 +13,8 @@ mod mincut;
 pub mod rules;
 
 pub use crate::tensor::tape::{
-    custom_function, custom_function_at, enable_grad, is_grad_enabled, no_grad, BackwardFn,
+    backward_consumes, custom_function, custom_function_at, enable_grad, is_grad_enabled, no_grad,
+    BackwardFn,
 };
 pub use aot::{
     aot_autograd, aot_autograd_choosing, AotGraphs, Partition, SaveChoice, SavedAs, SavedCandidate,

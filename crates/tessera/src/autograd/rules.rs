@@ -38,14 +38,8 @@ pub fn vjp(op: &Op, inputs: &[Tensor], output: &Tensor, g: &Tensor) -> Result<Ve
             vec![None, ga.transpose()?, gb.transpose()?]
         }
         Op::Reduce { op, dims, keepdim } => vec![Some(reduce(*op, x, output, g, dims, *keepdim)?)],
-        Op::Softmax { dim } => {
-            let d = *dim as isize;
-            vec![Some(output * &(g - &(g * output).try_sum(&[d], true)?))]
-        }
-        Op::LogSoftmax { dim } => {
-            let d = *dim as isize;
-            vec![Some(g - &(output.exp() * g.try_sum(&[d], true)?))]
-        }
+        Op::Softmax { dim } => vec![Some(softmax_backward(output, g, *dim, false)?)],
+        Op::LogSoftmax { dim } => vec![Some(softmax_backward(output, g, *dim, true)?)],
         Op::MatMul => {
             let (ga, gb) = matmul(x, &inputs[1], g, [needs(0), needs(1)])?;
             vec![ga, gb]
@@ -129,6 +123,52 @@ pub fn vjp(op: &Op, inputs: &[Tensor], output: &Tensor, g: &Tensor) -> Result<Ve
             ))
         }
     })
+}
+
+/// softmax's (`log`: log_softmax's) input gradient from its output `y` and
+/// the output gradient `g`. Eagerly, along the last dim, one row kernel
+/// over `y` and `g` where the backend runs it (no full-size temporaries:
+/// the decomposed rule makes three); traced, the ops, which fusion makes
+/// the same row kernel.
+fn softmax_backward(y: &Tensor, g: &Tensor, dim: usize, log: bool) -> Result<Tensor> {
+    if let Some(dx) = softmax_backward_rows(y, g, dim, log)? {
+        return Ok(dx);
+    }
+    let d = dim as isize;
+    Ok(match log {
+        false => y * &(g - &(g * y).try_sum(&[d], true)?),
+        true => g - &(y.exp() * g.try_sum(&[d], true)?),
+    })
+}
+
+/// [`softmax_backward`] as one row kernel, when the values are at hand
+/// (not traced), both f32 or both f64, `dim` is the last and the backend
+/// takes the kernel; `None` otherwise.
+fn softmax_backward_rows(y: &Tensor, g: &Tensor, dim: usize, log: bool) -> Result<Option<Tensor>> {
+    use crate::ir::kernel::{RowKernel, MAX_ROW};
+    use crate::ir::DType;
+    use crate::runtime::device;
+    let (Some(ya), Some(ga)) = (y.try_array(), g.try_array()) else {
+        return Ok(None);
+    };
+    let shape = y.shape();
+    let real = matches!(y.dtype(), DType::F32 | DType::F64) && g.dtype() == y.dtype();
+    let len = shape.last().copied().unwrap_or(0);
+    if crate::tensor::trace::is_active()
+        || !real
+        || dim + 1 != shape.len()
+        || g.shape() != shape
+        || !(1..=MAX_ROW).contains(&len)
+    {
+        return Ok(None);
+    }
+    let kernel = RowKernel::softmax_backward(shape[..dim].to_vec(), len, y.dtype(), log);
+    let backend = device::backend(device::of_inputs("softmax_backward", &[ya, ga])?)?;
+    if backend.row_kernel_refusal(&kernel).is_some() {
+        return Ok(None);
+    }
+    let dx = backend.run_rows(&kernel, &[ya, ga])?.pop();
+    Ok(dx.map(Tensor::from_array))
 }
 
 fn signed(shape: &[usize]) -> Vec<isize> {
@@ -401,6 +441,52 @@ mod tests {
 
     use crate::ir::{ArgReduceOp, BinaryOp, CompareOp, DType, Op, ReduceOp, UnaryOp};
     use crate::tensor::{Generator, Tensor};
+
+    /// The eager row kernel of softmax's and log_softmax's gradient gives
+    /// the decomposed rule's values (the traced form, which fusion turns
+    /// into the same kernel), in f32 and f64, over rows of several
+    /// lengths, also for a strided output gradient; a dim that is not the
+    /// last takes the decomposed rule.
+    #[test]
+    fn the_softmax_gradient_row_kernel_gives_the_decomposed_rules_values() {
+        let mut gen = Generator::new(7);
+        for (dtype, tol) in [(DType::F32, 1e-6), (DType::F64, 1e-13)] {
+            for shape in [vec![3usize, 5, 40], vec![2, 1], vec![4, 300]] {
+                let last = shape.len() - 1;
+                let x = Tensor::randn(&shape, dtype, &mut gen);
+                let g = Tensor::randn(&shape, dtype, &mut gen);
+                // A transposed view made contiguous twice: strided, same values.
+                let g_strided = g.transpose(0, 1).contiguous().transpose(0, 1);
+                for log in [false, true] {
+                    let y = if log {
+                        x.log_softmax(-1)
+                    } else {
+                        x.softmax(-1)
+                    };
+                    let d = last as isize;
+                    let want = match log {
+                        false => &y * &(&g - &(&g * &y).sum(&[d], true)),
+                        true => &g - &(y.exp() * g.sum(&[d], true)),
+                    };
+                    for g in [&g, &g_strided] {
+                        let got = super::softmax_backward_rows(&y, g, last, log)
+                            .unwrap()
+                            .expect("the CPU runs the row kernel");
+                        assert_eq!((got.shape(), got.dtype()), (want.shape(), dtype));
+                        for (a, b) in got.to_f64_vec().iter().zip(want.to_f64_vec()) {
+                            assert!((a - b).abs() <= tol * (1.0 + b.abs()), "{a} vs {b}");
+                        }
+                    }
+                }
+                if last > 0 {
+                    let y = x.softmax(0);
+                    assert!(super::softmax_backward_rows(&y, &g, 0, false)
+                        .unwrap()
+                        .is_none());
+                }
+            }
+        }
+    }
 
     /// The tape records an op only when the IR's table says it has a
     /// gradient (`Op::has_gradient`); the rules agree: an op without one

@@ -572,6 +572,9 @@ impl Executable {
                 offload_outputs: Vec::new(),
                 prefetch_inputs: moved,
             };
+            // The saved values (the backward's first inputs) are handed
+            // over by the last backward (see `run_owned`): the run frees
+            // each after its last read.
             let backward = BackwardGraph {
                 program: Program::new(
                     aot.backward,
@@ -676,8 +679,24 @@ impl Executable {
         let program = bwd.program.clone();
         let tangent_outputs = bwd.tangent_outputs.clone();
         let reached = bwd.reached.clone();
+        // The last backward through this call hands the saved values to
+        // the backward program, which frees each after its last read;
+        // one that retains the graph keeps them for the next.
+        let saved = Mutex::new(Some(saved));
         let backward = move |grads: &[Tensor]| -> Result<Vec<Option<Tensor>>> {
-            let mut feed = saved.clone();
+            let mut slot = saved.lock().expect("saved lock");
+            let mut feed = match autograd::backward_consumes() {
+                true => slot.take(),
+                false => slot.clone(),
+            }
+            .ok_or_else(|| {
+                crate::error::Error::op(
+                    crate::error::ErrorKind::Argument,
+                    "backward",
+                    "the saved values of this compiled call were freed by an earlier backward",
+                )
+            })?;
+            drop(slot);
             feed.extend(tangent_outputs.iter().map(|&i| grads[i].clone()));
             let grads = program.run(feed)?.into_iter().zip(&reached);
             Ok(grads.map(|(g, &reached)| reached.then_some(g)).collect())
@@ -800,6 +819,32 @@ mod tests {
 
     /// Two layers of `tanh(h @ w)`: the backward needs each tanh's output,
     /// whose recomputation is one matmul and one tanh.
+    /// The compiled backward reads the saved values from its call: a
+    /// backward that retains the graph leaves them for the next (the
+    /// gradients add up to twice eager's), the last one hands them over
+    /// (freed as the backward program reads them), and a backward after
+    /// that is the engine's error, never a run without them.
+    #[test]
+    fn the_last_backward_consumes_the_saved_values() {
+        use crate::ir::DType;
+        let f = crate::compile::compile(|x: &[Tensor]| vec![x[0].exp().sin().sum(&[], false)]);
+        let x = Tensor::from_vec(vec![0.5f64, 1.0, 1.5], &[3]).set_requires_grad(true);
+        x.exp().sin().sum(&[], false).backward();
+        let eager = x.grad().unwrap().to_f64_vec();
+        x.zero_grad();
+        let y = f.call(std::slice::from_ref(&x)).remove(0);
+        y.backward_retain_graph();
+        y.backward_retain_graph();
+        y.backward();
+        let got = x.grad().unwrap().to_f64_vec();
+        for (g, e) in got.iter().zip(&eager) {
+            assert!((g - 3.0 * e).abs() < 1e-12, "{g} vs 3 × {e}");
+        }
+        let err = y.try_backward(None).unwrap_err().to_string();
+        assert!(err.contains("a second time"), "{err}");
+        assert_eq!(y.dtype(), DType::F64);
+    }
+
     fn layers() -> Graph {
         parse(
             "graph g(%x, %w1, %w2) {

@@ -47,7 +47,10 @@ pub struct CompileOptions {
     /// How the AOT partition chooses saved values.
     pub partition: Partition,
     /// How the default backend orders kernels (context hints override it
-    /// in their regions).
+    /// in their regions). Default `Auto`: memory-aware, as Inductor's
+    /// `reorder_for_peak_memory` — the lowest predicted peak among the
+    /// level order (bfs) and the sequential orders, made as parallel as
+    /// that peak allows (bfs itself wherever it is as low).
     pub schedule: Strategy,
     /// The most bytes a graph's intermediates may hold at once (default
     /// backend): the most parallel order that fits is chosen.
@@ -76,7 +79,7 @@ impl Default for CompileOptions {
             fullgraph: false,
             recompile_limit: 8,
             partition: Partition::SaveAll,
-            schedule: Strategy::Bfs,
+            schedule: Strategy::Auto,
             memory_budget: None,
             fuse_attention: true,
             dynamic: None,
@@ -152,7 +155,7 @@ impl<F: Fn(&[Tensor]) -> Vec<Tensor>> Compiled<F> {
         self
     }
 
-    /// How kernels are ordered (default `Bfs`); see [`crate::schedule`].
+    /// How kernels are ordered (default `Auto`); see [`crate::schedule`].
     pub fn schedule(mut self, strategy: Strategy) -> Self {
         self.options.schedule = strategy;
         self
@@ -228,7 +231,7 @@ mod tests {
         assert!(!o.fullgraph);
         assert_eq!(o.recompile_limit, 8);
         assert!(matches!(o.partition, Partition::SaveAll));
-        assert_eq!(o.schedule, Strategy::Bfs);
+        assert_eq!(o.schedule, Strategy::Auto, "the memory-aware order");
         assert_eq!(o.memory_budget, None);
         assert!(o.fuse_attention, "the attention pass is on by default");
         assert_eq!((o.dynamic, o.speculate), (None, None));

@@ -6,12 +6,15 @@
 //! previous one has finished. Strategies ([`Strategy`]):
 //!
 //! - `bfs`: every kernel as soon as its producers are done — level order,
-//!   the most independent work in flight (the default, fastest);
+//!   the most independent work in flight (the fastest);
 //! - `dfs`: one kernel at a time, finishing what one consumer needs before
 //!   the next (post-order from the outputs, producers in operand order);
 //! - `strict`: one kernel at a time in program order, as eager would;
-//! - `auto`: the lowest predicted peak among bfs, dfs, strict and a greedy
-//!   memory-aware order;
+//! - `auto` (compile's default, memory-aware as Inductor's
+//!   `reorder_for_peak_memory`): of bfs, dfs, strict and a greedy
+//!   memory-aware order, the most parallel whose predicted peak is within
+//!   a third of the lowest, coarsened into concurrent steps within that
+//!   bound — bfs wherever it is about as low;
 //! - with a memory budget: the requested order if it fits, else the most
 //!   parallel candidate that fits (sequential orders are coarsened into
 //!   concurrent steps while the budget allows), else the lowest peak with a

@@ -15,6 +15,11 @@ use crate::ir::Graph;
 use crate::logging::log;
 use crate::runtime::device::Device;
 
+/// `auto` takes the most parallel order whose predicted peak is at most
+/// the lowest plus 1/`AUTO_SLACK` of it: parallel steps are worth a little
+/// memory, not a multiple of it.
+const AUTO_SLACK: usize = 3;
+
 pub(crate) struct Context {
     pub kg: KernelGraph,
     pub hints: Hints,
@@ -120,8 +125,10 @@ impl Context {
         }
     }
 
-    /// The order the options ask for; `auto`: the lowest peak of all bases,
-    /// coarsened within that peak.
+    /// The order the options ask for; `auto`: the most parallel of all
+    /// bases whose predicted peak is within [`AUTO_SLACK`] of the lowest,
+    /// coarsened within that bound — level order wherever it is about as
+    /// low, a sequential order only where that saves much.
     fn requested(
         &self,
         options: &ScheduleOptions,
@@ -141,10 +148,16 @@ impl Context {
             .map(|b| self.candidate(region_order, b, options.memory_budget))
             .collect();
         let peaks = peaks_of(&all);
-        let lowest = lowest(all);
-        // As parallel as that peak allows.
-        let peak = lowest.peak();
-        let best = self.coarsened(lowest, peak, region_order);
+        let low = all.iter().map(Candidate::peak).min().unwrap_or(0);
+        let bound = low.saturating_add(low / AUTO_SLACK);
+        let mut best = all
+            .into_iter()
+            .filter(|c| c.peak() <= bound)
+            .map(|c| self.coarsened(c, bound, region_order))
+            .min_by_key(|c| (c.steps.len(), c.peak()))
+            .expect("the lowest is within the bound");
+        // Coarsening checked the bound; a memory budget is checked next.
+        best.fits = self.fits(&best.steps, &best.live, options.memory_budget);
         let name = format!("auto: {} (peaks: {peaks})", best.name);
         (best, name)
     }

@@ -12,6 +12,7 @@
 use std::cell::Cell;
 use std::panic::Location;
 use std::sync::{Arc, Mutex};
+use std::thread::LocalKey;
 
 use super::{offload, trace, Tensor};
 use crate::error::{Error, ErrorKind, Result, SourceLoc};
@@ -36,20 +37,34 @@ pub type BackwardFn =
 
 /// How a node's input gradients are computed from its output gradients.
 pub(crate) enum Backward {
-    /// One IR op, differentiated by its VJP rule; its output is kept
-    /// detached (no reference cycle).
-    Op { op: Op, output: Tensor },
-    Custom {
-        name: String,
-        backward: Arc<BackwardFn>,
-    },
+    /// One IR op, differentiated by its VJP rule.
+    Op(Op),
+    /// A custom function's own backward ([`Saved::function`]).
+    Custom { name: String },
+}
+
+/// What a node's backward reads. A `backward` that does not retain the
+/// graph releases it node by node as it goes ([`GradNode::release`]), as
+/// PyTorch frees saved tensors: the values stay alive no longer than the
+/// backward needs them, even while the user still holds the graph's
+/// output.
+#[derive(Clone)]
+pub(crate) struct Saved {
+    /// The inputs, as the backward sees them: the values it reads, else
+    /// stand-ins (see [`saved`]) that keep the autograd edge.
+    pub(crate) inputs: Vec<Tensor>,
+    /// An op node's output, kept detached (no reference cycle); a
+    /// stand-in where the rule does not read it. `None` for a custom node.
+    pub(crate) output: Option<Tensor>,
+    /// A custom node's backward (which holds what it reads); `None` for an
+    /// op node and once released.
+    pub(crate) function: Option<Arc<BackwardFn>>,
 }
 
 /// One recorded computation.
 pub(crate) struct GradNode {
     pub(crate) backward: Backward,
-    /// The inputs, as the backward sees them (saved).
-    pub(crate) inputs: Vec<Tensor>,
+    saved: Mutex<Saved>,
     /// Shapes and dtypes of the outputs, to make zero gradients.
     pub(crate) outputs: Vec<(Vec<usize>, DType)>,
     /// The forward op's call site and hints, as its backward ops inherit
@@ -77,17 +92,21 @@ impl GradNode {
         Arc::as_ptr(self) as usize
     }
 
-    /// The saved inputs and output its rule reads, on its device: those
+    /// `saved`'s inputs and `output` (an op node's), on its device: those
     /// waiting in host memory are copied back (see [`Moved`]).
-    pub(crate) fn saved_values(&self, output: &Tensor) -> Result<(Vec<Tensor>, Tensor)> {
+    pub(crate) fn saved_values(
+        &self,
+        saved: &Saved,
+        output: &Tensor,
+    ) -> Result<(Vec<Tensor>, Tensor)> {
         let Some(moved) = &self.moved else {
-            return Ok((self.inputs.clone(), output.clone()));
+            return Ok((saved.inputs.clone(), output.clone()));
         };
         let back = |t: &Tensor, host: bool| match host {
             true => offload::to_device(t, moved.device),
             false => Ok(t.clone()),
         };
-        let inputs = self
+        let inputs = saved
             .inputs
             .iter()
             .zip(&moved.inputs)
@@ -99,14 +118,56 @@ impl GradNode {
     /// The op's name, or the custom function's.
     pub(crate) fn name(&self) -> &str {
         match &self.backward {
-            Backward::Op { op, .. } => op.name(),
-            Backward::Custom { name, .. } => name,
+            Backward::Op(op) => op.name(),
+            Backward::Custom { name } => name,
         }
+    }
+
+    /// What the backward reads (handles: the values stay shared).
+    pub(crate) fn saved(&self) -> Saved {
+        self.saved.lock().expect("saved lock").clone()
+    }
+
+    /// The inputs as autograd edges (values or stand-ins).
+    pub(crate) fn inputs(&self) -> Vec<Tensor> {
+        self.saved.lock().expect("saved lock").inputs.clone()
+    }
+
+    /// Drops the values the backward reads (its inputs and output become
+    /// stand-ins that keep the edges, a custom backward is dropped with
+    /// what it holds), once a backward that does not retain the graph has
+    /// gone through this node, which `used_by` then names (so a later
+    /// backward through it is the usual error, never a run on stand-ins).
+    pub(crate) fn release(&self, by: &SourceLoc) {
+        *self.used_by.lock().expect("used_by lock") = Some(by.clone());
+        let mut saved = self.saved.lock().expect("saved lock");
+        for t in &mut saved.inputs {
+            *t = kept(t, false);
+        }
+        if let Some(out) = &mut saved.output {
+            *out = kept(out, false);
+        }
+        saved.function = None;
     }
 }
 
 thread_local! {
     static GRAD_ENABLED: Cell<bool> = const { Cell::new(true) };
+    static CONSUMING: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Whether the backward running on this thread is the last one through
+/// its nodes (a `backward` that does not retain the graph): a custom
+/// backward may then hand the values it holds over to its computation,
+/// which frees each once read, instead of keeping them for another
+/// backward (a compiled function's saved activations).
+pub fn backward_consumes() -> bool {
+    CONSUMING.with(Cell::get)
+}
+
+/// Runs `f` (a backward) with [`backward_consumes`] `on`.
+pub(crate) fn consuming<R>(on: bool, f: impl FnOnce() -> R) -> R {
+    with_flag(&CONSUMING, on, f)
 }
 
 /// Whether ops record for autograd on this thread.
@@ -130,13 +191,19 @@ pub fn enable_grad<R>(f: impl FnOnce() -> R) -> R {
 /// Runs `f` with the grad mode `on`, restoring the caller's after (also
 /// when `f` panics).
 fn with_grad_mode<R>(on: bool, f: impl FnOnce() -> R) -> R {
-    struct Restore(bool);
+    with_flag(&GRAD_ENABLED, on, f)
+}
+
+/// Runs `f` with the thread's `flag` set to `on`, restoring the caller's
+/// value after (also when `f` panics).
+fn with_flag<R>(flag: &'static LocalKey<Cell<bool>>, on: bool, f: impl FnOnce() -> R) -> R {
+    struct Restore(&'static LocalKey<Cell<bool>>, bool);
     impl Drop for Restore {
         fn drop(&mut self) {
-            GRAD_ENABLED.with(|g| g.set(self.0));
+            self.0.with(|g| g.set(self.1));
         }
     }
-    let _restore = Restore(GRAD_ENABLED.with(|g| g.replace(on)));
+    let _restore = Restore(flag, flag.with(|g| g.replace(on)));
     f()
 }
 
@@ -170,22 +237,23 @@ pub(crate) fn record(
     let origin = backward_origin(caller);
     let needs: Vec<bool> = inputs.iter().map(|t| t.requires_grad()).collect();
     let reads = op.backward_reads(&needs);
-    let mut kept: Vec<Tensor> = inputs
+    let mut held: Vec<Tensor> = inputs
         .iter()
         .zip(&reads.inputs)
-        .map(|(&t, &read)| saved(t, read))
+        .map(|(&t, &read)| kept(t, read))
         .collect();
-    let mut output = saved(&out, reads.output);
+    let mut output = kept(&out, reads.output);
     let moved = match offloads(&origin) && !out.is_traced() {
-        true => Some(offloaded(&reads, &mut kept, &mut output)?),
+        true => Some(offloaded(&reads, &mut held, &mut output)?),
         false => None,
     };
     let node = Arc::new(GradNode {
-        backward: Backward::Op {
-            op: op.clone(),
-            output,
-        },
-        inputs: kept,
+        backward: Backward::Op(op.clone()),
+        saved: Mutex::new(Saved {
+            inputs: held,
+            output: Some(output),
+            function: None,
+        }),
         outputs: vec![(out.shape().to_vec(), out.dtype())],
         origin,
         used_by: Mutex::new(None),
@@ -255,7 +323,7 @@ fn offloaded(reads: &BackwardReads, inputs: &mut [Tensor], output: &mut Tensor) 
 /// activations as PyTorch does (a node used to keep every input and its
 /// output alive until the backward). Traced tensors have no values to keep
 /// and stay as they are.
-fn saved(t: &Tensor, read: bool) -> Tensor {
+fn kept(t: &Tensor, read: bool) -> Tensor {
     if read || t.is_traced() || trace::is_active() || t.numel() <= 1 {
         return t.clone();
     }
@@ -348,10 +416,13 @@ pub fn custom_function_at(
     let node = Arc::new(GradNode {
         backward: Backward::Custom {
             name: name.to_string(),
-            backward,
         },
-        // The backward closure holds what it reads: the inputs are edges.
-        inputs: inputs.iter().map(|&t| saved(t, false)).collect(),
+        saved: Mutex::new(Saved {
+            // The backward closure holds what it reads: the inputs are edges.
+            inputs: inputs.iter().map(|&t| kept(t, false)).collect(),
+            output: None,
+            function: Some(backward),
+        }),
         outputs: outputs
             .iter()
             .map(|t| (t.shape().to_vec(), t.dtype()))
@@ -481,8 +552,9 @@ mod tests {
         let y = x.exp();
         let (node, index) = y.grad_fn().expect("recorded");
         assert_eq!((node.name(), *index), ("exp", 0));
-        assert_eq!(node.inputs.len(), 1);
-        let edge = &node.inputs[0];
+        let saved = node.saved();
+        assert_eq!(saved.inputs.len(), 1);
+        let edge = &saved.inputs[0];
         assert!(!edge.shares_storage(&x) && edge.shape() == x.shape());
         let same_state = |a: &Tensor, b: &Tensor| {
             Arc::ptr_eq(a.autograd_meta().unwrap(), b.autograd_meta().unwrap())
@@ -490,20 +562,24 @@ mod tests {
         assert!(same_state(edge, &x));
         assert_eq!(node.outputs, [(vec![2], DType::F32)]);
         match &node.backward {
-            Backward::Op { op, output } => {
-                assert_eq!(*op, Op::Unary(UnaryOp::Exp));
-                assert!(output.shares_storage(&y) && output.grad_fn().is_none());
-            }
+            Backward::Op(op) => assert_eq!(*op, Op::Unary(UnaryOp::Exp)),
             Backward::Custom { .. } => panic!("an op node"),
         }
+        let output = saved.output.expect("an op node keeps its output");
+        assert!(output.shares_storage(&y) && output.grad_fn().is_none());
         assert!(x.is_leaf() && !y.is_leaf() && y.requires_grad());
         let z = x.log();
         let (node, _) = z.grad_fn().expect("recorded");
-        assert!(node.inputs[0].shares_storage(&x) && same_state(&node.inputs[0], &x));
-        let Backward::Op { output, .. } = &node.backward else {
-            panic!("an op node")
-        };
+        let saved = node.saved();
+        assert!(saved.inputs[0].shares_storage(&x) && same_state(&saved.inputs[0], &x));
+        let output = saved.output.expect("an op node keeps its output");
         assert!(!output.shares_storage(&z) && output.shape() == z.shape());
+        // Released, the node keeps its edges but none of the values.
+        node.release(&SourceLoc::caller());
+        let saved = node.saved();
+        assert!(!saved.inputs[0].shares_storage(&x) && same_state(&saved.inputs[0], &x));
+        assert!(saved.inputs[0].shape() == x.shape());
+        assert!(node.used_by.lock().unwrap().is_some());
     }
 
     #[test]

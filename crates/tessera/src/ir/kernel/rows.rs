@@ -169,6 +169,53 @@ impl RowKernel {
     }
 }
 
+impl RowKernel {
+    /// The input gradient of softmax (`log`: log_softmax) along the last
+    /// dim of `outer` rows of `len`, from its output `y` (input 0) and the
+    /// output gradient `g` (input 1), both `dtype`, as one kernel: `y ·
+    /// (g − Σ g·y)` (log: `g − exp(y) · Σ g`). What fusion makes of the
+    /// decomposed rule; eager backward runs it as is, so no full-size
+    /// temporary is made.
+    pub fn softmax_backward(outer: Vec<usize>, len: usize, dtype: DType, log: bool) -> RowKernel {
+        use crate::ir::{BinaryOp::*, UnaryOp::Exp};
+        use RowStep::{Point, Reduce};
+        let (steps, is_row) = match log {
+            false => (
+                vec![
+                    Point(Step::Load(0)),
+                    Point(Step::Load(1)),
+                    Point(Step::Binary(Mul, 1, 0)),
+                    Reduce(ReduceOp::Sum, 2),
+                    Point(Step::Binary(Sub, 1, 3)),
+                    Point(Step::Binary(Mul, 0, 4)),
+                ],
+                vec![true, true, true, false, true, true],
+            ),
+            true => (
+                vec![
+                    Point(Step::Load(0)),
+                    Point(Step::Load(1)),
+                    Reduce(ReduceOp::Sum, 1),
+                    Point(Step::Unary(Exp, 0)),
+                    Point(Step::Binary(Mul, 3, 2)),
+                    Point(Step::Binary(Sub, 1, 4)),
+                ],
+                vec![true, true, false, true, true, true],
+            ),
+        };
+        let mut shape = outer.clone();
+        shape.push(len);
+        RowKernel {
+            outer,
+            len,
+            steps,
+            is_row,
+            outputs: vec![(5, dtype, shape)],
+            wide: dtype == DType::F64,
+        }
+    }
+}
+
 /// The register slot of each row value (see [`super::slots`]), reused
 /// once the value is dead; outputs keep theirs (they are stored after the
 /// row). Scalars take no slot.
@@ -227,6 +274,17 @@ mod tests {
             outputs: vec![(5, DType::F32, vec![3, 40]), (4, DType::F32, vec![3, 1])],
             wide: false,
         }
+    }
+
+    #[test]
+    fn softmax_backward_kernels_keep_the_rules() {
+        for log in [false, true] {
+            let k = RowKernel::softmax_backward(vec![2, 3], 40, DType::F32, log);
+            k.check(2).unwrap();
+            assert_eq!((k.input_count(), k.rows(), k.wide), (2, 6, false));
+            assert_eq!(k.outputs, [(5, DType::F32, vec![2, 3, 40])]);
+        }
+        assert!(RowKernel::softmax_backward(vec![1], 16, DType::F64, false).wide);
     }
 
     #[test]
