@@ -189,7 +189,9 @@ def test_dropout_falls_back_and_the_rest_runs_on_tessera(fallbacks):
 def steps_match_eager(optimizer, device="cpu", atol=1e-5, **options):
     """Three whole training steps of a GPT block (zero_grad, forward,
     backward, `optimizer` with `options`) compiled with backend="tessera":
-    the losses and the parameters after them are eager's."""
+    the losses and the parameters after them are eager's, and the
+    optimizer's update is a tessera graph (an inference graph with an
+    output per parameter at least)."""
     torch.manual_seed(0)
     ref = Block(sdpa=True).to(device)
     m = Block(sdpa=True).to(device)
@@ -214,16 +216,36 @@ def steps_match_eager(optimizer, device="cpu", atol=1e-5, **options):
         torch.testing.assert_close(compiled(), eager(), atol=atol, rtol=1e-4)
     for p, q in zip(m.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, atol=atol, rtol=1e-4)
+    updates = [p for p in tessera.torch.compiled_partitions() if p.name.startswith("inference") and p.compiled_graphs()]
+    assert sum(len(p.out_devices) for p in updates) >= len(list(m.parameters())), [p.name for p in updates]
 
 
-@pytest.mark.parametrize("optimizer", ["SGD", "AdamW"])
-def test_training_step_with_optimizer_matches_eager(optimizer, fallbacks):
-    # AdamW's default eps (1e-8) turns the rounding noise of a gradient
-    # that is zero in exact arithmetic (the key bias: softmax ignores a
-    # per-row constant) into full-size updates, under any backend
-    # (aot_eager and Inductor differ from eager by 1e-2 there too);
-    # eps=1e-3 keeps the update a smooth function of the gradient.
-    steps_match_eager(optimizer, **({"eps": 1e-3} if optimizer == "AdamW" else {}))
+# AdamW's and Adam's default eps (1e-8) turns the rounding noise of a
+# gradient that is zero in exact arithmetic (the key bias: softmax ignores a
+# per-row constant) into full-size updates, under any backend (aot_eager and
+# Inductor differ from eager by 1e-2 there too); eps=1e-3 keeps the update a
+# smooth function of the gradient.
+ADAM_EPS = {"eps": 1e-3}
+
+# Each optimizer's single-tensor path (foreach=False, the default on CPU) and
+# its foreach path (`_foreach_*` ops, the default on CUDA), with the options
+# that add ops to its update.
+OPTIMIZERS = [
+    ("SGD", {}),
+    ("AdamW", ADAM_EPS),
+    ("SGD", {"foreach": True, "momentum": 0.9, "nesterov": True, "weight_decay": 0.01}),
+    ("SGD", {"foreach": True, "momentum": 0.9, "dampening": 0.1, "maximize": True}),
+    ("AdamW", {"foreach": True, **ADAM_EPS}),
+    ("AdamW", {"foreach": True, "amsgrad": True, "maximize": True, **ADAM_EPS}),
+    ("Adam", {"foreach": True, "weight_decay": 0.01, "amsgrad": True, **ADAM_EPS}),
+]
+
+
+@pytest.mark.parametrize(
+    "optimizer, options", OPTIMIZERS, ids=[f"{o}-{'-'.join(k for k in kw if k != 'eps')}" for o, kw in OPTIMIZERS]
+)
+def test_training_step_with_optimizer_matches_eager(optimizer, options, fallbacks):
+    steps_match_eager(optimizer, **options)
     assert fallbacks() == [], "the model, its backward and the optimizer's update run on tessera"
 
 

@@ -75,11 +75,12 @@ def test_transformer_block_on_cuda_trains_like_eager(sdpa, fallbacks, on_tessera
     assert fallbacks() == [], fallbacks()
 
 
-def test_training_steps_with_adamw_on_cuda_match_eager(fallbacks, on_tessera_gpu):
-    """AdamW with foreach=False: its default on CUDA, the multi-tensor
-    `_foreach_*` ops, has no tessera conversion yet and runs in PyTorch
-    (logged per op)."""
-    steps_match_eager("AdamW", device="cuda", atol=1e-4, eps=1e-3, foreach=False)
+@pytest.mark.parametrize("foreach", [None, False])
+def test_training_steps_with_adamw_on_cuda_match_eager(foreach, fallbacks, on_tessera_gpu):
+    """AdamW's default on CUDA (foreach=None: the multi-tensor `_foreach_*`
+    ops, decomposed per tensor by tessera._foreach) and its single-tensor
+    path: the whole step runs on tessera."""
+    steps_match_eager("AdamW", device="cuda", atol=1e-4, eps=1e-3, foreach=foreach)
     assert fallbacks() == [], fallbacks()
 
 

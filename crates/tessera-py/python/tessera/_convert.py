@@ -584,15 +584,17 @@ def _clamp_max(e, node):
     return e.op("minimum", [x, e.scalar(node.args[1], dtype)], final=True)
 
 
-@converts(aten.clamp.default)
+@converts(aten.clamp.default, aten.clamp.Tensor)
 def _clamp(e, node):
+    # Bounds are scalars (clamp.default) or tensors (clamp.Tensor: what
+    # clamp_min/clamp_max with a tensor decompose to), either may be None.
     dtype, shape = e.out_type()
     v = e.cast(e.val(node.args[0]), dtype)
     lo, hi = arg(node, 1, "min"), arg(node, 2, "max")
     if lo is not None:
-        v = e.op("maximum", [v, e.scalar(lo, dtype)], dtype=dtype, shape=shape)
+        v = e.op("maximum", [v, e.operand(lo, dtype)], dtype=dtype, shape=shape)
     if hi is not None:
-        v = e.op("minimum", [v, e.scalar(hi, dtype)], dtype=dtype, shape=shape)
+        v = e.op("minimum", [v, e.operand(hi, dtype)], dtype=dtype, shape=shape)
     return e.op("contiguous", [v], final=True)
 
 

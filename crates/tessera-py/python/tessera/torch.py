@@ -2,7 +2,9 @@
 
 Dynamo hands :func:`backend` a graph of torch ops; AOTAutograd (with
 ``core_aten_decompositions`` and a few more, see :data:`DECOMPOSITIONS`)
-turns it into a forward and a backward graph of ATen ops. Each is split
+turns it into a forward and a backward graph of ATen ops, or one
+inference graph where nothing needs a gradient (an optimizer's update,
+code under ``torch.no_grad``). Each is split
 into partitions: maximal runs of nodes tessera converts
 (:mod:`tessera._convert`) become one tessera graph each, compiled by
 tessera's pipeline (passes, fusion, the schedule under context hints, the
@@ -41,7 +43,7 @@ from torch._decomp import core_aten_decompositions, get_decompositions
 from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
 from torch.fx.passes.operator_support import OperatorSupport
 
-from . import _convert, _dims, _hints
+from . import _convert, _dims, _foreach, _hints
 from ._tessera import CompiledGraph, TesseraError
 
 log = logging.getLogger("tessera")
@@ -65,13 +67,15 @@ KEEP = [
 ]
 
 #: The decompositions applied while AOTAutograd traces: PyTorch's core
-#: ATen set less :data:`KEEP`, plus layer norm and the NLL loss.
+#: ATen set less :data:`KEEP`, plus layer norm, the NLL loss and the
+#: multi-tensor ops of torch.optim's foreach paths (:mod:`tessera._foreach`).
 DECOMPOSITIONS = {k: v for k, v in core_aten_decompositions().items() if k not in KEEP}
 DECOMPOSITIONS.update(
     get_decompositions(
         [aten.native_layer_norm, aten.native_layer_norm_backward, aten.nll_loss_forward]
     )
 )
+DECOMPOSITIONS.update(_foreach.DECOMPOSITIONS)
 
 _logged_fallbacks = set()
 _compiled = []  # every TesseraPartition made, for introspection
@@ -572,14 +576,19 @@ def backend(gm, example_inputs, mode=None, options=None, **kwargs):
     def bw(g, inputs):
         return compile_aten_graph(g, inputs, config, "backward")
 
+    def inference(g, inputs):
+        return compile_aten_graph(g, inputs, config, "inference")
+
     _rewrite_sdpa(gm)
-    return aot_autograd(fw_compiler=fw, bw_compiler=bw, decompositions=DECOMPOSITIONS)(gm, example_inputs)
+    compiler = aot_autograd(fw_compiler=fw, bw_compiler=bw, inference_compiler=inference, decompositions=DECOMPOSITIONS)
+    return compiler(gm, example_inputs)
 
 
 def compiled_partitions():
-    """Every tessera partition built so far (newest last): each has
-    ``compiled_graphs()`` (tessera ``CompiledGraph``s with ``graph_text()``
-    and ``artifacts()``)."""
+    """Every tessera partition built so far (newest last): each has a
+    ``name`` that starts with its graph's kind (``forward``, ``backward``,
+    ``inference``) and ``compiled_graphs()`` (tessera ``CompiledGraph``s with
+    ``graph_text()`` and ``artifacts()``)."""
     return list(_compiled)
 
 

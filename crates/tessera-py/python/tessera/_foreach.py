@@ -1,0 +1,128 @@
+"""PyTorch's multi-tensor ops (``aten._foreach_*``) as per-tensor ATen ops.
+
+torch.optim's foreach paths (the default on CUDA, ``foreach=True``
+anywhere) update lists of tensors one call at a time:
+``torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)``. AOTAutograd
+functionalizes those into ``_foreach_*`` nodes that return lists. The
+decompositions here (:data:`DECOMPOSITIONS`, applied while AOTAutograd
+traces, see :data:`tessera.torch.DECOMPOSITIONS`) make each one ATen call
+per list element, the loop PyTorch's own CPU kernels run (the "slow path"
+of ``ForeachOpsKernels.cpp``), so every result has PyTorch's dtype and
+shape; the core decompositions then split those calls further (``lerp``,
+``addcdiv``) and the elementwise converters take them. tessera fuses each
+tensor's chain of updates into its own kernels, so nothing is lost by
+splitting the lists.
+
+Only the ops whose per-tensor form tessera converts are listed: any other
+``_foreach_*`` op stays one node and runs in PyTorch (logged), one
+multi-tensor kernel rather than a PyTorch call per tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._tessera import TesseraError
+
+aten = torch.ops.aten
+
+
+def _zip(per_tensor):
+    """The decomposition calling `per_tensor` once per list element: each
+    list argument (tensors or scalars) gives its i-th element, the other
+    arguments are passed as they are."""
+
+    def decomposition(*args, **kwargs):
+        lengths = {len(a) for a in args if isinstance(a, (list, tuple))}
+        if len(lengths) != 1:
+            raise TesseraError(f"{per_tensor}: the lists of a foreach call differ in length ({sorted(lengths)})")
+        (n,) = lengths
+        return [per_tensor(*[a[i] if isinstance(a, (list, tuple)) else a for a in args], **kwargs) for i in range(n)]
+
+    return decomposition
+
+
+def _opmath(dtype):
+    """The dtype PyTorch's pointwise kernels compute `dtype` in."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def _addc_tensor(divide):
+    """``_foreach_addcmul.Tensor``/``_foreach_addcdiv.Tensor``: `scalars` is
+    a 1-D tensor with one value per list element, which PyTorch reads as a
+    Python scalar (``convert_tensor_to_scalar_list``) and applies as
+    ``self + value * t1 * t2`` (``/ t2``) in the op-math dtype; a scalar
+    argument cannot be a traced value, so the formula is written out."""
+
+    def per_tensor(x, t1, t2, value):
+        dtype = torch.promote_types(torch.promote_types(x.dtype, t1.dtype), t2.dtype)
+        math = _opmath(dtype)
+        x, t1, t2, value = (aten._to_copy.default(t, dtype=math) for t in (x, t1, t2, value))
+        scaled = aten.mul.Tensor(value, t1)
+        term = aten.div.Tensor(scaled, t2) if divide else aten.mul.Tensor(scaled, t2)
+        return aten._to_copy.default(aten.add.Tensor(x, term), dtype=dtype)
+
+    def decomposition(self, tensor1, tensor2, scalars):
+        if scalars.dim() != 1 or scalars.shape[0] != len(self):
+            raise TesseraError(
+                f"_foreach_addc{'div' if divide else 'mul'}.Tensor: scalars of shape {list(scalars.shape)} "
+                f"for {len(self)} tensors"
+            )
+        values = [aten.select.int(scalars, 0, i) for i in range(len(self))]
+        return _zip(per_tensor)(self, tensor1, tensor2, values)
+
+    return decomposition
+
+
+def _value_keyword(op):
+    """`op` (addcmul, addcdiv) with its keyword-only `value` passed by position."""
+    return lambda x, t1, t2, value=1: op(x, t1, t2, value=value)
+
+
+def _norm(self, ord=2, dtype=None):
+    """``_foreach_norm``: ``linalg_vector_norm`` of each tensor over all its
+    elements (clip_grad_norm_'s foreach path)."""
+    return [aten.linalg_vector_norm.default(x, ord, None, False, dtype=dtype) for x in self]
+
+
+def _table():
+    f = aten
+    table = {}
+    # Unary ops whose per-tensor op has a converter.
+    for name in ("abs", "neg", "exp", "log", "sqrt", "rsqrt", "reciprocal", "sin", "cos", "tanh", "sigmoid", "sign"):
+        table[getattr(f, f"_foreach_{name}").default] = _zip(getattr(f, name).default)
+    # Binary ops: a scalar, a list of tensors, a list of scalars, or one
+    # tensor (a 0-d step or learning rate) with each element.
+    for name, overloads in {
+        "add": ("Scalar", "List", "ScalarList", "Tensor"),
+        "sub": ("Scalar", "List", "ScalarList"),
+        "mul": ("Scalar", "List", "ScalarList", "Tensor"),
+        "div": ("Scalar", "List", "ScalarList", "Tensor"),
+    }.items():
+        for overload in overloads:
+            table[getattr(getattr(f, f"_foreach_{name}"), overload)] = _zip(getattr(f, name).Tensor)
+    # maximum/minimum with scalars are PyTorch's clamp_min/clamp_max.
+    for name, clamp in (("maximum", "clamp_min"), ("minimum", "clamp_max")):
+        table[getattr(f, f"_foreach_{name}").List] = _zip(getattr(f, name).default)
+        for op in (getattr(f, f"_foreach_{name}"), getattr(f, f"_foreach_{clamp}")):
+            table[op.Scalar] = table[op.ScalarList] = _zip(getattr(f, clamp).default)
+        table[getattr(f, f"_foreach_{clamp}").List] = _zip(getattr(f, clamp).Tensor)
+    table[f._foreach_pow.List] = _zip(f.pow.Tensor_Tensor)
+    table[f._foreach_pow.Scalar] = table[f._foreach_pow.ScalarList] = _zip(f.pow.Tensor_Scalar)
+    table[f._foreach_pow.ScalarAndTensor] = _zip(f.pow.Scalar)
+    # Pointwise ops of three lists: value a scalar or a list of scalars.
+    for name, divide in (("addcmul", False), ("addcdiv", True)):
+        op = getattr(f, f"_foreach_{name}")
+        table[op.Scalar] = table[op.ScalarList] = _zip(_value_keyword(getattr(f, name).default))
+        table[op.Tensor] = _addc_tensor(divide)
+    table[f._foreach_lerp.List] = _zip(f.lerp.Tensor)
+    table[f._foreach_lerp.Scalar] = table[f._foreach_lerp.ScalarList] = _zip(f.lerp.Scalar)
+    table[f._foreach_copy.default] = _zip(f.copy.default)
+    table[f._foreach_zero.default] = _zip(f.zeros_like.default)
+    table[f._foreach_clone.default] = _zip(f.clone.default)
+    table[f._foreach_norm.Scalar] = _norm
+    return table
+
+
+#: Each decomposed ``_foreach_*`` overload and its decomposition.
+DECOMPOSITIONS = _table()
