@@ -186,9 +186,10 @@ def test_dropout_falls_back_and_the_rest_runs_on_tessera(fallbacks):
     assert w.grad is not None and tessera_graphs()
 
 
-def steps_match_eager(optimizer, device="cpu", atol=1e-5, **options):
+def steps_match_eager(optimizer, device="cpu", atol=1e-5, clip=None, **options):
     """Three whole training steps of a GPT block (zero_grad, forward,
-    backward, `optimizer` with `options`) compiled with backend="tessera":
+    backward, the gradients' norm clipped to `clip` when given (foreach),
+    `optimizer` with `options`) compiled with backend="tessera":
     the losses and the parameters after them are eager's, and the
     optimizer's update is a tessera graph (an inference graph with an
     output per parameter at least)."""
@@ -206,6 +207,8 @@ def steps_match_eager(optimizer, device="cpu", atol=1e-5, **options):
             opt.zero_grad()
             loss = model(ids, targets)
             loss.backward()
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip, foreach=True)
             opt.step()
             return loss.detach()
 
@@ -238,6 +241,7 @@ OPTIMIZERS = [
     ("AdamW", {"foreach": True, **ADAM_EPS}),
     ("AdamW", {"foreach": True, "amsgrad": True, "maximize": True, **ADAM_EPS}),
     ("Adam", {"foreach": True, "weight_decay": 0.01, "amsgrad": True, **ADAM_EPS}),
+    ("AdamW", {"foreach": True, "clip": 0.5, **ADAM_EPS}),
 ]
 
 

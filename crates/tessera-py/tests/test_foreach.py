@@ -4,6 +4,7 @@ decomposed overload on its own, with lists mixing shapes, dtypes (f32 with
 bf16) and 0-d tensors, and none of them falling back to PyTorch."""
 
 import pytest
+import tessera
 import torch
 from tessera._foreach import DECOMPOSITIONS
 from test_backend import tessera_graphs
@@ -163,3 +164,13 @@ def test_an_op_without_a_decomposition_runs_in_pytorch_as_one_node(fallbacks):
         torch.testing.assert_close(g, w)
     assert [line for line in fallbacks() if "_foreach_erf" in line], fallbacks()
     assert tessera_graphs(), "the exps run on tessera"
+
+
+def test_lists_of_different_lengths_are_refused_naming_the_op():
+    # Dynamo's fake-tensor run refuses them first under torch.compile; the
+    # decompositions check too, as a direct call may reach them.
+    xs = tensors()
+    with pytest.raises(tessera.TesseraError, match=r"aten\.add\.Tensor.*differ in length \(\[2, 3\]\)"):
+        DECOMPOSITIONS[aten._foreach_add.List](xs, xs[:2])
+    with pytest.raises(tessera.TesseraError, match=r"_foreach_addcdiv\.Tensor: scalars of shape \[2\] for 3 tensors"):
+        DECOMPOSITIONS[aten._foreach_addcdiv.Tensor](xs, xs, xs, torch.ones(2))

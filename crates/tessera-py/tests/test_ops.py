@@ -20,6 +20,7 @@ CASES = {
     "relu_gelu_gelu_tanh": (lambda a: F.relu(a) + F.gelu(a) + F.gelu(a, approximate="tanh"), [R(4, 4)]),
     "pow_scalar_tensor": (lambda a, b: a**2.5 + torch.pow(a, b), [P(5), P(5)]),
     "maximum_minimum_clamp": (lambda a, b: torch.maximum(a, b) + torch.minimum(a, b) + a.clamp(-0.5, 0.5), [R(6), R(6)]),
+    "clamp_tensor_bounds": (lambda a, b: a.clamp(min=b) + a.clamp(max=b) + a.clamp(b - 1, b[:1] + 1), [R(3, 6), R(6)]),
     "where_compare": (lambda a, b: torch.where(a > b, a, b * 2) + (a <= 0.1).float() + (a != b).to(a.dtype), [R(8), R(8)]),
     "sum_mean_dims": (lambda a: a.sum(dim=1) + a.mean(dim=(0, 1), keepdim=True).squeeze(0) + a.sum(), [R(3, 4, 5)]),
     "amax_amin": (lambda a: a.amax(dim=-1) - a.amin(dim=0).sum(), [R(4, 6)]),

@@ -21,6 +21,7 @@ multi-tensor kernel rather than a PyTorch call per tensor.
 from __future__ import annotations
 
 import torch
+from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
 
 from ._tessera import TesseraError
 
@@ -42,21 +43,16 @@ def _zip(per_tensor):
     return decomposition
 
 
-def _opmath(dtype):
-    """The dtype PyTorch's pointwise kernels compute `dtype` in."""
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-
-
 def _addc_tensor(divide):
     """``_foreach_addcmul.Tensor``/``_foreach_addcdiv.Tensor``: `scalars` is
     a 1-D tensor with one value per list element, which PyTorch reads as a
     Python scalar (``convert_tensor_to_scalar_list``) and applies as
-    ``self + value * t1 * t2`` (``/ t2``) in the op-math dtype; a scalar
-    argument cannot be a traced value, so the formula is written out."""
+    ``self + value * t1 * t2`` (``/ t2``) in the op-math dtype (f32 for
+    f16/bf16); a scalar argument cannot be a traced value, so the formula
+    is written out, with PyTorch's type promotion."""
 
     def per_tensor(x, t1, t2, value):
-        dtype = torch.promote_types(torch.promote_types(x.dtype, t1.dtype), t2.dtype)
-        math = _opmath(dtype)
+        math, dtype = elementwise_dtypes(x, t1, t2, type_promotion_kind=ELEMENTWISE_TYPE_PROMOTION_KIND.DEFAULT)
         x, t1, t2, value = (aten._to_copy.default(t, dtype=math) for t in (x, t1, t2, value))
         scaled = aten.mul.Tensor(value, t1)
         term = aten.div.Tensor(scaled, t2) if divide else aten.mul.Tensor(scaled, t2)
