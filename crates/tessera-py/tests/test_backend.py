@@ -246,7 +246,7 @@ OPTIMIZERS = [
 
 
 @pytest.mark.parametrize(
-    "optimizer, options", OPTIMIZERS, ids=[f"{o}-{'-'.join(k for k in kw if k != 'eps')}" for o, kw in OPTIMIZERS]
+    "optimizer, options", OPTIMIZERS, ids=[f"{o}-{'-'.join(k for k in kw if k != 'eps') or 'default'}" for o, kw in OPTIMIZERS]
 )
 def test_training_step_with_optimizer_matches_eager(optimizer, options, fallbacks):
     steps_match_eager(optimizer, **options)

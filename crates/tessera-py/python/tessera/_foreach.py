@@ -9,9 +9,10 @@ traces, see :data:`tessera.torch.DECOMPOSITIONS`) make each one ATen call
 per list element, the loop PyTorch's own CPU kernels run (the "slow path"
 of ``ForeachOpsKernels.cpp``), so every result has PyTorch's dtype and
 shape; the core decompositions then split those calls further (``lerp``,
-``addcdiv``) and the elementwise converters take them. tessera fuses each
-tensor's chain of updates into its own kernels, so nothing is lost by
-splitting the lists.
+``addcdiv``) and the elementwise converters take them. tessera's fusion
+then sees each tensor's whole chain of updates (its kernels are per
+tensor, where PyTorch's multi-tensor kernels cover many tensors a launch:
+not measured against each other).
 
 Only the ops whose per-tensor form tessera converts are listed: any other
 ``_foreach_*`` op stays one node and runs in PyTorch (logged), one
@@ -81,42 +82,47 @@ def _norm(self, ord=2, dtype=None):
     return [aten.linalg_vector_norm.default(x, ord, None, False, dtype=dtype) for x in self]
 
 
+def _overloads(name, *overloads):
+    """The overloads of ``aten._foreach_<name>`` this torch has (older
+    releases lack some: ``_foreach_lerp.ScalarList``)."""
+    packet = getattr(aten, f"_foreach_{name}", None)
+    return [getattr(packet, o) for o in overloads if packet is not None and hasattr(packet, o)]
+
+
 def _table():
-    f = aten
     table = {}
+
+    def put(name, overloads, decomposition):
+        for op in _overloads(name, *overloads):
+            table[op] = decomposition
+
     # Unary ops whose per-tensor op has a converter.
     for name in ("abs", "neg", "exp", "log", "sqrt", "rsqrt", "reciprocal", "sin", "cos", "tanh", "sigmoid", "sign"):
-        table[getattr(f, f"_foreach_{name}").default] = _zip(getattr(f, name).default)
+        put(name, ["default"], _zip(getattr(aten, name).default))
     # Binary ops: a scalar, a list of tensors, a list of scalars, or one
     # tensor (a 0-d step or learning rate) with each element.
-    for name, overloads in {
-        "add": ("Scalar", "List", "ScalarList", "Tensor"),
-        "sub": ("Scalar", "List", "ScalarList"),
-        "mul": ("Scalar", "List", "ScalarList", "Tensor"),
-        "div": ("Scalar", "List", "ScalarList", "Tensor"),
-    }.items():
-        for overload in overloads:
-            table[getattr(getattr(f, f"_foreach_{name}"), overload)] = _zip(getattr(f, name).Tensor)
+    for name in ("add", "sub", "mul", "div"):
+        put(name, ["Scalar", "List", "ScalarList", "Tensor"], _zip(getattr(aten, name).Tensor))
     # maximum/minimum with scalars are PyTorch's clamp_min/clamp_max.
     for name, clamp in (("maximum", "clamp_min"), ("minimum", "clamp_max")):
-        table[getattr(f, f"_foreach_{name}").List] = _zip(getattr(f, name).default)
-        for op in (getattr(f, f"_foreach_{name}"), getattr(f, f"_foreach_{clamp}")):
-            table[op.Scalar] = table[op.ScalarList] = _zip(getattr(f, clamp).default)
-        table[getattr(f, f"_foreach_{clamp}").List] = _zip(getattr(f, clamp).Tensor)
-    table[f._foreach_pow.List] = _zip(f.pow.Tensor_Tensor)
-    table[f._foreach_pow.Scalar] = table[f._foreach_pow.ScalarList] = _zip(f.pow.Tensor_Scalar)
-    table[f._foreach_pow.ScalarAndTensor] = _zip(f.pow.Scalar)
-    # Pointwise ops of three lists: value a scalar or a list of scalars.
+        put(name, ["List"], _zip(getattr(aten, name).default))
+        put(clamp, ["List"], _zip(getattr(aten, clamp).Tensor))
+        for foreach in (name, clamp):
+            put(foreach, ["Scalar", "ScalarList"], _zip(getattr(aten, clamp).default))
+    put("pow", ["List"], _zip(aten.pow.Tensor_Tensor))
+    put("pow", ["Scalar", "ScalarList"], _zip(aten.pow.Tensor_Scalar))
+    put("pow", ["ScalarAndTensor"], _zip(aten.pow.Scalar))
+    # Pointwise ops of three lists: value a scalar, a list of scalars or a
+    # tensor of them.
     for name, divide in (("addcmul", False), ("addcdiv", True)):
-        op = getattr(f, f"_foreach_{name}")
-        table[op.Scalar] = table[op.ScalarList] = _zip(_value_keyword(getattr(f, name).default))
-        table[op.Tensor] = _addc_tensor(divide)
-    table[f._foreach_lerp.List] = _zip(f.lerp.Tensor)
-    table[f._foreach_lerp.Scalar] = table[f._foreach_lerp.ScalarList] = _zip(f.lerp.Scalar)
-    table[f._foreach_copy.default] = _zip(f.copy.default)
-    table[f._foreach_zero.default] = _zip(f.zeros_like.default)
-    table[f._foreach_clone.default] = _zip(f.clone.default)
-    table[f._foreach_norm.Scalar] = _norm
+        put(name, ["Scalar", "ScalarList"], _zip(_value_keyword(getattr(aten, name).default)))
+        put(name, ["Tensor"], _addc_tensor(divide))
+    put("lerp", ["List"], _zip(aten.lerp.Tensor))
+    put("lerp", ["Scalar", "ScalarList"], _zip(aten.lerp.Scalar))
+    put("copy", ["default"], _zip(aten.copy.default))
+    put("zero", ["default"], _zip(aten.zeros_like.default))
+    put("clone", ["default"], _zip(aten.clone.default))
+    put("norm", ["Scalar"], _norm)
     return table
 
 
