@@ -380,6 +380,28 @@ fn reductions_softmax_and_arg_reductions() {
                 ]
             });
         }
+        // Batch norm's (0, 2, 3) over NCHW: two reduced dims walked by
+        // steps; H·W shorter and longer than a block, cut into parts
+        // (few channels, many elements), a NaN that must survive.
+        for shape in [
+            [8usize, 16, 28, 28],
+            [32, 4, 56, 56],
+            [5, 3, 7, 7],
+            [2, 300, 1, 3],
+        ] {
+            let mut v = randn(&shape, DType::F64, 13).to_f64_vec();
+            v[shape.iter().product::<usize>() / 3] = f64::NAN;
+            let x = Tensor::from_vec(v, &shape).cast(d);
+            both("batch-norm reductions", &[x], true, |a| {
+                let x = &a[0];
+                vec![
+                    x.sum(&[0, 2, 3], false),
+                    x.mean(&[0, 2, 3], true),
+                    x.max(&[0, 2, 3], false),
+                    x.min(&[0, 3], false),
+                ]
+            });
+        }
         let wide = randn(&[64, 2048], d, 12);
         both("strided columns", &[wide], true, |a| {
             let t = a[0].transpose(0, 1); // [2048, 64]: rows of stride 1

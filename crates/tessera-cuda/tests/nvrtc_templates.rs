@@ -261,6 +261,12 @@ fn reductions() -> Vec<Launch> {
                 132,
             );
             v.extend([a, b]);
+            // Two reduced dims walked by steps (batch norm's (0, 2, 3)),
+            // whole and cut into parts.
+            let nchw = Layout::contiguous(&[32, 4, 56, 56]);
+            v.push(reduce(op, d, &nchw, &[0, 2, 3], d, 0, 0, 132));
+            let (a, b, _) = reduce_in_parts(op, d, &nchw, &[0, 2, 3], d, 9, 0, 0, 0, 132);
+            v.extend([a, b]);
         }
         for op in [ArgReduceOp::ArgMax, ArgReduceOp::ArgMin] {
             v.push(arg_reduce(

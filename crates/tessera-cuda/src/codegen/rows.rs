@@ -354,6 +354,7 @@ fn reduce_impl(
                  #pragma unroll\nfor (int e = 0; e < {vec}; ++e) {{ ACC v = {lane}; acc = COMBINE(acc, v); }} }}\n"
             )
         }
+        None if r == 2 => two_dim_walk(dtype, compute, idx_r),
         None => format!(
             "for (long long j = lo + threadIdx.x; j < hi; j += blockDim.x) {{ long long off = base;\n{red}ACC v = {value}; acc = COMBINE(acc, v); }}\n"
         ),
@@ -400,6 +401,34 @@ fn reduce_impl(
         grid,
         block,
     }
+}
+
+/// A block's walk over two reduced dims (batch norm's `(0, 2, 3)` of
+/// NCHW: the batch, then the contiguous H·W run) without a division per
+/// element: each thread splits its first index once, then steps its
+/// (row, column) pair by the block's width, and keeps `UNROLL` loads in
+/// flight per step (one scalar load at a time left H200's bandwidth at
+/// ~170 GB/s, the latency of a single load per thread).
+fn two_dim_walk(dtype: DType, compute: Compute, idx: &str) -> String {
+    let unroll = if dtype.size_bytes() <= 2 { 8 } else { 4 };
+    let value = load(
+        dtype,
+        compute,
+        "a.x",
+        "base + row * a.rstr[0] + col * a.rstr[1]",
+    );
+    format!(
+        "{{ const {idx} inner = ({idx})a.rshape[1];\n\
+         const {idx} jump_rows = ({idx})blockDim.x / inner, jump_cols = ({idx})blockDim.x - jump_rows * inner;\n\
+         long long j = lo + threadIdx.x;\n\
+         {idx} row = inner ? ({idx})(j / inner) : 0, col = ({idx})(j - (long long)row * inner);\n\
+         for (; inner != 0 && j < hi; j += (long long)blockDim.x * {unroll}) {{\n\
+         ACC v[{unroll}];\n\
+         #pragma unroll\nfor (int u = 0; u < {unroll}; ++u) {{\n\
+         v[u] = j + (long long)u * blockDim.x < hi ? (ACC)({value}) : IDENTITY;\n\
+         col += jump_cols; row += jump_rows; if (col >= inner) {{ col -= inner; ++row; }} }}\n\
+         #pragma unroll\nfor (int u = 0; u < {unroll}; ++u) acc = COMBINE(acc, v[u]); }} }}\n"
+    )
 }
 
 /// Elements per 16-byte access when each output's reduced elements are one
@@ -602,6 +631,42 @@ mod tests {
         // f64 has no pack: element by element.
         let f64_sum = reduce(ReduceOp::Sum, DType::F64, &l, &[1], DType::F64, 0, 2, 132);
         assert!(!f64_sum.source.contains("Pack<double"));
+    }
+
+    /// Batch norm's `(0, 2, 3)` over NCHW: two reduced dims after merging,
+    /// walked without a division per element, loads unrolled.
+    #[test]
+    fn two_reduced_dims_are_walked_by_steps_not_divisions() {
+        let l = Layout::contiguous(&[32, 64, 56, 56]);
+        let s = reduce(
+            ReduceOp::Sum,
+            DType::BF16,
+            &l,
+            &[0, 2, 3],
+            DType::BF16,
+            0,
+            2,
+            132,
+        );
+        assert!(s.source.contains("jump_rows"), "{}", s.source);
+        assert!(s.source.contains("ACC v[8];"), "{}", s.source);
+        assert!(!s.source.contains("q_ = r_ / n_"), "{}", s.source);
+        // n_out, n_red, off, kshape, kstr, rshape[2], rstr[2]
+        assert_eq!(
+            s.args.0[..9],
+            [64, 32 * 3136, 0, 64, 3136, 32, 3136, 64 * 3136, 1]
+        );
+        let f = reduce(
+            ReduceOp::Max,
+            DType::F32,
+            &l,
+            &[0, 2, 3],
+            DType::F32,
+            0,
+            2,
+            132,
+        );
+        assert!(f.source.contains("ACC v[4];"), "{}", f.source);
     }
 
     #[test]
