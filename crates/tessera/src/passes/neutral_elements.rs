@@ -2,7 +2,10 @@
 //!
 //! `x*1`, `1*x`, `x/1`, `pow(x, 1)`, `x-0`, `x+(-0.0)`; `reshape`, `expand`
 //! and `cast` to the input's own type; `permute` by the identity; a
-//! `contiguous` of a `contiguous`; a `cat` of one part (the seed's sliced
+//! `contiguous` of a `contiguous`; a `contiguous` of an `expand` read only
+//! by elementwise ops (they broadcast the view themselves: the eager
+//! gradient of `sum`/`mean` writes this, and on the GPU each such copy
+//! wrote a full activation-sized tensor per batch-norm backward); a `cat` of one part (the seed's sliced
 //! attention in one slice: the copy would keep a second full-size value
 //! live next to its part, which a backward saves). All are exact, NaN and infinities
 //! included. `x + 0.0` → `x` is exact except for the sign of a zero result
@@ -22,15 +25,42 @@ use crate::ir::{BinaryOp, Graph, NodeId, Op};
 
 pub fn run(graph: &mut Graph, ctx: &PassContext) -> Result<bool> {
     let mut r = Replacements::new();
-    for i in 0..graph.len() {
+    let broadcast_reads = read_only_elementwise(graph);
+    for (i, &read_elementwise) in broadcast_reads.iter().enumerate() {
         let id = NodeId(i as u32);
-        if let Some(x) = neutral_operand(graph, id, ctx) {
+        let copy_of_broadcast = graph.node(id).op == Op::Contiguous
+            && read_elementwise
+            && matches!(graph.node(graph.node(id).inputs[0]).op, Op::Expand(_));
+        if copy_of_broadcast {
+            r.replace(graph, id, graph.node(id).inputs[0])?;
+        } else if let Some(x) = neutral_operand(graph, id, ctx) {
             if graph.node(x).ty == graph.node(id).ty {
                 r.replace(graph, id, x)?;
             }
         }
     }
     r.apply(graph)
+}
+
+/// Per node: whether every reader is an elementwise op (which reads any
+/// view of its operands, broadcasts included) and no graph output is it.
+fn read_only_elementwise(g: &Graph) -> Vec<bool> {
+    let mut only = vec![true; g.len()];
+    for node in &g.nodes {
+        let elementwise = matches!(
+            node.op,
+            Op::Unary(_) | Op::Binary(_) | Op::Compare(_) | Op::Where | Op::Cast(_)
+        );
+        if !elementwise {
+            for &x in &node.inputs {
+                only[x.index()] = false;
+            }
+        }
+    }
+    for out in &g.outputs {
+        only[out.node.index()] = false;
+    }
+    only
 }
 
 /// The operand node `id` returns unchanged (up to broadcasting, which the
@@ -105,6 +135,42 @@ mod tests {
   %n = input : i64[3]
   %j = contiguous(%x) : f32[2,3]
   return %j as k, %n as m
+}
+";
+        assert_rewrites(run, &PassContext::exact(), before, after);
+    }
+
+    /// The eager gradient of a mean: `contiguous(expand(g))` read by
+    /// elementwise ops only loses its copy; one read by a matmul, by
+    /// another view or returned keeps it (they need the dense value).
+    #[test]
+    fn a_copied_broadcast_read_elementwise_is_read_as_the_view() {
+        let before = "graph g(%x, %g) {
+  %x = input : f32[2,3]
+  %g = input : f32[1,3]
+  %e = expand(%g) {shape=[2,3]} : f32[2,3]
+  %c = contiguous(%e) : f32[2,3]
+  %m = mul(%c, %x) : f32[2,3]
+  %gt = gt(%c, %x) : bool[2,3]
+  %w = where(%gt, %m, %c) : f32[2,3]
+  %e2 = expand(%g) {shape=[2,3]} : f32[2,3]
+  %c2 = contiguous(%e2) : f32[2,3]
+  %p = matmul_t(%c2, %x) {transpose_a=false, transpose_b=true} : f32[2,2]
+  %c3 = contiguous(%e) : f32[2,3]
+  return %w as w, %p as p, %c3 as c3
+}";
+        let after = "graph g(%x, %g) {
+  %x = input : f32[2,3]
+  %g = input : f32[1,3]
+  %e = expand(%g) {shape=[2,3]} : f32[2,3]
+  %m = mul(%e, %x) : f32[2,3]
+  %gt = gt(%e, %x) : bool[2,3]
+  %w = where(%gt, %m, %e) : f32[2,3]
+  %e2 = expand(%g) {shape=[2,3]} : f32[2,3]
+  %c2 = contiguous(%e2) : f32[2,3]
+  %p = matmul_t(%c2, %x) {transpose_a=false, transpose_b=true} : f32[2,2]
+  %c3 = contiguous(%e) : f32[2,3]
+  return %w as w, %p as p, %c3 as c3
 }
 ";
         assert_rewrites(run, &PassContext::exact(), before, after);
