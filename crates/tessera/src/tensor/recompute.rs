@@ -13,8 +13,9 @@
 //! input was not made by an op of the same region ([`Recompute`]), and
 //! never its output. In the backward, [`Replays`] recomputes a node's
 //! output from its inputs (recursively, the region's earlier nodes first)
-//! once per backward pass, and forgets it once that node's own backward is
-//! done: every node that reads it comes before it in the backward's order.
+//! once per backward pass, and forgets it as that node's own backward
+//! starts: every node that reads it comes before it in the backward's
+//! order.
 //!
 //! What a region is: the ops made under one open `hints::scope` (they share
 //! its hints, one object per scope; an op run from a graph node, by the
@@ -31,8 +32,9 @@
 //! (made from the generator's seed by `rand` and compares), which the
 //! replay reads as they were — so a replay draws nothing and recomputes
 //! the same values; the outputs of custom functions (a compiled call, a
-//! custom op), whose backward holds what it saved; and in an offload
-//! region the kept values wait in host memory, as there.
+//! custom op), whose backward holds what it saved. In a region that also
+//! offloads, what it keeps waits in host memory, as there, and comes back
+//! once per backward pass (read by the replay and by the rule).
 //!
 //! Replays run under the backward's mode (no recording, autocast off:
 //! autocast's casts are recorded ops, replayed as such) and the same
@@ -44,7 +46,7 @@ use std::collections::HashMap;
 use std::panic::Location;
 use std::sync::Arc;
 
-use super::tape::{Backward, GradNode};
+use super::tape::{Backward, GradNode, Saved};
 use super::{trace, Tensor};
 use crate::error::{Error, ErrorKind, Result};
 use crate::hints::{Hint, HintMap};
@@ -132,10 +134,13 @@ pub fn reset_replayed() {
 }
 
 /// The outputs of recompute regions' nodes recomputed during one backward
-/// pass, by node.
+/// pass, by node, and their kept inputs brought back from host memory.
 #[derive(Default)]
 pub(crate) struct Replays {
     values: HashMap<usize, Tensor>,
+    /// By (node, input): read by the node's replay and by its rule, copied
+    /// back once.
+    from_host: HashMap<(usize, usize), Tensor>,
 }
 
 impl Replays {
@@ -201,7 +206,7 @@ impl Replays {
                     let (made_by, _) = saved.inputs[i].grad_fn().expect("an edge");
                     Ok(self.values[&made_by.id()].clone())
                 }
-                false => node.kept_input(&saved, i),
+                false => self.kept_input(node, &saved, i),
             })
             .collect::<Result<Vec<_>>>()?;
         let refs: Vec<&Tensor> = inputs.iter().collect();
@@ -213,9 +218,42 @@ impl Replays {
         Ok(out)
     }
 
-    /// Drops `node`'s recomputed output: its backward is done, and every
-    /// node that reads it came before it.
-    pub(crate) fn forget(&mut self, node: &GradNode) {
+    /// `node`'s output, out of this pass's values as its own backward
+    /// starts (every node that reads it came before, so it goes now):
+    /// recomputed if no such node needed it, when its rule reads it
+    /// (`read`; `None` otherwise).
+    pub(crate) fn take_output(&mut self, node: &GradNode, read: bool) -> Result<Option<Tensor>> {
+        let value = match read {
+            true => Some(self.output(node)?),
+            false => None,
+        };
         self.values.remove(&node.id());
+        Ok(value)
+    }
+
+    /// Input `i` that `node` keeps (`saved`: its saved values), on its
+    /// device: an input of a recompute region's node that waits in host
+    /// memory is copied back once per pass (its replay and its rule may
+    /// both read it).
+    pub(crate) fn kept_input(&mut self, node: &GradNode, saved: &Saved, i: usize) -> Result<Tensor> {
+        if node.recompute.is_none() || !node.in_host_memory(i) {
+            return node.kept_input(saved, i);
+        }
+        if let Some(t) = self.from_host.get(&(node.id(), i)) {
+            return Ok(t.clone());
+        }
+        let back = node.kept_input(saved, i)?;
+        self.from_host.insert((node.id(), i), back.clone());
+        Ok(back)
+    }
+
+    /// Drops what this pass recomputed or copied back for `node` (whose
+    /// backward is done) and still holds: the inputs it copied back, and
+    /// its output when the backward went past it without its rule (a
+    /// slice's gradient routed as a piece).
+    pub(crate) fn forget(&mut self, node: &GradNode) {
+        let id = node.id();
+        self.values.remove(&id);
+        self.from_host.retain(|&(n, _), _| n != id);
     }
 }

@@ -110,17 +110,28 @@ impl GradNode {
         let inputs = (0..saved.inputs.len())
             .map(|i| match &self.recompute {
                 Some(r) if r.recomputes_input(i) => {
-                    replays.output(&saved.inputs[i].grad_fn().expect("an edge").0)
+                    // With the input's autograd state: a rule asks which
+                    // inputs want a gradient.
+                    let edge = &saved.inputs[i];
+                    let values = replays.output(&edge.grad_fn().expect("an edge").0)?;
+                    Ok(edge.with_values(values.array().clone()))
                 }
-                _ => self.kept_input(saved, i),
+                _ => replays.kept_input(self, saved, i),
             })
             .collect::<Result<Vec<_>>>()?;
         let output = match (&self.recompute, &self.moved) {
-            (Some(r), _) if r.recomputes_output() => replays.output(self)?,
+            (Some(r), _) => replays
+                .take_output(self, r.recomputes_output())?
+                .unwrap_or_else(|| output.clone()),
             (_, Some(moved)) if moved.output => offload::to_device(output, moved.device)?,
             _ => output.clone(),
         };
         Ok((inputs, output))
+    }
+
+    /// Whether input `i` waits in host memory.
+    pub(crate) fn in_host_memory(&self, i: usize) -> bool {
+        self.moved.as_ref().is_some_and(|m| m.inputs[i])
     }
 
     /// Input `i` as the node keeps it, on its device (copied back when it
