@@ -94,10 +94,7 @@ fn layer_norm(store: &mut ParamStore, _: &mut Generator) -> Box<dyn Fn(&Tensor) 
 
 /// A pre-norm transformer block (layer norms, causal attention, MLP) with
 /// dropout on in training: the masks come from the block's generator.
-fn block_with_dropout(
-    store: &mut ParamStore,
-    g: &mut Generator,
-) -> Box<dyn Fn(&Tensor) -> Tensor> {
+fn block_with_dropout(store: &mut ParamStore, g: &mut Generator) -> Box<dyn Fn(&Tensor) -> Tensor> {
     let m = TransformerBlock::new(store, "block", &CONFIG, g);
     Box::new(move |x| m.forward(x, true))
 }
@@ -211,7 +208,10 @@ fn backward_twice_with_retain_graph_recomputes_each_time_and_a_third_errors() {
         }
         loss.try_backward(None).unwrap();
         let again = loss.try_backward(None).unwrap_err().to_string();
-        assert!(again.contains("backward through the graph a second time"), "{again}");
+        assert!(
+            again.contains("backward through the graph a second time"),
+            "{again}"
+        );
         let grads: Vec<Vec<u32>> = store.iter().map(|p| bits(&p.grad().unwrap())).collect();
         (grads, bits(&x.grad().unwrap()), replays)
     };

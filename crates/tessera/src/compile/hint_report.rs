@@ -137,7 +137,14 @@ mod tests {
             assert_eq!(keys(b, true), ["order", "group_id", "slice", "stream"]);
             assert_eq!(
                 keys(b, false),
-                ["order", "group_id", "slice", "offload", "recompute", "stream"]
+                [
+                    "order",
+                    "group_id",
+                    "slice",
+                    "offload",
+                    "recompute",
+                    "stream"
+                ]
             );
         }
         assert_eq!(keys(Backend::Default, true), ["stream"]);

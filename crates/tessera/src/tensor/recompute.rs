@@ -235,7 +235,12 @@ impl Replays {
     /// device: an input of a recompute region's node that waits in host
     /// memory is copied back once per pass (its replay and its rule may
     /// both read it).
-    pub(crate) fn kept_input(&mut self, node: &GradNode, saved: &Saved, i: usize) -> Result<Tensor> {
+    pub(crate) fn kept_input(
+        &mut self,
+        node: &GradNode,
+        saved: &Saved,
+        i: usize,
+    ) -> Result<Tensor> {
         if node.recompute.is_none() || !node.in_host_memory(i) {
             return node.kept_input(saved, i);
         }

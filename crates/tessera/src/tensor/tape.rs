@@ -319,7 +319,10 @@ fn say_nothing_saved() {
     let Some(region) = crate::hints::current() else {
         return;
     };
-    for (key, what) in [("offload", "move to host memory"), ("recompute", "recompute")] {
+    for (key, what) in [
+        ("offload", "move to host memory"),
+        ("recompute", "recompute"),
+    ] {
         if region.get(key) == Some(&serde_json::Value::Bool(true)) {
             crate::hints::not_honoured(
                 "eager",
