@@ -10,8 +10,8 @@
 //! A recorded node is its own recipe: it knows its op, and its inputs are
 //! either kept values or autograd edges to the nodes that made them, so
 //! a node of a recompute region keeps an input's values only when the
-//! input was not made by an op of the same region ([`Recompute`]), and
-//! never its output. In the backward, [`Replays`] recomputes a node's
+//! input was not made by an op of the same region (`Recompute`), and
+//! never its output. In the backward, `Replays` recomputes a node's
 //! output from its inputs (recursively, the region's earlier nodes first)
 //! once per backward pass, and forgets it as that node's own backward
 //! starts: every node that reads it comes before it in the backward's
