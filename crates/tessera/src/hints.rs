@@ -13,7 +13,7 @@
 //! | `group_id` | integer | the group's kernels run as one contiguous block |
 //! | `backward_group_id` | integer | the `group_id` of the region's backward ops |
 //! | `memory_budget_mb` | number ≥ 0 | the most memory the region's steps may use |
-//! | `recompute` | boolean (default: `true` under `order: "strict"`, else `false`) | AOT autograd recomputes the region's forward values in the backward instead of saving them (activation checkpointing, matmuls included; the default and `aot_eager` backends); the eager tape ignores it, with a log line |
+//! | `recompute` | boolean (default: `true` under `order: "strict"`, else `false`) | the backward recomputes the region's forward values instead of saving them (activation checkpointing, matmuls included): AOT autograd (the default and `aot_eager` backends), and the eager tape (plain eager and the `eager` backend), which keeps only the region's inputs and replays its recorded ops, like PyTorch's `torch.utils.checkpoint` (`crate::tensor::recompute`) |
 //! | `max_width` | integer ≥ 1 | at most this many of the region's kernels run in one step: at most K independent chains in flight (the middle ground between `bfs`, unbounded, and `dfs`, one) |
 //! | `slice` | `{"dim": D, "parts": P}` (D ≥ 0, P ≥ 1) | the compiler splits the region along dim D of its results into P slices computed one after another (`crate::passes::slice`) |
 //! | `offload` | boolean | the activations the region saves for the backward wait in host memory between their last forward use and their first backward use (a strict region that offloads does not recompute by default); honoured by compile's memory plan, by the `aot_eager` backend (moved op by op), and by the eager tape, like PyTorch's `save_on_cpu` (`crate::tensor::offload`) |
@@ -373,10 +373,11 @@ pub fn not_honoured_messages() -> Vec<String> {
 
 /// The keys of `hint` that plain eager execution (ops run as they are
 /// called, outside `compile`) does not honour, with the reasons: all but
-/// `order: "strict"`, which is what eager does anyway, and `offload`,
-/// which the tape honours (the saved values of the region's ops wait in
-/// host memory, `crate::tensor::offload`; an op that records nothing says
-/// so there).
+/// `order: "strict"`, which is what eager does anyway, and `offload` and
+/// `recompute`, which the tape honours (the saved values of the region's
+/// ops wait in host memory, `crate::tensor::offload`, or are recomputed in
+/// the backward, `crate::tensor::recompute`; an op that records nothing
+/// says so there).
 pub fn eager_ignores(hint: &Hint) -> Vec<(&'static str, &'static str)> {
     let mut out = Vec::new();
     let mut say = |on: bool, key: &'static str, why: &'static str| {
@@ -403,11 +404,6 @@ pub fn eager_ignores(hint: &Hint) -> Vec<(&'static str, &'static str)> {
         hint.memory_budget_mb.is_some(),
         "memory_budget_mb",
         "eager plans no memory: each op allocates its output when it runs",
-    );
-    say(
-        hint.recompute.is_some(),
-        "recompute",
-        "the eager tape keeps what each op's backward needs (compile recomputes)",
     );
     say(
         hint.max_width.is_some(),
@@ -770,12 +766,19 @@ mod tests {
 
     #[test]
     fn eager_says_what_it_ignores_once_per_region() {
-        let region = Arc::new(Hint::dfs().offload(true).stream(7).max_width(3).to_map());
+        let region = Arc::new(
+            Hint::dfs()
+                .offload(true)
+                .recompute(true)
+                .stream(7)
+                .max_width(3)
+                .to_map(),
+        );
         let keys: Vec<&str> = eager_ignores(&Hint::from_map(&region).unwrap().0)
             .into_iter()
             .map(|(k, _)| k)
             .collect();
-        // The tape honours `offload`.
+        // The tape honours `offload` and `recompute`.
         assert_eq!(keys, ["order", "max_width", "stream"]);
         assert!(eager_ignores(&Hint::strict()).is_empty());
         eager_op_in(&region);

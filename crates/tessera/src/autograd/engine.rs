@@ -9,6 +9,7 @@ use std::sync::Arc;
 use super::rules;
 use crate::error::{Error, ErrorKind, Result, SourceLoc};
 use crate::ir::Op;
+use crate::tensor::recompute::Replays;
 use crate::tensor::tape::{consuming, no_grad, Backward, GradNode, Saved};
 use crate::tensor::{autocast, trace, Tensor};
 
@@ -20,8 +21,13 @@ fn backward_mode<R>(f: impl FnOnce() -> R) -> R {
     autocast::disabled(|| no_grad(f))
 }
 
-/// The input gradients of `node` from its output gradients.
-fn input_gradients(node: &GradNode, grads: Vec<Option<Tensor>>) -> Result<Vec<Option<Tensor>>> {
+/// The input gradients of `node` from its output gradients; `replays`
+/// holds the values of recompute regions this backward pass recomputed.
+fn input_gradients(
+    node: &GradNode,
+    grads: Vec<Option<Tensor>>,
+    replays: &mut Replays,
+) -> Result<Vec<Option<Tensor>>> {
     let filled: Vec<Tensor> = grads
         .into_iter()
         .zip(&node.outputs)
@@ -36,8 +42,9 @@ fn input_gradients(node: &GradNode, grads: Vec<Option<Tensor>>) -> Result<Vec<Op
                 ..
             },
         ) => {
-            // Saved values waiting in host memory come back first.
-            let (inputs, output) = node.saved_values(&saved, output)?;
+            // Saved values waiting in host memory come back first, those
+            // of a recompute region are recomputed.
+            let (inputs, output) = node.saved_values(&saved, output, replays)?;
             rules::vjp(op, &inputs, &output, &filled[0])
         }
         (
@@ -416,6 +423,7 @@ fn propagate(
     release: Option<&SourceLoc>,
 ) -> Result<()> {
     let mut pending = Pending::default();
+    let mut replays = Replays::default();
     for (root, seed) in roots.iter().zip(seeds) {
         // Summing the seeds of a root given twice belongs to the backward of
         // the op that computed it (its line and hints).
@@ -448,16 +456,14 @@ fn propagate(
             first.requires_grad(),
         ) {
             trace::with_origin(&node.origin, || route(&first, piece, &mut pending, sink))?;
-            if let Some(at) = release {
-                node.release(at);
-            }
+            done(node, release, &mut replays);
             continue;
         }
         drop(first);
-        let input_grads = consuming(release.is_some(), || input_gradients(node, grads))?;
-        if let Some(at) = release {
-            node.release(at);
-        }
+        let input_grads = consuming(release.is_some(), || {
+            input_gradients(node, grads, &mut replays)
+        })?;
+        done(node, release, &mut replays);
         // Edges only, once released: no saved value outlives the rule.
         let inputs = node.inputs();
         // The sums of partial gradients are part of this node's backward too:
@@ -474,6 +480,16 @@ fn propagate(
         })?;
     }
     Ok(())
+}
+
+/// After `node`'s backward: its recomputed output goes (the nodes that
+/// read it came before), and its saved values too when the backward does
+/// not retain the graph (`release`).
+fn done(node: &GradNode, release: Option<&SourceLoc>, replays: &mut Replays) {
+    replays.forget(node);
+    if let Some(at) = release {
+        node.release(at);
+    }
 }
 
 /// The gradients of `outputs` (weighted by `grad_outputs`, one per output)

@@ -6,7 +6,8 @@
 //! budget and streams (on a device with several), the memory planner's
 //! offloads). `aot_eager` honours recompute (the AOT partition) and
 //! offload (its interpreter moves the saved values, op by op); `eager`
-//! honours offload (the tape keeps its saved values in host memory); the scheduler's own notes
+//! honours both on its tape (saved values kept in host memory, or
+//! recomputed in the backward from the region's inputs); the scheduler's own notes
 //! (`TESSERA_LOGS=schedule`) say when a hint it reads cannot be met.
 
 use std::collections::BTreeMap;
@@ -89,23 +90,22 @@ fn ignored(
                     "slicing is a graph pass of the default backend; this backend runs the code as written".into(),
                 ));
             }
-            if backend == Backend::Eager && hint.recompute.is_some() {
-                out.push((
-                    "recompute",
-                    "the eager tape keeps what each op's backward needs (AOT autograd recomputes)"
-                        .into(),
-                ));
-            }
         }
         Backend::Default => {}
     }
-    // Every backend moves saved values to host memory: the default one's
-    // memory plan, aot_eager's interpreter, eager's tape.
-    if hint.offload == Some(true) && !has_backward {
-        out.push((
-            "offload",
-            "nothing requires grad: the forward saves nothing for a backward".into(),
-        ));
+    // Every backend moves saved values to host memory (the default one's
+    // memory plan, aot_eager's interpreter, eager's tape) and recomputes
+    // them (AOT autograd, eager's tape), where there is a backward.
+    for (key, on) in [
+        ("offload", hint.offload == Some(true)),
+        ("recompute", hint.recompute == Some(true)),
+    ] {
+        if on && !has_backward {
+            out.push((
+                key,
+                "nothing requires grad: the forward saves nothing for a backward".into(),
+            ));
+        }
     }
     if let (Some(_), Some(why)) = (hint.stream, no_streams) {
         out.push(("stream", why));
@@ -119,23 +119,39 @@ mod tests {
 
     #[test]
     fn each_backend_names_what_it_ignores() {
-        let hint = Hint::dfs().group(1).slice(0, 2).offload(true).stream(1);
+        let hint = Hint::dfs()
+            .group(1)
+            .slice(0, 2)
+            .offload(true)
+            .recompute(true)
+            .stream(1);
         let keys = |b, grad| -> Vec<&str> {
             ignored(&hint, b, grad, Device::Cpu)
                 .into_iter()
                 .map(|(k, _)| k)
                 .collect()
         };
-        // Offload is honoured wherever there is a backward.
+        // Offload is honoured wherever there is a backward; recompute by
+        // AOT autograd and by the eager tape.
         for b in [Backend::Eager, Backend::AotEager] {
             assert_eq!(keys(b, true), ["order", "group_id", "slice", "stream"]);
             assert_eq!(
                 keys(b, false),
-                ["order", "group_id", "slice", "offload", "stream"]
+                [
+                    "order",
+                    "group_id",
+                    "slice",
+                    "offload",
+                    "recompute",
+                    "stream"
+                ]
             );
         }
         assert_eq!(keys(Backend::Default, true), ["stream"]);
-        assert_eq!(keys(Backend::Default, false), ["offload", "stream"]);
+        assert_eq!(
+            keys(Backend::Default, false),
+            ["offload", "recompute", "stream"]
+        );
         // Strict is what eager does anyway.
         assert!(ignored(&Hint::strict(), Backend::Eager, true, Device::Cpu).is_empty());
     }

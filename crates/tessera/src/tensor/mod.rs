@@ -11,7 +11,9 @@
 //! ([`autocast`]), the tape ops record on (`tape`: the data of autograd;
 //! the engine that walks it back is the `autograd` layer above), custom
 //! ops' implementations and their registry (`custom`, public as
-//! `tessera::custom_op`), tracing ([`trace`]), and the interpreter that
+//! `tessera::custom_op`), what the tape does in hinted regions (saved
+//! values in host memory, [`offload`]; recomputed in the backward,
+//! [`recompute`]), tracing ([`trace`]), and the interpreter that
 //! runs a graph node by node through `Tensor::apply` ([`interpret`]: the
 //! reference for compiled code, and what a graph break runs).
 //!
@@ -30,6 +32,7 @@ pub(crate) mod custom;
 pub mod interpret;
 pub mod offload;
 mod ops;
+pub mod recompute;
 pub(crate) mod tape;
 pub mod trace;
 

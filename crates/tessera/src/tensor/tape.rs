@@ -14,9 +14,10 @@ use std::panic::Location;
 use std::sync::{Arc, Mutex};
 use std::thread::LocalKey;
 
+use super::recompute::{Recompute, Replays};
 use super::{offload, trace, Tensor};
 use crate::error::{Error, ErrorKind, Result, SourceLoc};
-use crate::ir::{BackwardReads, DType, NodeMeta, Op};
+use crate::ir::{DType, NodeMeta, Op};
 use crate::runtime::array::Array;
 use crate::runtime::cpu::Storage;
 use crate::runtime::device::{self, Device};
@@ -75,6 +76,9 @@ pub(crate) struct GradNode {
     pub(crate) used_by: Mutex<Option<SourceLoc>>,
     /// Which saved values wait in host memory (an op of an offload region).
     pub(crate) moved: Option<Moved>,
+    /// Which inputs the backward recomputes instead of keeping (an op of a
+    /// recompute region).
+    pub(crate) recompute: Option<Recompute>,
 }
 
 /// The saved values of a node that wait in host memory, and the device
@@ -88,31 +92,55 @@ pub(crate) struct Moved {
 
 impl GradNode {
     /// A stable identity for this node.
-    pub(crate) fn id(self: &Arc<Self>) -> usize {
-        Arc::as_ptr(self) as usize
+    pub(crate) fn id(&self) -> usize {
+        self as *const Self as usize
     }
 
-    /// `saved`'s inputs and `output` (an op node's), on its device: those
-    /// waiting in host memory are copied back (see [`Moved`]).
+    /// `saved`'s inputs and `output` (an op node's) as its rule reads
+    /// them, on its device: those waiting in host memory are copied back
+    /// (see [`Moved`]), those of a recompute region that the node does not
+    /// keep are recomputed (`replays`, see [`Recompute`]); the others, which
+    /// the rule does not read, stay stand-ins.
     pub(crate) fn saved_values(
         &self,
         saved: &Saved,
         output: &Tensor,
+        replays: &mut Replays,
     ) -> Result<(Vec<Tensor>, Tensor)> {
-        let Some(moved) = &self.moved else {
-            return Ok((saved.inputs.clone(), output.clone()));
-        };
-        let back = |t: &Tensor, host: bool| match host {
-            true => offload::to_device(t, moved.device),
-            false => Ok(t.clone()),
-        };
-        let inputs = saved
-            .inputs
-            .iter()
-            .zip(&moved.inputs)
-            .map(|(t, &host)| back(t, host))
+        let inputs = (0..saved.inputs.len())
+            .map(|i| match &self.recompute {
+                Some(r) if r.recomputes_input(i) => {
+                    // With the input's autograd state: a rule asks which
+                    // inputs want a gradient.
+                    let edge = &saved.inputs[i];
+                    let values = replays.output(&edge.grad_fn().expect("an edge").0)?;
+                    Ok(edge.with_values(values.array().clone()))
+                }
+                _ => replays.kept_input(self, saved, i),
+            })
             .collect::<Result<Vec<_>>>()?;
-        Ok((inputs, back(output, moved.output)?))
+        let output = match (&self.recompute, &self.moved) {
+            (Some(r), _) => replays
+                .take_output(self, r.recomputes_output())?
+                .unwrap_or_else(|| output.clone()),
+            (_, Some(moved)) if moved.output => offload::to_device(output, moved.device)?,
+            _ => output.clone(),
+        };
+        Ok((inputs, output))
+    }
+
+    /// Whether input `i` waits in host memory.
+    pub(crate) fn in_host_memory(&self, i: usize) -> bool {
+        self.moved.as_ref().is_some_and(|m| m.inputs[i])
+    }
+
+    /// Input `i` as the node keeps it, on its device (copied back when it
+    /// waits in host memory).
+    pub(crate) fn kept_input(&self, saved: &Saved, i: usize) -> Result<Tensor> {
+        match &self.moved {
+            Some(moved) if moved.inputs[i] => offload::to_device(&saved.inputs[i], moved.device),
+            _ => Ok(saved.inputs[i].clone()),
+        }
     }
 
     /// The op's name, or the custom function's.
@@ -212,9 +240,12 @@ fn tracks(inputs: &[&Tensor], any_float_output: bool) -> bool {
     is_grad_enabled() && any_float_output && inputs.iter().any(|t| t.requires_grad())
 }
 
-/// Hangs the op's node on `out` when an input requires grad. Inside a
-/// region hinted `{"offload": true}` the node keeps what its rule reads in
-/// host memory, and nothing of the rest (see [`offloaded`]).
+/// Hangs the op's node on `out` when an input requires grad. The node
+/// keeps what its rule reads ([`Op::backward_reads`]); inside a region
+/// that recomputes ([`Recompute`]) it keeps instead what the region did
+/// not make, and the backward recomputes the rest. Inside a region hinted
+/// `{"offload": true}` what it keeps waits in host memory (see
+/// [`offloaded`]).
 pub(crate) fn record(
     op: &Op,
     inputs: &[&Tensor],
@@ -231,20 +262,26 @@ pub(crate) fn record(
         );
     }
     if !tracks(inputs, true) {
-        say_nothing_to_offload();
+        say_nothing_saved();
         return Ok(inherit_cut(inputs, out));
     }
-    let origin = backward_origin(caller);
+    let meta = trace::node_meta(caller);
     let needs: Vec<bool> = inputs.iter().map(|t| t.requires_grad()).collect();
     let reads = op.backward_reads(&needs);
+    let recompute = Recompute::of(meta.hints.as_ref(), inputs, &reads, &out);
+    let origin = backward_origin(meta);
+    let (keep, keep_output) = match &recompute {
+        Some(r) => (r.keeps(), false),
+        None => (reads.inputs, reads.output),
+    };
     let mut held: Vec<Tensor> = inputs
         .iter()
-        .zip(&reads.inputs)
-        .map(|(&t, &read)| kept(t, read))
+        .zip(&keep)
+        .map(|(&t, &k)| kept(t, k))
         .collect();
-    let mut output = kept(&out, reads.output);
+    let mut output = kept(&out, keep_output);
     let moved = match offloads(&origin) && !out.is_traced() {
-        true => Some(offloaded(&reads, &mut held, &mut output)?),
+        true => Some(offloaded(&keep, keep_output, &mut held, &mut output)?),
         false => None,
     };
     let node = Arc::new(GradNode {
@@ -258,6 +295,7 @@ pub(crate) fn record(
         origin,
         used_by: Mutex::new(None),
         moved,
+        recompute,
     });
     Ok(attach(&out, &node, 0))
 }
@@ -270,48 +308,60 @@ fn offloads(origin: &NodeMeta) -> bool {
         .is_some_and(|h| h.get("offload") == Some(&serde_json::Value::Bool(true)))
 }
 
-/// An op of a plain eager offload region (not a replayed graph's node,
-/// not a backward op: their runners report their own) that records
-/// nothing has nothing to move: said once per region (`TESSERA_LOGS=hints`).
-fn say_nothing_to_offload() {
+/// An op of a plain eager region that offloads or recomputes (not a
+/// replayed graph's node, not a backward op: their runners report their
+/// own) that records nothing has nothing to move or recompute: said once
+/// per region (`TESSERA_LOGS=hints`) for each such key the region sets.
+fn say_nothing_saved() {
     if trace::has_origin() || trace::is_active() {
         return;
     }
-    let Some(region) = crate::hints::current()
-        .filter(|h| h.get("offload") == Some(&serde_json::Value::Bool(true)))
-    else {
+    let Some(region) = crate::hints::current() else {
         return;
     };
-    crate::hints::not_honoured(
-        "eager",
-        &region,
-        "offload",
-        "ops of the region that record nothing for a backward (grad mode off, or no input \
-         requires grad) save nothing to move to host memory",
-    );
+    for (key, what) in [
+        ("offload", "move to host memory"),
+        ("recompute", "recompute"),
+    ] {
+        if region.get(key) == Some(&serde_json::Value::Bool(true)) {
+            crate::hints::not_honoured(
+                "eager",
+                &region,
+                key,
+                &format!(
+                    "ops of the region that record nothing for a backward (grad mode off, or \
+                     no input requires grad) save nothing to {what}"
+                ),
+            );
+        }
+    }
 }
 
-/// Moves the values a node keeps (those its backward reads, `reads`; the
-/// others are already stand-ins without storage) to host memory, except
-/// leaves that require grad (parameters, which stay on the device for the
-/// optimizer anyway: a copy would free nothing). Returns which are in host
-/// memory.
-fn offloaded(reads: &BackwardReads, inputs: &mut [Tensor], output: &mut Tensor) -> Result<Moved> {
+/// Moves the values a node keeps (`keep`, `keep_output`; the others are
+/// already stand-ins without storage) to host memory, except leaves that
+/// require grad (parameters, which stay on the device for the optimizer
+/// anyway: a copy would free nothing). Returns which are in host memory.
+fn offloaded(
+    keep: &[bool],
+    keep_output: bool,
+    inputs: &mut [Tensor],
+    output: &mut Tensor,
+) -> Result<Moved> {
     let on = output.device();
     let mut host = vec![false; inputs.len()];
     for (i, t) in inputs.iter_mut().enumerate() {
-        if reads.inputs[i] && !(t.is_leaf() && t.requires_grad()) && t.device() == on {
+        if keep[i] && !(t.is_leaf() && t.requires_grad()) && t.device() == on {
             *t = offload::to_host(t, on)?;
             host[i] = true;
         }
     }
-    if reads.output {
+    if keep_output {
         *output = offload::to_host(output, on)?;
     }
     Ok(Moved {
         device: on,
         inputs: host,
-        output: reads.output,
+        output: keep_output,
     })
 }
 
@@ -372,11 +422,11 @@ fn inherit_cut(inputs: &[&Tensor], out: Tensor) -> Tensor {
     }
 }
 
-/// What a node's backward ops inherit: the forward op's call site and hints,
-/// with the hints' `backward_group_id` as their `group_id` (the one place
-/// backward hints are derived; see `hints::for_backward`).
-fn backward_origin(caller: &'static Location<'static>) -> NodeMeta {
-    let mut meta = trace::node_meta(caller);
+/// What a node's backward ops inherit: the forward op's metadata (call
+/// site and hints, `trace::node_meta`), with the hints'
+/// `backward_group_id` as their `group_id` (the one place backward hints
+/// are derived; see `hints::for_backward`).
+fn backward_origin(mut meta: NodeMeta) -> NodeMeta {
     meta.hints = crate::hints::for_backward(meta.hints);
     meta
 }
@@ -427,9 +477,10 @@ pub fn custom_function_at(
             .iter()
             .map(|t| (t.shape().to_vec(), t.dtype()))
             .collect(),
-        origin: backward_origin(caller),
+        origin: backward_origin(trace::node_meta(caller)),
         used_by: Mutex::new(None),
         moved: None,
+        recompute: None,
     });
     outputs
         .iter()
