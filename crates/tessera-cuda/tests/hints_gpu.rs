@@ -44,25 +44,52 @@ fn measured_step<F: Fn(&[Tensor]) -> Vec<Tensor>>(
     inputs: &[Tensor],
     grad: &Tensor,
 ) -> (Vec<Vec<f64>>, usize) {
+    let (results, memory) = measured_step_memory(f, inputs, grad);
+    (results, memory.peak)
+}
+
+/// What one step leaves on the device above what was live before it.
+struct StepMemory {
+    /// Held between the forward and the backward (the output and what
+    /// the backward saved).
+    after_forward: usize,
+    /// The step's peak.
+    peak: usize,
+}
+
+/// [`measured_step`], also with the bytes held after the forward.
+fn measured_step_memory<F: Fn(&[Tensor]) -> Vec<Tensor>>(
+    f: &Compiled<F>,
+    inputs: &[Tensor],
+    grad: &Tensor,
+) -> (Vec<Vec<f64>>, StepMemory) {
     let leaves: Vec<Tensor> = inputs.iter().map(|t| t.set_requires_grad(true)).collect();
-    let step = || {
-        let out = f.call(&leaves).remove(0);
-        out.backward_with(grad);
-        out.detach()
-    };
-    drop(step()); // compiles
+    let forward = || f.call(&leaves).remove(0);
+    let first = forward(); // compiles
+    first.backward_with(grad);
+    drop(first);
     for t in &leaves {
         t.zero_grad();
     }
     device::synchronize(Device::Cuda).unwrap();
     let before = device::memory_stats(Device::Cuda).unwrap().live_bytes;
     device::reset_peak(Device::Cuda).unwrap();
-    let out = step();
+    let out = forward();
+    device::synchronize(Device::Cuda).unwrap();
+    let after_forward = device::memory_stats(Device::Cuda).unwrap().live_bytes - before;
+    out.backward_with(grad);
+    let out = out.detach();
     device::synchronize(Device::Cuda).unwrap();
     let peak = device::memory_stats(Device::Cuda).unwrap().peak_bytes - before;
     let mut results = vec![out.to_f64_vec()];
     results.extend(leaves.iter().map(|t| t.grad().unwrap().to_f64_vec()));
-    (results, peak)
+    (
+        results,
+        StepMemory {
+            after_forward,
+            peak,
+        },
+    )
 }
 
 const WIDTH: usize = 1024;
@@ -93,13 +120,28 @@ fn offloaded_activations_leave_the_gpu_and_the_values_stay() {
     let grad = randn(&[WIDTH, WIDTH], 30, 1.0);
     let kept = compile(layers(r#"{"order": "strict", "recompute": false}"#));
     let moved = compile(layers(r#"{"order": "strict", "offload": true}"#));
-    let (a, kept_peak) = measured_step(&kept, &inputs, &grad);
-    let (b, moved_peak) = measured_step(&moved, &inputs, &grad);
-    eprintln!("GPU peak of one step: {kept_peak} bytes kept, {moved_peak} bytes offloaded");
+    let (a, kept_mem) = measured_step_memory(&kept, &inputs, &grad);
+    let (b, moved_mem) = measured_step_memory(&moved, &inputs, &grad);
+    let (kept_peak, moved_peak) = (kept_mem.peak, moved_mem.peak);
+    eprintln!(
+        "GPU bytes after the forward: {} kept, {} offloaded; peak of one step: {kept_peak} kept, {moved_peak} offloaded",
+        kept_mem.after_forward, moved_mem.after_forward
+    );
     assert_eq!(a, b, "offloading changes no value");
     let activation = WIDTH * WIDTH * 4;
+    // Between forward and backward the saved tanh outputs of the first
+    // three layers wait in host memory.
     assert!(
-        moved_peak + 2 * activation <= kept_peak,
+        moved_mem.after_forward + 2 * activation <= kept_mem.after_forward,
+        "device bytes after the forward: {} offloaded vs {} kept",
+        moved_mem.after_forward,
+        kept_mem.after_forward
+    );
+    // The step's peak is in the backward, where the weight gradients pile
+    // up and the compiled backward frees each saved value at its last read
+    // (so keeping them costs less than it did): lower, by about one.
+    assert!(
+        moved_peak + activation <= kept_peak,
         "device peak {moved_peak} vs {kept_peak} without offload"
     );
     // The copies overlap compute: the plans say how many steps, and what
@@ -182,6 +224,73 @@ fn eager_offload_leaves_less_on_the_gpu_after_the_forward() {
         .map(|(a, b)| (a - b).abs())
         .fold(0.0, f64::max);
     assert!(diff <= 1e-6, "gradients differ by {diff}");
+}
+
+/// Eager `recompute` on the GPU (`tensor::recompute`): each layer in a
+/// region of its own keeps only its input after the forward; the backward
+/// replays the layer's ops on the device and gives the unhinted values
+/// and gradients bit for bit (the same kernels on the same inputs).
+#[test]
+fn eager_recompute_keeps_only_region_inputs_on_the_gpu() {
+    if !gpu() {
+        return;
+    }
+    let _lock = allocator();
+    use tessera::tensor::recompute;
+    let x = randn(&[WIDTH, WIDTH], 70, 1.0);
+    let run = |hint: Option<&str>| {
+        let params: Vec<Tensor> = (0..LAYERS as u64)
+            .map(|i| randn(&[WIDTH, WIDTH], 71 + i, 0.03).set_requires_grad(true))
+            .collect();
+        device::synchronize(Device::Cuda).unwrap();
+        let before = device::memory_stats(Device::Cuda).unwrap().live_bytes;
+        let mut h = x.clone();
+        for w in &params {
+            // A layer: two ops whose values the backward reads.
+            let layer = || (&h.matmul(w).tanh() * 0.5).exp();
+            h = match hint {
+                Some(hint) => hints::scope(hint, layer).unwrap(),
+                None => layer(),
+            };
+        }
+        let loss = h.sum(&[], false);
+        device::synchronize(Device::Cuda).unwrap();
+        let held = device::memory_stats(Device::Cuda).unwrap().live_bytes - before;
+        recompute::reset_replayed();
+        loss.backward();
+        let grads: Vec<Vec<u64>> = params
+            .iter()
+            .map(|p| {
+                p.grad()
+                    .unwrap()
+                    .to_f64_vec()
+                    .iter()
+                    .map(|v| v.to_bits())
+                    .collect()
+            })
+            .collect();
+        (
+            held,
+            loss.to_f64_vec()[0].to_bits(),
+            grads,
+            recompute::replayed(),
+        )
+    };
+    let (kept, loss, grads, none) = run(None);
+    let (held, loss2, grads2, replayed) = run(Some(r#"{"recompute": true}"#));
+    eprintln!("GPU bytes held after the forward: {kept} kept, {held} recomputing; {replayed} ops replayed");
+    assert_eq!(none, 0);
+    // Each layer's matmul, tanh and scale (read by the next rules) replayed once.
+    assert!(replayed >= 2 * LAYERS, "{replayed} ops replayed");
+    let activation = WIDTH * WIDTH * 4;
+    // Unhinted: tanh's and exp's outputs of each layer (8 activations);
+    // recomputing: the layers' inputs and the last output (4).
+    assert!(
+        held + (LAYERS - 1) * activation <= kept,
+        "device bytes after the forward: {held} recomputing vs {kept} kept"
+    );
+    assert_eq!(loss, loss2, "losses differ");
+    assert_eq!(grads, grads2, "gradients differ");
 }
 
 /// In the steady state the offloads and prefetches never make the host
