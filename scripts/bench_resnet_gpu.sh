@@ -9,9 +9,7 @@
 #      training, batch 32, f32 and bf16); with CUDA_GRAPHS=1 also
 #      `tessera bench resnet --cuda-graphs` and torch.compile's
 #      mode="reduce-overhead"; with PROFILE=1 first the GPU time by op of
-#      each config's tessera run (TESSERA_CUDA_PROFILE=1) into profile.txt;
-#      with FIND=1 also tessera with TESSERA_CUDNN_BENCHMARK=1 (cuDNN's
-#      algorithms timed per shape, as PyTorch's cudnn.benchmark).
+#      each config's tessera run (TESSERA_CUDA_PROFILE=1) into profile.txt.
 # TESTS=0 skips step 1.
 #
 # usage: TESSERA_BIN_DIR=DIR scripts/bench_resnet_gpu.sh OUTDIR
@@ -65,10 +63,6 @@ for c in ${CONFIGS:-50:inference:32:bf16 18:train:32:bf16 50:inference:32:f32 18
   for g in "${graphs[@]}"; do
     timeout 120 "$bin/tessera" bench resnet "${args[@]}" $g 2>> "$out/bench.err" | tee -a "$out/bench.jsonl" "$out/summary.txt" || { say "FAILED: tessera $c $g"; status=1; }
   done
-  if [ "${FIND:-0}" = 1 ]; then
-    say "tessera, TESSERA_CUDNN_BENCHMARK=1"
-    TESSERA_CUDNN_BENCHMARK=1 timeout 150 "$bin/tessera" bench resnet "${args[@]}" 2>> "$out/bench.err" | tee -a "$out/bench.jsonl" "$out/summary.txt" || { say "FAILED: tessera find $c"; status=1; }
-  fi
   for mode in "${torch_modes[@]}"; do
     PYTHONUNBUFFERED=1 timeout 150 python3 "$anchors/resnet_torch.py" "${args[@]}" --mode "$mode" 2>> "$out/bench.err" \
       | tee -a "$out/bench.jsonl" "$out/summary.txt" || { say "FAILED: torch $mode $c"; status=1; }

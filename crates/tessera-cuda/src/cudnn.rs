@@ -9,10 +9,7 @@
 //! [`Dnn::conv`]). The legacy API (descriptors + `*_v7` heuristics) is
 //! used, as PyTorch with `cudnn.benchmark = False`: its choice is made on
 //! the host, without running trial kernels, so it is safe inside a CUDA
-//! graph capture and costs no device time. With `TESSERA_CUDNN_BENCHMARK=1`
-//! or under `max-autotune` (PyTorch's `cudnn.benchmark = True`) the first
-//! convolution of each shape instead times cuDNN's algorithms on the
-//! device (`cudnnFind*`, outside a capture only) and keeps the fastest.
+//! graph capture and costs no device time.
 //!
 //! Precision: f32 convolutions run with `CUDNN_FMA_MATH` (no TF32, the
 //! same arithmetic as tessera's f32 matmul and the CPU); f16/bf16 ones on
@@ -59,9 +56,6 @@ const SYMBOLS: &[&str] = &[
     "cudnnGetConvolutionForwardAlgorithm_v7",
     "cudnnGetConvolutionBackwardDataAlgorithm_v7",
     "cudnnGetConvolutionBackwardFilterAlgorithm_v7",
-    "cudnnFindConvolutionForwardAlgorithm",
-    "cudnnFindConvolutionBackwardDataAlgorithm",
-    "cudnnFindConvolutionBackwardFilterAlgorithm",
     "cudnnGetConvolutionForwardWorkspaceSize",
     "cudnnGetConvolutionBackwardDataWorkspaceSize",
     "cudnnGetConvolutionBackwardFilterWorkspaceSize",
@@ -100,13 +94,6 @@ pub fn conv_path() -> ConvPath {
             _ => ConvPath::Auto,
         },
     }
-}
-
-/// Whether a new plan times cuDNN's algorithms (`TESSERA_CUDNN_BENCHMARK=1`,
-/// or `max-autotune`'s tuning) rather than taking its heuristic's first.
-fn benchmark() -> bool {
-    tessera::runtime::device::tuning()
-        || std::env::var("TESSERA_CUDNN_BENCHMARK").is_ok_and(|v| v == "1")
 }
 
 /// Chooses the convolution path for the rest of the process.
@@ -352,20 +339,9 @@ impl Dnn {
             State::Unopened => unreachable!("opened above"),
         };
         let key = Key::of(pass, s);
-        // Timing runs kernels: not while a CUDA graph records.
-        let choice = match benchmark() && !gpu.capturing() {
-            true => Choice::Timed,
-            false => Choice::Heuristic,
-        };
-        if choice == Choice::Timed && !plans.contains_key(&key) {
-            // cuDNN's trials run on the handle's stream: this lane's.
-            // SAFETY: the handle is live.
-            unsafe { dnn::set_stream(handle, gpu.stream() as sys::cudaStream_t) }
-                .map_err(|e| dnn_error("stream", e))?;
-        }
         let plan = plans
             .entry(key)
-            .or_insert_with_key(|k| unsafe { make_plan(handle, k, choice) });
+            .or_insert_with_key(|k| unsafe { make_plan(handle, k) });
         let plan = match plan {
             Ok(p) => p,
             Err(why) => return refuse(why.clone()),
@@ -455,26 +431,13 @@ fn ints<const N: usize>(v: [usize; N]) -> [c_int; N] {
     v.map(|x| x as c_int)
 }
 
-/// How a plan's algorithm is chosen.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Choice {
-    /// cuDNN's heuristic ranking (host only).
-    Heuristic,
-    /// The algorithms timed on the device, fastest first (`cudnnFind*`).
-    Timed,
-}
-
-/// The descriptors of `k` and the first algorithm cuDNN ranks (`choice`)
+/// The descriptors of `k` and the first algorithm cuDNN's heuristic ranks
 /// that succeeds within [`MAX_WORKSPACE`] with the math `k`'s dtype
 /// allows; `Err` (the reason) when there is none.
 ///
 /// # Safety
 /// `handle` is a live cuDNN handle.
-unsafe fn make_plan(
-    handle: sys::cudnnHandle_t,
-    k: &Key,
-    choice: Choice,
-) -> std::result::Result<Plan, String> {
+unsafe fn make_plan(handle: sys::cudnnHandle_t, k: &Key) -> std::result::Result<Plan, String> {
     use sys::cudnnTensorFormat_t::CUDNN_TENSOR_NCHW as NCHW;
     let ty = data_type(k.dtype).ok_or("no cuDNN data type")?;
     let e = |what: &'static str| move |err| dnn_error(what, err);
@@ -515,7 +478,7 @@ unsafe fn make_plan(
         ),
         workspace: 0,
     };
-    for (algo, status, math_type) in ranked(handle, k.pass, &plan, choice)? {
+    for (algo, status, math_type) in ranked(handle, k.pass, &plan)? {
         let tf32 = k.dtype == DType::F32 && math_type != sys::cudnnMathType_t::CUDNN_FMA_MATH;
         if status != sys::cudnnStatus_t::CUDNN_STATUS_SUCCESS || tf32 {
             continue;
@@ -539,9 +502,7 @@ unsafe fn make_plan(
     ))
 }
 
-/// cuDNN's ranking of the algorithms of `pass`: (algorithm, status, math),
-/// by its heuristic or by their times on the device (`choice`; the
-/// `cudnnFind*` calls take the same arguments as the `*_v7` ones).
+/// cuDNN's ranking of the algorithms of `pass`: (algorithm, status, math).
 ///
 /// # Safety
 /// `handle` and the plan's descriptors are live.
@@ -549,25 +510,14 @@ unsafe fn ranked(
     handle: sys::cudnnHandle_t,
     pass: Pass,
     p: &Plan,
-    choice: Choice,
 ) -> std::result::Result<Vec<(Algo, sys::cudnnStatus_t, sys::cudnnMathType_t)>, String> {
     const MAX: usize = 16;
     let mut count: c_int = 0;
-    let what = match choice {
-        Choice::Heuristic => "algorithm heuristic",
-        Choice::Timed => "algorithm search",
-    };
-    let e = |status: sys::cudnnStatus_t| status.result().map_err(|err| dnn_error(what, err));
-    let timed = choice == Choice::Timed;
-    let n = |count: c_int| count.clamp(0, MAX as c_int) as usize;
+    let e = |err| dnn_error("algorithm heuristic", err);
     Ok(match pass {
         Pass::Forward => {
             let mut perf = [std::mem::zeroed::<sys::cudnnConvolutionFwdAlgoPerf_t>(); MAX];
-            let f = match timed {
-                true => sys::cudnnFindConvolutionForwardAlgorithm,
-                false => sys::cudnnGetConvolutionForwardAlgorithm_v7,
-            };
-            e(f(
+            dnn::get_convolution_forward_algorithm(
                 handle,
                 p.x,
                 p.w,
@@ -576,19 +526,16 @@ unsafe fn ranked(
                 MAX as c_int,
                 &mut count,
                 perf.as_mut_ptr(),
-            ))?;
-            perf[..n(count)]
+            )
+            .map_err(e)?;
+            perf[..count.clamp(0, MAX as c_int) as usize]
                 .iter()
                 .map(|r| (Algo::Forward(r.algo), r.status, r.mathType))
                 .collect()
         }
         Pass::BackwardData => {
             let mut perf = [std::mem::zeroed::<sys::cudnnConvolutionBwdDataAlgoPerf_t>(); MAX];
-            let f = match timed {
-                true => sys::cudnnFindConvolutionBackwardDataAlgorithm,
-                false => sys::cudnnGetConvolutionBackwardDataAlgorithm_v7,
-            };
-            e(f(
+            dnn::get_convolution_backward_data_algorithm(
                 handle,
                 p.w,
                 p.y,
@@ -597,19 +544,16 @@ unsafe fn ranked(
                 MAX as c_int,
                 &mut count,
                 perf.as_mut_ptr(),
-            ))?;
-            perf[..n(count)]
+            )
+            .map_err(e)?;
+            perf[..count.clamp(0, MAX as c_int) as usize]
                 .iter()
                 .map(|r| (Algo::Data(r.algo), r.status, r.mathType))
                 .collect()
         }
         Pass::BackwardFilter => {
             let mut perf = [std::mem::zeroed::<sys::cudnnConvolutionBwdFilterAlgoPerf_t>(); MAX];
-            let f = match timed {
-                true => sys::cudnnFindConvolutionBackwardFilterAlgorithm,
-                false => sys::cudnnGetConvolutionBackwardFilterAlgorithm_v7,
-            };
-            e(f(
+            dnn::get_convolution_backward_filter_algorithm(
                 handle,
                 p.x,
                 p.y,
@@ -618,8 +562,9 @@ unsafe fn ranked(
                 MAX as c_int,
                 &mut count,
                 perf.as_mut_ptr(),
-            ))?;
-            perf[..n(count)]
+            )
+            .map_err(e)?;
+            perf[..count.clamp(0, MAX as c_int) as usize]
                 .iter()
                 .map(|r| (Algo::Filter(r.algo), r.status, r.mathType))
                 .collect()

@@ -624,7 +624,7 @@ impl Gpu {
     }
 
     /// Whether a capture is recording (see [`Gpu::begin_capture`]).
-    pub(crate) fn capturing(&self) -> bool {
+    fn capturing(&self) -> bool {
         self.alloc
             .pool
             .lock()
