@@ -1177,3 +1177,8 @@ def to_tir(gm, name, types, backward=False):
         elif node.op != "placeholder":
             raise Unsupported(f"an FX node of kind {node.op}")
     return e.text(outputs), tensor_inputs, len(outputs)
+
+
+# The CNN ops' converters register themselves in CONVERTERS (they import
+# this module's helpers, so they come last).
+from . import _cnn  # noqa: E402,F401

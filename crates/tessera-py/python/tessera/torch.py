@@ -72,7 +72,19 @@ KEEP = [
 DECOMPOSITIONS = {k: v for k, v in core_aten_decompositions().items() if k not in KEEP}
 DECOMPOSITIONS.update(
     get_decompositions(
-        [aten.native_layer_norm, aten.native_layer_norm_backward, aten.nll_loss_forward]
+        [
+            aten.native_layer_norm,
+            aten.native_layer_norm_backward,
+            aten.nll_loss_forward,
+            # Batch norm (train: its batch statistics and the running
+            # update, returned as new buffers that AOTAutograd copies back;
+            # eval: the running statistics) in var_mean, rsqrt and
+            # elementwise ops; its backward is in the core set already.
+            aten._native_batch_norm_legit_functional,
+            aten._native_batch_norm_legit_no_training,
+            aten._native_batch_norm_legit,
+            aten.native_batch_norm,
+        ]
     )
 )
 DECOMPOSITIONS.update(_foreach.DECOMPOSITIONS)
