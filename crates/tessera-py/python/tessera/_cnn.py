@@ -12,13 +12,15 @@ Layouts are NCHW, as PyTorch's. The max pool's indices are the flat
 position in each input plane's ``H·W``, as PyTorch's, so the backward
 takes indices from a forward that ran in either. Batch norm needs no
 converter: it is decomposed into var_mean, rsqrt and elementwise ops while
-AOTAutograd traces (``tessera.torch.DECOMPOSITIONS``), and adaptive average
-pooling to ``(1, 1)`` is a mean in PyTorch's core decompositions.
+AOTAutograd traces (``tessera.torch.DECOMPOSITIONS``); adaptive average
+pooling to ``(1, 1)`` is a mean in PyTorch's core decompositions, and to
+an output size that divides the input an average pool here.
 
 What tessera's ops do not take is :class:`Unsupported` with the reason
 (the node runs in PyTorch, logged): transposed convolutions, other ranks
-than 2-D images (4-D tensors), integer dtypes, symbolic channels or
-spatial sizes (a symbolic batch stays symbolic).
+than 2-D images (4-D tensors), integer dtypes, adaptive pools of windows
+of varying size, symbolic channels or spatial sizes (a symbolic batch
+stays symbolic).
 """
 
 from __future__ import annotations
@@ -201,5 +203,36 @@ def _avg_pool2d_backward(e, node):
     dy, x = e.val(node.args[0]), e.val(node.args[1])
     _image(dy, "avg_pool2d_backward's grad_output")
     attrs = {**_avg_pool_attrs(node, 2), "input_hw": _hw(x)}
+    dtype, shape = e.out_type()
+    return _call(e, node.name, "tessera::avg_pool2d_backward", [dy], attrs, TT(dtype, shape))
+
+
+def _adaptive_attrs(x, out_hw):
+    """An adaptive average pool whose output divides its input is an
+    average pool of kernel = stride = input / output (PyTorch's windows
+    are then exactly those); other sizes have windows of varying size,
+    which tessera's pool does not take."""
+    hw = _hw(x)
+    out_hw = [concrete(d, "an adaptive pool's output size") for d in out_hw]
+    if any(o <= 0 or i % o for i, o in zip(hw, out_hw)):
+        raise Unsupported(f"an adaptive average pool from {hw} to {out_hw} (tessera's windows are all one "
+                          "size: the output must divide the input)")  # fmt: skip
+    kernel = [i // o for i, o in zip(hw, out_hw)]
+    return _pool_attrs(kernel, kernel, 0)
+
+
+@converts(aten._adaptive_avg_pool2d.default)
+def _adaptive_avg_pool2d(e, node):
+    x = e.val(node.args[0])
+    _image(x, "adaptive_avg_pool2d's input")
+    dtype, shape = e.out_type()
+    return _call(e, node.name, "tessera::avg_pool2d", [x], _adaptive_attrs(x, shape[2:]), TT(dtype, shape))
+
+
+@converts(aten._adaptive_avg_pool2d_backward.default)
+def _adaptive_avg_pool2d_backward(e, node):
+    dy, x = e.val(node.args[0]), e.val(node.args[1])
+    _image(dy, "adaptive_avg_pool2d_backward's grad_output")
+    attrs = {**_adaptive_attrs(x, dy.shape[2:]), "input_hw": _hw(x)}
     dtype, shape = e.out_type()
     return _call(e, node.name, "tessera::avg_pool2d_backward", [dy], attrs, TT(dtype, shape))
