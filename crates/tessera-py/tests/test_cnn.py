@@ -41,6 +41,8 @@ CASES = [
     ("conv_uneven_pad_dilation", conv(1, (2, 1), 2), conv_inputs(1, 2, 7, 9, 3, (3, 2)), CONV, CONV_BW),
     ("conv_groups", conv(1, 1, 1, 2), conv_inputs(2, 4, 5, 5, 6, 3, groups=2), CONV, CONV_BW),
     ("conv_depthwise_x2", conv((2, 1), 1, 1, 4), conv_inputs(2, 4, 7, 6, 8, 3, groups=4), CONV, CONV_BW),
+    ("conv_same_even_kernel", lambda x, w: F.conv2d(x, w, padding="same"), conv_inputs(2, 3, 7, 8, 4, (4, 2), bias=False),
+     CONV, CONV_BW),
     ("conv_1x1_stride2", conv(2), conv_inputs(3, 5, 5, 5, 2, 1), CONV, CONV_BW),
     ("max_pool_k2", lambda x: F.max_pool2d(x, 2), [R(2, 3, 8, 6)], "tessera::max_pool2d",
      ("tessera::max_pool2d_backward",)),
