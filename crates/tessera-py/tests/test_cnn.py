@@ -98,14 +98,19 @@ def test_random_convolutions_match_eager(fallbacks):
     assert fallbacks() == [], fallbacks()
 
 
-@pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-10), (torch.bfloat16, 3e-2)])
-def test_conv_and_pools_in_other_float_dtypes(dtype, tol, fallbacks):
-    def f(x, w, b):
-        h = F.conv2d(x, w, b, 1, 1)
+def conv_batch_norm_pools_match_eager(dtype, tol, device="cpu"):
+    def f(x, w, b, gamma, beta):
+        h = F.batch_norm(F.conv2d(x, w, b, 1, 1), None, None, gamma, beta, training=True)
         return F.max_pool2d(h, 2) + F.avg_pool2d(h, 2)
 
-    x, w, b = conv_inputs(2, 3, 6, 6, 4, 3, dtype=dtype)
-    compare(f, [x, w * 0.3, b], atol=tol, rtol=tol)
+    x, w, b = conv_inputs(2, 3, 6, 6, 4, 3)
+    inputs = [x, w * 0.3, b, R(4), R(4)]
+    compare(f, [t.to(device, dtype) for t in inputs], atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-10), (torch.bfloat16, 3e-2)])
+def test_conv_batch_norm_and_pools_in_other_float_dtypes(dtype, tol, fallbacks):
+    conv_batch_norm_pools_match_eager(dtype, tol)
     assert fallbacks() == [], fallbacks()
 
 

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import tessera
 from test_backend import MLP, Block, compare, graph_texts, steps_match_eager, tessera_graphs
 from test_cnn import CASES as CNN_CASES
-from test_cnn import train_steps_match_eager
+from test_cnn import conv_batch_norm_pools_match_eager, train_steps_match_eager
 from tessera.seed import PySDPA
 
 pytestmark = pytest.mark.skipif(
@@ -143,12 +143,7 @@ def test_cnn_op_on_cuda_matches_eager(fn, inputs, forward_op, backward_ops, fall
 
 
 def test_cnn_bf16_on_cuda_matches_eager(fallbacks, on_tessera_gpu):
-    def f(x, w, b):
-        h = F.conv2d(x, w, b, 1, 1)
-        return F.max_pool2d(h, 2) + F.avg_pool2d(h, 2)
-
-    x, w, b = (t.to("cuda", torch.bfloat16) for t in (torch.randn(2, 3, 6, 6), torch.randn(4, 3, 3, 3) * 0.3, torch.randn(4)))
-    compare(f, [x, w, b], atol=3e-2, rtol=3e-2)
+    conv_batch_norm_pools_match_eager(torch.bfloat16, 3e-2, device="cuda")
     assert fallbacks() == [], fallbacks()
 
 
