@@ -56,6 +56,8 @@ CASES = [
      ("tessera::avg_pool2d_backward",)),
     ("avg_pool_pad_exclude_ceil", lambda x: F.avg_pool2d(x, 3, 2, 1, ceil_mode=True, count_include_pad=False),
      [R(2, 2, 8, 7)], "tessera::avg_pool2d", ("tessera::avg_pool2d_backward",)),
+    ("avg_pool_ceil_include_pad", lambda x: F.avg_pool2d(x, 3, 2, 1, ceil_mode=True), [R(1, 2, 8, 6)],
+     "tessera::avg_pool2d", ("tessera::avg_pool2d_backward",)),
     ("avg_pool_divisor_override", lambda x: F.avg_pool2d(x, (2, 3), 1, (1, 1), divisor_override=5),
      [R(1, 3, 5, 6)], "tessera::avg_pool2d", ("tessera::avg_pool2d_backward",)),
     ("global_avg_pool", lambda x: F.adaptive_avg_pool2d(x, (1, 1)).flatten(1) + x.mean((2, 3)), [R(2, 5, 4, 3)],
@@ -106,6 +108,30 @@ def conv_batch_norm_pools_match_eager(dtype, tol, device="cpu"):
     x, w, b = conv_inputs(2, 3, 6, 6, 4, 3)
     inputs = [x, w * 0.3, b, R(4), R(4)]
     compare(f, [t.to(device, dtype) for t in inputs], atol=tol, rtol=tol)
+
+
+def random_pool_case(rng):
+    """A max or average pool of random geometry that PyTorch accepts."""
+    k = [rng.randint(1, 4), rng.randint(1, 4)]
+    stride = [rng.randint(1, 3), rng.randint(1, 3)]
+    padding = [rng.randint(0, kk // 2) for kk in k]
+    ceil_mode = rng.random() < 0.5
+    x = R(rng.randint(1, 3), rng.randint(1, 3), k[0] + rng.randint(0, 6), k[1] + rng.randint(0, 6))
+    if rng.random() < 0.5:
+        dilation = [rng.randint(1, 2), rng.randint(1, 2)]
+        x = R(*x.shape[:2], x.shape[2] + k[0] * dilation[0], x.shape[3] + k[1] * dilation[1])
+        return (lambda x: F.max_pool2d(x, k, stride, padding, dilation, ceil_mode)), [x]
+    include, divisor = rng.random() < 0.5, rng.choice([None, 3])
+    return (lambda x: F.avg_pool2d(x, k, stride, padding, ceil_mode, include, divisor)), [x]
+
+
+def test_random_pools_match_eager(fallbacks):
+    rng = random.Random(5)
+    for _ in range(8):
+        tessera.torch.reset()
+        fn, inputs = random_pool_case(rng)
+        compare(fn, inputs)
+    assert fallbacks() == [], fallbacks()
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-10), (torch.bfloat16, 3e-2)])
@@ -250,3 +276,16 @@ def test_a_symbolic_batch_stays_symbolic(fallbacks):
     compiles = [p.compiles() for p in tessera.torch.compiled_partitions()]
     assert compiles and max(compiles) == 1, compiles
     assert fallbacks() == [], fallbacks()
+
+
+def test_a_symbolic_image_size_runs_in_pytorch_with_the_reason(fallbacks):
+    net = nn.Sequential(nn.Conv2d(3, 4, 3, 1, 1), nn.ReLU(), nn.MaxPool2d(2))
+    compiled = torch.compile(net, backend="tessera", dynamic=True)
+    for batch, size in ((2, 8), (3, 10)):
+        x = R(batch, 3, size, size)
+        got, want = values_and_grads(compiled, [x], list(net.parameters())), values_and_grads(net, [x], list(net.parameters()))
+        assert_close_all(got[0], want[0])
+        assert_close_all(got[1], want[1])
+    lines = fallbacks()
+    for op in ("aten.convolution.default", "aten.max_pool2d_with_indices.default"):
+        assert any(op in line and "the height" in line and "symbolic size" in line for line in lines), (op, lines)
