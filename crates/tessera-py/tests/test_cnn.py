@@ -18,6 +18,9 @@ from test_backend import assert_close_all, compare, graph_texts, values_and_grad
 
 R = torch.randn
 
+# PyTorch warns that an even kernel's "same" padding copies the input.
+pytestmark = pytest.mark.filterwarnings("ignore:Using padding='same'")
+
 
 def conv(stride=1, padding=0, dilation=1, groups=1, bias=True):
     def f(x, w, *b):
