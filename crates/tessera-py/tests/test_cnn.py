@@ -94,15 +94,6 @@ def random_conv_case(rng):
     return conv(stride, padding, dilation, groups, bias), conv_inputs(rng.randint(1, 3), c, h, w, o, (kh, kw), groups, bias)
 
 
-def test_random_convolutions_match_eager(fallbacks):
-    rng = random.Random(19)
-    for _ in range(6):
-        tessera.torch.reset()
-        fn, inputs = random_conv_case(rng)
-        compare(fn, inputs)
-    assert fallbacks() == [], fallbacks()
-
-
 def conv_batch_norm_pools_match_eager(dtype, tol, device="cpu"):
     def f(x, w, b, gamma, beta):
         h = F.batch_norm(F.conv2d(x, w, b, 1, 1), None, None, gamma, beta, training=True)
@@ -128,11 +119,12 @@ def random_pool_case(rng):
     return (lambda x: F.avg_pool2d(x, k, stride, padding, ceil_mode, include, divisor)), [x]
 
 
-def test_random_pools_match_eager(fallbacks):
-    rng = random.Random(5)
-    for _ in range(8):
+@pytest.mark.parametrize("make_case, seed, count", [(random_conv_case, 19, 6), (random_pool_case, 5, 8)], ids=["conv", "pool"])
+def test_random_geometries_match_eager(make_case, seed, count, fallbacks):
+    rng = random.Random(seed)
+    for _ in range(count):
         tessera.torch.reset()
-        fn, inputs = random_pool_case(rng)
+        fn, inputs = make_case(rng)
         compare(fn, inputs)
     assert fallbacks() == [], fallbacks()
 
