@@ -67,7 +67,7 @@ KEEP = [
 ]
 
 #: The decompositions applied while AOTAutograd traces: PyTorch's core
-#: ATen set less :data:`KEEP`, plus layer norm, the NLL loss and the
+#: ATen set less :data:`KEEP`, plus layer norm, batch norm, the NLL loss and the
 #: multi-tensor ops of torch.optim's foreach paths (:mod:`tessera._foreach`).
 DECOMPOSITIONS = {k: v for k, v in core_aten_decompositions().items() if k not in KEEP}
 DECOMPOSITIONS.update(
