@@ -9,7 +9,9 @@ import torch
 import torch.nn.functional as F
 
 import tessera
-from test_backend import MLP, Block, compare, steps_match_eager, tessera_graphs
+from test_backend import MLP, Block, compare, graph_texts, steps_match_eager, tessera_graphs
+from test_cnn import CASES as CNN_CASES
+from test_cnn import conv_batch_norm_pools_match_eager, train_steps_match_eager
 from tessera.seed import PySDPA
 
 pytestmark = pytest.mark.skipif(
@@ -121,3 +123,34 @@ def test_a_host_scalar_next_to_gpu_tensors_goes_to_the_gpu(fallbacks, on_tessera
     got = torch.compile(f, backend="tessera")(x)
     assert got.device.type == "cuda"
     torch.testing.assert_close(got, f(x))
+
+
+@pytest.fixture
+def no_tf32():
+    """PyTorch's cuDNN convolutions default to TF32 (10-bit mantissas):
+    eager's CNN reference then differs from f32 by ~1e-3. Off for the test."""
+    before = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cudnn.allow_tf32 = before
+
+
+@pytest.mark.parametrize("fn, inputs, forward_op, backward_ops", [c[1:] for c in CNN_CASES], ids=[c[0] for c in CNN_CASES])
+def test_cnn_op_on_cuda_matches_eager(fn, inputs, forward_op, backward_ops, fallbacks, on_tessera_gpu, no_tf32):
+    compare(fn, [t.cuda() for t in inputs], atol=1e-4, rtol=1e-4)
+    assert fallbacks() == [], fallbacks()
+    assert any(forward_op in t for t in graph_texts("forward")), graph_texts("forward")
+
+
+def test_cnn_bf16_on_cuda_matches_eager(fallbacks, on_tessera_gpu):
+    conv_batch_norm_pools_match_eager(torch.bfloat16, 3e-2, device="cuda")
+    assert fallbacks() == [], fallbacks()
+
+
+@pytest.mark.parametrize("optimizer, options", [("SGD", {"momentum": 0.9}), ("AdamW", {"eps": 1e-3})])
+def test_small_resnet_on_cuda_trains_like_eager(optimizer, options, fallbacks, on_tessera_gpu, no_tf32):
+    """Forward, backward, batch norms' running statistics and the
+    optimizer's update (AdamW: its foreach path, CUDA's default) on
+    tessera's CUDA backend; then eval mode."""
+    train_steps_match_eager(optimizer, device="cuda", atol=5e-4, **options)
+    assert fallbacks() == [], fallbacks()

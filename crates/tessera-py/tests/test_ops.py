@@ -32,6 +32,7 @@ CASES = {
     "expand_unsqueeze_squeeze": (lambda a: a.unsqueeze(0).expand(3, 4, 5).squeeze() * 1.0, [R(4, 5)]),
     "slice_cat_split": (lambda a: torch.cat([a[:, 1:3], a[:, ::1][:, :2], *a.split(2, dim=1)], dim=1), [R(3, 4)]),
     "chunk_unbind_stack": (lambda a: torch.stack([x * i for i, x in enumerate(a.unbind(0))], dim=1) + a.chunk(2, 1)[0].sum(), [R(3, 4)]),
+    "constant_pad_crop": (lambda a: F.pad(a, (1, 2, -1, 0), value=1.5) + F.pad(a, (0, 0, 0, 0, 1, 1))[1:3].sum(), [R(2, 3, 4)]),
     "tril_triu": (lambda a: a.tril() + a.triu(1) * 2, [R(4, 4)]),
     "masked_fill_causal": (lambda a: a.masked_fill(torch.ones(4, 4, dtype=torch.bool).triu(1), float("-inf")).softmax(-1), [R(2, 4, 4)]),
     "layer_norm": (lambda x, w, b: F.layer_norm(x, (6,), w, b), [R(3, 6), R(6), R(6)]),

@@ -893,6 +893,48 @@ def _cat(e, node):
     return e.op("cat", tensors, [("dim", dim)], final=True)
 
 
+@converts(aten.constant_pad_nd.default)
+def _constant_pad_nd(e, node):
+    # `pad` holds (before, after) pairs from the last dim backwards; a
+    # negative amount crops (the pad's own backward), a positive one joins
+    # a block of `value` on that side.
+    x = e.val(node.args[0])
+    pad, value = list(node.args[1]), arg(node, 2, "value", 0)
+    dtype, _ = e.out_type()
+    if len(pad) % 2 or len(pad) // 2 > len(x.shape):
+        raise Unsupported(f"constant_pad_nd with pad {pad} of a rank-{len(x.shape)} tensor")
+    v = e.cast(x, dtype)
+    for i in range(len(pad) // 2):
+        dim = len(x.shape) - 1 - i
+        before, after = (concrete(size_arg(p), f"the padding of dim {dim}") for p in pad[2 * i : 2 * i + 2])
+        v = _pad_dim(e, v, dim, before, after, value)
+    return e.op("contiguous", [v], final=True)
+
+
+def _pad_dim(e, v, dim, before, after, value):
+    """`v` with `before`/`after` elements of `value` joined along `dim`
+    (negative: that many cut off)."""
+    size = v.shape[dim]
+    lo, hi = max(-before, 0), size - max(-after, 0)
+    if (lo, hi) != (0, size):
+        sh = list(v.shape)
+        sh[dim] = hi - lo
+        v = e.op("slice", [v], [("dim", dim), ("start", lo), ("end", dim_str(hi)), ("step", 1)], dtype=v.dtype, shape=sh)
+    parts = [v]
+    for n, at in ((before, 0), (after, 1)):
+        if n > 0:
+            sh = list(v.shape)
+            sh[dim] = n
+            block = e.op("full", [], [("value", fmt_scalar(value, v.dtype)), ("shape", fmt_list(sh)),
+                                      ("dtype", tir_dtype(v.dtype))], dtype=v.dtype, shape=sh)  # fmt: skip
+            parts.insert(at * len(parts), block)
+    if len(parts) == 1:
+        return v
+    sh = list(v.shape)
+    sh[dim] = sum(p.shape[dim] for p in parts)
+    return e.op("cat", parts, [("dim", dim)], dtype=v.dtype, shape=sh)
+
+
 @converts(aten.tril.default, aten.triu.default)
 def _tri(e, node):
     x = e.val(node.args[0])
@@ -1177,3 +1219,8 @@ def to_tir(gm, name, types, backward=False):
         elif node.op != "placeholder":
             raise Unsupported(f"an FX node of kind {node.op}")
     return e.text(outputs), tensor_inputs, len(outputs)
+
+
+# The CNN ops' converters register themselves in CONVERTERS (they import
+# this module's helpers, so they come last).
+from . import _cnn  # noqa: E402,F401

@@ -67,12 +67,24 @@ KEEP = [
 ]
 
 #: The decompositions applied while AOTAutograd traces: PyTorch's core
-#: ATen set less :data:`KEEP`, plus layer norm, the NLL loss and the
+#: ATen set less :data:`KEEP`, plus layer norm, batch norm, the NLL loss and the
 #: multi-tensor ops of torch.optim's foreach paths (:mod:`tessera._foreach`).
 DECOMPOSITIONS = {k: v for k, v in core_aten_decompositions().items() if k not in KEEP}
 DECOMPOSITIONS.update(
     get_decompositions(
-        [aten.native_layer_norm, aten.native_layer_norm_backward, aten.nll_loss_forward]
+        [
+            aten.native_layer_norm,
+            aten.native_layer_norm_backward,
+            aten.nll_loss_forward,
+            # Batch norm (train: its batch statistics and the running
+            # update, returned as new buffers that AOTAutograd copies back;
+            # eval: the running statistics) in var_mean, rsqrt and
+            # elementwise ops; its backward is in the core set already.
+            aten._native_batch_norm_legit_functional,
+            aten._native_batch_norm_legit_no_training,
+            aten._native_batch_norm_legit,
+            aten.native_batch_norm,
+        ]
     )
 )
 DECOMPOSITIONS.update(_foreach.DECOMPOSITIONS)
