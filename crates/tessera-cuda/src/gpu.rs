@@ -885,7 +885,7 @@ impl Gpu {
         // SAFETY: the kernel takes one struct of `words.len()` 8-byte
         // fields, packed in this order by the generator; the driver copies
         // the parameters before returning.
-        unsafe {
+        crate::profile::in_driver(crate::profile::Queued::Kernel, || unsafe {
             cu::launch_kernel(
                 f,
                 (launch.grid.max(1), 1, 1),
@@ -894,7 +894,7 @@ impl Gpu {
                 self.stream(),
                 &mut params,
             )
-        }
+        })
         .map_err(|e| driver_error("kernel launch", e))
     }
 }

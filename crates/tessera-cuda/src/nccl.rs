@@ -216,13 +216,15 @@ impl Communicator for NcclGroup {
             outputs.push(Tensor::from_device_storage(storage, &shape));
         }
         self.backend.gpu.bind();
-        result::group_start().map_err(|e| nccl_err(name, e))?;
-        let queued = dense
-            .iter()
-            .zip(&outputs)
-            .try_for_each(|(i, o)| self.queue(call, i, o));
-        let ended = result::group_end().map_err(|e| nccl_err(name, e));
-        queued.and(ended)?;
+        crate::profile::in_driver(crate::profile::Queued::Collective, || {
+            result::group_start().map_err(|e| nccl_err(name, e))?;
+            let queued = dense
+                .iter()
+                .zip(&outputs)
+                .try_for_each(|(i, o)| self.queue(call, i, o));
+            let ended = result::group_end().map_err(|e| nccl_err(name, e));
+            queued.and(ended)
+        })?;
         Ok(outputs)
     }
 }

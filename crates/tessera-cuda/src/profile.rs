@@ -184,6 +184,36 @@ impl Drop for Wait {
     }
 }
 
+/// What a driver call timed by [`in_driver`] queues.
+#[derive(Clone, Copy)]
+pub(crate) enum Queued {
+    /// `cuLaunchKernel` of a generated kernel.
+    Kernel = 0,
+    /// An NCCL collective (a group's calls and its end).
+    #[cfg_attr(not(feature = "nccl"), allow(dead_code))]
+    Collective = 1,
+}
+
+/// (calls, host ms) inside the driver calls of each [`Queued`] kind while
+/// profiling. Queueing work should take a few µs; a call that takes much
+/// longer waited for room in the device's queue (the device is behind)
+/// or for another rank (NCCL), time the host could not spend dispatching.
+static DRIVER: Mutex<[(usize, f64); 2]> = Mutex::new([(0, 0.0); 2]);
+
+/// Runs `f`, a driver call that queues work, timing it while profiling.
+pub(crate) fn in_driver<R>(what: Queued, f: impl FnOnce() -> R) -> R {
+    if !enabled() {
+        return f();
+    }
+    let t = std::time::Instant::now();
+    let r = f();
+    let ms = t.elapsed().as_secs_f64() * 1e3;
+    let mut d = DRIVER.lock().expect("profile poisoned");
+    d[what as usize].0 += 1;
+    d[what as usize].1 += ms;
+    r
+}
+
 /// Memoised launches found (hits) and generated (misses) while profiling.
 static MEMO: Mutex<(usize, usize)> = Mutex::new((0, 0));
 
@@ -214,6 +244,7 @@ pub fn reset() {
     }
     *WAITS.lock().expect("profile poisoned") = (0, 0.0, 0);
     *MEMO.lock().expect("profile poisoned") = (0, 0);
+    *DRIVER.lock().expect("profile poisoned") = [(0, 0.0); 2];
 }
 
 /// The `top` most expensive entries since the last report (then cleared),
@@ -232,11 +263,14 @@ pub fn report(top: usize) -> String {
     let (waits, waited, allocs) =
         std::mem::replace(&mut *WAITS.lock().expect("profile poisoned"), (0, 0.0, 0));
     let (hits, misses) = std::mem::take(&mut *MEMO.lock().expect("profile poisoned"));
+    let [(launches, launching), (collectives, collecting)] =
+        std::mem::take(&mut *DRIVER.lock().expect("profile poisoned"));
     let mut s = format!(
         "GPU op time (CUDA events), {calls} ops, total {total:.1} ms (the host queueing them: {host:.1} ms); \
          the host waited for the device \
          {waits} times, {waited:.1} ms; {allocs} allocations from the driver; memoised launches \
-         {hits} found, {misses} generated\n"
+         {hits} found, {misses} generated; inside cuLaunchKernel {launches} times, \
+         {launching:.1} ms; inside NCCL calls {collectives} times, {collecting:.1} ms\n"
     );
     for (key, (n, ms, host)) in rows.into_iter().take(top) {
         s.push_str(&format!(

@@ -176,8 +176,8 @@ fn adamw(store: &ParamStore) -> AdamW {
 /// the global batch. Ranks start from different seeds: the first step's
 /// broadcast makes them rank 0's.
 /// What a run gives back: losses, final parameters, each parameter's
-/// state size, and the compiled step's graph (text).
-type Run = (Vec<f64>, Vec<Vec<f64>>, Vec<usize>, String);
+/// state size, and the compiled step's graph and schedule (text).
+type Run = (Vec<f64>, Vec<Vec<f64>>, Vec<usize>, String, String);
 
 fn run(group: Option<ProcessGroup>, zero: bool) -> Run {
     let (rank, world) = group.as_ref().map_or((0, 1), |g| (g.rank(), g.world()));
@@ -203,17 +203,19 @@ fn run(group: Option<ProcessGroup>, zero: bool) -> Run {
         .iter()
         .map(|p| p.get().to_f64_vec())
         .collect();
-    let graph = step
-        .last_artifacts()
-        .into_iter()
-        .find(|(name, _)| name == "forward.tir")
-        .map(|(_, text)| text)
-        .unwrap_or_default();
+    let artifact = |file: &str| {
+        step.last_artifacts()
+            .into_iter()
+            .find(|(name, _)| name == file)
+            .map(|(_, text)| text)
+            .unwrap_or_default()
+    };
+    let (graph, schedule) = (artifact("forward.tir"), artifact("forward.schedule.txt"));
     let opt = step.optimizer();
     let state_sizes = (0..opt.params().len())
         .map(|i| opt.state(i)[0].numel())
         .collect();
-    (losses, params, state_sizes, graph)
+    (losses, params, state_sizes, graph, schedule)
 }
 
 /// The graph's calls of collective `op`: how many, and how many of them
@@ -235,10 +237,16 @@ fn close(a: &[f64], b: &[f64], what: &str) {
 }
 
 fn data_parallel_matches_one_rank(zero: bool) {
-    let (losses, params, _, _) = run(None, false);
+    let (losses, params, _, _, _) = run(None, false);
     let ranks = dist::spawn(2, 1, |g| run(Some(g), zero)).unwrap();
     let sizes: Vec<usize> = params.iter().map(Vec::len).collect();
-    for (r, (l, p, state, graph)) in ranks.iter().enumerate() {
+    for (r, (l, p, state, graph, schedule)) in ranks.iter().enumerate() {
+        // The backward never waits for the communication stream: each
+        // update follows its bucket's reduction there (see train_step).
+        assert!(
+            schedule.contains("streams [0, 1]") && !schedule.contains("(stream 0) waits for"),
+            "rank {r}:\n{schedule}"
+        );
         // The loss and 2 buckets (600 B: b's bias, weight and a's bias,
         // then a's weight) on stream 1; with ZeRO-1 one broadcast per rank,
         // on stream 1 too.

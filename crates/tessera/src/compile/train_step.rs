@@ -105,7 +105,10 @@
 //!   ([`buckets`]: reverse parameter order, 25 MiB), traced under a
 //!   `stream` hint so that the schedule runs each beside the rest of the
 //!   backward, and chained (each call orders after the one before) so
-//!   that every rank makes its calls in one order, as NCCL requires. With
+//!   that every rank makes its calls in one order, as NCCL requires.
+//!   Without clipping or a loss scaler (which need every gradient first)
+//!   each parameter's update is on that stream too, behind its bucket's
+//!   reduction: the optimizer step overlaps the backward as well. With
 //!   ZeRO-1 each rank updates only the parameters it owns ([`owners`]),
 //!   keeps an empty state for the others and broadcasts its new values
 //!   (on the same stream, chained after the last bucket).
@@ -685,7 +688,7 @@ impl<'a, O: TraceableOptimizer> TrainStep<'a, O> {
                     // already: no new tensor (and no device allocation)
                     // per state tensor per step.
                     if inputs[at].numel() != 0 {
-                        inputs[at] = unowned_state(&inputs[at])?;
+                        inputs[at] = unowned_state(&inputs[at]);
                     }
                 }
             }
@@ -1111,7 +1114,15 @@ fn step_graph<O: TraceableOptimizer>(
                     None => {
                         let group = layout.group_of[i] * layout.n_scalars;
                         let scalars = &scalars[group..group + layout.n_scalars];
-                        optimizer.update(value, g, state, scalars)?
+                        let update = || optimizer.update(value, g, state, scalars);
+                        match (&dp, layout.max_grad_norm) {
+                            // Right behind its bucket's reduction, on the
+                            // communication stream: the update overlaps the
+                            // rest of the backward instead of waiting for
+                            // its end (a clipped update needs every bucket).
+                            (Some(dp), None) => on_comm_stream(dp, update)?,
+                            _ => update()?,
+                        }
                     }
                     Some((l, _)) => {
                         let key = (l.count_of[i], value.dtype());
@@ -1185,8 +1196,8 @@ fn param_bytes(params: &[Parameter]) -> Vec<usize> {
 
 /// What stands for a state tensor of a parameter another rank owns: an
 /// empty tensor of its dtype on its device (the step passes it through).
-fn unowned_state(state: &Tensor) -> Result<Tensor> {
-    with_device(state.device(), || Tensor::try_zeros(&[0], state.dtype()))
+fn unowned_state(state: &Tensor) -> Tensor {
+    Tensor::no_elements(state.device(), state.dtype())
 }
 
 /// The loss and gradients averaged over `dp`'s ranks: one all-reduce per

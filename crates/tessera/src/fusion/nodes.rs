@@ -28,11 +28,7 @@ pub(super) fn inline_scalar(graph: &Graph, id: NodeId) -> Option<f64> {
 pub(super) fn is_fusible(graph: &Graph, id: NodeId) -> bool {
     let node = graph.node(id);
     let float_or_bool = |d: DType| d.is_float() || d == DType::Bool;
-    let elementwise = matches!(
-        node.op,
-        Op::Unary(_) | Op::Binary(_) | Op::Compare(_) | Op::Where | Op::Cast(_)
-    );
-    elementwise
+    node.op.is_elementwise()
         && node.ty.shape.as_concrete().is_some()
         && float_or_bool(node.ty.dtype)
         && node.inputs.iter().all(|&x| float_or_bool(graph.node(x).ty.dtype))

@@ -598,6 +598,17 @@ impl Op {
         value as u64
     }
 
+    /// Whether each output element is a function of the inputs' elements at
+    /// the same index (after broadcasting) alone: what a fused pointwise
+    /// kernel can compute and what may read a broadcast view in place of a
+    /// materialised copy.
+    pub fn is_elementwise(&self) -> bool {
+        matches!(
+            self,
+            Op::Unary(_) | Op::Binary(_) | Op::Compare(_) | Op::Where | Op::Cast(_)
+        )
+    }
+
     /// Whether the op's output carries a gradient back to (some of) its
     /// inputs through a VJP rule (`autograd::rules`). The tape records an
     /// op only when it has one; sources (inputs, constants, random

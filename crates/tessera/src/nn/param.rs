@@ -12,7 +12,7 @@ use std::sync::{Arc, RwLock};
 
 use crate::error::{Error, ErrorKind, Result, SourceLoc};
 use crate::ir::{DType, TensorType};
-use crate::runtime::device::{with_device, Device};
+use crate::runtime::device::Device;
 use crate::tensor::{Generator, Tensor};
 
 /// A named, shared, replaceable trainable tensor. Clones share the slot.
@@ -104,7 +104,7 @@ impl Parameter {
     /// back.
     pub(crate) fn take(&self) -> Tensor {
         let value = self.get();
-        let empty = with_device(value.device(), || Tensor::zeros(&[0], value.dtype()));
+        let empty = Tensor::no_elements(value.device(), value.dtype());
         drop(value);
         self.replace(empty).detach()
     }

@@ -137,7 +137,7 @@ pub trait TraceableOptimizer: Optimizer {
 /// What stands in for a state tensor handed over (see
 /// [`TraceableOptimizer::take_state`]): no elements, nothing allocated.
 fn placeholder(t: &Tensor) -> Tensor {
-    crate::runtime::device::with_device(t.device(), || Tensor::zeros(&[0], t.dtype()))
+    Tensor::no_elements(t.device(), t.dtype())
 }
 
 /// `n` zero tensors of `p`'s type, on its device (the state of a

@@ -47,11 +47,7 @@ pub fn run(graph: &mut Graph, ctx: &PassContext) -> Result<bool> {
 fn read_only_elementwise(g: &Graph) -> Vec<bool> {
     let mut only = vec![true; g.len()];
     for node in &g.nodes {
-        let elementwise = matches!(
-            node.op,
-            Op::Unary(_) | Op::Binary(_) | Op::Compare(_) | Op::Where | Op::Cast(_)
-        );
-        if !elementwise {
+        if !node.op.is_elementwise() {
             for &x in &node.inputs {
                 only[x.index()] = false;
             }

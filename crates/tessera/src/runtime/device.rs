@@ -73,6 +73,19 @@ pub trait DeviceMemory: Send + Sync + std::panic::RefUnwindSafe + std::panic::Un
     }
 }
 
+/// The memory of [`DeviceStorage::no_elements`]: no bytes at address 0.
+struct NoBytes;
+
+impl DeviceMemory for NoBytes {
+    fn ptr(&self) -> u64 {
+        0
+    }
+
+    fn len(&self) -> usize {
+        0
+    }
+}
+
 /// The bytes behind one or more device tensors (views share a storage).
 pub struct DeviceStorage {
     device: Device,
@@ -121,6 +134,12 @@ impl DeviceStorage {
             numel,
             bytes: Bytes::Over(owner),
         }
+    }
+
+    /// Storage of no elements that holds no memory: nothing is allocated
+    /// and no kernel ever reads it (kernels over no elements do not run).
+    pub fn no_elements(device: Device, dtype: DType) -> Self {
+        Self::new(device, dtype, 0, Box::new(NoBytes))
     }
 
     fn checked(device: Device, dtype: DType, numel: usize, bytes: usize) {

@@ -98,6 +98,9 @@ pub(crate) struct BufferModel {
     /// Per kernel, whether it is a cat whose inputs are planned within its
     /// output (it copies nothing).
     pub joins: Vec<bool>,
+    /// Per kernel, the stream its hints put it on (0: the run's own; see
+    /// `schedule::streams`), which decides when memory it used is free.
+    pub stream_of: Vec<usize>,
     /// The device whose kernels' scratch the model reserves.
     pub device: Device,
     /// Its backend.
@@ -125,6 +128,7 @@ impl BufferModel {
             read: vec![Vec::new(); kg.len()],
             in_place: vec![Vec::new(); kg.len()],
             joins: vec![false; kg.len()],
+            stream_of: vec![0; kg.len()],
         };
         let mut values: Vec<Option<ValueLayout>> = vec![None; graph.len()];
         for (i, &id) in graph.inputs.iter().enumerate() {

@@ -255,16 +255,24 @@ impl Liveness {
                 first[parent] = first[parent].min(step_of[b.kernel]);
             }
         }
+        // A place in the arena that a kernel of another stream uses is
+        // busy, as far as stream 0 knows, until stream 0 waits for that
+        // kernel: taken by stream 0 before then, it would make stream 0
+        // wait early. (A donated input's storage is the caller's, never
+        // the arena's: its readers' steps are what in-place writes check.)
+        let joined = super::streams::joined_at(model, steps, &step_of, end);
+        let busy_until = |k: usize| joined[k].unwrap_or(step_of[k]);
         let last: Vec<usize> = model
             .buffers
             .iter()
             .zip(&first)
-            .map(|(b, &f)| {
-                if b.pinned {
-                    end
-                } else {
-                    b.readers.iter().map(|&r| step_of[r]).fold(f, usize::max)
-                }
+            .map(|(b, &f)| match (b.pinned, b.donated) {
+                (true, _) => end,
+                (false, true) => b.readers.iter().map(|&r| step_of[r]).fold(f, usize::max),
+                (false, false) => std::iter::once(b.kernel)
+                    .chain(b.readers.iter().copied())
+                    .map(busy_until)
+                    .fold(f, usize::max),
             })
             .collect();
         let mut live = Liveness {

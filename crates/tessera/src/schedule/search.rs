@@ -8,6 +8,7 @@ use super::hinted::{Hints, KernelHint};
 use super::kernels::KernelGraph;
 use super::list::{self, Base};
 use super::memory::Liveness;
+use super::streams;
 use super::{Donations, Schedule, ScheduleOptions, Strategy};
 use crate::error::Result;
 use crate::fusion::Plan;
@@ -46,7 +47,8 @@ impl Context {
     pub fn new(graph: &Graph, plan: &Plan, on: Device, donated: &Donations) -> Result<Context> {
         let kg = KernelGraph::new(graph, plan);
         let hints = Hints::read(graph, plan, &kg);
-        let model = BufferModel::new(graph, plan, &kg, on, donated)?;
+        let mut model = BufferModel::new(graph, plan, &kg, on, donated)?;
+        model.stream_of = streams::kernel_streams(&hints);
         Ok(Context { kg, hints, model })
     }
 
@@ -58,6 +60,14 @@ impl Context {
         let mut chosen = name;
         if let Some(budget) = options.memory_budget {
             (best, chosen) = self.within_budget(best, chosen, budget, &region_order, &mut warnings);
+        }
+        // Coarsening merges steps, which sorts a moved reader of another
+        // stream's value back among the kernels it was moved after.
+        let deferred =
+            streams::defer_cross_stream_readers(best.steps.clone(), &self.kg, &self.hints);
+        if deferred != best.steps {
+            best.live = Liveness::new(&self.model, &deferred);
+            best.steps = deferred;
         }
         self.check_region_budgets(&best, &mut warnings);
         for w in &warnings {
@@ -89,6 +99,7 @@ impl Context {
             region_order,
         };
         let (steps, notes) = list::schedule(&inputs, base);
+        let steps = streams::defer_cross_stream_readers(steps, &self.kg, &self.hints);
         let live = Liveness::new(&self.model, &steps);
         let fits = self.fits(&steps, &live, budget);
         Candidate {

@@ -24,8 +24,100 @@
 
 use super::buffers::BufferModel;
 use super::hinted::Hints;
+use super::kernels::KernelGraph;
 use super::memory::MemoryPlan;
 use super::Schedule;
+
+/// Per kernel, the stream its hints put it on (0: the run's own).
+pub(crate) fn kernel_streams(hints: &Hints) -> Vec<usize> {
+    hints
+        .kernels
+        .iter()
+        .map(|h| h.stream.unwrap_or(0))
+        .collect()
+}
+
+/// `steps` with the kernels of the run's own stream (0) that read a value
+/// made on another stream, and every kernel that depends on them, moved
+/// after all the others (each part in its order). Queued where an order
+/// puts it, such a kernel stops stream 0 until the other stream's kernel
+/// has finished, and all of stream 0's later work with it: a data-parallel
+/// step's parameter update behind its bucket's all-reduce would hold up
+/// the rest of the backward, which the all-reduce was meant to overlap.
+/// Queued last, stream 0 first runs everything that needs no other stream.
+/// Unchanged when a kernel to move has an order or group hint (moving it
+/// could break the order or the group asked for).
+pub(crate) fn defer_cross_stream_readers(
+    steps: Vec<Vec<usize>>,
+    kg: &KernelGraph,
+    hints: &Hints,
+) -> Vec<Vec<usize>> {
+    let stream_of = kernel_streams(hints);
+    if stream_of.iter().all(|&s| s == 0) {
+        return steps;
+    }
+    let mut deferred = vec![false; kg.len()];
+    // Producers come in earlier steps: one pass in order sees them first.
+    for &k in steps.iter().flatten() {
+        deferred[k] = kg.producers[k]
+            .iter()
+            .any(|&p| deferred[p] || (stream_of[k] == 0 && stream_of[p] != 0));
+    }
+    let constrained =
+        |k: usize| hints.kernels[k].order.is_some() || hints.kernels[k].group.is_some();
+    if (0..kg.len()).any(|k| deferred[k] && constrained(k)) {
+        return steps;
+    }
+    let (mut early, mut late) = (Vec::new(), Vec::new());
+    for step in steps {
+        let (moved, kept): (Vec<usize>, Vec<usize>) = step.into_iter().partition(|&k| deferred[k]);
+        early.extend((!kept.is_empty()).then_some(kept));
+        late.extend((!moved.is_empty()).then_some(moved));
+    }
+    early.extend(late);
+    early
+}
+
+/// Per kernel on a stream other than 0, the first step at which a kernel
+/// of stream 0 that depends on it runs (`end` if none does): until then
+/// stream 0 has not waited for it, so memory it uses is not free for
+/// stream 0 (see [`super::memory::Liveness`]). `None` for stream 0's kernels.
+pub(crate) fn joined_at(
+    model: &BufferModel,
+    steps: &[Vec<usize>],
+    step_of: &[usize],
+    end: usize,
+) -> Vec<Option<usize>> {
+    let n = model.created.len();
+    let mut joined: Vec<Option<usize>> = vec![None; n];
+    if model.stream_of.iter().all(|&s| s == 0) {
+        return joined;
+    }
+    let mut consumers: Vec<Vec<usize>> = vec![Vec::new(); n];
+    for (c, read) in model.read.iter().enumerate() {
+        for &b in read {
+            let buffer = &model.buffers[b];
+            if !buffer.donated && buffer.kernel != c {
+                consumers[buffer.kernel].push(c);
+            }
+        }
+    }
+    // Consumers run in later steps: in reverse order they are known first.
+    for &k in steps.iter().flatten().rev() {
+        if model.stream_of[k] == 0 {
+            continue;
+        }
+        let at = consumers[k]
+            .iter()
+            .map(|&c| match model.stream_of[c] {
+                0 => step_of[c],
+                _ => joined[c].unwrap_or(end),
+            })
+            .fold(end, usize::min);
+        joined[k] = Some(at);
+    }
+    joined
+}
 
 /// Which stream each kernel runs on and the events between streams.
 #[derive(Clone, Debug, PartialEq)]
@@ -263,11 +355,11 @@ mod tests {
         assert_eq!(scheduled.schedule.streams, None);
     }
 
-    /// A kernel on the run's stream whose output reuses the arena place of
-    /// a value read on stream 1 waits for that reader, though it reads
-    /// nothing of stream 1.
+    /// The place of a value read on stream 1 stays busy until stream 0
+    /// waits for its reader (here: the run's end): a kernel of the run's
+    /// stream does not take it, and so waits for nothing.
     #[test]
-    fn a_place_reused_across_streams_is_waited_for() {
+    fn a_place_read_on_another_stream_is_not_taken_by_stream_0() {
         let g = parse(
             r#"graph g(%x) {
               %x = input : f32[64,64]
@@ -288,21 +380,117 @@ mod tests {
         let sp = scheduled.schedule.streams.clone().unwrap();
         let memory = &scheduled.memory;
         let k = |n: &str| kernel_of(&g, &plan, n);
-        let place = |n: &str| {
-            memory
-                .buffers
-                .iter()
-                .find(|b| b.value.is_some_and(|v| g.display_name(v) == n))
-                .map(|b| (b.offset, b.escapes))
-                .unwrap()
-        };
-        // %e (read by the stream-1 matmul) dies there; %n takes its place.
-        assert_eq!(place("e"), place("n"), "{}", memory.describe(&g));
         assert_eq!(sp.stream_of[k("m")], 1);
-        assert!(
-            sp.waits[k("n")].contains(&k("m")),
-            "k(n) = {} must wait for the reader of the place it takes: {sp:?}",
-            k("n")
+        assert_ne!(
+            place(&g, memory, "e"),
+            place(&g, memory, "n"),
+            "{}",
+            memory.describe(&g)
         );
+        assert!(sp.waits[k("n")].is_empty(), "{sp:?}");
+        assert!(sp.waits[k("z")].is_empty(), "{sp:?}");
+    }
+
+    /// A kernel on stream 1 whose output takes the arena place of a value
+    /// stream 0 made and read waits for that reader, though it reads
+    /// nothing of stream 0's.
+    #[test]
+    fn a_place_reused_across_streams_is_waited_for() {
+        let g = parse(
+            r#"graph g(%x) {
+              %x = input : f32[64,64]
+              %n = neg(%x) : f32[64,64]
+              %z = matmul(%n, %n) : f32[64,64]
+              %e = exp(%x) : f32[64,64] hints={"stream": 1}
+              %m = matmul(%e, %e) : f32[64,64] hints={"stream": 1}
+              return %m as m, %z as z
+            }"#,
+        )
+        .unwrap();
+        let plan = fuse(&g);
+        let options = ScheduleOptions {
+            strategy: Strategy::Strict,
+            ..ScheduleOptions::default()
+        };
+        let scheduled = build(&g, &plan, &options).unwrap();
+        let sp = scheduled.schedule.streams.clone().unwrap();
+        let memory = &scheduled.memory;
+        let k = |n: &str| kernel_of(&g, &plan, n);
+        // %n dies in %z's step; %e, made after it, takes its place.
+        assert_eq!(
+            place(&g, memory, "n"),
+            place(&g, memory, "e"),
+            "{}",
+            memory.describe(&g)
+        );
+        assert_eq!(sp.stream_of[k("e")], 1);
+        assert!(
+            sp.waits[k("e")].contains(&k("z")),
+            "k(e) = {} must wait for the reader of the place it takes: {sp:?}",
+            k("e")
+        );
+    }
+
+    /// A kernel of the run's stream that reads stream 1's value runs after
+    /// all of stream 0's work that does not depend on it, whatever the
+    /// order asked for: queued earlier, it would hold that work up until
+    /// stream 1 finished.
+    #[test]
+    fn readers_of_another_streams_values_are_queued_after_the_rest() {
+        let g = parse(
+            r#"graph g(%x) {
+              %x = input : f32[64,64]
+              %a = matmul(%x, %x) : f32[64,64] hints={"stream": 1}
+              %b = tanh(%a) : f32[64,64]
+              %c = neg(%x) : f32[64,64]
+              %d = matmul(%c, %c) : f32[64,64]
+              %e = exp(%d) : f32[64,64]
+              return %b as b, %e as e
+            }"#,
+        )
+        .unwrap();
+        let plan = fuse(&g);
+        for strategy in [
+            Strategy::Strict,
+            Strategy::Dfs,
+            Strategy::Bfs,
+            Strategy::Auto,
+        ] {
+            let options = ScheduleOptions {
+                strategy,
+                ..ScheduleOptions::default()
+            };
+            let scheduled = build(&g, &plan, &options).unwrap();
+            let order = scheduled.schedule.order();
+            let at = |n: &str| {
+                let k = kernel_of(&g, &plan, n);
+                order.iter().position(|&o| o == k).unwrap()
+            };
+            let sp = scheduled.schedule.streams.clone().unwrap();
+            // The tanh reading %a comes after the whole independent chain.
+            assert!(
+                at("b") > at("d") && at("b") > at("c"),
+                "{strategy}: {order:?}\n{}",
+                crate::fusion::describe(&g, &plan)
+            );
+            let waiting: Vec<usize> = (0..order.len())
+                .filter(|&k| !sp.waits[k].is_empty())
+                .collect();
+            let b = kernel_of(&g, &plan, "b");
+            assert!(
+                waiting.iter().all(|&k| k == b || sp.stream_of[k] == 1),
+                "{strategy}: only the reader of %a waits on stream 0: {sp:?}"
+            );
+        }
+    }
+
+    /// A value's arena place (offset, whether it escapes the arena).
+    fn place(g: &crate::ir::Graph, memory: &crate::schedule::MemoryPlan, n: &str) -> (usize, bool) {
+        memory
+            .buffers
+            .iter()
+            .find(|b| b.value.is_some_and(|v| g.display_name(v) == n))
+            .map(|b| (b.offset, b.escapes))
+            .unwrap()
     }
 }

@@ -11,6 +11,7 @@ use super::{unwrap_or_panic, Tensor};
 use crate::error::{Error, ErrorKind, Result};
 use crate::ir::{DType, Literal, LiteralData, Op, Scalar, Shape};
 use crate::runtime::cpu::{in_kernel as cpu_in_kernel, Element, Storage};
+use crate::runtime::device::{Device, DeviceStorage};
 use crate::with_dtype;
 
 /// An explicit, seeded source of randomness. Each random op draws a fresh
@@ -203,6 +204,17 @@ impl Tensor {
             dtype,
         };
         Tensor::apply(&op, &[], caller)
+    }
+
+    /// A tensor of no elements of `dtype` on `device`, made without an
+    /// op: no kernel is queued and nothing allocated. What a value moved
+    /// out leaves behind (a donated parameter, an optimizer state while a
+    /// compiled step holds it), hundreds of times a step.
+    pub(crate) fn no_elements(device: Device, dtype: DType) -> Tensor {
+        match device {
+            Device::Cpu => Tensor::from_storage(Storage::new(dtype, 0), &[0]),
+            _ => Tensor::from_device_storage(DeviceStorage::no_elements(device, dtype), &[0]),
+        }
     }
 
     #[track_caller]
