@@ -360,7 +360,7 @@ mod tests {
     /// stream does not take it, and so waits for nothing.
     #[test]
     fn a_place_read_on_another_stream_is_not_taken_by_stream_0() {
-        let g = parse(
+        let (g, plan, scheduled) = strict(
             r#"graph g(%x) {
               %x = input : f32[64,64]
               %e = exp(%x) : f32[64,64]
@@ -369,16 +369,11 @@ mod tests {
               %z = matmul(%n, %n) : f32[64,64]
               return %m as m, %z as z
             }"#,
-        )
-        .unwrap();
-        let plan = fuse(&g);
-        let options = ScheduleOptions {
-            strategy: Strategy::Strict,
-            ..ScheduleOptions::default()
-        };
-        let scheduled = build(&g, &plan, &options).unwrap();
-        let sp = scheduled.schedule.streams.clone().unwrap();
-        let memory = &scheduled.memory;
+        );
+        let (sp, memory) = (
+            scheduled.schedule.streams.clone().unwrap(),
+            &scheduled.memory,
+        );
         let k = |n: &str| kernel_of(&g, &plan, n);
         assert_eq!(sp.stream_of[k("m")], 1);
         assert_ne!(
@@ -396,7 +391,7 @@ mod tests {
     /// nothing of stream 0's.
     #[test]
     fn a_place_reused_across_streams_is_waited_for() {
-        let g = parse(
+        let (g, plan, scheduled) = strict(
             r#"graph g(%x) {
               %x = input : f32[64,64]
               %n = neg(%x) : f32[64,64]
@@ -405,16 +400,11 @@ mod tests {
               %m = matmul(%e, %e) : f32[64,64] hints={"stream": 1}
               return %m as m, %z as z
             }"#,
-        )
-        .unwrap();
-        let plan = fuse(&g);
-        let options = ScheduleOptions {
-            strategy: Strategy::Strict,
-            ..ScheduleOptions::default()
-        };
-        let scheduled = build(&g, &plan, &options).unwrap();
-        let sp = scheduled.schedule.streams.clone().unwrap();
-        let memory = &scheduled.memory;
+        );
+        let (sp, memory) = (
+            scheduled.schedule.streams.clone().unwrap(),
+            &scheduled.memory,
+        );
         let k = |n: &str| kernel_of(&g, &plan, n);
         // %n dies in %z's step; %e, made after it, takes its place.
         assert_eq!(
@@ -482,6 +472,24 @@ mod tests {
                 "{strategy}: only the reader of %a waits on stream 0: {sp:?}"
             );
         }
+    }
+
+    /// `text` parsed, fused and scheduled in program order.
+    fn strict(
+        text: &str,
+    ) -> (
+        crate::ir::Graph,
+        crate::fusion::Plan,
+        crate::schedule::Scheduled,
+    ) {
+        let g = parse(text).unwrap();
+        let plan = fuse(&g);
+        let options = ScheduleOptions {
+            strategy: Strategy::Strict,
+            ..ScheduleOptions::default()
+        };
+        let scheduled = build(&g, &plan, &options).unwrap();
+        (g, plan, scheduled)
     }
 
     /// A value's arena place (offset, whether it escapes the arena).
