@@ -12,6 +12,13 @@
 //!   occupied before (the memory plan's reuse of the arena: a place
 //!   taken by a later buffer, or an output written in place of an input);
 //!
+//! Two rules keep the run's own stream from waiting early, since a wait
+//! holds up all of stream 0's later work: a stream-0 kernel that reads
+//! another stream's value (and what depends on it) is queued after all
+//! stream-0 work that does not need it (`defer_cross_stream_readers`),
+//! and an arena place a kernel of another stream used stays busy, for the
+//! memory plan, until stream 0 waits for that kernel anyway (`joined_at`).
+//!
 //! Buffers outside the arena (escaping values, the pool's) are the device
 //! allocator's: while a run uses streams, it holds the blocks freed until
 //! the run's end, where every stream joins the run's own (see
