@@ -6,6 +6,8 @@
 //! thread's offload counters (`tensor::offload::stats`) show what moved.
 //! Tests that read the host pool's global counters take [`host_pool`].
 
+mod common;
+
 use std::sync::{Mutex, MutexGuard};
 
 use tessera::compile::{compile, Backend};
@@ -104,14 +106,7 @@ fn outside_a_region_and_without_grad_nothing_moves_and_the_log_says_why() {
         tessera::autograd::no_grad(|| forward(&x, &w, Some(region)));
     }
     assert_eq!(offload::stats(), OffloadStats::default());
-    let said: Vec<String> = hints::not_honoured_messages()
-        .into_iter()
-        .filter(|m| m.starts_with("eager:") && m.contains("9101"))
-        .collect();
-    let offload: Vec<&String> = said
-        .iter()
-        .filter(|m| m.contains("hint \"offload\""))
-        .collect();
+    let (said, offload) = common::eager_notes("9101", "offload");
     assert_eq!(offload.len(), 1, "{said:?}");
     assert!(offload[0].contains("record nothing"), "{said:?}");
     assert_eq!(said.len(), 2, "group_id and offload, once each: {said:?}");
@@ -124,10 +119,7 @@ fn an_offload_region_that_records_says_only_what_it_ignores() {
     for _ in 0..2 {
         step(Some(region));
     }
-    let said: Vec<String> = hints::not_honoured_messages()
-        .into_iter()
-        .filter(|m| m.starts_with("eager:") && m.contains("9102"))
-        .collect();
+    let (said, _) = common::eager_notes("9102", "offload");
     let keys: Vec<bool> = ["stream", "group_id", "offload"]
         .iter()
         .map(|k| said.iter().any(|m| m.contains(&format!("hint \"{k}\""))))

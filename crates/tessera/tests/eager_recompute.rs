@@ -6,6 +6,8 @@
 //! same inputs). Every test takes [`allocator`]: some read the CPU
 //! allocator's global counters, and the replay counter is per thread.
 
+mod common;
+
 use std::sync::{Mutex, MutexGuard};
 
 use tessera::autograd::no_grad;
@@ -235,14 +237,7 @@ fn a_region_that_records_nothing_keeps_nothing_and_says_so() {
     for t in [&plain, &off] {
         assert!(!t.requires_grad() && t.is_leaf());
     }
-    let said: Vec<String> = hints::not_honoured_messages()
-        .into_iter()
-        .filter(|m| m.starts_with("eager:") && m.contains("9201"))
-        .collect();
-    let recompute: Vec<&String> = said
-        .iter()
-        .filter(|m| m.contains("hint \"recompute\""))
-        .collect();
+    let (said, recompute) = common::eager_notes("9201", "recompute");
     assert_eq!(recompute.len(), 1, "{said:?}");
     assert!(recompute[0].contains("record nothing"), "{said:?}");
 }

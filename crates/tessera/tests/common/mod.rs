@@ -1,6 +1,7 @@
 //! Shared by `grad_fixtures.rs` and `aot.rs`: the composite functions of
 //! `tests/fixtures/grads.json` (written by `scripts/gen_grad_fixtures.py`,
-//! where each has its JAX twin) and a loader for that file.
+//! where each has its JAX twin) and a loader for that file; by the eager
+//! hint tests: the eager backend's notes on a region's hints.
 //!
 //! Not every test file uses every item.
 #![allow(dead_code)]
@@ -146,4 +147,20 @@ pub fn max_error(got: &Tensor, want: &Tensor) -> f64 {
             }
         })
         .fold(0.0, f64::max)
+}
+
+/// The eager backend's notes on the hints it did not honour in the region
+/// of `group_id`, and of those the ones about hint `hint`.
+pub fn eager_notes(group_id: &str, hint: &str) -> (Vec<String>, Vec<String>) {
+    let said: Vec<String> = tessera::hints::not_honoured_messages()
+        .into_iter()
+        .filter(|m| m.starts_with("eager:") && m.contains(group_id))
+        .collect();
+    let about = format!("hint \"{hint}\"");
+    let on_hint = said
+        .iter()
+        .filter(|m| m.contains(&about))
+        .cloned()
+        .collect();
+    (said, on_hint)
 }
