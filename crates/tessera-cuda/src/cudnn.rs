@@ -15,22 +15,23 @@
 //! same arithmetic as tessera's f32 matmul and the CPU); f16/bf16 ones on
 //! tensor cores, accumulating in f32.
 //!
-//! libcudnn is loaded at run time (cudarc's `dynamic-loading`): when it is
+//! libcudnn is loaded at run time by [`crate::cudnn_lib`] (a cuDNN already
+//! in the process first, so tessera and PyTorch share one): when it is
 //! missing, too old or lacks a symbol, the first convolution warns once
-//! (stderr) and every convolution runs the direct kernels —
-//! never a panic (cudarc panics on a missing library or symbol, so both
-//! are probed first).
+//! (stderr) and every convolution runs the direct kernels — never a panic.
 
 use std::collections::HashMap;
 use std::ffi::{c_int, c_void};
 use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::Mutex;
 
-use cudarc::cudnn::{result as dnn, sys};
+use cudarc::cudnn::sys;
+use sys::cudnnStatus_t as Status;
 use tessera::runtime::device::DeviceMemory;
 use tessera::DType;
 
 use crate::codegen::conv::ConvShape;
+use crate::cudnn_lib::{cudnn, Cudnn, EntryPoints};
 use crate::gpu::Gpu;
 
 /// The most workspace one convolution may take (PyTorch bounds it by the
@@ -39,30 +40,6 @@ const MAX_WORKSPACE: usize = 1 << 30;
 
 /// The oldest cuDNN the legacy calls below are checked against (8.0).
 const MIN_VERSION: usize = 8000;
-
-/// Every cuDNN entry point this module calls, probed before the first use.
-const SYMBOLS: &[&str] = &[
-    "cudnnGetVersion",
-    "cudnnCreate",
-    "cudnnSetStream",
-    "cudnnCreateTensorDescriptor",
-    "cudnnSetTensor4dDescriptor",
-    "cudnnCreateFilterDescriptor",
-    "cudnnSetFilter4dDescriptor",
-    "cudnnCreateConvolutionDescriptor",
-    "cudnnSetConvolution2dDescriptor",
-    "cudnnSetConvolutionGroupCount",
-    "cudnnSetConvolutionMathType",
-    "cudnnGetConvolutionForwardAlgorithm_v7",
-    "cudnnGetConvolutionBackwardDataAlgorithm_v7",
-    "cudnnGetConvolutionBackwardFilterAlgorithm_v7",
-    "cudnnGetConvolutionForwardWorkspaceSize",
-    "cudnnGetConvolutionBackwardDataWorkspaceSize",
-    "cudnnGetConvolutionBackwardFilterWorkspaceSize",
-    "cudnnConvolutionForward",
-    "cudnnConvolutionBackwardData",
-    "cudnnConvolutionBackwardFilter",
-];
 
 /// Which implementation runs the convolutions (`TESSERA_CUDA_CONV`, or
 /// [`set_conv_path`]).
@@ -233,6 +210,7 @@ enum State {
     /// Why cuDNN cannot be used in this process.
     Missing(String),
     Open {
+        lib: &'static Cudnn,
         handle: sys::cudnnHandle_t,
         /// `Err`: cuDNN has no algorithm for this problem (the reason).
         plans: HashMap<Key, std::result::Result<Plan, String>>,
@@ -255,29 +233,36 @@ impl Default for Dnn {
     }
 }
 
-fn dnn_error(what: &str, e: dnn::CudnnError) -> String {
-    format!("cuDNN {what} failed: {:?}", e.0)
+fn dnn_error(what: &str, status: Status) -> String {
+    format!("cuDNN {what} failed: {status:?}")
 }
 
-/// Loads libcudnn and its symbols (each probe instead of cudarc's panic).
-fn open() -> std::result::Result<sys::cudnnHandle_t, String> {
-    // SAFETY: only tries to open the library.
-    if !unsafe { sys::is_culib_present() } {
-        return Err("libcudnn.so could not be loaded (put cuDNN's lib folder on LD_LIBRARY_PATH, e.g. the nvidia-cudnn wheel's nvidia/cudnn/lib)".into());
+/// `Ok` on `CUDNN_STATUS_SUCCESS`, else the status.
+fn check(status: Status) -> std::result::Result<(), Status> {
+    match status {
+        Status::CUDNN_STATUS_SUCCESS => Ok(()),
+        failed => Err(failed),
     }
-    // SAFETY: the library is present (checked above), so `culib` loads it.
-    let lib = unsafe { sys::culib() };
-    for name in SYMBOLS {
-        // SAFETY: a lookup, the pointer is not called.
-        if unsafe { lib.get::<*const c_void>(name.as_bytes()) }.is_err() {
-            return Err(format!("libcudnn lacks {name}"));
-        }
-    }
-    let version = dnn::get_version();
-    if version < MIN_VERSION {
-        return Err(format!("cuDNN {version} is older than {MIN_VERSION} (8.0)"));
-    }
-    dnn::create_handle().map_err(|e| dnn_error("handle creation", e))
+}
+
+/// The value a cuDNN call writes through its last (out) argument.
+fn written<T>(call: impl FnOnce(*mut T) -> Status) -> std::result::Result<T, Status> {
+    let mut out = std::mem::MaybeUninit::<T>::uninit();
+    check(call(out.as_mut_ptr()))?;
+    // SAFETY: cuDNN wrote the value (it returned success).
+    Ok(unsafe { out.assume_init() })
+}
+
+/// Opens the process's cuDNN and a handle on the current device.
+fn open() -> std::result::Result<(&'static Cudnn, sys::cudnnHandle_t), String> {
+    let lib = cudnn(MIN_VERSION)?;
+    tessera::logging::log("cudnn", || {
+        format!("cuDNN {} from {}", lib.version, lib.origin)
+    });
+    // SAFETY: cudnnCreate writes the handle.
+    let handle = written(|h| unsafe { (lib.api.create)(h) })
+        .map_err(|e| dnn_error(&format!("handle creation ({})", lib.origin), e))?;
+    Ok((lib, handle))
 }
 
 impl Dnn {
@@ -321,7 +306,8 @@ impl Dnn {
         let mut state = self.state.lock().expect("cuDNN state poisoned");
         if let State::Unopened = *state {
             *state = match open() {
-                Ok(handle) => State::Open {
+                Ok((lib, handle)) => State::Open {
+                    lib,
                     handle,
                     plans: HashMap::new(),
                 },
@@ -333,27 +319,27 @@ impl Dnn {
                 }
             };
         }
-        let (handle, plans) = match &mut *state {
-            State::Open { handle, plans } => (*handle, plans),
+        let (api, handle, plans) = match &mut *state {
+            State::Open { lib, handle, plans } => (&lib.api, *handle, plans),
             State::Missing(why) => return refuse(why.clone()),
             State::Unopened => unreachable!("opened above"),
         };
         let key = Key::of(pass, s);
         let plan = plans
             .entry(key)
-            .or_insert_with_key(|k| unsafe { make_plan(handle, k) });
+            .or_insert_with_key(|k| unsafe { make_plan(api, handle, k) });
         let plan = match plan {
             Ok(p) => p,
             Err(why) => return refuse(why.clone()),
         };
         let workspace = gpu.alloc(plan.workspace)?;
         // SAFETY: the handle is live; the stream is the current lane's.
-        unsafe { dnn::set_stream(handle, gpu.stream() as sys::cudaStream_t) }
+        check(unsafe { (api.set_stream)(handle, gpu.stream() as sys::cudaStream_t) })
             .map_err(|e| dnn_error("stream", e))?;
         // SAFETY: the plan's descriptors describe `a`, `b` and `out`, live
         // device buffers; the workspace holds `plan.workspace` bytes and is
         // freed into the stream-ordered cache after the queued call.
-        unsafe { execute(handle, plan, a, b, out, workspace.ptr()) }
+        unsafe { execute(api, handle, plan, a, b, out, workspace.ptr()) }
             .map_err(|e| dnn_error(&format!("convolution {} ({:?})", pass.name(), s), e))?;
         RAN_CUDNN.fetch_add(1, Ordering::Relaxed);
         Ok(true)
@@ -365,20 +351,21 @@ impl Dnn {
 /// # Safety
 /// As [`Dnn::conv`]'s call site says.
 unsafe fn execute(
+    api: &EntryPoints,
     handle: sys::cudnnHandle_t,
     p: &Plan,
     a: u64,
     b: u64,
     out: u64,
     workspace: u64,
-) -> std::result::Result<(), dnn::CudnnError> {
+) -> std::result::Result<(), Status> {
     let (one, zero) = (1.0f32, 0.0f32);
     let alpha = &one as *const f32 as *const c_void;
     let beta = &zero as *const f32 as *const c_void;
     let ws = workspace as *mut c_void;
     let (a, b, out) = (a as *const c_void, b as *const c_void, out as *mut c_void);
-    match p.algo {
-        Algo::Forward(algo) => dnn::convolution_forward(
+    check(match p.algo {
+        Algo::Forward(algo) => (api.forward)(
             handle,
             alpha,
             p.x,
@@ -393,7 +380,7 @@ unsafe fn execute(
             p.y,
             out,
         ),
-        Algo::Data(algo) => dnn::convolution_backward_data(
+        Algo::Data(algo) => (api.backward_data)(
             handle,
             alpha,
             p.w,
@@ -408,7 +395,7 @@ unsafe fn execute(
             p.x,
             out,
         ),
-        Algo::Filter(algo) => dnn::convolution_backward_filter(
+        Algo::Filter(algo) => (api.backward_filter)(
             handle,
             alpha,
             p.x,
@@ -423,7 +410,7 @@ unsafe fn execute(
             p.w,
             out,
         ),
-    }
+    })
 }
 
 fn ints<const N: usize>(v: [usize; N]) -> [c_int; N] {
@@ -437,23 +424,31 @@ fn ints<const N: usize>(v: [usize; N]) -> [c_int; N] {
 ///
 /// # Safety
 /// `handle` is a live cuDNN handle.
-unsafe fn make_plan(handle: sys::cudnnHandle_t, k: &Key) -> std::result::Result<Plan, String> {
+unsafe fn make_plan(
+    api: &EntryPoints,
+    handle: sys::cudnnHandle_t,
+    k: &Key,
+) -> std::result::Result<Plan, String> {
     use sys::cudnnTensorFormat_t::CUDNN_TENSOR_NCHW as NCHW;
     let ty = data_type(k.dtype).ok_or("no cuDNN data type")?;
     let e = |what: &'static str| move |err| dnn_error(what, err);
-    let x = dnn::create_tensor_descriptor().map_err(e("descriptor"))?;
-    let y = dnn::create_tensor_descriptor().map_err(e("descriptor"))?;
-    let w = dnn::create_filter_descriptor().map_err(e("descriptor"))?;
-    let conv = dnn::create_convolution_descriptor().map_err(e("descriptor"))?;
+    let x = written(|d| (api.create_tensor_descriptor)(d)).map_err(e("descriptor"))?;
+    let y = written(|d| (api.create_tensor_descriptor)(d)).map_err(e("descriptor"))?;
+    let w = written(|d| (api.create_filter_descriptor)(d)).map_err(e("descriptor"))?;
+    let conv = written(|d| (api.create_convolution_descriptor)(d)).map_err(e("descriptor"))?;
     let [n, _, _, _] = k.input;
     let out = [n, k.weight[0], k.out_hw[0], k.out_hw[1]];
-    dnn::set_tensor4d_descriptor(x, NCHW, ty, ints(k.input)).map_err(e("input descriptor"))?;
-    dnn::set_tensor4d_descriptor(y, NCHW, ty, ints(out)).map_err(e("output descriptor"))?;
-    dnn::set_filter4d_descriptor(w, ty, NCHW, ints(k.weight)).map_err(e("weight descriptor"))?;
+    let tensor4d =
+        |d, [n, c, h, w]: [c_int; 4]| check((api.set_tensor4d_descriptor)(d, NCHW, ty, n, c, h, w));
+    tensor4d(x, ints(k.input)).map_err(e("input descriptor"))?;
+    tensor4d(y, ints(out)).map_err(e("output descriptor"))?;
+    let [o, i, kh, kw] = ints(k.weight);
+    check((api.set_filter4d_descriptor)(w, ty, NCHW, o, i, kh, kw))
+        .map_err(e("weight descriptor"))?;
     let [ph, pw] = ints(k.padding);
     let [sh, sw] = ints(k.stride);
     let [dh, dw] = ints(k.dilation);
-    dnn::set_convolution2d_descriptor(
+    check((api.set_convolution2d_descriptor)(
         conv,
         ph,
         pw,
@@ -463,11 +458,11 @@ unsafe fn make_plan(handle: sys::cudnnHandle_t, k: &Key) -> std::result::Result<
         dw,
         sys::cudnnConvolutionMode_t::CUDNN_CROSS_CORRELATION,
         sys::cudnnDataType_t::CUDNN_DATA_FLOAT,
-    )
+    ))
     .map_err(e("convolution descriptor"))?;
-    dnn::set_convolution_group_count(conv, k.groups as i32).map_err(e("group count"))?;
+    check((api.set_convolution_group_count)(conv, k.groups as i32)).map_err(e("group count"))?;
     let allowed = math(k.dtype);
-    dnn::set_convolution_math_type(conv, allowed).map_err(e("math type"))?;
+    check((api.set_convolution_math_type)(conv, allowed)).map_err(e("math type"))?;
     let mut plan = Plan {
         x,
         y,
@@ -478,16 +473,16 @@ unsafe fn make_plan(handle: sys::cudnnHandle_t, k: &Key) -> std::result::Result<
         ),
         workspace: 0,
     };
-    for (algo, status, math_type) in ranked(handle, k.pass, &plan)? {
+    for (algo, status, math_type) in ranked(api, handle, k.pass, &plan)? {
         let tf32 = k.dtype == DType::F32 && math_type != sys::cudnnMathType_t::CUDNN_FMA_MATH;
         if status != sys::cudnnStatus_t::CUDNN_STATUS_SUCCESS || tf32 {
             continue;
         }
-        if dnn::set_convolution_math_type(conv, math_type).is_err() {
+        if check((api.set_convolution_math_type)(conv, math_type)).is_err() {
             continue;
         }
         plan.algo = algo;
-        match workspace_size(handle, &plan) {
+        match workspace_size(api, handle, &plan) {
             Ok(bytes) if bytes <= MAX_WORKSPACE => {
                 plan.workspace = bytes;
                 return Ok(plan);
@@ -507,6 +502,7 @@ unsafe fn make_plan(handle: sys::cudnnHandle_t, k: &Key) -> std::result::Result<
 /// # Safety
 /// `handle` and the plan's descriptors are live.
 unsafe fn ranked(
+    api: &EntryPoints,
     handle: sys::cudnnHandle_t,
     pass: Pass,
     p: &Plan,
@@ -517,7 +513,7 @@ unsafe fn ranked(
     Ok(match pass {
         Pass::Forward => {
             let mut perf = [std::mem::zeroed::<sys::cudnnConvolutionFwdAlgoPerf_t>(); MAX];
-            dnn::get_convolution_forward_algorithm(
+            check((api.forward_algorithms)(
                 handle,
                 p.x,
                 p.w,
@@ -526,7 +522,7 @@ unsafe fn ranked(
                 MAX as c_int,
                 &mut count,
                 perf.as_mut_ptr(),
-            )
+            ))
             .map_err(e)?;
             perf[..count.clamp(0, MAX as c_int) as usize]
                 .iter()
@@ -535,7 +531,7 @@ unsafe fn ranked(
         }
         Pass::BackwardData => {
             let mut perf = [std::mem::zeroed::<sys::cudnnConvolutionBwdDataAlgoPerf_t>(); MAX];
-            dnn::get_convolution_backward_data_algorithm(
+            check((api.backward_data_algorithms)(
                 handle,
                 p.w,
                 p.y,
@@ -544,7 +540,7 @@ unsafe fn ranked(
                 MAX as c_int,
                 &mut count,
                 perf.as_mut_ptr(),
-            )
+            ))
             .map_err(e)?;
             perf[..count.clamp(0, MAX as c_int) as usize]
                 .iter()
@@ -553,7 +549,7 @@ unsafe fn ranked(
         }
         Pass::BackwardFilter => {
             let mut perf = [std::mem::zeroed::<sys::cudnnConvolutionBwdFilterAlgoPerf_t>(); MAX];
-            dnn::get_convolution_backward_filter_algorithm(
+            check((api.backward_filter_algorithms)(
                 handle,
                 p.x,
                 p.y,
@@ -562,7 +558,7 @@ unsafe fn ranked(
                 MAX as c_int,
                 &mut count,
                 perf.as_mut_ptr(),
-            )
+            ))
             .map_err(e)?;
             perf[..count.clamp(0, MAX as c_int) as usize]
                 .iter()
@@ -577,20 +573,15 @@ unsafe fn ranked(
 /// # Safety
 /// `handle` and the plan's descriptors are live.
 unsafe fn workspace_size(
+    api: &EntryPoints,
     handle: sys::cudnnHandle_t,
     p: &Plan,
-) -> std::result::Result<usize, dnn::CudnnError> {
-    match p.algo {
-        Algo::Forward(a) => {
-            dnn::get_convolution_forward_workspace_size(handle, p.x, p.w, p.conv, p.y, a)
-        }
-        Algo::Data(a) => {
-            dnn::get_convolution_backward_data_workspace_size(handle, p.w, p.y, p.conv, p.x, a)
-        }
-        Algo::Filter(a) => {
-            dnn::get_convolution_backward_filter_workspace_size(handle, p.x, p.y, p.conv, p.w, a)
-        }
-    }
+) -> std::result::Result<usize, Status> {
+    written(|bytes| match p.algo {
+        Algo::Forward(a) => (api.forward_workspace)(handle, p.x, p.w, p.conv, p.y, a, bytes),
+        Algo::Data(a) => (api.backward_data_workspace)(handle, p.w, p.y, p.conv, p.x, a, bytes),
+        Algo::Filter(a) => (api.backward_filter_workspace)(handle, p.x, p.y, p.conv, p.w, a, bytes),
+    })
 }
 
 #[cfg(test)]
@@ -626,20 +617,6 @@ mod tests {
         let mut big = shape(DType::F32, [1, 1, 1, 1]);
         big.input = [1 << 20, 4, 1 << 10, 1 << 10];
         assert!(unsupported(&big).unwrap().contains("32-bit"));
-    }
-
-    #[test]
-    fn a_missing_libcudnn_is_an_error_not_a_panic() {
-        // SAFETY: only tries to open the library.
-        if unsafe { sys::is_culib_present() } {
-            eprintln!("libcudnn is present here: the missing-library path is not exercised");
-            return;
-        }
-        let why = open().expect_err("no libcudnn here");
-        assert!(
-            why.contains("libcudnn.so could not be loaded") && why.contains("LD_LIBRARY_PATH"),
-            "{why}"
-        );
     }
 
     #[test]

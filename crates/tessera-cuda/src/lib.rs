@@ -32,6 +32,7 @@ pub mod autotune;
 pub mod codegen;
 pub mod compiler;
 pub mod cudnn;
+mod cudnn_lib;
 pub mod flash;
 mod flash_op;
 mod gpu;
