@@ -19,6 +19,7 @@ use tessera::custom_op::{self, Backend};
 use tessera::dist::{self, Call, Communicator, Kind, ProcessGroup, ReduceOp};
 use tessera::error::{Error, ErrorKind, Result};
 use tessera::ir::custom::collective::NAMES;
+use tessera::runtime::array::Array;
 use tessera::{DType, Tensor};
 
 use crate::CudaBackend;
@@ -216,15 +217,23 @@ impl Communicator for NcclGroup {
             outputs.push(Tensor::from_device_storage(storage, &shape));
         }
         self.backend.gpu.bind();
-        crate::profile::in_driver(crate::profile::Queued::Collective, || {
-            result::group_start().map_err(|e| nccl_err(name, e))?;
-            let queued = dense
-                .iter()
-                .zip(&outputs)
-                .try_for_each(|(i, o)| self.queue(call, i, o));
-            let ended = result::group_end().map_err(|e| nccl_err(name, e));
-            queued.and(ended)
-        })?;
+        let arrays: Vec<&Array> = dense.iter().filter_map(Tensor::try_array).collect();
+        crate::profile::timed(
+            &self.backend,
+            || name.to_string(),
+            &arrays,
+            || {
+                crate::profile::in_driver(crate::profile::Queued::Collective, || {
+                    result::group_start().map_err(|e| nccl_err(name, e))?;
+                    let queued = dense
+                        .iter()
+                        .zip(&outputs)
+                        .try_for_each(|(i, o)| self.queue(call, i, o));
+                    let ended = result::group_end().map_err(|e| nccl_err(name, e));
+                    queued.and(ended)
+                })
+            },
+        )?;
         Ok(outputs)
     }
 }

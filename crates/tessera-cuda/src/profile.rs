@@ -5,6 +5,12 @@
 //! host-only op costs ~0, and the run keeps its speed (apart from the
 //! events and the bookkeeping). Work queued while a stream is captured
 //! into a CUDA graph is not timed (events cannot time a capture).
+//!
+//! `TESSERA_CUDA_TIMELINE=DIR` also writes, at each report, every timed
+//! op's start and end (ms since the first op timed after the last
+//! [`reset`]) and its stream to `DIR/timeline-<pid>.tsv`: where streams
+//! overlap (communication beside the backward, say) and where the device
+//! sits idle, which per-op totals cannot show.
 
 use std::collections::HashMap;
 use std::sync::{Mutex, OnceLock};
@@ -18,17 +24,43 @@ use crate::CudaBackend;
 
 fn enabled() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| std::env::var("TESSERA_CUDA_PROFILE").as_deref() == Ok("1"))
+    *ON.get_or_init(|| {
+        std::env::var("TESSERA_CUDA_PROFILE").as_deref() == Ok("1") || timeline_dir().is_some()
+    })
+}
+
+/// Where the timelines go (`TESSERA_CUDA_TIMELINE`), if anywhere.
+fn timeline_dir() -> Option<&'static std::path::PathBuf> {
+    static DIR: OnceLock<Option<std::path::PathBuf>> = OnceLock::new();
+    DIR.get_or_init(|| std::env::var_os("TESSERA_CUDA_TIMELINE").map(Into::into))
+        .as_ref()
 }
 
 /// Timed ops whose events have not been read yet; read (waiting for the
 /// device) once this many are pending, so the event count stays bounded.
 const MAX_PENDING: usize = 8192;
 
+/// One timed op queued and not yet read.
+struct Pending {
+    key: String,
+    stream: usize,
+    start: SendPtr<sys::CUevent>,
+    end: SendPtr<sys::CUevent>,
+    host_ms: f64,
+}
+
 #[derive(Default)]
 struct State {
-    /// (key, start, end, host ms) per op queued since the last resolution.
-    pending: Vec<(String, SendPtr<sys::CUevent>, SendPtr<sys::CUevent>, f64)>,
+    /// The ops queued since the last resolution.
+    pending: Vec<Pending>,
+    /// The event the timeline's times count from: recorded before the
+    /// first op timed after a reset (one process drives one device).
+    origin: Option<SendPtr<sys::CUevent>>,
+    /// The streams seen, in order of first use (the timeline's stream
+    /// numbers).
+    streams: Vec<usize>,
+    /// (stream number, start ms, end ms, key) per op, with a timeline.
+    timeline: Vec<(usize, f32, f32, String)>,
     /// Events free for reuse.
     free: Vec<SendPtr<sys::CUevent>>,
     /// key -> (calls, device ms, host ms).
@@ -52,6 +84,12 @@ pub(crate) fn timed<R>(
     if capturing(stream) {
         return f();
     }
+    if timeline_dir().is_some() && origin_missing() {
+        // Recorded outside the lock: `record` takes it.
+        let origin = record(stream);
+        let mut state = STATE.lock().expect("profile poisoned");
+        state.get_or_insert_with(State::default).origin = origin;
+    }
     let Some(start) = record(stream) else {
         return f();
     };
@@ -64,7 +102,13 @@ pub(crate) fn timed<R>(
     let key = format!("{} {}", name(), shapes(inputs));
     let mut state = STATE.lock().expect("profile poisoned");
     let state = state.get_or_insert_with(State::default);
-    state.pending.push((key, start, end, host_ms));
+    state.pending.push(Pending {
+        key,
+        stream: stream as usize,
+        start,
+        end,
+        host_ms,
+    });
     if state.pending.len() >= MAX_PENDING {
         resolve(state);
     }
@@ -122,6 +166,12 @@ fn capturing(stream: sys::CUstream) -> bool {
         || status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE
 }
 
+/// Whether the timeline has no origin yet (none since the last reset).
+fn origin_missing() -> bool {
+    let state = STATE.lock().expect("profile poisoned");
+    state.as_ref().is_none_or(|s| s.origin.is_none())
+}
+
 /// Records an event (a reused one when free) on `stream`.
 fn record(stream: sys::CUstream) -> Option<SendPtr<sys::CUevent>> {
     let reused = STATE
@@ -138,23 +188,79 @@ fn record(stream: sys::CUstream) -> Option<SendPtr<sys::CUevent>> {
     Some(event)
 }
 
-/// Waits for the pending ops and books their times.
+/// Waits for the pending ops and books their times (and their places on
+/// the timeline, when one is kept).
 fn resolve(state: &mut State) {
-    for (key, start, end, host_ms) in std::mem::take(&mut state.pending) {
+    for p in std::mem::take(&mut state.pending) {
         // SAFETY: both events were recorded and are not destroyed.
         let ms = unsafe {
-            cu::event::synchronize(end.0)
+            cu::event::synchronize(p.end.0)
                 .ok()
-                .and_then(|_| cu::event::elapsed(start.0, end.0).ok())
+                .and_then(|_| cu::event::elapsed(p.start.0, p.end.0).ok())
         };
         if let Some(ms) = ms {
-            let e = state.table.entry(key).or_default();
+            let e = state.table.entry(p.key.clone()).or_default();
             e.0 += 1;
             e.1 += ms as f64;
-            e.2 += host_ms;
+            e.2 += p.host_ms;
+            place(state, &p);
         }
-        state.free.extend([start, end]);
+        state.free.extend([p.start, p.end]);
     }
+}
+
+/// Puts a completed op on the timeline, when one is kept.
+fn place(state: &mut State, p: &Pending) {
+    let Some(origin) = &state.origin else {
+        return;
+    };
+    // SAFETY: the origin was recorded before `p` was queued; all three
+    // events are complete (`p.end` was waited for).
+    let times = unsafe {
+        cu::event::elapsed(origin.0, p.start.0)
+            .ok()
+            .zip(cu::event::elapsed(origin.0, p.end.0).ok())
+    };
+    let Some((t0, t1)) = times else {
+        return;
+    };
+    let stream = match state.streams.iter().position(|&s| s == p.stream) {
+        Some(i) => i,
+        None => {
+            state.streams.push(p.stream);
+            state.streams.len() - 1
+        }
+    };
+    state.timeline.push((stream, t0, t1, p.key.clone()));
+}
+
+/// Appends the timeline kept so far to `DIR/timeline-<pid>.tsv` (then
+/// clears it); the error, if the file cannot be written.
+fn write_timeline(state: &mut State) -> Option<String> {
+    let dir = timeline_dir()?;
+    let rows = std::mem::take(&mut state.timeline);
+    let path = dir.join(format!("timeline-{}.tsv", std::process::id()));
+    let mut text = String::new();
+    if !path.exists() {
+        text.push_str("stream\tstart_ms\tend_ms\top\n");
+    }
+    for (stream, t0, t1, key) in rows {
+        text.push_str(&format!("{stream}\t{t0:.4}\t{t1:.4}\t{key}\n"));
+    }
+    let written = std::fs::create_dir_all(dir).and_then(|_| {
+        use std::io::Write;
+        std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path)?
+            .write_all(text.as_bytes())
+    });
+    written.err().map(|e| {
+        format!(
+            "the timeline could not be written to {}: {e}\n",
+            path.display()
+        )
+    })
 }
 
 /// Host waits for the device (stream synchronisations, downloads; uploads,
@@ -241,6 +347,10 @@ pub fn reset() {
     if let Some(state) = STATE.lock().expect("profile poisoned").as_mut() {
         resolve(state);
         state.table.clear();
+        state.timeline.clear();
+        if let Some(origin) = state.origin.take() {
+            state.free.push(origin);
+        }
     }
     *WAITS.lock().expect("profile poisoned") = (0, 0.0, 0);
     *MEMO.lock().expect("profile poisoned") = (0, 0);
@@ -272,6 +382,9 @@ pub fn report(top: usize) -> String {
          {hits} found, {misses} generated; inside cuLaunchKernel {launches} times, \
          {launching:.1} ms; inside NCCL calls {collectives} times, {collecting:.1} ms\n"
     );
+    if let Some(error) = write_timeline(state) {
+        s.push_str(&error);
+    }
     for (key, (n, ms, host)) in rows.into_iter().take(top) {
         s.push_str(&format!(
             "{ms:>10.3} ms {n:>6}x  (host {host:>7.3} ms)  {key}\n"

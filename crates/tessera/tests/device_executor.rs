@@ -8,15 +8,23 @@
 //! back, with its reason, on a backend that cannot capture.
 //!
 //! The allocator's counters are the fake backend's: one test at a time.
+//!
+//! The fake also logs what a GPU would order — lanes, forks, joins, event
+//! records and waits, and each kernel's byte ranges read and written — and
+//! [`races`] replays that log with vector clocks: two accesses to the same
+//! bytes, one a write, that no chain of stream order and events orders
+//! are a race the fake (which runs every kernel at once, in queue order)
+//! cannot show but a GPU would.
 
 mod schedule_util;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
-use schedule_util::{chain, planned_on, sliced_attention, traced};
+use schedule_util::{chain, planned, planned_on, sliced_attention, traced};
 use tessera::compile::Mode;
 use tessera::fusion::Plan;
+use tessera::hints::{self, Hint};
 use tessera::ir::kernel::FusedKernel;
 use tessera::ir::{DType, Graph, Op};
 use tessera::runtime::array::Array;
@@ -49,6 +57,9 @@ impl DeviceMemory for Block {
 impl Drop for Block {
     fn drop(&mut self) {
         LIVE.fetch_sub(self.len, Ordering::Relaxed);
+        if ORDERING.lock().unwrap().is_some() {
+            HELD.lock().unwrap().push(std::mem::take(&mut self.words));
+        }
     }
 }
 
@@ -57,6 +68,128 @@ static PEAK: AtomicUsize = AtomicUsize::new(0);
 
 /// What the executor asked of the lanes, in order.
 static LANES: Mutex<Vec<String>> = Mutex::new(Vec::new());
+
+/// What a GPU orders, logged while [`ORDERING`] is on.
+#[derive(Clone, Debug)]
+enum Ordered {
+    Fork(usize),
+    Lane(usize),
+    Join,
+    Record(usize),
+    Wait(usize),
+    /// A kernel's byte ranges (start, end) read and written.
+    Kernel {
+        reads: Vec<(u64, u64)>,
+        writes: Vec<(u64, u64)>,
+    },
+}
+
+static ORDERING: Mutex<Option<Vec<Ordered>>> = Mutex::new(None);
+/// Blocks dropped while ordering is logged: kept, so that no later block
+/// takes their addresses (a GPU's allocator holds blocks freed during a
+/// forked run until its join, which here is the run's end).
+static HELD: Mutex<Vec<Box<[u64]>>> = Mutex::new(Vec::new());
+
+fn log_ordered(entry: Ordered) {
+    if let Some(log) = ORDERING.lock().unwrap().as_mut() {
+        log.push(entry);
+    }
+}
+
+/// The bytes an array's view spans (empty for no elements).
+fn span(a: &Array) -> Option<(u64, u64)> {
+    let storage = a.device_storage()?;
+    if a.numel() == 0 {
+        return None;
+    }
+    let size = a.dtype().size_bytes() as u64;
+    let layout = a.layout();
+    let last: usize = layout
+        .shape
+        .iter()
+        .zip(&layout.strides)
+        .map(|(n, s)| (n - 1) * s)
+        .sum();
+    let start = storage.ptr() + layout.offset as u64 * size;
+    Some((start, start + (last as u64 + 1) * size))
+}
+
+fn log_kernel(inputs: &[&Array], outputs: &[Array]) {
+    log_ordered(Ordered::Kernel {
+        reads: inputs.iter().filter_map(|a| span(a)).collect(),
+        writes: outputs.iter().filter_map(span).collect(),
+    });
+}
+
+/// The unordered conflicting accesses of a logged run on `lanes` lanes
+/// (as `Gpu::fork`/`join`: a fork makes lanes 1..n wait for lane 0, a
+/// join makes lane 0 wait for them), each described.
+fn races(log: &[Ordered], lanes: usize) -> Vec<String> {
+    let merge = |into: &mut Vec<u64>, from: &[u64]| {
+        for (a, b) in into.iter_mut().zip(from) {
+            *a = (*a).max(*b);
+        }
+    };
+    let mut clock = vec![vec![0u64; lanes]; lanes];
+    let mut slots: std::collections::HashMap<usize, Vec<u64>> = Default::default();
+    let (mut lane, mut forked) = (0, 1);
+    // (lane, its tick, range, write, kernel number)
+    let mut seen: Vec<(usize, u64, (u64, u64), bool, usize)> = Vec::new();
+    let mut found = Vec::new();
+    let mut kernels = 0;
+    for entry in log {
+        match entry {
+            Ordered::Fork(n) => {
+                forked = (*n).clamp(1, lanes);
+                let main = clock[0].clone();
+                for c in &mut clock[1..forked] {
+                    merge(c, &main);
+                }
+                lane = 0;
+            }
+            Ordered::Lane(l) => lane = l % forked,
+            Ordered::Join => {
+                for l in 1..forked {
+                    let other = clock[l].clone();
+                    merge(&mut clock[0], &other);
+                }
+                (lane, forked) = (0, 1);
+            }
+            Ordered::Record(slot) => {
+                slots.insert(*slot, clock[lane].clone());
+            }
+            Ordered::Wait(slot) => match slots.get(slot) {
+                Some(at) => {
+                    let at = at.clone();
+                    merge(&mut clock[lane], &at);
+                }
+                None => found.push(format!("lane {lane} waits for slot {slot}, never recorded")),
+            },
+            Ordered::Kernel { reads, writes } => {
+                clock[lane][lane] += 1;
+                let accesses = reads
+                    .iter()
+                    .map(|r| (*r, false))
+                    .chain(writes.iter().map(|w| (*w, true)));
+                for (range, write) in accesses.collect::<Vec<_>>() {
+                    for &(l, tick, r, w, k) in &seen {
+                        let overlaps = r.0 < range.1 && range.0 < r.1;
+                        if overlaps && (w || write) && k != kernels && clock[lane][l] < tick {
+                            found.push(format!(
+                                "kernel {kernels} (lane {lane}) {} {range:x?}, kernel {k} (lane {l}) {} {r:x?}, unordered",
+                                if write { "writes" } else { "reads" },
+                                if w { "wrote" } else { "read" },
+                            ));
+                        }
+                    }
+                    seen.push((lane, clock[lane][lane], range, write, kernels));
+                }
+                kernels += 1;
+            }
+        }
+    }
+    found
+}
 
 struct Fake;
 
@@ -118,7 +251,9 @@ impl Backend for Fake {
         let host: Vec<Array> = inputs.iter().map(|t| self.host(t)).collect();
         let refs: Vec<&Array> = host.iter().collect();
         let out = cpu::eval(op, &refs, dtype, shape)?;
-        Ok(self.up(&out))
+        let out = self.up(&out);
+        log_kernel(inputs, std::slice::from_ref(&out));
+        Ok(out)
     }
 
     fn run_fused(
@@ -138,7 +273,7 @@ impl Backend for Fake {
         let host: Vec<Array> = inputs.iter().map(|t| self.host(t)).collect();
         let refs: Vec<&Array> = host.iter().collect();
         let outs = kernel.run(&refs)?;
-        Ok(outs
+        let outs = outs
             .iter()
             .enumerate()
             .map(|(o, out)| match donated.iter().find(|d| d.1 == o) {
@@ -152,7 +287,9 @@ impl Backend for Fake {
                 }
                 None => self.up(out),
             })
-            .collect())
+            .collect::<Vec<Array>>();
+        log_kernel(&inputs, &outs);
+        Ok(outs)
     }
 
     fn synchronize(&self) -> tessera::Result<()> {
@@ -178,16 +315,29 @@ impl Backend for Fake {
 
     fn fork(&self, lanes: usize) -> tessera::Result<()> {
         LANES.lock().unwrap().push(format!("fork {lanes}"));
+        log_ordered(Ordered::Fork(lanes));
         Ok(())
     }
 
     fn lane(&self, lane: usize) -> tessera::Result<()> {
         LANES.lock().unwrap().push(format!("lane {lane}"));
+        log_ordered(Ordered::Lane(lane));
         Ok(())
     }
 
     fn join(&self) -> tessera::Result<()> {
         LANES.lock().unwrap().push("join".into());
+        log_ordered(Ordered::Join);
+        Ok(())
+    }
+
+    fn record(&self, slot: usize) -> tessera::Result<()> {
+        log_ordered(Ordered::Record(slot));
+        Ok(())
+    }
+
+    fn wait_for(&self, slot: usize) -> tessera::Result<()> {
+        log_ordered(Ordered::Wait(slot));
         Ok(())
     }
 }
@@ -437,4 +587,149 @@ fn values_made_of_constants_alone_live_on_the_inputs_device() {
     let on_device = f.call(&on_fake(&[x]));
     assert_eq!(on_device[0].device(), Device::Cuda);
     assert_eq!(bits(&on_host), bits(&on_device));
+}
+
+#[test]
+fn the_race_check_finds_an_unordered_write_and_read_and_accepts_an_event() {
+    let write = Ordered::Kernel {
+        reads: vec![],
+        writes: vec![(0x100, 0x108)],
+    };
+    let read = Ordered::Kernel {
+        reads: vec![(0x104, 0x10c)],
+        writes: vec![(0x200, 0x208)],
+    };
+    use Ordered::*;
+    let unordered = [Fork(2), Lane(1), write.clone(), Lane(0), read.clone(), Join];
+    assert_eq!(races(&unordered, 3).len(), 1, "{unordered:?}");
+    let waited = [
+        Fork(2),
+        Lane(1),
+        write.clone(),
+        Record(7),
+        Lane(0),
+        Wait(7),
+        read.clone(),
+        Join,
+    ];
+    assert!(races(&waited, 3).is_empty());
+    // Stream order, and a join then a kernel on lane 0, order too.
+    let joined = [Fork(2), Lane(1), write, Join, read];
+    assert!(races(&joined, 3).is_empty());
+    assert_eq!(races(&[Wait(3)], 3).len(), 1, "a wait for nothing");
+}
+
+/// Branches of `x`: sliced attention on stream 0 (parallel slices), a
+/// second on `stream` when given, both read by a stream-0 sum, and a
+/// stream-0 branch read by the hinted one.
+fn streamed_attention(a: &[Tensor], stream: Option<i64>) -> Vec<Tensor> {
+    let plain = sliced_attention(&a[0], &a[1], &a[2], 4);
+    let scaled = (&a[0] * 0.5).tanh();
+    let other = || sliced_attention(&scaled, &a[1], &a[2], 2).exp();
+    let hinted = match stream {
+        Some(n) => hints::scope(Hint::default().stream(n), other).unwrap(),
+        None => other(),
+    };
+    vec![&plain + &hinted, hinted.sum(&[3], false)]
+}
+
+/// The run's outputs and the ordering it asked of the fake GPU, which must
+/// have no race; the outputs equal the CPU's.
+fn run_checked(graph: &Graph, strategy: Strategy, host: &[Tensor]) -> Vec<Ordered> {
+    let (plan, s) = planned_on(graph, strategy, None, Device::Cuda);
+    let on = on_fake(host);
+    *ORDERING.lock().unwrap() = Some(Vec::new());
+    let outs = run_scheduled(graph, &plan, &s.schedule, &s.memory, &on);
+    let log = ORDERING.lock().unwrap().take().unwrap();
+    HELD.lock().unwrap().clear();
+    let outs: Vec<Tensor> = outs.unwrap().into_iter().map(|(_, t)| t).collect();
+    let found = races(&log, Fake.lanes());
+    assert!(
+        found.is_empty(),
+        "{} {}: {} races, e.g. {:?}\n{}",
+        graph.name,
+        strategy.name(),
+        found.len(),
+        &found[..found.len().min(4)],
+        s.schedule
+            .streams
+            .as_ref()
+            .map_or(String::new(), |sp| sp.describe())
+    );
+    let (cpu_plan, cpu_s) = planned(graph, strategy, None);
+    let want: Vec<Tensor> = run_scheduled(graph, &cpu_plan, &cpu_s.schedule, &cpu_s.memory, host)
+        .unwrap()
+        .into_iter()
+        .map(|(_, t)| t)
+        .collect();
+    assert_eq!(
+        bits(&outs),
+        bits(&want),
+        "{} {}",
+        graph.name,
+        strategy.name()
+    );
+    log
+}
+
+#[test]
+fn stream_hinted_runs_order_every_access_and_spread_stream_0_over_spare_lanes() {
+    let _lock = fake();
+    let qkv: Vec<Tensor> = (0..3).map(|i| randn(&[2, 2, 16, 8], 40 + i)).collect();
+    for stream in [None, Some(1), Some(2)] {
+        let graph = traced("streamed", &qkv, |a| streamed_attention(a, stream));
+        for strategy in [
+            Strategy::Bfs,
+            Strategy::Dfs,
+            Strategy::Strict,
+            Strategy::Auto,
+        ] {
+            let log = run_checked(&graph, strategy, &qkv);
+            // With one stream hinted of the fake's 3 lanes, lane 2 is spare:
+            // a bfs level of stream-0 kernels runs on lanes 0 and 2.
+            if stream.is_some() && strategy == Strategy::Bfs {
+                let spread = log
+                    .windows(2)
+                    .any(|w| matches!(w, [Ordered::Lane(2), Ordered::Kernel { .. }]));
+                assert!(spread, "{stream:?}: no stream-0 kernel on the spare lane");
+            }
+        }
+    }
+}
+
+#[test]
+fn random_stream_hinted_graphs_run_without_races() {
+    let _lock = fake();
+    let host = [randn(&[8, 8], 50), randn(&[8, 8], 51)];
+    for case in 0..24u64 {
+        // Per branch: ops by code, a stream (0: none) and what it reads.
+        let codes: Vec<u64> = (0..10)
+            .map(|i| (case * 7 + i * 13 + case * i) % 11)
+            .collect();
+        let graph = traced(&format!("random{case}"), &host, |a| {
+            let mut made: Vec<Tensor> = vec![a[0].clone(), a[1].clone()];
+            for (i, &c) in codes.iter().enumerate() {
+                let x = made[(c as usize + i) % made.len()].clone();
+                let y = made[(c as usize * 3 + 1) % made.len()].clone();
+                let op = move || match c % 5 {
+                    0 => x.matmul(&y),
+                    1 => (&x * 0.5).tanh() + &y,
+                    2 => x.softmax(-1),
+                    3 => x.t().matmul(&y).exp().minimum(2.0),
+                    _ => x.sum(&[0], true) + &y,
+                };
+                // Odd cases hint one stream only: the fake's lane 2 is spare.
+                let stream = (c + case) % (2 + case % 2);
+                let v = match stream {
+                    0 => op(),
+                    n => hints::scope(Hint::default().stream(n as i64), op).unwrap(),
+                };
+                made.push(v);
+            }
+            made.split_off(made.len() - 3)
+        });
+        for strategy in [Strategy::Bfs, Strategy::Strict, Strategy::Auto] {
+            run_checked(&graph, strategy, &host);
+        }
+    }
 }

@@ -302,12 +302,17 @@ impl InFlight {
 
 /// A run's kernels on the lanes of its streams (`stream` hints): stream 0
 /// on lane 0, the others spread over lanes 1.. (two streams may share a
-/// lane when the device has fewer; their events still order them).
+/// lane when the device has fewer; their events still order them). The
+/// lanes no stream takes (`spare`) carry stream 0's share of a step of
+/// independent kernels, as the lanes of a run without streams do (see
+/// [`on_streams`]).
 struct StreamLanes<'a> {
     plan: &'a StreamPlan,
     lane_of: Vec<usize>,
     /// The lanes used, lane 0 first.
     used: Vec<usize>,
+    /// The device's lanes no stream takes.
+    spare: Vec<usize>,
     /// Per value, the kernel that writes it (an offload starts on its lane).
     writer: HashMap<NodeId, usize>,
 }
@@ -329,6 +334,7 @@ impl<'a> StreamLanes<'a> {
         used.push(0);
         used.sort_unstable();
         used.dedup();
+        let spare: Vec<usize> = (1..lanes).filter(|l| !used.contains(l)).collect();
         let mut writer = HashMap::new();
         for (k, kernel) in plan.kernels.iter().enumerate() {
             for w in kernel.writes() {
@@ -339,8 +345,35 @@ impl<'a> StreamLanes<'a> {
             plan: streams,
             lane_of,
             used,
+            spare,
             writer,
         }
+    }
+
+    /// The event slots of the spare lanes' fork (the first) and joins
+    /// (one per spare lane): after the kernels' own slots.
+    fn spare_slots(&self) -> std::ops::Range<usize> {
+        let first = self.plan.stream_of.len();
+        first..first + 1 + self.spare.len()
+    }
+
+    /// The spare lanes that `step`'s stream-0 kernels may spread over:
+    /// there are two or more, none waits for another stream (the plan
+    /// prunes a wait that an earlier kernel of the stream implies, which
+    /// holds only in stream 0's queue order), and no kernel of the step
+    /// waits for one of them (their events are recorded at the step's end).
+    fn spread(&self, step: &[usize]) -> Option<&[usize]> {
+        let on_0: Vec<usize> = step
+            .iter()
+            .copied()
+            .filter(|&k| self.lane_of[k] == 0)
+            .collect();
+        let independent = on_0.iter().all(|&k| self.plan.waits[k].is_empty())
+            && step
+                .iter()
+                .all(|&k| self.plan.waits[k].iter().all(|h| !on_0.contains(h)));
+        (on_0.len() > 1 && independent && !self.spare.is_empty())
+            .then(|| &self.spare[..self.spare.len().min(on_0.len() - 1)])
     }
 
     /// Lanes the device forks: up to the highest used.
@@ -443,7 +476,8 @@ fn execute_here(
             .filter(|_| lanes > 1 && !trace::is_active())
             .map(|sp| StreamLanes::new(sp, lanes, plan));
         if let Some(st) = &streams {
-            backend.fork(st.count())?;
+            // The spare lanes too: they join at the end with the others.
+            backend.fork(st.count().max(lanes))?;
         }
         let main = [0usize];
         let all_lanes: &[usize] = streams.as_ref().map_or(&main, |st| &st.used);
@@ -675,6 +709,15 @@ fn on_lanes(
 /// Runs the kernels of one step (`step`, in order, with their `jobs`) on
 /// the lanes of their streams: each waits for the events of the kernels
 /// its stream plan names, and records its own when another waits for it.
+///
+/// Where [`StreamLanes::spread`] allows, stream 0's kernels of the step go
+/// round robin to lane 0 and the spare lanes, as a run without streams
+/// spreads a step: the spare lanes first wait for lane 0's work so far,
+/// and lane 0 waits for theirs at the step's end (events in the plan's
+/// spare slots), so stream 0 keeps its order from step to step. Their own
+/// events are then recorded on lane 0 after that join: a stream waiting
+/// for one follows every earlier stream-0 kernel, as the plan's pruned
+/// waits assume.
 fn on_streams(
     backend: &dyn Backend,
     streams: &StreamLanes<'_>,
@@ -682,9 +725,29 @@ fn on_streams(
     jobs: Vec<Job<'_>>,
     graph: &Graph,
 ) -> Result<Vec<KernelResult>> {
+    let spare = streams.spread(step).unwrap_or(&[]);
+    let mut slots = streams.spare_slots();
+    let fork = slots.next().expect("a fork slot");
+    if !spare.is_empty() {
+        backend.lane(0)?;
+        backend.record(fork)?;
+        for &lane in spare {
+            backend.lane(lane)?;
+            backend.wait_for(fork)?;
+        }
+    }
+    let lanes_of_0: Vec<usize> = std::iter::once(0).chain(spare.iter().copied()).collect();
+    let mut next = 0;
     let mut results = Vec::with_capacity(jobs.len());
     for (&k, job) in step.iter().zip(jobs) {
-        backend.lane(streams.lane_of[k])?;
+        let lane = match streams.lane_of[k] {
+            0 => {
+                next += 1;
+                lanes_of_0[(next - 1) % lanes_of_0.len()]
+            }
+            lane => lane,
+        };
+        backend.lane(lane)?;
         for &h in &streams.plan.waits[k] {
             backend.wait_for(h)?;
         }
@@ -694,8 +757,24 @@ fn on_streams(
         if failed {
             break;
         }
-        if streams.plan.records[k] {
+        if streams.plan.records[k] && (spare.is_empty() || lane != 0) {
             backend.record(k)?;
+        }
+    }
+    if !spare.is_empty() {
+        let joins: Vec<usize> = slots.take(spare.len()).collect();
+        for (&lane, &slot) in spare.iter().zip(&joins) {
+            backend.lane(lane)?;
+            backend.record(slot)?;
+        }
+        backend.lane(0)?;
+        for &slot in &joins {
+            backend.wait_for(slot)?;
+        }
+        for &k in step {
+            if streams.plan.records[k] && streams.lane_of[k] == 0 {
+                backend.record(k)?;
+            }
         }
     }
     backend.lane(0)?;
