@@ -121,6 +121,10 @@ fn log_kernel(inputs: &[&Array], outputs: &[Array]) {
     });
 }
 
+/// A kernel's access seen by [`races`]: (lane, the lane's tick, byte
+/// range, whether a write, kernel number).
+type Access = (usize, u64, (u64, u64), bool, usize);
+
 /// The unordered conflicting accesses of a logged run on `lanes` lanes
 /// (as `Gpu::fork`/`join`: a fork makes lanes 1..n wait for lane 0, a
 /// join makes lane 0 wait for them), each described.
@@ -133,8 +137,7 @@ fn races(log: &[Ordered], lanes: usize) -> Vec<String> {
     let mut clock = vec![vec![0u64; lanes]; lanes];
     let mut slots: std::collections::HashMap<usize, Vec<u64>> = Default::default();
     let (mut lane, mut forked) = (0, 1);
-    // (lane, its tick, range, write, kernel number)
-    let mut seen: Vec<(usize, u64, (u64, u64), bool, usize)> = Vec::new();
+    let mut seen: Vec<Access> = Vec::new();
     let mut found = Vec::new();
     let mut kernels = 0;
     for entry in log {

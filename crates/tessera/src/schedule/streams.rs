@@ -27,7 +27,12 @@
 //! Waits are pruned: a stream that already follows a kernel of another
 //! stream (directly, or through a kernel it waited for) waits for no
 //! earlier kernel of it. An event is recorded after a kernel only when
-//! another stream waits for it ([`StreamPlan::records`]).
+//! another stream waits for it ([`StreamPlan::records`]). The executor
+//! may still run a step's stream-0 kernels on several lanes (the device's
+//! lanes no stream takes, as it spreads a step without streams); it keeps
+//! what the pruning assumes: such a step has no wait on stream 0, and its
+//! kernels' events are recorded once all of them are done
+//! (`runtime::execute::on_streams`).
 
 use super::buffers::BufferModel;
 use super::hinted::Hints;
