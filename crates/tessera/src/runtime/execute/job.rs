@@ -149,11 +149,13 @@ impl<'a> Job<'a> {
                 slots, joins: true, ..
             }) => self.join(graph, slots),
             Some(Planned { slots, .. }) => {
-                let (kernel, places) = (self.kernel, slots.value_addrs());
+                // Only a custom op allocates in an order of its own.
+                let custom = matches!(self.kernel, Kernel::Custom { .. });
+                let places = custom.then(|| slots.value_addrs());
                 let written = arena::planned(slots, || self.run_kernel(graph))?;
-                match kernel {
-                    Kernel::Custom { .. } => rehome(graph, written, &places),
-                    _ => Ok(written),
+                match places {
+                    Some(places) => rehome(graph, written, &places),
+                    None => Ok(written),
                 }
             }
             None => self.run_kernel(graph),
