@@ -85,9 +85,9 @@ fn a_prepared_plan_refuses_another_graph() {
     let (plan, s) = planned(&small, Strategy::Bfs, None);
     let prepared = Prepared::scheduled(&small, &plan, &s.schedule, &s.memory);
     let (large_plan, _) = planned(&large, Strategy::Bfs, None);
-    let err = run_prepared(&large, &large_plan, &prepared, vec![x.clone(), x], false)
-        .err()
-        .expect("another plan's preparation is refused");
+    let Err(err) = run_prepared(&large, &large_plan, &prepared, vec![x.clone(), x], false) else {
+        panic!("another plan's preparation is refused")
+    };
     assert!(err.message.contains("preparation of another plan"), "{err}");
 }
 
