@@ -13,7 +13,7 @@ use crate::ir::{Graph, NodeId};
 use crate::logging::log;
 use crate::passes::{PassContext, PassManager};
 use crate::runtime::device::Device;
-use crate::runtime::execute::{run_plan_with, run_scheduled_owned};
+use crate::runtime::execute::{run_prepared, Prepared};
 use crate::runtime::replay::{ReplayStats, Replayer};
 use crate::schedule::cost::{self, Choice, DeviceCosts};
 use crate::schedule::{self, Donations, Moves, ScheduleOptions, Scheduled};
@@ -46,6 +46,8 @@ struct Lowered {
     /// `None` where the graph cannot be planned (symbolic shapes): then the
     /// kernels run in plan order.
     scheduled: Option<Scheduled>,
+    /// What every run of the plan needs of it, derived once.
+    prepared: Prepared,
 }
 
 /// Which of a graph's outputs are offloaded to host memory and which of
@@ -99,19 +101,20 @@ impl Lowered {
                 None
             }
         };
+        let prepared = match &scheduled {
+            Some(s) => Prepared::scheduled(&graph, &plan, &s.schedule, &s.memory),
+            None => Prepared::in_plan_order(&graph, &plan),
+        };
         Lowered {
             graph: Arc::new(graph),
             plan,
             scheduled,
+            prepared,
         }
     }
 
-    fn run(&self, args: Vec<Tensor>, tune: bool) -> Result<Vec<(String, Tensor)>> {
-        let (graph, plan) = (&self.graph, &self.plan);
-        match &self.scheduled {
-            Some(s) => run_scheduled_owned(graph, plan, &s.schedule, &s.memory, args, tune),
-            None => run_plan_with(graph, plan, &args, tune),
-        }
+    fn run(&self, args: Vec<Tensor>, tune: bool) -> Result<Vec<Tensor>> {
+        run_prepared(&self.graph, &self.plan, &self.prepared, args, tune)
     }
 
     /// The positions of the donated graph inputs whose storage the memory
@@ -279,7 +282,7 @@ impl Program {
     /// `mode=reduce-overhead` (see `runtime::replay`: the donated inputs
     /// that live on in outputs are recorded in place, the rest copied into
     /// buffers of the recording), else kernel by kernel, `args` moved into
-    /// the run (see [`run_scheduled_owned`]).
+    /// the run (see [`run_prepared`]).
     fn run(&self, args: Vec<Tensor>) -> Result<Vec<Tensor>> {
         let Some(replayer) = &self.replay else {
             return self.run_kernels(args);
@@ -346,11 +349,13 @@ impl Program {
             Some(sized) => sized.at(&self.graph, &args)?,
             None => None,
         };
-        let outs = match at_size.as_ref().or(self.lowered.as_ref()) {
-            Some(lowered) => lowered.run(args, self.tune)?,
-            None => run_graph_moving(&self.graph, &args, &self.moves)?,
-        };
-        Ok(outs.into_iter().map(|(_, t)| t).collect())
+        match at_size.as_ref().or(self.lowered.as_ref()) {
+            Some(lowered) => lowered.run(args, self.tune),
+            None => {
+                let outs = run_graph_moving(&self.graph, &args, &self.moves)?;
+                Ok(outs.into_iter().map(|(_, t)| t).collect())
+            }
+        }
     }
 
     /// The graph, its kernel list, schedule and memory plan as (file

@@ -21,7 +21,7 @@ use super::array::Array;
 use super::cpu::{DescribedProduct, MemoryStats, Storage};
 use super::layout::Layout;
 use crate::error::{Error, ErrorKind, Result};
-use crate::ir::kernel::{FusedKernel, RowKernel};
+use crate::ir::kernel::{FusedKernel, FusedRegisters, RowKernel, RowRegisters};
 use crate::ir::{DType, Op, TensorType};
 
 /// Where a tensor's values are.
@@ -227,6 +227,21 @@ pub trait Backend: Send + Sync {
     /// CPU its block size) by trial runs on these inputs.
     fn run_fused(&self, kernel: &FusedKernel, inputs: Vec<FusedArg<'_>>) -> Result<Vec<Array>>;
 
+    /// [`Backend::run_fused`] with the kernel's register slots allocated
+    /// by the caller, once for all its runs (the executor's, per plan):
+    /// `registers[0]` as `FusedRegisters::allocate` makes them without the
+    /// outputs' own slots, `registers[1]` with them. A backend that
+    /// allocates no registers ignores them (the default).
+    fn run_fused_in(
+        &self,
+        kernel: &FusedKernel,
+        registers: &[FusedRegisters; 2],
+        inputs: Vec<FusedArg<'_>>,
+    ) -> Result<Vec<Array>> {
+        let _ = registers;
+        self.run_fused(kernel, inputs)
+    }
+
     /// `op` (a matmul) of `a` and `b` plus `bias`, a contiguous `[n]` of
     /// the product's dtype added to every row of the product (`shape`), in
     /// one kernel where the device has one (cuBLASLt's bias epilogue: the
@@ -264,6 +279,19 @@ pub trait Backend: Send + Sync {
     fn run_rows(&self, kernel: &RowKernel, inputs: &[&Array]) -> Result<Vec<Array>> {
         let _ = (kernel, inputs);
         Err(unsupported(self.device(), "row kernels"))
+    }
+
+    /// [`Backend::run_rows`] with the kernel's register slots allocated by
+    /// the caller (`RowRegisters::allocate`), once for all its runs. A
+    /// backend that allocates no registers ignores them (the default).
+    fn run_rows_in(
+        &self,
+        kernel: &RowKernel,
+        registers: &RowRegisters,
+        inputs: &[&Array],
+    ) -> Result<Vec<Array>> {
+        let _ = registers;
+        self.run_rows(kernel, inputs)
     }
 
     /// Bytes `op`'s kernel on this device allocates for its own use while

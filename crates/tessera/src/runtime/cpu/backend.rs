@@ -7,7 +7,7 @@ use std::sync::Arc;
 use super::fused::FusedInput;
 use super::{autotune, matmul, BlockedProduct, DescribedProduct, MemoryStats};
 use crate::error::Result;
-use crate::ir::kernel::{FusedKernel, RowKernel};
+use crate::ir::kernel::{FusedKernel, FusedRegisters, RowKernel, RowRegisters};
 use crate::ir::{DType, Op};
 use crate::runtime::array::Array;
 use crate::runtime::device::{self, Backend, Device, FusedArg};
@@ -29,30 +29,16 @@ impl Backend for CpuBackend {
     /// writes its output over it; under [`device::tuning`] the block size
     /// is tuned on these inputs first (see [`autotune`]).
     fn run_fused(&self, kernel: &FusedKernel, inputs: Vec<FusedArg<'_>>) -> Result<Vec<Array>> {
-        let tuned;
-        let kernel = match device::tuning() {
-            true => {
-                let arrays: Vec<&Array> = inputs.iter().map(FusedArg::array).collect();
-                tuned = autotune::tune(kernel, &arrays)?;
-                &tuned
-            }
-            false => kernel,
-        };
-        let inputs = inputs
-            .into_iter()
-            .map(|arg| match arg {
-                FusedArg::Shared(a) => FusedInput::Shared(a),
-                FusedArg::Donated { array, output } => {
-                    let ty = array.ty();
-                    // The executor donates only arrays it holds alone.
-                    let storage = array.into_unique_storage().unwrap_or_else(|| {
-                        panic!("internal error: a donated input ({ty}) of a fused kernel is shared")
-                    });
-                    FusedInput::Donated { storage, output }
-                }
-            })
-            .collect();
-        kernel.run_with(inputs)
+        run_fused(kernel, None, inputs)
+    }
+
+    fn run_fused_in(
+        &self,
+        kernel: &FusedKernel,
+        registers: &[FusedRegisters; 2],
+        inputs: Vec<FusedArg<'_>>,
+    ) -> Result<Vec<Array>> {
+        run_fused(kernel, Some(registers), inputs)
     }
 
     /// The CPU runs every row kernel fusion makes.
@@ -62,6 +48,15 @@ impl Backend for CpuBackend {
 
     fn run_rows(&self, kernel: &RowKernel, inputs: &[&Array]) -> Result<Vec<Array>> {
         kernel.run(inputs)
+    }
+
+    fn run_rows_in(
+        &self,
+        kernel: &RowKernel,
+        registers: &RowRegisters,
+        inputs: &[&Array],
+    ) -> Result<Vec<Array>> {
+        kernel.run_in(registers, inputs)
     }
 
     /// Thin f32 products are fed to the row kernel a block of rows at a
@@ -130,4 +125,38 @@ pub(crate) fn cpu_backend() -> Arc<dyn Backend> {
     static CPU: std::sync::LazyLock<Arc<dyn Backend>> =
         std::sync::LazyLock::new(|| Arc::new(CpuBackend));
     CPU.clone()
+}
+
+/// [`Backend::run_fused`] on the CPU, with the kernel's `registers` when
+/// the caller has them (a tuned kernel differs only in its block size:
+/// the same registers).
+fn run_fused(
+    kernel: &FusedKernel,
+    registers: Option<&[FusedRegisters; 2]>,
+    inputs: Vec<FusedArg<'_>>,
+) -> Result<Vec<Array>> {
+    let tuned;
+    let kernel = match device::tuning() {
+        true => {
+            let arrays: Vec<&Array> = inputs.iter().map(FusedArg::array).collect();
+            tuned = autotune::tune(kernel, &arrays)?;
+            &tuned
+        }
+        false => kernel,
+    };
+    let inputs = inputs
+        .into_iter()
+        .map(|arg| match arg {
+            FusedArg::Shared(a) => FusedInput::Shared(a),
+            FusedArg::Donated { array, output } => {
+                let ty = array.ty();
+                // The executor donates only arrays it holds alone.
+                let storage = array.into_unique_storage().unwrap_or_else(|| {
+                    panic!("internal error: a donated input ({ty}) of a fused kernel is shared")
+                });
+                FusedInput::Donated { storage, output }
+            }
+        })
+        .collect();
+    kernel.run_in(registers, inputs)
 }

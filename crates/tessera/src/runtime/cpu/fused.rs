@@ -56,15 +56,34 @@ impl FusedKernel {
 
     /// Runs the kernel, writing donated inputs' outputs in place.
     pub fn run_with(&self, inputs: Vec<FusedInput<'_>>) -> Result<Vec<Array>> {
+        self.run_in(None, inputs)
+    }
+
+    /// [`FusedKernel::run_with`], with the kernel's `registers` allocated
+    /// by the caller (`[own outputs: false, true]`, see
+    /// [`FusedRegisters::allocate`]); `None`: allocated here.
+    pub fn run_in(
+        &self,
+        registers: Option<&[FusedRegisters; 2]>,
+        inputs: Vec<FusedInput<'_>>,
+    ) -> Result<Vec<Array>> {
         let numel: usize = self.shape.iter().product();
         self.check(inputs.len())?;
         for (i, input) in inputs.iter().enumerate() {
             self.check_input(i, input, numel)?;
         }
+        if registers.is_some_and(|r| r.iter().any(|r| r.slot.len() != self.steps.len())) {
+            return Err(op_err!(
+                Verify,
+                "fused",
+                "internal error: registers of another kernel given to one of {} steps",
+                self.steps.len()
+            ));
+        }
         if self.wide {
-            Ok(self.run_as::<f64>(inputs))
+            Ok(self.run_as::<f64>(registers, inputs))
         } else {
-            Ok(self.run_as::<f32>(inputs))
+            Ok(self.run_as::<f32>(registers, inputs))
         }
     }
 
@@ -103,7 +122,11 @@ impl FusedKernel {
         Ok(())
     }
 
-    fn run_as<A: Transcendental>(&self, inputs: Vec<FusedInput<'_>>) -> Vec<Array> {
+    fn run_as<A: Transcendental>(
+        &self,
+        registers: Option<&[FusedRegisters; 2]>,
+        inputs: Vec<FusedInput<'_>>,
+    ) -> Vec<Array> {
         let numel: usize = self.shape.iter().product();
         let (sources, mut outs) = self.sources_and_outputs(inputs, numel);
         let sinks: Vec<Sink> = outs
@@ -113,7 +136,9 @@ impl FusedKernel {
                 dtype: s.dtype(),
             })
             .collect();
-        let bs = self.block.max(64);
+        // A kernel smaller than its block runs one block of its own size
+        // (the same one block, with a smaller register file to set up).
+        let bs = self.block.max(64).min(numel.div_ceil(64).max(1) * 64);
         let blocks = numel.div_ceil(bs);
         // Addresses (as integers, so the closure is Sync) of direct inputs.
         let direct: Vec<Option<usize>> = sources
@@ -121,51 +146,59 @@ impl FusedKernel {
             .map(|s| s.direct::<A>().map(|p| p as usize))
             .collect();
         let stream = numel * std::mem::size_of::<A>() >= stream_min_bytes();
-        let regs = FusedRegisters::allocate(&self.steps, &self.outputs, stream);
+        let allocated;
+        let regs = match registers {
+            Some(registers) => &registers[usize::from(stream)],
+            None => {
+                allocated = FusedRegisters::allocate(&self.steps, &self.outputs, stream);
+                &allocated
+            }
+        };
         let spread = Spread::new(&self.steps, &direct);
         let run = Run {
             sources: &sources,
             direct: &direct,
             sinks: &sinks,
-            regs: &regs,
+            regs,
             spread: &spread,
         };
         let run_blocks = |range: std::ops::Range<usize>| {
-            let mut file = vec![A::ZERO; regs.count.max(1) * bs];
-            // Constants are filled once per task, not once per block.
-            for (i, step) in self.steps.iter().enumerate() {
-                if let (&Step::Const(c), true) = (step, regs.filled[i]) {
-                    let r = regs.slot[i] * bs;
-                    file[r..r + bs].fill(A::from_f64(c));
+            with_thread_file(regs.count.max(1) * bs, |file: &mut [A]| {
+                // Constants are filled once per task, not once per block.
+                for (i, step) in self.steps.iter().enumerate() {
+                    if let (&Step::Const(c), true) = (step, regs.filled[i]) {
+                        let r = regs.slot[i] * bs;
+                        file[r..r + bs].fill(A::from_f64(c));
+                    }
                 }
-            }
-            // Streamed: the previous block, whose outputs are still in
-            // their slots and stored during this block's steps.
-            let mut pending = None;
-            for b in range {
-                let start = b * bs;
-                let len = bs.min(numel - start);
-                let block = Block { bs, start, len };
-                self.eval_block(&run, &mut file, block, pending);
-                if stream {
-                    pending = Some(block);
-                    continue;
+                // Streamed: the previous block, whose outputs are still in
+                // their slots and stored during this block's steps.
+                let mut pending = None;
+                for b in range {
+                    let start = b * bs;
+                    let len = bs.min(numel - start);
+                    let block = Block { bs, start, len };
+                    self.eval_block(&run, file, block, pending);
+                    if stream {
+                        pending = Some(block);
+                        continue;
+                    }
+                    for (&(step, _), sink) in self.outputs.iter().zip(&sinks) {
+                        let r = regs.slot[step] * bs;
+                        // SAFETY: each block writes its own disjoint range of every
+                        // output, after it has loaded that range of every input.
+                        unsafe { sink.store(start, &file[r..r + len], false) };
+                    }
                 }
-                for (&(step, _), sink) in self.outputs.iter().zip(&sinks) {
-                    let r = regs.slot[step] * bs;
-                    // SAFETY: each block writes its own disjoint range of every
-                    // output, after it has loaded that range of every input.
-                    unsafe { sink.store(start, &file[r..r + len], false) };
+                if let Some(last) = pending {
+                    for (&(step, _), sink) in self.outputs.iter().zip(&sinks) {
+                        let r = regs.slot[step] * bs;
+                        // SAFETY: as above.
+                        unsafe { sink.store(last.start, &file[r..r + last.len], true) };
+                    }
+                    store_fence();
                 }
-            }
-            if let Some(last) = pending {
-                for (&(step, _), sink) in self.outputs.iter().zip(&sinks) {
-                    let r = regs.slot[step] * bs;
-                    // SAFETY: as above.
-                    unsafe { sink.store(last.start, &file[r..r + last.len], true) };
-                }
-                store_fence();
-            }
+            })
         };
         let tasks = rayon::current_num_threads().max(1) * 4;
         if numel < super::copy::PAR_THRESHOLD || blocks < 2 {
@@ -315,6 +348,37 @@ impl FusedKernel {
             }
         }
     }
+}
+
+thread_local! {
+    /// This thread's register file (see [`with_thread_file`]), in words of
+    /// 8 bytes: aligned for both compute types.
+    static FILE: std::cell::RefCell<Vec<u64>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Runs `f` on a register file of `len` elements of `A`: this thread's,
+/// kept from kernel to kernel (a fresh file per task was an allocation and
+/// a memset per kernel, much of a small kernel's time), or a fresh one if
+/// this thread's is in use. What it holds is left from earlier kernels,
+/// which no kernel sees: every slot is written by its step before a later
+/// step of the block reads it, and constants are filled once per task
+/// (`FusedRegisters`, `RowRegisters`).
+pub(crate) fn with_thread_file<A: AccFloat, R>(len: usize, f: impl FnOnce(&mut [A]) -> R) -> R {
+    const { assert!(std::mem::size_of::<A>() <= 8 && std::mem::align_of::<A>() <= 8) };
+    let words = (len * std::mem::size_of::<A>()).div_ceil(8);
+    FILE.with(|file| {
+        let Ok(mut file) = file.try_borrow_mut() else {
+            return f(&mut vec![A::ZERO; len]);
+        };
+        if file.len() < words {
+            file.resize(words, 0);
+        }
+        // SAFETY: the words hold at least `len` elements of `A` (a float:
+        // every bit pattern is a value), aligned (checked above), borrowed
+        // mutably here alone.
+        let file = unsafe { std::slice::from_raw_parts_mut(file.as_mut_ptr().cast::<A>(), len) };
+        f(file)
+    })
 }
 
 pub(crate) fn compare_block<A: AccFloat>(op: CompareOp, a: &[A], b: &[A], dst: &mut [A]) {

@@ -12,13 +12,15 @@
 //! functions; reductions fold each contiguous row as eager `reduce` does),
 //! so the results equal op-by-op evaluation in the compute type.
 
+use std::borrow::Cow;
+
 use rayon::prelude::*;
 
 use super::element::num_like::AccFloat;
 use super::elementwise::{
     binary_const_into, binary_into, const_binary_into, unary_into, Transcendental,
 };
-use super::fused::{compare_block, load, round_block};
+use super::fused::{compare_block, load, round_block, with_thread_file};
 use super::reduce::{reduce_row, softmax_row, Arith, RowIo, SoftmaxExp, ROW_MAX};
 use super::stream::stream_min_bytes;
 use super::{Element, Storage};
@@ -61,14 +63,40 @@ impl RowKernel {
     /// Runs the kernel on `inputs` (numbered by `Step::Load`), each
     /// broadcastable to `outer ++ [len]`.
     pub fn run(&self, inputs: &[&Array]) -> Result<Vec<Array>> {
+        self.run_registers(None, inputs)
+    }
+
+    /// [`RowKernel::run`] with the kernel's `registers` allocated by the
+    /// caller ([`RowRegisters::allocate`]), once for all its runs.
+    pub fn run_in(&self, registers: &RowRegisters, inputs: &[&Array]) -> Result<Vec<Array>> {
+        self.run_registers(Some(registers), inputs)
+    }
+
+    fn run_registers(
+        &self,
+        registers: Option<&RowRegisters>,
+        inputs: &[&Array],
+    ) -> Result<Vec<Array>> {
         let full = self.checked_shape(inputs)?;
         self.check(inputs.len())?;
+        if registers.is_some_and(|r| r.slot.len() != self.steps.len()) {
+            return Err(op_err!(
+                Verify,
+                "fused_rows",
+                "internal error: registers of another kernel given to one of {} steps",
+                self.steps.len()
+            ));
+        }
+        let registers = match registers {
+            Some(r) => Cow::Borrowed(r),
+            None => Cow::Owned(RowRegisters::allocate(self)),
+        };
         let sources: Vec<Option<Source<'_>>> =
             inputs.iter().map(|t| Some(Source::new(t, &full))).collect();
         Ok(if self.wide {
-            self.run_as::<f64>(&sources)
+            self.run_as::<f64>(&sources, registers)
         } else {
-            self.run_as::<f32>(&sources)
+            self.run_as::<f32>(&sources, registers)
         })
     }
 
@@ -113,7 +141,8 @@ impl RowKernel {
             .iter()
             .map(|t| t.map(|t| Source::new(t, &full)))
             .collect();
-        let eval = Evaluation::<f32>::new(self, &sources, steps);
+        let registers = Cow::Owned(RowRegisters::allocate(self));
+        let eval = Evaluation::<f32>::new(self, &sources, registers, steps);
         feed(&|first: usize, values: &[&[f32]]| {
             let count = values.first().map_or(0, |v| v.len() / self.len.max(1));
             eval.rows(first..first + count, values);
@@ -121,9 +150,13 @@ impl RowKernel {
         Ok(eval.finish())
     }
 
-    fn run_as<A: Transcendental + SoftmaxExp>(&self, sources: &[Option<Source<'_>>]) -> Vec<Array> {
+    fn run_as<A: Transcendental + SoftmaxExp>(
+        &self,
+        sources: &[Option<Source<'_>>],
+        registers: Cow<'_, RowRegisters>,
+    ) -> Vec<Array> {
         let rows = self.rows();
-        let eval = Evaluation::<A>::new(self, sources, Vec::new());
+        let eval = Evaluation::<A>::new(self, sources, registers, Vec::new());
         let per_task = (super::copy::PAR_THRESHOLD / self.len.max(1)).max(1);
         if rows * self.len < super::copy::PAR_THRESHOLD || rows < 2 {
             eval.rows(0..rows, &[]);
@@ -302,7 +335,7 @@ struct Evaluation<'k, 's, A> {
     sources: &'k [Option<Source<'s>>],
     outs: Vec<Storage>,
     sinks: Sinks,
-    slots: RowRegisters,
+    slots: Cow<'k, RowRegisters>,
     direct: Direct,
     /// Rows written straight into outputs far larger than the caches are
     /// stored non-temporally (softmax, through a scratch row).
@@ -317,6 +350,7 @@ impl<'k, 's, A: Transcendental + SoftmaxExp> Evaluation<'k, 's, A> {
     fn new(
         kernel: &'k RowKernel,
         sources: &'k [Option<Source<'s>>],
+        slots: Cow<'k, RowRegisters>,
         fed: Vec<usize>,
     ) -> Evaluation<'k, 's, A> {
         let rows = kernel.rows();
@@ -342,7 +376,7 @@ impl<'k, 's, A: Transcendental + SoftmaxExp> Evaluation<'k, 's, A> {
         Evaluation {
             kernel,
             sources,
-            slots: RowRegisters::allocate(kernel),
+            slots,
             direct,
             stream: bytes >= stream_min_bytes(),
             softmax: kernel
@@ -358,17 +392,22 @@ impl<'k, 's, A: Transcendental + SoftmaxExp> Evaluation<'k, 's, A> {
     /// Evaluates and stores `range`'s rows; `fed[i]` holds fed step `i`'s
     /// values of these rows (`len` per row).
     fn rows(&self, range: std::ops::Range<usize>, fed: &[&[A]]) {
+        with_thread_file(self.slots.count * self.kernel.len, |file: &mut [A]| {
+            self.rows_in(range, fed, file)
+        })
+    }
+
+    /// [`Evaluation::rows`] with the register `file` of its slots.
+    fn rows_in(&self, range: std::ops::Range<usize>, fed: &[&[A]], file: &mut [A]) {
         let k = self.kernel;
         let len = k.len;
-        let mut file = vec![<A as AccFloat>::ZERO; self.slots.count * len];
         let mut scalars = vec![<A as AccFloat>::ZERO; k.steps.len()];
         let mut at = vec![std::ptr::null_mut::<A>(); k.steps.len()];
         let scratch_len = if self.stream && self.softmax { len } else { 0 };
         let mut scratch = vec![<A as AccFloat>::ZERO; scratch_len];
         let start = range.start;
         for r in range {
-            self.direct
-                .place_row(r, len, &self.slots, &mut file, &mut at);
+            self.direct.place_row(r, len, &self.slots, file, &mut at);
             for (&step, values) in self.direct.fed.iter().zip(fed) {
                 // Read only: no step writes where an input lives.
                 at[step] = values[(r - start) * len..][..len].as_ptr() as *mut A;

@@ -5,6 +5,7 @@
 use std::panic::Location;
 
 use super::kernels::{run_epilogue, run_fused, run_matmul_rows, run_rows};
+use super::prepared::PreparedKernel;
 use crate::autograd;
 use crate::error::{Error, ErrorKind, Result};
 use crate::fusion::Kernel;
@@ -48,6 +49,8 @@ impl Arg {
 /// A kernel with its arguments, ready to run on any thread.
 pub(super) struct Job<'a> {
     kernel: &'a Kernel,
+    /// Its reads, writes and register slots, prepared once per plan.
+    prepared: &'a PreparedKernel,
     args: Vec<Arg>,
     /// Where its allocations go (compiled runs with a memory plan).
     planned: Option<Planned>,
@@ -83,15 +86,16 @@ impl<'a> Job<'a> {
         graph: &Graph,
         k: usize,
         kernel: &'a Kernel,
+        prepared: &'a PreparedKernel,
         in_place: &[(NodeId, NodeId)],
         values: &mut [Option<Tensor>],
     ) -> Job<'a> {
-        let writes = kernel.writes();
+        let writes = &prepared.writes;
         let mut undonated = Vec::new();
-        let args = kernel
-            .reads(graph)
-            .into_iter()
-            .map(|x| {
+        let args = prepared
+            .reads
+            .iter()
+            .map(|&x| {
                 let Some(&(_, out)) = in_place.iter().find(|(i, _)| *i == x) else {
                     return Arg::Shared(values[x.index()].clone().expect("computed before use"));
                 };
@@ -120,6 +124,7 @@ impl<'a> Job<'a> {
             .collect();
         Job {
             kernel,
+            prepared,
             args,
             planned: None,
             undonated,
@@ -144,11 +149,13 @@ impl<'a> Job<'a> {
                 slots, joins: true, ..
             }) => self.join(graph, slots),
             Some(Planned { slots, .. }) => {
-                let (kernel, places) = (self.kernel, slots.value_addrs());
+                // Only a custom op allocates in an order of its own.
+                let custom = matches!(self.kernel, Kernel::Custom { .. });
+                let places = custom.then(|| slots.value_addrs());
                 let written = arena::planned(slots, || self.run_kernel(graph))?;
-                match kernel {
-                    Kernel::Custom { .. } => rehome(graph, written, &places),
-                    _ => Ok(written),
+                match places {
+                    Some(places) => rehome(graph, written, &places),
+                    None => Ok(written),
                 }
             }
             None => self.run_kernel(graph),
@@ -207,7 +214,7 @@ impl<'a> Job<'a> {
     /// Runs the kernel. Memory it cannot get is an `OutOfMemory` error about
     /// the values it writes (the op's error where one op runs).
     fn run_kernel(self, graph: &Graph) -> Result<Vec<(NodeId, Tensor)>> {
-        let writes = self.kernel.writes();
+        let writes = &self.prepared.writes;
         crate::runtime::cpu::alloc::catching(|| self.run_kernel_here(graph))
             .and_then(|r| r)
             .map_err(|e| match (e.kind, e.op.is_none(), writes.first()) {
@@ -225,6 +232,7 @@ impl<'a> Job<'a> {
     }
 
     fn run_kernel_here(self, graph: &Graph) -> Result<Vec<(NodeId, Tensor)>> {
+        let registers = &self.prepared.registers;
         match self.kernel {
             Kernel::Extern(id) => {
                 let node = graph.node(*id);
@@ -270,7 +278,7 @@ impl<'a> Job<'a> {
             } => run_epilogue(
                 graph,
                 (*matmul, *matmul_out, *product_into),
-                kernel,
+                (kernel, registers.fused()),
                 inputs,
                 outputs,
                 self.args,
@@ -283,6 +291,7 @@ impl<'a> Job<'a> {
             } => {
                 let args: Vec<&Tensor> =
                     self.args.iter().map(|a| a.tensor("row kernels")).collect();
+                let kernel = (kernel, registers.rows());
                 run_rows(graph, kernel, (members, inputs, outputs), &args)
             }
             Kernel::MatmulRows {
@@ -297,6 +306,7 @@ impl<'a> Job<'a> {
                     .iter()
                     .map(|a| a.tensor("matmul row kernels"))
                     .collect();
+                let kernel = (kernel, registers.rows());
                 run_matmul_rows(graph, matmuls, kernel, (members, inputs, outputs), &args)
             }
             Kernel::Fused {
@@ -305,8 +315,8 @@ impl<'a> Job<'a> {
                 members,
                 ..
             } => {
-                let outs =
-                    run_fused(kernel, self.args).map_err(|e| node_error(graph, members[0], e))?;
+                let outs = run_fused((kernel, registers.fused()), self.args)
+                    .map_err(|e| node_error(graph, members[0], e))?;
                 Ok(outputs.iter().copied().zip(outs).collect())
             }
         }
@@ -383,6 +393,7 @@ mod tests {
     use super::*;
     use crate::fusion::fuse;
     use crate::ir::text::parse;
+    use crate::runtime::execute::Prepared;
 
     const CHAIN: &str = "graph g(%x) {
       %x = input : f32[8]
@@ -393,22 +404,24 @@ mod tests {
 
     /// The fused kernel of `CHAIN`, its output value and the values slot
     /// list holding `x`.
-    fn setup(x: &Tensor) -> (Graph, crate::fusion::Plan, Vec<Option<Tensor>>) {
+    fn setup(x: &Tensor) -> (Graph, crate::fusion::Plan, Prepared, Vec<Option<Tensor>>) {
         let graph = parse(CHAIN).unwrap();
         let plan = fuse(&graph);
         assert_eq!(plan.kernels.len(), 1, "exp and tanh fuse");
+        let prepared = Prepared::in_plan_order(&graph, &plan);
         let mut values = vec![None; graph.len()];
         values[graph.inputs[0].index()] = Some(x.clone());
-        (graph, plan, values)
+        (graph, plan, prepared, values)
     }
 
     #[test]
     fn an_input_held_by_nothing_else_is_donated_to_its_output() {
         let x = Tensor::from_vec(vec![0.5f32; 8], &[8]);
-        let (graph, plan, mut values) = setup(&x);
+        let (graph, plan, prepared, mut values) = setup(&x);
         let (input, output) = (graph.inputs[0], graph.outputs[0].node);
         drop(x);
-        let job = Job::gather(&graph, 0, &plan.kernels[0], &[(input, output)], &mut values);
+        let (kernel, io) = (&plan.kernels[0], &prepared.kernels[0]);
+        let job = Job::gather(&graph, 0, kernel, io, &[(input, output)], &mut values);
         assert!(values[input.index()].is_none(), "moved out of the values");
         assert!(job.undonated.is_empty());
         let [Arg::Donated(array, 0)] = &job.args[..] else {
@@ -426,9 +439,10 @@ mod tests {
     #[test]
     fn a_shared_input_is_read_and_its_output_gets_its_own_buffer() {
         let x = Tensor::from_vec(vec![0.25f32; 8], &[8]);
-        let (graph, plan, mut values) = setup(&x);
+        let (graph, plan, prepared, mut values) = setup(&x);
         let (input, output) = (graph.inputs[0], graph.outputs[0].node);
-        let job = Job::gather(&graph, 0, &plan.kernels[0], &[(input, output)], &mut values);
+        let (kernel, io) = (&plan.kernels[0], &prepared.kernels[0]);
+        let job = Job::gather(&graph, 0, kernel, io, &[(input, output)], &mut values);
         // `x` is still held here: the plan's donation cannot happen.
         assert_eq!(job.undonated, vec![output]);
         assert!(matches!(&job.args[..], [Arg::Shared(_)]));

@@ -6,7 +6,7 @@ use std::panic::Location;
 
 use super::job::Arg;
 use crate::error::Result;
-use crate::ir::kernel::{FusedKernel, RowKernel, Step};
+use crate::ir::kernel::{FusedKernel, FusedRegisters, RowKernel, RowRegisters, Step};
 use crate::ir::{BinaryOp, DType, Graph, Node, NodeId, Op};
 use crate::logging::log;
 use crate::runtime::array::Array;
@@ -19,11 +19,18 @@ use crate::tensor::Tensor;
 /// values it reads, the values it writes.
 pub(super) type RowGroup<'a> = (&'a [NodeId], &'a [NodeId], &'a [NodeId]);
 
+/// A fused kernel with its register slots where prepared (see
+/// `prepared::Registers`).
+pub(super) type Fused<'a> = (&'a FusedKernel, Option<&'a [FusedRegisters; 2]>);
+
+/// A row kernel with its register slots where prepared.
+pub(super) type Rows<'a> = (&'a RowKernel, Option<&'a RowRegisters>);
+
 /// A row kernel on its inputs `args`: the backend's kernel, or, where the
 /// backend does not take it, op by op through the backend's own kernels.
 pub(super) fn run_rows(
     graph: &Graph,
-    kernel: &RowKernel,
+    (kernel, registers): Rows<'_>,
     (members, inputs, outputs): RowGroup<'_>,
     args: &[&Tensor],
 ) -> Result<Vec<(NodeId, Tensor)>> {
@@ -39,9 +46,11 @@ pub(super) fn run_rows(
         });
         return run_members(graph, members, inputs, args, outputs);
     }
-    let outs = backend
-        .run_rows(kernel, &arrays)
-        .map_err(|e| node_error(graph, members[0], e))?;
+    let outs = match registers {
+        Some(registers) => backend.run_rows_in(kernel, registers, &arrays),
+        None => backend.run_rows(kernel, &arrays),
+    }
+    .map_err(|e| node_error(graph, members[0], e))?;
     Ok(tensors_of(outputs, outs))
 }
 
@@ -63,7 +72,7 @@ fn tensors_of(outputs: &[NodeId], arrays: Vec<Array>) -> Vec<(NodeId, Tensor)> {
 pub(super) fn run_matmul_rows(
     graph: &Graph,
     matmuls: &[NodeId],
-    kernel: &RowKernel,
+    (kernel, registers): Rows<'_>,
     (members, inputs, outputs): RowGroup<'_>,
     args: &[&Tensor],
 ) -> Result<Vec<(NodeId, Tensor)>> {
@@ -120,6 +129,7 @@ pub(super) fn run_matmul_rows(
             None => *rest.next().expect("an input"),
         })
         .collect();
+    let kernel = (kernel, registers);
     run_rows(graph, kernel, (row_members, inputs, outputs), &row_args)
 }
 
@@ -167,7 +177,7 @@ fn run_members(
 pub(super) fn run_epilogue(
     graph: &Graph,
     (matmul, matmul_out, target): (NodeId, bool, Option<usize>),
-    kernel: &FusedKernel,
+    (kernel, registers): Fused<'_>,
     inputs: &[NodeId],
     outputs: &[NodeId],
     args: Vec<Arg>,
@@ -228,7 +238,7 @@ pub(super) fn run_epilogue(
             None => Arg::Shared(t),
         });
     }
-    let outs = run_fused(kernel, fused_args)
+    let outs = run_fused((kernel, registers), fused_args)
         .map_err(|e| node_error(graph, outputs.first().copied().unwrap_or(matmul), e))?;
     results.extend(outputs.iter().copied().zip(outs));
     Ok(results)
@@ -284,7 +294,7 @@ fn gemm_with_bias(node: &Node, operands: &[&Tensor], bias: &Array) -> Option<Res
 
 /// Runs a fused kernel on its gathered arguments, on their device's
 /// backend (which tunes it under [`device::tuning`]).
-pub(super) fn run_fused(kernel: &FusedKernel, args: Vec<Arg>) -> Result<Vec<Tensor>> {
+pub(super) fn run_fused((kernel, registers): Fused<'_>, args: Vec<Arg>) -> Result<Vec<Tensor>> {
     let arrays: Vec<&Array> = args
         .iter()
         .map(|a| match a {
@@ -316,7 +326,10 @@ pub(super) fn run_fused(kernel: &FusedKernel, args: Vec<Arg>) -> Result<Vec<Tens
             None => FusedArg::Shared(t.as_ref().expect("a shared input").array()),
         })
         .collect();
-    let outs = backend.run_fused(kernel, inputs)?;
+    let outs = match registers {
+        Some(registers) => backend.run_fused_in(kernel, registers, inputs)?,
+        None => backend.run_fused(kernel, inputs)?,
+    };
     Ok(outs.into_iter().map(Tensor::from_array).collect())
 }
 
@@ -368,14 +381,14 @@ mod tests {
         let values: Vec<f32> = (0..64).map(|i| i as f32 / 8.0).collect();
         let want: Vec<f32> = values.iter().map(|v| v * v + v).collect();
         let shared = Tensor::from_vec(values.clone(), &[64]);
-        let got = run_fused(kernel, vec![Arg::Shared(shared.clone())]).unwrap();
+        let got = run_fused((kernel, None), vec![Arg::Shared(shared.clone())]).unwrap();
         assert_eq!(got[0].to_vec::<f32>().unwrap(), want);
         let array = Tensor::from_vec(values, &[64])
             .into_unique_array()
             .ok()
             .unwrap();
         let addr = array.buffer_addr();
-        let got = run_fused(kernel, vec![Arg::Donated(array, 0)]).unwrap();
+        let got = run_fused((kernel, None), vec![Arg::Donated(array, 0)]).unwrap();
         assert_eq!(got[0].array().buffer_addr(), addr, "written in place");
         assert_eq!(got[0].to_vec::<f32>().unwrap(), want);
     }

@@ -13,6 +13,7 @@
 mod job;
 mod kernels;
 mod pool;
+mod prepared;
 mod profile;
 
 use std::collections::HashMap;
@@ -22,16 +23,18 @@ use rayon::prelude::*;
 
 use self::job::{Job, Planned};
 use self::pool::{on_pool_worker, POOL_WORKER_MIN_STEPS};
+pub use self::prepared::Prepared;
+use self::prepared::{PreparedKernel, StepMoves};
 use self::profile::Profile;
-use super::cpu::arena::{Arena, Block, Place};
+use super::cpu::arena::{Arena, Block};
 use super::device::{self, Backend, Device, Transfer};
 use crate::autograd;
-use crate::error::Result;
+use crate::error::{Error, ErrorKind, Result};
 use crate::fusion::{Kernel, Plan};
 use crate::ir::kernel::RowKernel;
 use crate::ir::{Graph, NodeId};
 use crate::logging::log;
-use crate::schedule::{MemoryPlan, MoveKind, Schedule, StreamPlan};
+use crate::schedule::{MemoryPlan, Schedule, StreamPlan};
 use crate::tensor::interpret::{bind_symbols, inputs_device};
 use crate::tensor::{trace, Tensor};
 
@@ -50,16 +53,8 @@ pub fn run_plan_with(
     inputs: &[Tensor],
     tune: bool,
 ) -> Result<Vec<(String, Tensor)>> {
-    let steps: Vec<Vec<usize>> = (0..plan.kernels.len()).map(|k| vec![k]).collect();
-    execute(
-        graph,
-        plan,
-        &steps,
-        |_| Ok(KernelMemory::default()),
-        inputs.to_vec(),
-        tune,
-        &StepMoves::default(),
-    )
+    let prepared = Prepared::in_plan_order(graph, plan);
+    run_prepared(graph, plan, &prepared, inputs.to_vec(), tune).map(|outs| named(graph, outs))
 }
 
 /// Runs `plan` in `schedule`'s steps: the kernels of a step with several
@@ -112,34 +107,54 @@ pub fn run_scheduled_owned(
     inputs: Vec<Tensor>,
     tune: bool,
 ) -> Result<Vec<(String, Tensor)>> {
-    let moves = StepMoves::of(memory, schedule);
+    let prepared = Prepared::scheduled(graph, plan, schedule, memory);
+    run_prepared(graph, plan, &prepared, inputs, tune).map(|outs| named(graph, outs))
+}
+
+/// Runs `plan` of `graph` as `prepared` (made for them) says: as
+/// [`run_plan_with`] does for [`Prepared::in_plan_order`], as
+/// [`run_scheduled_owned`] does for [`Prepared::scheduled`], returning the
+/// outputs in `graph.outputs` order. An executable prepares its plan once
+/// and runs it this way at every call (from any number of threads).
+pub fn run_prepared(
+    graph: &Graph,
+    plan: &Plan,
+    prepared: &Prepared,
+    inputs: Vec<Tensor>,
+    tune: bool,
+) -> Result<Vec<Tensor>> {
+    if !prepared.fits(graph, plan) {
+        return Err(Error::new(
+            ErrorKind::Verify,
+            format!(
+                "internal error: graph `{}` run with the preparation of another plan",
+                graph.name
+            ),
+        ));
+    }
     let refs: Vec<&Tensor> = inputs.iter().collect();
     // Prefetched inputs arrive in host memory: the run is on the plan's
     // device.
-    let on = run_device(graph, &refs, &moves)?;
+    let on = run_device(graph, &refs, &prepared.moves)?;
     drop(refs);
-    if let Some(why) = device_arena_unfit(plan, memory, on) {
+    let run = |placement| Run {
+        graph,
+        plan,
+        prepared,
+        placement,
+        on,
+    };
+    let Some(memory) = &prepared.memory else {
+        return execute(&run(Placement::Pool), inputs, tune);
+    };
+    if let Some(why) = memory.unfit(plan, on) {
         log("memory", || {
             format!(
                 "graph `{}` on {on}: {why}; no arena, buffers from the device's allocator",
                 graph.name
             )
         });
-        let unplanned = |k: usize| -> Result<KernelMemory> {
-            Ok(KernelMemory {
-                in_place: memory.in_place(k).collect(),
-                ..KernelMemory::default()
-            })
-        };
-        return execute(
-            graph,
-            plan,
-            &schedule.steps,
-            unplanned,
-            inputs,
-            tune,
-            &moves,
-        );
+        return execute(&run(Placement::InPlace), inputs, tune);
     }
     // On a device the arena and blocks are device memory (see `cpu::arena`).
     let arena = Arena::on(on, memory.arena_bytes).map_err(|mut e| {
@@ -150,116 +165,82 @@ pub fn run_scheduled_owned(
         );
         e
     })?;
-    let mut created = vec![Vec::new(); plan.kernels.len()];
-    for (i, buffer) in memory.buffers.iter().enumerate() {
-        // A donated input's storage is the caller's: no kernel creates it.
-        if !buffer.is_donated_input() {
-            created[buffer.kernel].push(i);
-        }
-    }
-    // The escaping outputs of cats in place, by buffer: allocated with
-    // their first piece.
-    // A Mutex so that the executor may run on a pool worker (only that
-    // one thread takes it).
-    let blocks: Mutex<HashMap<usize, Block>> = Mutex::new(HashMap::new());
-    let block = |b: usize| -> Result<Block> {
-        let mut blocks = blocks.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(block) = blocks.get(&b) {
-            return Ok(block.clone());
-        }
-        let block = Block::on(on, memory.buffers[b].bytes)?;
-        blocks.insert(b, block.clone());
-        Ok(block)
+    let placement = Placement::Arena {
+        arena,
+        blocks: Mutex::new(HashMap::new()),
     };
-    let slots = |k: usize| -> Result<Planned> {
-        let mut slots = arena.slots();
-        let mut in_place = Vec::new();
-        for &i in &created[k] {
-            let b = &memory.buffers[i];
-            let place = match (b.within, b.escapes) {
-                (_, false) => Place::Arena(b.offset),
-                (Some((parent, at)), true) => Place::Block(block(parent)?, at),
-                (None, true) if memory.joins[k] => Place::Block(block(i)?, 0),
-                (None, true) => Place::Pool,
-            };
-            match (b.value, b.reuses) {
-                // The planner reserved the size rounded up to the alignment.
-                (None, _) => slots.scratch(b.offset, b.bytes.div_ceil(64) * 64),
-                (Some(_), None) => slots.value(b.bytes, place),
-                // Written over its input's storage: allocates nothing.
-                (Some(v), Some(_)) => in_place.push((v, slots.in_place(b.bytes))),
-            }
-        }
-        Ok(Planned {
-            slots,
-            joins: memory.joins[k],
-            in_place,
-        })
-    };
-    let kernel_memory = |k: usize| -> Result<KernelMemory> {
-        Ok(KernelMemory {
-            in_place: memory.in_place(k).collect(),
-            alone: memory.scratch_bytes(k) > 0,
-            planned: Some(slots(k)?),
-        })
-    };
-    execute(
-        graph,
-        plan,
-        &schedule.steps,
-        kernel_memory,
-        inputs,
-        tune,
-        &moves,
-    )
+    execute(&run(placement), inputs, tune)
 }
 
-/// A memory plan's offloads and prefetches, by step (see
-/// `schedule::Move`): when each starts and when the compute waits for it.
-#[derive(Default)]
-struct StepMoves<'a> {
-    /// Per step, the values whose copy to host memory starts after it.
-    offload_after: Vec<Vec<NodeId>>,
-    /// Per step (and one for the run's end), the offloads waited for
-    /// before it: their device bytes are released there.
-    offload_wait_before: Vec<Vec<NodeId>>,
-    /// Per step, the inputs whose copy to the device starts before it.
-    prefetch_start_before: Vec<Vec<NodeId>>,
-    /// Per step, the prefetches waited for before it (its kernels read
-    /// them).
-    prefetch_wait_before: Vec<Vec<NodeId>>,
-    any_prefetch: bool,
-    /// The plan's device (where prefetched inputs go).
-    device: Device,
-    /// The schedule's streams (`stream` hints), if any.
-    streams: Option<&'a StreamPlan>,
+/// One run: the plan, its preparation, where its buffers go and its device.
+struct Run<'r> {
+    graph: &'r Graph,
+    plan: &'r Plan,
+    prepared: &'r Prepared,
+    placement: Placement,
+    on: Device,
 }
 
-impl<'a> StepMoves<'a> {
-    fn of(memory: &MemoryPlan, schedule: &'a Schedule) -> StepMoves<'a> {
-        let steps = schedule.steps.len();
-        let mut moves = StepMoves {
-            streams: schedule.streams.as_ref(),
-            offload_after: vec![Vec::new(); steps],
-            offload_wait_before: vec![Vec::new(); steps + 1],
-            prefetch_start_before: vec![Vec::new(); steps],
-            prefetch_wait_before: vec![Vec::new(); steps],
-            any_prefetch: !memory.prefetches.is_empty(),
-            device: memory.device,
+/// Where a run's kernels allocate.
+enum Placement {
+    /// From the device's allocator, nothing in place (a run in plan order).
+    Pool,
+    /// From the device's allocator, in place where the memory plan says.
+    InPlace,
+    /// Where the memory plan says: one arena for the run; the escaping
+    /// outputs of cats in place, by buffer, allocated with their first
+    /// piece (a Mutex so that the executor may run on a pool worker: only
+    /// that one thread takes it).
+    Arena {
+        arena: Arena,
+        blocks: Mutex<HashMap<usize, Block>>,
+    },
+}
+
+impl Run<'_> {
+    /// What the memory plan says about kernel `k` in this run, on
+    /// `backend` (the run's device's).
+    fn kernel_memory(&self, k: usize, backend: &dyn Backend) -> Result<KernelMemory<'_>> {
+        let memory = self.prepared.memory.as_ref();
+        let places = memory.map(|m| &m.kernels[k]);
+        let in_place = match (&self.placement, places) {
+            (Placement::Pool, _) | (_, None) => &[][..],
+            (_, Some(p)) => &p.in_place[..],
         };
-        for m in &memory.offloads {
-            moves.offload_after[m.step].push(m.value);
-            moves.offload_wait_before[m.wait_or_start(MoveKind::Offload, steps)].push(m.value);
-        }
-        for m in &memory.prefetches {
-            moves.prefetch_start_before[m.wait_or_start(MoveKind::Prefetch, steps)].push(m.value);
-            moves.prefetch_wait_before[m.step].push(m.value);
-        }
-        moves
-    }
-
-    fn at(list: &[Vec<NodeId>], step: usize) -> &[NodeId] {
-        list.get(step).map_or(&[], Vec::as_slice)
+        let (Placement::Arena { arena, blocks }, Some(memory), Some(places)) =
+            (&self.placement, memory, places)
+        else {
+            return Ok(KernelMemory {
+                in_place,
+                alone: false,
+                planned: None,
+            });
+        };
+        let block = |b: usize| -> Result<Block> {
+            let mut blocks = blocks.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(block) = blocks.get(&b) {
+                return Ok(block.clone());
+            }
+            let block = Block::on(self.on, memory.buffer_bytes[b])?;
+            blocks.insert(b, block.clone());
+            Ok(block)
+        };
+        let planned = match memory.placed(self.graph, self.plan, k, backend) {
+            true => {
+                let (slots, in_place) = memory.slots(k, arena, block)?;
+                Some(Planned {
+                    slots,
+                    joins: places.joins,
+                    in_place,
+                })
+            }
+            false => None,
+        };
+        Ok(KernelMemory {
+            in_place,
+            alone: places.alone,
+            planned,
+        })
     }
 }
 
@@ -318,7 +299,7 @@ struct StreamLanes<'a> {
 }
 
 impl<'a> StreamLanes<'a> {
-    fn new(streams: &'a StreamPlan, lanes: usize, plan: &Plan) -> StreamLanes<'a> {
+    fn new(streams: &'a StreamPlan, lanes: usize, kernels: &[PreparedKernel]) -> StreamLanes<'a> {
         let others: Vec<usize> = streams
             .streams
             .iter()
@@ -336,8 +317,8 @@ impl<'a> StreamLanes<'a> {
         used.dedup();
         let spare: Vec<usize> = (1..lanes).filter(|l| !used.contains(l)).collect();
         let mut writer = HashMap::new();
-        for (k, kernel) in plan.kernels.iter().enumerate() {
-            for w in kernel.writes() {
+        for (k, kernel) in kernels.iter().enumerate() {
+            for &w in &kernel.writes {
                 writer.insert(w, k);
             }
         }
@@ -399,65 +380,49 @@ fn move_value(
     Ok(transfer)
 }
 
-/// What the memory plan says about one kernel.
-#[derive(Default)]
-struct KernelMemory {
+/// What the memory plan says about one kernel in one run.
+struct KernelMemory<'p> {
     /// (input, output) pairs the kernel writes in place.
-    in_place: Vec<(NodeId, NodeId)>,
+    in_place: &'p [(NodeId, NodeId)],
     /// It needs scratch, so runs alone in its step.
     alone: bool,
     /// The places of the buffers it creates (compiled runs with a plan).
     planned: Option<Planned>,
 }
 
-/// Runs `steps` of `plan`. On the host the loop itself runs on a rayon
+/// Runs `run`'s steps. On the host the loop itself runs on a rayon
 /// worker (see [`on_pool_worker`]), except under a trace, whose tensors
 /// belong to this thread. `inputs` are moved into the run: the values of
 /// those without other handles are freed after their last read (or written
 /// over, where planned).
-fn execute(
-    graph: &Graph,
-    plan: &Plan,
-    steps: &[Vec<usize>],
-    memory: impl Fn(usize) -> Result<KernelMemory> + Sync,
-    inputs: Vec<Tensor>,
-    tune: bool,
-    moves: &StepMoves,
-) -> Result<Vec<(String, Tensor)>> {
-    let refs: Vec<&Tensor> = inputs.iter().collect();
-    let many_kernels = steps.len() >= POOL_WORKER_MIN_STEPS;
-    let on = run_device(graph, &refs, moves)?;
-    let on_threads = device::backend(on)?.runs_on_host_threads();
-    let memory = &memory;
-    let here = move || execute_here(graph, plan, steps, memory, inputs, tune, moves);
+fn execute(run: &Run<'_>, inputs: Vec<Tensor>, tune: bool) -> Result<Vec<Tensor>> {
+    let many_kernels = run.prepared.steps.len() >= POOL_WORKER_MIN_STEPS;
+    let on_threads = device::backend(run.on)?.runs_on_host_threads();
+    let here = move || execute_here(run, inputs, tune);
     match many_kernels && !trace::is_active() && on_threads {
         true => on_pool_worker(here),
         false => here(),
     }
 }
 
-fn execute_here(
-    graph: &Graph,
-    plan: &Plan,
-    steps: &[Vec<usize>],
-    memory: &(impl Fn(usize) -> Result<KernelMemory> + Sync),
-    inputs: Vec<Tensor>,
-    tune: bool,
-    moves: &StepMoves,
-) -> Result<Vec<(String, Tensor)>> {
+fn execute_here(run: &Run<'_>, inputs: Vec<Tensor>, tune: bool) -> Result<Vec<Tensor>> {
+    let Run {
+        graph,
+        plan,
+        prepared,
+        on,
+        ..
+    } = *run;
     let given: Vec<Option<&Tensor>> = inputs.iter().map(Some).collect();
     bind_symbols(graph, &given)?;
-    // Every kernel runs on the inputs' device, kernels without inputs too.
-    let refs: Vec<&Tensor> = inputs.iter().collect();
-    let on = run_device(graph, &refs, moves)?;
-    drop(refs);
+    drop(given);
     let backend = device::backend(on)?;
     // The backend tunes the kernels run or queued from this thread (and
     // from the workers that run a step's kernels, below).
     let _tuning = device::Tuning::set(tune);
     device::with_device(on, || {
-        let frees = frees_after_each_step(graph, plan, steps);
-        let mut values: Vec<Option<Tensor>> = vec![None; graph.len()];
+        let moves = &prepared.moves;
+        let mut values = prepared.values();
         for (&id, t) in graph.inputs.iter().zip(inputs) {
             values[id.index()] = Some(t);
         }
@@ -471,18 +436,23 @@ fn execute_here(
         // Streams by hint: every lane forks from the run's start and joins
         // at its end, kernels wait for each other through events; blocks
         // freed meanwhile are held until the join (see `schedule::streams`).
-        let streams = moves
+        let streams = prepared
             .streams
+            .as_ref()
             .filter(|_| lanes > 1 && !trace::is_active())
-            .map(|sp| StreamLanes::new(sp, lanes, plan));
+            .map(|sp| StreamLanes::new(sp, lanes, &prepared.kernels));
         if let Some(st) = &streams {
             // The spare lanes too: they join at the end with the others.
             backend.fork(st.count().max(lanes))?;
         }
         let main = [0usize];
         let all_lanes: &[usize] = streams.as_ref().map_or(&main, |st| &st.used);
-        let run = (|| -> Result<()> {
-            for (s, (step, free)) in steps.iter().zip(&frees).enumerate() {
+        let looped = (|| -> Result<()> {
+            // A step's jobs and results, their capacity kept from step to step.
+            let mut serial: Vec<Job<'_>> = Vec::new();
+            let mut parallel: Vec<Job<'_>> = Vec::new();
+            let mut results: Vec<KernelResult> = Vec::new();
+            for (s, (step, free)) in prepared.steps.iter().zip(&prepared.frees).enumerate() {
                 in_flight.wait(
                     StepMoves::at(&moves.offload_wait_before, s),
                     &*backend,
@@ -510,39 +480,34 @@ fn execute_here(
                     all_lanes,
                 )?;
                 let started = profile.as_ref().map(|_| profile::Clock::now());
-                let jobs: Vec<(Job<'_>, bool)> = step
-                    .iter()
-                    .map(|&k| {
-                        let mem = memory(k)?;
-                        let job =
-                            Job::gather(graph, k, &plan.kernels[k], &mem.in_place, &mut values)
-                                .with_plan(mem.planned.filter(|_| {
-                                    placed_as_planned(graph, &plan.kernels[k], &*backend)
-                                }));
-                        Ok((job, mem.alone))
-                    })
-                    .collect::<Result<_>>()?;
-                let concurrent = concurrent && jobs.len() > 1;
-                let (serial, parallel): (Vec<_>, Vec<_>) = jobs
-                    .into_iter()
-                    .partition(|(_, alone)| !concurrent || *alone);
-                let serial: Vec<Job<'_>> = serial.into_iter().map(|(job, _)| job).collect();
-                let parallel: Vec<Job<'_>> = parallel.into_iter().map(|(job, _)| job).collect();
-                let mut results = match (&streams, lanes.min(serial.len())) {
-                    (Some(st), _) => on_streams(&*backend, st, step, serial, graph)?,
-                    (None, 0 | 1) => serial.into_iter().map(|job| job.run(graph)).collect(),
-                    (None, n) => on_lanes(&*backend, n, serial, graph)?,
-                };
+                let concurrent = concurrent && step.len() > 1;
+                for &k in step {
+                    let mem = run.kernel_memory(k, &*backend)?;
+                    let (kernel, io) = (&plan.kernels[k], &prepared.kernels[k]);
+                    let job = Job::gather(graph, k, kernel, io, mem.in_place, &mut values)
+                        .with_plan(mem.planned);
+                    match !concurrent || mem.alone {
+                        true => serial.push(job),
+                        false => parallel.push(job),
+                    }
+                }
+                match (&streams, lanes.min(serial.len())) {
+                    (Some(st), _) => {
+                        results.extend(on_streams(&*backend, st, step, serial.drain(..), graph)?)
+                    }
+                    (None, 0 | 1) => results.extend(serial.drain(..).map(|job| job.run(graph))),
+                    (None, n) => results.extend(on_lanes(&*backend, n, serial.drain(..), graph)?),
+                }
                 // Rayon's workers start with grad mode on and tuning off: carry
                 // the caller's.
-                results.par_extend(parallel.into_par_iter().map(|job| {
+                results.par_extend(parallel.par_drain(..).map(|job| {
                     let _tuning = device::Tuning::set(tune);
                     match grad {
                         true => job.run(graph),
                         false => autograd::no_grad(|| job.run(graph)),
                     }
                 }));
-                for result in results {
+                for result in results.drain(..) {
                     for (id, t) in result? {
                         values[id.index()] = Some(t);
                     }
@@ -576,25 +541,28 @@ fn execute_here(
         if streams.is_some() {
             // Every lane joins the run's own stream, also after an error.
             let joined = backend.lane(0).and_then(|_| backend.join());
-            run?;
+            looped?;
             joined?;
         } else {
-            run?;
+            looped?;
         }
         if let Some(profile) = profile {
             profile.report(graph, &plan.kernels);
         }
-        Ok(graph
+        let outputs = graph
             .outputs
             .iter()
-            .map(|o| {
-                (
-                    o.name.clone(),
-                    values[o.node.index()].clone().expect("outputs are kept"),
-                )
-            })
-            .collect())
+            .map(|o| values[o.node.index()].clone().expect("outputs are kept"))
+            .collect();
+        prepared.give_back(values);
+        Ok(outputs)
     })
+}
+
+/// `outputs` (one per graph output) with the outputs' names.
+fn named(graph: &Graph, outputs: Vec<Tensor>) -> Vec<(String, Tensor)> {
+    let names = graph.outputs.iter().map(|o| o.name.clone());
+    names.zip(outputs).collect()
 }
 
 /// The device a run's kernels use: its inputs', but with inputs to
@@ -620,12 +588,19 @@ fn run_device(graph: &Graph, inputs: &[&Tensor], moves: &StepMoves) -> Result<De
 /// Such plans run on the device's caching allocator instead, in place
 /// where planned.
 pub fn device_arena_unfit(plan: &Plan, memory: &MemoryPlan, on: Device) -> Option<String> {
-    if memory.device != on {
-        return Some(format!(
-            "the plan was made for the scratch of {}'s kernels, not {on}'s",
-            memory.device
-        ));
-    }
+    other_device(memory.device, on).or_else(|| row_kernels_unfit(plan, on))
+}
+
+/// Why a plan made for the scratch of `made_for`'s kernels cannot take
+/// its arena on `on`, if it cannot (see [`device_arena_unfit`]).
+fn other_device(made_for: Device, on: Device) -> Option<String> {
+    (made_for != on)
+        .then(|| format!("the plan was made for the scratch of {made_for}'s kernels, not {on}'s"))
+}
+
+/// Why `plan`'s row kernels do not fit an arena on `on`, if they do not
+/// (see [`device_arena_unfit`]).
+fn row_kernels_unfit(plan: &Plan, on: Device) -> Option<String> {
     plan.kernels.iter().find_map(|k| match k {
         Kernel::Rows { kernel, .. } | Kernel::MatmulRows { kernel, .. } => row_refusal(on, kernel).map(|why| {
             format!(
@@ -684,15 +659,14 @@ fn placed_as_planned(graph: &Graph, kernel: &Kernel, backend: &dyn Backend) -> b
 /// kernel i on lane i mod `lanes` (a `bfs` level's kernels are
 /// independent); the step ends with every lane joined, also when a kernel
 /// failed.
-fn on_lanes(
+fn on_lanes<'j>(
     backend: &dyn Backend,
     lanes: usize,
-    jobs: Vec<Job<'_>>,
+    jobs: impl Iterator<Item = Job<'j>>,
     graph: &Graph,
 ) -> Result<Vec<KernelResult>> {
     backend.fork(lanes)?;
     let results: Vec<KernelResult> = jobs
-        .into_iter()
         .enumerate()
         .map(|(i, job)| {
             backend.lane(i % lanes)?;
@@ -718,11 +692,11 @@ fn on_lanes(
 /// events are then recorded on lane 0 after that join: a stream waiting
 /// for one follows every earlier stream-0 kernel, as the plan's pruned
 /// waits assume.
-fn on_streams(
+fn on_streams<'j>(
     backend: &dyn Backend,
     streams: &StreamLanes<'_>,
     step: &[usize],
-    jobs: Vec<Job<'_>>,
+    jobs: impl Iterator<Item = Job<'j>>,
     graph: &Graph,
 ) -> Result<Vec<KernelResult>> {
     let spare = streams.spread(step).unwrap_or(&[]);
@@ -738,7 +712,7 @@ fn on_streams(
     }
     let lanes_of_0: Vec<usize> = std::iter::once(0).chain(spare.iter().copied()).collect();
     let mut next = 0;
-    let mut results = Vec::with_capacity(jobs.len());
+    let mut results = Vec::with_capacity(step.len());
     for (&k, job) in step.iter().zip(jobs) {
         let lane = match streams.lane_of[k] {
             0 => {
@@ -781,30 +755,6 @@ fn on_streams(
     Ok(results)
 }
 
-/// For each step, the values read for the last time in it (or made in it
-/// and never read); graph outputs are kept.
-fn frees_after_each_step(graph: &Graph, plan: &Plan, steps: &[Vec<usize>]) -> Vec<Vec<NodeId>> {
-    let mut last: Vec<Option<usize>> = vec![None; graph.len()];
-    for (s, step) in steps.iter().enumerate() {
-        for &k in step {
-            let kernel = &plan.kernels[k];
-            for v in kernel.writes().into_iter().chain(kernel.reads(graph)) {
-                last[v.index()] = Some(last[v.index()].map_or(s, |l| l.max(s)));
-            }
-        }
-    }
-    for out in &graph.outputs {
-        last[out.node.index()] = None;
-    }
-    let mut frees = vec![Vec::new(); steps.len()];
-    for (i, l) in last.into_iter().enumerate() {
-        if let Some(s) = l {
-            frees[s].push(NodeId(i as u32));
-        }
-    }
-    frees
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -825,8 +775,8 @@ mod tests {
     fn each_value_is_freed_after_the_last_step_that_reads_it() {
         let graph = parse(GRAPH).unwrap();
         let plan = fuse(&graph);
-        let steps: Vec<Vec<usize>> = (0..plan.kernels.len()).map(|k| vec![k]).collect();
-        let frees = frees_after_each_step(&graph, &plan, &steps);
+        let prepared = Prepared::in_plan_order(&graph, &plan);
+        let (steps, frees) = (&prepared.steps, &prepared.frees);
         let freed: Vec<NodeId> = frees.iter().flatten().copied().collect();
         let x = graph.inputs[0];
         let e = graph.node(graph.outputs[0].node).inputs[0];
