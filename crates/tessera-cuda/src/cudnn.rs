@@ -15,7 +15,7 @@
 //! same arithmetic as tessera's f32 matmul and the CPU); f16/bf16 ones on
 //! tensor cores, accumulating in f32.
 //!
-//! libcudnn is loaded at run time by [`crate::cudnn_lib`] (a cuDNN already
+//! libcudnn is loaded at run time by `cudnn_lib.rs` (a cuDNN already
 //! in the process first, so tessera and PyTorch share one): when it is
 //! missing, too old or lacks a symbol, the first convolution warns once
 //! (stderr) and every convolution runs the direct kernels — never a panic.
