@@ -356,11 +356,6 @@ impl<'a> StreamLanes<'a> {
         (on_0.len() > 1 && independent && !self.spare.is_empty())
             .then(|| &self.spare[..self.spare.len().min(on_0.len() - 1)])
     }
-
-    /// Lanes the device forks: up to the highest used.
-    fn count(&self) -> usize {
-        self.used.last().copied().unwrap_or(0) + 1
-    }
 }
 
 /// `values[v]` replaced by the array `how(its array)` makes (a value
@@ -441,9 +436,9 @@ fn execute_here(run: &Run<'_>, inputs: Vec<Tensor>, tune: bool) -> Result<Vec<Te
             .as_ref()
             .filter(|_| lanes > 1 && !trace::is_active())
             .map(|sp| StreamLanes::new(sp, lanes, &prepared.kernels));
-        if let Some(st) = &streams {
-            // The spare lanes too: they join at the end with the others.
-            backend.fork(st.count().max(lanes))?;
+        if streams.is_some() {
+            // Every lane, the spare ones too: they join at the end.
+            backend.fork(lanes)?;
         }
         let main = [0usize];
         let all_lanes: &[usize] = streams.as_ref().map_or(&main, |st| &st.used);
