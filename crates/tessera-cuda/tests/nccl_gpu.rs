@@ -13,7 +13,7 @@
 #![cfg(feature = "nccl")]
 
 use tessera::compile::{train_step, DataParallel};
-use tessera::dist::{owners, ProcessGroup, ReduceOp};
+use tessera::dist::{bucket_owners, ProcessGroup, ReduceOp};
 use tessera::nn::{cross_entropy, ParamStore, TransformerConfig, TransformerLM};
 use tessera::optim::{AdamW, AdamWConfig, TraceableOptimizer};
 use tessera::runtime::device::Device;
@@ -124,6 +124,9 @@ fn global_batch(i: usize) -> (Tensor, Tensor) {
     )
 }
 
+/// Small buckets: the test model's gradients make several.
+const BUCKET_BYTES: usize = 64 << 10;
+
 /// Losses, final parameters (host) and state sizes of 4 steps, on this
 /// rank's share of each global batch (all of it without a group).
 fn train(group: Option<ProcessGroup>, zero: bool) -> (Vec<f64>, Vec<Vec<f64>>, Vec<usize>) {
@@ -142,7 +145,7 @@ fn train(group: Option<ProcessGroup>, zero: bool) -> (Vec<f64>, Vec<Vec<f64>>, V
     };
     let mut step = train_step(loss, opt);
     if let Some(g) = group {
-        step = step.data_parallel(DataParallel::new(g).zero(zero).bucket_bytes(64 << 10));
+        step = step.data_parallel(DataParallel::new(g).zero(zero).bucket_bytes(BUCKET_BYTES));
     }
     let share = 8 / world;
     let mut losses = Vec::new();
@@ -183,7 +186,9 @@ fn two_gpus_train_as_one(name: &str, zero: bool) {
         );
     }
     let sizes: Vec<usize> = params.iter().map(Vec::len).collect();
-    let owner = owners(&sizes, WORLD);
+    // f32 parameters: the owners' plan counts bytes, by bucket.
+    let bytes: Vec<usize> = sizes.iter().map(|n| n * 4).collect();
+    let owner = bucket_owners(&bytes, BUCKET_BYTES, WORLD);
     for (j, (a, b)) in dp_params.iter().zip(&params).enumerate() {
         let worst = a
             .iter()

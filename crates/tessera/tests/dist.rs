@@ -179,11 +179,14 @@ fn adamw(store: &ParamStore) -> AdamW {
 /// state size, and the compiled step's graph and schedule (text).
 type Run = (Vec<f64>, Vec<Vec<f64>>, Vec<usize>, String, String);
 
-fn run(group: Option<ProcessGroup>, zero: bool) -> Run {
+fn run(group: Option<ProcessGroup>, zero: bool, clip: Option<f64>) -> Run {
     let (rank, world) = group.as_ref().map_or((0, 1), |g| (g.rank(), g.world()));
     let mut store = ParamStore::with_dtype(DType::F64);
     let model = Mlp::new(&mut store, 7 + rank as u64);
     let mut step: TrainStep<'_, AdamW> = train_step(|b: &[Tensor]| model.loss(b), adamw(&store));
+    if let Some(max_norm) = clip {
+        step = step.clip_grad_norm(max_norm);
+    }
     if let Some(group) = group {
         let dp = DataParallel::new(group).zero(zero).bucket_bytes(600);
         step = step.data_parallel(dp);
@@ -226,6 +229,20 @@ fn calls(graph: &str, op: &str) -> (usize, usize) {
     (lines.len(), on_stream)
 }
 
+/// The graph's all-reduces (R) and broadcasts (B), in the graph's order.
+fn collective_order(graph: &str) -> String {
+    let letter = |l: &str| match () {
+        _ if l.contains("tessera::all_reduce") => Some("R"),
+        _ if l.contains("tessera::broadcast") => Some("B"),
+        _ => None,
+    };
+    graph
+        .lines()
+        .filter_map(letter)
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
 fn close(a: &[f64], b: &[f64], what: &str) {
     assert_eq!(a.len(), b.len());
     for (x, y) in a.iter().zip(b) {
@@ -236,20 +253,24 @@ fn close(a: &[f64], b: &[f64], what: &str) {
     }
 }
 
-fn data_parallel_matches_one_rank(zero: bool) {
-    let (losses, params, _, _, _) = run(None, false);
-    let ranks = dist::spawn(2, 1, |g| run(Some(g), zero)).unwrap();
+/// With clipping every update waits for the last bucket (the global
+/// norm): a sharded optimizer then broadcasts after it, not per bucket.
+fn data_parallel_matches_one_rank(zero: bool, clip: Option<f64>) {
+    let (losses, params, _, _, _) = run(None, false, clip);
+    let ranks = dist::spawn(2, 1, |g| run(Some(g), zero, clip)).unwrap();
     let sizes: Vec<usize> = params.iter().map(Vec::len).collect();
+    // f64 parameters: the buckets' and owners' plan counts bytes.
+    let byte_sizes: Vec<usize> = sizes.iter().map(|n| n * 8).collect();
     for (r, (l, p, state, graph, schedule)) in ranks.iter().enumerate() {
         // The backward never waits for the communication stream: each
         // update follows its bucket's reduction there (see train_step).
-        assert!(
-            schedule.contains("streams [0, 1]") && !schedule.contains("(stream 0) waits for"),
-            "rank {r}:\n{schedule}"
-        );
+        let overlapped =
+            schedule.contains("streams [0, 1]") && !schedule.contains("(stream 0) waits for");
+        assert!(overlapped || clip.is_some(), "rank {r}:\n{schedule}");
         // The loss and 2 buckets (600 B: b's bias, weight and a's bias,
-        // then a's weight) on stream 1; with ZeRO-1 one broadcast per rank,
-        // on stream 1 too.
+        // then a's weight) on stream 1; with ZeRO-1 one broadcast per
+        // bucket (each bucket has one owner; with clipping one per owner
+        // after the last bucket: 2 as well), on stream 1 too.
         assert_eq!(
             calls(graph, "tessera::all_reduce"),
             (3, 3),
@@ -257,12 +278,20 @@ fn data_parallel_matches_one_rank(zero: bool) {
         );
         let broadcasts = if zero { (2, 2) } else { (0, 0) };
         assert_eq!(calls(graph, "tessera::broadcast"), broadcasts, "rank {r}");
+        // The chain of calls: each bucket's broadcast right after its
+        // reduction, unless clipping makes every update wait for the last.
+        let order = match (zero, clip) {
+            (false, _) => "R R R",
+            (true, None) => "R R B R B",
+            (true, Some(_)) => "R R R B B",
+        };
+        assert_eq!(collective_order(graph), order, "rank {r}:\n{graph}");
         close(l, &losses, &format!("rank {r} losses"));
         for (j, (a, b)) in p.iter().zip(&params).enumerate() {
             close(a, b, &format!("rank {r} parameter {j}"));
         }
         for (j, (&s, &n)) in state.iter().zip(&sizes).enumerate() {
-            let owned = dist::owners(&sizes, 2)[j] == r;
+            let owned = dist::bucket_owners(&byte_sizes, 600, 2)[j] == r;
             let want = if zero && !owned { 0 } else { n };
             assert_eq!(s, want, "rank {r}: parameter {j}'s state");
         }
@@ -271,12 +300,17 @@ fn data_parallel_matches_one_rank(zero: bool) {
 
 #[test]
 fn two_ranks_with_half_batches_train_as_one_with_the_whole() {
-    data_parallel_matches_one_rank(false);
+    data_parallel_matches_one_rank(false, None);
 }
 
 #[test]
 fn a_sharded_optimizer_trains_the_same_and_keeps_a_share_of_the_state() {
-    data_parallel_matches_one_rank(true);
+    data_parallel_matches_one_rank(true, None);
+}
+
+#[test]
+fn a_sharded_optimizer_with_clipping_trains_the_same() {
+    data_parallel_matches_one_rank(true, Some(0.05));
 }
 
 #[test]

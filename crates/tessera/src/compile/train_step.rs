@@ -109,9 +109,13 @@
 //!   Without clipping or a loss scaler (which need every gradient first)
 //!   each parameter's update is on that stream too, behind its bucket's
 //!   reduction: the optimizer step overlaps the backward as well. With
-//!   ZeRO-1 each rank updates only the parameters it owns ([`owners`]),
-//!   keeps an empty state for the others and broadcasts its new values
-//!   (on the same stream, chained after the last bucket).
+//!   ZeRO-1 each rank updates only the parameters it owns (whole buckets,
+//!   [`bucket_owners`]), keeps an empty state for the others and
+//!   broadcasts its new values on the same stream: without clipping or a
+//!   scaler right after each bucket's reduction (one chain of calls:
+//!   bucket b's all-reduce, its owner's broadcast, bucket b + 1's …), so
+//!   that the broadcasts overlap the backward too; otherwise after the
+//!   last bucket.
 //!   Before the first step the parameters are broadcast from rank 0.
 //!
 //! Parameters without a gradient in the traced step (unused by the loss)
@@ -128,7 +132,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use super::{compile, Backend, CompileStats, Compiled, Mode};
 use crate::autograd::{self, enable_grad, no_grad};
-use crate::dist::{buckets, owners, Kind, ProcessGroup, ReduceOp};
+use crate::dist::{bucket_owners, buckets, Kind, ProcessGroup, ReduceOp};
 use crate::error::{Error, ErrorKind, Result, SourceLoc};
 use crate::ir::{DType, TensorType};
 use crate::nn::Parameter;
@@ -170,7 +174,7 @@ pub struct DataParallel {
     /// where the step is traced place them).
     pub stream: Option<i64>,
     /// Each rank keeps the optimizer state of its own parameters only
-    /// ([`owners`]), updates them and broadcasts their new values.
+    /// ([`bucket_owners`]), updates them and broadcasts their new values.
     pub zero: bool,
 }
 
@@ -277,6 +281,12 @@ impl ScaledLayout {
 }
 
 impl Layout {
+    /// Parameter `i`'s optimizer scalars (its group's) among the step's.
+    fn scalars_of<'s>(&self, scalars: &'s [Tensor], i: usize) -> &'s [Tensor] {
+        let group = self.group_of[i] * self.n_scalars;
+        &scalars[group..group + self.n_scalars]
+    }
+
     fn n_inputs(&self, n_params: usize) -> usize {
         self.n_batch
             + self.n_groups * self.n_scalars
@@ -659,10 +669,9 @@ impl<'a, O: TraceableOptimizer> TrainStep<'a, O> {
             .as_ref()
             .filter(|dp| dp.zero)
             .map(|dp| {
-                (
-                    dp.group.rank(),
-                    owners(&param_bytes(&params), dp.group.world()),
-                )
+                let sizes = param_bytes(&params);
+                let owner = bucket_owners(&sizes, dp.bucket_bytes, dp.group.world());
+                (dp.group.rank(), owner)
             });
         let taken = self.donate && !has_duplicates(&params);
         let first_state = inputs.len() + params.len();
@@ -1027,14 +1036,36 @@ fn step_graph<O: TraceableOptimizer>(
     };
     let has_grad: Vec<bool> = grads.iter().map(Option::is_some).collect();
     let dp = lock(&shared.dp).clone();
+    // ZeRO-1 with plain updates: each bucket's owned parameters updated and
+    // broadcast right after its reduction (see `per_bucket_zero`).
+    let mut early: Vec<Option<(Tensor, Vec<Tensor>)>> = vec![None; n];
     // With data parallel: the last collective so far (the next follows it).
     let (loss, grads, chain) = match &dp {
         Some(dp) => {
-            let (loss, grads, last) = no_grad(|| reduced(dp, loss, grads))?;
+            let plain = layout.max_grad_norm.is_none() && scaler.is_none();
+            let (loss, grads, last) = match (&layout.owner, plain) {
+                (Some(owner), true) => {
+                    let mut after_bucket = |present: &[usize], grads: &[Option<Tensor>], after| {
+                        let bucket = ZeroBucket {
+                            dp,
+                            owner,
+                            layout: &layout,
+                            scalars,
+                            values,
+                            states,
+                        };
+                        let optimizer = lock(&shared.optimizer);
+                        bucket.update_and_broadcast(&*optimizer, present, grads, after, &mut early)
+                    };
+                    no_grad(|| reduced(dp, loss, grads, Some(&mut after_bucket)))?
+                }
+                _ => no_grad(|| reduced(dp, loss, grads, None))?,
+            };
             (loss, grads, Some(last))
         }
         None => (loss, grads, None),
     };
+    let updated_early = early.iter().any(Option::is_some);
     // Outside any autocast scope of the caller's: the scaler, clipping and
     // update run in their inputs' dtypes, as the eager ones do.
     let outputs = autocast::disabled(|| {
@@ -1103,6 +1134,11 @@ fn step_graph<O: TraceableOptimizer>(
             let mut new_states = Vec::with_capacity(states.len());
             let rank = dp.as_ref().map_or(0, |dp| dp.group.rank());
             for (i, (value, grad)) in values.iter().zip(&grads).enumerate() {
+                if let Some((next, next_state)) = early[i].take() {
+                    new_values.push(next);
+                    new_states.extend(next_state);
+                    continue;
+                }
                 let state = &states[i * layout.state_len..(i + 1) * layout.state_len];
                 let unowned = layout.owner.as_ref().is_some_and(|o| o[i] != rank);
                 let (Some(g), false) = (grad, unowned) else {
@@ -1112,8 +1148,7 @@ fn step_graph<O: TraceableOptimizer>(
                 };
                 let (next, next_state) = match scaler {
                     None => {
-                        let group = layout.group_of[i] * layout.n_scalars;
-                        let scalars = &scalars[group..group + layout.n_scalars];
+                        let scalars = layout.scalars_of(scalars, i);
                         let update = || optimizer.update(value, g, state, scalars);
                         match (&dp, layout.max_grad_norm) {
                             // Right behind its bucket's reduction, on the
@@ -1165,7 +1200,9 @@ fn step_graph<O: TraceableOptimizer>(
                 new_values.push(next);
                 new_states.extend(next_state);
             }
-            if let (Some(dp), Some(owner), Some(last)) = (&dp, &layout.owner, &chain) {
+            if let (Some(dp), Some(owner), Some(last), false) =
+                (&dp, &layout.owner, &chain, updated_early)
+            {
                 new_values = gathered(dp, owner, &has_grad, new_values, last.clone())?;
             }
             outputs.extend(scaler_outputs);
@@ -1205,11 +1242,17 @@ fn unowned_state(state: &Tensor) -> Tensor {
 /// under `dp`'s stream hint so that each runs as soon as its gradients
 /// exist, beside the rest of the backward. Also the last call's first
 /// output, which the step's next collective follows.
+///
+/// `after_bucket`, when given, is traced right after each bucket's
+/// reduction (the bucket's present parameters, the gradients so far and
+/// that reduction's first output) and returns the collective the next
+/// bucket's follows.
 #[allow(clippy::type_complexity)]
 fn reduced(
     dp: &DataParallel,
     loss: Tensor,
     mut grads: Vec<Option<Tensor>>,
+    mut after_bucket: Option<&mut AfterBucket<'_>>,
 ) -> Result<(Tensor, Vec<Option<Tensor>>, Tensor)> {
     let sizes: Vec<usize> = grads
         .iter()
@@ -1238,8 +1281,11 @@ fn reduced(
                 .group
                 .collective_after(avg, TAG_BUCKETS + b as u64, &args, &[&last])?;
             last = out[0].clone();
-            for (i, g) in present.into_iter().zip(out) {
+            for (&i, g) in present.iter().zip(out) {
                 grads[i] = Some(g);
+            }
+            if let Some(f) = after_bucket.as_mut() {
+                last = f(&present, &grads, last)?;
             }
         }
         Ok((loss, last))
@@ -1285,10 +1331,28 @@ fn broadcast_owned(
     mut new_values: Vec<Tensor>,
     after: Tensor,
 ) -> Result<Vec<Tensor>> {
+    let updated: Vec<usize> = (0..owner.len()).filter(|&i| has_grad[i]).collect();
+    broadcast_from_owners(dp, owner, &updated, &mut new_values, after)?;
+    Ok(new_values)
+}
+
+/// The new values of the parameters `updated` (in `new_values`: each
+/// owner's update, the old value elsewhere) broadcast from their owners,
+/// one call per owner in rank order, chained after `after`; the last
+/// call's first output (the next collective follows it).
+fn broadcast_from_owners(
+    dp: &DataParallel,
+    owner: &[usize],
+    updated: &[usize],
+    new_values: &mut [Tensor],
+    after: Tensor,
+) -> Result<Tensor> {
     let mut last = after;
     for root in 0..dp.group.world() {
-        let mine: Vec<usize> = (0..owner.len())
-            .filter(|&i| owner[i] == root && has_grad[i])
+        let mine: Vec<usize> = updated
+            .iter()
+            .copied()
+            .filter(|&i| owner[i] == root)
             .collect();
         if mine.is_empty() {
             continue;
@@ -1303,7 +1367,66 @@ fn broadcast_owned(
             new_values[i] = v;
         }
     }
-    Ok(new_values)
+    Ok(last)
+}
+
+/// What [`reduced`] traces after each bucket's reduction.
+type AfterBucket<'a> = dyn FnMut(&[usize], &[Option<Tensor>], Tensor) -> Result<Tensor> + 'a;
+
+/// A sharded optimizer's work on one reduced bucket, when the updates need
+/// no other bucket (no clipping, no loss scaler): the owner updates its
+/// parameters of the bucket and each owner broadcasts their new values,
+/// chained after the bucket's reduction. Traced under the communication
+/// stream's hint with the reductions, so that the broadcasts run beside
+/// the rest of the backward instead of after its end.
+struct ZeroBucket<'s> {
+    dp: &'s DataParallel,
+    owner: &'s [usize],
+    layout: &'s Layout,
+    scalars: &'s [Tensor],
+    values: &'s [Tensor],
+    states: &'s [Tensor],
+}
+
+impl ZeroBucket<'_> {
+    /// Updates and broadcasts `present` (the bucket's parameters with a
+    /// gradient), putting each one's new value and state in `done`; the
+    /// last broadcast's first output.
+    fn update_and_broadcast<O: TraceableOptimizer>(
+        &self,
+        optimizer: &O,
+        present: &[usize],
+        grads: &[Option<Tensor>],
+        after: Tensor,
+        done: &mut [Option<(Tensor, Vec<Tensor>)>],
+    ) -> Result<Tensor> {
+        let rank = self.dp.group.rank();
+        let len = self.layout.state_len;
+        let mut new_values: Vec<Tensor> = self.values.to_vec();
+        let mut new_states: Vec<Vec<Tensor>> = Vec::with_capacity(present.len());
+        for &i in present {
+            let state = &self.states[i * len..(i + 1) * len];
+            let grad = grads[i].as_ref().expect("a present gradient");
+            let next_state = match self.owner[i] == rank {
+                true => {
+                    let scalars = self.layout.scalars_of(self.scalars, i);
+                    let (next, next_state) = autocast::disabled(|| {
+                        optimizer.update(&self.values[i], grad, state, scalars)
+                    })?;
+                    new_values[i] = next;
+                    next_state
+                }
+                // Another rank's: its empty state passes through.
+                false => state.to_vec(),
+            };
+            new_states.push(next_state);
+        }
+        let last = broadcast_from_owners(self.dp, self.owner, present, &mut new_values, after)?;
+        for (&i, state) in present.iter().zip(new_states) {
+            done[i] = Some((new_values[i].clone(), state));
+        }
+        Ok(last)
+    }
 }
 
 /// The loss and its gradients with respect to `leaves` (`None` for those

@@ -14,7 +14,7 @@
 //!
 //! Also here, the two plans a data-parallel step makes of its parameters:
 //! gradient buckets ([`buckets`]) and, for a sharded optimizer,
-//! which rank owns which parameter's state ([`owners`]).
+//! which rank owns which parameter's state ([`owners`], [`bucket_owners`]).
 
 use std::sync::Arc;
 
@@ -234,6 +234,35 @@ pub fn owners(sizes: &[usize], world: usize) -> Vec<usize> {
     owner
 }
 
+/// [`owners`] by whole buckets ([`buckets`] of at most `cap_bytes`): each
+/// bucket goes to the rank owning the fewest bytes so far, the largest
+/// first, so that right after a bucket's reduction one rank updates all of
+/// it and one broadcast sends its new values (data-parallel ZeRO-1: the
+/// broadcasts pipeline with the backward as the reductions do). With fewer
+/// buckets than ranks, by parameter ([`owners`]), so that every rank still
+/// owns a share.
+pub fn bucket_owners(sizes: &[usize], cap_bytes: usize, world: usize) -> Vec<usize> {
+    let buckets = buckets(sizes, cap_bytes);
+    if buckets.len() < world {
+        return owners(sizes, world);
+    }
+    let bytes: Vec<usize> = buckets
+        .iter()
+        .map(|b| {
+            b.iter()
+                .fold(0usize, |sum, &i| sum.saturating_add(sizes[i]))
+        })
+        .collect();
+    let of_bucket = owners(&bytes, world);
+    let mut owner = vec![0usize; sizes.len()];
+    for (bucket, rank) in buckets.iter().zip(of_bucket) {
+        for &i in bucket {
+            owner[i] = rank;
+        }
+    }
+    owner
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -252,5 +281,18 @@ mod tests {
     fn owners_balance_bytes() {
         assert_eq!(owners(&[10, 1, 9, 2], 2), vec![0, 0, 1, 1]);
         assert_eq!(owners(&[3, 3], 1), vec![0, 0]);
+    }
+
+    #[test]
+    fn bucket_owners_keep_each_bucket_on_one_rank() {
+        // Buckets (reverse order, cap 8): [4], [3], [2, 1], [0] of 2, 10,
+        // 8 and 4 bytes: the 10 to rank 0, the 8 and the 4 to rank 1, the
+        // 2 to rank 0.
+        assert_eq!(bucket_owners(&[4, 4, 4, 10, 2], 8, 2), vec![1, 1, 1, 0, 0]);
+        // Fewer buckets than ranks: by parameter.
+        assert_eq!(
+            bucket_owners(&[10, 1, 9, 2], 100, 2),
+            owners(&[10, 1, 9, 2], 2)
+        );
     }
 }
