@@ -324,6 +324,9 @@ fn check(
         .collect()
 }
 
+// The cases are split over several tests so that a slow checker
+// (compute-sanitizer's racecheck) can run them one at a time by name.
+
 #[test]
 fn flash_attention_matches_an_f64_reference_on_the_gpu() {
     let Some((_ctx, stream)) = gpu() else { return };
@@ -353,6 +356,14 @@ fn flash_attention_matches_an_f64_reference_on_the_gpu() {
             }
         }
     }
+    assert!(failures.is_empty(), "{failures:#?}");
+}
+
+#[test]
+fn wgmma_flash_attention_matches_an_f64_reference_split_and_whole() {
+    let Some((_ctx, stream)) = gpu() else { return };
+    let mut failures = Vec::new();
+    let mut seed = 1001;
     // The wgmma kernels (Hopper, bf16/f16, head dim 128) both ways: every item split
     // (1 x 2 heads of 1000 x 700 leave an H100/H200 mostly idle) and whole; 400 heads of
     // 130 queries also run the backward in two groups (341 + 59: ACC_BUDGET).
@@ -371,6 +382,14 @@ fn flash_attention_matches_an_f64_reference_on_the_gpu() {
             }
         }
     }
+    assert!(failures.is_empty(), "{failures:#?}");
+}
+
+#[test]
+fn wgmma_backward_splits_the_items_past_its_last_wave_and_runs_groups_on_two_lanes() {
+    let Some((_ctx, stream)) = gpu() else { return };
+    let mut failures = Vec::new();
+    let mut seed = 2001;
     // The wgmma backward with the items past its last whole wave split by query tiles
     // (their dK/dV summed by each item's last block): sms / 4 + 1 heads of 4 key blocks
     // are a few items more than one wave on this GPU (132 SMs: 136 items, the last 4 in
@@ -421,6 +440,14 @@ fn flash_attention_matches_an_f64_reference_on_the_gpu() {
             seed += 10;
         }
     }
+    assert!(failures.is_empty(), "{failures:#?}");
+}
+
+#[test]
+fn every_wgmma_forward_variant_matches_an_f64_reference() {
+    let Some((_ctx, stream)) = gpu() else { return };
+    let mut failures = Vec::new();
+    let mut seed = 3001;
     // Every variant of the unsplit wgmma forward (what max-autotune chooses among):
     // 80 blocks of 256 queries over 9 key tiles go round the ring's 4 stages twice.
     for variant in WgFwd::ALL {
