@@ -565,7 +565,13 @@ impl Gpu {
                 }
             }
         }
-        let blocks = self.alloc.pool.lock().expect("pool poisoned").blocks.drain();
+        let blocks = self
+            .alloc
+            .pool
+            .lock()
+            .expect("pool poisoned")
+            .blocks
+            .drain();
         self.free_idle(blocks);
     }
 
@@ -661,7 +667,13 @@ impl Gpu {
             // Not ordered: the blocks go back only once the device is idle.
             let _ = cu::ctx::synchronize();
         }
-        let back = self.alloc.pool.lock().expect("pool poisoned").blocks.leave();
+        let back = self
+            .alloc
+            .pool
+            .lock()
+            .expect("pool poisoned")
+            .blocks
+            .leave();
         self.alloc.give_back(back);
         waited
     }

@@ -36,8 +36,12 @@ use std::sync::Arc;
 /// ordered against (see [`BlockCache::enter`]); tessera calls `free` only
 /// once every piece of its own work on the block is ordered before any
 /// work queued on that stream from then on, so the allocator may hand the
-/// block out again on its stream at once. (Unwind-safe: device memory
-/// crosses `catch_unwind` boundaries in the runtime.)
+/// block out again on its stream at once. That holds for blocks freed
+/// during a foreign call or after one (all of tessera's work then ran in
+/// calls); a program that runs tessera outside foreign calls gives blocks
+/// back with its kernels maybe still queued, so its lender must not hand
+/// them out before the device has finished them. (Unwind-safe: device
+/// memory crosses `catch_unwind` boundaries in the runtime.)
 pub trait ExternalAllocator: Send + Sync + std::panic::RefUnwindSafe {
     /// At least `bytes` of device memory for work on `stream` (a
     /// `CUstream` as an integer; 0 is the legacy default stream).
