@@ -38,7 +38,7 @@ python -c "import tessera, torch; print(tessera.cuda_describe(), 'torch', torch.
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >> "$out/device.txt" 2>&1
 shape="cuda 12 768 12 8 1024 50304 6 f32"
 run_gpt() { # name, mode, extra environment
-  env GPT_TORCH_MODES="$2" $3 timeout 150 python scripts/anchors/gpt_torch.py $shape 2>&1 \
+  env GPT_TORCH_MODES="$2" $3 timeout 120 python scripts/anchors/gpt_torch.py $shape 2>&1 \
     | tee "$out/gpt-$1.txt" | grep '^{'
 }
 run_gpt inductor compile ""

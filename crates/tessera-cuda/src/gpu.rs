@@ -98,7 +98,7 @@ impl Allocator {
     }
 }
 
-/// The caching allocator's counters (see [`Gpu::allocator_stats`]).
+/// The caching allocator's counters (`CudaBackend::allocator_stats`).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct AllocatorStats {
     /// Bytes of tessera's live device tensors, now and at most since the

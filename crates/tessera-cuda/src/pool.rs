@@ -33,7 +33,7 @@ use std::sync::Arc;
 ///
 /// Stream semantics: `alloc` hands out a block for work queued on
 /// `stream`, the foreign library's stream that tessera's calls are
-/// ordered against (see [`BlockCache::enter`]); tessera calls `free` only
+/// ordered against (`CudaBackend::begin_foreign_call`); tessera calls `free` only
 /// once every piece of its own work on the block is ordered before any
 /// work queued on that stream from then on, so the allocator may hand the
 /// block out again on its stream at once. That holds for blocks freed
