@@ -50,7 +50,9 @@ def run(mode):
     if dev == "cuda": torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats(); base = torch.cuda.memory_allocated()
     else: base = 0
     ts, losses = [], []; t_first = time.perf_counter(); first = 0
+    stats = (lambda: tessera.cuda_allocator_stats()) if tessera and dev == "cuda" else (lambda: {})
     for step in range(S + 3):
+        if step == 3: lent0 = stats().get("external_allocs", 0)
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         with amp():
@@ -69,7 +71,7 @@ def run(mode):
     if dev == "cuda":
         free, total = torch.cuda.mem_get_info()
         mem = dict(reserved_mb=round(torch.cuda.max_memory_reserved() / 2**20), device_mb=round((total - free) / 2**20))
-        if tessera: mem["tessera_allocator"] = tessera.cuda_allocator_stats()["allocator"]
+        if tessera: mem.update(tessera_allocator=stats()["allocator"], tessera_blocks_per_step=(stats()["external_allocs"] - lent0) / S)
     print(json.dumps(dict(system="torch", mode=mode, dtype=DT, params=sum(p.numel() for p in m.parameters()), ms_median=round(med, 2),
         tokens_per_s=round(B * T / (med / 1e3)), peak_mb=round(peak), base_mb=round(base / 2**20), first_step_s=round(first, 2),
         loss_first=round(losses[0], 4), loss_last=round(losses[-1], 4), **mem)), flush=True)

@@ -15,6 +15,15 @@
 //! exported symbol to call; Python's `torch.cuda.caching_allocator_alloc`
 //! needs the GIL for every block, and tessera frees blocks from any thread
 //! (DLPack deleters run where PyTorch drops a tensor, without the GIL).
+//! The shim's cost is small beside a kernel launch: an
+//! `aoti_torch_empty_strided` + `aoti_torch_delete_tensor_object` pair of a
+//! 1 MiB CPU tensor took 0.29–0.45 µs on the (loaded) dev machine, PyTorch
+//! 2.15; on the GPU the caching allocator's own bookkeeping and the stream
+//! guard come on top, per block tessera allocates (a compiled call's arena
+//! and its outputs: `cuda_allocator_stats()["external_allocs"]` counts
+//! them; PyTorch 2.15 also exports `aoti_torch_cuda_caching_allocator_raw_alloc`,
+//! which would save the tensor object but not the guard, and older
+//! versions lack it).
 //!
 //! `tessera.torch` finds the symbols with ctypes and hands their addresses
 //! to `cuda_use_torch_allocator`.
