@@ -2,6 +2,7 @@
 on tessera's CUDA backend, ordered with PyTorch's stream by events. Run on a
 GPU machine with TESSERA_CUDA_TESTS=1."""
 
+import gc
 import os
 
 import pytest
@@ -168,7 +169,17 @@ def _deep(x, w):
 
 
 @pytest.fixture
-def torch_allocator():
+def no_gc():
+    """No earlier test's garbage is collected during the test (its blocks
+    would move the memory counts)."""
+    gc.collect()
+    gc.disable()
+    yield
+    gc.enable()
+
+
+@pytest.fixture
+def torch_allocator(no_gc):
     """PyTorch's caching allocator serves tessera (the default), restored
     after the test."""
     assert tessera.torch.use_torch_allocator(True), "the shim's symbols are found in this PyTorch"
@@ -202,7 +213,7 @@ def test_tessera_runs_on_memory_from_torchs_allocator(torch_allocator, on_tesser
     assert torch.cuda.memory_allocated() == base, "the output's block went back to PyTorch"
 
 
-def test_tesseras_own_allocator_is_kept_when_asked(on_tessera_gpu):
+def test_tesseras_own_allocator_is_kept_when_asked(no_gc, on_tessera_gpu):
     try:
         assert tessera.torch.use_torch_allocator(False) is False
         f = torch.compile(lambda a: torch.relu(a) * 2.0, backend="tessera")
