@@ -4,8 +4,13 @@
 # usage: gpt_torch.py DEVICE LAYERS D_MODEL HEADS BATCH SEQ VOCAB STEPS [f32|bf16]
 # bf16: torch.autocast(bfloat16) around forward and loss (f32 master weights).
 # GPT_TORCH_MODES (default "eager,compile"): the runs, in order; "compile:B"
-# is torch.compile with backend B (e.g. compile:tessera, tessera-py's backend,
-# whose GPU memory is added to the peak: its allocator is not PyTorch's).
+# is torch.compile with backend B (e.g. compile:tessera, tessera-py's backend;
+# its GPU memory comes from PyTorch's allocator, or with
+# TESSERA_TORCH_ALLOCATOR=0 from its own, whose peak is then added to peak_mb).
+# On CUDA: peak_mb (the most bytes of live tensors), reserved_mb (PyTorch's
+# pool at its largest) and device_mb (the GPU memory the process holds after
+# the last step: both pools, contexts, workspaces; run one mode per process
+# for it to be that mode's).
 import os, sys, json, time, math, contextlib
 import torch, torch.nn as nn, torch.nn.functional as F
 dev = sys.argv[1]; L, D, H, B, T, V, S = map(int, sys.argv[2:9])
@@ -45,7 +50,9 @@ def run(mode):
     if dev == "cuda": torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats(); base = torch.cuda.memory_allocated()
     else: base = 0
     ts, losses = [], []; t_first = time.perf_counter(); first = 0
+    stats = (lambda: tessera.cuda_allocator_stats()) if tessera and dev == "cuda" else (lambda: {})
     for step in range(S + 3):
+        if step == 3: lent0 = stats().get("external_allocs", 0)
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         with amp():
@@ -58,10 +65,16 @@ def run(mode):
         if step >= 3: ts.append((time.perf_counter() - t0) * 1e3)
     ts.sort(); med = ts[len(ts) // 2]
     peak = torch.cuda.max_memory_allocated() / 2**20 if dev == "cuda" else 0
-    if tessera and dev == "cuda": peak += tessera.cuda_memory_stats()[1] / 2**20
+    own = tessera and dev == "cuda" and tessera.cuda_allocator_stats()["allocator"] == "tessera"
+    if own: peak += tessera.cuda_memory_stats()[1] / 2**20
+    mem = {}
+    if dev == "cuda":
+        free, total = torch.cuda.mem_get_info()
+        mem = dict(reserved_mb=round(torch.cuda.max_memory_reserved() / 2**20), device_mb=round((total - free) / 2**20))
+        if tessera: mem.update(tessera_allocator=stats()["allocator"], tessera_blocks_per_step=(stats()["external_allocs"] - lent0) / S)
     print(json.dumps(dict(system="torch", mode=mode, dtype=DT, params=sum(p.numel() for p in m.parameters()), ms_median=round(med, 2),
         tokens_per_s=round(B * T / (med / 1e3)), peak_mb=round(peak), base_mb=round(base / 2**20), first_step_s=round(first, 2),
-        loss_first=round(losses[0], 4), loss_last=round(losses[-1], 4))), flush=True)
+        loss_first=round(losses[0], 4), loss_last=round(losses[-1], 4), **mem)), flush=True)
 for mode in os.environ.get("GPT_TORCH_MODES", "eager,compile").split(","):
     try: run(mode)
     except Exception as e: print(json.dumps(dict(system="torch", mode=mode, error=repr(e)[:200])), flush=True)

@@ -29,20 +29,17 @@ use crate::codegen::{Launch, ENTRY};
 use crate::compiler::{self, Program};
 use crate::driver_error;
 use crate::kernel_errors::KernelErrors;
+use crate::pool::{Block, BlockCache, ExternalAllocator};
 
 /// Blocks are rounded to this many bytes (as PyTorch's allocator does), so
 /// that tensors of nearby sizes share cached blocks.
 const ROUND: usize = 512;
 
-/// Free blocks by rounded size.
+/// The cache of free blocks (`pool.rs`), with the host bytes a capture's
+/// uploads read, under one lock.
 #[derive(Default)]
 struct Pool {
-    free: HashMap<usize, Vec<u64>>,
-    cached: usize,
-    /// Between a fork and its join: blocks freed, (rounded size, address).
-    held: Option<Vec<(usize, u64)>>,
-    /// While capturing: the capture's free blocks.
-    capture: Option<HashMap<usize, Vec<u64>>>,
+    blocks: BlockCache,
     /// While capturing: the host bytes of the uploads recorded (see
     /// [`Gpu::upload`]).
     capture_uploads: Vec<PinnedBytes>,
@@ -79,38 +76,42 @@ impl Drop for PinnedBytes {
     }
 }
 
-impl Pool {
-    /// Where a free block goes: held back during a step on several lanes,
-    /// the capture's pool while capturing, else the cache.
-    fn put(&mut self, cap: usize, ptr: u64) {
-        if let Some(held) = &mut self.held {
-            held.push((cap, ptr));
-        } else if let Some(capture) = &mut self.capture {
-            capture.entry(cap).or_default().push(ptr);
-        } else {
-            self.cached += cap;
-            self.free.entry(cap).or_default().push(ptr);
-        }
-    }
-
-    /// A free block of rounded size `cap`: the capture's first.
-    fn get(&mut self, cap: usize) -> Option<u64> {
-        if let Some(p) = self.capture.as_mut().and_then(|c| c.get_mut(&cap)?.pop()) {
-            return Some(p);
-        }
-        let p = self.free.get_mut(&cap).and_then(Vec::pop);
-        if p.is_some() {
-            self.cached -= cap;
-        }
-        p
-    }
-}
-
 /// Device memory accounting and the cache of free blocks.
 pub struct Allocator {
     pool: Mutex<Pool>,
     live: AtomicUsize,
     peak: AtomicUsize,
+    /// Blocks an external allocator lent (see [`Gpu::set_external`]) and
+    /// blocks given back to it, since the process started.
+    lent: AtomicU64,
+    returned: AtomicU64,
+}
+
+impl Allocator {
+    /// Gives external blocks back to their lender, outside the pool's lock
+    /// (the lender may take locks of its own).
+    fn give_back(&self, blocks: Vec<Block>) {
+        for b in blocks {
+            self.returned.fetch_add(1, Ordering::Relaxed);
+            b.give_back();
+        }
+    }
+}
+
+/// The caching allocator's counters (`CudaBackend::allocator_stats`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct AllocatorStats {
+    /// Bytes of tessera's live device tensors, now and at most since the
+    /// last peak reset.
+    pub live_bytes: usize,
+    pub peak_bytes: usize,
+    /// Bytes of free blocks tessera keeps for reuse.
+    pub cached_bytes: usize,
+    /// The external allocator new blocks come from (None: the driver).
+    pub external: Option<String>,
+    /// Blocks lent by external allocators, and given back, so far.
+    pub external_allocs: u64,
+    pub external_frees: u64,
 }
 
 pub(crate) struct SendPtr<T>(pub(crate) T);
@@ -154,6 +155,10 @@ pub struct Gpu {
     pub errors: KernelErrors,
     /// Synchronisations so far (see [`Gpu::host_waits`]).
     host_waits: AtomicU64,
+    /// The event that orders a foreign call's stream with the main stream
+    /// (see [`Gpu::begin_foreign_call`]); the lock keeps each record and
+    /// its wait together.
+    foreign_event: Mutex<SendPtr<sys::CUevent>>,
 }
 
 /// A generated launch with its loaded kernel.
@@ -277,6 +282,8 @@ impl Gpu {
         }
         let copy_stream = cu::stream::create(cu::stream::StreamKind::NonBlocking)
             .map_err(|e| driver_error("stream creation", e))?;
+        let foreign_event = cu::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+            .map_err(|e| driver_error("event creation", e))?;
         let gpu = Gpu {
             context: SendPtr(context),
             copy_stream: SendPtr(copy_stream),
@@ -293,10 +300,13 @@ impl Gpu {
             memo: Mutex::new(HashMap::new()),
             errors: KernelErrors::new()?,
             host_waits: AtomicU64::new(0),
+            foreign_event: Mutex::new(SendPtr(foreign_event)),
             alloc: Arc::new(Allocator {
                 pool: Mutex::new(Pool::default()),
                 live: AtomicUsize::new(0),
                 peak: AtomicUsize::new(0),
+                lent: AtomicU64::new(0),
+                returned: AtomicU64::new(0),
             }),
         };
         gpu.bind();
@@ -348,12 +358,7 @@ impl Gpu {
                 .map_err(|e| driver_error("stream wait", e))?;
             }
         }
-        self.alloc
-            .pool
-            .lock()
-            .expect("pool poisoned")
-            .held
-            .get_or_insert_with(Vec::new);
+        self.alloc.pool.lock().expect("pool poisoned").blocks.fork();
         self.forked.store(lanes, Ordering::Relaxed);
         self.lane.store(0, Ordering::Relaxed);
         Ok(())
@@ -389,10 +394,8 @@ impl Gpu {
                 result = Err(driver_error("joining the lanes", err));
             }
         }
-        let mut pool = self.alloc.pool.lock().expect("pool poisoned");
-        for (cap, ptr) in pool.held.take().unwrap_or_default() {
-            pool.put(cap, ptr);
-        }
+        let back = self.alloc.pool.lock().expect("pool poisoned").blocks.join();
+        self.alloc.give_back(back);
         result
     }
 
@@ -401,7 +404,12 @@ impl Gpu {
     /// their own.
     pub fn begin_capture(&self) -> Result<(), String> {
         self.bind();
-        self.alloc.pool.lock().expect("pool poisoned").capture = Some(HashMap::new());
+        self.alloc
+            .pool
+            .lock()
+            .expect("pool poisoned")
+            .blocks
+            .begin_capture();
         // Relaxed: allocating (cuMemAlloc) while capturing is allowed.
         let r = unsafe {
             cu::stream::begin_capture(
@@ -411,8 +419,11 @@ impl Gpu {
         };
         r.map_err(|e| {
             let mut pool = self.alloc.pool.lock().expect("pool poisoned");
-            pool.capture = None;
+            let blocks = pool.blocks.end_capture();
+            let back = pool.blocks.put_all(blocks);
             pool.capture_uploads.clear();
+            drop(pool);
+            self.alloc.give_back(back);
             driver_error("stream capture", e)
         })
     }
@@ -424,13 +435,9 @@ impl Gpu {
         self.bind();
         // SAFETY: the main stream is live; its capture began in begin_capture.
         let graph = unsafe { cu::stream::end_capture(self.streams[0].0) };
-        let (blocks, uploads): (Vec<(usize, u64)>, Vec<PinnedBytes>) = {
+        let (blocks, uploads) = {
             let mut pool = self.alloc.pool.lock().expect("pool poisoned");
-            let capture = pool.capture.take().unwrap_or_default();
-            let blocks = capture
-                .into_iter()
-                .flat_map(|(cap, ptrs)| ptrs.into_iter().map(move |p| (cap, p)))
-                .collect();
+            let blocks = pool.blocks.end_capture();
             (blocks, std::mem::take(&mut pool.capture_uploads))
         };
         // Dropped on an error: the blocks go back to the cache.
@@ -452,30 +459,56 @@ impl Gpu {
     }
 
     /// A block of at least `bytes` (one byte for empty tensors): from the
-    /// cache, else from the driver; when the driver is out of memory the
-    /// cache is emptied and the allocation tried once more.
+    /// cache, else from the external allocator when one is set, else from
+    /// the driver; when that is out of memory the cache is emptied and the
+    /// allocation tried once more.
     pub fn alloc(&self, bytes: usize) -> Result<CudaMemory, String> {
         self.bind();
         let cap = bytes.max(1).div_ceil(ROUND) * ROUND;
-        let cached = self.alloc.pool.lock().expect("pool poisoned").get(cap);
-        let ptr = match cached {
-            Some(p) => p,
-            None => match crate::profile::count_driver_alloc(|| unsafe { cu::malloc_sync(cap) }) {
-                Ok(p) => p,
-                Err(_) => {
+        let (cached, (lender, stream)) = {
+            let mut pool = self.alloc.pool.lock().expect("pool poisoned");
+            (pool.blocks.get(cap), pool.blocks.lender())
+        };
+        let block = match cached {
+            Some(b) => b,
+            None => match self.fresh(cap, &lender, stream) {
+                Ok(b) => b,
+                Err(first) => {
                     self.empty_cache();
-                    unsafe { cu::malloc_sync(cap) }.map_err(|e| self.out_of_memory(bytes, e))?
+                    self.fresh(cap, &lender, stream)
+                        .map_err(|e| self.out_of_memory(bytes, &lender, first, e))?
                 }
             },
         };
         let live = self.alloc.live.fetch_add(bytes, Ordering::Relaxed) + bytes;
         self.alloc.peak.fetch_max(live, Ordering::Relaxed);
         Ok(CudaMemory {
-            ptr,
+            ptr: block.ptr,
             len: bytes,
             cap,
+            block: Some(block),
             alloc: self.alloc.clone(),
         })
+    }
+
+    /// A new block of `cap` bytes from `lender` (for work on `stream`), or
+    /// from the driver.
+    fn fresh(
+        &self,
+        cap: usize,
+        lender: &Option<Arc<dyn ExternalAllocator>>,
+        stream: u64,
+    ) -> Result<Block, String> {
+        match lender {
+            Some(l) => {
+                let b = l.alloc(cap, stream)?;
+                self.alloc.lent.fetch_add(1, Ordering::Relaxed);
+                Ok(Block::external(l.clone(), b))
+            }
+            None => crate::profile::count_driver_alloc(|| unsafe { cu::malloc_sync(cap) })
+                .map(Block::driver)
+                .map_err(|e| driver_error(&format!("allocation of {cap} bytes"), e)),
+        }
     }
 
     /// Device memory for the backend's own use (never freed, not counted).
@@ -485,18 +518,28 @@ impl Gpu {
             .map_err(|e| driver_error(&format!("allocation of {bytes} bytes"), e))
     }
 
-    fn out_of_memory(&self, bytes: usize, e: cu::DriverError) -> String {
+    fn out_of_memory(
+        &self,
+        bytes: usize,
+        lender: &Option<Arc<dyn ExternalAllocator>>,
+        first: String,
+        e: String,
+    ) -> String {
         let mib = |b: usize| b as f64 / (1u64 << 20) as f64;
+        let from = match lender {
+            Some(l) => format!("from {}", l.name()),
+            None => "from the driver".to_string(),
+        };
+        let held = mib(self.alloc.live.load(Ordering::Relaxed));
         match cu::mem_get_info() {
             Ok((free, total)) => format!(
-                "CUDA out of memory: asked for {bytes} bytes ({:.1} MiB), {free} bytes ({:.1} MiB) free of {:.1} MiB; \
-                 tessera holds {:.1} MiB in live tensors",
+                "CUDA out of memory: asked {from} for {bytes} bytes ({:.1} MiB), {free} bytes ({:.1} MiB) free of {:.1} MiB; \
+                 tessera holds {held:.1} MiB in live tensors ({first}; after emptying tessera's cache: {e})",
                 mib(bytes),
                 mib(free),
                 mib(total),
-                mib(self.alloc.live.load(Ordering::Relaxed))
             ),
-            Err(_) => driver_error(&format!("allocation of {bytes} bytes"), e),
+            Err(_) => format!("{e} (asked {from}; before emptying tessera's cache: {first})"),
         }
     }
 
@@ -522,21 +565,129 @@ impl Gpu {
                 }
             }
         }
-        let blocks: Vec<u64> = {
-            let mut pool = self.alloc.pool.lock().expect("pool poisoned");
-            pool.cached = 0;
-            pool.free.drain().flat_map(|(_, v)| v).collect()
-        };
+        let blocks = self
+            .alloc
+            .pool
+            .lock()
+            .expect("pool poisoned")
+            .blocks
+            .drain();
+        self.free_idle(blocks);
+    }
+
+    /// Frees cached blocks once the device is idle (queued kernels may
+    /// still use them): driver blocks to the driver, external ones to
+    /// their lender.
+    fn free_idle(&self, blocks: Vec<Block>) {
         if blocks.is_empty() {
             return;
         }
-        // Queued kernels may still use them.
-        let _ = self.synchronize();
-        for p in blocks {
+        self.bind();
+        // Every lane and the copy stream: a block cached during a fork
+        // may be read on any lane.
+        let _ = cu::ctx::synchronize();
+        let (own, lent): (Vec<Block>, Vec<Block>) =
+            blocks.into_iter().partition(|b| b.lender.is_none());
+        for b in own {
             // SAFETY: each block came from cuMemAlloc and is unused now.
             unsafe {
-                let _ = cu::free_sync(p);
+                let _ = cu::free_sync(b.ptr);
             }
+        }
+        self.alloc.give_back(lent);
+    }
+
+    /// New blocks come from `external` from now on (None: the driver);
+    /// the cached blocks are freed (the device idle first). Blocks alive
+    /// now go back to where they came from when freed.
+    pub fn set_external(&self, external: Option<Arc<dyn ExternalAllocator>>) {
+        let blocks = self
+            .alloc
+            .pool
+            .lock()
+            .expect("pool poisoned")
+            .blocks
+            .set_external(external);
+        self.free_idle(blocks);
+    }
+
+    /// A call from a library that shares the GPU starts (PyTorch's, through
+    /// tessera-py): tessera's main stream waits for the work queued so far
+    /// on `stream` (its inputs' producers), and until the call ends the
+    /// external blocks tessera frees are cached for its own reuse.
+    pub fn begin_foreign_call(&self, stream: u64) -> Result<(), String> {
+        self.bind();
+        let event = self.foreign_event.lock().expect("event poisoned");
+        // SAFETY: live event and streams; `stream` is the caller's live
+        // stream in this context. The wait takes the event's state now.
+        unsafe {
+            cu::event::record(event.0, stream as sys::CUstream)
+                .map_err(|e| driver_error("event record on the caller's stream", e))?;
+            cu::stream::wait_event(
+                self.streams[0].0,
+                event.0,
+                sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+            )
+            .map_err(|e| driver_error("stream wait", e))?;
+        }
+        self.alloc
+            .pool
+            .lock()
+            .expect("pool poisoned")
+            .blocks
+            .enter(stream);
+        Ok(())
+    }
+
+    /// The call ends: `stream` waits for tessera's work queued so far on
+    /// the main stream (every lane has joined it); then, the last call
+    /// ended, the cached external blocks go back to their lender, which
+    /// hands them out only to work on `stream` queued after tessera's.
+    /// The blocks go back even when the wait fails (the error is
+    /// returned).
+    pub fn end_foreign_call(&self, stream: u64) -> Result<(), String> {
+        self.bind();
+        let waited = {
+            let event = self.foreign_event.lock().expect("event poisoned");
+            // SAFETY: as in `begin_foreign_call`.
+            unsafe {
+                cu::event::record(event.0, self.streams[0].0)
+                    .map_err(|e| driver_error("event record", e))
+                    .and_then(|_| {
+                        cu::stream::wait_event(
+                            stream as sys::CUstream,
+                            event.0,
+                            sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+                        )
+                        .map_err(|e| driver_error("the caller's stream wait", e))
+                    })
+            }
+        };
+        if waited.is_err() {
+            // Not ordered: the blocks go back only once the device is idle.
+            let _ = cu::ctx::synchronize();
+        }
+        let back = self
+            .alloc
+            .pool
+            .lock()
+            .expect("pool poisoned")
+            .blocks
+            .leave();
+        self.alloc.give_back(back);
+        waited
+    }
+
+    /// The allocator's counters now.
+    pub fn allocator_stats(&self) -> AllocatorStats {
+        let pool = self.alloc.pool.lock().expect("pool poisoned");
+        AllocatorStats {
+            live_bytes: self.alloc.live.load(Ordering::Relaxed),
+            peak_bytes: self.alloc.peak.load(Ordering::Relaxed),
+            cached_bytes: pool.blocks.cached,
+            external: pool.blocks.lender().0.map(|l| l.name()),
+            external_allocs: self.alloc.lent.load(Ordering::Relaxed),
+            external_frees: self.alloc.returned.load(Ordering::Relaxed),
         }
     }
 
@@ -584,7 +735,7 @@ impl Gpu {
         // the source on every replay, long after `bytes` is gone (a
         // constant, a host scalar). It reads a pinned copy the graph owns.
         let mut pool = self.alloc.pool.lock().expect("pool poisoned");
-        if pool.capture.is_some() {
+        if pool.blocks.capturing() {
             let pinned = PinnedBytes::copy_of(bytes)?;
             let r = unsafe {
                 cu::memcpy_htod_async(dst, pinned.bytes(bytes.len()), self.stream())
@@ -629,8 +780,8 @@ impl Gpu {
             .pool
             .lock()
             .expect("pool poisoned")
-            .capture
-            .is_some()
+            .blocks
+            .capturing()
     }
 
     /// An event for a copy in flight (from the reused ones).
@@ -1032,11 +1183,14 @@ impl Drop for PinnedBlock {
     }
 }
 
-/// A block of device memory; dropping it returns the block to the cache.
+/// A block of device memory; dropping it returns the block to the cache
+/// (or to the external allocator it came from, see `pool.rs`).
 pub struct CudaMemory {
     ptr: u64,
     len: usize,
     cap: usize,
+    /// Taken when dropped.
+    block: Option<Block>,
     alloc: Arc<Allocator>,
 }
 
@@ -1053,9 +1207,14 @@ impl DeviceMemory for CudaMemory {
 impl Drop for CudaMemory {
     fn drop(&mut self) {
         self.alloc.live.fetch_sub(self.len, Ordering::Relaxed);
-        if let Ok(mut pool) = self.alloc.pool.lock() {
-            pool.put(self.cap, self.ptr);
-        }
+        let Some(block) = self.block.take() else {
+            return;
+        };
+        let back = match self.alloc.pool.lock() {
+            Ok(mut pool) => pool.blocks.put(self.cap, block),
+            Err(_) => None,
+        };
+        self.alloc.give_back(back.into_iter().collect());
     }
 }
 
@@ -1064,7 +1223,7 @@ impl Drop for CudaMemory {
 pub struct CudaGraph {
     exec: SendPtr<sys::CUgraphExec>,
     stream: SendPtr<sys::CUstream>,
-    blocks: Vec<(usize, u64)>,
+    blocks: Vec<(usize, Block)>,
     /// The host bytes its upload nodes read (freed after `exec`, in Drop).
     _uploads: Vec<PinnedBytes>,
     alloc: Arc<Allocator>,
@@ -1089,12 +1248,12 @@ impl Drop for CudaGraph {
             }
         }
         // Work queued later on the main stream runs after the replays.
-        if let Ok(mut pool) = self.alloc.pool.lock() {
-            for (cap, ptr) in self.blocks.drain(..) {
-                pool.cached += cap;
-                pool.free.entry(cap).or_default().push(ptr);
-            }
-        }
+        let blocks = std::mem::take(&mut self.blocks);
+        let back = match self.alloc.pool.lock() {
+            Ok(mut pool) => pool.blocks.put_all(blocks),
+            Err(_) => Vec::new(),
+        };
+        self.alloc.give_back(back);
     }
 }
 

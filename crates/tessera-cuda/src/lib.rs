@@ -15,6 +15,9 @@
 //!   sources;
 //! - `gpu`: context, stream, caching allocator (live/peak accounting,
 //!   out-of-memory as an error), copies, launches;
+//! - `pool`: the allocator's cache of free blocks and its rules, and the
+//!   [`ExternalAllocator`] a host library may lend tessera its device
+//!   memory through (PyTorch's, under tessera-py);
 //! - `ops`: each IR op to its kernel (pointwise, reductions and rows,
 //!   matmul, indexing, memory);
 //! - `matmul`: cuBLASLt (f32, f16, bf16 with f32 accumulation; f64),
@@ -41,6 +44,7 @@ mod matmul;
 #[cfg(feature = "nccl")]
 pub mod nccl;
 mod ops;
+mod pool;
 pub mod profile;
 
 use std::sync::{Arc, OnceLock};
@@ -56,7 +60,9 @@ use tessera::runtime::device::{
 use tessera::tensor::Layout;
 use tessera::Tensor;
 
+pub use gpu::AllocatorStats;
 pub use matmul::Epilogue;
+pub use pool::{ExternalAllocator, ExternalBlock};
 
 /// The CUDA backend: one GPU, one stream.
 pub struct CudaBackend {
@@ -123,6 +129,35 @@ impl CudaBackend {
     /// is still writing, and no host synchronisation is needed.
     pub fn stream_handle(&self) -> u64 {
         self.gpu.stream() as u64
+    }
+
+    /// New device memory comes from `external` from now on (None: the
+    /// driver, through tessera's own cache): PyTorch's caching allocator
+    /// under tessera-py, so that one pool serves both libraries. Cached
+    /// blocks are freed first; blocks alive go back where they came from.
+    /// See [`ExternalAllocator`] for the stream rule.
+    pub fn set_external_allocator(&self, external: Option<Arc<dyn ExternalAllocator>>) {
+        self.gpu.set_external(external)
+    }
+
+    /// A call from a library sharing the GPU starts: tessera's work waits
+    /// for what the caller queued on `stream` (a `CUstream` as an integer,
+    /// 0 the legacy default stream), and external blocks tessera frees are
+    /// kept for its own reuse until [`CudaBackend::end_foreign_call`].
+    pub fn begin_foreign_call(&self, stream: u64) -> Result<()> {
+        self.gpu.begin_foreign_call(stream).map_err(device_error)
+    }
+
+    /// The call ends: `stream` waits for tessera's work, then the external
+    /// blocks kept during the call go back to their allocator. Call it
+    /// once per [`CudaBackend::begin_foreign_call`], on errors too.
+    pub fn end_foreign_call(&self, stream: u64) -> Result<()> {
+        self.gpu.end_foreign_call(stream).map_err(device_error)
+    }
+
+    /// Live, peak and cached bytes, and where new blocks come from.
+    pub fn allocator_stats(&self) -> AllocatorStats {
+        self.gpu.allocator_stats()
     }
 
     /// The GPU's name and architecture, e.g. `NVIDIA H100 80GB HBM3 (sm_90)`.

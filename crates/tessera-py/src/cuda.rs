@@ -4,12 +4,15 @@
 //!
 //! PyTorch and tessera share the GPU's primary context, so device pointers
 //! cross both ways without a copy (DLPack, `dlpack.rs`). Each queues work on
-//! a stream of its own; `tessera.torch` orders them with events through
-//! `torch.cuda.ExternalStream(cuda_stream())` at each call's start and end.
+//! a stream of its own; each call that `tessera.torch` makes names
+//! PyTorch's current stream, and [`foreign_call`] orders the two with
+//! events at the call's start and end. In a PyTorch process tessera's
+//! device memory comes from PyTorch's caching allocator (`torch_alloc.rs`).
 
 use std::sync::{Arc, OnceLock};
 
 use pyo3::prelude::*;
+use pyo3::types::PyDict;
 
 use tessera::runtime::device::{self, Device};
 use tessera::{Error, ErrorKind, Result};
@@ -58,6 +61,48 @@ pub fn cuda_memory_stats() -> PyResult<(usize, usize)> {
     Ok((s.live_bytes, s.peak_bytes))
 }
 
+/// tessera's GPU allocator in detail: `live_bytes`, `peak_bytes` (tessera's
+/// tensors, wherever their memory came from), `cached_bytes` (free blocks
+/// tessera keeps), `allocator` (`"tessera"`, or the external allocator's
+/// name, e.g. PyTorch's caching allocator), `external_allocs` and
+/// `external_frees` (blocks lent by it and given back, so far).
+#[pyfunction]
+pub fn cuda_allocator_stats(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
+    let s = open().map_err(crate::to_py)?.allocator_stats();
+    let d = PyDict::new(py);
+    d.set_item("live_bytes", s.live_bytes)?;
+    d.set_item("peak_bytes", s.peak_bytes)?;
+    d.set_item("cached_bytes", s.cached_bytes)?;
+    d.set_item(
+        "allocator",
+        s.external.unwrap_or_else(|| "tessera".to_string()),
+    )?;
+    d.set_item("external_allocs", s.external_allocs)?;
+    d.set_item("external_frees", s.external_frees)?;
+    Ok(d)
+}
+
+/// Runs `f`, tessera's part of a call from PyTorch whose work is queued on
+/// `stream` (PyTorch's current stream): tessera's work waits for what
+/// PyTorch queued before, PyTorch's later work waits for tessera's, and the
+/// blocks tessera frees in between go back to PyTorch's allocator only then
+/// (see `tessera_cuda::ExternalAllocator`). None: no ordering, unless
+/// PyTorch's allocator lends tessera its memory, whose blocks must not go
+/// back unordered: then the legacy default stream (0) stands in.
+pub fn foreign_call<T>(stream: Option<u64>, f: impl FnOnce() -> Result<T>) -> Result<T> {
+    let stream = stream.or_else(|| crate::torch_alloc::installed().then_some(0));
+    let Some(stream) = stream else {
+        return f();
+    };
+    let backend = open()?;
+    backend.begin_foreign_call(stream)?;
+    let result = f();
+    let ended = backend.end_foreign_call(stream);
+    let value = result?;
+    ended?;
+    Ok(value)
+}
+
 /// Starts a new peak measurement of tessera's GPU memory.
 #[pyfunction]
 pub fn cuda_reset_peak_memory() -> PyResult<()> {
@@ -80,6 +125,7 @@ pub fn add(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cuda_describe, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_stream, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_memory_stats, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_allocator_stats, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_reset_peak_memory, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_synchronize, m)?)?;
     Ok(())

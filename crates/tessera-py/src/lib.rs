@@ -13,13 +13,15 @@
 //!   [`tessera::hints::Hint`] (unknown keys come back as warnings);
 //! - `memory_stats`/`reset_peak_memory`: the host allocator's accounting;
 //! - `cuda_*`: tessera's CUDA backend (`cuda.rs`: opened on first use, its
-//!   stream for ordering PyTorch's work with tessera's, its memory stats).
+//!   stream for ordering PyTorch's work with tessera's, its memory stats;
+//!   `torch_alloc.rs`: PyTorch's caching allocator as its memory).
 //!
 //! Every tessera error is raised as `tessera.TesseraError` with tessera's
 //! message (the op, the shapes and dtypes, the line).
 
 mod cuda;
 mod dlpack;
+mod torch_alloc;
 
 use pyo3::create_exception;
 use pyo3::exceptions::PyRuntimeError;
@@ -36,6 +38,11 @@ create_exception!(_tessera, TesseraError, PyRuntimeError);
 /// A tessera error as a Python exception.
 pub(crate) fn to_py(e: tessera::Error) -> PyErr {
     TesseraError::new_err(e.to_string())
+}
+
+/// A device error (a message) as a Python exception.
+pub(crate) fn device_error(message: String) -> PyErr {
+    to_py(tessera::Error::new(tessera::ErrorKind::Device, message))
 }
 
 fn argument(message: String) -> PyErr {
@@ -156,24 +163,39 @@ impl PyCompiledGraph {
 
     /// Runs on `"dltensor"` capsules (one per graph input) and returns one
     /// capsule per output; the GIL is released while tessera runs.
+    /// `torch_stream`: the `CUstream` of PyTorch's work around a call on
+    /// the GPU (`torch.cuda.current_stream().cuda_stream`), which tessera's
+    /// work is ordered with (see `cuda::foreign_call`).
+    #[pyo3(signature = (capsules, torch_stream = None))]
     fn run_dlpack<'py>(
         &self,
         py: Python<'py>,
         capsules: Vec<Bound<'py, PyAny>>,
+        torch_stream: Option<u64>,
     ) -> PyResult<Vec<Bound<'py, PyAny>>> {
         let inputs: Vec<Tensor> = capsules
             .iter()
             .map(dlpack::import)
             .collect::<PyResult<_>>()?;
-        let outputs = py.detach(|| self.0.try_call(&inputs)).map_err(to_py)?;
+        let outputs = py
+            .detach(|| cuda::foreign_call(torch_stream, || self.0.try_call(&inputs)))
+            .map_err(to_py)?;
         drop(inputs);
         outputs.iter().map(|t| dlpack::export(py, t)).collect()
     }
 
-    /// Runs on tessera tensors.
-    fn run(&self, py: Python<'_>, inputs: Vec<Py<PyTensor>>) -> PyResult<Vec<PyTensor>> {
+    /// Runs on tessera tensors (`torch_stream` as in `run_dlpack`).
+    #[pyo3(signature = (inputs, torch_stream = None))]
+    fn run(
+        &self,
+        py: Python<'_>,
+        inputs: Vec<Py<PyTensor>>,
+        torch_stream: Option<u64>,
+    ) -> PyResult<Vec<PyTensor>> {
         let inputs: Vec<Tensor> = inputs.iter().map(|t| t.get().0.clone()).collect();
-        let outputs = py.detach(|| self.0.try_call(&inputs)).map_err(to_py)?;
+        let outputs = py
+            .detach(|| cuda::foreign_call(torch_stream, || self.0.try_call(&inputs)))
+            .map_err(to_py)?;
         Ok(outputs.into_iter().map(PyTensor).collect())
     }
 
@@ -277,5 +299,6 @@ fn _tessera(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(reset_peak_memory, m)?)?;
     m.add_function(wrap_pyfunction!(dtypes, m)?)?;
     cuda::add(m)?;
+    torch_alloc::add(m)?;
     Ok(())
 }

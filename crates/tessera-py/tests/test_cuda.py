@@ -2,6 +2,7 @@
 on tessera's CUDA backend, ordered with PyTorch's stream by events. Run on a
 GPU machine with TESSERA_CUDA_TESTS=1."""
 
+import gc
 import os
 
 import pytest
@@ -154,3 +155,112 @@ def test_small_resnet_on_cuda_trains_like_eager(optimizer, options, fallbacks, o
     tessera's CUDA backend; then eval mode."""
     train_steps_match_eager(optimizer, device="cuda", atol=5e-4, **options)
     assert fallbacks() == [], fallbacks()
+
+
+# -- tessera's memory from PyTorch's caching allocator ---------------------------
+
+
+def _deep(x, w):
+    """Eight tanh(x·w) layers: intermediates of x's size in tessera's arena,
+    tens of ms of kernels at 4096² (a window for an unordered write)."""
+    for _ in range(8):
+        x = torch.tanh(x @ w)
+    return x
+
+
+@pytest.fixture
+def no_gc():
+    """No earlier test's garbage is collected during the test (its blocks
+    would move the memory counts)."""
+    gc.collect()
+    gc.disable()
+    yield
+    gc.enable()
+
+
+@pytest.fixture
+def torch_allocator(no_gc):
+    """PyTorch's caching allocator serves tessera (the default), restored
+    after the test."""
+    assert tessera.torch.use_torch_allocator(True), "the shim's symbols are found in this PyTorch"
+    yield
+    tessera.torch.use_torch_allocator(True)
+
+
+def test_tessera_runs_on_memory_from_torchs_allocator(torch_allocator, on_tessera_gpu):
+    f = torch.compile(_deep, backend="tessera")
+    x = torch.randn(1024, 1024, device="cuda")
+    w = torch.randn(1024, 1024, device="cuda") / 32
+    f(x, w)  # compiled outside the measurement
+    torch.cuda.synchronize()
+    assert tessera.cuda_allocator_stats()["allocator"] == "PyTorch's caching allocator"
+    before = tessera.cuda_allocator_stats()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    got = f(x, w)
+    torch.cuda.synchronize()
+    after = tessera.cuda_allocator_stats()
+    out_bytes = got.numel() * 4
+    # The output is PyTorch's memory; the intermediates (tessera's arena)
+    # showed in PyTorch's peak; nothing else stays allocated.
+    assert torch.cuda.memory_allocated() - base == pytest.approx(out_bytes, abs=4096)
+    assert torch.cuda.max_memory_allocated() - base >= 2 * out_bytes
+    assert after["external_allocs"] > before["external_allocs"]
+    assert after["external_allocs"] - before["external_allocs"] == after["external_frees"] - before["external_frees"] + 1
+    assert after["cached_bytes"] == 0, "tessera keeps no block PyTorch could reuse"
+    torch.testing.assert_close(got, _deep(x, w), rtol=1e-4, atol=1e-4)
+    del got
+    assert torch.cuda.memory_allocated() == base, "the output's block went back to PyTorch"
+
+
+def test_tesseras_own_allocator_is_kept_when_asked(no_gc, on_tessera_gpu):
+    try:
+        assert tessera.torch.use_torch_allocator(False) is False
+        f = torch.compile(lambda a: torch.relu(a) * 2.0, backend="tessera")
+        x = torch.randn(512, 512, device="cuda")
+        f(x)
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        got = f(x)
+        torch.cuda.synchronize()
+        assert tessera.cuda_allocator_stats()["allocator"] == "tessera"
+        assert torch.cuda.memory_allocated() == base, "tessera's output is not PyTorch's memory"
+        torch.testing.assert_close(got, torch.relu(x) * 2.0)
+    finally:
+        tessera.torch.use_torch_allocator(True)
+    # The output allocated before the switch goes back to tessera's cache.
+    del got
+
+
+@pytest.mark.parametrize("side_stream", [False, True])
+def test_a_block_tessera_frees_is_reused_by_torch_only_after_tesseras_work(side_stream, torch_allocator, on_tessera_gpu):
+    """Right after a call (no host sync) PyTorch allocates the blocks tessera
+    freed and writes NaN over them on its stream; tessera's kernels, still
+    queued, read their intermediates there: unordered, the NaNs would land
+    in the result."""
+    n = 4096
+    f = torch.compile(_deep, backend="tessera")
+    stream = torch.cuda.Stream() if side_stream else torch.cuda.current_stream()
+    with torch.cuda.stream(stream):
+        x = torch.randn(n, n, device="cuda")
+        w = torch.randn(n, n, device="cuda") / 64
+        want = _deep(x, w)
+        f(x, w)  # compiled
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        reused = 0
+        for _ in range(3):
+            got = f(x, w)
+            # Free blocks in PyTorch's pool now: the ones tessera gave back.
+            freed = {
+                b["address"]: b["size"]
+                for seg in torch.cuda.memory_snapshot()
+                if seg["stream"] == stream.cuda_stream
+                for b in seg["blocks"]
+                if b["state"] == "inactive" and b["size"] >= n * n * 4
+            }
+            junk = [torch.empty(size // 4, device="cuda").fill_(float("nan")) for size in freed.values()]
+            reused += sum(j.data_ptr() in freed for j in junk)
+            torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
+            del junk, got
+    assert reused > 0, "PyTorch reused blocks tessera freed"

@@ -6,7 +6,9 @@
 - ``tessera.CompiledGraph``: a graph in tessera's text form, compiled;
 - ``tessera.Tensor``: a tessera tensor (``from_dlpack``/``to_dlpack``);
 - ``tessera.cuda_is_available()`` and the ``cuda_*`` functions: tessera's
-  CUDA backend (opened when a CUDA tensor first crosses), its GPU memory.
+  CUDA backend (opened when a CUDA tensor first crosses), its GPU memory
+  (``cuda_allocator_stats``: whose allocator serves it, PyTorch's by
+  default under ``tessera.torch``).
 """
 
 from ._tessera import (  # noqa: F401
@@ -15,6 +17,7 @@ from ._tessera import (  # noqa: F401
     TesseraError,
     __version__,
     check_hints,
+    cuda_allocator_stats,
     cuda_describe,
     cuda_is_available,
     cuda_memory_stats,

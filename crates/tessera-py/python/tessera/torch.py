@@ -13,7 +13,10 @@ inputs are on the GPU; every other node runs in PyTorch, and each op that
 does is logged once (logger ``"tessera"``), as a graph break is. Tensors
 cross by DLPack without a copy, in host and GPU memory; PyTorch's and
 tessera's CUDA streams are ordered with events at each call's start and
-end, never by synchronising the host.
+end, never by synchronising the host. On the GPU, tessera's memory comes
+from PyTorch's caching allocator, one pool for both
+(:mod:`tessera._torch_cuda`; ``TESSERA_TORCH_ALLOCATOR=0`` or
+:func:`use_torch_allocator` turn that off).
 
 Options (``torch.compile(..., mode=..., options={...})``):
 
@@ -43,7 +46,7 @@ from torch._decomp import core_aten_decompositions, get_decompositions
 from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
 from torch.fx.passes.operator_support import OperatorSupport
 
-from . import _convert, _dims, _foreach, _hints
+from . import _convert, _dims, _foreach, _hints, _torch_cuda
 from ._tessera import CompiledGraph, TesseraError
 
 log = logging.getLogger("tessera")
@@ -133,13 +136,17 @@ def _device_ok(v):
     return True
 
 
-_gpu = {}  # "stream": tessera's stream as a torch ExternalStream; "refused": logged
+_gpu = {}  # "refused": logged
+
+#: tessera's CUDA memory from PyTorch's caching allocator (True, the
+#: default) or its own (see :mod:`tessera._torch_cuda`).
+use_torch_allocator = _torch_cuda.use_torch_allocator
 
 
 def _gpu_stream(inputs):
-    """tessera's CUDA stream (a ``torch.cuda.ExternalStream``) when a
-    partition's inputs are on the GPU and tessera's CUDA backend opens;
-    None when it runs on the host."""
+    """PyTorch's current CUDA stream (an integer ``CUstream``), which the
+    call is ordered with, when a partition's inputs are on the GPU and
+    tessera's CUDA backend opens; None when it runs on the host."""
     if not any(t.device.type == "cuda" for t in inputs):
         return None
     from . import _tessera
@@ -158,9 +165,8 @@ def _gpu_stream(inputs):
             f"tessera's CUDA backend runs GPU 0 of the process; inputs on cuda:{sorted(devices)} "
             "(choose the GPU with CUDA_VISIBLE_DEVICES)"
         )
-    if "stream" not in _gpu:
-        _gpu["stream"] = torch.cuda.ExternalStream(_tessera.cuda_stream(), device=torch.device("cuda", 0))
-    return _gpu["stream"]
+    _torch_cuda.ensure()
+    return _torch_cuda.current_stream()
 
 
 # -- partitioning ---------------------------------------------------------------
@@ -406,17 +412,12 @@ class TesseraPartition(torch.nn.Module):
         # graph on one device); CUDA tensors cross through the host only
         # when tessera's CUDA backend does not open (logged once).
         inputs = [t if t.device.type == target else t.to(target) for t in inputs]
-        if stream is not None:
-            # tessera's stream waits for what PyTorch queued before (the
-            # inputs' producers, the copies just above).
-            stream.wait_stream(torch.cuda.current_stream())
         storages = {t.untyped_storage().data_ptr() for t in inputs}
-        results = graph.run_dlpack([torch.utils.dlpack.to_dlpack(t) for t in inputs])
-        if stream is not None:
-            # And PyTorch's for tessera's results; a buffer PyTorch frees
-            # later is reused by tessera only after PyTorch's work queued
-            # before the next call (that call's wait above).
-            torch.cuda.current_stream().wait_stream(stream)
+        # On the GPU tessera's work waits for what PyTorch queued on
+        # `stream` before (the inputs' producers, the copies just above),
+        # and PyTorch's later work for tessera's: a block either frees is
+        # reused by the other only after (`cuda::foreign_call`).
+        results = graph.run_dlpack([torch.utils.dlpack.to_dlpack(t) for t in inputs], torch_stream=stream)
         outs = []
         for c, device in zip(results, self.out_devices):
             o = torch.utils.dlpack.from_dlpack(c)
