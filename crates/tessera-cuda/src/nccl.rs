@@ -217,7 +217,12 @@ impl Communicator for NcclGroup {
             outputs.push(Tensor::from_device_storage(storage, &shape));
         }
         self.backend.gpu.bind();
-        let arrays: Vec<&Array> = dense.iter().filter_map(Tensor::try_array).collect();
+        // Only the profile reads the arrays (their shapes): no list per
+        // collective when it is off.
+        let arrays: Vec<&Array> = match crate::profile::enabled() {
+            true => dense.iter().filter_map(Tensor::try_array).collect(),
+            false => Vec::new(),
+        };
         crate::profile::timed(
             &self.backend,
             || name.to_string(),

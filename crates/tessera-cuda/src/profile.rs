@@ -22,7 +22,9 @@ use tessera::runtime::array::Array;
 use crate::gpu::SendPtr;
 use crate::CudaBackend;
 
-fn enabled() -> bool {
+/// Whether kernels are timed (`TESSERA_CUDA_PROFILE=1` or a timeline
+/// directory): callers skip building what only [`timed`] reads otherwise.
+pub(crate) fn enabled() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
     *ON.get_or_init(|| {
         std::env::var("TESSERA_CUDA_PROFILE").as_deref() == Ok("1") || timeline_dir().is_some()

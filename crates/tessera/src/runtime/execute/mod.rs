@@ -12,6 +12,7 @@
 
 mod job;
 mod kernels;
+mod lanes;
 mod pool;
 mod prepared;
 mod profile;
@@ -22,9 +23,10 @@ use std::sync::Mutex;
 use rayon::prelude::*;
 
 use self::job::{Job, Planned};
+use self::lanes::StreamLanes;
 use self::pool::{on_pool_worker, POOL_WORKER_MIN_STEPS};
 pub use self::prepared::Prepared;
-use self::prepared::{PreparedKernel, StepMoves};
+use self::prepared::StepMoves;
 use self::profile::Profile;
 use super::cpu::arena::{Arena, Block};
 use super::device::{self, Backend, Device, Transfer};
@@ -281,83 +283,6 @@ impl InFlight {
     }
 }
 
-/// A run's kernels on the lanes of its streams (`stream` hints): stream 0
-/// on lane 0, the others spread over lanes 1.. (two streams may share a
-/// lane when the device has fewer; their events still order them). The
-/// lanes no stream takes (`spare`) carry stream 0's share of a step of
-/// independent kernels, as the lanes of a run without streams do (see
-/// [`on_streams`]).
-struct StreamLanes<'a> {
-    plan: &'a StreamPlan,
-    lane_of: Vec<usize>,
-    /// The lanes used, lane 0 first.
-    used: Vec<usize>,
-    /// The device's lanes no stream takes.
-    spare: Vec<usize>,
-    /// Per value, the kernel that writes it (an offload starts on its lane).
-    writer: HashMap<NodeId, usize>,
-}
-
-impl<'a> StreamLanes<'a> {
-    fn new(streams: &'a StreamPlan, lanes: usize, kernels: &[PreparedKernel]) -> StreamLanes<'a> {
-        let others: Vec<usize> = streams
-            .streams
-            .iter()
-            .copied()
-            .filter(|&s| s != 0)
-            .collect();
-        let lane = |s: usize| match others.iter().position(|&o| o == s) {
-            None => 0,
-            Some(i) => 1 + i % (lanes - 1),
-        };
-        let lane_of: Vec<usize> = streams.stream_of.iter().map(|&s| lane(s)).collect();
-        let mut used: Vec<usize> = lane_of.clone();
-        used.push(0);
-        used.sort_unstable();
-        used.dedup();
-        let spare: Vec<usize> = (1..lanes).filter(|l| !used.contains(l)).collect();
-        let mut writer = HashMap::new();
-        for (k, kernel) in kernels.iter().enumerate() {
-            for &w in &kernel.writes {
-                writer.insert(w, k);
-            }
-        }
-        StreamLanes {
-            plan: streams,
-            lane_of,
-            used,
-            spare,
-            writer,
-        }
-    }
-
-    /// The event slots of the spare lanes' fork (the first) and joins
-    /// (one per spare lane): after the kernels' own slots.
-    fn spare_slots(&self) -> std::ops::Range<usize> {
-        let first = self.plan.stream_of.len();
-        first..first + 1 + self.spare.len()
-    }
-
-    /// The spare lanes that `step`'s stream-0 kernels may spread over:
-    /// there are two or more, none waits for another stream (the plan
-    /// prunes a wait that an earlier kernel of the stream implies, which
-    /// holds only in stream 0's queue order), and no kernel of the step
-    /// waits for one of them (their events are recorded at the step's end).
-    fn spread(&self, step: &[usize]) -> Option<&[usize]> {
-        let on_0: Vec<usize> = step
-            .iter()
-            .copied()
-            .filter(|&k| self.lane_of[k] == 0)
-            .collect();
-        let independent = on_0.iter().all(|&k| self.plan.waits[k].is_empty())
-            && step
-                .iter()
-                .all(|&k| self.plan.waits[k].iter().all(|h| !on_0.contains(h)));
-        (on_0.len() > 1 && independent && !self.spare.is_empty())
-            .then(|| &self.spare[..self.spare.len().min(on_0.len() - 1)])
-    }
-}
-
 /// `values[v]` replaced by the array `how(its array)` makes (a value
 /// without an array, a traced one, stays), and the copy in flight.
 fn move_value(
@@ -431,17 +356,16 @@ fn execute_here(run: &Run<'_>, inputs: Vec<Tensor>, tune: bool) -> Result<Vec<Te
         // Streams by hint: every lane forks from the run's start and joins
         // at its end, kernels wait for each other through events; blocks
         // freed meanwhile are held until the join (see `schedule::streams`).
-        let streams = prepared
-            .streams
-            .as_ref()
-            .filter(|_| lanes > 1 && !trace::is_active())
-            .map(|sp| StreamLanes::new(sp, lanes, &prepared.kernels));
+        let streams = match lanes > 1 && !trace::is_active() {
+            true => prepared.stream_lanes(lanes),
+            false => None,
+        };
         if streams.is_some() {
             // Every lane, the spare ones too: they join at the end.
             backend.fork(lanes)?;
         }
         let main = [0usize];
-        let all_lanes: &[usize] = streams.as_ref().map_or(&main, |st| &st.used);
+        let all_lanes: &[usize] = streams.as_ref().map_or(&main, |(_, st)| &st.used);
         let looped = (|| -> Result<()> {
             // A step's jobs and results, their capacity kept from step to step.
             let mut serial: Vec<Job<'_>> = Vec::new();
@@ -487,9 +411,14 @@ fn execute_here(run: &Run<'_>, inputs: Vec<Tensor>, tune: bool) -> Result<Vec<Te
                     }
                 }
                 match (&streams, lanes.min(serial.len())) {
-                    (Some(st), _) => {
-                        results.extend(on_streams(&*backend, st, step, serial.drain(..), graph)?)
-                    }
+                    (Some((sp, st)), _) => results.extend(on_streams(
+                        &*backend,
+                        (sp, st),
+                        s,
+                        step,
+                        serial.drain(..),
+                        graph,
+                    )?),
                     (None, 0 | 1) => results.extend(serial.drain(..).map(|job| job.run(graph))),
                     (None, n) => results.extend(on_lanes(&*backend, n, serial.drain(..), graph)?),
                 }
@@ -512,7 +441,7 @@ fn execute_here(run: &Run<'_>, inputs: Vec<Tensor>, tune: bool) -> Result<Vec<Te
                 }
                 for &v in StepMoves::at(&moves.offload_after, s) {
                     // The copy follows the value's producer, on its lane.
-                    if let Some(st) = &streams {
+                    if let Some((_, st)) = &streams {
                         backend.lane(st.writer.get(&v).map_or(0, |&k| st.lane_of[k]))?;
                     }
                     let t = move_value(&mut values, v, |a| backend.offload_start(a));
@@ -675,9 +604,10 @@ fn on_lanes<'j>(
     }
 }
 
-/// Runs the kernels of one step (`step`, in order, with their `jobs`) on
-/// the lanes of their streams: each waits for the events of the kernels
-/// its stream plan names, and records its own when another waits for it.
+/// Runs the kernels of step `s` (`step`, in order, with their `jobs`) on
+/// the lanes of their streams (`plan` on `lanes`): each waits for the
+/// events of the kernels its stream plan names, and records its own when
+/// another waits for it.
 ///
 /// Where [`StreamLanes::spread`] allows, stream 0's kernels of the step go
 /// round robin to lane 0 and the spare lanes, as a run without streams
@@ -689,13 +619,14 @@ fn on_lanes<'j>(
 /// waits assume.
 fn on_streams<'j>(
     backend: &dyn Backend,
-    streams: &StreamLanes<'_>,
+    (plan, streams): (&StreamPlan, &StreamLanes),
+    s: usize,
     step: &[usize],
     jobs: impl Iterator<Item = Job<'j>>,
     graph: &Graph,
 ) -> Result<Vec<KernelResult>> {
-    let spare = streams.spread(step).unwrap_or(&[]);
-    let mut slots = streams.spare_slots();
+    let spare = streams.spread(s);
+    let mut slots = streams.spare_slots(plan);
     let fork = slots.next().expect("a fork slot");
     if !spare.is_empty() {
         backend.lane(0)?;
@@ -717,7 +648,7 @@ fn on_streams<'j>(
             lane => lane,
         };
         backend.lane(lane)?;
-        for &h in &streams.plan.waits[k] {
+        for &h in &plan.waits[k] {
             backend.wait_for(h)?;
         }
         let result = job.run(graph);
@@ -726,7 +657,7 @@ fn on_streams<'j>(
         if failed {
             break;
         }
-        if streams.plan.records[k] && (spare.is_empty() || lane != 0) {
+        if plan.records[k] && (spare.is_empty() || lane != 0) {
             backend.record(k)?;
         }
     }
@@ -741,7 +672,7 @@ fn on_streams<'j>(
             backend.wait_for(slot)?;
         }
         for &k in step {
-            if streams.plan.records[k] && streams.lane_of[k] == 0 {
+            if plan.records[k] && streams.lane_of[k] == 0 {
                 backend.record(k)?;
             }
         }

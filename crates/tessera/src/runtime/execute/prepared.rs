@@ -7,9 +7,13 @@
 //! kernel's reads and writes, its planned places, each a few allocations.)
 //!
 //! A [`Prepared`] holds no state of a run: concurrent calls share it.
+//! What depends on the device as well (the streams' lanes, whether the
+//! arena fits) is made at the first run and kept.
 
+use std::borrow::Cow;
 use std::sync::{Mutex, OnceLock};
 
+use super::lanes::StreamLanes;
 use super::{other_device, placed_as_planned, row_kernels_unfit};
 use crate::fusion::Plan;
 use crate::ir::kernel::{FusedRegisters, RowRegisters};
@@ -30,6 +34,8 @@ pub struct Prepared {
     pub(super) moves: StepMoves,
     /// The schedule's streams (`stream` hints), if any.
     pub(super) streams: Option<StreamPlan>,
+    /// `streams` on a device's lanes, made at the first run with them.
+    stream_lanes: OnceLock<StreamLanes>,
     /// The memory plan's part; `None`: kernels allocate from the pool
     /// (a run in plan order).
     pub(super) memory: Option<PreparedMemory>,
@@ -154,10 +160,25 @@ impl Prepared {
             kernels,
             moves: StepMoves::none(0),
             streams: None,
+            stream_lanes: OnceLock::new(),
             memory: None,
             nodes: graph.len(),
             spare_values: Mutex::new(Vec::new()),
         }
+    }
+
+    /// The schedule's streams and their lanes on a device of `lanes` lanes
+    /// (`None` without streams): made at the first run and kept — a
+    /// device's lane count does not change; one of another count gets its
+    /// own, not kept.
+    pub(super) fn stream_lanes(&self, lanes: usize) -> Option<(&StreamPlan, Cow<'_, StreamLanes>)> {
+        let plan = self.streams.as_ref()?;
+        let made = || StreamLanes::new(plan, lanes, &self.kernels, &self.steps);
+        let kept = self.stream_lanes.get_or_init(made);
+        Some(match kept.lanes == lanes {
+            true => (plan, Cow::Borrowed(kept)),
+            false => (plan, Cow::Owned(made())),
+        })
     }
 
     /// A run's values, one empty slot per graph node.
