@@ -185,6 +185,18 @@ impl NcclGroup {
                 Kind::Broadcast { root } => {
                     result::broadcast(send, recv, count, dtype, root as i32, comm, stream)
                 }
+                Kind::Reduce { op: o, root } => {
+                    // NCCL writes the root's output only; elsewhere the
+                    // output is the rank's own input (the op's definition).
+                    if call.rank != root {
+                        let bytes = count.saturating_mul(input.dtype().size_bytes());
+                        self.backend
+                            .gpu
+                            .copy(recv as u64, send as u64, bytes)
+                            .map_err(|e| Error::op(ErrorKind::Device, name, e))?;
+                    }
+                    result::reduce(send, recv, count, dtype, op(o), root as i32, comm, stream)
+                }
             }
         };
         r.map(|_| ()).map_err(|e| nccl_err(name, e))

@@ -37,6 +37,7 @@ fn collectives_compute_their_definitions_on_three_threads() {
         let scattered = g.reduce_scatter(&[&x], ReduceOp::Sum).unwrap();
         let gathered = g.all_gather(&[&x]).unwrap();
         let root = g.broadcast(&[&x], 2).unwrap();
+        let to_one = g.reduce(&[&x], ReduceOp::Avg, 1).unwrap();
         (
             values(&sum[0]),
             sum[1].to_vec::<f64>().unwrap(),
@@ -44,12 +45,13 @@ fn collectives_compute_their_definitions_on_three_threads() {
             values(&scattered[0]),
             values(&gathered[0]),
             values(&root[0]),
+            values(&to_one[0]),
         )
     })
     .unwrap();
     // Σ_r (10r + i) = 30 + 3i; the f64 tensor: 1 + 2 + 3.
     let sum: Vec<f32> = (0..6).map(|i| 30.0 + 3.0 * i as f32).collect();
-    for (r, (s, s64, avg, scattered, gathered, root)) in out.into_iter().enumerate() {
+    for (r, (s, s64, avg, scattered, gathered, root, to_one)) in out.into_iter().enumerate() {
         assert_eq!(s, sum, "rank {r}");
         assert_eq!(s64, vec![6.0; 4]);
         assert_eq!(avg, sum.iter().map(|v| v / 3.0).collect::<Vec<_>>());
@@ -57,6 +59,12 @@ fn collectives_compute_their_definitions_on_three_threads() {
         let all: Vec<f32> = (0..3).flat_map(|q| values(&ranked(q, 6))).collect();
         assert_eq!(gathered, all);
         assert_eq!(root, values(&ranked(2, 6)));
+        // The mean on rank 1 only; the others keep their own.
+        let want = match r {
+            1 => sum.iter().map(|v| v / 3.0).collect(),
+            _ => values(&ranked(r, 6)),
+        };
+        assert_eq!(to_one, want, "rank {r}: reduce to rank 1");
     }
 }
 
@@ -229,10 +237,12 @@ fn calls(graph: &str, op: &str) -> (usize, usize) {
     (lines.len(), on_stream)
 }
 
-/// The graph's all-reduces (R) and broadcasts (B), in the graph's order.
+/// The graph's all-reduces (R), reduces to one rank (D) and broadcasts
+/// (B), in the graph's order.
 fn collective_order(graph: &str) -> String {
     let letter = |l: &str| match () {
         _ if l.contains("tessera::all_reduce") => Some("R"),
+        _ if l.contains("tessera::reduce\"") => Some("D"),
         _ if l.contains("tessera::broadcast") => Some("B"),
         _ => None,
     };
@@ -271,10 +281,19 @@ fn data_parallel_matches_one_rank(zero: bool, clip: Option<f64>) {
         // then a's weight) on stream 1; with ZeRO-1 one broadcast per
         // bucket (each bucket has one owner; with clipping one per owner
         // after the last bucket: 2 as well), on stream 1 too.
+        // With ZeRO-1 and no clipping each bucket (one owner each) is
+        // reduced to its owner alone.
+        let to_owners = zero && clip.is_none();
+        let (all_reduces, reduces) = if to_owners { (1, 2) } else { (3, 0) };
         assert_eq!(
             calls(graph, "tessera::all_reduce"),
-            (3, 3),
+            (all_reduces, all_reduces),
             "rank {r}:\n{graph}"
+        );
+        assert_eq!(
+            calls(graph, "tessera::reduce\""),
+            (reduces, reduces),
+            "rank {r}"
         );
         let broadcasts = if zero { (2, 2) } else { (0, 0) };
         assert_eq!(calls(graph, "tessera::broadcast"), broadcasts, "rank {r}");
@@ -282,7 +301,7 @@ fn data_parallel_matches_one_rank(zero: bool, clip: Option<f64>) {
         // reduction, unless clipping makes every update wait for the last.
         let order = match (zero, clip) {
             (false, _) => "R R R",
-            (true, None) => "R R B R B",
+            (true, None) => "R D B D B",
             (true, Some(_)) => "R R R B B",
         };
         assert_eq!(collective_order(graph), order, "rank {r}:\n{graph}");

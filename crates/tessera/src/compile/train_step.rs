@@ -112,10 +112,12 @@
 //!   ZeRO-1 each rank updates only the parameters it owns (whole buckets,
 //!   [`bucket_owners`]), keeps an empty state for the others and
 //!   broadcasts its new values on the same stream: without clipping or a
-//!   scaler right after each bucket's reduction (one chain of calls:
-//!   bucket b's all-reduce, its owner's broadcast, bucket b + 1's …), so
-//!   that the broadcasts overlap the backward too; otherwise after the
-//!   last bucket.
+//!   scaler each bucket is reduced to its owner alone (`reduce`, not
+//!   `all_reduce`: with the broadcast, one all-reduce's traffic), updated
+//!   and broadcast right after (one chain of calls: bucket b's reduce, its
+//!   owner's broadcast, bucket b + 1's …), so that the broadcasts overlap
+//!   the backward too; otherwise every bucket is all-reduced and the
+//!   broadcasts follow the last.
 //!   Before the first step the parameters are broadcast from rank 0.
 //!
 //! Parameters without a gradient in the traced step (unused by the loss)
@@ -1057,7 +1059,8 @@ fn step_graph<O: TraceableOptimizer>(
                         let optimizer = lock(&shared.optimizer);
                         bucket.update_and_broadcast(&*optimizer, present, grads, after, &mut early)
                     };
-                    no_grad(|| reduced(dp, loss, grads, Some(&mut after_bucket)))?
+                    let hook = Some((owner.as_slice(), &mut after_bucket as &mut AfterBucket<'_>));
+                    no_grad(|| reduced(dp, loss, grads, hook))?
                 }
                 _ => no_grad(|| reduced(dp, loss, grads, None))?,
             };
@@ -1243,16 +1246,18 @@ fn unowned_state(state: &Tensor) -> Tensor {
 /// exist, beside the rest of the backward. Also the last call's first
 /// output, which the step's next collective follows.
 ///
-/// `after_bucket`, when given, is traced right after each bucket's
-/// reduction (the bucket's present parameters, the gradients so far and
-/// that reduction's first output) and returns the collective the next
-/// bucket's follows.
+/// With a sharded optimizer's `owner`s and `after_bucket` (traced right
+/// after each bucket's reduction, given the bucket's present parameters,
+/// the gradients so far and that reduction's first output, returning the
+/// collective the next bucket's follows), a bucket of one owner is reduced
+/// to that owner alone (`reduce`: half an all-reduce's traffic; the other
+/// ranks keep their own gradients, which they do not use).
 #[allow(clippy::type_complexity)]
 fn reduced(
     dp: &DataParallel,
     loss: Tensor,
     mut grads: Vec<Option<Tensor>>,
-    mut after_bucket: Option<&mut AfterBucket<'_>>,
+    mut sharded: Option<(&[usize], &mut AfterBucket<'_>)>,
 ) -> Result<(Tensor, Vec<Option<Tensor>>, Tensor)> {
     let sizes: Vec<usize> = grads
         .iter()
@@ -1277,14 +1282,21 @@ fn reduced(
                 continue;
             }
             let args: Vec<&Tensor> = present.iter().filter_map(|&i| grads[i].as_ref()).collect();
+            let kind = match sharded.as_ref().and_then(|(o, _)| one_owner(o, &present)) {
+                Some(root) => Kind::Reduce {
+                    op: ReduceOp::Avg,
+                    root,
+                },
+                None => avg,
+            };
             let out = dp
                 .group
-                .collective_after(avg, TAG_BUCKETS + b as u64, &args, &[&last])?;
+                .collective_after(kind, TAG_BUCKETS + b as u64, &args, &[&last])?;
             last = out[0].clone();
             for (&i, g) in present.iter().zip(out) {
                 grads[i] = Some(g);
             }
-            if let Some(f) = after_bucket.as_mut() {
+            if let Some((_, f)) = sharded.as_mut() {
                 last = f(&present, &grads, last)?;
             }
         }
@@ -1292,6 +1304,12 @@ fn reduced(
     };
     let (loss, last) = on_comm_stream(dp, run)?;
     Ok((loss, grads, last))
+}
+
+/// The rank owning every parameter of `bucket`, if one does.
+fn one_owner(owner: &[usize], bucket: &[usize]) -> Option<usize> {
+    let first = owner[*bucket.first()?];
+    bucket.iter().all(|&i| owner[i] == first).then_some(first)
 }
 
 /// `f` traced under `dp`'s stream hint (the communication stream), or

@@ -138,6 +138,13 @@ impl ProcessGroup {
     pub fn broadcast(&self, tensors: &[&Tensor], root: usize) -> Result<Vec<Tensor>> {
         self.collective(Kind::Broadcast { root }, 0, tensors)
     }
+
+    /// On `root` each output the sum (mean) of its input over the ranks;
+    /// on the other ranks each output its own input.
+    #[track_caller]
+    pub fn reduce(&self, tensors: &[&Tensor], op: ReduceOp, root: usize) -> Result<Vec<Tensor>> {
+        self.collective(Kind::Reduce { op, root }, 0, tensors)
+    }
 }
 
 /// Runs `f` on `world` threads, rank r's with its handle on a new

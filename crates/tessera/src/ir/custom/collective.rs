@@ -22,7 +22,11 @@
 //!   rank's block of the reduced tensor;
 //! - `tessera::all_gather`: input `[k, …]` → `[world·k, …]`, the ranks'
 //!   inputs in rank order;
-//! - `tessera::broadcast {root}`: every output the root's input.
+//! - `tessera::broadcast {root}`: every output the root's input;
+//! - `tessera::reduce {op, root}`: on the root each output the reduced
+//!   input (as `all_reduce`), on every other rank its own input (NCCL's
+//!   `ncclReduce` writes the root's only): what a sharded optimizer's
+//!   owner needs of a gradient bucket, at half an all-reduce's traffic.
 
 use std::sync::Arc;
 
@@ -38,9 +42,11 @@ pub const REDUCE_SCATTER: &str = "tessera::reduce_scatter";
 pub const ALL_GATHER: &str = "tessera::all_gather";
 /// The broadcast op's registered name.
 pub const BROADCAST: &str = "tessera::broadcast";
+/// The reduce (to one rank) op's registered name.
+pub const REDUCE: &str = "tessera::reduce";
 
-/// The four ops' names.
-pub const NAMES: [&str; 4] = [ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER, BROADCAST];
+/// The five ops' names.
+pub const NAMES: [&str; 5] = [ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER, BROADCAST, REDUCE];
 
 /// How a reducing collective combines the ranks' values.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -67,6 +73,7 @@ pub enum Kind {
     ReduceScatter(ReduceOp),
     AllGather,
     Broadcast { root: usize },
+    Reduce { op: ReduceOp, root: usize },
 }
 
 impl Kind {
@@ -76,6 +83,7 @@ impl Kind {
             Kind::ReduceScatter(_) => REDUCE_SCATTER,
             Kind::AllGather => ALL_GATHER,
             Kind::Broadcast { .. } => BROADCAST,
+            Kind::Reduce { .. } => REDUCE,
         }
     }
 }
@@ -109,6 +117,10 @@ impl Call {
             }
             Kind::AllGather => {}
             Kind::Broadcast { root } => {
+                a.insert("root".into(), root.into());
+            }
+            Kind::Reduce { op, root } => {
+                a.insert("op".into(), op.name().into());
                 a.insert("root".into(), root.into());
             }
         }
@@ -147,21 +159,26 @@ impl Call {
                 "rank {rank} is not in a group of {world}"
             ));
         }
+        let root = || -> Result<usize> {
+            let root = int("root")? as usize;
+            match root < world {
+                true => Ok(root),
+                false => Err(op_err!(
+                    Argument,
+                    name,
+                    "root {root} is not in a group of {world}"
+                )),
+            }
+        };
         let kind = match name {
             ALL_REDUCE => Kind::AllReduce(reduce()?),
             REDUCE_SCATTER => Kind::ReduceScatter(reduce()?),
             ALL_GATHER => Kind::AllGather,
-            BROADCAST => {
-                let root = int("root")? as usize;
-                if root >= world {
-                    return Err(op_err!(
-                        Argument,
-                        name,
-                        "root {root} is not in a group of {world}"
-                    ));
-                }
-                Kind::Broadcast { root }
-            }
+            BROADCAST => Kind::Broadcast { root: root()? },
+            REDUCE => Kind::Reduce {
+                op: reduce()?,
+                root: root()?,
+            },
             _ => return Err(op_err!(Argument, name, "is not a collective op")),
         };
         Ok(Call {
@@ -192,7 +209,7 @@ impl Call {
     }
 
     /// The kind of the backward call of op `name`'s kind (`None`: a
-    /// broadcast, which has no backward).
+    /// broadcast or a reduce, which have no backward).
     #[allow(clippy::type_complexity)]
     pub fn backward_kind_of(name: &str) -> Option<fn(Kind) -> Kind> {
         match name {
@@ -222,7 +239,7 @@ impl Call {
             ));
         }
         let reduced = match self.kind {
-            Kind::AllReduce(op) | Kind::ReduceScatter(op) => Some(op),
+            Kind::AllReduce(op) | Kind::ReduceScatter(op) | Kind::Reduce { op, .. } => Some(op),
             _ => None,
         };
         if reduced == Some(ReduceOp::Avg) && !t.dtype.is_float() {
@@ -245,7 +262,7 @@ impl Call {
             TensorType::new(t.dtype, Shape(dims))
         };
         match self.kind {
-            Kind::AllReduce(_) | Kind::Broadcast { .. } => Ok(t.clone()),
+            Kind::AllReduce(_) | Kind::Broadcast { .. } | Kind::Reduce { .. } => Ok(t.clone()),
             Kind::ReduceScatter(_) => {
                 let d = first(t)?;
                 d.div_exact(&world).map(with_first).ok_or_else(|| {
@@ -274,7 +291,7 @@ fn carried(dtype: DType) -> bool {
     dtype != DType::I64
 }
 
-/// The signatures of the four ops.
+/// The signatures of the five ops.
 pub(super) fn signatures() -> Vec<Signature> {
     NAMES
         .iter()
@@ -310,6 +327,10 @@ mod tests {
             Kind::ReduceScatter(ReduceOp::Sum),
             Kind::AllGather,
             Kind::Broadcast { root: 1 },
+            Kind::Reduce {
+                op: ReduceOp::Sum,
+                root: 0,
+            },
         ] {
             let c = call(kind);
             assert_eq!(Call::decode(kind.name(), &c.attrs()).unwrap(), c);
@@ -321,6 +342,14 @@ mod tests {
             err.to_string().contains("root 2 is not in a group of 2"),
             "{err}"
         );
+        let reduce = Kind::Reduce {
+            op: ReduceOp::Avg,
+            root: 1,
+        };
+        let mut no_op = call(reduce).attrs();
+        no_op.remove("op");
+        let err = Call::decode(REDUCE, &no_op).unwrap_err();
+        assert!(err.to_string().contains("needs an `op` attribute"), "{err}");
     }
 
     #[test]

@@ -336,6 +336,10 @@ fn outputs_of(call: &Call, all: &[Vec<Vec<f64>>], j: usize) -> Vec<f64> {
             .flat_map(|rank| rank[j].iter().copied())
             .collect(),
         Kind::Broadcast { root } => all[root][j].clone(),
+        Kind::Reduce { op, root } => match call.rank == root {
+            true => reduced(op),
+            false => all[call.rank][j].clone(),
+        },
     }
 }
 
