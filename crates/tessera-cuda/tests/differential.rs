@@ -945,7 +945,7 @@ fn devices_do_not_mix_and_memory_is_accounted() {
     };
     assert!(
         e.contains("out of memory")
-            && e.contains("asked for 70368744177664 bytes")
+            && e.contains("asked from the driver for 70368744177664 bytes")
             && e.contains("free"),
         "{e}"
     );
