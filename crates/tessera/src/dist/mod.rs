@@ -1,5 +1,6 @@
 //! Distributed execution: process groups and the collective ops they call
-//! (`tessera::all_reduce`, `reduce_scatter`, `all_gather`, `broadcast`:
+//! (`tessera::all_reduce`, `reduce_scatter`, `all_gather`, `broadcast`,
+//! `reduce`:
 //! IR ops like any other, traced, compiled and scheduled — see
 //! `ir::custom::collective` — whose kernels ask the group's
 //! [`Communicator`]).
