@@ -1038,8 +1038,8 @@ fn step_graph<O: TraceableOptimizer>(
     };
     let has_grad: Vec<bool> = grads.iter().map(Option::is_some).collect();
     let dp = lock(&shared.dp).clone();
-    // ZeRO-1 with plain updates: each bucket's owned parameters updated and
-    // broadcast right after its reduction (see `per_bucket_zero`).
+    // ZeRO-1 with plain updates: each bucket reduced to its owner, updated
+    // and broadcast right after (see `ZeroBucket`).
     let mut early: Vec<Option<(Tensor, Vec<Tensor>)>> = vec![None; n];
     // With data parallel: the last collective so far (the next follows it).
     let (loss, grads, chain) = match &dp {
