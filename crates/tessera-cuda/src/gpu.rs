@@ -88,6 +88,11 @@ pub struct Allocator {
 }
 
 impl Allocator {
+    /// The pool, locked.
+    fn pool(&self) -> std::sync::MutexGuard<'_, Pool> {
+        self.pool.lock().expect("pool poisoned")
+    }
+
     /// Gives external blocks back to their lender, outside the pool's lock
     /// (the lender may take locks of its own).
     fn give_back(&self, blocks: Vec<Block>) {
@@ -358,7 +363,7 @@ impl Gpu {
                 .map_err(|e| driver_error("stream wait", e))?;
             }
         }
-        self.alloc.pool.lock().expect("pool poisoned").blocks.fork();
+        self.alloc.pool().blocks.fork();
         self.forked.store(lanes, Ordering::Relaxed);
         self.lane.store(0, Ordering::Relaxed);
         Ok(())
@@ -394,7 +399,7 @@ impl Gpu {
                 result = Err(driver_error("joining the lanes", err));
             }
         }
-        let back = self.alloc.pool.lock().expect("pool poisoned").blocks.join();
+        let back = self.alloc.pool().blocks.join();
         self.alloc.give_back(back);
         result
     }
@@ -404,12 +409,7 @@ impl Gpu {
     /// their own.
     pub fn begin_capture(&self) -> Result<(), String> {
         self.bind();
-        self.alloc
-            .pool
-            .lock()
-            .expect("pool poisoned")
-            .blocks
-            .begin_capture();
+        self.alloc.pool().blocks.begin_capture();
         // Relaxed: allocating (cuMemAlloc) while capturing is allowed.
         let r = unsafe {
             cu::stream::begin_capture(
@@ -418,7 +418,7 @@ impl Gpu {
             )
         };
         r.map_err(|e| {
-            let mut pool = self.alloc.pool.lock().expect("pool poisoned");
+            let mut pool = self.alloc.pool();
             let blocks = pool.blocks.end_capture();
             let back = pool.blocks.put_all(blocks);
             pool.capture_uploads.clear();
@@ -436,7 +436,7 @@ impl Gpu {
         // SAFETY: the main stream is live; its capture began in begin_capture.
         let graph = unsafe { cu::stream::end_capture(self.streams[0].0) };
         let (blocks, uploads) = {
-            let mut pool = self.alloc.pool.lock().expect("pool poisoned");
+            let mut pool = self.alloc.pool();
             let blocks = pool.blocks.end_capture();
             (blocks, std::mem::take(&mut pool.capture_uploads))
         };
@@ -466,7 +466,7 @@ impl Gpu {
         self.bind();
         let cap = bytes.max(1).div_ceil(ROUND) * ROUND;
         let (cached, (lender, stream)) = {
-            let mut pool = self.alloc.pool.lock().expect("pool poisoned");
+            let mut pool = self.alloc.pool();
             (pool.blocks.get(cap), pool.blocks.lender())
         };
         let block = match cached {
@@ -565,13 +565,7 @@ impl Gpu {
                 }
             }
         }
-        let blocks = self
-            .alloc
-            .pool
-            .lock()
-            .expect("pool poisoned")
-            .blocks
-            .drain();
+        let blocks = self.alloc.pool().blocks.drain();
         self.free_idle(blocks);
     }
 
@@ -601,13 +595,7 @@ impl Gpu {
     /// the cached blocks are freed (the device idle first). Blocks alive
     /// now go back to where they came from when freed.
     pub fn set_external(&self, external: Option<Arc<dyn ExternalAllocator>>) {
-        let blocks = self
-            .alloc
-            .pool
-            .lock()
-            .expect("pool poisoned")
-            .blocks
-            .set_external(external);
+        let blocks = self.alloc.pool().blocks.set_external(external);
         self.free_idle(blocks);
     }
 
@@ -630,12 +618,7 @@ impl Gpu {
             )
             .map_err(|e| driver_error("stream wait", e))?;
         }
-        self.alloc
-            .pool
-            .lock()
-            .expect("pool poisoned")
-            .blocks
-            .enter(stream);
+        self.alloc.pool().blocks.enter(stream);
         Ok(())
     }
 
@@ -667,20 +650,14 @@ impl Gpu {
             // Not ordered: the blocks go back only once the device is idle.
             let _ = cu::ctx::synchronize();
         }
-        let back = self
-            .alloc
-            .pool
-            .lock()
-            .expect("pool poisoned")
-            .blocks
-            .leave();
+        let back = self.alloc.pool().blocks.leave();
         self.alloc.give_back(back);
         waited
     }
 
     /// The allocator's counters now.
     pub fn allocator_stats(&self) -> AllocatorStats {
-        let pool = self.alloc.pool.lock().expect("pool poisoned");
+        let pool = self.alloc.pool();
         AllocatorStats {
             live_bytes: self.alloc.live.load(Ordering::Relaxed),
             peak_bytes: self.alloc.peak.load(Ordering::Relaxed),
@@ -734,7 +711,7 @@ impl Gpu {
         // While capturing, the copy is recorded, not run: its node reads
         // the source on every replay, long after `bytes` is gone (a
         // constant, a host scalar). It reads a pinned copy the graph owns.
-        let mut pool = self.alloc.pool.lock().expect("pool poisoned");
+        let mut pool = self.alloc.pool();
         if pool.blocks.capturing() {
             let pinned = PinnedBytes::copy_of(bytes)?;
             let r = unsafe {
@@ -776,12 +753,7 @@ impl Gpu {
 
     /// Whether a capture is recording (see [`Gpu::begin_capture`]).
     fn capturing(&self) -> bool {
-        self.alloc
-            .pool
-            .lock()
-            .expect("pool poisoned")
-            .blocks
-            .capturing()
+        self.alloc.pool().blocks.capturing()
     }
 
     /// An event for a copy in flight (from the reused ones).
