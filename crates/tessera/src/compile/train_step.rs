@@ -1047,15 +1047,16 @@ fn step_graph<O: TraceableOptimizer>(
             let plain = layout.max_grad_norm.is_none() && scaler.is_none();
             let (loss, grads, last) = match (&layout.owner, plain) {
                 (Some(owner), true) => {
+                    let mut bucket = ZeroBucket {
+                        dp,
+                        owner,
+                        layout: &layout,
+                        scalars,
+                        values,
+                        states,
+                        current: values.to_vec(),
+                    };
                     let mut after_bucket = |present: &[usize], grads: &[Option<Tensor>], after| {
-                        let bucket = ZeroBucket {
-                            dp,
-                            owner,
-                            layout: &layout,
-                            scalars,
-                            values,
-                            states,
-                        };
                         let optimizer = lock(&shared.optimizer);
                         bucket.update_and_broadcast(&*optimizer, present, grads, after, &mut early)
                     };
@@ -1404,6 +1405,10 @@ struct ZeroBucket<'s> {
     scalars: &'s [Tensor],
     values: &'s [Tensor],
     states: &'s [Tensor],
+    /// Each parameter's latest value: the old one until its bucket is
+    /// updated and broadcast (what the broadcasts read and write, kept
+    /// from bucket to bucket).
+    current: Vec<Tensor>,
 }
 
 impl ZeroBucket<'_> {
@@ -1411,7 +1416,7 @@ impl ZeroBucket<'_> {
     /// gradient), putting each one's new value and state in `done`; the
     /// last broadcast's first output.
     fn update_and_broadcast<O: TraceableOptimizer>(
-        &self,
+        &mut self,
         optimizer: &O,
         present: &[usize],
         grads: &[Option<Tensor>],
@@ -1420,7 +1425,6 @@ impl ZeroBucket<'_> {
     ) -> Result<Tensor> {
         let rank = self.dp.group.rank();
         let len = self.layout.state_len;
-        let mut new_values: Vec<Tensor> = self.values.to_vec();
         let mut new_states: Vec<Vec<Tensor>> = Vec::with_capacity(present.len());
         for &i in present {
             let state = &self.states[i * len..(i + 1) * len];
@@ -1431,7 +1435,7 @@ impl ZeroBucket<'_> {
                     let (next, next_state) = autocast::disabled(|| {
                         optimizer.update(&self.values[i], grad, state, scalars)
                     })?;
-                    new_values[i] = next;
+                    self.current[i] = next;
                     next_state
                 }
                 // Another rank's: its empty state passes through.
@@ -1439,9 +1443,9 @@ impl ZeroBucket<'_> {
             };
             new_states.push(next_state);
         }
-        let last = broadcast_from_owners(self.dp, self.owner, present, &mut new_values, after)?;
+        let last = broadcast_from_owners(self.dp, self.owner, present, &mut self.current, after)?;
         for (&i, state) in present.iter().zip(new_states) {
-            done[i] = Some((new_values[i].clone(), state));
+            done[i] = Some((self.current[i].clone(), state));
         }
         Ok(last)
     }
