@@ -31,6 +31,7 @@ Prints one JSON line with the fields `tessera bench resnet` prints.
 import argparse
 import json
 import os
+import sys
 import time
 
 import torch
@@ -108,6 +109,19 @@ class ResNet(nn.Module):
         return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
 
 
+def profile(run, device):
+    """The device (or CPU) time by kernel over 3 steps, largest first."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with torch_profile(activities=acts) as prof:
+        for _ in range(3):
+            run()
+    key = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
+    print(prof.key_averages().table(sort_by=key, row_limit=40, max_name_column_width=90), file=sys.stderr)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--depth", type=int, default=50)
@@ -122,6 +136,11 @@ def main():
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--dtype", choices=list(DTYPES), default="f32")
     p.add_argument("--mode", choices=["eager", "compile", "reduce-overhead"], default="eager")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="after the timed steps, the device time by kernel of 3 more (torch.profiler) to stderr",
+    )
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     torch.manual_seed(a.seed)
@@ -165,6 +184,8 @@ def main():
             times.append(ms)
     times.sort()
     med = times[len(times) // 2]
+    if a.profile:
+        profile(run, a.device)
     print(
         json.dumps(
             {

@@ -53,6 +53,10 @@ pub struct SeedRow {
     /// Peak bytes during one forward+backward step beyond the inputs, the
     /// output and the three gradients, in MiB.
     pub working_mb: f64,
+    /// Peak bytes of offloaded values in host memory during that step
+    /// (the backend's pinned pool; the CPU's separately accounted host
+    /// pool), in MiB: 0 unless a scenario offloads.
+    pub host_mb: f64,
     pub ms_median: f64,
     /// Milliseconds spent compiling (0 for eager scenarios).
     pub compile_ms: f64,
@@ -203,6 +207,7 @@ fn measure(
     drop(first);
     let mut times = Vec::with_capacity(reps);
     let mut working = 0.0;
+    let mut host = 0.0;
     for _ in 0..reps.max(1) {
         device::synchronize(on)?;
         let before = device::memory_stats(on)?.live_bytes;
@@ -214,6 +219,7 @@ fn measure(
         let peak = device::memory_stats(on)?.peak_bytes;
         let kept = 4 * problem.bytes(); // the output and three gradients
         working = peak.saturating_sub(before).saturating_sub(kept) as f64 / (1 << 20) as f64;
+        host = device::host_memory_stats(on)?.peak_bytes as f64 / (1 << 20) as f64;
         drop(results);
     }
     times.sort_by(f64::total_cmp);
@@ -221,6 +227,7 @@ fn measure(
     Ok(SeedRow {
         scenario: name.to_string(),
         working_mb: working,
+        host_mb: host,
         ms_median: times[times.len() / 2],
         compile_ms: (s.compile_seconds) * 1e3,
         max_abs_err,
@@ -242,6 +249,10 @@ enum Run {
     /// The naive `sdpa` compiled under [`SEED_HINT`] with a `slice` of
     /// one part per batch×head: the compiler slices it (issue 20).
     SliceHinted,
+    /// The hand-sliced `sdpa` compiled under [`SEED_HINT`] with `offload`:
+    /// the saved probabilities wait for the backward in host memory
+    /// instead of being recomputed (issue 20).
+    Offloaded,
     /// `scaled_dot_product_attention` (the flash attention op), eagerly.
     FlashEager,
 }
@@ -255,7 +266,7 @@ enum Slices {
 
 /// The scenarios, in the table's order. The first five are issue 5's and
 /// run without the attention pass; the next two turn it on.
-const RUNS: [(&str, Run); 9] = [
+const RUNS: [(&str, Run); 10] = [
     (
         "naive eager",
         Run::Eager {
@@ -309,12 +320,13 @@ const RUNS: [(&str, Run); 9] = [
         },
     ),
     ("naive code + slice hint (compiled)", Run::SliceHinted),
+    ("hinted sliced graph + offload (compiled)", Run::Offloaded),
     ("flash attention op (eager)", Run::FlashEager),
 ];
 
 /// The scenarios' names, in the table's order.
-pub const SCENARIOS: [&str; 9] = {
-    let mut names = [""; 9];
+pub const SCENARIOS: [&str; 10] = {
+    let mut names = [""; 10];
     let mut i = 0;
     while i < RUNS.len() {
         names[i] = RUNS[i].0;
@@ -348,6 +360,23 @@ fn slice_hinted_fn(causal: bool, parts: usize) -> Forward {
     Box::new(move |x: &[Tensor]| {
         let out = hints::scope(&hint, || sdpa(&x[0], &x[1], &x[2], causal, 1));
         vec![out.expect("the slice hint is valid")]
+    })
+}
+
+/// [`SEED_HINT`] with `offload`: the region's saved values go to host
+/// memory after their last forward use and come back for the backward.
+pub fn offload_hint() -> String {
+    hints::Hint::parse(SEED_HINT)
+        .expect("the seed hint is valid")
+        .offload(true)
+        .to_json()
+}
+
+fn offloaded_fn(causal: bool, slices: usize) -> Forward {
+    let hint = offload_hint();
+    Box::new(move |x: &[Tensor]| {
+        let out = hints::scope(&hint, || sdpa(&x[0], &x[1], &x[2], causal, slices));
+        vec![out.expect("the offload hint is valid")]
     })
 }
 
@@ -389,6 +418,10 @@ pub fn run(config: &SeedConfig, mut progress: impl FnMut(usize, &str)) -> Result
             ),
             Run::SliceHinted => {
                 let forward = slice_hinted_fn(config.causal, count(Slices::PerHead));
+                measure_compiled(name, forward, false, &problem, config.reps)
+            }
+            Run::Offloaded => {
+                let forward = offloaded_fn(config.causal, count(Slices::PerHead));
                 measure_compiled(name, forward, false, &problem, config.reps)
             }
             Run::FlashEager => measure(

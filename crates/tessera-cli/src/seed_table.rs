@@ -98,17 +98,17 @@ fn print_table(config: &SeedConfig, rows: &[SeedRow]) {
         config.reps
     );
     println!(
-        "| {:<40} | {:>12} | {:>10} | {:>11} | {:>11} |",
-        "scenario", "working MB", "ms", "compile ms", "max |err|"
+        "| {:<40} | {:>12} | {:>8} | {:>10} | {:>11} | {:>11} |",
+        "scenario", "working MB", "host MB", "ms", "compile ms", "max |err|"
     );
     println!(
-        "|{:-<42}|{:->14}|{:->12}|{:->13}|{:->13}|",
-        "", "", "", "", ""
+        "|{:-<42}|{:->14}|{:->10}|{:->12}|{:->13}|{:->13}|",
+        "", "", "", "", "", ""
     );
     for r in rows {
         println!(
-            "| {:<40} | {:>12.1} | {:>10.2} | {:>11.1} | {:>11.2e} |",
-            r.scenario, r.working_mb, r.ms_median, r.compile_ms, r.max_abs_err
+            "| {:<40} | {:>12.1} | {:>8.1} | {:>10.2} | {:>11.1} | {:>11.2e} |",
+            r.scenario, r.working_mb, r.host_mb, r.ms_median, r.compile_ms, r.max_abs_err
         );
     }
 }

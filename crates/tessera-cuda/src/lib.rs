@@ -323,6 +323,10 @@ impl Backend for CudaBackend {
         }
     }
 
+    fn host_memory_stats(&self) -> MemoryStats {
+        CudaBackend::host_memory_stats(self)
+    }
+
     fn empty_cache(&self) {
         self.gpu.empty_cache()
     }

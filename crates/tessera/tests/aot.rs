@@ -600,3 +600,60 @@ fn a_strict_hint_recomputes_the_region_in_the_backward() {
         }
     }
 }
+
+/// A saved view (reshape, permute, expand, slice) of another saved value or
+/// of an input shares that value's buffer: the backward makes it again from
+/// its base instead, so that every saved activation is a buffer of its own
+/// and an `offload` hint can move each one (the seed's sliced attention
+/// used to save each slice's probabilities and their transpose, and
+/// offloaded neither).
+#[test]
+fn no_saved_value_is_a_view_of_another_and_offload_moves_every_one() {
+    let offload = tessera_apps::seed_table::offload_hint();
+    let mut g = Generator::new(11);
+    let inputs = vec![
+        ("q", randn(&[2, 2, 5, 4], &mut g)),
+        ("k", randn(&[2, 2, 5, 4], &mut g)),
+        ("v", randn(&[2, 2, 5, 3], &mut g)),
+    ];
+    let offloaded = case("sdpa_sliced_offload", inputs, &[0, 1, 2], move |a| {
+        vec![hinted_sdpa(a, &offload)]
+    });
+    let by_name = |name: &str| cases().into_iter().find(|c| c.name == name).unwrap();
+    for partition in partitions() {
+        for case in [by_name("sdpa_sliced"), by_name("sdpa_sliced_causal")]
+            .iter()
+            .chain([&offloaded])
+        {
+            let (graph, _) = traced(case);
+            let aot = aot_autograd(&graph, &[0, 1, 2], partition).unwrap();
+            let fwd = &aot.forward;
+            let saved = &fwd.outputs[aot.num_outputs..];
+            let leaves: HashSet<_> = saved
+                .iter()
+                .map(|o| o.node)
+                .chain(fwd.inputs.iter().copied())
+                .collect();
+            for o in saved {
+                let node = fwd.node(o.node);
+                let view = matches!(
+                    node.op,
+                    Op::Reshape(_) | Op::Permute(_) | Op::Expand(_) | Op::Slice { .. }
+                );
+                assert!(
+                    !(view && leaves.contains(&node.inputs[0])),
+                    "{} ({partition:?}): {} is saved, a view of a saved value or input:\n{fwd}",
+                    case.name,
+                    o.name
+                );
+            }
+            if case.name == "sdpa_sliced_offload" {
+                assert!(!aot.offloadable.is_empty(), "{fwd}");
+                assert_eq!(
+                    aot.offloaded, aot.offloadable,
+                    "({partition:?}) every saved activation of the region goes to host memory:\n{fwd}"
+                );
+            }
+        }
+    }
+}

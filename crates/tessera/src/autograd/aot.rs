@@ -170,14 +170,14 @@ pub fn aot_autograd_choosing(
             )
         }
     };
-    let none = HashSet::new();
+    let views = views_of_saved(&joint.graph, &saved, n_out);
     let (mut saved, mut checkpointed) = checkpoint(
         &joint.graph,
         &split.forward,
         &split.needed_by_backward,
         &saved,
         n_out,
-        &none,
+        &views,
     );
     let mut chosen_offload: HashSet<NodeId> = HashSet::new();
     let mut recomputed_by_cost = 0;
@@ -211,8 +211,9 @@ pub fn aot_autograd_choosing(
                 .map(|(c, _)| c.node)
                 .collect()
         };
-        let forced = chosen_as(SavedAs::Recompute);
+        let mut forced = chosen_as(SavedAs::Recompute);
         recomputed_by_cost = forced.len();
+        forced.extend(views.iter().copied());
         if !forced.is_empty() {
             let partitioned = saved.clone();
             (saved, checkpointed) = checkpoint(
@@ -282,8 +283,8 @@ pub fn aot_autograd_choosing(
         .collect();
     crate::logging::log("aot_graphs", || {
         format!(
-            "forward graph ({} saved, {saved_bytes} activation bytes; hints made {} values \
-             recompute, {} bytes not saved):\n{forward}\nbackward graph:\n{backward}",
+            "forward graph ({} saved, {saved_bytes} activation bytes; hints and views of \
+             saved values made {} values recompute, {} bytes not saved):\n{forward}\nbackward graph:\n{backward}",
             saved.len(),
             checkpointed.values,
             checkpointed.bytes,
@@ -300,6 +301,37 @@ pub fn aot_autograd_choosing(
         offloaded,
         recomputed_by_cost,
     })
+}
+
+/// The saved values that are views (reshape, permute, expand, slice), through
+/// a chain of views, of another saved value or of an input: the backward
+/// makes them again from their base instead. A view costs no arithmetic,
+/// and a saved view shares its base's buffer, so that neither could be
+/// offloaded alone (the memory plan moves whole buffers with one reader
+/// among the outputs); forward outputs stay as they are.
+fn views_of_saved(joint: &Graph, saved: &[NodeId], n_out: usize) -> HashSet<NodeId> {
+    let outputs: HashSet<NodeId> = joint.outputs[..n_out].iter().map(|o| o.node).collect();
+    let kept: HashSet<NodeId> = saved.iter().copied().collect();
+    let is_view = |id: NodeId| {
+        matches!(
+            joint.node(id).op,
+            Op::Reshape(_) | Op::Permute(_) | Op::Expand(_) | Op::Slice { .. }
+        )
+    };
+    let base_is_kept = |mut id: NodeId| loop {
+        id = joint.node(id).inputs[0];
+        if kept.contains(&id) || matches!(joint.node(id).op, Op::Input) {
+            return true;
+        }
+        if !is_view(id) {
+            return false;
+        }
+    };
+    saved
+        .iter()
+        .copied()
+        .filter(|&id| is_view(id) && !outputs.contains(&id) && base_is_kept(id))
+        .collect()
 }
 
 /// Whether saved value `id` may be recomputed (not an input, a custom op

@@ -318,6 +318,16 @@ pub trait Backend: Send + Sync {
 
     fn reset_peak(&self);
 
+    /// Bytes of offloaded values this backend keeps in host memory (its
+    /// pinned pool; the CPU's separately accounted host pool), now and the
+    /// most at once since the last [`Backend::reset_peak`]. None by default.
+    fn host_memory_stats(&self) -> MemoryStats {
+        MemoryStats {
+            live_bytes: 0,
+            peak_bytes: 0,
+        }
+    }
+
     /// Gives cached free blocks back to the driver.
     fn empty_cache(&self);
 
@@ -578,7 +588,13 @@ pub fn memory_stats(device: Device) -> Result<MemoryStats> {
     Ok(backend(device)?.memory_stats())
 }
 
-/// Starts a new peak measurement on `device`.
+/// Bytes of `device`'s offloaded values in host memory
+/// ([`Backend::host_memory_stats`]).
+pub fn host_memory_stats(device: Device) -> Result<MemoryStats> {
+    Ok(backend(device)?.host_memory_stats())
+}
+
+/// Starts a new peak measurement on `device` (its host pool's too).
 pub fn reset_peak(device: Device) -> Result<()> {
     backend(device)?.reset_peak();
     Ok(())

@@ -97,6 +97,10 @@ impl Backend for CpuBackend {
         super::reset_peak()
     }
 
+    fn host_memory_stats(&self) -> MemoryStats {
+        super::host_memory_stats()
+    }
+
     fn empty_cache(&self) {
         super::empty_cache()
     }
