@@ -657,3 +657,66 @@ fn no_saved_value_is_a_view_of_another_and_offload_moves_every_one() {
         }
     }
 }
+
+/// Slices of an input itself (the `slice` hint's pass slices the function's
+/// inputs): their gradients are joined by one `cat`, as slices of an inner
+/// value are, not padded with zeros to full size each and summed — with
+/// 256 slices that was 256 full-size adds in the backward. Eager `backward`
+/// and `grad` give the same gradient.
+#[test]
+fn slices_of_an_input_get_one_cat_in_the_backward() {
+    let mut g = Generator::new(5);
+    let x = randn(&[8, 3], &mut g);
+    let w = randn(&[8, 3], &mut g);
+    let f = |x: &Tensor, w: &Tensor| -> Tensor {
+        let pieces: Vec<Tensor> = x
+            .tensor_split(4, 0)
+            .iter()
+            .enumerate()
+            .map(|(i, p)| (p * (i as f64 + 1.0)).tanh())
+            .collect();
+        let refs: Vec<&Tensor> = pieces.iter().collect();
+        (Tensor::cat(&refs, 0) * w).sum(&[], false)
+    };
+    let wc = w.clone();
+    let sliced = case("input_slices", vec![("x", x.clone())], &[0], move |a| {
+        vec![f(&a[0], &wc)]
+    });
+    let (graph, _) = traced(&sliced);
+    let aot = aot_autograd(&graph, &[0], Partition::SaveAll).unwrap();
+    let bwd = &aot.backward;
+    let count = |name: &str| bwd.nodes.iter().filter(|n| n.op.name() == name).count();
+    assert_eq!(
+        count("cat"),
+        1,
+        "one cat joins the slices' gradients:\n{bwd}"
+    );
+    assert_eq!(count("add"), 0, "no padded gradients summed:\n{bwd}");
+    // The same gradient eagerly, through `backward` (leaves) and `grad`.
+    let leaf = x.clone().set_requires_grad(true);
+    let y = f(&leaf, &w);
+    let by_grad = grad(
+        &[y.clone()],
+        &[Tensor::ones(&[], DType::F64)],
+        &[leaf.clone()],
+    )
+    .unwrap()
+    .remove(0)
+    .unwrap();
+    y.backward();
+    let by_backward = leaf.grad().unwrap();
+    let xs = x.to_f64_vec();
+    let ws = w.to_f64_vec();
+    let want: Vec<f64> = (0..24)
+        .map(|i| {
+            let k = (i / 6) as f64 + 1.0;
+            let t = (xs[i] * k).tanh();
+            ws[i] * k * (1.0 - t * t)
+        })
+        .collect();
+    for got in [by_grad.to_f64_vec(), by_backward.to_f64_vec()] {
+        for (a, b) in got.iter().zip(&want) {
+            assert!((a - b).abs() <= TOL * (1.0 + b.abs()), "{a} vs {b}");
+        }
+    }
+}

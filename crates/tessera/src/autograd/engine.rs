@@ -138,7 +138,8 @@ impl Tensor {
             let nodes = reverse_topological(roots);
             check_unused(&nodes).map_err(|e| e.at(at.clone()))?;
             let release = (!retain_graph).then_some(&at);
-            backward_mode(|| propagate(roots, &nodes, vec![seed], &mut Sink::Leaves, release))
+            let mut sink = Sink::new(SinkKind::Leaves);
+            backward_mode(|| propagate(roots, &nodes, vec![seed], &mut sink, release))
                 .map_err(|e| e.at(at.clone()))?;
             if !retain_graph {
                 for node in &nodes {
@@ -265,21 +266,88 @@ fn slot_of(t: &Tensor) -> Option<Slot> {
 
 /// Where gradients end up: accumulated into leaves (`backward`), or
 /// returned for chosen tensors (`grad`).
-enum Sink {
+enum SinkKind {
     Leaves,
     Capture(HashMap<Slot, usize>, Vec<Option<Tensor>>),
 }
 
+/// A leaf's gradient that arrived as slice pieces, and the origin (line and
+/// hints) of the backward that sent the last piece.
+struct SlicedLeaf {
+    leaf: Tensor,
+    /// Taken only while a new piece is added.
+    grad: Option<Partial>,
+    origin: Option<crate::ir::NodeMeta>,
+}
+
+/// The gradients' destination ([`SinkKind`]) and the leaves' gradients
+/// that arrive in slice pieces: a leaf sliced along a dim (the `slice`
+/// hint's pass slices the function's inputs themselves) gets its pieces
+/// joined by one `cat` once the walk is done ([`Sink::finish`]) instead of
+/// one zero-padded full-size gradient per slice, summed.
+struct Sink {
+    kind: SinkKind,
+    /// In the order the leaves' first pieces came (one order for every
+    /// run: a traced backward is the same graph each time).
+    sliced: Vec<(Slot, SlicedLeaf)>,
+}
+
 impl Sink {
-    fn leaf(&mut self, leaf: &Tensor, g: Tensor) -> Result<()> {
-        match self {
-            Sink::Leaves => accumulate_leaf(leaf, g),
-            Sink::Capture(..) => self.capture(slot_of(leaf), &g),
+    fn new(kind: SinkKind) -> Sink {
+        Sink {
+            kind,
+            sliced: Vec::new(),
         }
     }
 
+    fn leaf(&mut self, leaf: &Tensor, g: Partial) -> Result<()> {
+        let g = match (g, slot_of(leaf)) {
+            (g @ Partial::Slices { .. }, Some(slot)) => {
+                let origin = trace::current_origin();
+                match self.sliced.iter().position(|(s, _)| *s == slot) {
+                    Some(i) => {
+                        let entry = &mut self.sliced[i].1;
+                        let prev = entry.grad.take().expect("a sliced leaf's gradient");
+                        entry.grad = Some(prev.add(g)?);
+                        entry.origin = origin;
+                    }
+                    None => {
+                        let leaf = leaf.clone();
+                        let grad = Some(g);
+                        self.sliced.push((slot, SlicedLeaf { leaf, grad, origin }));
+                    }
+                }
+                return Ok(());
+            }
+            (g, _) => g.dense()?,
+        };
+        self.leaf_dense(leaf, g)
+    }
+
+    fn leaf_dense(&mut self, leaf: &Tensor, g: Tensor) -> Result<()> {
+        match self.kind {
+            SinkKind::Leaves => accumulate_leaf(leaf, g),
+            SinkKind::Capture(..) => self.capture(slot_of(leaf), &g),
+        }
+    }
+
+    /// Joins the sliced leaves' pieces and delivers them (the join and a
+    /// sum with a gradient delivered before belong to the backward of
+    /// their last piece: its line and hints).
+    fn finish(&mut self) -> Result<()> {
+        for (_, s) in std::mem::take(&mut self.sliced) {
+            let grad = s.grad.expect("a sliced leaf's gradient");
+            let mut deliver = || self.leaf_dense(&s.leaf, grad.dense()?);
+            match &s.origin {
+                Some(origin) => trace::with_origin(origin, deliver)?,
+                None => deliver()?,
+            }
+        }
+        Ok(())
+    }
+
     fn capture(&mut self, slot: Option<Slot>, g: &Tensor) -> Result<()> {
-        if let (Sink::Capture(targets, results), Some(slot)) = (self, slot) {
+        if let (SinkKind::Capture(targets, results), Some(slot)) = (&mut self.kind, slot) {
             if let Some(&i) = targets.get(&slot) {
                 results[i] = Some(match results[i].take() {
                     Some(prev) => prev.try_add(g)?,
@@ -388,7 +456,7 @@ impl Pending {
 /// Sends `g` to where `t`'s gradient goes.
 fn route(t: &Tensor, g: Partial, pending: &mut Pending, sink: &mut Sink) -> Result<()> {
     match t.grad_fn() {
-        None => sink.leaf(t, g.dense()?),
+        None => sink.leaf(t, g),
         Some((node, i)) => pending.add(node, *i, g),
     }
 }
@@ -479,7 +547,7 @@ fn propagate(
             Ok(())
         })?;
     }
-    Ok(())
+    sink.finish()
 }
 
 /// After `node`'s backward: its recomputed output goes (the nodes that
@@ -525,7 +593,7 @@ pub fn grad(
         .enumerate()
         .filter_map(|(i, t)| Some((slot_of(t)?, i)))
         .collect();
-    let mut sink = Sink::Capture(targets, vec![None; inputs.len()]);
+    let mut sink = Sink::new(SinkKind::Capture(targets, vec![None; inputs.len()]));
     // Like PyTorch's `grad(…, retain_graph=True)`: the graph stays usable,
     // unless a backward already used it.
     let order = reverse_topological(outputs);
@@ -535,9 +603,9 @@ pub fn grad(
         backward_mode(|| propagate(outputs, &order, seeds, &mut sink, None))
     })
     .map_err(|e| e.at(at))?;
-    match sink {
-        Sink::Capture(_, results) => Ok(results),
-        Sink::Leaves => unreachable!("grad always captures"),
+    match sink.kind {
+        SinkKind::Capture(_, results) => Ok(results),
+        SinkKind::Leaves => unreachable!("grad always captures"),
     }
 }
 

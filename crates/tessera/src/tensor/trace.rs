@@ -123,6 +123,11 @@ thread_local! {
     static ORIGIN: RefCell<Option<NodeMeta>> = const { RefCell::new(None) };
 }
 
+/// The origin ops are attributed to now ([`with_origin`]), if any.
+pub(crate) fn current_origin() -> Option<NodeMeta> {
+    ORIGIN.with(|o| o.borrow().clone())
+}
+
 /// Runs `f` with the ops it creates attributed to `origin` (its call site and
 /// hints; not its name): a replayed graph node keeps the user's line, and the
 /// backward ops of a forward op point at that op's line and inherit its hints.
