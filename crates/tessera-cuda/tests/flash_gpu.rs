@@ -14,22 +14,30 @@ use tessera_cuda::flash::{
     FwdPtrs, Queue, WgFwd,
 };
 
+/// One context for the whole test process: the flash launcher keeps the
+/// modules it loads for the process, and a context dropped between two
+/// tests releases the primary context and those modules with it (the next
+/// test's launches then fail with CUDA_ERROR_INVALID_HANDLE).
 fn gpu() -> Option<(Arc<CudaContext>, Arc<CudaStream>)> {
-    // SAFETY: only tries to open the library.
-    if !unsafe { cudarc::driver::sys::is_culib_present() } {
-        println!("skipped: no CUDA driver library");
-        return None;
-    }
-    match CudaContext::new(0) {
-        Ok(ctx) => {
-            let stream = ctx.default_stream();
-            Some((ctx, stream))
-        }
-        Err(e) => {
-            println!("skipped: no GPU ({e:?})");
-            None
-        }
-    }
+    static CONTEXT: std::sync::OnceLock<Option<Arc<CudaContext>>> = std::sync::OnceLock::new();
+    let ctx = CONTEXT
+        .get_or_init(|| {
+            // SAFETY: only tries to open the library.
+            if !unsafe { cudarc::driver::sys::is_culib_present() } {
+                println!("skipped: no CUDA driver library");
+                return None;
+            }
+            match CudaContext::new(0) {
+                Ok(ctx) => Some(ctx),
+                Err(e) => {
+                    println!("skipped: no GPU ({e:?})");
+                    None
+                }
+            }
+        })
+        .clone()?;
+    let stream = ctx.default_stream();
+    Some((ctx, stream))
 }
 
 /// Deterministic standard-normal-ish values (sum of uniforms), different per seed.

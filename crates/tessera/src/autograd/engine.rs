@@ -337,7 +337,7 @@ impl Sink {
     fn finish(&mut self) -> Result<()> {
         for (_, s) in std::mem::take(&mut self.sliced) {
             let grad = s.grad.expect("a sliced leaf's gradient");
-            let mut deliver = || self.leaf_dense(&s.leaf, grad.dense()?);
+            let deliver = || self.leaf_dense(&s.leaf, grad.dense()?);
             match &s.origin {
                 Some(origin) => trace::with_origin(origin, deliver)?,
                 None => deliver()?,
