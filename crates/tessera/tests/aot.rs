@@ -696,9 +696,9 @@ fn slices_of_an_input_get_one_cat_in_the_backward() {
     let leaf = x.clone().set_requires_grad(true);
     let y = f(&leaf, &w);
     let by_grad = grad(
-        &[y.clone()],
+        std::slice::from_ref(&y),
         &[Tensor::ones(&[], DType::F64)],
-        &[leaf.clone()],
+        std::slice::from_ref(&leaf),
     )
     .unwrap()
     .remove(0)
